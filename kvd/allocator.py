@@ -1,0 +1,70 @@
+"""Extent allocator over a fixed byte range (the host arena).
+
+``alloc(size)`` returns an offset aligned to ``align`` or None when no free
+extent is large enough (the caller evicts and retries); ``free`` returns an
+extent and merges it with its free neighbours. Freed extents are kept in
+exact-size free lists, so with one chunk size per daemon — the usual case —
+allocation is O(1) slot reuse; mixed sizes fall back to the smallest free
+extent that fits. Never hands out a byte twice, never exceeds capacity.
+"""
+
+from __future__ import annotations
+
+
+class ExtentAllocator:
+    def __init__(self, capacity: int, align: int = 256):
+        self.align = align
+        self.capacity = capacity - capacity % align
+        self.used = 0
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self._by_size: dict[int, set[int]] = {}
+        if self.capacity:
+            self._add(0, self.capacity)
+
+    def rounded(self, size: int) -> int:
+        return -(-size // self.align) * self.align
+
+    def _add(self, start: int, size: int) -> None:
+        self._by_start[start] = size
+        self._by_end[start + size] = start
+        self._by_size.setdefault(size, set()).add(start)
+
+    def _remove(self, start: int) -> int:
+        size = self._by_start.pop(start)
+        del self._by_end[start + size]
+        starts = self._by_size[size]
+        starts.discard(start)
+        if not starts:
+            del self._by_size[size]
+        return size
+
+    def alloc(self, size: int) -> int | None:
+        size = self.rounded(max(size, 1))
+        if size in self._by_size:
+            fit = size
+        else:
+            fit = min((s for s in self._by_size if s > size), default=None)
+            if fit is None:
+                return None
+        start = next(iter(self._by_size[fit]))
+        self._remove(start)
+        if fit > size:
+            self._add(start + size, fit - size)
+        self.used += size
+        return start
+
+    def free(self, start: int, size: int) -> None:
+        size = self.rounded(max(size, 1))
+        self.used -= size
+        end = start + size
+        if end in self._by_start:
+            size += self._remove(end)
+        if start in self._by_end:
+            prev = self._by_end[start]
+            size += self._remove(prev)
+            start = prev
+        self._add(start, size)
+
+    def largest_free(self) -> int:
+        return max(self._by_size, default=0)

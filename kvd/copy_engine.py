@@ -1,0 +1,50 @@
+"""The copy engine interface every backend implements.
+
+``open_pool(buffers, layout)`` maps an engine's KV buffers (validated:
+kinds, sizes, every byte the layout can reach) and returns an opaque pool;
+``close_pool(pool)`` unmaps it and is called only after the pool's copies
+completed. ``gather(plan)`` copies engine pages into arena shards and
+``scatter(plan)`` copies arena shards into engine pages; both return at
+once with an ``asyncio.Future`` that resolves (result None) when the bytes
+have landed, or fails with the backend's error. The caller keeps entries
+and pools alive until that future is done. Backends: ``host`` (numpy over
+shared memory, kvd.host_backend) and ``cuda`` (CUDA IPC + kernels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .layout import LayoutDescriptor
+
+
+@dataclass
+class CopyPlan:
+    pool: object
+    layout: LayoutDescriptor
+    chunk_tokens: int
+    page_ids: np.ndarray      # int64, pages_per_chunk ids per chunk, chunk-major
+    shard_offsets: list[int]  # arena byte offset of each chunk's shard
+    layers: range | None = None  # scatter only: a layer subrange (layer-wise loads)
+
+    @property
+    def pages_per_chunk(self) -> int:
+        return self.chunk_tokens // self.layout.page_size
+
+
+class CopyEngine(Protocol):
+    name: str
+
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor) -> object: ...
+
+    def close_pool(self, pool: object) -> None: ...
+
+    def gather(self, plan: CopyPlan) -> asyncio.Future: ...
+
+    def scatter(self, plan: CopyPlan) -> asyncio.Future: ...
+
+    def close(self) -> None: ...

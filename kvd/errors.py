@@ -1,0 +1,98 @@
+"""One error hierarchy for kvd, shared by the daemon and the client.
+
+``TransportError`` means the daemon could not be reached or did not answer
+in time: the request may or may not have run. ``ServerError`` means the
+daemon answered with a typed error (``code`` is the wire code): the request
+did not change anything unless the error says otherwise. ``ConfigError`` is
+a bad configuration key or value.
+"""
+
+from __future__ import annotations
+
+
+class KvdError(Exception):
+    """Base of every error kvd raises on purpose."""
+
+
+class ConfigError(KvdError):
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class TransportError(KvdError):
+    """The daemon is unreachable, gone or too slow."""
+
+
+class DaemonUnavailable(TransportError):
+    pass
+
+
+class Timeout(TransportError):
+    pass
+
+
+class ServerError(KvdError):
+    """A typed error reply from the daemon."""
+
+    code = "internal"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class BadRequest(ServerError):
+    code = "bad_request"
+
+
+class VersionMismatch(ServerError):
+    code = "bad_version"
+
+
+class UnknownOp(ServerError):
+    code = "unknown_op"
+
+
+class NoSession(ServerError):
+    code = "no_session"
+
+
+class NotFound(ServerError):
+    code = "not_found"
+
+
+class Forbidden(ServerError):
+    code = "forbidden"
+
+
+class OutOfRange(ServerError):
+    code = "out_of_range"
+
+
+class NoSpace(ServerError):
+    code = "no_space"
+
+
+class TooLarge(ServerError):
+    code = "too_large"
+
+
+class ShuttingDown(ServerError):
+    code = "shutting_down"
+
+
+class CopyFailed(ServerError):
+    code = "copy_failed"
+
+
+SERVER_ERRORS = {cls.code: cls for cls in (
+    ServerError, BadRequest, VersionMismatch, UnknownOp, NoSession, NotFound, Forbidden,
+    OutOfRange, NoSpace, TooLarge, ShuttingDown, CopyFailed)}
+
+
+def server_error(code: str, message: str) -> ServerError:
+    """The exception class for a wire error code (unknown codes stay ServerError)."""
+    cls = SERVER_ERRORS.get(code, ServerError)
+    return cls(message, code=code)

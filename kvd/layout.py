@@ -1,0 +1,190 @@
+"""Layout descriptor: where an engine's paged KV pool keeps each token row.
+
+One descriptor describes every supported engine layout, so the copy
+engines need one gather and one scatter, never one kernel per layout pair.
+
+For every (layer, plane) — plane 0 is K, plane 1 is V, and MLA pools have
+the single latent plane 0 — the descriptor holds a base ``(buffer, offset)``
+into the registered buffers. Token ``t`` of page ``p`` of that plane starts
+at ``base + p * page_stride + t * token_stride`` and is ``row_bytes`` long
+(kv heads x head dim x dtype size, contiguous). Strides are shared by all
+layers and planes.
+
+Canonical chunk bytes (format version ``CANONICAL_VERSION``) of one shard
+are layer-major: ``[layer][plane][token][row_bytes]``. The constructors
+below turn the tensor shapes of known engines into descriptors; they take
+``TensorRef`` (buffer index, byte offset, shape, byte strides, item size)
+so they work for numpy arrays over shared memory and for CUDA tensors.
+Invalid shapes raise ``ValueError``; ``validate_extent`` checks that every
+byte a page id below ``num_pages`` can reach lies inside its buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CANONICAL_VERSION = 1
+MAX_LAYERS = 1024
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A strided tensor inside a registered buffer (all sizes in bytes)."""
+
+    buffer: int
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+
+@dataclass(frozen=True)
+class LayoutDescriptor:
+    num_layers: int
+    planes: int
+    num_pages: int
+    page_size: int
+    row_bytes: int
+    page_stride: int
+    token_stride: int
+    bases: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_pages", "page_size", "row_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"num_layers must be <= {MAX_LAYERS}")
+        if self.planes not in (1, 2):
+            raise ValueError("planes must be 1 (MLA latent) or 2 (K and V)")
+        if self.page_stride < 0 or self.token_stride < 0:
+            raise ValueError("strides must be >= 0")
+        if len(self.bases) != self.num_layers * self.planes:
+            raise ValueError("bases must hold one (buffer, offset) per layer and plane")
+        for buf, off in self.bases:
+            if buf < 0 or off < 0:
+                raise ValueError("base buffer and offset must be >= 0")
+
+    def base(self, layer: int, plane: int) -> tuple[int, int]:
+        return self.bases[layer * self.planes + plane]
+
+    def shard_bytes(self, chunk_tokens: int) -> int:
+        """Bytes of one chunk shard in canonical form."""
+        return self.num_layers * self.planes * chunk_tokens * self.row_bytes
+
+    def plane_span(self) -> int:
+        """Bytes from a plane's base to one past the last byte a page id can reach."""
+        return ((self.num_pages - 1) * self.page_stride
+                + (self.page_size - 1) * self.token_stride + self.row_bytes)
+
+    def validate_extent(self, buffer_sizes: list[int]) -> None:
+        span = self.plane_span()
+        for i, (buf, off) in enumerate(self.bases):
+            if buf >= len(buffer_sizes):
+                raise ValueError(f"base {i} names buffer {buf}, only {len(buffer_sizes)} registered")
+            if off + span > buffer_sizes[buf]:
+                raise ValueError(f"base {i} reaches byte {off + span}, buffer {buf} "
+                                 f"holds {buffer_sizes[buf]}")
+
+
+def _row_bytes(t: TensorRef, inner_dims: int) -> int:
+    """Bytes of the trailing ``inner_dims`` dims, which must be contiguous."""
+    expect = t.itemsize
+    for dim, stride in zip(reversed(t.shape[-inner_dims:]), reversed(t.strides[-inner_dims:])):
+        if dim > 1 and stride != expect:
+            raise ValueError(f"the trailing {inner_dims} dims of a KV tensor must be contiguous")
+        expect *= dim
+    return expect
+
+
+def _check_rank(t: TensorRef, rank: int, what: str) -> None:
+    if len(t.shape) != rank or len(t.strides) != rank:
+        raise ValueError(f"{what}: expected a {rank}-d tensor, got shape {t.shape}")
+
+
+def _same_geometry(layers: list[TensorRef], what: str) -> None:
+    if not layers:
+        raise ValueError(f"{what}: no layer tensors given")
+    first = layers[0]
+    for t in layers[1:]:
+        if t.shape != first.shape or t.strides != first.strides or t.itemsize != first.itemsize:
+            raise ValueError(f"{what}: every layer tensor must have the same shape and strides")
+
+
+def vllm_flash_attn(layers: list[TensorRef]) -> LayoutDescriptor:
+    """vLLM flash-attn: per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+    _same_geometry(layers, "vllm_flash_attn")
+    t = layers[0]
+    _check_rank(t, 5, "vllm_flash_attn")
+    if t.shape[0] != 2:
+        raise ValueError("vllm_flash_attn: dim 0 must be 2 (K, V)")
+    bases = tuple((x.buffer, x.offset + p * x.strides[0]) for x in layers for p in (0, 1))
+    return LayoutDescriptor(len(layers), 2, t.shape[1], t.shape[2], _row_bytes(t, 2),
+                            t.strides[1], t.strides[2], bases)
+
+
+def vllm_flashinfer(layers: list[TensorRef]) -> LayoutDescriptor:
+    """vLLM FlashInfer: per layer ``[num_blocks, 2, block_size, kv_heads, head_dim]``."""
+    _same_geometry(layers, "vllm_flashinfer")
+    t = layers[0]
+    _check_rank(t, 5, "vllm_flashinfer")
+    if t.shape[1] != 2:
+        raise ValueError("vllm_flashinfer: dim 1 must be 2 (K, V)")
+    bases = tuple((x.buffer, x.offset + p * x.strides[1]) for x in layers for p in (0, 1))
+    return LayoutDescriptor(len(layers), 2, t.shape[0], t.shape[2], _row_bytes(t, 2),
+                            t.strides[0], t.strides[2], bases)
+
+
+def vllm_mla(layers: list[TensorRef]) -> LayoutDescriptor:
+    """vLLM MLA: per layer ``[num_blocks, block_size, kv_lora_rank + rope_dim]``."""
+    _same_geometry(layers, "vllm_mla")
+    t = layers[0]
+    _check_rank(t, 3, "vllm_mla")
+    bases = tuple((x.buffer, x.offset) for x in layers)
+    return LayoutDescriptor(len(layers), 1, t.shape[0], t.shape[1], _row_bytes(t, 1),
+                            t.strides[0], t.strides[1], bases)
+
+
+def _token_pool(tensors: list[TensorRef], page_size: int, planes: int, what: str) -> LayoutDescriptor:
+    _same_geometry(tensors, what)
+    t = tensors[0]
+    _check_rank(t, 3, what)
+    if page_size < 1 or t.shape[0] < page_size:
+        raise ValueError(f"{what}: page_size must be >= 1 and <= the token count")
+    bases = tuple((x.buffer, x.offset) for x in tensors)
+    return LayoutDescriptor(len(tensors) // planes, planes, t.shape[0] // page_size, page_size,
+                            _row_bytes(t, 2), page_size * t.strides[0], t.strides[0], bases)
+
+
+def sglang_mha(k_layers: list[TensorRef], v_layers: list[TensorRef], page_size: int) -> LayoutDescriptor:
+    """SGLang MHA token pool: K and V per layer ``[num_tokens, kv_heads, head_dim]``.
+
+    A page is ``page_size`` consecutive token slots; page id = slot // page_size.
+    """
+    if len(k_layers) != len(v_layers):
+        raise ValueError("sglang_mha: as many V tensors as K tensors are needed")
+    interleaved = [t for pair in zip(k_layers, v_layers) for t in pair]
+    return _token_pool(interleaved, page_size, 2, "sglang_mha")
+
+
+def sglang_mla(layers: list[TensorRef], page_size: int) -> LayoutDescriptor:
+    """SGLang MLA token pool: per layer ``[num_tokens, 1, kv_lora_rank + rope_dim]``."""
+    if layers and layers[0].shape[1:2] != (1,):
+        raise ValueError("sglang_mla: dim 1 must be 1")
+    return _token_pool(layers, page_size, 1, "sglang_mla")
+
+
+def page_first(pool: TensorRef) -> LayoutDescriptor:
+    """One tensor ``[num_pages, layers, 2, page_size, kv_heads, head_dim]``."""
+    _check_rank(pool, 6, "page_first")
+    if pool.shape[2] != 2:
+        raise ValueError("page_first: dim 2 must be 2 (K, V)")
+    bases = tuple((pool.buffer, pool.offset + layer * pool.strides[1] + p * pool.strides[2])
+                  for layer in range(pool.shape[1]) for p in (0, 1))
+    return LayoutDescriptor(pool.shape[1], 2, pool.shape[0], pool.shape[3], _row_bytes(pool, 2),
+                            pool.strides[0], pool.strides[3], bases)
+
+
+# name -> (tensor shape for one layer or for the pool, constructor), used by
+# the client's pool helper and by the tests to cover every layout.
+LAYOUTS = ("vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "sglang_mha", "sglang_mla", "page_first")

@@ -1,0 +1,192 @@
+"""``kvd serve``: start-up, the two ROUTER sockets, reaping, and shutdown.
+
+Start-up: resolve and lock the runtime dir, reclaim what a dead daemon
+left, allocate the arena, bind ``kvd.sock`` (engines) and ``control.sock``
+(operators) under umask 077. Each request runs as its own task so a slow
+copy never blocks other clients; every reply goes back through the socket
+it came from. A request that fails validation gets a typed error reply; a
+peer that sends more than ``max_message_bytes`` is dropped by ZeroMQ.
+SIGTERM/SIGINT: stop reading, let in-flight requests (and their copies)
+finish, remove sockets and arena, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from . import protocol
+from .arena import SharedArena
+from .errors import ServerError, ShuttingDown
+from .host_backend import HostCopyEngine
+from .host_tier import HostTier
+from .runtime import (InstanceLock, control_endpoint, engine_endpoint, instance_tag,
+                      prepare_runtime_dir, reclaim_stale, resolve_runtime_dir)
+from .service import Service
+
+log = logging.getLogger("kvd")
+SHUTDOWN_GRACE_S = 30.0
+
+
+class Daemon:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.runtime_dir = resolve_runtime_dir(cfg.runtime_dir or None)
+        self.lock = InstanceLock(self.runtime_dir)
+        self.stopping = asyncio.Event()
+        self.tasks: set[asyncio.Task] = set()
+        self.arena = None
+        self.service = None
+        self.ctx = None
+        self.sockets = []
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        prepare_runtime_dir(self.runtime_dir)
+        self.lock.acquire()
+        shm_dir = Path(self.cfg.shm_dir)
+        for path in reclaim_stale(self.runtime_dir, shm_dir, instance_tag(self.runtime_dir)):
+            log.info("reclaimed stale %s", path)
+        self.arena = SharedArena(shm_dir, instance_tag(self.runtime_dir), self.cfg.host_capacity)
+        log.info("host tier: %.1f MiB at %s, allocated in %.2f s", self.cfg.host_capacity / 2**20,
+                 self.arena.path, self.arena.setup_seconds)
+        engine = HostCopyEngine(self.arena.view, shm_dir, self.cfg.copy_threads)
+        self.service = Service(self.cfg, HostTier(self.cfg.host_capacity), engine)
+        self.ctx = zmq.asyncio.Context()
+        old = os.umask(0o077)
+        try:
+            self.engine_sock = self._bind(engine_endpoint(self.runtime_dir), self.cfg.max_message_bytes)
+            self.control_sock = self._bind(control_endpoint(self.runtime_dir), protocol.MAX_HEADER_BYTES)
+        finally:
+            os.umask(old)
+        log.info("serving %s (backend %s, chunk %d tokens) — ready in %.2f s, pid %d",
+                 self.runtime_dir, engine.name, self.cfg.chunk_tokens, time.monotonic() - t0, os.getpid())
+
+    def _bind(self, endpoint: str, max_bytes: int):
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
+        sock.bind(endpoint)
+        self.sockets.append(sock)
+        return sock
+
+    async def main(self) -> None:
+        self.start()
+        await self.run()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        readers = [asyncio.create_task(self._serve(self.engine_sock, protocol.OPS, self._engine_op)),
+                   asyncio.create_task(self._serve(self.control_sock, protocol.CONTROL_OPS, self._control_op)),
+                   asyncio.create_task(self._reaper())]
+        await self.stopping.wait()
+        log.info("shutting down: finishing %d requests in flight", len(self.tasks))
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=SHUTDOWN_GRACE_S)
+
+    def close(self) -> None:
+        if self.lock.fd < 0:
+            return  # never owned the runtime dir: touch nothing in it
+        for sock in self.sockets:
+            sock.close(linger=0)
+        if self.ctx is not None:
+            self.ctx.term()
+        for name in ("kvd.sock", "control.sock"):
+            (self.runtime_dir / name).unlink(missing_ok=True)
+        if self.service is not None:
+            self.service.engine.close()
+        if self.arena is not None:
+            self.arena.close()
+        self.lock.release()
+
+    async def _serve(self, sock, ops: dict, handler) -> None:
+        while True:
+            parts = await sock.recv_multipart(copy=True)
+            if len(parts) < 2:
+                continue
+            task = asyncio.create_task(self._respond(sock, parts[0], parts[1:], ops, handler))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _respond(self, sock, peer: bytes, body: list, ops: dict, handler) -> None:
+        t0 = time.perf_counter()
+        req_id, op = None, "invalid"
+        try:
+            req = protocol.parse_request(body, ops)
+            req_id, op = req.id, req.op
+            reply = protocol.ok_reply(req_id, await handler(peer, req))
+        except protocol.ProtocolError as exc:
+            reply = protocol.error_reply(exc.req_id, exc.code, str(exc))
+            self.service.stats.add("errors")
+        except ServerError as exc:
+            reply = protocol.error_reply(req_id, exc.code, str(exc))
+            self.service.stats.add("errors")
+        except Exception as exc:  # a bug must cost one request, never the daemon
+            log.exception("internal error in %s", op)
+            reply = protocol.error_reply(req_id, "internal", f"{type(exc).__name__}: {exc}")
+            self.service.stats.add("errors")
+        self.service.stats.add(f"op_{op}")
+        self.service.stats.observe(op, time.perf_counter() - t0)
+        try:
+            await sock.send_multipart([peer, *reply])
+        except zmq.ZMQError as exc:
+            log.debug("reply to a gone peer dropped: %s", exc)
+
+    async def _engine_op(self, peer: bytes, req):
+        if self.stopping.is_set() and req.op not in ("bye", "heartbeat"):
+            raise ShuttingDown("daemon is shutting down")
+        return await self.service.handle(peer, req)
+
+    async def _control_op(self, peer: bytes, req):
+        return await self.service.control(req.op)
+
+    async def _reaper(self) -> None:
+        period = min(1.0, self.cfg.heartbeat_interval_s / 2)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            self.service.expire(now)
+            for session in self.sessions_stale(now):
+                task = asyncio.create_task(self.service.reap(session, "heartbeat timeout"))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+    def sessions_stale(self, now: float):
+        return self.service.sessions.stale(self.cfg.client_timeout_s, now)
+
+
+def serve(cfg) -> int:
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s kvd %(levelname)s %(message)s")
+    daemon = Daemon(cfg)
+    try:
+        _run(daemon.main())
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        daemon.close()
+    log.info("stopped")
+    return 0
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop not installed; using the default asyncio loop")
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)

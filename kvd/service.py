@@ -1,0 +1,287 @@
+"""The daemon's operations, one method per protocol op, over validated requests.
+
+``handle(peer, request)`` runs an engine op and returns its result map or
+raises a ``ServerError``; nothing is changed by a request that fails
+validation. Store: dedup, reserve shards (all or nothing), gather, commit
+when the copy completed; the reply means the engine's pages may be reused.
+Load: pin the longest ready prefix (or the caller's lease), scatter,
+unpin; the reply means the pages hold the bytes. Reaping a session waits
+for its copies, then releases its leases and unmaps its pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import numpy as np
+
+from . import protocol
+from .copy_engine import CopyPlan
+from .errors import BadRequest, CopyFailed, Forbidden, NoSession, NotFound, OutOfRange, TooLarge, VersionMismatch
+from .host_tier import HostTier
+from .keys import namespace_digest
+from .sessions import Lease, Registration, Session, SessionTable
+from .stats import Stats
+
+log = logging.getLogger("kvd")
+
+
+class Service:
+    def __init__(self, cfg, tier: HostTier, engine):
+        self.cfg = cfg
+        self.tier = tier
+        self.engine = engine
+        self.sessions = SessionTable()
+        self.stats = Stats()
+
+    # ---- dispatch -------------------------------------------------------------
+
+    async def handle(self, peer: bytes, req: protocol.Request):
+        if req.op == "hello":
+            return await self.hello(peer, req.fields)
+        session = self.sessions.by_peer.get(peer)
+        if session is None or session.closing:
+            raise NoSession("no session: send hello first")
+        session.last_seen = time.monotonic()
+        return await getattr(self, f"op_{req.op}")(session, req)
+
+    # ---- session ops ----------------------------------------------------------
+
+    async def hello(self, peer: bytes, f: dict):
+        if protocol.VERSION not in f["versions"]:
+            raise VersionMismatch(f"client speaks {f['versions']!r}, daemon speaks {protocol.VERSION}")
+        old = self.sessions.by_peer.get(peer)
+        if old is not None:
+            await self.reap(old, "re-hello")
+        elif len(self.sessions) >= self.cfg.max_clients:
+            raise TooLarge(f"too many clients (max_clients={self.cfg.max_clients})")
+        self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"])
+        log.info("client %s (pid %d) connected", f["client"][:128], f["pid"])
+        return {"version": protocol.VERSION, "chunk_tokens": self.cfg.chunk_tokens,
+                "max_message_bytes": self.cfg.max_message_bytes,
+                "max_keys": self.cfg.max_keys_per_request,
+                "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
+                "client_timeout_s": self.cfg.client_timeout_s,
+                "lease_max_ms": self.cfg.lease_max_ms, "backend": self.engine.name}
+
+    async def op_heartbeat(self, session: Session, req):
+        return {}
+
+    async def op_bye(self, session: Session, req):
+        await self.reap(session, "bye")
+        return {}
+
+    async def op_register(self, session: Session, req):
+        f = req.fields
+        if len(session.registrations) >= self.cfg.max_registrations:
+            raise TooLarge(f"too many registrations (max_registrations={self.cfg.max_registrations})")
+        ns = protocol.namespace_from_wire(f["namespace"], self.cfg.chunk_tokens)
+        layout = protocol.layout_from_wire(f["layout"])
+        buffers = protocol.buffers_from_wire(f["buffers"], 2 * layout.num_layers + 2)
+        _check_layout_matches(ns, layout, f["tp_rank"])
+        pool = self.engine.open_pool(buffers, layout)
+        shard = 0 if ns.attention == "mla" else f["tp_rank"]  # MLA: one copy for all ranks
+        reg = Registration(self.sessions.next_id(), session, ns, namespace_digest(ns),
+                           shard, layout, pool)
+        session.registrations[reg.id] = reg
+        self.sessions.registrations[reg.id] = reg
+        return {"reg": reg.id, "shard_bytes": reg.shard_bytes, "namespace": reg.ns_digest,
+                "pages_per_chunk": reg.pages_per_chunk}
+
+    async def op_unregister(self, session: Session, req):
+        reg = self._registration(session, req.fields["reg"])
+        await self._close_registration(reg)
+        return {}
+
+    def _registration(self, session: Session, reg_id: int) -> Registration:
+        reg = self.sessions.registrations.get(reg_id)
+        if reg is None or reg.closing:
+            raise NotFound(f"no registration {reg_id}")
+        if reg.session is not session:
+            raise Forbidden(f"registration {reg_id} belongs to another client")
+        return reg
+
+    async def _close_registration(self, reg: Registration) -> None:
+        reg.closing = True
+        await reg.drain()
+        reg.session.registrations.pop(reg.id, None)
+        self.sessions.registrations.pop(reg.id, None)
+        self.engine.close_pool(reg.pool)
+
+    async def reap(self, session: Session, why: str) -> None:
+        """Finish the session's copies, then drop its leases and pools."""
+        if session.closing:
+            return
+        session.closing = True
+        for lease in list(session.leases.values()):
+            self._drop_lease(lease)
+        for reg in list(session.registrations.values()):
+            await self._close_registration(reg)
+        if self.sessions.by_peer.get(session.peer) is session:
+            del self.sessions.by_peer[session.peer]
+        if why != "bye":
+            self.stats.add("clients_reaped")
+        log.info("client %s (pid %d) removed: %s", session.name, session.pid, why)
+
+    # ---- leases ---------------------------------------------------------------
+
+    def _drop_lease(self, lease: Lease) -> None:
+        if self.sessions.leases.pop(lease.id, None) is not None:
+            lease.session.leases.pop(lease.id, None)
+            self.tier.unpin(lease.entries)
+
+    async def op_release(self, session: Session, req):
+        lease = self._lease(session, req.fields["lease"])
+        self._drop_lease(lease)
+        return {}
+
+    def _lease(self, session: Session, lease_id: int) -> Lease:
+        lease = self.sessions.leases.get(lease_id)
+        if lease is None:
+            raise NotFound(f"no lease {lease_id} (expired or released)")
+        if lease.session is not session:
+            raise Forbidden(f"lease {lease_id} belongs to another client")
+        return lease
+
+    def expire(self, now: float) -> None:
+        for lease in self.sessions.expired_leases(now):
+            self._drop_lease(lease)
+
+    # ---- data ops -------------------------------------------------------------
+
+    def _keys_and_pages(self, reg: Registration, req):
+        keys = protocol.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
+        pages = protocol.pages_from_frame(req.frames[1])
+        if len(pages) != len(keys) * reg.pages_per_chunk:
+            raise BadRequest(f"{len(keys)} chunks need {len(keys) * reg.pages_per_chunk} page ids, "
+                             f"got {len(pages)}")
+        if len(pages) and (pages.min() < 0 or pages.max() >= reg.layout.num_pages):
+            raise OutOfRange(f"page ids must lie in [0, {reg.layout.num_pages})")
+        return keys, pages
+
+    async def op_lookup(self, session: Session, req):
+        reg = self._registration(session, req.fields["reg"])
+        keys = protocol.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
+        hits = self.tier.ready_prefix(keys)
+        self.stats.add("hit_chunks", len(hits))
+        self.stats.add("miss_chunks", len(keys) - len(hits))
+        lease_ms = min(req.fields.get("lease_ms", 0), self.cfg.lease_max_ms)
+        if not hits or lease_ms == 0:
+            return {"hits": len(hits), "lease": None}
+        lease = Lease(self.sessions.next_id(), session, hits, time.monotonic() + lease_ms / 1e3)
+        self.tier.pin(hits)
+        session.leases[lease.id] = lease
+        self.sessions.leases[lease.id] = lease
+        del reg  # the lease is tied to the session, not one pool
+        return {"hits": len(hits), "lease": lease.id}
+
+    async def op_store(self, session: Session, req):
+        reg = self._registration(session, req.fields["reg"])
+        keys, pages = self._keys_and_pages(reg, req)
+        todo, deduped = self._reserve(reg, keys)
+        self.stats.add("store_dedup", deduped)
+        if todo:
+            idx = np.concatenate([np.arange(i * reg.pages_per_chunk, (i + 1) * reg.pages_per_chunk)
+                                  for i, _ in todo])
+            plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, pages[idx],
+                            [e.shard_offset(reg.tp_rank) for _, e in todo])
+            try:
+                await self._copy(reg, self.engine.gather(plan))
+            except BaseException:
+                for _, entry in todo:
+                    self.tier.abort(entry, reg.tp_rank)
+                raise
+            for _, entry in todo:
+                self.tier.commit(entry, reg.tp_rank)
+        self.stats.add("chunks_stored", len(todo))
+        self.stats.add("bytes_stored", len(todo) * reg.shard_bytes)
+        return {"stored": len(todo), "deduped": deduped}
+
+    def _reserve(self, reg: Registration, keys: list):
+        """Reserve every shard to copy, all or nothing; dedup hits stay pinned meanwhile."""
+        todo, seen, pinned = [], set(), []
+        try:
+            for i, key in enumerate(keys):
+                if key in seen:
+                    continue
+                seen.add(key)
+                entry, fresh = self.tier.reserve(key, reg.ns_digest, reg.shard_bytes,
+                                                 reg.ns.shards, reg.tp_rank)
+                if fresh:
+                    todo.append((i, entry))
+                else:
+                    self.tier.pin([entry])
+                    pinned.append(entry)
+        except BaseException:
+            for _, entry in todo:
+                self.tier.abort(entry, reg.tp_rank)
+            raise
+        finally:
+            self.tier.unpin(pinned)
+        return todo, len(keys) - len(todo)
+
+    async def op_load(self, session: Session, req):
+        reg = self._registration(session, req.fields["reg"])
+        keys, pages = self._keys_and_pages(reg, req)
+        lease = self._lease(session, req.fields["lease"]) if "lease" in req.fields else None
+        entries = self.tier.ready_prefix(keys)
+        self.tier.pin(entries)
+        try:
+            if entries:
+                plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
+                                pages[:len(entries) * reg.pages_per_chunk],
+                                [e.shard_offset(reg.tp_rank) for e in entries])
+                await self._copy(reg, self.engine.scatter(plan))
+        finally:
+            self.tier.unpin(entries)
+            if lease is not None:
+                self._drop_lease(lease)
+        self.stats.add("chunks_loaded", len(entries))
+        self.stats.add("bytes_loaded", len(entries) * reg.shard_bytes)
+        return {"loaded": len(entries)}
+
+    async def _copy(self, reg: Registration, future: asyncio.Future) -> None:
+        reg.inflight.add(future)
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            await asyncio.gather(future, return_exceptions=True)  # never leave a copy running unowned
+            raise
+        except Exception as exc:
+            log.exception("copy failed")
+            raise CopyFailed(f"copy failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            reg.inflight.discard(future)
+
+    # ---- control ops ----------------------------------------------------------
+
+    async def control(self, op: str):
+        if op == "health":
+            return {"status": "ok", "pid": os.getpid(), "backend": self.engine.name,
+                    "uptime_s": self.stats.summary()["uptime_s"]}
+        if op == "clear":
+            dropped, kept = self.tier.clear()
+            return {"dropped": dropped, "kept_in_use": kept}
+        return self.snapshot()
+
+    def snapshot(self) -> dict:
+        return {"tiers": {"host": self.tier.stats()}, **self.stats.summary(),
+                "latency": self.stats.latency_ms(), "clients": len(self.sessions),
+                "registrations": len(self.sessions.registrations),
+                "leases": len(self.sessions.leases), "backend": self.engine.name,
+                "chunk_tokens": self.cfg.chunk_tokens}
+
+
+def _check_layout_matches(ns, layout, tp_rank: int) -> None:
+    if layout.num_layers != ns.num_layers or layout.planes != ns.planes:
+        raise BadRequest(f"layout has {layout.num_layers} layers x {layout.planes} planes, the "
+                         f"namespace says {ns.num_layers} x {ns.planes}")
+    if layout.row_bytes != ns.row_bytes:
+        raise BadRequest(f"layout rows are {layout.row_bytes} bytes, the namespace needs {ns.row_bytes}")
+    if ns.chunk_tokens % layout.page_size:
+        raise BadRequest(f"chunk_tokens {ns.chunk_tokens} is not a multiple of page_size {layout.page_size}")
+    if tp_rank >= ns.tp_size:
+        raise BadRequest(f"tp_rank {tp_rank} must be < tp_size {ns.tp_size}")
