@@ -1,0 +1,126 @@
+"""Shared fixtures: a real ``kvd serve`` in a subprocess, on a private runtime dir.
+
+``daemon`` starts one with small defaults (chunk of 16 tokens, 64 MiB host
+tier, fast heartbeats); ``start_daemon(**knobs)`` starts more or differently
+configured ones. Client code runs in separate processes through
+``procs`` (a spawn-context multiprocessing pool), as engines would.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from kvd_client.transport import Channel
+from kvd.runtime import control_endpoint
+
+DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interval_s": 0.2,
+                 "client_timeout_s": 2.0, "log_level": "info"}
+
+
+class DaemonProc:
+    def __init__(self, runtime_dir: Path, knobs: dict):
+        self.runtime_dir = runtime_dir
+        self.knobs = {**DEFAULT_KNOBS, **knobs}
+        self.proc = None
+        self.log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
+
+    def start(self, wait: bool = True) -> "DaemonProc":
+        cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(self.runtime_dir)]
+        for key, value in self.knobs.items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvd exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                self.control("health", timeout=0.5)
+                return
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError(f"kvd did not become healthy:\n{self.log()}")
+
+    def control(self, op: str, timeout: float = 5.0):
+        ch = Channel(control_endpoint(self.runtime_dir), timeout)
+        try:
+            return ch.request(op)
+        finally:
+            ch.close()
+
+    def stats(self) -> dict:
+        return self.control("stats")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@pytest.fixture
+def start_daemon():
+    base = Path(tempfile.mkdtemp(prefix="kvd-t-", dir="/tmp"))
+    started = []
+
+    def start(runtime_dir: Path | None = None, wait: bool = True, **knobs) -> DaemonProc:
+        d = DaemonProc(runtime_dir or base / f"run{len(started)}", knobs)
+        started.append(d)
+        return d.start(wait)
+
+    yield start
+    for d in started:
+        if d.proc is not None and d.proc.poll() is None:
+            d.stop()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(start_daemon):
+    d = start_daemon()
+    yield d
+    code = d.stop()
+    assert code == 0, f"kvd exited with {code}:\n{d.log()}"
+
+
+@pytest.fixture(scope="session")
+def procs():
+    """A pool of spawned client processes (not forked: zmq and mmaps do not fork)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        yield pool
+
+
+def pids_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False

@@ -1,0 +1,24 @@
+"""First contact: a daemon starts, answers health and stats, and stops cleanly."""
+
+import numpy as np
+
+import kvd_client
+
+
+def test_store_lookup_load_roundtrip(daemon):
+    with kvd_client.KvdClient(runtime_dir=str(daemon.runtime_dir), raise_errors=True) as client:
+        pool = kvd_client.SharedKVPool("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")
+        pool.raw[:] = np.random.default_rng(1).integers(0, 256, pool.raw.size, dtype=np.uint8)
+        client.register_kv(pool, model="smoke")
+        tokens = np.arange(40)
+        assert client.lookup(tokens) == 0
+        assert client.store(tokens, np.arange(8)) == 32
+        assert client.lookup(tokens) == 32
+        assert client.load(tokens, np.arange(8, 16)) == 32
+        for t in pool.tensors:
+            raw = t.view(np.uint8)
+            assert (raw[:, 8:16] == raw[:, 0:8]).all()
+        pool.close()
+    stats = daemon.stats()
+    assert stats["tiers"]["host"]["chunks"] == 2
+    assert stats["hits"] == 2 and stats["misses"] == 2
