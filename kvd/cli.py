@@ -120,6 +120,13 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _size_text(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
 def default_config_toml() -> str:
     out = ["# kvd configuration. Every key is optional; shown with its default.",
            "# Precedence: defaults < this file (--config) < KVD_<KEY> env < command-line flags.", ""]
@@ -127,7 +134,9 @@ def default_config_toml() -> str:
         out.append(f"# {knob.help}")
         out.append(f"# type: {knob.kind}" + (f", one of: {', '.join(knob.choices)}" if knob.choices else ""))
         value = knob.default
-        if isinstance(value, str):
+        if knob.kind == "size":
+            out.append(f'{knob.name} = "{_size_text(value)}"')
+        elif isinstance(value, str):
             out.append(f'{knob.name} = "{value}"')
         elif isinstance(value, bool):
             out.append(f"{knob.name} = {str(value).lower()}")

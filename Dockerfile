@@ -1,0 +1,41 @@
+# kvd in a container. The CUDA runtime base lets the GPU backend (cupy)
+# work with `--gpus all`; without GPUs the host backend serves as usual.
+#
+#   docker build -t kvd .
+#   docker run -d --name kvd --ipc=host --gpus all \
+#     -v /run/kvd:/run/kvd kvd
+#
+# --ipc=host: the host tier and engines' host-backend pools live in
+#   /dev/shm and must be the same /dev/shm the engines see; CUDA IPC
+#   between engine containers and kvd also needs a shared IPC namespace.
+#   Without --ipc=host, give the container a /dev/shm larger than
+#   host_capacity (--shm-size) and run the engines in the same container.
+# -v /run/kvd:/run/kvd: the sockets, so engines (on the host or in other
+#   containers mounting the same directory) can connect. The directory is
+#   created mode 0700 for uid 10001 (the kvd user here): run engines with
+#   that uid, or mount a directory owned by the engines' uid.
+FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
+
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 KVD_RUNTIME_DIR=/run/kvd
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvd ./kvd
+COPY kernels ./kernels
+COPY clients ./clients
+COPY configs/kvd.toml /etc/kvd/kvd.toml
+RUN python3 -m venv /opt/kvd \
+ && /opt/kvd/bin/pip install '.[gpu]' \
+ && rm -rf /src
+
+RUN useradd --uid 10001 --system --no-create-home kvd \
+ && mkdir -p /run/kvd && chown kvd:kvd /run/kvd && chmod 0700 /run/kvd
+USER kvd
+WORKDIR /tmp
+
+HEALTHCHECK --interval=10s --timeout=5s CMD ["/opt/kvd/bin/kvd", "health", "--timeout", "3"]
+ENTRYPOINT ["/opt/kvd/bin/kvd"]
+CMD ["serve", "--config", "/etc/kvd/kvd.toml"]
