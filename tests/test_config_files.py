@@ -1,0 +1,35 @@
+"""The shipped config file and the docs list exactly the knobs the code has."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from kvd.config import KNOBS, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_toml_is_what_kvd_config_prints():
+    printed = subprocess.run([sys.executable, "-m", "kvd", "config"], capture_output=True,
+                             text=True, check=True).stdout
+    assert (ROOT / "configs" / "kvd.toml").read_text() == printed
+
+
+def test_shipped_toml_loads_to_the_defaults(tmp_path):
+    cfg = load_config(str(ROOT / "configs" / "kvd.toml"), env={})
+    assert cfg.as_dict() == load_config(None, env={}).as_dict()
+    assert set(tomllib.loads((ROOT / "configs" / "kvd.toml").read_text())) == {k.name for k in KNOBS}
+
+
+def test_config_doc_lists_every_knob():
+    doc = (ROOT / "docs" / "config.md").read_text()
+    documented = set(re.findall(r"^\| `(\w+)` \|", doc, re.M))
+    assert documented == {k.name for k in KNOBS}
+
+
+def test_readme_has_the_two_commands_and_ci_calls_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    assert "make serve" in readme and "make test" in readme
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
