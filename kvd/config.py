@@ -61,6 +61,10 @@ KNOBS = (
     Knob("max_clients", "int", 1024, "Most sessions at once.", minimum=1),
     Knob("max_registrations", "int", 64, "Most KV pools one client may register.", minimum=1),
     Knob("copy_threads", "int", 2, "Threads of the host copy backend.", minimum=1),
+    Knob("gpu", "str", "auto", "CUDA backend: auto (on when cupy and a GPU are present), on "
+         "(fail start-up without them), off.", choices=("auto", "on", "off")),
+    Knob("gpu_max_blocks", "int", 32, "Cap on thread blocks of one copy kernel, so copies leave "
+         "the engines their SMs.", minimum=1),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
     Knob("log_level", "str", "info", "Logging level.", choices=("debug", "info", "warning", "error")),
 )

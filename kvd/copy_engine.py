@@ -1,6 +1,6 @@
 """The copy engine interface every backend implements.
 
-``open_pool(buffers, layout)`` maps an engine's KV buffers (validated:
+``open_pool(buffers, layout, events)`` maps an engine's KV buffers (validated:
 kinds, sizes, every byte the layout can reach) and returns an opaque pool;
 ``close_pool(pool)`` unmaps it and is called only after the pool's copies
 completed. ``gather(plan)`` copies engine pages into arena shards and
@@ -8,7 +8,11 @@ completed. ``gather(plan)`` copies engine pages into arena shards and
 once with an ``asyncio.Future`` that resolves (result None) when the bytes
 have landed, or fails with the backend's error. The caller keeps entries
 and pools alive until that future is done. Backends: ``host`` (numpy over
-shared memory, kvd.host_backend) and ``cuda`` (CUDA IPC + kernels).
+shared memory, kvd.host_backend) and ``cuda`` (CUDA IPC + kernels,
+kvd.cuda_backend). The service picks the engine per pool by buffer kind.
+A CUDA pool also has interprocess events: ``events`` are the client's
+(a gather may wait on one), and the pool's ``load_event_handles`` are the
+per-layer events its scatters record.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class CopyPlan:
     page_ids: np.ndarray      # int64, pages_per_chunk ids per chunk, chunk-major
     shard_offsets: list[int]  # arena byte offset of each chunk's shard
     layers: range | None = None  # scatter only: a layer subrange (layer-wise loads)
+    wait_event: int | None = None  # gather only: index of a registered client event to wait on
+    event_slot: int | None = None  # set by a scatter that records per-layer events
 
     @property
     def pages_per_chunk(self) -> int:
@@ -39,7 +45,7 @@ class CopyPlan:
 class CopyEngine(Protocol):
     name: str
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor) -> object: ...
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, events=()) -> object: ...
 
     def close_pool(self, pool: object) -> None: ...
 

@@ -27,9 +27,11 @@ Contract:
 - The grid is capped at ``max_blocks`` blocks of ``threads`` threads
   (grid-stride loop), so a copy leaves the engine the rest of the SMs.
 - The small tables (bases, page ids, chunk pointers) travel in one
-  host-to-device copy from a pinned staging slot; ``slots`` slots are
-  reused round-robin, and reusing one first waits (host side) until the
-  copy that last used it has finished.
+  host-to-device copy from a pinned staging slot, on a side stream that the
+  copy's stream then waits for (an event), so back-to-back copies on one
+  stream have no table upload between their kernels. ``slots`` slots are
+  reused round-robin; reusing one first waits (host side) until the copy
+  that last used it has finished.
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ def group_threads(row_bytes: int, vec: int) -> int:
     return g
 
 
-def plane_bases(desc: Any, buffer_ptrs: Sequence[int]) -> list[int]:
-    """Absolute plane base addresses of a ``LayoutDescriptor`` over device buffers."""
-    return [int(buffer_ptrs[buf]) + int(off) for buf, off in desc.bases]
+def plane_bases(desc: Any, buffer_ptrs: Sequence[int]) -> np.ndarray:
+    """Absolute plane base addresses (uint64) of a ``LayoutDescriptor`` over device
+    buffers; compute once per registration and pass the same array to every call."""
+    return np.array([int(buffer_ptrs[buf]) + int(off) for buf, off in desc.bases], np.uint64)
 
 
 def desc_params(desc: Any) -> dict[str, int]:
@@ -110,14 +113,15 @@ class _Slot:
         self.words = 0
         self.host: np.ndarray | None = None
         self.dev: Any = None
-        self.event: Any = None
+        self.event: Any = None      # recorded after the kernel that read this slot
+        self.ready: Any = None      # recorded after this slot's table upload
         self._pinned: Any = None
 
 
 class KernelCopier:
     """Gather/scatter between a paged KV pool and canonical chunk shards on one GPU."""
 
-    def __init__(self, device_id: int = 0, max_blocks: int = 32, threads: int = 512,
+    def __init__(self, device_id: int = 0, max_blocks: int = 16, threads: int = 512,
                  slots: int = 16, debug_sync: bool = False,
                  compile_options: Sequence[str] = ()) -> None:
         cp = _import_cupy()
@@ -142,6 +146,7 @@ class KernelCopier:
             except Exception as exc:
                 raise RuntimeError(f"compiling {KERNEL_FILE} failed: {exc}") from exc
             self.sm_count = int(cp.cuda.Device(self.device_id).attributes["MultiProcessorCount"])
+            self._upload_stream = cp.cuda.Stream(non_blocking=True)
         self._slots = [_Slot() for _ in range(slots)]
         self._next = 0
 
@@ -190,8 +195,8 @@ class KernelCopier:
         if pids.size != n_chunks * ppc:
             raise ValueError(f"expected {n_chunks * ppc} page ids for {n_chunks} chunks, "
                              f"got {pids.size}")
-        if pids.size and (int(pids.min()) < 0
-                          or (num_pages is not None and int(pids.max()) >= num_pages)):
+        if pids.size and (int(pids.min()) < 0 if num_pages is None  # one pass: -1 wraps high
+                          else int(pids.view(np.uint64).max()) >= num_pages):
             raise ValueError("page id out of range")
         rows_per_chunk = (layer_end - layer_begin) * planes * chunk_tokens
         if n_chunks == 0 or rows_per_chunk == 0:
@@ -221,8 +226,7 @@ class KernelCopier:
                         np.int32(page_size), np.int64(page_stride), np.int64(token_stride),
                         np.int64(row_bytes), np.int32(vec))
                 try:
-                    with stream:
-                        self._kernels[kind]((blocks,), (self.threads,), args)
+                    self._kernels[kind]((blocks,), (self.threads,), args, stream=stream)
                 except Exception as exc:
                     raise RuntimeError(f"kv_{kind} launch failed: {exc}") from exc
                 slot.event.record(stream)
@@ -239,6 +243,7 @@ class KernelCopier:
             slot.event.synchronize()   # its last copy and kernel are done with both buffers
         else:
             slot.event = cp.cuda.Event(block=False, disable_timing=True)
+            slot.ready = cp.cuda.Event(block=False, disable_timing=True)
         words = bases.size + pids.size + ptrs.size
         if words > slot.words:
             cap = max(4096, 1 << (words - 1).bit_length())
@@ -251,5 +256,8 @@ class KernelCopier:
         host[:nb] = bases.view(np.int64)
         host[nb:nb + npid] = pids
         host[nb + npid:words] = ptrs.view(np.int64)
-        cp.cuda.runtime.memcpyAsync(slot.dev.ptr, host.ctypes.data, words * 8, _H2D, stream.ptr)
+        up = self._upload_stream
+        cp.cuda.runtime.memcpyAsync(slot.dev.ptr, host.ctypes.data, words * 8, _H2D, up.ptr)
+        slot.ready.record(up)
+        stream.wait_event(slot.ready)
         return slot

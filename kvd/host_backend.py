@@ -40,7 +40,9 @@ class HostCopyEngine:
         self.shm_dir = Path(shm_dir).resolve()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvd-copy")
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor) -> HostPool:
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, events=()) -> HostPool:
+        if events:
+            raise BadRequest("the host backend takes no CUDA events")
         maps = []
         try:
             for i, b in enumerate(buffers):

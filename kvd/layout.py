@@ -185,6 +185,24 @@ def page_first(pool: TensorRef) -> LayoutDescriptor:
                             pool.strides[0], pool.strides[3], bases)
 
 
-# name -> (tensor shape for one layer or for the pool, constructor), used by
-# the client's pool helper and by the tests to cover every layout.
 LAYOUTS = ("vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "sglang_mha", "sglang_mla", "page_first")
+
+
+def describe(name: str, refs: list[TensorRef], page_size: int | None = None) -> LayoutDescriptor:
+    """Descriptor of a layout by name. ``refs``: one per layer; for ``sglang_mha``
+    K and V interleaved (k0, v0, k1, v1, ...); for ``page_first`` the one pool tensor.
+    Token pools (``sglang_*``) need ``page_size``."""
+    if name in ("sglang_mha", "sglang_mla"):
+        if not page_size:
+            raise ValueError(f"{name} needs page_size (token slots per page)")
+        if name == "sglang_mha":
+            return sglang_mha(refs[0::2], refs[1::2], page_size)
+        return sglang_mla(refs, page_size)
+    if name == "page_first":
+        if len(refs) != 1:
+            raise ValueError("page_first takes exactly one pool tensor")
+        return page_first(refs[0])
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown layout {name!r}; known: {', '.join(LAYOUTS)}")
+    return {"vllm_flash_attn": vllm_flash_attn, "vllm_flashinfer": vllm_flashinfer,
+            "vllm_mla": vllm_mla}[name](refs)

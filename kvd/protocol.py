@@ -46,7 +46,12 @@ def _map(v):
     return isinstance(v, dict)
 
 
-_TYPE_NAMES = {_int: "a non-negative integer", _str: "a string", _list: "a list", _map: "a map"}
+def _bool(v):
+    return isinstance(v, bool)
+
+
+_TYPE_NAMES = {_int: "a non-negative integer", _str: "a string", _list: "a list", _map: "a map",
+               _bool: "true or false"}
 
 
 @dataclass(frozen=True)
@@ -58,11 +63,12 @@ class Op:
 
 OPS = {
     "hello": Op({"client": _str, "pid": _int, "versions": _list}),
-    "register": Op({"namespace": _map, "tp_rank": _int, "buffers": _list, "layout": _map}),
+    "register": Op({"namespace": _map, "tp_rank": _int, "buffers": _list, "layout": _map},
+                   {"events": _list}),
     "unregister": Op({"reg": _int}),
     "lookup": Op({"reg": _int}, {"lease_ms": _int, "salt": _str}, frames=1),
-    "store": Op({"reg": _int}, frames=2),
-    "load": Op({"reg": _int}, {"lease": _int}, frames=2),
+    "store": Op({"reg": _int}, {"event": _int}, frames=2),
+    "load": Op({"reg": _int}, {"lease": _int, "layerwise": _bool}, frames=2),
     "release": Op({"lease": _int}),
     "heartbeat": Op(),
     "bye": Op(),
@@ -120,7 +126,7 @@ def parse_request(parts: list, ops: dict) -> Request:
 def _validate(header, frames: list, ops: dict) -> Request:
     if not isinstance(header, dict):
         raise BadRequest("header must be a msgpack map")
-    if header.get("v") not in SUPPORTED_VERSIONS:
+    if not _int(header.get("v")) or header.get("v") not in SUPPORTED_VERSIONS:
         raise VersionMismatch(f"protocol version {header.get('v')!r} not supported "
                               f"(supported: {list(SUPPORTED_VERSIONS)})")
     if not _int(header.get("id")):
@@ -241,6 +247,17 @@ def layout_from_wire(m) -> LayoutDescriptor:
         return LayoutDescriptor(**{**m, "bases": tuple((b[0], b[1]) for b in bases)})
     except ValueError as exc:
         raise BadRequest(f"layout: {exc}") from None
+
+
+IPC_HANDLE_BYTES = 64
+
+
+def events_from_wire(items, max_events: int) -> list:
+    if not isinstance(items, list) or len(items) > max_events:
+        raise BadRequest(f"events must be a list of at most {max_events} handles")
+    if not all(isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES for h in items):
+        raise BadRequest(f"every event handle must be {IPC_HANDLE_BYTES} bytes")
+    return items
 
 
 def buffers_from_wire(items, max_buffers: int) -> list:

@@ -5,7 +5,9 @@ left, allocate the arena, bind ``kvd.sock`` (engines) and ``control.sock``
 (operators) under umask 077. Each request runs as its own task so a slow
 copy never blocks other clients; every reply goes back through the socket
 it came from. A request that fails validation gets a typed error reply; a
-peer that sends more than ``max_message_bytes`` is dropped by ZeroMQ.
+peer that sends a frame larger than ``max_message_bytes`` is dropped by
+ZeroMQ (its limit is per frame), and a message whose frames together exceed
+it gets a ``too_large`` reply and is not run.
 SIGTERM/SIGINT: stop reading, let in-flight requests (and their copies)
 finish, remove sockets and arena, exit 0.
 """
@@ -24,7 +26,7 @@ import zmq.asyncio
 
 from . import protocol
 from .arena import SharedArena
-from .errors import ServerError, ShuttingDown
+from .errors import ServerError, ShuttingDown, TooLarge
 from .host_backend import HostCopyEngine
 from .host_tier import HostTier
 from .runtime import (InstanceLock, control_endpoint, engine_endpoint, instance_tag,
@@ -57,8 +59,11 @@ class Daemon:
         self.arena = SharedArena(shm_dir, instance_tag(self.runtime_dir), self.cfg.host_capacity)
         log.info("host tier: %.1f MiB at %s, allocated in %.2f s", self.cfg.host_capacity / 2**20,
                  self.arena.path, self.arena.setup_seconds)
-        engine = HostCopyEngine(self.arena.view, shm_dir, self.cfg.copy_threads)
-        self.service = Service(self.cfg, HostTier(self.cfg.host_capacity), engine)
+        engines = {"shm": HostCopyEngine(self.arena.view, shm_dir, self.cfg.copy_threads)}
+        cuda = make_cuda_engine(self.cfg, self.arena.view)
+        if cuda is not None:
+            engines["cuda_ipc"] = cuda
+        self.service = Service(self.cfg, HostTier(self.cfg.host_capacity), engines)
         self.ctx = zmq.asyncio.Context()
         old = os.umask(0o077)
         try:
@@ -66,8 +71,8 @@ class Daemon:
             self.control_sock = self._bind(control_endpoint(self.runtime_dir), protocol.MAX_HEADER_BYTES)
         finally:
             os.umask(old)
-        log.info("serving %s (backend %s, chunk %d tokens) — ready in %.2f s, pid %d",
-                 self.runtime_dir, engine.name, self.cfg.chunk_tokens, time.monotonic() - t0, os.getpid())
+        log.info("serving %s (backends %s, chunk %d tokens) — ready in %.2f s, pid %d",
+                 self.runtime_dir, self.service.backends, self.cfg.chunk_tokens, time.monotonic() - t0, os.getpid())
 
     def _bind(self, endpoint: str, max_bytes: int):
         sock = self.ctx.socket(zmq.ROUTER)
@@ -107,26 +112,31 @@ class Daemon:
         for name in ("kvd.sock", "control.sock"):
             (self.runtime_dir / name).unlink(missing_ok=True)
         if self.service is not None:
-            self.service.engine.close()
+            for engine in self.service.engines.values():
+                engine.close()
         if self.arena is not None:
             self.arena.close()
         self.lock.release()
 
     async def _serve(self, sock, ops: dict, handler) -> None:
+        max_bytes = sock.getsockopt(zmq.MAXMSGSIZE)
         while True:
             parts = await sock.recv_multipart(copy=True)
             if len(parts) < 2:
                 continue
-            task = asyncio.create_task(self._respond(sock, parts[0], parts[1:], ops, handler))
+            task = asyncio.create_task(self._respond(sock, parts[0], parts[1:], ops, handler, max_bytes))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    async def _respond(self, sock, peer: bytes, body: list, ops: dict, handler) -> None:
+    async def _respond(self, sock, peer: bytes, body: list, ops: dict, handler, max_bytes: int) -> None:
         t0 = time.perf_counter()
         req_id, op = None, "invalid"
         try:
             req = protocol.parse_request(body, ops)
             req_id, op = req.id, req.op
+            size = sum(len(frame) for frame in body)
+            if size > max_bytes:
+                raise TooLarge(f"message of {size} bytes exceeds max_message_bytes ({max_bytes})")
             reply = protocol.ok_reply(req_id, await handler(peer, req))
         except protocol.ProtocolError as exc:
             reply = protocol.error_reply(exc.req_id, exc.code, str(exc))
@@ -166,6 +176,24 @@ class Daemon:
 
     def sessions_stale(self, now: float):
         return self.service.sessions.stale(self.cfg.client_timeout_s, now)
+
+
+def make_cuda_engine(cfg, arena_view):
+    """The CUDA backend, or None when it is off or unavailable (``gpu = "on"``: an error)."""
+    if cfg.gpu == "off":
+        return None
+    try:
+        from .cuda_backend import CudaCopyEngine
+        engine = CudaCopyEngine(arena_view, cfg.gpu_max_blocks)
+        if not engine.uuid_to_ordinal:
+            raise RuntimeError("no CUDA device visible")
+    except Exception as exc:  # ImportError without cupy, CUDA errors without a driver
+        if cfg.gpu == "on":
+            raise RuntimeError(f"gpu = on but the CUDA backend is unavailable: {exc}") from None
+        log.info("CUDA backend off: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    log.info("CUDA backend on: %d GPU(s) visible", len(engine.uuid_to_ordinal))
+    return engine
 
 
 def serve(cfg) -> int:

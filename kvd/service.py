@@ -20,7 +20,7 @@ import numpy as np
 
 from . import protocol
 from .copy_engine import CopyPlan
-from .errors import BadRequest, CopyFailed, Forbidden, NoSession, NotFound, OutOfRange, TooLarge, VersionMismatch
+from .errors import BadRequest, CopyFailed, ServerError, Forbidden, NoSession, NotFound, OutOfRange, TooLarge, VersionMismatch
 from .host_tier import HostTier
 from .keys import namespace_digest
 from .sessions import Lease, Registration, Session, SessionTable
@@ -30,10 +30,11 @@ log = logging.getLogger("kvd")
 
 
 class Service:
-    def __init__(self, cfg, tier: HostTier, engine):
+    def __init__(self, cfg, tier: HostTier, engines: dict):
         self.cfg = cfg
         self.tier = tier
-        self.engine = engine
+        self.engines = engines  # buffer kind -> copy engine
+        self.backends = ",".join(sorted({e.name for e in engines.values()}))
         self.sessions = SessionTable()
         self.stats = Stats()
 
@@ -65,7 +66,7 @@ class Service:
                 "max_keys": self.cfg.max_keys_per_request,
                 "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
                 "client_timeout_s": self.cfg.client_timeout_s,
-                "lease_max_ms": self.cfg.lease_max_ms, "backend": self.engine.name}
+                "lease_max_ms": self.cfg.lease_max_ms, "backend": self.backends}
 
     async def op_heartbeat(self, session: Session, req):
         return {}
@@ -82,14 +83,25 @@ class Service:
         layout = protocol.layout_from_wire(f["layout"])
         buffers = protocol.buffers_from_wire(f["buffers"], 2 * layout.num_layers + 2)
         _check_layout_matches(ns, layout, f["tp_rank"])
-        pool = self.engine.open_pool(buffers, layout)
+        events = protocol.events_from_wire(f.get("events", []), 256)
+        engine = self._engine_for(buffers)
+        pool = engine.open_pool(buffers, layout, events)
         shard = 0 if ns.attention == "mla" else f["tp_rank"]  # MLA: one copy for all ranks
         reg = Registration(self.sessions.next_id(), session, ns, namespace_digest(ns),
-                           shard, layout, pool)
+                           shard, layout, pool, engine)
         session.registrations[reg.id] = reg
         self.sessions.registrations[reg.id] = reg
         return {"reg": reg.id, "shard_bytes": reg.shard_bytes, "namespace": reg.ns_digest,
-                "pages_per_chunk": reg.pages_per_chunk}
+                "pages_per_chunk": reg.pages_per_chunk,
+                "load_events": getattr(pool, "load_event_handles", [])}
+
+    def _engine_for(self, buffers: list):
+        kinds = {b["kind"] for b in buffers}
+        engine = self.engines.get(kinds.pop()) if len(kinds) == 1 else None
+        if engine is None:
+            raise BadRequest(f"buffers of kind {sorted({b['kind'] for b in buffers})} are not served "
+                             f"here (backends: {self.backends})")
+        return engine
 
     async def op_unregister(self, session: Session, req):
         reg = self._registration(session, req.fields["reg"])
@@ -109,7 +121,7 @@ class Service:
         await reg.drain()
         reg.session.registrations.pop(reg.id, None)
         self.sessions.registrations.pop(reg.id, None)
-        self.engine.close_pool(reg.pool)
+        reg.engine.close_pool(reg.pool)
 
     async def reap(self, session: Session, why: str) -> None:
         """Finish the session's copies, then drop its leases and pools."""
@@ -187,9 +199,10 @@ class Service:
             idx = np.concatenate([np.arange(i * reg.pages_per_chunk, (i + 1) * reg.pages_per_chunk)
                                   for i, _ in todo])
             plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, pages[idx],
-                            [e.shard_offset(reg.tp_rank) for _, e in todo])
+                            [e.shard_offset(reg.tp_rank) for _, e in todo],
+                            wait_event=req.fields.get("event"))
             try:
-                await self._copy(reg, self.engine.gather(plan))
+                await self._copy(reg, lambda: reg.engine.gather(plan))
             except BaseException:
                 for _, entry in todo:
                     self.tier.abort(entry, reg.tp_rank)
@@ -229,38 +242,62 @@ class Service:
         lease = self._lease(session, req.fields["lease"]) if "lease" in req.fields else None
         entries = self.tier.ready_prefix(keys)
         self.tier.pin(entries)
-        try:
-            if entries:
-                plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
-                                pages[:len(entries) * reg.pages_per_chunk],
-                                [e.shard_offset(reg.tp_rank) for e in entries])
-                await self._copy(reg, self.engine.scatter(plan))
-        finally:
+        result = {"loaded": len(entries)}
+
+        def finish(_=None):
             self.tier.unpin(entries)
             if lease is not None:
                 self._drop_lease(lease)
+
+        if not entries:
+            finish()
+            return result
+        plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
+                        pages[:len(entries) * reg.pages_per_chunk],
+                        [e.shard_offset(reg.tp_rank) for e in entries])
+        if req.fields.get("layerwise"):
+            # reply once the copies are queued: the engine waits on per-layer events
+            future = self._start_copy(reg, lambda: reg.engine.scatter(plan))
+            future.add_done_callback(finish)
+            result["slot"] = plan.event_slot
+        else:
+            try:
+                await self._copy(reg, lambda: reg.engine.scatter(plan))
+            finally:
+                finish()
         self.stats.add("chunks_loaded", len(entries))
         self.stats.add("bytes_loaded", len(entries) * reg.shard_bytes)
-        return {"loaded": len(entries)}
+        return result
 
-    async def _copy(self, reg: Registration, future: asyncio.Future) -> None:
+    def _start_copy(self, reg: Registration, start) -> asyncio.Future:
+        """Start a copy and track it on the registration until it completes."""
+        try:
+            future = asyncio.ensure_future(start())
+        except ServerError:
+            raise
+        except Exception as exc:
+            log.exception("copy could not start")
+            raise CopyFailed(f"copy could not start: {type(exc).__name__}: {exc}") from None
         reg.inflight.add(future)
+        future.add_done_callback(reg.inflight.discard)
+        future.add_done_callback(_log_failure)
+        return future
+
+    async def _copy(self, reg: Registration, start) -> None:
+        future = self._start_copy(reg, start)
         try:
             await asyncio.shield(future)
         except asyncio.CancelledError:
             await asyncio.gather(future, return_exceptions=True)  # never leave a copy running unowned
             raise
         except Exception as exc:
-            log.exception("copy failed")
             raise CopyFailed(f"copy failed: {type(exc).__name__}: {exc}") from None
-        finally:
-            reg.inflight.discard(future)
 
     # ---- control ops ----------------------------------------------------------
 
     async def control(self, op: str):
         if op == "health":
-            return {"status": "ok", "pid": os.getpid(), "backend": self.engine.name,
+            return {"status": "ok", "pid": os.getpid(), "backend": self.backends,
                     "uptime_s": self.stats.summary()["uptime_s"]}
         if op == "clear":
             dropped, kept = self.tier.clear()
@@ -271,8 +308,13 @@ class Service:
         return {"tiers": {"host": self.tier.stats()}, **self.stats.summary(),
                 "latency": self.stats.latency_ms(), "clients": len(self.sessions),
                 "registrations": len(self.sessions.registrations),
-                "leases": len(self.sessions.leases), "backend": self.engine.name,
+                "leases": len(self.sessions.leases), "backend": self.backends,
                 "chunk_tokens": self.cfg.chunk_tokens}
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("copy failed: %r", future.exception())
 
 
 def _check_layout_matches(ns, layout, tp_rank: int) -> None:

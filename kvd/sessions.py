@@ -29,6 +29,7 @@ class Registration:
     tp_rank: int  # the shard this pool fills: the TP rank, or 0 for MLA
     layout: LayoutDescriptor
     pool: object
+    engine: object
     inflight: set = field(default_factory=set)
     closing: bool = False
 

@@ -7,9 +7,12 @@ bf16 latent, vLLM MLA layout) at page sizes 1/16/64; 256-token chunks,
 random pages. Each kernel figure is the median of several runs timed with
 CUDA events, measured interleaved with one cudaMemcpyAsync of the same byte
 count between device memory and pinned host memory (device -> host for
-gather, host -> device for scatter). "staged" rows copy through a device
-staging buffer (kernel + one DMA) instead of zero-copy. Prints a table last;
---out writes every figure as JSON.
+gather, host -> device for scatter). Modes: "zero-copy" is one call for all
+chunks, the kernel reading or writing pinned host memory directly;
+"staged" copies through a device staging buffer (kernel + one DMA);
+"1chunk-calls" is one call per chunk; "per-layer" one call per layer (all
+chunks), as layer-wise loads would. Prints a table last; --out writes every
+figure as JSON.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class Bench:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.copiers = {}
         self.rows = []
+        self.host_us = []
 
     def copier(self, cap, threads, unroll=4):
         key = (cap, threads, unroll)
@@ -137,6 +141,16 @@ def run_pool(bench, kind, layers, page_size, n_chunks, caps, extra):
                 def fn(cop=cop):
                     h2d()
                     cop.scatter(bases, pages, dptrs, **params)
+            elif mode == "1chunk-calls":
+                def fn(cop=cop, direction=direction):
+                    call = getattr(cop, direction)
+                    for k in range(n_chunks):
+                        call(bases, pages[k * ppc:(k + 1) * ppc], hptrs[k:k + 1], **params)
+            elif mode == "per-layer":
+                def fn(cop=cop, direction=direction):
+                    call = getattr(cop, direction)
+                    for layer in range(layers):
+                        call(bases, pages, hptrs, layer_begin=layer, layer_end=layer + 1, **params)
             else:
                 def fn(cop=cop, direction=direction):
                     getattr(cop, direction)(bases, pages, hptrs, **params)
@@ -157,8 +171,10 @@ def run_pool(bench, kind, layers, page_size, n_chunks, caps, extra):
         cop.gather(bases, pages[:ppc], hptrs[:1], **params)
         host_us.append((time.perf_counter() - t0) * 1e6)
         bench.stream.synchronize()
-    print(f"{kind} page {page_size}: host time per 1-chunk gather call "
-          f"{statistics.median(host_us):.1f} us (median of 50)", flush=True)
+    line = (f"{kind} page {page_size}: host time of one 1-chunk gather call "
+            f"{statistics.median(host_us):.1f} us (median of 50)")
+    bench.host_us.append(line)
+    print(line, flush=True)
     del pool, staging, host, mem
 
 
@@ -167,7 +183,7 @@ def main():
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--mla-layers", type=int, default=61)
-    ap.add_argument("--caps", default="8,16,32,132")
+    ap.add_argument("--caps", default="2,4,8,16,32,132")
     ap.add_argument("--quick", action="store_true", help="fewer configurations")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -176,23 +192,27 @@ def main():
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     print(f"GPU {name}, {props['multiProcessorCount']} SMs, cupy {cp.__version__}", flush=True)
     bench = Bench(args.reps)
-    variants = [(16, 256, 4, "zero-copy"), (16, 1024, 4, "zero-copy"), (16, 512, 8, "zero-copy"),
-                (32, 512, 4, "staged")]
+    common = [(16, 512, 4, "staged"), (16, 512, 4, "1chunk-calls"), (16, 512, 4, "per-layer")]
+    variants = [(2, 1024, 4, "zero-copy"), (4, 1024, 4, "zero-copy"), (16, 256, 4, "zero-copy"),
+                (16, 1024, 4, "zero-copy"), (16, 512, 8, "zero-copy")]
     for ps in (1, 16, 64, 256):
-        extra = variants if ps in (1, 16) and not args.quick else [(32, 512, 4, "staged")]
+        extra = common + (variants if ps == 16 and not args.quick else [])
         run_pool(bench, "llama", 32, ps, args.chunks, caps, extra)
-    run_pool(bench, "llama", 32, 16, 1, [32], [])
+    run_pool(bench, "llama", 32, 16, 1, [16], [])
     for ps in (1, 16, 64):
-        run_pool(bench, "mla", args.mla_layers, ps, args.chunks, caps, [(32, 512, 4, "staged")])
+        run_pool(bench, "mla", args.mla_layers, ps, args.chunks, caps, common)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": name, "rows": bench.rows}, f, indent=1)
-    print(f"\nGPU {name}; GB/s = 10^9 B/s; memcpy = one cudaMemcpyAsync of the same bytes, "
+    print()
+    for line in bench.host_us:
+        print(line)
+    print(f"GPU {name}; GB/s = 10^9 B/s; memcpy = one cudaMemcpyAsync of the same bytes, "
           f"pinned host, same run; ratio = memcpy time / kernel time; median of {args.reps}")
-    print(f"{'pool':5} {'page':>4} {'dir':7} {'mode':9} {'cap':>4} {'thr':>4} {'unr':>3} "
+    print(f"{'pool':5} {'page':>4} {'dir':7} {'mode':12} {'cap':>4} {'thr':>4} {'unr':>3} "
           f"{'MB':>6} {'vec':>3} {'kernel':>7} {'memcpy':>7} {'ratio':>6}")
     for r in bench.rows:
-        print(f"{r['pool']:5} {r['page']:>4} {r['dir']:7} {r['mode']:9} {r['cap']:>4} "
+        print(f"{r['pool']:5} {r['page']:>4} {r['dir']:7} {r['mode']:12} {r['cap']:>4} "
               f"{r['threads']:>4} {r['unroll']:>3} {r['MB']:>6.0f} {r['vec']!s:>3} "
               f"{r['kernel_GBps']:>7.1f} {r['memcpy_GBps']:>7.1f} {r['ratio']:>6.3f}")
 

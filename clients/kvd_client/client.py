@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,8 +37,13 @@ class KVRegistration:
     namespace: Namespace
     tp_rank: int
     fields: dict
+    pool: object = None
     id: int = 0
     pages_per_chunk: int = 0
+    load_event_handles: list = field(default_factory=list)
+    load_events: dict = field(default_factory=dict)  # slot -> opened torch events, per layer
+    last_slot: int | None = None
+    next_store_event: int = 0
 
 
 class KvdClient:
@@ -82,6 +87,7 @@ class KvdClient:
     def _register(self, reg: KVRegistration) -> None:
         result = self.channel.request("register", reg.fields)
         reg.id, reg.pages_per_chunk = result["reg"], result["pages_per_chunk"]
+        reg.load_event_handles, reg.load_events, reg.last_slot = result.get("load_events", []), {}, None
 
     def _call(self, op: str, fields: dict, frames=(), reg: KVRegistration | None = None):
         """One request; on a daemon restart (no session) re-hello and retry once."""
@@ -131,7 +137,9 @@ class KvdClient:
                        chunk_tokens=self.chunk_tokens, tp_size=tp_size)
         fields = {"namespace": protocol.namespace_to_wire(ns), "tp_rank": tp_rank,
                   "buffers": pool.buffers, "layout": protocol.layout_to_wire(pool.descriptor)}
-        reg = KVRegistration(ns, tp_rank, fields)
+        if getattr(pool, "event_handles", None):
+            fields["events"] = pool.event_handles
+        reg = KVRegistration(ns, tp_rank, fields, pool)
         with self._lock:
             try:
                 self._register(reg)
@@ -174,23 +182,53 @@ class KvdClient:
         keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
         if not keys:
             return 0
-        res = self._guard(lambda: self._call("store", {}, [protocol.keys_frame(keys), pages], reg),
+        fields = self._record_store_event(reg)
+        res = self._guard(lambda: self._call("store", fields, [protocol.keys_frame(keys), pages], reg),
                           {"stored": 0, "deduped": 0})
         return (res["stored"] + res["deduped"]) * self.chunk_tokens
 
     def load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
-             reg: KVRegistration | None = None) -> int:
-        """Copy the cached prefix of ``tokens`` into ``page_ids``; returns tokens loaded."""
+             reg: KVRegistration | None = None, layerwise: bool = False) -> int:
+        """Copy the cached prefix of ``tokens`` into ``page_ids``; returns tokens loaded.
+
+        ``layerwise`` (CUDA pools): return once the copies are queued; call
+        ``wait_for_layer(i)`` before layer i's attention reads its KV."""
         reg = self._default(reg)
         keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
         if not keys:
             return 0
-        fields = {}
+        fields = {"layerwise": True} if layerwise else {}
         if lease is not None:
             fields["lease"] = lease
         res = self._guard(lambda: self._call("load", fields, [protocol.keys_frame(keys), pages], reg),
                           {"loaded": 0})
+        reg.last_slot = res.get("slot")
         return res["loaded"] * self.chunk_tokens
+
+    def wait_for_layer(self, layer: int, reg: KVRegistration | None = None) -> None:
+        """Make the current CUDA stream wait until layer ``layer`` of the last
+        layer-wise load has landed (no host round trip). No-op without one."""
+        import torch
+        reg = self._default(reg)
+        if reg.last_slot is None:
+            return
+        events = reg.load_events.get(reg.last_slot)
+        if events is None:
+            handles = reg.load_event_handles[reg.last_slot]
+            events = [torch.cuda.Event.from_ipc_handle(reg.pool.device, h) for h in handles]
+            reg.load_events[reg.last_slot] = events
+        torch.cuda.current_stream(reg.pool.device).wait_event(events[layer])
+
+    def _record_store_event(self, reg: KVRegistration) -> dict:
+        """CUDA pools: the daemon's copy waits for what this stream has queued so far."""
+        events = getattr(reg.pool, "store_events", None)
+        if not events:
+            return {}
+        import torch
+        index = reg.next_store_event
+        reg.next_store_event = (index + 1) % len(events)
+        events[index].record(torch.cuda.current_stream(reg.pool.device))
+        return {"event": index}
 
     def release(self, lease: int) -> None:
         self._guard(lambda: self._call("release", {"lease": lease}), None)

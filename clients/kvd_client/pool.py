@@ -69,7 +69,7 @@ class SharedKVPool:
         self.tensors = [self.raw[o:o + int(np.prod(s)) * item].view(STORAGE[dtype]).reshape(s)
                         for o, s in zip(offsets, shapes)]
         refs = [L.TensorRef(0, o, s, t.strides, item) for o, s, t in zip(offsets, shapes, self.tensors)]
-        self.descriptor = _describe(layout, refs, page_size)
+        self.descriptor = L.describe(layout, refs, page_size)
         self.buffers = [{"kind": "shm", "path": str(self.path), "size": size}]
 
     def close(self) -> None:
@@ -82,16 +82,6 @@ class SharedKVPool:
             pass  # caller still holds a tensor; the mapping goes when it is collected
         self._map = None
         self.path.unlink(missing_ok=True)
-
-
-def _describe(layout: str, refs: list, page_size: int) -> L.LayoutDescriptor:
-    if layout == "sglang_mha":
-        return L.sglang_mha(refs[0::2], refs[1::2], page_size)
-    if layout == "sglang_mla":
-        return L.sglang_mla(refs, page_size)
-    if layout == "page_first":
-        return L.page_first(refs[0])
-    return getattr(L, layout)(refs)
 
 
 def _remove_dead_pools(shm_dir: Path) -> None:

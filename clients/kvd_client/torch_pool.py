@@ -1,0 +1,67 @@
+"""CudaKVPool: describe an engine's torch CUDA KV tensors for ``register_kv``.
+
+Takes the tensors in the engine's own layout (see kvd.layout) and produces
+the layout descriptor and the ``cuda_ipc`` buffer list: one buffer per
+distinct CUDA allocation the tensors live in, with each tensor's byte
+offset inside it (caching allocators rarely start a tensor at its
+allocation). Also creates the interprocess events a store waits on, so the
+daemon's copy starts only after the engine's stream wrote the KV.
+Tensors:
+
+- ``vllm_flash_attn``, ``vllm_flashinfer``, ``vllm_mla``: one tensor per layer
+- ``sglang_mha``: one ``(k, v)`` pair per layer; ``sglang_mla``: one per layer
+- ``page_first``: a single tensor
+"""
+
+from __future__ import annotations
+
+from kvd import layout as L
+
+from kvd.cuda_driver import export_allocation
+
+STORE_EVENTS = 16  # ring of interprocess events a store can wait on
+
+
+class CudaKVPool:
+    def __init__(self, layout: str, tensors, page_size: int | None = None):
+        import torch
+
+        self.layout_name = layout
+        flat = _flatten(layout, tensors)
+        first = flat[0]
+        if not first.is_cuda:
+            raise ValueError("CudaKVPool takes CUDA tensors; use SharedKVPool for host memory")
+        self.device = first.device
+        self.kv_dtype = str(first.dtype).removeprefix("torch.")
+        self.attention = "mla" if layout.endswith("mla") else "mha"
+        self.num_layers = len(flat) // (2 if layout == "sglang_mha" else 1)
+        if layout == "page_first":
+            self.num_layers = first.shape[1]
+        self.kv_heads = 1 if self.attention == "mla" else first.shape[-2]
+        self.head_dim = first.shape[-1]
+        self.buffers, refs, index = [], [], {}
+        for t in flat:
+            alloc = export_allocation(t.data_ptr())
+            if alloc.base not in index:
+                index[alloc.base] = len(self.buffers)
+                self.buffers.append({"kind": "cuda_ipc", "handle": alloc.handle, "offset": 0,
+                                     "size": alloc.size, "device_uuid": alloc.device_uuid})
+            item = t.element_size()
+            refs.append(L.TensorRef(index[alloc.base], t.data_ptr() - alloc.base, tuple(t.shape),
+                                    tuple(s * item for s in t.stride()), item))
+        self.descriptor = L.describe(layout, refs, page_size)
+        self.tensors = tensors  # keep the memory alive while registered
+        with torch.cuda.device(self.device):
+            self.store_events = [torch.cuda.Event(interprocess=True, blocking=False)
+                                 for _ in range(STORE_EVENTS)]
+        self.event_handles = [ev.ipc_handle() for ev in self.store_events]
+
+
+def _flatten(layout: str, tensors) -> list:
+    if layout == "page_first":
+        return [tensors]
+    if layout == "sglang_mha":
+        return [t for pair in tensors for t in pair]
+    if layout not in L.LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {', '.join(L.LAYOUTS)}")
+    return list(tensors)
