@@ -10,6 +10,7 @@ configs/kvd.toml and docs/config.md list the same knobs (a test checks).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -92,6 +93,8 @@ def _coerce(knob: Knob, value):
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {value!r}")
         out = value
+    if knob.kind == "float" and not math.isfinite(out):
+        raise ValueError(f"must be a finite number, got {out}")
     if knob.minimum is not None and out < knob.minimum:
         raise ValueError(f"must be >= {knob.minimum}, got {out}")
     if knob.choices and out not in knob.choices:

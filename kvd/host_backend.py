@@ -4,7 +4,7 @@ Serves CPU inference engines and runs the whole protocol where there is no
 GPU. A pool buffer is ``{kind: "shm", path, size}``: a regular file inside
 the configured shm directory, owned by the daemon's user, opened without
 following symlinks and at least ``size`` bytes long; it is mapped
-read/write. Copies run on a small thread pool (numpy releases the GIL for
+read/write; the daemon's own arena is refused. Copies run on a small thread pool (numpy releases the GIL for
 the bulk of a copy) and complete through asyncio futures.
 """
 
@@ -35,8 +35,10 @@ class HostPool:
 class HostCopyEngine:
     name = "host"
 
-    def __init__(self, arena: np.ndarray, shm_dir: Path, threads: int = 2):
+    def __init__(self, arena: np.ndarray, shm_dir: Path, threads: int = 2, arena_path: Path | None = None):
         self.arena = arena
+        st = os.stat(arena_path) if arena_path else None
+        self._arena_id = (st.st_dev, st.st_ino) if st else None
         self.shm_dir = Path(shm_dir).resolve()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvd-copy")
 
@@ -71,6 +73,8 @@ class HostCopyEngine:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
                 raise BadRequest(f"buffers[{i}]: {path} is not a regular file of our user")
+            if (st.st_dev, st.st_ino) == self._arena_id:
+                raise BadRequest(f"buffers[{i}]: {path} is the daemon's own host tier")
             if size < 1 or st.st_size < size:
                 raise BadRequest(f"buffers[{i}]: {path} holds {st.st_size} bytes, not {size}")
             return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)

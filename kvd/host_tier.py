@@ -78,6 +78,8 @@ class HostTier:
         return entry, True
 
     def _allocate(self, size: int) -> int:
+        if self.alloc.rounded(size) > self.capacity:
+            raise NoSpace(f"a chunk of {size} bytes is larger than the host tier ({self.capacity} bytes)")
         offset = self.alloc.alloc(size)
         while offset is None:
             if not self._evict_one():

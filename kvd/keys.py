@@ -91,9 +91,16 @@ def chain_root(ns_digest: bytes, salt: str | None = None) -> bytes:
 
 def chunk_keys(root: bytes, tokens, chunk_tokens: int) -> list[bytes]:
     """Keys of every whole chunk of ``tokens`` (ints in [0, 2**32))."""
-    ids = np.asarray(tokens, dtype=np.int64)
+    try:
+        ids = np.asarray(tokens)
+    except (OverflowError, ValueError):
+        raise ValueError("token ids must lie in [0, 2**32)") from None
     if ids.ndim != 1:
         raise ValueError("tokens must be a 1-d sequence of token ids")
+    if ids.size == 0:
+        ids = ids.astype(np.int64)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got {ids.dtype}")
     if ids.size and (ids.min() < 0 or ids.max() >= 2**32):
         raise ValueError("token ids must lie in [0, 2**32)")
     n = ids.size // chunk_tokens

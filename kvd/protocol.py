@@ -66,7 +66,7 @@ OPS = {
     "register": Op({"namespace": _map, "tp_rank": _int, "buffers": _list, "layout": _map},
                    {"events": _list}),
     "unregister": Op({"reg": _int}),
-    "lookup": Op({"reg": _int}, {"lease_ms": _int, "salt": _str}, frames=1),
+    "lookup": Op({"reg": _int}, {"lease_ms": _int}, frames=1),
     "store": Op({"reg": _int}, {"event": _int}, frames=2),
     "load": Op({"reg": _int}, {"lease": _int, "layerwise": _bool}, frames=2),
     "release": Op({"lease": _int}),
@@ -96,13 +96,18 @@ def pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def _refuse_ext(code, data):
+    raise ValueError("msgpack ext types are not allowed")
+
+
 def unpack_header(data: bytes):
     if len(data) > MAX_HEADER_BYTES:
         raise TooLarge(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True,
                                max_str_len=MAX_HEADER_BYTES, max_bin_len=MAX_HEADER_BYTES,
-                               max_array_len=65536, max_map_len=64, max_ext_len=0)
+                               max_array_len=65536, max_map_len=64, max_ext_len=0,
+                               ext_hook=_refuse_ext)
     except Exception as exc:  # msgpack raises many types for garbage input
         raise BadRequest(f"malformed msgpack header: {type(exc).__name__}") from None
 
@@ -115,7 +120,10 @@ def encode_request(req_id: int, op: str, fields: dict | None = None, frames=()) 
 
 def parse_request(parts: list, ops: dict) -> Request:
     """Validate a request's frames against ``ops``; raise ProtocolError."""
-    header = unpack_header(bytes(parts[0])) if parts else None
+    try:
+        header = unpack_header(bytes(parts[0])) if parts else None
+    except ServerError as exc:
+        raise ProtocolError(None, exc) from None
     req_id = header.get("id") if isinstance(header, dict) and _int(header.get("id")) else None
     try:
         return _validate(header, parts[1:], ops)

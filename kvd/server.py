@@ -59,7 +59,8 @@ class Daemon:
         self.arena = SharedArena(shm_dir, instance_tag(self.runtime_dir), self.cfg.host_capacity)
         log.info("host tier: %.1f MiB at %s, allocated in %.2f s", self.cfg.host_capacity / 2**20,
                  self.arena.path, self.arena.setup_seconds)
-        engines = {"shm": HostCopyEngine(self.arena.view, shm_dir, self.cfg.copy_threads)}
+        engines = {"shm": HostCopyEngine(self.arena.view, shm_dir, self.cfg.copy_threads,
+                                             self.arena.path)}
         cuda = make_cuda_engine(self.cfg, self.arena.view)
         if cuda is not None:
             engines["cuda_ipc"] = cuda

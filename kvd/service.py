@@ -52,7 +52,7 @@ class Service:
     # ---- session ops ----------------------------------------------------------
 
     async def hello(self, peer: bytes, f: dict):
-        if protocol.VERSION not in f["versions"]:
+        if not any(v == protocol.VERSION and type(v) is int for v in f["versions"]):
             raise VersionMismatch(f"client speaks {f['versions']!r}, daemon speaks {protocol.VERSION}")
         old = self.sessions.by_peer.get(peer)
         if old is not None:
@@ -255,7 +255,7 @@ class Service:
         plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
                         pages[:len(entries) * reg.pages_per_chunk],
                         [e.shard_offset(reg.tp_rank) for e in entries])
-        if req.fields.get("layerwise"):
+        if req.fields.get("layerwise") and reg.engine.name == "cuda":
             # reply once the copies are queued: the engine waits on per-layer events
             future = self._start_copy(reg, lambda: reg.engine.scatter(plan))
             future.add_done_callback(finish)

@@ -72,7 +72,8 @@ class Channel:
             try:
                 got_id, result = protocol.parse_reply(parts)
             except protocol.ServerError as exc:
-                if getattr(exc, "req_id", None) != req_id:
+                # id None: the daemon could not read our header; we have one request in flight
+                if getattr(exc, "req_id", None) not in (req_id, None):
                     continue  # an error reply to an earlier, timed-out request
                 raise
             if got_id == req_id:
