@@ -105,8 +105,10 @@ class CudaCopyEngine:
         t0 = time.monotonic()
         for start in range(0, size, REGISTER_PIECE):
             piece = min(REGISTER_PIECE, size - start)
-            self.rt.hostRegister(self.arena_ptr + start, piece, 0x1)  # cudaHostRegisterPortable
+            self.rt.hostRegister(self.arena_ptr + start, piece, 0x3)  # Portable | Mapped
         self.registered = True
+        if self.rt.hostGetDevicePointer(self.arena_ptr, 0) != self.arena_ptr:
+            raise RuntimeError("this GPU cannot use host pointers of registered memory (no UVA)")
         log.info("host tier pinned for the GPU in %.2f s (%d pieces)", time.monotonic() - t0,
                  -(-size // REGISTER_PIECE))
 
