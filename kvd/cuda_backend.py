@@ -107,7 +107,7 @@ class CudaCopyEngine:
             piece = min(REGISTER_PIECE, size - start)
             self.rt.hostRegister(self.arena_ptr + start, piece, 0x3)  # Portable | Mapped
         self.registered = True
-        if self.rt.hostGetDevicePointer(self.arena_ptr, 0) != self.arena_ptr:
+        if self.rt.pointerGetAttributes(self.arena_ptr).devicePointer != self.arena_ptr:
             raise RuntimeError("this GPU cannot use host pointers of registered memory (no UVA)")
         log.info("host tier pinned for the GPU in %.2f s (%d pieces)", time.monotonic() - t0,
                  -(-size // REGISTER_PIECE))
