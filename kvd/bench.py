@@ -4,7 +4,7 @@ Starts ``kvd serve`` in a subprocess on a temporary runtime dir, registers
 a shared-memory pool with the host backend, and times end-to-end
 ``store`` (engine pages -> host tier) and ``load`` (host tier -> other
 pages) of the same chunks, each next to a plain numpy copy of the same
-number of bytes measured in the same run. Prints medians of ``--repeat``
+number of bytes measured in the same run (``--gpu``: kvd.bench_gpu). Prints medians of ``--repeat``
 runs and the ratios. A benchmark, not a test: it asserts nothing about speed.
 """
 
@@ -32,9 +32,16 @@ def add_arguments(p) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per cached chunk")
     p.add_argument("--chunks", type=int, default=8, help="chunks per store/load request")
     p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
+    p.add_argument("--gpu", action="store_true", help="benchmark the CUDA path (needs torch, cupy, "
+                   "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
+    p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
 
 
 def run(args) -> int:
+    if args.gpu:
+        from .bench_gpu import run as run_gpu
+        return run_gpu(args)
     from kvd_client import KvdClient, SharedKVPool
 
     row = args.kv_heads * args.head_dim * DTYPE_SIZES[args.dtype]
@@ -66,9 +73,9 @@ def run(args) -> int:
     return 0
 
 
-def _start_daemon(rundir: str, capacity: int, chunk_tokens: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", rundir,
-           "--host-capacity", str(capacity), "--chunk-tokens", str(chunk_tokens), "--log-level", "warning"]
+def _start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", rundir, "--host-capacity",
+           str(capacity), "--chunk-tokens", str(chunk_tokens), "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(rundir, "control.sock")):

@@ -46,7 +46,8 @@ _IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess
 class _Device:
     ordinal: int
     copier: KernelCopier
-    stream: object
+    gather_stream: object   # stores and loads on their own streams, so both
+    scatter_stream: object  # directions of PCIe can be busy at once
 
 
 @dataclass
@@ -89,7 +90,7 @@ class CudaCopyEngine:
             with self.cp.cuda.Device(ordinal):
                 self._register_arena()
                 dev = _Device(ordinal, KernelCopier(ordinal, max_blocks=self.max_blocks),
-                              self.cp.cuda.Stream(non_blocking=True))
+                              self.cp.cuda.Stream(non_blocking=True), self.cp.cuda.Stream(non_blocking=True))
             self.devices[ordinal] = dev
             log.info("GPU %d (%s): kernels compiled, stream ready", ordinal, uuid)
         return dev
@@ -150,7 +151,8 @@ class CudaCopyEngine:
 
     def close_pool(self, pool: CudaPool) -> None:
         with self.cp.cuda.Device(pool.device.ordinal):
-            pool.device.stream.synchronize()
+            pool.device.gather_stream.synchronize()
+            pool.device.scatter_stream.synchronize()
             self._close_ptrs(pool.ptrs)
             for ev in pool.store_events:
                 self.rt.eventDestroy(ev)
@@ -170,10 +172,10 @@ class CudaCopyEngine:
             if plan.wait_event is not None:
                 if not 0 <= plan.wait_event < len(pool.store_events):
                     raise BadRequest(f"event {plan.wait_event} is not one of the registered events")
-                self.rt.streamWaitEvent(dev.stream.ptr, pool.store_events[plan.wait_event], 0)
-            dev.copier.gather(pool.bases, plan.page_ids, self._chunk_ptrs(plan),
-                              chunk_tokens=plan.chunk_tokens, stream=dev.stream, **desc_params(plan.layout))
-            return self._completion(dev)
+                self.rt.streamWaitEvent(dev.gather_stream.ptr, pool.store_events[plan.wait_event], 0)
+            dev.copier.gather(pool.bases, plan.page_ids, self._chunk_ptrs(plan), chunk_tokens=plan.chunk_tokens,
+                              stream=dev.gather_stream, **desc_params(plan.layout))
+            return self._completion(dev.gather_stream)
 
     def scatter(self, plan: CopyPlan) -> asyncio.Future:
         pool, dev = plan.pool, plan.pool.device
@@ -185,20 +187,21 @@ class CudaCopyEngine:
         with self.cp.cuda.Device(dev.ordinal):
             for layer in layers:
                 dev.copier.scatter(pool.bases, plan.page_ids, ptrs, chunk_tokens=plan.chunk_tokens,
-                                   stream=dev.stream, layer_begin=layer, layer_end=layer + 1,
+                                   stream=dev.scatter_stream, layer_begin=layer, layer_end=layer + 1,
                                    **desc_params(plan.layout))
-                self.rt.eventRecord(pool.load_events[slot][layer], dev.stream.ptr)
-            return self._completion(dev)
+                self.rt.eventRecord(pool.load_events[slot][layer], dev.scatter_stream.ptr)
+            return self._completion(dev.scatter_stream)
 
-    def _completion(self, dev: _Device) -> asyncio.Future:
+    def _completion(self, stream) -> asyncio.Future:
         done = self.cp.cuda.Event(block=True, disable_timing=True)
-        done.record(dev.stream)
+        done.record(stream)
         return asyncio.get_running_loop().run_in_executor(self.waiter, done.synchronize)
 
     def close(self) -> None:
         self.waiter.shutdown(wait=True)
         for dev in self.devices.values():
-            dev.stream.synchronize()
+            dev.gather_stream.synchronize()
+            dev.scatter_stream.synchronize()
         if self.registered:
             for start in range(0, self.arena.nbytes, REGISTER_PIECE):
                 self.rt.hostUnregister(self.arena_ptr + start)

@@ -30,10 +30,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def make_tensors(layout: str, layers: int, pages: int, page_size: int, heads: int, dim: int, dtype):
-    def rnd(*shape):
-        return torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(dtype)
+    item = torch.tensor([], dtype=dtype).element_size()
 
-    dim_bytes = dim * torch.tensor([], dtype=dtype).element_size()
+    def rnd(*shape):
+        raw = (*shape[:-1], shape[-1] * item)
+        return torch.randint(0, 256, raw, dtype=torch.uint8, device="cuda").view(dtype)
+
     if layout == "vllm_flash_attn":
         return [rnd(2, pages, page_size, heads, dim) for _ in range(layers)]
     if layout == "vllm_flashinfer":
@@ -44,7 +46,7 @@ def make_tensors(layout: str, layers: int, pages: int, page_size: int, heads: in
         return [(rnd(pages * page_size, heads, dim), rnd(pages * page_size, heads, dim)) for _ in range(layers)]
     if layout == "sglang_mla":
         return [rnd(pages * page_size, 1, dim) for _ in range(layers)]
-    assert layout == "page_first" and dim_bytes
+    assert layout == "page_first"
     return rnd(pages, layers, 2, page_size, heads, dim)
 
 
@@ -136,7 +138,8 @@ def test_store_waits_for_the_engine_stream(gpu_daemon):
     with kvd_client.KvdClient(runtime_dir=str(gpu_daemon.runtime_dir), raise_errors=True) as client:
         client.register_kv(pool, model="ordering")
         tokens = np.arange(CHUNK)
-        fresh = [torch.randint(0, 256, t.shape, dtype=torch.uint8, device="cuda") for t in tensors]
+        fresh = [torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, device="cuda")
+                 for t in tensors]
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the new KV lands
         for t, f in zip(tensors, fresh):

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Everything GPU in one go, on the GPU machine:
+#   bash .gpu/run.sh bash tools/gpu_all.sh            (logs under $OUT)
+# 1. every GPU test (kernels in-process; daemon + engines over CUDA IPC);
+# 2. `kvd bench --gpu` (end-to-end offload/load vs pinned cudaMemcpy, GEMM slowdown).
+# Set GPU_STEPS=tests or GPU_STEPS=bench to run one step.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/clients:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+steps=${GPU_STEPS:-tests,bench}
+rc=0
+if [[ $steps == *tests* ]]; then
+  echo "== pytest -m gpu"
+  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu_kernels.py tests/test_gpu_ipc.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU TESTS FAILED"; rc=1; }
+fi
+if [[ $steps == *bench* ]]; then
+  echo "== kvd bench --gpu"
+  timeout 400 python3 -m kvd bench --gpu ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_bench.log" | tail -n 20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU BENCH FAILED"; rc=1; }
+fi
+exit $rc
