@@ -2,7 +2,7 @@
 # work with `--gpus all`; without GPUs the host backend serves as usual.
 #
 #   docker build -t kvd .
-#   docker run -d --name kvd --ipc=host --gpus all \
+#   docker run -d --name kvd --ipc=host --gpus all --ulimit memlock=-1 \
 #     -v /run/kvd:/run/kvd kvd
 #
 # --ipc=host: the host tier and engines' host-backend pools live in
