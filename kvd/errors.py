@@ -87,9 +87,13 @@ class CopyFailed(ServerError):
     code = "copy_failed"
 
 
+class DeadlineExceeded(ServerError):
+    code = "deadline_exceeded"
+
+
 SERVER_ERRORS = {cls.code: cls for cls in (
     ServerError, BadRequest, VersionMismatch, UnknownOp, NoSession, NotFound, Forbidden,
-    OutOfRange, NoSpace, TooLarge, ShuttingDown, CopyFailed)}
+    OutOfRange, NoSpace, TooLarge, ShuttingDown, CopyFailed, DeadlineExceeded)}
 
 
 def server_error(code: str, message: str) -> ServerError:

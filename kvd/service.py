@@ -20,7 +20,7 @@ import numpy as np
 
 from . import protocol
 from .copy_engine import CopyPlan
-from .errors import BadRequest, CopyFailed, ServerError, Forbidden, NoSession, NotFound, OutOfRange, TooLarge, VersionMismatch
+from .errors import BadRequest, CopyFailed, DeadlineExceeded, ServerError, Forbidden, NoSession, NotFound, OutOfRange, TooLarge, VersionMismatch
 from .host_tier import HostTier
 from .keys import namespace_digest
 from .sessions import Lease, Registration, Session, SessionTable
@@ -203,6 +203,7 @@ class Service:
                             wait_event=req.fields.get("event"))
             try:
                 await self._copy(reg, lambda: reg.engine.gather(plan))
+                _check_deadline(req.fields.get("deadline_us"))
             except BaseException:
                 for _, entry in todo:
                     self.tier.abort(entry, reg.tp_rank)
@@ -310,6 +311,13 @@ class Service:
                 "registrations": len(self.sessions.registrations),
                 "leases": len(self.sessions.leases), "backend": self.backends,
                 "chunk_tokens": self.cfg.chunk_tokens}
+
+
+def _check_deadline(deadline_us) -> None:
+    """A store finished after its client gave up: the engine may already have
+    reused the pages mid-copy, so the bytes cannot be trusted."""
+    if deadline_us is not None and time.monotonic_ns() // 1000 > deadline_us:
+        raise DeadlineExceeded("the store finished after the client's deadline; nothing kept")
 
 
 def _log_failure(future: asyncio.Future) -> None:

@@ -22,3 +22,23 @@ def test_store_lookup_load_roundtrip(daemon):
     stats = daemon.stats()
     assert stats["tiers"]["host"]["chunks"] == 2
     assert stats["hits"] == 2 and stats["misses"] == 2
+
+
+def test_store_completing_after_the_deadline_is_discarded(daemon):
+    from kvd import protocol
+    from kvd.errors import DeadlineExceeded
+    with kvd_client.KvdClient(runtime_dir=str(daemon.runtime_dir), raise_errors=True) as client:
+        pool = kvd_client.SharedKVPool("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")
+        reg = client.register_kv(pool, model="deadline")
+        tokens = np.arange(16)
+        frames = [protocol.keys_frame(client.keys(tokens)), protocol.pages_frame(np.arange(4))]
+        try:
+            client.channel.request("store", {"reg": reg.id, "deadline_us": 1}, frames)
+        except DeadlineExceeded:
+            pass
+        else:
+            raise AssertionError("a store past its deadline was kept")
+        assert client.lookup(tokens) == 0
+        assert client.store(tokens, np.arange(4)) == 16  # the client's own deadline is in the future
+        assert client.lookup(tokens) == 16
+        pool.close()

@@ -183,6 +183,9 @@ class KvdClient:
         if not keys:
             return 0
         fields = self._record_store_event(reg)
+        # CLOCK_MONOTONIC is one clock for every process of the host: the daemon
+        # drops a store that completes after we stopped waiting for it
+        fields["deadline_us"] = (time.monotonic_ns() // 1000) + int(self.timeout * 1e6)
         res = self._guard(lambda: self._call("store", fields, [protocol.keys_frame(keys), pages], reg),
                           {"stored": 0, "deduped": 0})
         return (res["stored"] + res["deduped"]) * self.chunk_tokens
