@@ -68,7 +68,7 @@ OPS = {
     "unregister": Op({"reg": _int}),
     "lookup": Op({"reg": _int}, {"lease_ms": _int}, frames=1),
     "store": Op({"reg": _int}, {"event": _int, "deadline_us": _int}, frames=2),
-    "load": Op({"reg": _int}, {"lease": _int, "layerwise": _bool}, frames=2),
+    "load": Op({"reg": _int}, {"lease": _int, "layerwise": _bool, "deadline_us": _int}, frames=2),
     "release": Op({"lease": _int}),
     "heartbeat": Op(),
     "bye": Op(),

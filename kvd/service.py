@@ -253,6 +253,11 @@ class Service:
         if not entries:
             finish()
             return result
+        try:
+            _check_deadline(req.fields.get("deadline_us"))  # the client gave up: leave its pages alone
+        except DeadlineExceeded:
+            finish()
+            raise
         plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
                         pages[:len(entries) * reg.pages_per_chunk],
                         [e.shard_offset(reg.tp_rank) for e in entries])
@@ -314,8 +319,8 @@ class Service:
 
 
 def _check_deadline(deadline_us) -> None:
-    """A store finished after its client gave up: the engine may already have
-    reused the pages mid-copy, so the bytes cannot be trusted."""
+    """Past the client's deadline: it stopped waiting and may reuse its pages, so a
+    finished store cannot be trusted and a load must not start."""
     if deadline_us is not None and time.monotonic_ns() // 1000 > deadline_us:
         raise DeadlineExceeded("the store finished after the client's deadline; nothing kept")
 

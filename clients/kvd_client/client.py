@@ -201,6 +201,7 @@ class KvdClient:
         if not keys:
             return 0
         fields = {"layerwise": True} if layerwise else {}
+        fields["deadline_us"] = (time.monotonic_ns() // 1000) + int(self.timeout * 1e6)
         if lease is not None:
             fields["lease"] = lease
         res = self._guard(lambda: self._call("load", fields, [protocol.keys_frame(keys), pages], reg),
