@@ -39,8 +39,8 @@ SAMPLES = {
                   "layout": LAYOUT_WIRE, "events": [b"\x01" * 64, b"\x02" * 64]}, []),
     "unregister": ({"reg": 5}, []),
     "lookup": ({"reg": 5, "lease_ms": 100}, [KEYS2]),
-    "store": ({"reg": 5, "event": 1}, [KEYS2, PAGES]),
-    "load": ({"reg": 5, "lease": 9, "layerwise": True}, [KEYS2, PAGES]),
+    "store": ({"reg": 5, "event": 1, "deadline_us": 10**12}, [KEYS2, PAGES]),
+    "load": ({"reg": 5, "lease": 9, "layerwise": True, "deadline_us": 10**12}, [KEYS2, PAGES]),
     "release": ({"lease": 9}, []),
     "heartbeat": ({}, []),
     "bye": ({}, []),
@@ -436,7 +436,7 @@ def test_error_reply_raises_typed_error(code):
 def test_error_codes_are_distinct_and_documented():
     from pathlib import Path
     doc = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
-    assert len(SERVER_ERRORS) == 12
+    assert len(SERVER_ERRORS) == 13
     for code, cls in SERVER_ERRORS.items():
         assert cls.code == code
         assert f"| `{code}` | `{cls.__name__}` |" in doc, f"{code} missing from docs/protocol.md"
