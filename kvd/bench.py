@@ -4,7 +4,8 @@ Starts ``kvd serve`` in a subprocess on a temporary runtime dir, registers
 a shared-memory pool with the host backend, and times end-to-end
 ``store`` (engine pages -> host tier) and ``load`` (host tier -> other
 pages) of the same chunks, each next to a plain numpy copy of the same
-number of bytes measured in the same run (``--gpu``: kvd.bench_gpu). Prints medians of ``--repeat``
+number of bytes measured in the same run (``--gpu``: kvd.bench_gpu;
+``--disk``: kvd.bench_disk). Prints medians of ``--repeat``
 runs and the ratios. A benchmark, not a test: it asserts nothing about speed.
 """
 
@@ -36,9 +37,14 @@ def add_arguments(p) -> None:
                    "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
+    from .bench_disk import add_arguments as add_disk_arguments
+    add_disk_arguments(p)
 
 
 def run(args) -> int:
+    if args.disk:
+        from .bench_disk import run as run_disk
+        return run_disk(args)
     if args.gpu:
         from .bench_gpu import run as run_gpu
         return run_gpu(args)

@@ -3,10 +3,13 @@
 This process is the engine: it allocates torch KV pools on the GPU, exports
 them through CUDA IPC and times client calls to completion (``store``
 returns once the daemon's gather finished; ``load`` once its scatter did).
+Page ids are a random permutation (an engine's free list scatters them).
 Baselines measured in the same run: one pinned ``cudaMemcpy`` of the same
 bytes in each direction, and both directions at once on two streams. Also
 the slowdown of a bf16 GEMM running on the engine's stream while copies
-run. Medians of ``--repeat`` runs. A benchmark, not a test.
+run, and the copy throughput meanwhile (kernels of two processes time-slice
+the GPU unless MPS is on, so a small slowdown can mean starved copies).
+Medians of ``--repeat`` runs. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -105,7 +108,8 @@ def _measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape, page, args
     b = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
     a.register_kv(store_pool, model=f"bench-{name}")
     b.register_kv(load_pool, model=f"bench-{name}")
-    pages = np.arange(n * ppc)
+    perm = np.random.default_rng(page).permutation(2 * n * ppc)  # engines' pages are scattered
+    pages, other = perm[:n * ppc], perm[n * ppc:]
     times = {"store": [], "load": [], "both": []}
     base = 10**6 * page
     for i in range(args.repeat + 1):
@@ -117,10 +121,10 @@ def _measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape, page, args
         loaded = b.load(tokens, pages)
         t2 = time.perf_counter()
         fresh = tokens + n * chunk  # store new chunks while loading the ones just stored
-        worker = threading.Thread(target=a.store, args=(fresh, pages + n * ppc))
+        worker = threading.Thread(target=a.store, args=(fresh, other))
         t3 = time.perf_counter()
         worker.start()
-        b.load(tokens, pages + n * ppc)
+        b.load(tokens, other)
         worker.join()
         t4 = time.perf_counter()
         if stored != len(tokens) or loaded != len(tokens):
@@ -159,25 +163,34 @@ def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
     pool = _make_pool(torch, CudaKVPool, shape, 2 * n * (chunk // page), page)
     client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
     client.register_kv(pool, model="bench-gemm")
-    stop = threading.Event()
+    stop, window = threading.Event(), threading.Event()
+    moved = [0, 0.0]  # bytes stored + loaded while the GEMMs were timed, and that time
 
     def copy_loop():
         i = 0
-        pages = np.arange(n * (chunk // page))
+        perm = np.random.default_rng(0).permutation(2 * n * (chunk // page))
+        pages, other = perm[:len(perm) // 2], perm[len(perm) // 2:]
         while not stop.is_set():
             tokens = np.arange(n * chunk) + 10**9 + i * n * chunk
+            timed, t0 = window.is_set(), time.perf_counter()
             client.store(tokens, pages)
-            client.load(tokens, pages + len(pages))
+            client.load(tokens, other)
+            if timed and window.is_set():
+                moved[0] += 2 * _request_bytes(shape, n, chunk)
+                moved[1] += time.perf_counter() - t0
             i += 1
 
     worker = threading.Thread(target=copy_loop)
     worker.start()
     time.sleep(0.2)
+    window.set()
     busy = statistics.median(gemm_ms() for _ in range(args.repeat))
+    window.clear()
     stop.set()
     worker.join()
     client.close()
-    return {"alone_ms": alone, "with_copies_ms": busy, "slowdown": busy / alone - 1}
+    return {"alone_ms": alone, "with_copies_ms": busy, "slowdown": busy / alone - 1,
+            "copy_GBps": moved[0] / moved[1] / 1e9 if moved[1] else 0.0}
 
 
 def _report(torch, rows, gemm, args) -> None:
@@ -193,4 +206,5 @@ def _report(torch, rows, gemm, args) -> None:
               f"{2 * gb / r['both']:>8.1f}{r['memcpy_both'] / r['both']:>7.2f}"
               f"   {gb / r['memcpy_d2h']:.1f}/{gb / r['memcpy_h2d']:.1f}/{2 * gb / r['memcpy_both']:.1f}")
     print(f"\nbf16 GEMM 8192^3: {gemm['alone_ms']:.3f} ms alone, {gemm['with_copies_ms']:.3f} ms while "
-          f"kvd copies (llama3-8b, page 16): slowdown {gemm['slowdown']:+.1%}")
+          f"kvd copies (llama3-8b, page 16): slowdown {gemm['slowdown']:+.1%}; the copies meanwhile "
+          f"{gemm['copy_GBps']:.1f} GB/s (store + load, whole requests inside the timed GEMMs)")

@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 when the daemon is serving")
     _add_runtime(health)
     ctl = sub.add_parser("ctl", help="operator actions")
-    ctl.add_argument("action", choices=["clear"], help="clear: drop every cached chunk not in use")
+    ctl.add_argument("action", choices=["clear", "flush-disk", "clear-disk"],
+                     help="clear: drop every host-tier chunk not in use; flush-disk: copy every "
+                     "host chunk to the disk tier and wait until its write queue is empty; "
+                     "clear-disk: delete every disk-tier chunk not being read")
     _add_runtime(ctl)
     cfg = sub.add_parser("config", help="print the default config file (TOML, commented)")
     cfg.add_argument("--defaults", action="store_true", help="(the only mode for now)")
@@ -74,7 +77,8 @@ def _control(args) -> int:
     from kvd_client.transport import Channel
 
     from .runtime import control_endpoint, resolve_runtime_dir
-    op = {"stats": "stats", "health": "health", "ctl": getattr(args, "action", None)}[args.command]
+    action = (getattr(args, "action", None) or "").replace("-", "_")
+    op = {"stats": "stats", "health": "health", "ctl": action}[args.command]
     channel = Channel(control_endpoint(resolve_runtime_dir(args.runtime_dir)), args.timeout)
     try:
         result = channel.request(op)
@@ -97,6 +101,13 @@ def format_stats(s: dict) -> str:
     for name, t in s["tiers"].items():
         lines.append(f"{name:<8}{_size(t['capacity_bytes']):>14}{_size(t['used_bytes']):>14}"
                      f"{t['chunks']:>10}{t['evictions']:>11}")
+    disk = s["tiers"].get("disk")
+    if disk:
+        lines.append(f"disk: demotions {disk['demotions']} (dropped {disk['demotions_dropped']}, "
+                     f"failed {disk['demotions_failed']})  promotions {disk['promotions']}  "
+                     f"write {disk['write_gbps']} GB/s  read {disk['read_gbps']} GB/s  "
+                     f"checksum failures {disk['checksum_failures']}  io errors {disk['io_errors']}  "
+                     f"recovery {disk['recovery']['state']} ({disk['recovery']['chunks']} chunks)")
     lines.append("")
     lines.append(f"hits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
                  f"dedup {s['store_dedup']}")

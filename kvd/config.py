@@ -66,6 +66,18 @@ KNOBS = (
          "(fail start-up without them), off.", choices=("auto", "on", "off")),
     Knob("gpu_max_blocks", "int", 32, "Cap on thread blocks of one copy kernel, so copies leave "
          "the engines their SMs.", minimum=1),
+    Knob("disk_dir", "str", "", "Directory of the disk tier (one file per chunk). Empty: no disk "
+         "tier."),
+    Knob("disk_capacity", "size", 64 * 2**30, "Bytes the disk tier may use (headers included).",
+         minimum=8192),
+    Knob("disk_io_threads", "int", 4, "Threads doing disk tier IO (reads and writes in flight).",
+         minimum=1),
+    Knob("disk_queue_chunks", "int", 256, "Demotions queued or in flight at most; more are "
+         "dropped and counted, never waited for.", minimum=1),
+    Knob("disk_high_watermark", "float", 0.9, "Host tier fill (fraction of host_capacity) above "
+         "which the coldest chunks are copied to disk.", minimum=0.1),
+    Knob("disk_min_hits", "int", 0, "Demote only chunks looked up at least this often (0: all).",
+         minimum=0),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
     Knob("log_level", "str", "info", "Logging level.", choices=("debug", "info", "warning", "error")),
 )
@@ -144,6 +156,8 @@ def load_config(path: str | None = None, env: dict | None = None, overrides: dic
     from_env = {k.name: env[f"KVD_{k.name.upper()}"] for k in KNOBS if f"KVD_{k.name.upper()}" in env}
     _apply(values, from_env, "environment")
     _apply(values, {k: v for k, v in (overrides or {}).items() if v is not None}, "command line")
+    if values["disk_high_watermark"] > 1.0:
+        raise ConfigError("disk_high_watermark", "must be <= 1.0")
     if values["client_timeout_s"] <= values["heartbeat_interval_s"]:
         raise ConfigError("client_timeout_s", "must be larger than heartbeat_interval_s")
     return Config(values)

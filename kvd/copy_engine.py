@@ -12,7 +12,7 @@ shared memory, kvd.host_backend) and ``cuda`` (CUDA IPC + kernels,
 kvd.cuda_backend). The service picks the engine per pool by buffer kind.
 A CUDA pool also has interprocess events: ``events`` are the client's
 (a gather may wait on one), and the pool's ``load_event_handles`` are the
-per-layer events its scatters record.
+per-layer events its layer-wise scatters record.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ class CopyPlan:
     chunk_tokens: int
     page_ids: np.ndarray      # int64, pages_per_chunk ids per chunk, chunk-major
     shard_offsets: list[int]  # arena byte offset of each chunk's shard
-    layers: range | None = None  # scatter only: a layer subrange (layer-wise loads)
+    layers: range | None = None  # scatter only: a layer subrange
     wait_event: int | None = None  # gather only: index of a registered client event to wait on
-    event_slot: int | None = None  # set by a scatter that records per-layer events
+    layerwise: bool = False        # scatter only: record per-layer events as layers land
+    event_slot: int | None = None  # set by a layer-wise scatter: the event set it records
 
     @property
     def pages_per_chunk(self) -> int:

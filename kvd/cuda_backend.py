@@ -1,21 +1,31 @@
-"""CUDA copy backend: engine KV pools opened through CUDA IPC, copies by kernels.
+"""CUDA copy backend: engine KV pools opened through CUDA IPC, DMA-driven copies.
 
 A pool buffer is ``{kind: "cuda_ipc", handle, offset, size, device_uuid}``:
 the daemon maps the UUID to its own device ordinal (engines usually run
 with CUDA_VISIBLE_DEVICES), opens the handle once on that device, checks
 that ``offset + size`` lies inside the opened allocation, and closes it in
 ``close_pool`` (called only after the pool's copies completed). A CUDA
-context, a stream and the compiled kernels exist only on devices some
-client registered memory on. The host arena is registered with the driver
-as pinned (portable, in pieces) on first use; kernels read and write it
-through unified addressing.
+context, streams, the compiled kernels and the staging rings exist only on
+devices some client registered memory on. The host arena is registered
+with the driver as pinned (portable, in pieces) on first use.
+
+A copy takes the first of three paths that applies: direct (``kvd.cuda_dma``:
+one batched DMA call, no kernel) where a page of one plane is a contiguous
+run of at least ``MIN_RUN_BYTES`` and the driver batches DMA; staged
+(``kvd.cuda_staging``: per GPU and direction a ring of ``stage_slots``
+device buffers of ``stage_slot_bytes``, so 2 x slots x bytes of the engine
+GPU's memory, 128 MiB by default; kernels between the pool and the ring, DMA
+between the ring and the arena) where one layer of one chunk fits a slot;
+else zero-copy kernels reading and writing the arena through unified
+addressing.
 
 Ordering: a store may name one of the client's interprocess events; the
-daemon's stream waits on it before gathering. A scatter records one
-interprocess event per layer (a ring of ``LOAD_SLOTS`` sets per pool), so
-the engine's stream can wait for layer i while later layers still copy.
-Completion of every copy is a blocking-sync event waited on by a helper
-thread, which resolves the asyncio future.
+daemon's first copy waits on it. A layer-wise load records one
+interprocess event per layer once that layer landed (a ring of
+``LOAD_SLOTS`` sets per pool), so the engine's stream can wait for layer i
+while later layers still copy. Completion of every copy is a blocking-sync
+event waited on by a helper thread, which resolves the asyncio future; at
+debug level that thread logs how long the enqueue and the copy took.
 """
 
 from __future__ import annotations
@@ -31,13 +41,17 @@ import numpy as np
 
 from . import cuda_driver
 from .copy_engine import CopyPlan
+from .cuda_dma import MIN_RUN_BYTES, BatchDma, direct_runs
 from .cuda_kernels import KernelCopier, desc_params, plane_bases
+from .cuda_staging import StagingRing
 from .errors import BadRequest
 from .layout import LayoutDescriptor
 
 log = logging.getLogger("kvd")
 LOAD_SLOTS = 4
 REGISTER_PIECE = 1 << 30
+STAGE_SLOTS = 2
+STAGE_SLOT_BYTES = 32 << 20
 _EVENT_FLAGS = 0x2 | 0x4  # cudaEventDisableTiming | cudaEventInterprocess
 _IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess
 
@@ -46,8 +60,10 @@ _IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess
 class _Device:
     ordinal: int
     copier: KernelCopier
-    gather_stream: object   # stores and loads on their own streams, so both
-    scatter_stream: object  # directions of PCIe can be busy at once
+    dma: BatchDma | None
+    streams: list              # [store kernels, store DMA, load kernels, load DMA]: stores and
+    store: StagingRing | None  # loads have their own streams and slots, so both directions
+    load: StagingRing | None   # of PCIe can be busy at once
 
 
 @dataclass
@@ -65,13 +81,15 @@ class CudaPool:
 class CudaCopyEngine:
     name = "cuda"
 
-    def __init__(self, arena: np.ndarray, max_blocks: int = 32):
+    def __init__(self, arena: np.ndarray, max_blocks: int = 32, stage_slots: int = STAGE_SLOTS,
+                 stage_slot_bytes: int = STAGE_SLOT_BYTES):
         import cupy
         self.cp = cupy
         self.rt = cupy.cuda.runtime
         self.arena = arena
         self.arena_ptr = arena.ctypes.data
         self.max_blocks = max_blocks
+        self.stage = (stage_slots, stage_slot_bytes)
         self.devices: dict[int, _Device] = {}
         self.registered = False
         self.waiter = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvd-cuda-wait")
@@ -89,11 +107,26 @@ class CudaCopyEngine:
         if dev is None:
             with self.cp.cuda.Device(ordinal):
                 self._register_arena()
-                dev = _Device(ordinal, KernelCopier(ordinal, max_blocks=self.max_blocks),
-                              self.cp.cuda.Stream(non_blocking=True), self.cp.cuda.Stream(non_blocking=True))
+                dev = self._make_device(ordinal)
             self.devices[ordinal] = dev
-            log.info("GPU %d (%s): kernels compiled, stream ready", ordinal, uuid)
+            log.info("GPU %d (%s): kernels compiled, streams and %d x %d MiB staging slots ready",
+                     ordinal, uuid, 2 * self.stage[0], self.stage[1] >> 20)
         return dev
+
+    def _make_device(self, ordinal: int) -> _Device:
+        copier = KernelCopier(ordinal, max_blocks=self.max_blocks)
+        streams = [self.cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+        slots, slot_bytes = self.stage
+        rings = [None, None]
+        if slots > 0:
+            rings = [StagingRing(self.cp, "gather", copier, streams[0], streams[1], slots, slot_bytes),
+                     StagingRing(self.cp, "scatter", copier, streams[2], streams[3], slots, slot_bytes)]
+        try:
+            dma = BatchDma()
+        except RuntimeError as exc:
+            log.info("GPU %d: no batched DMA, every copy is staged: %s", ordinal, exc)
+            dma = None
+        return _Device(ordinal, copier, dma, streams, rings[0], rings[1])
 
     def _register_arena(self) -> None:
         if self.registered:
@@ -151,8 +184,8 @@ class CudaCopyEngine:
 
     def close_pool(self, pool: CudaPool) -> None:
         with self.cp.cuda.Device(pool.device.ordinal):
-            pool.device.gather_stream.synchronize()
-            pool.device.scatter_stream.synchronize()
+            for stream in pool.device.streams:
+                stream.synchronize()
             self._close_ptrs(pool.ptrs)
             for ev in pool.store_events:
                 self.rt.eventDestroy(ev)
@@ -166,42 +199,121 @@ class CudaCopyEngine:
     def _chunk_ptrs(self, plan: CopyPlan) -> np.ndarray:
         return np.asarray(plan.shard_offsets, dtype=np.uint64) + np.uint64(self.arena_ptr)
 
+    @staticmethod
+    def _geometry(plan: CopyPlan) -> dict:
+        return {**desc_params(plan.layout), "chunk_tokens": plan.chunk_tokens}
+
     def gather(self, plan: CopyPlan) -> asyncio.Future:
+        t0 = time.perf_counter()
         pool, dev = plan.pool, plan.pool.device
+        wait = None
+        if plan.wait_event is not None:
+            if not 0 <= plan.wait_event < len(pool.store_events):
+                raise BadRequest(f"event {plan.wait_event} is not one of the registered events")
+            wait = pool.store_events[plan.wait_event]
+        ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
+        layers = range(plan.layout.num_layers)
         with self.cp.cuda.Device(dev.ordinal):
-            if plan.wait_event is not None:
-                if not 0 <= plan.wait_event < len(pool.store_events):
-                    raise BadRequest(f"event {plan.wait_event} is not one of the registered events")
-                self.rt.streamWaitEvent(dev.gather_stream.ptr, pool.store_events[plan.wait_event], 0)
-            dev.copier.gather(pool.bases, plan.page_ids, self._chunk_ptrs(plan), chunk_tokens=plan.chunk_tokens,
-                              stream=dev.gather_stream, **desc_params(plan.layout))
-            return self._completion(dev.gather_stream)
+            if self._direct(plan):
+                stream, how = dev.streams[1], "direct DMA"
+                if wait is not None:
+                    self.rt.streamWaitEvent(stream.ptr, wait, 0)
+                pool_addrs, canon, sizes = (np.concatenate(r) for r in zip(*self._runs(plan, ptrs, layers)))
+                dev.dma.copy(canon, pool_addrs, sizes, stream)
+            elif (pieces := _plan(dev.store, plan, layers, False)) is not None:
+                how = f"{len(pieces)} staged pieces"
+                stream = dev.store.run(pieces, pool.bases, plan.page_ids, ptrs, geometry,
+                                       wait_event=wait)
+            else:
+                stream, how = dev.streams[0], "zero-copy kernel"
+                if wait is not None:
+                    self.rt.streamWaitEvent(stream.ptr, wait, 0)
+                dev.copier.gather(pool.bases, plan.page_ids, ptrs, stream=stream, **geometry)
+            return self._completion(stream, "gather", plan, how, t0)
 
     def scatter(self, plan: CopyPlan) -> asyncio.Future:
+        t0 = time.perf_counter()
         pool, dev = plan.pool, plan.pool.device
         layers = plan.layers or range(plan.layout.num_layers)
-        slot = pool.next_slot
-        pool.next_slot = (slot + 1) % LOAD_SLOTS
-        plan.event_slot = slot
-        ptrs = self._chunk_ptrs(plan)
+        events = None
+        if plan.layerwise:
+            slot = pool.next_slot
+            pool.next_slot = (slot + 1) % LOAD_SLOTS
+            plan.event_slot = slot
+            events = pool.load_events[slot]
+        ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
         with self.cp.cuda.Device(dev.ordinal):
-            for layer in layers:
-                dev.copier.scatter(pool.bases, plan.page_ids, ptrs, chunk_tokens=plan.chunk_tokens,
-                                   stream=dev.scatter_stream, layer_begin=layer, layer_end=layer + 1,
-                                   **desc_params(plan.layout))
-                self.rt.eventRecord(pool.load_events[slot][layer], dev.scatter_stream.ptr)
-            return self._completion(dev.scatter_stream)
+            if self._direct(plan):
+                stream, how = dev.streams[3], "direct DMA"
+                runs = self._runs(plan, ptrs, layers)
+                if events is None:
+                    dev.dma.copy(*(np.concatenate(r) for r in zip(*runs)), stream)
+                else:
+                    for layer, (pool_addrs, canon, sizes) in zip(layers, runs):
+                        dev.dma.copy(pool_addrs, canon, sizes, stream)
+                        self.rt.eventRecord(events[layer], stream.ptr)
+            elif (pieces := _plan(dev.load, plan, layers, plan.layerwise)) is not None:
+                how = f"{len(pieces)} staged pieces"
+                stream = dev.load.run(pieces, pool.bases, plan.page_ids, ptrs, geometry,
+                                      layer_events=events)
+            else:
+                stream, how = dev.streams[2], "zero-copy kernels"
+                with dev.copier.batch("scatter", pool.bases, plan.page_ids, ptrs, stream=stream,
+                                      **geometry) as batch:
+                    if events is None:
+                        batch.launch_all(layers.start, layers.stop)
+                    else:
+                        for layer in layers:
+                            batch.launch_all(layer, layer + 1)
+                            self.rt.eventRecord(events[layer], stream.ptr)
+            return self._completion(stream, "scatter", plan, how, t0)
 
-    def _completion(self, stream) -> asyncio.Future:
+    @staticmethod
+    def _direct(plan: CopyPlan) -> bool:
+        """Whole pages of one plane are contiguous runs worth a DMA each."""
+        lay = plan.layout
+        return (plan.pool.device.dma is not None and lay.token_stride == lay.row_bytes
+                and lay.page_size * lay.row_bytes >= MIN_RUN_BYTES)
+
+    @staticmethod
+    def _runs(plan: CopyPlan, ptrs: np.ndarray, layers: range) -> list:
+        lay = plan.layout
+        return direct_runs(plan.pool.bases, plan.page_ids, ptrs, layers, lay.planes,
+                           plan.chunk_tokens, lay.page_size, lay.page_stride, lay.row_bytes)
+
+    def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float) -> asyncio.Future:
         done = self.cp.cuda.Event(block=True, disable_timing=True)
         done.record(stream)
-        return asyncio.get_running_loop().run_in_executor(self.waiter, done.synchronize)
+        enqueued = time.perf_counter()
+
+        def wait() -> None:
+            done.synchronize()
+            if log.isEnabledFor(logging.DEBUG):
+                nbytes = len(plan.shard_offsets) * plan.layout.shard_bytes(plan.chunk_tokens)
+                took = time.perf_counter() - t0
+                log.debug("%s of %d chunks, %.1f MB, %s: enqueued in %.3f ms, landed after "
+                          "%.3f ms (%.1f GB/s)", what, len(plan.shard_offsets), nbytes / 1e6, how,
+                          (enqueued - t0) * 1e3, took * 1e3, nbytes / took / 1e9)
+
+        return asyncio.get_running_loop().run_in_executor(self.waiter, wait)
 
     def close(self) -> None:
         self.waiter.shutdown(wait=True)
         for dev in self.devices.values():
-            dev.gather_stream.synchronize()
-            dev.scatter_stream.synchronize()
+            with self.cp.cuda.Device(dev.ordinal):
+                for stream in dev.streams:
+                    stream.synchronize()
+                for ring in (dev.store, dev.load):
+                    if ring is not None:
+                        ring.close()
         if self.registered:
             for start in range(0, self.arena.nbytes, REGISTER_PIECE):
                 self.rt.hostUnregister(self.arena_ptr + start)
+
+
+def _plan(ring: StagingRing | None, plan: CopyPlan, layers: range, per_layer: bool):
+    """The ring's pieces for this copy, or None (no ring, or a layer too large for a slot)."""
+    if ring is None:
+        return None
+    layer_bytes = plan.layout.planes * plan.chunk_tokens * plan.layout.row_bytes
+    return ring.plan(len(plan.shard_offsets), layers.start, layers.stop, layer_bytes, per_layer)

@@ -26,12 +26,17 @@ Contract:
   widest of 8, 4, 2, 1 bytes that fits.
 - The grid is capped at ``max_blocks`` blocks of ``threads`` threads
   (grid-stride loop), so a copy leaves the engine the rest of the SMs.
-- The small tables (bases, page ids, chunk pointers) travel in one
-  host-to-device copy from a pinned staging slot, on a side stream that the
-  copy's stream then waits for (an event), so back-to-back copies on one
-  stream have no table upload between their kernels. ``slots`` slots are
-  reused round-robin; reusing one first waits (host side) until the copy
-  that last used it has finished.
+- ``batch(kind, ...)`` validates one request and uploads its small tables
+  (bases, page ids, chunk pointers) once; the returned ``CopyBatch``
+  launches any number of kernels over them (chunk and layer subranges, a
+  chunk-pointer table indexed apart from the page ids: ``kvd.cuda_staging``
+  points each piece at a staging slot). ``gather``/``scatter`` are one
+  batch with one launch.
+- Tables travel in one host-to-device copy from a pinned staging slot, on a
+  side stream that the copy's stream then waits for (an event), so
+  back-to-back copies on one stream have no table upload between their
+  kernels. ``slots`` slots are reused round-robin; reusing one first waits
+  (host side) until the batch that last used it has finished.
 """
 
 from __future__ import annotations
@@ -151,35 +156,33 @@ class KernelCopier:
         self._next = 0
 
     def gather(self, plane_bases: Sequence[int], page_ids: Sequence[int],
-               chunk_ptrs: Sequence[int], *, num_layers: int, planes: int,
-               chunk_tokens: int, page_size: int, page_stride: int, token_stride: int,
-               row_bytes: int, stream: Any = None, layer_begin: int = 0,
-               layer_end: int | None = None, num_pages: int | None = None) -> None:
-        """Pool pages -> canonical shards at ``chunk_ptrs`` (asynchronous on ``stream``)."""
-        self._copy("gather", plane_bases, page_ids, chunk_ptrs, num_layers, planes,
-                   chunk_tokens, page_size, page_stride, token_stride, row_bytes, stream,
-                   layer_begin, layer_end, num_pages)
+               chunk_ptrs: Sequence[int], *, stream: Any = None, layer_begin: int = 0,
+               layer_end: int | None = None, **geometry: Any) -> None:
+        """Pool pages -> canonical shards at ``chunk_ptrs`` (asynchronous on ``stream``).
+        ``geometry``: ``num_layers, planes, chunk_tokens, page_size, page_stride,
+        token_stride, row_bytes`` and optionally ``num_pages`` (see ``desc_params``)."""
+        with self.batch("gather", plane_bases, page_ids, chunk_ptrs, stream=stream, **geometry) as b:
+            b.launch_all(layer_begin, layer_end)
 
     def scatter(self, plane_bases: Sequence[int], page_ids: Sequence[int],
-                chunk_ptrs: Sequence[int], *, num_layers: int, planes: int,
-                chunk_tokens: int, page_size: int, page_stride: int, token_stride: int,
-                row_bytes: int, stream: Any = None, layer_begin: int = 0,
-                layer_end: int | None = None, num_pages: int | None = None) -> None:
+                chunk_ptrs: Sequence[int], *, stream: Any = None, layer_begin: int = 0,
+                layer_end: int | None = None, **geometry: Any) -> None:
         """Canonical shards at ``chunk_ptrs`` -> pool pages (asynchronous on ``stream``)."""
-        self._copy("scatter", plane_bases, page_ids, chunk_ptrs, num_layers, planes,
-                   chunk_tokens, page_size, page_stride, token_stride, row_bytes, stream,
-                   layer_begin, layer_end, num_pages)
+        with self.batch("scatter", plane_bases, page_ids, chunk_ptrs, stream=stream, **geometry) as b:
+            b.launch_all(layer_begin, layer_end)
 
-    def _copy(self, kind: str, bases_in: Sequence[int], pids_in: Sequence[int],
-              ptrs_in: Sequence[int], num_layers: int, planes: int, chunk_tokens: int,
+    def batch(self, kind: str, plane_bases: Sequence[int], page_ids: Sequence[int],
+              chunk_ptrs: Sequence[int], *, num_layers: int, planes: int, chunk_tokens: int,
               page_size: int, page_stride: int, token_stride: int, row_bytes: int,
-              stream: Any, layer_begin: int, layer_end: int | None,
-              num_pages: int | None) -> None:
-        bases = np.ascontiguousarray(bases_in, dtype=np.uint64).reshape(-1)
-        pids = np.ascontiguousarray(pids_in, dtype=np.int64).reshape(-1)
-        ptrs = np.ascontiguousarray(ptrs_in, dtype=np.uint64).reshape(-1)
-        if layer_end is None:
-            layer_end = num_layers
+              stream: Any = None, num_pages: int | None = None) -> "CopyBatch":
+        """Validate and upload the tables of one request once; launch its kernels
+        through the returned ``CopyBatch`` (a context manager: leaving it marks the
+        tables' slot free once the launched kernels are done)."""
+        if kind not in ("gather", "scatter"):
+            raise ValueError("kind must be gather or scatter")
+        bases = np.ascontiguousarray(plane_bases, dtype=np.uint64).reshape(-1)
+        pids = np.ascontiguousarray(page_ids, dtype=np.int64).reshape(-1)
+        ptrs = np.ascontiguousarray(chunk_ptrs, dtype=np.uint64).reshape(-1)
         if num_layers < 1 or planes not in (1, 2):
             raise ValueError("num_layers must be >= 1 and planes 1 or 2")
         if bases.size != num_layers * planes:
@@ -188,50 +191,21 @@ class KernelCopier:
             raise ValueError("chunk_tokens must be a positive multiple of page_size")
         if row_bytes < 1 or page_stride < 0 or token_stride < 0:
             raise ValueError("row_bytes must be >= 1 and strides >= 0")
-        if not 0 <= layer_begin <= layer_end <= num_layers:
-            raise ValueError(f"bad layer range [{layer_begin}, {layer_end}) of {num_layers}")
         ppc = chunk_tokens // page_size
-        n_chunks = ptrs.size
-        if pids.size != n_chunks * ppc:
-            raise ValueError(f"expected {n_chunks * ppc} page ids for {n_chunks} chunks, "
-                             f"got {pids.size}")
+        if pids.size % ppc:
+            raise ValueError(f"{pids.size} page ids are not whole chunks of {ppc} pages")
         if pids.size and (int(pids.min()) < 0 if num_pages is None  # one pass: -1 wraps high
                           else int(pids.view(np.uint64).max()) >= num_pages):
             raise ValueError("page id out of range")
-        rows_per_chunk = (layer_end - layer_begin) * planes * chunk_tokens
-        if n_chunks == 0 or rows_per_chunk == 0:
-            return
-        if rows_per_chunk > _MAX_ROWS:
-            raise ValueError("one chunk has too many rows for one launch")
         vec = vector_bytes(row_bytes, page_stride, token_stride, bases, ptrs)
-        group = group_threads(row_bytes, vec)
-        per_launch = _MAX_ROWS // rows_per_chunk
         cp = self._cp
         if stream is None:
             stream = cp.cuda.get_current_stream()
         with cp.cuda.Device(self.device_id):
-            for first in range(0, n_chunks, per_launch):
-                last = min(n_chunks, first + per_launch)
-                rows = (last - first) * rows_per_chunk
-                blocks = max(1, min(self.max_blocks, -(-rows * group // self.threads)))
-                self.last_plan = {"vec_bytes": vec, "group": group, "blocks": blocks,
-                                  "threads": self.threads, "rows": rows}
-                slot = self._upload(stream, bases, pids[first * ppc:last * ppc],
-                                    ptrs[first:last])
-                table = int(slot.dev.ptr)
-                args = (np.uint64(table), np.uint64(table + 8 * bases.size),
-                        np.uint64(table + 8 * (bases.size + (last - first) * ppc)),
-                        np.int32(last - first), np.int32(num_layers), np.int32(planes),
-                        np.int32(layer_begin), np.int32(layer_end), np.int32(chunk_tokens),
-                        np.int32(page_size), np.int64(page_stride), np.int64(token_stride),
-                        np.int64(row_bytes), np.int32(vec))
-                try:
-                    self._kernels[kind]((blocks,), (self.threads,), args, stream=stream)
-                except Exception as exc:
-                    raise RuntimeError(f"kv_{kind} launch failed: {exc}") from exc
-                slot.event.record(stream)
-        if self.debug_sync:
-            stream.synchronize()
+            slot = self._upload(stream, bases, pids, ptrs)
+        return CopyBatch(self, self._kernels[kind], slot, stream, bases.size, pids.size,
+                         ptrs.size, (num_layers, planes, chunk_tokens, page_size, page_stride,
+                                     token_stride, row_bytes, vec))
 
     def _upload(self, stream: Any, bases: np.ndarray, pids: np.ndarray,
                 ptrs: np.ndarray) -> _Slot:
@@ -261,3 +235,87 @@ class KernelCopier:
         slot.ready.record(up)
         stream.wait_event(slot.ready)
         return slot
+
+
+class CopyBatch:
+    """Kernels of one request over one uploaded table (``KernelCopier.batch``);
+    launch inside its ``with`` block (which makes the copier's device current).
+
+    ``launch(first, count, layer_begin, layer_end, ptr_first)`` copies chunks
+    ``[first, first + count)`` of the page-id table, layers ``[layer_begin,
+    layer_end)``, chunk ``first + k`` going to (or coming from)
+    ``chunk_ptrs[ptr_first + k]`` (``ptr_first`` defaults to ``first``).
+    """
+
+    def __init__(self, copier: KernelCopier, kernel: Any, slot: _Slot, stream: Any,
+                 n_bases: int, n_pids: int, n_ptrs: int, geometry: tuple) -> None:
+        self.copier, self.kernel, self.slot, self.stream = copier, kernel, slot, stream
+        self.geometry = geometry
+        self.ppc = geometry[2] // geometry[3]
+        self.n_chunks, self.n_ptrs = n_pids // self.ppc, n_ptrs
+        table = int(slot.dev.ptr)
+        self._pids = table + 8 * n_bases
+        self._ptrs = table + 8 * (n_bases + n_pids)
+        num_layers, planes, tokens, page_size, page_stride, token_stride, row_bytes, vec = geometry
+        self._head = (np.uint64(table),)
+        self._tail = (np.int32(tokens), np.int32(page_size), np.int64(page_stride),
+                      np.int64(token_stride), np.int64(row_bytes), np.int32(vec))
+        self.group = group_threads(row_bytes, vec)
+        self._device = copier._cp.cuda.Device(copier.device_id)
+
+    def __enter__(self) -> "CopyBatch":
+        self._device.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.slot.event.record(self.stream)
+            if self.copier.debug_sync:
+                self.stream.synchronize()
+        finally:
+            self._device.__exit__(*exc)
+
+    def launch_all(self, layer_begin: int = 0, layer_end: int | None = None) -> None:
+        """Every chunk, ``chunk_ptrs`` one per chunk, split where one launch would
+        index too many rows."""
+        num_layers, planes, tokens = self.geometry[:3]
+        layer_end = num_layers if layer_end is None else layer_end
+        if self.n_ptrs != self.n_chunks:
+            raise ValueError(f"expected {self.n_chunks} chunk pointers, got {self.n_ptrs}")
+        if not 0 <= layer_begin <= layer_end <= num_layers:
+            raise ValueError(f"bad layer range [{layer_begin}, {layer_end}) of {num_layers}")
+        rows_per_chunk = (layer_end - layer_begin) * planes * tokens
+        if rows_per_chunk == 0:
+            return
+        per_launch = _MAX_ROWS // rows_per_chunk
+        if per_launch == 0:
+            raise ValueError("one chunk has too many rows for one launch")
+        for first in range(0, self.n_chunks, per_launch):
+            self.launch(first, min(self.n_chunks - first, per_launch), layer_begin, layer_end)
+
+    def launch(self, first: int, count: int, layer_begin: int, layer_end: int,
+               ptr_first: int | None = None) -> None:
+        num_layers, planes, tokens = self.geometry[:3]
+        vec = self.geometry[-1]
+        ptr_first = first if ptr_first is None else ptr_first
+        if not 0 <= layer_begin <= layer_end <= num_layers:
+            raise ValueError(f"bad layer range [{layer_begin}, {layer_end}) of {num_layers}")
+        if first < 0 or count < 0 or first + count > self.n_chunks \
+                or ptr_first < 0 or ptr_first + count > self.n_ptrs:
+            raise ValueError("chunk range outside the uploaded tables")
+        rows = count * (layer_end - layer_begin) * planes * tokens
+        if rows == 0:
+            return
+        if rows > _MAX_ROWS:
+            raise ValueError("too many rows for one launch")
+        cop = self.copier
+        blocks = max(1, min(cop.max_blocks, -(-rows * self.group // cop.threads)))
+        cop.last_plan = {"vec_bytes": vec, "group": self.group, "blocks": blocks,
+                         "threads": cop.threads, "rows": rows}
+        args = (*self._head, np.uint64(self._pids + 8 * first * self.ppc),
+                np.uint64(self._ptrs + 8 * ptr_first), np.int32(count), np.int32(num_layers),
+                np.int32(planes), np.int32(layer_begin), np.int32(layer_end), *self._tail)
+        try:
+            self.kernel((blocks,), (cop.threads,), args, stream=self.stream)
+        except Exception as exc:
+            raise RuntimeError(f"copy kernel launch failed: {exc}") from exc

@@ -6,7 +6,8 @@ entries), ``commit``/``abort`` the shard once its copy finished or failed,
 ``ready_prefix`` for lookups, ``pin``/``unpin`` for leases and in-flight
 loads, ``clear``. Visibility: an entry is visible to lookups only when
 every shard is stored (``ready``). Eviction: LRU order, skipping entries
-that are pinned or have a shard being written; "no space" raises
+that are pinned or have a shard being written (an entry the disk tier
+also holds, ``on_disk``, loses only its host copy); "no space" raises
 ``NoSpace`` and never takes a slot that is in use. Capacity is the
 arena's size and is never exceeded. Runs on the event loop only: no locks.
 """
@@ -31,6 +32,8 @@ class Entry:
     stored: int = 0
     writing: int = 0
     refs: int = 0
+    on_disk: bool = False  # a verified copy is on the disk tier (kvd.tiering)
+    hits: int = 0          # lookups that found it (for disk_min_hits)
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -54,6 +57,7 @@ class HostTier:
         self.alloc = ExtentAllocator(capacity, align)
         self.entries: OrderedDict[bytes, Entry] = OrderedDict()
         self.evictions = 0
+        self.evicted_not_on_disk = 0
         self.dedup_hits = 0
 
     @property
@@ -92,6 +96,7 @@ class HostTier:
             if entry.evictable:
                 self._drop(entry)
                 self.evictions += 1
+                self.evicted_not_on_disk += not entry.on_disk
                 return True
         return False
 
@@ -120,6 +125,12 @@ class HostTier:
             out.append(entry)
         return out
 
+    def touch(self, entries) -> None:
+        """Mark ``entries`` (present ones) most recently used."""
+        for e in entries:
+            if self.entries.get(e.key) is e:
+                self.entries.move_to_end(e.key)
+
     @staticmethod
     def pin(entries) -> None:
         for e in entries:
@@ -141,4 +152,5 @@ class HostTier:
         ready = [e for e in self.entries.values() if e.ready]
         return {"capacity_bytes": self.capacity, "used_bytes": self.alloc.used,
                 "chunks": len(ready), "entries": len(self.entries),
-                "evictions": self.evictions, "dedup_hits": self.dedup_hits}
+                "evictions": self.evictions, "evicted_not_on_disk": self.evicted_not_on_disk,
+                "on_disk": sum(e.on_disk for e in ready), "dedup_hits": self.dedup_hits}

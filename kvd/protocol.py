@@ -73,7 +73,8 @@ OPS = {
     "heartbeat": Op(),
     "bye": Op(),
 }
-CONTROL_OPS = {"stats": Op(), "clear": Op(), "health": Op()}
+CONTROL_OPS = {"stats": Op(), "clear": Op(), "health": Op(), "flush_disk": Op(),
+               "clear_disk": Op()}
 
 
 class ProtocolError(ServerError):

@@ -8,8 +8,10 @@ it came from. A request that fails validation gets a typed error reply; a
 peer that sends a frame larger than ``max_message_bytes`` is dropped by
 ZeroMQ (its limit is per frame), and a message whose frames together exceed
 it gets a ``too_large`` reply and is not run.
-SIGTERM/SIGINT: stop reading, let in-flight requests (and their copies)
-finish, remove sockets and arena, exit 0.
+With ``disk_dir`` set, the disk tier (kvd.tiering) starts with the loop and
+scans its directory in the background. SIGTERM/SIGINT: stop reading, let
+in-flight requests (and their copies) finish, finish disk IO, remove
+sockets and arena, exit 0.
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ class Daemon:
         cuda = make_cuda_engine(self.cfg, self.arena.view)
         if cuda is not None:
             engines["cuda_ipc"] = cuda
-        self.service = Service(self.cfg, HostTier(self.cfg.host_capacity), engines)
+        align = 4096 if self.cfg.disk_dir else 256  # 4096: disk IO straight to/from slots
+        self.service = Service(self.cfg, HostTier(self.cfg.host_capacity, align), engines)
+        if self.cfg.disk_dir:
+            self.service.tiering = make_tiering(self.cfg, self.service.tier, self.arena.view)
         self.ctx = zmq.asyncio.Context()
         old = os.umask(0o077)
         try:
@@ -95,6 +100,8 @@ class Daemon:
         readers = [asyncio.create_task(self._serve(self.engine_sock, protocol.OPS, self._engine_op)),
                    asyncio.create_task(self._serve(self.control_sock, protocol.CONTROL_OPS, self._control_op)),
                    asyncio.create_task(self._reaper())]
+        if self.service.tiering is not None:
+            self.service.tiering.start()  # recovery scan runs in the background
         await self.stopping.wait()
         log.info("shutting down: finishing %d requests in flight", len(self.tasks))
         for task in readers:
@@ -102,6 +109,8 @@ class Daemon:
         await asyncio.gather(*readers, return_exceptions=True)
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=SHUTDOWN_GRACE_S)
+        if self.service.tiering is not None:  # finish disk IO before the arena goes
+            await self.service.tiering.stop()
 
     def close(self) -> None:
         if self.lock.fd < 0:
@@ -177,6 +186,16 @@ class Daemon:
 
     def sessions_stale(self, now: float):
         return self.service.sessions.stale(self.cfg.client_timeout_s, now)
+
+
+def make_tiering(cfg, host: HostTier, arena_view):
+    from .disk_tier import DiskTier
+    from .tiering import Tiering
+    try:
+        disk = DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_io_threads, cfg.disk_queue_chunks)
+    except OSError as exc:
+        raise RuntimeError(f"cannot use disk_dir {cfg.disk_dir}: {exc}") from None
+    return Tiering(host, disk, arena_view, cfg.disk_high_watermark, cfg.disk_min_hits)
 
 
 def make_cuda_engine(cfg, arena_view):

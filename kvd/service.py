@@ -7,6 +7,10 @@ when the copy completed; the reply means the engine's pages may be reused.
 Load: pin the longest ready prefix (or the caller's lease), scatter,
 unpin; the reply means the pages hold the bytes. Reaping a session waits
 for its copies, then releases its leases and unmaps its pools.
+With a disk tier (``tiering``), lookup continues the host prefix with keys
+on disk (reported as ``disk_hits``, promotion started) and load promotes
+them into host slots before scattering (kvd/tiering.py). At debug level,
+store and load log their time in the service and, of that, in the copy.
 """
 
 from __future__ import annotations
@@ -15,8 +19,6 @@ import asyncio
 import logging
 import os
 import time
-
-import numpy as np
 
 from . import protocol
 from .copy_engine import CopyPlan
@@ -37,6 +39,7 @@ class Service:
         self.backends = ",".join(sorted({e.name for e in engines.values()}))
         self.sessions = SessionTable()
         self.stats = Stats()
+        self.tiering = None  # kvd.tiering.Tiering when the disk tier is on (set by the server)
 
     # ---- dispatch -------------------------------------------------------------
 
@@ -178,31 +181,39 @@ class Service:
         reg = self._registration(session, req.fields["reg"])
         keys = protocol.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
         hits = self.tier.ready_prefix(keys)
-        self.stats.add("hit_chunks", len(hits))
-        self.stats.add("miss_chunks", len(keys) - len(hits))
+        for entry in hits:
+            entry.hits += 1
+        disk_hits = 0  # continue the prefix on disk; those start promoting to host
+        if self.tiering is not None and len(hits) < len(keys):
+            disk_hits = self.tiering.disk_prefix(keys[len(hits):])
+        self.stats.add("hit_chunks", len(hits) + disk_hits)
+        self.stats.add("disk_hit_chunks", disk_hits)
+        self.stats.add("miss_chunks", len(keys) - len(hits) - disk_hits)
+        extra = {} if self.tiering is None else {"disk_hits": disk_hits}
         lease_ms = min(req.fields.get("lease_ms", 0), self.cfg.lease_max_ms)
-        if not hits or lease_ms == 0:
-            return {"hits": len(hits), "lease": None}
+        if not hits or lease_ms == 0:  # a lease pins host hits; disk hits are best effort
+            return {"hits": len(hits) + disk_hits, "lease": None, **extra}
         lease = Lease(self.sessions.next_id(), session, hits, time.monotonic() + lease_ms / 1e3)
         self.tier.pin(hits)
         session.leases[lease.id] = lease
         self.sessions.leases[lease.id] = lease
         del reg  # the lease is tied to the session, not one pool
-        return {"hits": len(hits), "lease": lease.id}
+        return {"hits": len(hits) + disk_hits, "lease": lease.id, **extra}
 
     async def op_store(self, session: Session, req):
+        t0 = time.perf_counter()
         reg = self._registration(session, req.fields["reg"])
         keys, pages = self._keys_and_pages(reg, req)
         todo, deduped = self._reserve(reg, keys)
         self.stats.add("store_dedup", deduped)
         if todo:
-            idx = np.concatenate([np.arange(i * reg.pages_per_chunk, (i + 1) * reg.pages_per_chunk)
-                                  for i, _ in todo])
-            plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, pages[idx],
+            chunks = [i for i, _ in todo]
+            plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
+                            pages.reshape(len(keys), -1)[chunks].reshape(-1),
                             [e.shard_offset(reg.tp_rank) for _, e in todo],
                             wait_event=req.fields.get("event"))
             try:
-                await self._copy(reg, lambda: reg.engine.gather(plan))
+                waited = await self._copy(reg, lambda: reg.engine.gather(plan))
                 _check_deadline(req.fields.get("deadline_us"))
             except BaseException:
                 for _, entry in todo:
@@ -210,6 +221,9 @@ class Service:
                 raise
             for _, entry in todo:
                 self.tier.commit(entry, reg.tp_rank)
+            if self.tiering is not None:
+                self.tiering.wake.set()  # the demoter looks at the watermark now
+            _log_timing("store", len(todo), t0, waited)
         self.stats.add("chunks_stored", len(todo))
         self.stats.add("bytes_stored", len(todo) * reg.shard_bytes)
         return {"stored": len(todo), "deduped": deduped}
@@ -238,11 +252,18 @@ class Service:
         return todo, len(keys) - len(todo)
 
     async def op_load(self, session: Session, req):
+        t0 = time.perf_counter()
         reg = self._registration(session, req.fields["reg"])
         keys, pages = self._keys_and_pages(reg, req)
         lease = self._lease(session, req.fields["lease"]) if "lease" in req.fields else None
         entries = self.tier.ready_prefix(keys)
         self.tier.pin(entries)
+        if self.tiering is not None and len(entries) < len(keys):  # the rest of the prefix on disk
+            try:
+                entries += await self.tiering.promote_prefix(keys[len(entries):])
+            except BaseException:
+                self.tier.unpin(entries)
+                raise
         result = {"loaded": len(entries)}
 
         def finish(_=None):
@@ -258,19 +279,21 @@ class Service:
         except DeadlineExceeded:
             finish()
             raise
+        layerwise = bool(req.fields.get("layerwise")) and reg.engine.name == "cuda"
         plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
                         pages[:len(entries) * reg.pages_per_chunk],
-                        [e.shard_offset(reg.tp_rank) for e in entries])
-        if req.fields.get("layerwise") and reg.engine.name == "cuda":
+                        [e.shard_offset(reg.tp_rank) for e in entries], layerwise=layerwise)
+        if layerwise:
             # reply once the copies are queued: the engine waits on per-layer events
             future = self._start_copy(reg, lambda: reg.engine.scatter(plan))
             future.add_done_callback(finish)
             result["slot"] = plan.event_slot
         else:
             try:
-                await self._copy(reg, lambda: reg.engine.scatter(plan))
+                waited = await self._copy(reg, lambda: reg.engine.scatter(plan))
             finally:
                 finish()
+            _log_timing("load", len(entries), t0, waited)
         self.stats.add("chunks_loaded", len(entries))
         self.stats.add("bytes_loaded", len(entries) * reg.shard_bytes)
         return result
@@ -289,7 +312,9 @@ class Service:
         future.add_done_callback(_log_failure)
         return future
 
-    async def _copy(self, reg: Registration, start) -> None:
+    async def _copy(self, reg: Registration, start) -> float:
+        """Run a copy to completion; returns the seconds spent waiting for it."""
+        t0 = time.perf_counter()
         future = self._start_copy(reg, start)
         try:
             await asyncio.shield(future)
@@ -298,6 +323,7 @@ class Service:
             raise
         except Exception as exc:
             raise CopyFailed(f"copy failed: {type(exc).__name__}: {exc}") from None
+        return time.perf_counter() - t0
 
     # ---- control ops ----------------------------------------------------------
 
@@ -305,13 +331,27 @@ class Service:
         if op == "health":
             return {"status": "ok", "pid": os.getpid(), "backend": self.backends,
                     "uptime_s": self.stats.summary()["uptime_s"]}
+        if op in ("flush_disk", "clear_disk"):
+            return await self._disk_control(op)
         if op == "clear":
             dropped, kept = self.tier.clear()
             return {"dropped": dropped, "kept_in_use": kept}
         return self.snapshot()
 
+    async def _disk_control(self, op: str) -> dict:
+        if self.tiering is None:
+            return {"disk": "off"}
+        if op == "flush_disk":
+            return {"written": await self.tiering.flush()}
+        deleted, kept = await self.tiering.disk.clear()
+        return {"deleted": deleted, "kept_in_use": kept}
+
     def snapshot(self) -> dict:
-        return {"tiers": {"host": self.tier.stats()}, **self.stats.summary(),
+        tiers = {"host": self.tier.stats()}
+        if self.tiering is not None:
+            tiers["disk"] = {**self.tiering.disk.stats(), **self.tiering.stats()}
+        return {"tiers": tiers, "disk_hits": self.stats.counters["disk_hit_chunks"],
+                **self.stats.summary(),
                 "latency": self.stats.latency_ms(), "clients": len(self.sessions),
                 "registrations": len(self.sessions.registrations),
                 "leases": len(self.sessions.leases), "backend": self.backends,
@@ -323,6 +363,12 @@ def _check_deadline(deadline_us) -> None:
     finished store cannot be trusted and a load must not start."""
     if deadline_us is not None and time.monotonic_ns() // 1000 > deadline_us:
         raise DeadlineExceeded("the store finished after the client's deadline; nothing kept")
+
+
+def _log_timing(op: str, chunks: int, t0: float, waited: float) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s of %d chunks: %.3f ms in the service, %.3f ms of it in the copy", op, chunks,
+                  (time.perf_counter() - t0) * 1e3, waited * 1e3)
 
 
 def _log_failure(future: asyncio.Future) -> None:

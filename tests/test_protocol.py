@@ -49,7 +49,7 @@ SAMPLES = {
 
 def test_samples_cover_every_op():
     assert set(SAMPLES) == set(P.OPS)
-    assert set(P.CONTROL_OPS) == {"stats", "clear", "health"}
+    assert set(P.CONTROL_OPS) == {"stats", "clear", "health", "flush_disk", "clear_disk"}
     for name, (fields, frames) in SAMPLES.items():
         spec = P.OPS[name]
         assert set(fields) == set(spec.required) | set(spec.optional)

@@ -1,0 +1,168 @@
+"""Staged copies: SM kernels on the GPU side, DMA across PCIe.
+
+A copy between an engine's paged pool and canonical chunk shards in the
+pinned host arena runs in pieces through a ring of device staging slots.
+Store (``gather``): a kernel gathers a piece of pool rows into a slot, then
+a DMA moves the slot into the arena. Load (``scatter``): a DMA fills a slot
+from the arena, then a kernel scatters it into the pool. Kernel and DMA run
+on two streams, so piece k's DMA overlaps piece k+1's kernel, and PCIe is
+driven by the copy engines rather than by SM loads and stores of host
+memory (faster, and the kernels, touching device memory only, are short).
+
+Contract:
+
+- ``plan_pieces`` splits ``n_chunks`` chunks x layers ``[layer_begin,
+  layer_end)`` into pieces ``(c0, c1, a, b)`` (chunks ``[c0, c1)``, layers
+  ``[a, b)``) of at most ``slot_bytes`` each; layer groups are outermost,
+  so every piece of layer group k is queued before any of group k+1, and
+  ``per_layer`` makes each group a single layer. It returns None when one
+  layer of one chunk does not fit a slot (the caller copies another way).
+- ``host_runs`` groups chunk addresses into runs of constant positive
+  stride: each run of a piece is one (2-D) DMA.
+- ``StagingRing`` is one direction of one GPU: ``slots`` device buffers of
+  ``slot_bytes``, a kernel stream and a DMA stream, two events per slot.
+  ``run`` only enqueues; it returns the stream whose completion means the
+  whole copy landed (the DMA stream for a gather, the kernel stream for a
+  scatter). A gather's first kernel waits on ``wait_event`` when given; a
+  scatter records ``layer_events[l]`` on the kernel stream once every
+  piece of layer l is scattered. Reusing a slot waits (on the GPU) for the
+  piece that last used it, across requests; nothing here blocks the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+_D2H, _H2D = 2, 1                 # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
+_EVENT_NO_TIMING = 0x2            # cudaEventDisableTiming
+MAX_PITCH = 2**31 - 1             # cudaMemcpy2D pitch limit on current GPUs
+
+
+def plan_pieces(n_chunks: int, layer_begin: int, layer_end: int, layer_bytes: int,
+                slot_bytes: int, per_layer: bool) -> list[tuple[int, int, int, int]] | None:
+    """Pieces ``(c0, c1, a, b)`` covering the copy, each at most ``slot_bytes``."""
+    layers = layer_end - layer_begin
+    if n_chunks < 1 or layers < 1:
+        return []
+    fit = slot_bytes // layer_bytes           # chunk-layers one slot holds
+    if fit < 1:
+        return None
+    group = _balanced(n_chunks, min(n_chunks, fit))
+    per = _balanced(layers, 1 if per_layer else max(1, min(layers, fit // group)))
+    return [(c0, min(c0 + group, n_chunks), a, min(a + per, layer_end))
+            for a in range(layer_begin, layer_end, per)
+            for c0 in range(0, n_chunks, group)]
+
+
+def _balanced(total: int, most: int) -> int:
+    """The smallest part size that splits ``total`` into as few parts as ``most`` does."""
+    parts = -(-total // most)
+    return -(-total // parts)
+
+
+def host_runs(addrs: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first, count, stride)`` runs of ``addrs`` with a constant stride in
+    ``(0, MAX_PITCH]`` (``count == 1`` runs have stride 0)."""
+    runs: list[tuple[int, int, int]] = []
+    i, n = 0, len(addrs)
+    while i < n:
+        j, stride = i + 1, 0
+        if j < n and 0 < addrs[j] - addrs[i] <= MAX_PITCH:
+            stride = addrs[j] - addrs[i]
+            while j < n and addrs[j] - addrs[j - 1] == stride:
+                j += 1
+        runs.append((i, j - i, stride))
+        i = j
+    return runs
+
+
+class StagingRing:
+    """Pieces of one direction of one GPU through ``slots`` device buffers."""
+
+    def __init__(self, cp: Any, kind: str, copier: Any, kernel_stream: Any, dma_stream: Any,
+                 slots: int, slot_bytes: int) -> None:
+        if kind not in ("gather", "scatter"):
+            raise ValueError("kind must be gather or scatter")
+        self.cp, self.rt, self.kind, self.copier = cp, cp.cuda.runtime, kind, copier
+        self.kernel_stream, self.dma_stream = kernel_stream, dma_stream
+        self.slot_bytes = slot_bytes
+        self._mem = [cp.cuda.alloc(slot_bytes) for _ in range(slots)]
+        self.slot_ptrs = [int(m.ptr) for m in self._mem]
+        self._kernel_done = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in range(slots)]
+        self._dma_done = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in range(slots)]
+        self._next = 0
+
+    def plan(self, n_chunks: int, layer_begin: int, layer_end: int, layer_bytes: int,
+             per_layer: bool):
+        return plan_pieces(n_chunks, layer_begin, layer_end, layer_bytes, self.slot_bytes, per_layer)
+
+    def run(self, pieces: list, bases: np.ndarray, page_ids: np.ndarray, shard_ptrs: Sequence[int],
+            geometry: dict, wait_event: Any = None, layer_events: Sequence[Any] | None = None) -> Any:
+        """Enqueue ``pieces`` (from ``plan``); returns the stream that finishes last."""
+        rt, k_stream, d_stream = self.rt, self.kernel_stream.ptr, self.dma_stream.ptr
+        shard_ptrs = [int(p) for p in shard_ptrs]
+        layer_bytes = geometry["planes"] * geometry["chunk_tokens"] * geometry["row_bytes"]
+        slots = [(self._next + j) % len(self.slot_ptrs) for j in range(len(pieces))]
+        self._next = (self._next + len(pieces)) % len(self.slot_ptrs)
+        kernel_ptrs = []
+        for (c0, c1, a, b), s in zip(pieces, slots):
+            width = (b - a) * layer_bytes
+            kernel_ptrs += [(self.slot_ptrs[s] + k * width - a * layer_bytes) % 2**64
+                            for k in range(c1 - c0)]
+        runs = {}
+        if wait_event is not None:
+            rt.streamWaitEvent(k_stream, wait_event, 0)
+        gather = self.kind == "gather"
+        with self.copier.batch(self.kind, bases, page_ids, kernel_ptrs, stream=self.kernel_stream,
+                               **geometry) as batch:
+            ptr_first = 0
+            for j, ((c0, c1, a, b), s) in enumerate(zip(pieces, slots)):
+                if (c0, c1) not in runs:
+                    runs[c0, c1] = [(c0 + i, n, st) for i, n, st in host_runs(shard_ptrs[c0:c1])]
+                if gather:
+                    rt.streamWaitEvent(k_stream, self._dma_done[s], 0)
+                    batch.launch(c0, c1 - c0, a, b, ptr_first)
+                    rt.eventRecord(self._kernel_done[s], k_stream)
+                    rt.streamWaitEvent(d_stream, self._kernel_done[s], 0)
+                    self._dma(runs[c0, c1], c0, s, a, b, layer_bytes, shard_ptrs)
+                    rt.eventRecord(self._dma_done[s], d_stream)
+                else:
+                    rt.streamWaitEvent(d_stream, self._kernel_done[s], 0)
+                    self._dma(runs[c0, c1], c0, s, a, b, layer_bytes, shard_ptrs)
+                    rt.eventRecord(self._dma_done[s], d_stream)
+                    rt.streamWaitEvent(k_stream, self._dma_done[s], 0)
+                    batch.launch(c0, c1 - c0, a, b, ptr_first)
+                    rt.eventRecord(self._kernel_done[s], k_stream)
+                    last_of_layers = j + 1 == len(pieces) or pieces[j + 1][2] != a
+                    if layer_events is not None and last_of_layers:
+                        for layer in range(a, b):
+                            rt.eventRecord(layer_events[layer], k_stream)
+                ptr_first += c1 - c0
+        return self.dma_stream if gather else self.kernel_stream
+
+    def _dma(self, runs, c0: int, s: int, a: int, b: int, layer_bytes: int,
+             shard_ptrs: Sequence[int]) -> None:
+        """DMAs between slot ``s`` (chunks from ``c0``, ``width`` bytes each) and
+        layers ``[a, b)`` of the chunks' shards in the arena."""
+        rt, stream = self.rt, self.dma_stream.ptr
+        width = (b - a) * layer_bytes
+        for first, count, stride in runs:
+            host = shard_ptrs[first] + a * layer_bytes
+            dev = self.slot_ptrs[s] + (first - c0) * width
+            if self.kind == "gather":
+                if count == 1:
+                    rt.memcpyAsync(host, dev, width, _D2H, stream)
+                else:
+                    rt.memcpy2DAsync(host, stride, dev, width, width, count, _D2H, stream)
+            elif count == 1:
+                rt.memcpyAsync(dev, host, width, _H2D, stream)
+            else:
+                rt.memcpy2DAsync(dev, width, host, stride, width, count, _H2D, stream)
+
+    def close(self) -> None:
+        """Free the slots and events; the caller synchronized both streams."""
+        for ev in self._kernel_done + self._dma_done:
+            self.rt.eventDestroy(ev)
+        self._mem = []
