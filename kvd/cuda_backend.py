@@ -1,4 +1,4 @@
-"""CUDA copy backend: engine KV pools opened through CUDA IPC, DMA-driven copies.
+"""CUDA copy backend: engine KV pools opened through CUDA IPC, staged copies.
 
 A pool buffer is ``{kind: "cuda_ipc", handle, offset, size, device_uuid}``:
 the daemon maps the UUID to its own device ordinal (engines usually run
@@ -9,15 +9,12 @@ context, streams, the compiled kernels and the staging rings exist only on
 devices some client registered memory on. The host arena is registered
 with the driver as pinned (portable, in pieces) on first use.
 
-A copy takes the first of three paths that applies: direct (``kvd.cuda_dma``:
-one batched DMA call, no kernel) where a page of one plane is a contiguous
-run of at least ``MIN_RUN_BYTES`` and the driver batches DMA; staged
-(``kvd.cuda_staging``: per GPU and direction a ring of ``stage_slots``
-device buffers of ``stage_slot_bytes``, so 2 x slots x bytes of the engine
-GPU's memory, 128 MiB by default; kernels between the pool and the ring, DMA
-between the ring and the arena) where one layer of one chunk fits a slot;
-else zero-copy kernels reading and writing the arena through unified
-addressing.
+Copies are staged (``kvd.cuda_staging``): per GPU and direction a ring of
+``stage_slots`` device buffers of ``stage_slot_bytes`` (2 x slots x bytes of
+the engine GPU's memory: 128 MiB by default), kernels between the pool and
+the ring, DMA between the ring and the arena. Where one layer of one chunk
+does not fit a slot (or ``stage_slots`` is 0), kernels read and write the
+arena directly through unified addressing instead (zero-copy).
 
 Ordering: a store may name one of the client's interprocess events; the
 daemon's first copy waits on it. A layer-wise load records one
@@ -41,7 +38,6 @@ import numpy as np
 
 from . import cuda_driver
 from .copy_engine import CopyPlan
-from .cuda_dma import MIN_RUN_BYTES, BatchDma, direct_runs
 from .cuda_kernels import KernelCopier, desc_params, plane_bases
 from .cuda_staging import StagingRing
 from .errors import BadRequest
@@ -60,7 +56,6 @@ _IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess
 class _Device:
     ordinal: int
     copier: KernelCopier
-    dma: BatchDma | None
     streams: list              # [store kernels, store DMA, load kernels, load DMA]: stores and
     store: StagingRing | None  # loads have their own streams and slots, so both directions
     load: StagingRing | None   # of PCIe can be busy at once
@@ -121,12 +116,7 @@ class CudaCopyEngine:
         if slots > 0:
             rings = [StagingRing(self.cp, "gather", copier, streams[0], streams[1], slots, slot_bytes),
                      StagingRing(self.cp, "scatter", copier, streams[2], streams[3], slots, slot_bytes)]
-        try:
-            dma = BatchDma()
-        except RuntimeError as exc:
-            log.info("GPU %d: no batched DMA, every copy is staged: %s", ordinal, exc)
-            dma = None
-        return _Device(ordinal, copier, dma, streams, rings[0], rings[1])
+        return _Device(ordinal, copier, streams, rings[0], rings[1])
 
     def _register_arena(self) -> None:
         if self.registered:
@@ -214,13 +204,7 @@ class CudaCopyEngine:
         ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
         layers = range(plan.layout.num_layers)
         with self.cp.cuda.Device(dev.ordinal):
-            if self._direct(plan):
-                stream, how = dev.streams[1], "direct DMA"
-                if wait is not None:
-                    self.rt.streamWaitEvent(stream.ptr, wait, 0)
-                pool_addrs, canon, sizes = (np.concatenate(r) for r in zip(*self._runs(plan, ptrs, layers)))
-                dev.dma.copy(canon, pool_addrs, sizes, stream)
-            elif (pieces := _plan(dev.store, plan, layers, False)) is not None:
+            if (pieces := _plan(dev.store, plan, layers, False)) is not None:
                 how = f"{len(pieces)} staged pieces"
                 stream = dev.store.run(pieces, pool.bases, plan.page_ids, ptrs, geometry,
                                        wait_event=wait)
@@ -243,16 +227,7 @@ class CudaCopyEngine:
             events = pool.load_events[slot]
         ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
         with self.cp.cuda.Device(dev.ordinal):
-            if self._direct(plan):
-                stream, how = dev.streams[3], "direct DMA"
-                runs = self._runs(plan, ptrs, layers)
-                if events is None:
-                    dev.dma.copy(*(np.concatenate(r) for r in zip(*runs)), stream)
-                else:
-                    for layer, (pool_addrs, canon, sizes) in zip(layers, runs):
-                        dev.dma.copy(pool_addrs, canon, sizes, stream)
-                        self.rt.eventRecord(events[layer], stream.ptr)
-            elif (pieces := _plan(dev.load, plan, layers, plan.layerwise)) is not None:
+            if (pieces := _plan(dev.load, plan, layers, plan.layerwise)) is not None:
                 how = f"{len(pieces)} staged pieces"
                 stream = dev.load.run(pieces, pool.bases, plan.page_ids, ptrs, geometry,
                                       layer_events=events)
@@ -267,19 +242,6 @@ class CudaCopyEngine:
                             batch.launch_all(layer, layer + 1)
                             self.rt.eventRecord(events[layer], stream.ptr)
             return self._completion(stream, "scatter", plan, how, t0)
-
-    @staticmethod
-    def _direct(plan: CopyPlan) -> bool:
-        """Whole pages of one plane are contiguous runs worth a DMA each."""
-        lay = plan.layout
-        return (plan.pool.device.dma is not None and lay.token_stride == lay.row_bytes
-                and lay.page_size * lay.row_bytes >= MIN_RUN_BYTES)
-
-    @staticmethod
-    def _runs(plan: CopyPlan, ptrs: np.ndarray, layers: range) -> list:
-        lay = plan.layout
-        return direct_runs(plan.pool.bases, plan.page_ids, ptrs, layers, lay.planes,
-                           plan.chunk_tokens, lay.page_size, lay.page_stride, lay.row_bytes)
 
     def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float) -> asyncio.Future:
         done = self.cp.cuda.Event(block=True, disable_timing=True)

@@ -1,13 +1,11 @@
-"""The copy planners of kvd.cuda_staging and kvd.cuda_dma (pure functions, no GPU)."""
+"""The staged copy planner of kvd.cuda_staging (pure functions, no GPU)."""
 
 from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 
-from kvd.cuda_dma import direct_runs
 from kvd.cuda_staging import MAX_PITCH, host_runs, plan_pieces
 
 MiB = 1 << 20
@@ -55,34 +53,3 @@ def test_host_runs():
     assert host_runs([0, MAX_PITCH + 1, 2 * MAX_PITCH + 2]) == [(0, 1, 0), (1, 1, 0), (2, 1, 0)]
     assert host_runs([5, 5 + MAX_PITCH]) == [(0, 2, MAX_PITCH)]
 
-
-@pytest.mark.parametrize("planes,page_size", [(2, 4), (1, 1), (2, 8)])
-def test_direct_runs_cover_every_row_once(planes, page_size):
-    """Expanded to rows, the runs map each canonical row to its pool row."""
-    rng = np.random.default_rng(page_size)
-    layers, chunk, row, n = 3, 8, 16, 3
-    ppc = chunk // page_size
-    bases = (np.arange(layers * planes, dtype=np.uint64) + 1) * np.uint64(1 << 20)
-    pages = rng.permutation(4 * n * ppc)[:n * ppc]
-    pages[:2] = [7, 8]  # consecutive pages of chunk 0 merge (when there are two)
-    shards = np.array([(c + 1) << 30 for c in (2, 0, 1)], np.uint64)
-    runs = direct_runs(bases, pages, shards, range(1, layers), planes, chunk, page_size,
-                       page_size * row, row)
-    got = {}
-    for pool, canon, sizes in runs:
-        for p, c, size in zip(pool, canon, sizes):
-            for k in range(0, int(size), row):
-                assert int(c) + k not in got
-                got[int(c) + k] = int(p) + k
-    want = {}
-    for c in range(n):
-        for layer in range(1, layers):
-            for plane in range(planes):
-                for t in range(chunk):
-                    canon = int(shards[c]) + (((layer * planes + plane) * chunk) + t) * row
-                    page = pages[c * ppc + t // page_size]
-                    want[canon] = int(bases[layer * planes + plane]) + page * page_size * row \
-                        + (t % page_size) * row
-    assert got == want
-    if ppc > 1:
-        assert len(runs[0][2]) < n * planes * ppc, "consecutive pages were not merged"

@@ -8,10 +8,10 @@ In one process, Llama-3-8B-shaped pools (bf16, vLLM flash-attn), 8 chunks of
    (the daemon's arena): one DMA, DMA in 8 MiB pieces (1-D and 2-D), both
    directions at once, and zero-copy SM kernels at several block caps;
 2. the staged path (kvd.cuda_staging: kernels into device slots + DMA)
-   for several slot sizes, caps and page sizes, checked bit-exact;
+   at several page sizes, checked bit-exact against the zero-copy kernel;
 3. both directions at once through two staging rings;
 4. the slowdown of a bf16 GEMM running in another process (as an engine
-   would) while copies of each kind loop.
+   would) while copies of each kind loop, and the copy throughput meanwhile.
 
 Times are host wall clock around enqueue + synchronize, medians of --reps.
 """
@@ -35,7 +35,6 @@ from gpu_kernel_bench import make_pool  # noqa: E402
 
 from kvd.arena import SharedArena  # noqa: E402
 from kvd.cuda_kernels import KernelCopier, desc_params, plane_bases  # noqa: E402
-from kvd.cuda_dma import BatchDma, direct_runs  # noqa: E402
 from kvd.cuda_staging import StagingRing  # noqa: E402
 
 CHUNK = 256
@@ -243,60 +242,6 @@ def staged(reps):
         st.close()
 
 
-def direct(reps):
-    """Batched DMA of whole pages (no kernel), random page ids, vs zero-copy reference."""
-    dma = BatchDma()
-    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
-    cop = KernelCopier(0, max_blocks=32)
-    for kind, page, n in (("llama", 16, 8), ("llama", 64, 8), ("llama", 256, 8), ("mla", 16, 8),
-                          ("mla", 64, 8), ("llama", 16, 1)):
-        st = Setup(kind, page, n)
-        d = st.desc
-        build, call = [], []
-
-        def runs(pids):
-            t0 = time.perf_counter()
-            r = direct_runs(st.bases, pids, np.array(st.ptrs, np.uint64), range(d.num_layers), d.planes,
-                            CHUNK, d.page_size, d.page_stride, d.row_bytes)
-            out = [np.concatenate(x) for x in zip(*r)]
-            build.append(time.perf_counter() - t0)
-            return out
-
-        for direction in ("gather", "scatter"):
-            pids = st.src if direction == "gather" else st.dst
-
-            def go():
-                pool_a, canon, sizes = runs(pids)
-                t0 = time.perf_counter()
-                if direction == "gather":
-                    dma.copy(canon, pool_a, sizes, streams[0])
-                else:
-                    dma.copy(pool_a, canon, sizes, streams[0])
-                call.append(time.perf_counter() - t0)
-                streams[0].synchronize()
-            t = med_s(go, reps)
-            emit(part="direct", pool=kind, page=page, chunks=n, dir=direction, copies=len(runs(pids)[2]),
-                 run_KiB=page * d.row_bytes / 1024, ms=t * 1e3, GBps=st.nbytes / t / 1e9,
-                 build_ms=statistics.median(build) * 1e3, call_ms=statistics.median(call) * 1e3)
-        # correctness: direct gather == zero-copy gather; direct scatter then gather round-trips
-        pool_a, canon, sizes = runs(st.src)
-        dma.copy(canon, pool_a, sizes, streams[0])
-        streams[0].synchronize()
-        got = st.host.view[:st.nbytes].copy()
-        cop.gather(st.bases, st.src, st.ptrs, stream=streams[1], **st.geometry)
-        streams[1].synchronize()
-        ref = st.host.view[:st.nbytes].copy()
-        pool_a, canon, sizes = runs(st.dst)
-        dma.copy(pool_a, canon, sizes, streams[0])
-        streams[0].synchronize()
-        st.host.view[:st.nbytes] = 0
-        cop.gather(st.bases, st.dst, st.ptrs, stream=streams[1], **st.geometry)
-        streams[1].synchronize()
-        emit(part="direct-check", pool=kind, page=page, gather_ok=bool(np.array_equal(got, ref)),
-             scatter_ok=bool(np.array_equal(st.host.view[:st.nbytes], ref)))
-        st.close()
-
-
 def both_directions(reps):
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
     for cap in (32, 132):
@@ -384,21 +329,10 @@ def gemm(reps):
                 time.sleep(0.005)
         return step, rings
 
-    for mode, cap, slots, slot_mib in (("idle", 0, 2, 16), ("direct", 0, 2, 16), ("staged", 32, 2, 32),
-                                       ("dma-only", 0, 2, 16)):
+    for mode, cap, slots, slot_mib in (("idle", 0, 2, 32), ("zero-copy", 32, 2, 32),
+                                       ("staged", 32, 2, 32), ("staged", 132, 2, 32),
+                                       ("staged", 32, 2, 64), ("dma-only", 0, 2, 32)):
         step, rings = loop_for(mode, max(cap, 1), slots, slot_mib)
-        if mode == "direct":
-            dma = BatchDma()
-            d = st.desc
-            runs = [[np.concatenate(x) for x in zip(*direct_runs(
-                st.bases, pids, np.array(st.ptrs, np.uint64), range(32), 2, CHUNK, 16, d.page_stride,
-                d.row_bytes))] for pids in (st.src, st.dst)]
-
-            def step():
-                dma.copy(runs[0][1], runs[0][0], runs[0][2], streams[1])
-                streams[1].synchronize()
-                dma.copy(runs[1][0], runs[1][1], runs[1][2], streams[3])
-                streams[3].synchronize()
         step()
         stop = threading.Event()
         count = [0]
@@ -431,12 +365,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default="")
-    ap.add_argument("--parts", default="env,mem,direct,staged,both,gemm")
+    ap.add_argument("--parts", default="env,mem,staged,both,gemm")
     args = ap.parse_args()
     parts = args.parts.split(",")
     steps = {"env": env_info, "mem": lambda: memory_kinds(args.reps, 8 * 32 * 2 * CHUNK * 2048),
              "staged": lambda: staged(args.reps), "both": lambda: both_directions(args.reps),
-             "direct": lambda: direct(args.reps),
              "gemm": lambda: gemm(args.reps)}
     for name in parts:
         t0 = time.perf_counter()
