@@ -66,6 +66,11 @@ KNOBS = (
          "(fail start-up without them), off.", choices=("auto", "on", "off")),
     Knob("gpu_max_blocks", "int", 32, "Cap on thread blocks of one copy kernel, so copies leave "
          "the engines their SMs.", minimum=1),
+    Knob("gpu_stage_slots", "int", 2, "Staging buffers per GPU and direction (copies go pool -> "
+         "GPU buffer by kernel, buffer -> host tier by DMA); 0 copies straight to host memory.",
+         minimum=0),
+    Knob("gpu_stage_slot_bytes", "size", 32 * 2**20, "Bytes of one staging buffer; each GPU that "
+         "registers a pool holds 2 x slots x this.", minimum=2**20),
     Knob("disk_dir", "str", "", "Directory of the disk tier (one file per chunk). Empty: no disk "
          "tier."),
     Knob("disk_capacity", "size", 64 * 2**30, "Bytes the disk tier may use (headers included).",

@@ -204,7 +204,8 @@ def make_cuda_engine(cfg, arena_view):
         return None
     try:
         from .cuda_backend import CudaCopyEngine
-        engine = CudaCopyEngine(arena_view, cfg.gpu_max_blocks)
+        engine = CudaCopyEngine(arena_view, cfg.gpu_max_blocks, cfg.gpu_stage_slots,
+                                cfg.gpu_stage_slot_bytes)
         if not engine.uuid_to_ordinal:
             raise RuntimeError("no CUDA device visible")
     except Exception as exc:  # ImportError without cupy, CUDA errors without a driver
