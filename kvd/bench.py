@@ -33,6 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per cached chunk")
     p.add_argument("--chunks", type=int, default=8, help="chunks per store/load request")
     p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
+    p.add_argument("--daemon-log", default=None, metavar="PATH", help="write the private daemon's "
+                   "debug log (per-copy timings) to PATH; summarise it with tools/daemon_timings.py")
     p.add_argument("--gpu", action="store_true", help="benchmark the CUDA path (needs torch, cupy, "
                    "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
@@ -60,7 +62,8 @@ def run(args) -> int:
           f"{args.chunks} chunks of {shard / 2**20:.1f} MiB = {nbytes / 2**20:.0f} MiB per request",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as rundir:
-        daemon = _start_daemon(rundir, capacity=int(nbytes * 2.5) + 2**20, chunk_tokens=args.chunk_tokens)
+        daemon = _start_daemon(rundir, capacity=int(nbytes * 2.5) + 2**20, chunk_tokens=args.chunk_tokens,
+                               log_path=args.daemon_log)
         pool = None
         try:
             client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
@@ -79,10 +82,14 @@ def run(args) -> int:
     return 0
 
 
-def _start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=()) -> subprocess.Popen:
+def _start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),
+                  log_path: str | None = None) -> subprocess.Popen:
+    """The private daemon; with ``log_path`` it logs at debug level into that file."""
+    level = "debug" if log_path else "warning"
     cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", rundir, "--host-capacity",
-           str(capacity), "--chunk-tokens", str(chunk_tokens), "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd)
+           str(capacity), "--chunk-tokens", str(chunk_tokens), "--log-level", level, *extra]
+    log = open(log_path, "ab") if log_path else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(rundir, "control.sock")):
         if proc.poll() is not None or time.monotonic() > deadline:

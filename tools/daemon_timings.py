@@ -1,35 +1,17 @@
 #!/usr/bin/env python3
-"""``kvd bench --gpu`` with the daemon logging at debug level into a file.
+"""Medians of the daemon's per-copy debug timings, next to a bench run.
 
-    python tools/bench_debug.py DAEMON_LOG [bench args...]
+    python3 -m kvd bench --gpu --daemon-log /tmp/kvd-debug.log
+    python3 tools/daemon_timings.py /tmp/kvd-debug.log
 
-The daemon's debug lines give, per copy, the enqueue time and the time to
-completion (kvd.cuda_backend), next to the bench's end-to-end figures.
+kvd.cuda_backend logs, per copy, how long queuing took and when the copy
+landed; kvd.service logs the time spent in the service around each copy.
 """
 
-import os
 import re
 import statistics
-import subprocess
 import sys
-import time
 from collections import defaultdict
-
-import kvd.bench as kb
-from kvd.cli import main
-
-
-def _start_daemon(rundir, capacity, chunk_tokens, extra=()):
-    cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", rundir, "--host-capacity",
-           str(capacity), "--chunk-tokens", str(chunk_tokens), "--log-level", "debug", *extra]
-    log = open(sys.argv[1], "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(rundir, "control.sock")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the benchmark daemon did not start")
-        time.sleep(0.05)
-    return proc
 
 
 def summary(path):
@@ -55,7 +37,5 @@ def summary(path):
               f"{statistics.median(y for _, y in v):.3f} ms (n={len(v)})")
 
 
-kb._start_daemon = _start_daemon
-rc = main(["bench", "--gpu", *sys.argv[2:]])
-summary(sys.argv[1])
-sys.exit(rc)
+if __name__ == "__main__":
+    summary(sys.argv[1])
