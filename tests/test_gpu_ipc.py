@@ -233,3 +233,26 @@ def test_two_engines_share_and_a_killed_engine_is_reaped(start_daemon):
         assert client.lookup(tokens) == CHUNK  # the survivor keeps working
         assert client.load(tokens, range(4, 8)) == CHUNK
     assert d.stop() == 0, d.log()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_one_daemon_serves_pools_on_two_gpus(gpu_daemon):
+    """A chunk stored from GPU 0's pool loads bit-exact into GPU 1's pool."""
+    pools, tensors = [], []
+    for dev in (0, 1):
+        with torch.cuda.device(dev):
+            t = make_tensors("vllm_flash_attn", 2, 8, 16, 4, 64, torch.bfloat16)
+            tensors.append(t)
+            pools.append(CudaKVPool("vllm_flash_attn", t))
+    with kvd_client.KvdClient(runtime_dir=str(gpu_daemon.runtime_dir), raise_errors=True) as client:
+        regs = [client.register_kv(p, model="two-gpus") for p in pools]
+        tokens = np.arange(CHUNK) + 99
+        torch.cuda.synchronize(0)
+        assert client.store(tokens, range(4), reg=regs[0]) == CHUNK
+        for t in tensors[1]:
+            t[:, 4:8].view(torch.uint8).fill_(0x3C)
+        torch.cuda.synchronize(1)
+        assert client.load(tokens, range(4, 8), reg=regs[1]) == CHUNK
+        torch.cuda.synchronize(1)
+        for src, dst in zip(tensors[0], tensors[1]):
+            assert torch.equal(src[:, 0:4].cpu().view(torch.uint8), dst[:, 4:8].cpu().view(torch.uint8))
