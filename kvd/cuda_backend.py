@@ -114,8 +114,11 @@ class CudaCopyEngine:
         slots, slot_bytes = self.stage
         rings = [None, None]
         if slots > 0:
-            rings = [StagingRing(self.cp, "gather", copier, streams[0], streams[1], slots, slot_bytes),
-                     StagingRing(self.cp, "scatter", copier, streams[2], streams[3], slots, slot_bytes)]
+            pieces = (self.arena_ptr, REGISTER_PIECE)
+            rings = [StagingRing(self.cp, "gather", copier, streams[0], streams[1], slots, slot_bytes,
+                                 pieces),
+                     StagingRing(self.cp, "scatter", copier, streams[2], streams[3], slots, slot_bytes,
+                                 pieces)]
         return _Device(ordinal, copier, streams, rings[0], rings[1])
 
     def _register_arena(self) -> None:

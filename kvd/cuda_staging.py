@@ -18,7 +18,9 @@ Contract:
   ``per_layer`` makes each group a single layer. It returns None when one
   layer of one chunk does not fit a slot (the caller copies another way).
 - ``host_runs`` groups chunk addresses into runs of constant positive
-  stride: each run of a piece is one (2-D) DMA.
+  stride: each run of a piece is one (2-D) DMA, unless it crosses a
+  boundary between separately registered pieces of the host arena
+  (``piece_spans``); then it is copied chunk by chunk, split at the boundary.
 - ``StagingRing`` is one direction of one GPU: ``slots`` device buffers of
   ``slot_bytes``, a kernel stream and a DMA stream, two events per slot.
   ``run`` only enqueues; it returns the stream whose completion means the
@@ -78,16 +80,31 @@ def host_runs(addrs: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def piece_spans(addr: int, length: int, base: int, piece: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` parts of the host range ``[addr, addr + length)``, split
+    where memory registered in ``piece``-byte pieces from ``base`` changes piece:
+    one DMA must stay inside one registration (CUDA rejects it otherwise)."""
+    out, done = [], 0
+    while done < length:
+        at = addr + done
+        end = base + ((at - base) // piece + 1) * piece
+        part = min(length - done, end - at)
+        out.append((done, part))
+        done += part
+    return out
+
+
 class StagingRing:
     """Pieces of one direction of one GPU through ``slots`` device buffers."""
 
     def __init__(self, cp: Any, kind: str, copier: Any, kernel_stream: Any, dma_stream: Any,
-                 slots: int, slot_bytes: int) -> None:
+                 slots: int, slot_bytes: int, host_pieces: tuple[int, int] = (0, 2**62)) -> None:
         if kind not in ("gather", "scatter"):
             raise ValueError("kind must be gather or scatter")
         self.cp, self.rt, self.kind, self.copier = cp, cp.cuda.runtime, kind, copier
         self.kernel_stream, self.dma_stream = kernel_stream, dma_stream
         self.slot_bytes = slot_bytes
+        self.pieces = host_pieces  # (base, piece bytes): a DMA never crosses a registration
         self._mem = [cp.cuda.alloc(slot_bytes) for _ in range(slots)]
         self.slot_ptrs = [int(m.ptr) for m in self._mem]
         self._kernel_done = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in range(slots)]
@@ -151,15 +168,20 @@ class StagingRing:
         for first, count, stride in runs:
             host = shard_ptrs[first] + a * layer_bytes
             dev = self.slot_ptrs[s] + (first - c0) * width
-            if self.kind == "gather":
-                if count == 1:
-                    rt.memcpyAsync(host, dev, width, _D2H, stream)
-                else:
+            if count > 1 and len(piece_spans(host, stride * (count - 1) + width, *self.pieces)) == 1:
+                if self.kind == "gather":
                     rt.memcpy2DAsync(host, stride, dev, width, width, count, _D2H, stream)
-            elif count == 1:
-                rt.memcpyAsync(dev, host, width, _H2D, stream)
-            else:
-                rt.memcpy2DAsync(dev, width, host, stride, width, count, _H2D, stream)
+                else:
+                    rt.memcpy2DAsync(dev, width, host, stride, width, count, _H2D, stream)
+                continue
+            for i in range(count):
+                for offset, length in piece_spans(host + i * stride, width, *self.pieces):
+                    h, d = host + i * stride + offset, dev + i * width + offset
+                    if self.kind == "gather":
+                        rt.memcpyAsync(h, d, length, _D2H, stream)
+                    else:
+                        rt.memcpyAsync(d, h, length, _H2D, stream)
+
 
     def close(self) -> None:
         """Free the slots and events; the caller synchronized both streams."""

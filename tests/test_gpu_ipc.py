@@ -256,3 +256,26 @@ def test_one_daemon_serves_pools_on_two_gpus(gpu_daemon):
         torch.cuda.synchronize(1)
         for src, dst in zip(tensors[0], tensors[1]):
             assert torch.equal(src[:, 0:4].cpu().view(torch.uint8), dst[:, 4:8].cpu().view(torch.uint8))
+
+
+def test_chunks_across_host_registration_pieces(start_daemon):
+    """A host tier over 1 GiB is pinned in pieces; chunks straddling a piece
+    boundary must store and load bit-exact (one DMA cannot cross pieces)."""
+    d = start_daemon(**{**GPU_KNOBS, "host_capacity": "1200MiB"})
+    tensors = make_tensors("vllm_flash_attn", 3, 64, 16, 8, 128, torch.bfloat16)  # 768 KiB shards
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True, timeout=60) as client:
+        client.register_kv(CudaKVPool("vllm_flash_attn", tensors), model="pieces")
+        n = 8  # chunks per request: pages 0..31 are the source, 32..63 the target
+        want = [t[:, 0:32].clone() for t in tensors]
+        torch.cuda.synchronize()
+        for r in range(180):  # 1440 chunks x 768 KiB > 1 GiB: some straddle the boundary
+            tokens = np.arange(n * CHUNK) + r * 10**6
+            assert client.store(tokens, range(32)) == n * CHUNK
+            if r % 6 == 5 or r > 160:
+                for t in tensors:
+                    t[:, 32:64].view(torch.uint8).fill_(0x11)
+                assert client.load(tokens, range(32, 64)) == n * CHUNK
+                torch.cuda.synchronize()
+                for t, w in zip(tensors, want):
+                    assert torch.equal(t[:, 32:64].view(torch.uint8), w.view(torch.uint8)), r
+    assert d.stop() == 0, d.log()

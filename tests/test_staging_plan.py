@@ -53,3 +53,20 @@ def test_host_runs():
     assert host_runs([0, MAX_PITCH + 1, 2 * MAX_PITCH + 2]) == [(0, 1, 0), (1, 1, 0), (2, 1, 0)]
     assert host_runs([5, 5 + MAX_PITCH]) == [(0, 2, MAX_PITCH)]
 
+
+
+def test_piece_spans_split_exactly_at_registration_boundaries():
+    from kvd.cuda_staging import piece_spans
+    base, piece = 1000, 64
+    assert piece_spans(1000, 64, base, piece) == [(0, 64)]
+    assert piece_spans(1010, 20, base, piece) == [(0, 20)]
+    assert piece_spans(1060, 10, base, piece) == [(0, 4), (4, 6)]
+    assert piece_spans(1060, 150, base, piece) == [(0, 4), (4, 64), (68, 64), (132, 18)]
+    for addr in range(1000, 1200, 7):
+        for length in (1, 5, 63, 64, 65, 200):
+            spans = piece_spans(addr, length, base, piece)
+            assert sum(n for _, n in spans) == length
+            assert [o for o, _ in spans] == [sum(n for _, n in spans[:i]) for i in range(len(spans))]
+            for off, n in spans:  # each part inside one piece
+                first, last = addr + off, addr + off + n - 1
+                assert (first - base) // piece == (last - base) // piece
