@@ -36,7 +36,7 @@ def gather(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, sha
         dst = shard_view(arena, offset, d, chunk_tokens)
         for layer in range(d.num_layers):
             for plane in range(d.planes):
-                np.take(views[layer][plane], pages, axis=0, out=dst[layer, plane])
+                dst[layer, plane] = views[layer][plane][pages]
 
 
 def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, shard_offsets,
