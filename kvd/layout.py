@@ -111,28 +111,28 @@ def _same_geometry(layers: list[TensorRef], what: str) -> None:
             raise ValueError(f"{what}: every layer tensor must have the same shape and strides")
 
 
+def _paged_kv(layers: list[TensorRef], kv_dim: int, what: str) -> LayoutDescriptor:
+    """Per layer ``[.., block_size, kv_heads, head_dim]`` whose dims 0 and 1 are the
+    K/V pair (``kv_dim``) and the block index (the other one)."""
+    _same_geometry(layers, what)
+    t = layers[0]
+    _check_rank(t, 5, what)
+    if t.shape[kv_dim] != 2:
+        raise ValueError(f"{what}: dim {kv_dim} must be 2 (K, V)")
+    page_dim = 1 - kv_dim
+    bases = tuple((x.buffer, x.offset + p * x.strides[kv_dim]) for x in layers for p in (0, 1))
+    return LayoutDescriptor(len(layers), 2, t.shape[page_dim], t.shape[2], _row_bytes(t, 2),
+                            t.strides[page_dim], t.strides[2], bases)
+
+
 def vllm_flash_attn(layers: list[TensorRef]) -> LayoutDescriptor:
     """vLLM flash-attn: per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
-    _same_geometry(layers, "vllm_flash_attn")
-    t = layers[0]
-    _check_rank(t, 5, "vllm_flash_attn")
-    if t.shape[0] != 2:
-        raise ValueError("vllm_flash_attn: dim 0 must be 2 (K, V)")
-    bases = tuple((x.buffer, x.offset + p * x.strides[0]) for x in layers for p in (0, 1))
-    return LayoutDescriptor(len(layers), 2, t.shape[1], t.shape[2], _row_bytes(t, 2),
-                            t.strides[1], t.strides[2], bases)
+    return _paged_kv(layers, 0, "vllm_flash_attn")
 
 
 def vllm_flashinfer(layers: list[TensorRef]) -> LayoutDescriptor:
     """vLLM FlashInfer: per layer ``[num_blocks, 2, block_size, kv_heads, head_dim]``."""
-    _same_geometry(layers, "vllm_flashinfer")
-    t = layers[0]
-    _check_rank(t, 5, "vllm_flashinfer")
-    if t.shape[1] != 2:
-        raise ValueError("vllm_flashinfer: dim 1 must be 2 (K, V)")
-    bases = tuple((x.buffer, x.offset + p * x.strides[1]) for x in layers for p in (0, 1))
-    return LayoutDescriptor(len(layers), 2, t.shape[0], t.shape[2], _row_bytes(t, 2),
-                            t.strides[0], t.strides[2], bases)
+    return _paged_kv(layers, 1, "vllm_flashinfer")
 
 
 def vllm_mla(layers: list[TensorRef]) -> LayoutDescriptor:

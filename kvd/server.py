@@ -179,13 +179,11 @@ class Daemon:
             await asyncio.sleep(period)
             now = time.monotonic()
             self.service.expire(now)
-            for session in self.sessions_stale(now):
+            for session in self.service.sessions.stale(self.cfg.client_timeout_s, now):
                 task = asyncio.create_task(self.service.reap(session, "heartbeat timeout"))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
 
-    def sessions_stale(self, now: float):
-        return self.service.sessions.stale(self.cfg.client_timeout_s, now)
 
 
 def make_tiering(cfg, host: HostTier, arena_view):

@@ -178,7 +178,7 @@ class Service:
         return keys, pages
 
     async def op_lookup(self, session: Session, req):
-        reg = self._registration(session, req.fields["reg"])
+        self._registration(session, req.fields["reg"])  # validated; a lease belongs to the session
         keys = protocol.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
         hits = self.tier.ready_prefix(keys)
         for entry in hits:
@@ -197,7 +197,6 @@ class Service:
         self.tier.pin(hits)
         session.leases[lease.id] = lease
         self.sessions.leases[lease.id] = lease
-        del reg  # the lease is tied to the session, not one pool
         return {"hits": len(hits) + disk_hits, "lease": lease.id, **extra}
 
     async def op_store(self, session: Session, req):
