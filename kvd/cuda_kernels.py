@@ -51,21 +51,21 @@ _MAX_ROWS = 2**31 - 1          # rows per launch (the kernel indexes rows in 32 
 _H2D = 1                       # cudaMemcpyHostToDevice
 
 
-def kernel_source_path() -> Path:
+def kernel_source_path(name: str = KERNEL_FILE) -> Path:
     """The kernel source: ``kvd/kernels/`` (package data), repo-root ``kernels/``,
     or wherever the ``kvd.kernels`` package maps to (editable installs)."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "kernels" / KERNEL_FILE, here.parent / "kernels" / KERNEL_FILE):
+    for candidate in (here / "kernels" / name, here.parent / "kernels" / name):
         if candidate.is_file():
             return candidate
     try:
         from importlib.resources import files
-        candidate = Path(str(files("kvd.kernels").joinpath(KERNEL_FILE)))
+        candidate = Path(str(files("kvd.kernels").joinpath(name)))
         if candidate.is_file():
             return candidate
     except Exception:  # noqa: BLE001 - no such package: fall through to the error
         pass
-    raise RuntimeError(f"{KERNEL_FILE} not found in {here / 'kernels'} or {here.parent / 'kernels'}")
+    raise RuntimeError(f"{name} not found in {here / 'kernels'} or {here.parent / 'kernels'}")
 
 
 def _import_cupy() -> Any:

@@ -6,7 +6,8 @@ fixed ``HEADER_BYTES`` (4096) header, then the canonical chunk bytes
 (little-endian, ``HEADER``) holds the magic ``b"KVDCHUNK"``, the file
 format version ``FORMAT_VERSION``, the canonical-bytes version, the
 namespace digest, the key, the payload length, shards, shard bytes, the
-xxh3-128 digest of the payload and an xxh3-64 of the header fields; the rest
+payload digest (kvd/chunk_digest.py: XXH3-128 over XXH3-64s of 64 KiB
+segments) and an xxh3-64 of the header fields; the rest
 is zero. docs/protocol.md §11 is the prose version.
 
 Contracts:
@@ -47,10 +48,11 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from .chunk_digest import payload_digest
 from .layout import CANONICAL_VERSION
 
 MAGIC = b"KVDCHUNK"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: segmented payload digest (kvd/chunk_digest.py)
 HEADER_BYTES = 4096
 ALIGN = 4096
 SUFFIX = ".kvc"
@@ -202,13 +204,13 @@ class ChunkFiles:
         view = memoryview(buf)
         try:
             if direct_src:
-                digest = xxhash.xxh3_128_digest(src)
+                digest = payload_digest(src)
                 pad = total - HEADER_BYTES - length
                 parts = [view[:HEADER_BYTES], src] + ([bytes(pad)] if pad else [])
             else:  # O_DIRECT from an unaligned source: one aligned bounce buffer
                 _copy(buf, HEADER_BYTES, src)  # numpy copies release the GIL
                 view[HEADER_BYTES + length:total] = bytes(total - HEADER_BYTES - length)
-                digest = xxhash.xxh3_128_digest(view[HEADER_BYTES:HEADER_BYTES + length])
+                digest = payload_digest(view[HEADER_BYTES:HEADER_BYTES + length])
                 parts = [view[:total]]
             head = pack_header(ns, key, length, shards, shard_bytes, digest)
             view[:HEADER_BYTES] = head + bytes(HEADER_BYTES - len(head))
@@ -269,7 +271,11 @@ class ChunkFiles:
                 if head.length != out.nbytes:
                     raise ChunkCorrupt(f"payload is {head.length} bytes, expected {out.nbytes}")
                 payload = out if direct_dst else view[HEADER_BYTES:HEADER_BYTES + head.length]
-                if xxhash.xxh3_128_digest(payload) != head.digest:
+                pad = view[HEADER_BYTES:size - out.nbytes] if direct_dst else \
+                    view[HEADER_BYTES + head.length:size]
+                if np.frombuffer(pad, np.uint8).any():  # the GPU path hashes the padding it reads: keep both paths alike
+                    raise ChunkCorrupt("non-zero padding")
+                if payload_digest(payload) != head.digest:
                     raise ChunkCorrupt("payload checksum mismatch")
                 if not direct_dst:
                     np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(payload, np.uint8))

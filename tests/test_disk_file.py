@@ -73,7 +73,7 @@ def test_header_layout_is_documented(files):
     path = files.write(NS, KEY, payload(100), 2, 50)
     raw = path.read_bytes()
     assert raw[:8] == b"KVDCHUNK"
-    assert int.from_bytes(raw[8:12], "little") == F.FORMAT_VERSION == 1
+    assert int.from_bytes(raw[8:12], "little") == F.FORMAT_VERSION == 2
     assert raw[16:32] == NS and raw[32:48] == KEY
     assert int.from_bytes(raw[48:56], "little") == 100
     assert raw[F.HEADER.size:4096] == bytes(4096 - F.HEADER.size)
@@ -97,13 +97,14 @@ def test_any_flipped_byte_is_detected(files, offset):
         files.read_into(path, NS, KEY, out)
 
 
-def test_flip_in_padding_is_harmless(files):
+def test_flip_in_padding_is_detected(files):
+    """The padding is part of what the GPU Direct Storage path hashes; the CPU path agrees."""
     data = payload(5000)
     path = files.write(NS, KEY, data, 1, 5000)
     corrupt(path, 4096 + 6000)  # zero padding after the payload
     out = np.zeros(5000, np.uint8)
-    files.read_into(path, NS, KEY, out)
-    assert (out == data).all()
+    with pytest.raises(F.ChunkCorrupt, match="padding"):
+        files.read_into(path, NS, KEY, out)
 
 
 def test_wrong_length_and_wrong_name(files):
