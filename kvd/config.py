@@ -83,6 +83,12 @@ KNOBS = (
          "which the coldest chunks are copied to disk.", minimum=0.1),
     Knob("disk_min_hits", "int", 0, "Demote only chunks looked up at least this often (0: all).",
          minimum=0),
+    Knob("disk_gds", "bool", False, "Load disk-only chunks straight into GPU pages with GPU "
+         "Direct Storage (KvikIO; its compatibility mode where the machine lacks GDS), verified on "
+         "the GPU. Without KvikIO, a GPU or a disk tier: a log line, and the host tier path."),
+    Knob("disk_gds_slot_bytes", "size", 128 * 2**20, "Bytes of each of the 2 GPU Direct Storage "
+         "buffers per GPU (a load reads as many chunks as fit, then the next batch).",
+         minimum=2**20),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
     Knob("log_level", "str", "info", "Logging level.", choices=("debug", "info", "warning", "error")),
 )

@@ -230,7 +230,11 @@ class CudaCopyEngine:
             events = pool.load_events[slot]
         ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
         with self.cp.cuda.Device(dev.ordinal):
-            if (pieces := _plan(dev.load, plan, layers, plan.layerwise)) is not None:
+            if not len(ptrs):  # everything came another way (kvd.gds): events and completion only
+                stream, how = dev.streams[2], "no host chunks"
+                for layer in (layers if events is not None else ()):
+                    self.rt.eventRecord(events[layer], stream.ptr)
+            elif (pieces := _plan(dev.load, plan, layers, plan.layerwise)) is not None:
                 how = f"{len(pieces)} staged pieces"
                 stream = dev.load.run(pieces, pool.bases, plan.page_ids, ptrs, geometry,
                                       layer_events=events)
@@ -245,6 +249,17 @@ class CudaCopyEngine:
                             batch.launch_all(layer, layer + 1)
                             self.rt.eventRecord(events[layer], stream.ptr)
             return self._completion(stream, "scatter", plan, how, t0)
+
+    def scatter_device(self, pool: CudaPool, layout: LayoutDescriptor, page_ids, ptrs: list,
+                       chunk_tokens: int):
+        """Queue kernels scattering whole chunks already in this GPU's memory at ``ptrs``
+        into ``page_ids``, on the load kernel stream (returned): a later ``scatter`` of
+        this pool is ordered after them, events and completion included."""
+        dev = pool.device
+        geometry = {**desc_params(layout), "chunk_tokens": chunk_tokens}
+        with self.cp.cuda.Device(dev.ordinal):
+            dev.copier.scatter(pool.bases, page_ids, ptrs, stream=dev.streams[2], **geometry)
+        return dev.streams[2]
 
     def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float) -> asyncio.Future:
         done = self.cp.cuda.Event(block=True, disable_timing=True)

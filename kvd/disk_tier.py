@@ -121,30 +121,46 @@ class DiskTier:
             raise
 
     async def read_into(self, entry: DiskEntry, dest) -> bool:
-        entry.refs += 1
+        return await self.read_many([entry], lambda es: [_attempt(
+            self.files.read_into, es[0].path, es[0].ns, es[0].key, dest)]) == 1
+
+    async def read_many(self, entries: list, read) -> int:
+        """Run ``read(entries)`` on an IO thread; it returns, per entry, None or the
+        exception its read raised. Failures are handled and counted (a corrupt file is
+        deleted); returns how many entries, in order, were read fine."""
+        for e in entries:
+            e.refs += 1
         self._reads.begin()
         try:
-            await self._io(self.files.read_into, entry.path, entry.ns, entry.key, dest)
-        except ChunkCorrupt as exc:
+            results = await self._io(read, entries)
+        except Exception as exc:  # noqa: BLE001 - the reader itself failed: the first one fails
+            results = [exc]
+        finally:
+            for e in entries:
+                e.refs -= 1
+            self._reads.end()
+        n = 0
+        for e, result in zip(entries, results):
+            if result is not None:
+                self._failed(e, result)
+                break
+            n += 1
+            self.counters["reads"] += 1
+            self.counters["read_bytes"] += e.length
+        return n
+
+    def _failed(self, entry: DiskEntry, exc: BaseException) -> None:
+        if isinstance(exc, ChunkCorrupt):
             log.warning("disk chunk %s is corrupt (%s): deleted", entry.path.name, exc)
             self.counters["checksum_failures"] += 1
             self._forget(entry, delete=True)
-            return False
-        except FileNotFoundError:
+        elif isinstance(exc, FileNotFoundError):
             log.warning("disk chunk %s vanished", entry.path.name)
             self.counters["vanished"] += 1
             self._forget(entry, delete=False)
-            return False
-        except OSError as exc:
+        else:
             log.warning("disk read of %s failed: %s", entry.path.name, exc)
             self.counters["read_errors"] += 1
-            return False
-        finally:
-            entry.refs -= 1
-            self._reads.end()
-        self.counters["reads"] += 1
-        self.counters["read_bytes"] += entry.length
-        return True
 
     # ---- write side ----------------------------------------------------------------
 
@@ -334,6 +350,15 @@ def _lock_dir(root: Path) -> int:
         os.close(fd)
         raise OSError(errno.EBUSY, "another kvd daemon uses this disk_dir") from None
     return fd
+
+
+def _attempt(fn, *args) -> BaseException | None:
+    """None when ``fn(*args)`` returns, else the exception it raised."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - handed back to the loop to count
+        return exc
+    return None
 
 
 def _payload_len(payload) -> int:

@@ -70,6 +70,8 @@ class Daemon:
         self.service = Service(self.cfg, HostTier(self.cfg.host_capacity, align), engines)
         if self.cfg.disk_dir:
             self.service.tiering = make_tiering(self.cfg, self.service.tier, self.arena.view)
+        if self.cfg.disk_gds:
+            self.service.gds = make_gds(self.cfg, self.service.tiering, cuda)
         self.ctx = zmq.asyncio.Context()
         old = os.umask(0o077)
         try:
@@ -194,6 +196,22 @@ def make_tiering(cfg, host: HostTier, arena_view):
     except OSError as exc:
         raise RuntimeError(f"cannot use disk_dir {cfg.disk_dir}: {exc}") from None
     return Tiering(host, disk, arena_view, cfg.disk_high_watermark, cfg.disk_min_hits)
+
+
+def make_gds(cfg, tiering, cuda):
+    """The GPU Direct Storage loader, or None with the log line saying why not."""
+    why = ("there is no disk tier (disk_dir)" if tiering is None else
+           "the CUDA backend is off" if cuda is None else None)
+    if why is None:
+        from .gds import GdsLoader, open_gds
+        kvikio, mode = open_gds(cfg.disk_io_threads)
+        if kvikio is not None:
+            log.info("GPU Direct Storage on (%s)", mode)
+            return GdsLoader(kvikio, mode, tiering.disk, cfg.disk_gds_slot_bytes)
+        why = mode
+    log.warning("disk_gds is on but GPU Direct Storage is unavailable: %s; disk chunks load "
+                "through the host tier", why)
+    return None
 
 
 def make_cuda_engine(cfg, arena_view):

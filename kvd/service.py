@@ -9,7 +9,9 @@ unpin; the reply means the pages hold the bytes. Reaping a session waits
 for its copies, then releases its leases and unmaps its pools.
 With a disk tier (``tiering``), lookup continues the host prefix with keys
 on disk (reported as ``disk_hits``, promotion started) and load promotes
-them into host slots before scattering (kvd/tiering.py). At debug level,
+them into host slots before scattering (kvd/tiering.py); for pools that GPU
+Direct Storage serves (``gds``) lookup only counts them and load reads them
+straight into the pages (kvd/gds.py). At debug level,
 store and load log their time in the service and, of that, in the copy.
 """
 
@@ -40,6 +42,7 @@ class Service:
         self.sessions = SessionTable()
         self.stats = Stats()
         self.tiering = None  # kvd.tiering.Tiering when the disk tier is on (set by the server)
+        self.gds = None  # kvd.gds.GdsLoader when disk_gds is on and available (set by the server)
 
     # ---- dispatch -------------------------------------------------------------
 
@@ -92,11 +95,24 @@ class Service:
         shard = 0 if ns.attention == "mla" else f["tp_rank"]  # MLA: one copy for all ranks
         reg = Registration(self.sessions.next_id(), session, ns, namespace_digest(ns),
                            shard, layout, pool, engine)
+        if self.gds is not None:
+            self._prepare_gds(reg)
         session.registrations[reg.id] = reg
         self.sessions.registrations[reg.id] = reg
         return {"reg": reg.id, "shard_bytes": reg.shard_bytes, "namespace": reg.ns_digest,
                 "pages_per_chunk": reg.pages_per_chunk,
                 "load_events": getattr(pool, "load_event_handles", [])}
+
+    def _prepare_gds(self, reg: Registration) -> None:
+        try:
+            self.gds.prepare(reg)
+        except Exception as exc:  # noqa: BLE001 - GDS is an optimization: fall back, keep serving
+            log.warning("GPU Direct Storage unavailable for this pool (%s: %s); its disk chunks "
+                        "load through the host tier", type(exc).__name__, exc)
+
+    def _direct(self, reg: Registration) -> bool:
+        """Whether this pool's disk-only chunks load by GPU Direct Storage."""
+        return self.gds is not None and self.gds.eligible(reg)
 
     def _engine_for(self, buffers: list):
         kinds = {b["kind"] for b in buffers}
@@ -178,14 +194,14 @@ class Service:
         return keys, pages
 
     async def op_lookup(self, session: Session, req):
-        self._registration(session, req.fields["reg"])  # validated; a lease belongs to the session
+        reg = self._registration(session, req.fields["reg"])  # a lease belongs to the session
         keys = protocol.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
         hits = self.tier.ready_prefix(keys)
         for entry in hits:
             entry.hits += 1
         disk_hits = 0  # continue the prefix on disk; those start promoting to host
         if self.tiering is not None and len(hits) < len(keys):
-            disk_hits = self.tiering.disk_prefix(keys[len(hits):])
+            disk_hits = self.tiering.disk_prefix(keys[len(hits):], promote=not self._direct(reg))
         self.stats.add("hit_chunks", len(hits) + disk_hits)
         self.stats.add("disk_hit_chunks", disk_hits)
         self.stats.add("miss_chunks", len(keys) - len(hits) - disk_hits)
@@ -257,20 +273,26 @@ class Service:
         lease = self._lease(session, req.fields["lease"]) if "lease" in req.fields else None
         entries = self.tier.ready_prefix(keys)
         self.tier.pin(entries)
+        direct = 0  # chunks read from disk straight into the pages (kvd.gds), queued first
         if self.tiering is not None and len(entries) < len(keys):  # the rest of the prefix on disk
             try:
-                entries += await self.tiering.promote_prefix(keys[len(entries):])
+                if self._direct(reg):
+                    direct = await self.gds.load(
+                        reg, keys[len(entries):], pages[len(entries) * reg.pages_per_chunk:],
+                        self.tier, lambda: _check_deadline(req.fields.get("deadline_us")))
+                else:
+                    entries += await self.tiering.promote_prefix(keys[len(entries):])
             except BaseException:
                 self.tier.unpin(entries)
                 raise
-        result = {"loaded": len(entries)}
+        result = {"loaded": len(entries) + direct}
 
         def finish(_=None):
             self.tier.unpin(entries)
             if lease is not None:
                 self._drop_lease(lease)
 
-        if not entries:
+        if not entries and not direct:
             finish()
             return result
         try:
@@ -293,8 +315,8 @@ class Service:
             finally:
                 finish()
             _log_timing("load", len(entries), t0, waited)
-        self.stats.add("chunks_loaded", len(entries))
-        self.stats.add("bytes_loaded", len(entries) * reg.shard_bytes)
+        self.stats.add("chunks_loaded", len(entries) + direct)
+        self.stats.add("bytes_loaded", (len(entries) + direct) * reg.shard_bytes)
         return result
 
     def _start_copy(self, reg: Registration, start) -> asyncio.Future:
@@ -348,7 +370,8 @@ class Service:
     def snapshot(self) -> dict:
         tiers = {"host": self.tier.stats()}
         if self.tiering is not None:
-            tiers["disk"] = {**self.tiering.disk.stats(), **self.tiering.stats()}
+            tiers["disk"] = {**self.tiering.disk.stats(), **self.tiering.stats(),
+                             "gds": None if self.gds is None else self.gds.stats()}
         return {"tiers": tiers, "disk_hits": self.stats.counters["disk_hit_chunks"],
                 **self.stats.summary(),
                 "latency": self.stats.latency_ms(), "clients": len(self.sessions),

@@ -141,13 +141,14 @@ class Tiering:
 
     # ---- promotion -----------------------------------------------------------------
 
-    def disk_prefix(self, keys: list) -> int:
-        """How many of ``keys`` (in order) are on disk; starts promoting them."""
+    def disk_prefix(self, keys: list, promote: bool = True) -> int:
+        """How many of ``keys`` (in order) are on disk; starts promoting them (``promote``)."""
         n = 0
         for key in keys:
             if self.disk.get(key) is None:
                 break
-            self._promotion(key)
+            if promote:
+                self._promotion(key)
             n += 1
         return n
 

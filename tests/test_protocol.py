@@ -903,7 +903,7 @@ def test_timeout_must_exceed_heartbeat():
 
 def test_every_knob_has_an_env_and_cli_spelling():
     for knob in KNOBS:
-        value = {"size": "8MiB", "int": "3", "float": "0.5", "str": "/x"}[knob.kind]
+        value = {"size": "8MiB", "int": "3", "float": "0.5", "str": "/x", "bool": "true"}[knob.kind]
         if knob.choices:
             value = knob.choices[-1]
         if knob.name == "client_timeout_s":
