@@ -119,7 +119,7 @@ def test_corrupt_chunk_ends_the_prefix_and_is_never_loaded(gds_daemon, tmp_path)
         path.write_bytes(bytes(raw))
         dst = list(range(4 * PPC, 8 * PPC))
         for t in tensors:
-            t[:, dst].view(torch.uint8).fill_(0x3C)
+            t[:, 4 * PPC:8 * PPC].view(torch.uint8).fill_(0x3C)  # a slice: a view, not a copy
         torch.cuda.synchronize()
         assert c.load(tokens, dst) == CHUNK
         torch.cuda.synchronize()
