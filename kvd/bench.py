@@ -5,7 +5,7 @@ a shared-memory pool with the host backend, and times end-to-end
 ``store`` (engine pages -> host tier) and ``load`` (host tier -> other
 pages) of the same chunks, each next to a plain numpy copy of the same
 number of bytes measured in the same run (``--gpu``: kvd.bench_gpu;
-``--disk``: kvd.bench_disk). Prints medians of ``--repeat``
+``--disk``: kvd.bench_disk; ``--gds``: kvd.bench_gds). Prints medians of ``--repeat``
 runs and the ratios. A benchmark, not a test: it asserts nothing about speed.
 """
 
@@ -39,11 +39,17 @@ def add_arguments(p) -> None:
                    "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
+    p.add_argument("--gds", action="store_true", help="benchmark loads of disk-only chunks into "
+                   "GPU pages, GPU Direct Storage vs the host tier path vs raw O_DIRECT reads (needs "
+                   "torch, cupy, KvikIO, a GPU; uses --disk-dir, --disk-gib, --disk-threads, --chunks)")
     from .bench_disk import add_arguments as add_disk_arguments
     add_disk_arguments(p)
 
 
 def run(args) -> int:
+    if args.gds:
+        from .bench_gds import run as run_gds
+        return run_gds(args)
     if args.disk:
         from .bench_disk import run as run_disk
         return run_disk(args)
