@@ -108,7 +108,7 @@ def _control(rundir: str, op: str):
     from kvd_client.transport import Channel
 
     from .runtime import control_endpoint
-    ch = Channel(control_endpoint(rundir), 300)
+    ch = Channel(control_endpoint(Path(rundir)), 300)
     try:
         return ch.request(op)
     finally:
