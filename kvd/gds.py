@@ -28,8 +28,11 @@ Contract:
   tier and ends the prefix: its pages and later ones are not written.
   ``check_deadline()`` runs before each batch's kernels are queued and
   raises when the client gave up (earlier batches' pages are written).
-- A slot is overwritten only after the kernels that last read it finished
-  (an event, waited for on the IO thread before the read starts).
+- Batches alternate between the slots, so batch k+1 is read while batch k is
+  verified and queued; scatters are queued in order. A slot is overwritten
+  only after the kernels that last read it finished (an event, waited for
+  on the IO thread before the read starts). The run's disk entries are
+  pinned (``refs``) for the whole load, so the disk LRU cannot delete them.
 """
 
 from __future__ import annotations
@@ -132,28 +135,56 @@ class GdsLoader:
         gpu = self.gpus[reg.pool.device.ordinal]
         stride = padded_length(reg.shard_bytes)
         per_slot = self.slot_bytes // stride
-        ppc = reg.pages_per_chunk
-        done = 0
-        for b0 in range(0, len(run), per_slot):
-            batch = run[b0:b0 + per_slot]
-            slot = gpu.slots[gpu.next]
-            gpu.next = (gpu.next + 1) % len(gpu.slots)
-            async with slot.lock:
-                ok = await self.disk.read_many(batch, partial(self._read_batch, gpu, slot, stride))
-                if ok:
-                    check_deadline()  # raises when the client gave up: its pages stay as they are
-                    stream = reg.engine.scatter_device(
-                        reg.pool, reg.layout, pages[(done * ppc):(done + ok) * ppc],
-                        [slot.ptr + i * stride for i in range(ok)], reg.ns.chunk_tokens)
-                    slot.free.record(stream)
-            done += ok
-            if ok < len(batch):
-                break
+        progress = {"done": 0, "stop": False}
+        tasks, prev = [], None
+        for e in run:  # pinned: the disk LRU must not delete a file this load will read
+            e.refs += 1
+        try:
+            # batch k+1 reads into the other slot while batch k is verified and queued
+            for b0 in range(0, len(run), per_slot):
+                slot = gpu.slots[gpu.next]
+                gpu.next = (gpu.next + 1) % len(gpu.slots)
+                prev = asyncio.ensure_future(self._batch(
+                    reg, gpu, slot, stride, run[b0:b0 + per_slot], pages, prev, progress,
+                    check_deadline))
+                tasks.append(prev)
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            for e in run:
+                e.refs -= 1
+        done = progress["done"]
         c = self.counters
         c["direct_loads"] += 1
         c["direct_chunks"] += done
         c["direct_bytes"] += done * reg.shard_bytes
         return done
+
+    async def _batch(self, reg, gpu, slot: _Slot, stride: int, batch: list, pages, prev,
+                     progress: dict, check_deadline) -> None:
+        """Read and verify ``batch`` into ``slot``; once the previous batch is queued (in
+        order, so the loaded chunks stay a prefix), queue its scatter."""
+        async with slot.lock:
+            if progress["stop"]:
+                return
+            ok = await self.disk.read_many(batch, partial(self._read_batch, gpu, slot, stride))
+            if prev is not None:
+                await prev
+            if progress["stop"]:
+                return
+            if ok:
+                check_deadline()  # raises when the client gave up: its pages stay as they are
+                ppc, done = reg.pages_per_chunk, progress["done"]
+                stream = reg.engine.scatter_device(
+                    reg.pool, reg.layout, pages[done * ppc:(done + ok) * ppc],
+                    [slot.ptr + i * stride for i in range(ok)], reg.ns.chunk_tokens)
+                slot.free.record(stream)
+                progress["done"] = done + ok
+            progress["stop"] = ok < len(batch)
 
     def _read_batch(self, gpu: _GpuState, slot: _Slot, stride: int, entries: list) -> list:
         """On an IO thread: read and verify ``entries`` into ``slot``; per entry None or
