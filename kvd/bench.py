@@ -5,7 +5,7 @@ a shared-memory pool with the host backend, and times end-to-end
 ``store`` (engine pages -> host tier) and ``load`` (host tier -> other
 pages) of the same chunks, each next to a plain numpy copy of the same
 number of bytes measured in the same run (``--gpu``: kvd.bench_gpu;
-``--disk``: kvd.bench_disk; ``--gds``: kvd.bench_gds). Prints medians of ``--repeat``
+``--disk``: kvd.bench_disk; ``--gds``: kvd.bench_gds; ``--disk-policy``: kvd.bench_policy). Prints medians of ``--repeat``
 runs and the ratios. A benchmark, not a test: it asserts nothing about speed.
 """
 
@@ -43,10 +43,15 @@ def add_arguments(p) -> None:
                    "GPU pages, GPU Direct Storage vs the host tier path vs raw O_DIRECT reads (needs "
                    "torch, cupy, KvikIO, a GPU; uses --disk-dir, --disk-gib, --disk-threads, --chunks)")
     from .bench_disk import add_arguments as add_disk_arguments
+    from .bench_policy import add_arguments as add_policy_arguments
     add_disk_arguments(p)
+    add_policy_arguments(p)
 
 
 def run(args) -> int:
+    if args.disk_policy:
+        from .bench_policy import run as run_policy
+        return run_policy(args)
     if args.gds:
         from .bench_gds import run as run_gds
         return run_gds(args)

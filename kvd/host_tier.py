@@ -34,6 +34,7 @@ class Entry:
     refs: int = 0
     on_disk: bool = False  # a verified copy is on the disk tier (kvd.tiering)
     hits: int = 0          # lookups that found it (for disk_min_hits)
+    passed_cold: bool = False  # a demotion pass skipped it for too few hits (counted once)
     created: float = field(default_factory=time.monotonic)
 
     @property

@@ -101,7 +101,9 @@ class Tiering:
             if tried is not None and entry.key in tried:
                 continue
             if entry.hits < self.min_hits:
-                self.counters["demotions_skipped_cold"] += 1
+                if not entry.passed_cold:
+                    entry.passed_cold = True
+                    self.counters["demotions_skipped_cold"] += 1
                 continue
             if self.demoting and self.demoting_bytes + entry.size > PINNED_SHARE * cap:
                 break  # pinned for demotion: bounded, so stores still find room
