@@ -28,14 +28,16 @@ DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interv
 
 
 class DaemonProc:
-    def __init__(self, runtime_dir: Path, knobs: dict):
+    def __init__(self, runtime_dir: Path, knobs: dict, wrapper: list | None = None):
         self.runtime_dir = runtime_dir
         self.knobs = {**DEFAULT_KNOBS, **knobs}
+        self.wrapper = wrapper or []  # a command the daemon runs under (it must exec it)
         self.proc = None
         self.log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
 
     def start(self, wait: bool = True) -> "DaemonProc":
-        cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(self.runtime_dir)]
+        cmd = [*self.wrapper, sys.executable, "-m", "kvd", "serve", "--runtime-dir",
+               str(self.runtime_dir)]
         for key, value in self.knobs.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         self._log = open(self.log_path, "ab")
@@ -90,8 +92,9 @@ def start_daemon():
     base = Path(tempfile.mkdtemp(prefix="kvd-t-", dir="/tmp"))
     started = []
 
-    def start(runtime_dir: Path | None = None, wait: bool = True, **knobs) -> DaemonProc:
-        d = DaemonProc(runtime_dir or base / f"run{len(started)}", knobs)
+    def start(runtime_dir: Path | None = None, wait: bool = True, wrapper: list | None = None,
+              **knobs) -> DaemonProc:
+        d = DaemonProc(runtime_dir or base / f"run{len(started)}", knobs, wrapper)
         started.append(d)
         return d.start(wait)
 

@@ -12,6 +12,7 @@ under pressure never give wrong bytes.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,4 +241,42 @@ def test_gds_unavailable_falls_back_to_the_host_path_with_a_log_line(start_daemo
     disk = disk_stats(d)
     assert disk["gds"] is None and disk["promotions"] > 0
     assert "disk_gds is on but GPU Direct Storage is unavailable" in d.log()
+    assert d.stop() == 0
+
+
+def tmpfs_wrapper(mount_dir: Path, size: str) -> list | None:
+    """A command prefix that runs the daemon with a ``size``-limited tmpfs on
+    ``mount_dir`` (a private mount namespace), or None where that is not allowed."""
+    script = f'mount -t tmpfs -o size={size} kvd-test "$0"'
+    if shutil.which("unshare") is None:
+        return None
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", script, str(mount_dir)],
+                           capture_output=True, timeout=10)
+    if probe.returncode != 0:
+        return None
+    return ["unshare", "-rm", "sh", "-c", script + ' && exec "$@"', str(mount_dir)]
+
+
+def test_full_filesystem_fails_demotions_cleanly(start_daemon, procs, tmp_path):
+    """A real, small filesystem runs out of space: demotions fail with ENOSPC and are
+    counted, what is on disk stays correct, the host tier keeps serving."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    wrapper = tmpfs_wrapper(disk, "512k")
+    if wrapper is None:
+        pytest.skip("cannot mount a size-limited tmpfs here (unshare -rm refused); "
+                    "test_enospc_fails_demotion_cleanly_host_keeps_serving injects ENOSPC instead")
+    d = start_daemon(wrapper=wrapper, **disk_knobs(tmp_path))  # disk_capacity 64 MiB > 512 KiB
+    rd = str(d.runtime_dir)
+    assert procs.apply(D.store_seqs, (rd, SPEC, 91, 12, 4, "disk/tmpfs")) == 48 * CHUNK
+    st = disk_stats(d)
+    assert st["enospc"] >= 1 and st["demotions_failed"] >= 1, st
+    assert 0 < st["chunks"] < 48 and st["used_bytes"] <= 512 * 1024 and st["queued_writes"] == 0
+    got = procs.apply(D.load_seqs, (rd, SPEC, 91, 12, 4, "disk/tmpfs"))  # bit-exact where loaded
+    assert sum(loaded for _, loaded in got) >= st["chunks"] * CHUNK // 2
+    assert disk_stats(d)["checksum_failures"] == 0
+    # the disk is still full: new chunks go to the host tier and come back from there
+    assert procs.apply(D.store_seqs, (rd, SPEC, 92, 2, 4, "disk/tmpfs2")) == 8 * CHUNK
+    assert procs.apply(D.load_seqs, (rd, SPEC, 92, 2, 4, "disk/tmpfs2")) == [(4 * CHUNK, 4 * CHUNK)] * 2
+    assert d.stats()["errors"] == 0
     assert d.stop() == 0
