@@ -17,6 +17,9 @@ Contracts:
 - ``read_into`` fills ``dest`` with verified bytes and returns True, or
   returns False: checksum/header failure (file deleted, counted), file gone
   (counted), IO error (counted). Never raises for IO; never wrong bytes.
+  ``read_many(entries, read)`` runs another reader (kvd.gds: into GPU
+  memory) on an IO thread under the same pinning, accounting and failure
+  handling, and returns how many entries, in order, it read fine.
 - Recovery (``start``): a background task scans the directory in jobs of
   ``SCAN_BATCH`` files, ``threads`` jobs at once; removes temp files of earlier processes
   and files with a wrong header, version or length (counted); adds the rest
