@@ -6,7 +6,10 @@ temp file, header, xxh3 checksum, fsync, rename; reads verify the header
 and checksum and copy into the destination) with ``--disk-threads`` IO
 threads; (2) raw IO of the same file sizes in the same block size with the
 same number of threads: one ``pwrite`` + ``fsync`` per file, one ``pread``
-per file. Both use O_DIRECT when the directory takes it and buffered IO
+per file. The two alternate in rounds of files (``ROUNDS`` per direction,
+which side goes first alternating too), so the slow spells of a shared disk
+hit both alike; each side's GB/s is its bytes over its summed round times.
+Both use O_DIRECT when the directory takes it and buffered IO
 otherwise (said in the output). Prints the median GB/s of ``--repeat``
 runs and the ratio tier/raw. A benchmark, not a test: it asserts nothing.
 """
@@ -31,6 +34,7 @@ from .disk_file import file_size, probe_direct
 from .disk_tier import DiskTier
 
 NS = bytes(16)
+ROUNDS = 16  # rounds per direction (at least 4 files per thread each)
 
 
 def add_arguments(p) -> None:
@@ -50,26 +54,22 @@ def run(args) -> int:
     try:
         direct = probe_direct(base)
         mode = "O_DIRECT" if direct else "buffered (the filesystem refuses O_DIRECT)"
+        per_round = max(4 * threads, -(-n // ROUNDS))
         print(f"kvd bench --disk: {base.parent}, {n} chunks of {chunk / 2**20:.2f} MiB "
-              f"({n * chunk / 2**30:.2f} GiB), {threads} threads, {mode}, median of "
-              f"{args.repeat} runs", flush=True)
+              f"({n * chunk / 2**30:.2f} GiB), {threads} threads, {mode}, tier and raw "
+              f"interleaved in rounds of {per_round} files, median of {args.repeat} runs",
+              flush=True)
         # like host-tier slots: page-aligned (the tier then does no bounce copy under O_DIRECT)
         src = _aligned((min(n, 16), chunk))
         src[:] = np.random.default_rng(0).integers(0, 256, src.shape, dtype=np.uint8)
         dst = _aligned((min(n, 16), chunk))
         runs = {"tier write": [], "tier read": [], "raw write": [], "raw read": []}
         for i in range(args.repeat):
-            if i % 2:  # alternate which goes first, so neither always meets a busier device
-                rw, rr = _raw(base / f"raw{i}", src, n, threads, direct)
-            tw, tr = asyncio.run(_tier(base / f"tier{i}", src, dst, n, threads, direct))
-            assert_same(src, dst)
-            if not i % 2:
-                rw, rr = _raw(base / f"raw{i}", src, n, threads, direct)
-            for name, secs in (("tier write", tw), ("tier read", tr), ("raw write", rw),
-                               ("raw read", rr)):
-                runs[name].append(n * chunk / secs / 1e9)
-            shutil.rmtree(base / f"tier{i}", ignore_errors=True)
-            shutil.rmtree(base / f"raw{i}", ignore_errors=True)
+            secs = asyncio.run(_interleaved(base / f"run{i}", src, dst, n, threads, direct,
+                                            per_round))
+            for name, t in secs.items():
+                runs[name].append(n * chunk / t / 1e9)
+            shutil.rmtree(base / f"run{i}", ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -89,58 +89,86 @@ def assert_same(src, dst) -> None:
         raise RuntimeError("disk tier read back different bytes")  # never expected
 
 
-async def _tier(root: Path, src, dst, n: int, threads: int, direct: bool):
-    tier = DiskTier(root, capacity=2 * n * file_size(src.shape[1]), threads=threads,
+async def _interleaved(root: Path, src, dst, n: int, threads: int, direct: bool,
+                       per_round: int) -> dict:
+    """Seconds of each side: writes (then reads) go in rounds of ``per_round`` files,
+    tier then raw or raw then tier (alternating), so a noisy shared disk's slow
+    spells hit both sides alike."""
+    tier = DiskTier(root / "tier", capacity=2 * n * file_size(src.shape[1]), threads=threads,
                     queue_chunks=n, direct=direct)
+    raw = _Raw(root / "raw", src, threads, direct)
     keys = [i.to_bytes(16, "big") for i in range(n)]
-    t0 = time.perf_counter()
-    futs = [tier.submit_write(NS, k, src[i % len(src)], 1, src.shape[1]) for i, k in enumerate(keys)]
-    ok = await asyncio.gather(*futs)
-    write_s = time.perf_counter() - t0
-    if not all(ok):
-        raise RuntimeError(f"disk tier writes failed: {tier.stats()}")
-    t0 = time.perf_counter()
-    ok = await asyncio.gather(*(tier.read_into(tier.get(k), dst[i % len(dst)])
-                                for i, k in enumerate(keys)))
-    read_s = time.perf_counter() - t0
-    if not all(ok):
-        raise RuntimeError(f"disk tier reads failed: {tier.stats()}")
-    await tier.close()
-    return write_s, read_s
+    secs = dict.fromkeys(("tier write", "tier read", "raw write", "raw read"), 0.0)
+    loop = asyncio.get_running_loop()
+
+    async def tier_write(idx):
+        futs = [tier.submit_write(NS, keys[i], src[i % len(src)], 1, src.shape[1]) for i in idx]
+        if not all(await asyncio.gather(*futs)):
+            raise RuntimeError(f"disk tier writes failed: {tier.stats()}")
+
+    async def tier_read(idx):
+        if not all(await asyncio.gather(*(tier.read_into(tier.get(keys[i]), dst[i % len(dst)])
+                                          for i in idx))):
+            raise RuntimeError(f"disk tier reads failed: {tier.stats()}")
+
+    sides = {"write": (tier_write, raw.write), "read": (tier_read, raw.read)}
+    try:
+        for what, (tier_op, raw_op) in sides.items():
+            for r, first in enumerate(range(0, n, per_round)):
+                idx = list(range(first, min(n, first + per_round)))
+                for side in (("tier", "raw") if r % 2 == 0 else ("raw", "tier")):
+                    t0 = time.perf_counter()
+                    if side == "tier":
+                        await tier_op(idx)
+                    else:
+                        await loop.run_in_executor(None, raw_op, idx)
+                    secs[f"{side} {what}"] += time.perf_counter() - t0
+                if what == "read":  # untimed: what the tier read is what was written
+                    assert_same(src[[i % len(src) for i in idx[:len(src)]]],
+                                dst[[i % len(dst) for i in idx[:len(dst)]]])
+    finally:
+        await tier.close()
+        raw.close()
+    return secs
 
 
-def _raw(root: Path, src, n: int, threads: int, direct: bool):
-    root.mkdir()
-    size = file_size(src.shape[1])
-    flags = os.O_DIRECT if direct else 0
-    local = threading.local()
+class _Raw:
+    """Raw IO of whole files the size of chunk files: one pwrite + fsync, one pread."""
 
-    def buf():
-        if getattr(local, "buf", None) is None:
-            local.buf = mmap.mmap(-1, size)
-            memoryview(local.buf)[4096:4096 + src.shape[1]] = src[0]
-        return local.buf
+    def __init__(self, root: Path, src, threads: int, direct: bool):
+        root.mkdir(parents=True)
+        self.root, self.size = root, file_size(src.shape[1])
+        self.flags = os.O_DIRECT if direct else 0
+        self.pool = ThreadPoolExecutor(threads)
+        self.local = threading.local()
+        self.src = src
 
-    def write(i):
-        fd = os.open(root / f"{i}.raw", os.O_WRONLY | os.O_CREAT | flags, 0o600)
+    def _buf(self):
+        if getattr(self.local, "buf", None) is None:
+            self.local.buf = mmap.mmap(-1, self.size)
+            memoryview(self.local.buf)[4096:4096 + self.src.shape[1]] = self.src[0]
+        return self.local.buf
+
+    def _write_one(self, i: int) -> None:
+        fd = os.open(self.root / f"{i}.raw", os.O_WRONLY | os.O_CREAT | self.flags, 0o600)
         try:
-            os.pwrite(fd, buf(), 0)
+            os.pwrite(fd, self._buf(), 0)
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    def read(i):
-        fd = os.open(root / f"{i}.raw", os.O_RDONLY | flags)
+    def _read_one(self, i: int) -> None:
+        fd = os.open(self.root / f"{i}.raw", os.O_RDONLY | self.flags)
         try:
-            os.preadv(fd, [buf()], 0)
+            os.preadv(fd, [self._buf()], 0)
         finally:
             os.close(fd)
 
-    with ThreadPoolExecutor(threads) as pool:
-        t0 = time.perf_counter()
-        list(pool.map(write, range(n)))
-        write_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        list(pool.map(read, range(n)))
-        read_s = time.perf_counter() - t0
-    return write_s, read_s
+    def write(self, idx: list) -> None:
+        list(self.pool.map(self._write_one, idx))
+
+    def read(self, idx: list) -> None:
+        list(self.pool.map(self._read_one, idx))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
