@@ -42,7 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .disk_file import TMP_MARK, ChunkCorrupt, ChunkFiles, file_size, parse_name, read_header
+from .disk_file import ChunkCorrupt, ChunkFiles, file_size
+from .disk_scan import names as _names, ns_dirs as _ns_dirs, scan_files as _scan_files, unlink as _unlink
 
 log = logging.getLogger("kvd")
 PROGRESS_S = 2.0
@@ -371,46 +372,3 @@ def _payload_len(payload) -> int:
 def _gbps(nbytes: int, busy: _Busy) -> float:
     secs = busy.seconds + (time.monotonic() - busy.since if busy.inflight else 0.0)
     return round(nbytes / secs / 1e9, 3) if secs > 0 else 0.0
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _ns_dirs(root: Path) -> list:
-    out = []
-    for top in sorted(os.scandir(root), key=lambda d: d.name):
-        if top.is_dir(follow_symlinks=False) and len(top.name) == 2:
-            out += [Path(d.path) for d in os.scandir(top.path) if d.is_dir(follow_symlinks=False)]
-    return out
-
-
-def _names(path: Path) -> list:
-    return [item.name for item in os.scandir(path)]
-
-
-def _scan_files(path: Path, names: list, own_temp_prefix: str):
-    """(found [(header, mtime, path)], bad files removed, temp files removed) of ``names``."""
-    found, removed, temps = [], 0, 0
-    for name in names:
-        p = path / name
-        if TMP_MARK in name:
-            if own_temp_prefix not in name:
-                _unlink(p)
-                temps += 1
-            continue
-        if parse_name(p) is None:
-            continue  # not ours: leave it alone
-        try:
-            head = read_header(p)
-            found.append((head, p.stat().st_mtime, p))
-        except ChunkCorrupt as exc:
-            log.warning("disk recovery: removing %s (%s)", p, exc)
-            _unlink(p)
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return found, removed, temps

@@ -26,7 +26,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from . import protocol
+from . import control, protocol
 from .arena import SharedArena
 from .errors import ServerError, ShuttingDown, TooLarge
 from .host_backend import HostCopyEngine
@@ -173,7 +173,7 @@ class Daemon:
         return await self.service.handle(peer, req)
 
     async def _control_op(self, peer: bytes, req):
-        return await self.service.control(req.op)
+        return await control.handle(self.service, req.op)
 
     async def _reaper(self) -> None:
         period = min(1.0, self.cfg.heartbeat_interval_s / 2)

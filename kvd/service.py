@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 from . import protocol
@@ -345,39 +344,6 @@ class Service:
         except Exception as exc:
             raise CopyFailed(f"copy failed: {type(exc).__name__}: {exc}") from None
         return time.perf_counter() - t0
-
-    # ---- control ops ----------------------------------------------------------
-
-    async def control(self, op: str):
-        if op == "health":
-            return {"status": "ok", "pid": os.getpid(), "backend": self.backends,
-                    "uptime_s": self.stats.summary()["uptime_s"]}
-        if op in ("flush_disk", "clear_disk"):
-            return await self._disk_control(op)
-        if op == "clear":
-            dropped, kept = self.tier.clear()
-            return {"dropped": dropped, "kept_in_use": kept}
-        return self.snapshot()
-
-    async def _disk_control(self, op: str) -> dict:
-        if self.tiering is None:
-            return {"disk": "off"}
-        if op == "flush_disk":
-            return {"written": await self.tiering.flush()}
-        deleted, kept = await self.tiering.disk.clear()
-        return {"deleted": deleted, "kept_in_use": kept}
-
-    def snapshot(self) -> dict:
-        tiers = {"host": self.tier.stats()}
-        if self.tiering is not None:
-            tiers["disk"] = {**self.tiering.disk.stats(), **self.tiering.stats(),
-                             "gds": None if self.gds is None else self.gds.stats()}
-        return {"tiers": tiers, "disk_hits": self.stats.counters["disk_hit_chunks"],
-                **self.stats.summary(),
-                "latency": self.stats.latency_ms(), "clients": len(self.sessions),
-                "registrations": len(self.sessions.registrations),
-                "leases": len(self.sessions.leases), "backend": self.backends,
-                "chunk_tokens": self.cfg.chunk_tokens}
 
 
 def _check_deadline(deadline_us) -> None:

@@ -1,0 +1,46 @@
+"""Operator commands on the control socket, over the service's state.
+
+``handle(service, op)`` answers ``health`` (liveness, pid, backends,
+uptime), ``stats`` (the snapshot documented in docs/protocol.md §6),
+``clear`` (drop every host chunk nobody pins), ``flush_disk`` (write every
+host chunk to the disk tier and wait) and ``clear_disk`` (delete every disk
+chunk nobody reads). The op is validated by the server (protocol.CONTROL_OPS).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+async def handle(service, op: str) -> dict:
+    if op == "health":
+        return {"status": "ok", "pid": os.getpid(), "backend": service.backends,
+                "uptime_s": service.stats.summary()["uptime_s"]}
+    if op in ("flush_disk", "clear_disk"):
+        return await _disk(service, op)
+    if op == "clear":
+        dropped, kept = service.tier.clear()
+        return {"dropped": dropped, "kept_in_use": kept}
+    return snapshot(service)
+
+
+async def _disk(service, op: str) -> dict:
+    if service.tiering is None:
+        return {"disk": "off"}
+    if op == "flush_disk":
+        return {"written": await service.tiering.flush()}
+    deleted, kept = await service.tiering.disk.clear()
+    return {"deleted": deleted, "kept_in_use": kept}
+
+
+def snapshot(service) -> dict:
+    tiers = {"host": service.tier.stats()}
+    if service.tiering is not None:
+        tiers["disk"] = {**service.tiering.disk.stats(), **service.tiering.stats(),
+                         "gds": None if service.gds is None else service.gds.stats()}
+    sessions = service.sessions
+    return {"tiers": tiers, "disk_hits": service.stats.counters["disk_hit_chunks"],
+            **service.stats.summary(),
+            "latency": service.stats.latency_ms(), "clients": len(sessions),
+            "registrations": len(sessions.registrations), "leases": len(sessions.leases),
+            "backend": service.backends, "chunk_tokens": service.cfg.chunk_tokens}
