@@ -174,7 +174,8 @@ class GdsLoader:
             ok = await self.disk.read_many(batch, partial(self._read_batch, gpu, slot, stride))
             if prev is not None:
                 await prev
-            if progress["stop"]:
+            if progress["stop"] or reg.closing:  # closing: the pool may be unmapped next
+                progress["stop"] = True
                 return
             if ok:
                 check_deadline()  # raises when the client gave up: its pages stay as they are

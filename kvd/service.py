@@ -284,6 +284,9 @@ class Service:
             except BaseException:
                 self.tier.unpin(entries)
                 raise
+            if reg.closing:  # unregistered or reaped while disk reads ran: its pool is gone
+                self.tier.unpin(entries)
+                raise NotFound(f"registration {reg.id} was closed during the load")
         result = {"loaded": len(entries) + direct}
 
         def finish(_=None):
