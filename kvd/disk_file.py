@@ -31,7 +31,8 @@ Contracts:
 Test-only fault injection: ``KVD_DISK_FAULTS`` (read when a ``ChunkFiles``
 is made), comma-separated: ``enospc`` (every write fails with ENOSPC),
 ``eio_read`` (every read fails with EIO), ``nodirect`` (the O_DIRECT probe
-fails as on a filesystem without it).
+fails as on a filesystem without it), ``slow_read`` (every read first
+sleeps ``SLOW_READ_S``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import os
 import secrets
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +63,7 @@ TMP_MARK = ".tmp-"
 _FIELDS = struct.Struct("<8sII16s16sQIQ16s")
 HEADER = struct.Struct(_FIELDS.format + "Q")  # + xxh3-64 of the fields above
 FAULTS_ENV = "KVD_DISK_FAULTS"
+SLOW_READ_S = 2.5
 
 
 class ChunkCorrupt(Exception):
@@ -250,6 +253,8 @@ class ChunkFiles:
         try:
             if "eio_read" in self.faults:
                 raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+            if "slow_read" in self.faults:
+                time.sleep(SLOW_READ_S)
             size = os.fstat(fd).st_size
             if size != file_size(out.nbytes):
                 raise ChunkCorrupt(f"file is {size} bytes, expected {file_size(out.nbytes)}")

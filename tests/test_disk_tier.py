@@ -12,6 +12,7 @@ under pressure never give wrong bytes.
 
 from __future__ import annotations
 
+import multiprocessing
 import shutil
 import signal
 import subprocess
@@ -279,4 +280,41 @@ def test_full_filesystem_fails_demotions_cleanly(start_daemon, procs, tmp_path):
     assert procs.apply(D.store_seqs, (rd, SPEC, 92, 2, 4, "disk/tmpfs2")) == 8 * CHUNK
     assert procs.apply(D.load_seqs, (rd, SPEC, 92, 2, 4, "disk/tmpfs2")) == [(4 * CHUNK, 4 * CHUNK)] * 2
     assert d.stats()["errors"] == 0
+    assert d.stop() == 0
+
+
+def test_client_killed_during_a_disk_load_is_reaped_and_nothing_breaks(start_daemon, procs,
+                                                                        tmp_path, monkeypatch):
+    """The engine dies while its load waits for a (slow) disk read; the daemon reaps it and
+    unmaps its pool before the read ends, so the load must not copy into that pool."""
+    monkeypatch.setenv(F.FAULTS_ENV, "slow_read")
+    d = start_daemon(**disk_knobs(tmp_path, client_timeout_s=1.0))
+    rd = str(d.runtime_dir)
+    ctx = multiprocessing.get_context("spawn")
+    report, child_end = ctx.Pipe(duplex=False)
+    engine = ctx.Process(target=D.slow_loader, args=(rd, SPEC, 95, child_end), daemon=True)
+    engine.start()
+    child_end.close()
+    try:
+        assert report.poll(30) and report.recv() == "loading"
+        time.sleep(0.3)  # the load is now waiting on the disk read
+        engine.kill()
+        engine.join(10)
+        deadline = time.monotonic() + 10
+        while d.stats()["clients"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = d.stats()
+        assert st["clients"] == 0 and st["registrations"] == 0, "the dead engine was not reaped"
+        time.sleep(F.SLOW_READ_S)  # the read ends after the pool is gone
+        st = d.stats()
+        assert d.proc.poll() is None and st["tiers"]["disk"]["promotions"] == 2
+        host = st["tiers"]["host"]
+        assert host["entries"] == host["chunks"] == 2, host
+        assert d.control("clear")["kept_in_use"] == 0  # the load's pins were released
+        assert "copy failed" not in d.log() and "could not start" not in d.log()  # no copy tried
+    finally:
+        if engine.is_alive():
+            engine.kill()
+    monkeypatch.delenv(F.FAULTS_ENV)
+    assert procs.apply(D.store_seqs, (rd, SPEC, 96, 1, 2, "disk/after")) == 2 * CHUNK
     assert d.stop() == 0

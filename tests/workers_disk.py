@@ -83,3 +83,17 @@ def control(runtime_dir: str, op: str) -> dict:
         return ch.request(op)
     finally:
         ch.close()
+
+
+def slow_loader(runtime_dir: str, spec: dict, seed: int, report) -> None:
+    """Store one sequence, leave it on disk only, then load it (slowly) until killed."""
+    pool = W.make_pool(spec, seed)
+    c = kvd_client.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=30).connect()
+    c.register_kv(pool, model="disk/slow")
+    tokens, pages = seqs(seed, 1, 2)[0], _pages(spec, seed, 1, 2)[0]
+    c.store(tokens, pages)
+    control(runtime_dir, "flush_disk")
+    control(runtime_dir, "clear")
+    report.send("loading")
+    c.load(tokens, pages)  # the daemon's disk read sleeps; we are killed meanwhile
+    report.send("loaded")
