@@ -32,7 +32,8 @@ Test-only fault injection: ``KVD_DISK_FAULTS`` (read when a ``ChunkFiles``
 is made), comma-separated: ``enospc`` (every write fails with ENOSPC),
 ``eio_read`` (every read fails with EIO), ``nodirect`` (the O_DIRECT probe
 fails as on a filesystem without it), ``slow_read`` (every read first
-sleeps ``SLOW_READ_S``).
+sleeps ``SLOW_READ_S``), ``gds_eio`` (read by kvd.gds: every GPU Direct
+Storage read fails with EIO).
 """
 
 from __future__ import annotations

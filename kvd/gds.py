@@ -20,12 +20,16 @@ Contract:
   padded payload fits a slot.
 - ``load(reg, keys, pages, host, check_deadline)`` takes the longest run of ``keys`` that are on
   disk and not ready in the host tier, in batches that fit a slot; it
-  returns how many chunks (a prefix) were verified and had their scatter
+  returns ``(n, io_error)``: how many chunks (a prefix) were verified and had their scatter
   kernels queued on the pool's load kernel stream, so whatever the caller
   queues next on that stream (the host part of the load, per-layer events,
   the completion event) comes after them. A chunk that fails (header,
   checksum, vanished file, IO error) is handled and counted by the disk
   tier and ends the prefix: its pages and later ones are not written.
+  ``io_error`` says the prefix ended on an IO failure of this path (KvikIO,
+  cuFile, the GPU; not a bad or vanished file): the caller loads the rest
+  through the host tier (counted as ``fallbacks``). Test-only: the disk
+  fault ``gds_eio`` (``KVD_DISK_FAULTS``) fails every read of this path.
   ``check_deadline()`` runs before each batch's kernels are queued and
   raises when the client gave up (earlier batches' pages are written).
 - Batches alternate between the slots, so batch k+1 is read while batch k is
@@ -38,6 +42,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -87,7 +92,7 @@ class GdsLoader:
         self.kvikio, self.mode, self.disk = kvikio, mode, disk
         self.slot_bytes = slot_bytes
         self.gpus: dict[int, _GpuState] = {}
-        self.counters = {"direct_loads": 0, "direct_chunks": 0, "direct_bytes": 0}
+        self.counters = {"direct_loads": 0, "direct_chunks": 0, "direct_bytes": 0, "fallbacks": 0}
 
     # ---- set-up ----------------------------------------------------------------------
 
@@ -131,11 +136,11 @@ class GdsLoader:
     async def load(self, reg, keys: list, pages, host, check_deadline) -> int:
         run = self.disk_run(keys, host, reg.shard_bytes)
         if not run:
-            return 0
+            return 0, False
         gpu = self.gpus[reg.pool.device.ordinal]
         stride = padded_length(reg.shard_bytes)
         per_slot = self.slot_bytes // stride
-        progress = {"done": 0, "stop": False}
+        progress = {"done": 0, "stop": False, "io_error": False}
         tasks, prev = [], None
         for e in run:  # pinned: the disk LRU must not delete a file this load will read
             e.refs += 1
@@ -162,7 +167,8 @@ class GdsLoader:
         c["direct_loads"] += 1
         c["direct_chunks"] += done
         c["direct_bytes"] += done * reg.shard_bytes
-        return done
+        c["fallbacks"] += progress["io_error"]
+        return done, progress["io_error"]
 
     async def _batch(self, reg, gpu, slot: _Slot, stride: int, batch: list, pages, prev,
                      progress: dict, check_deadline) -> None:
@@ -171,7 +177,8 @@ class GdsLoader:
         async with slot.lock:
             if progress["stop"]:
                 return
-            ok = await self.disk.read_many(batch, partial(self._read_batch, gpu, slot, stride))
+            ok = await self.disk.read_many(batch, partial(self._read_batch, gpu, slot, stride,
+                                                          progress))
             if prev is not None:
                 await prev
             if progress["stop"] or reg.closing:  # closing: the pool may be unmapped next
@@ -187,9 +194,18 @@ class GdsLoader:
                 progress["done"] = done + ok
             progress["stop"] = ok < len(batch)
 
-    def _read_batch(self, gpu: _GpuState, slot: _Slot, stride: int, entries: list) -> list:
+    def _read_batch(self, gpu: _GpuState, slot: _Slot, stride: int, progress: dict,
+                    entries: list) -> list:
         """On an IO thread: read and verify ``entries`` into ``slot``; per entry None or
-        the exception that makes it unusable (the first failure ends the batch)."""
+        the exception that makes it unusable (the first failure ends the batch). A
+        failure other than a bad or vanished file sets ``progress["io_error"]``."""
+        results = self._read_verify(gpu, slot, stride, entries)
+        if any(r is not None and not isinstance(r, (ChunkCorrupt, FileNotFoundError))
+               for r in results):
+            progress["io_error"] = True
+        return results
+
+    def _read_verify(self, gpu: _GpuState, slot: _Slot, stride: int, entries: list) -> list:
         slot.free.synchronize()
         results: list = [None] * len(entries)
         reads = []
@@ -198,6 +214,8 @@ class GdsLoader:
                 head = read_header(e.path)
                 if (head.ns, head.key, head.length) != (e.ns, e.key, e.length):
                     raise ChunkCorrupt("header names another chunk")
+                if "gds_eio" in self.disk.files.faults:
+                    raise OSError(errno.EIO, "injected GPU Direct Storage read error", str(e.path))
                 f = self.kvikio.CuFile(e.path, "r")
                 view = slot.array[i * stride:(i + 1) * stride]
                 reads.append((i, head, f, f.pread(view, stride, HEADER_BYTES)))

@@ -21,6 +21,8 @@ import asyncio
 import logging
 import time
 
+import numpy as np
+
 from . import protocol
 from .copy_engine import CopyPlan
 from .errors import BadRequest, CopyFailed, DeadlineExceeded, ServerError, Forbidden, NoSession, NotFound, OutOfRange, TooLarge, VersionMismatch
@@ -272,18 +274,17 @@ class Service:
         lease = self._lease(session, req.fields["lease"]) if "lease" in req.fields else None
         entries = self.tier.ready_prefix(keys)
         self.tier.pin(entries)
+        host_pages = pages[:len(entries) * reg.pages_per_chunk]
         direct = 0  # chunks read from disk straight into the pages (kvd.gds), queued first
         if self.tiering is not None and len(entries) < len(keys):  # the rest of the prefix on disk
             try:
-                if self._direct(reg):
-                    direct = await self.gds.load(
-                        reg, keys[len(entries):], pages[len(entries) * reg.pages_per_chunk:],
-                        self.tier, lambda: _check_deadline(req.fields.get("deadline_us")))
-                else:
-                    entries += await self.tiering.promote_prefix(keys[len(entries):])
+                direct, promoted, promoted_pages = await self._from_disk(reg, req, keys, pages,
+                                                                         len(entries))
             except BaseException:
                 self.tier.unpin(entries)
                 raise
+            entries += promoted
+            host_pages = np.concatenate([host_pages, promoted_pages])
             if reg.closing:  # unregistered or reaped while disk reads ran: its pool is gone
                 self.tier.unpin(entries)
                 raise NotFound(f"registration {reg.id} was closed during the load")
@@ -303,8 +304,7 @@ class Service:
             finish()
             raise
         layerwise = bool(req.fields.get("layerwise")) and reg.engine.name == "cuda"
-        plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
-                        pages[:len(entries) * reg.pages_per_chunk],
+        plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, host_pages,
                         [e.shard_offset(reg.tp_rank) for e in entries], layerwise=layerwise)
         if layerwise:
             # reply once the copies are queued: the engine waits on per-layer events
@@ -320,6 +320,21 @@ class Service:
         self.stats.add("chunks_loaded", len(entries) + direct)
         self.stats.add("bytes_loaded", (len(entries) + direct) * reg.shard_bytes)
         return result
+
+    async def _from_disk(self, reg: Registration, req, keys: list, pages, hits: int):
+        """The prefix past the first ``hits`` chunks, from disk: (chunks GPU Direct Storage
+        queued, host entries promoted from disk (pinned), their page ids). GDS comes first;
+        where it failed for IO reasons (not a bad chunk) the rest takes the host path."""
+        ppc, direct = reg.pages_per_chunk, 0
+        if self._direct(reg):
+            direct, fallback = await self.gds.load(
+                reg, keys[hits:], pages[hits * ppc:], self.tier,
+                lambda: _check_deadline(req.fields.get("deadline_us")))
+            if not fallback:
+                return direct, [], pages[:0]
+        promoted = await self.tiering.promote_prefix(keys[hits + direct:])
+        first = (hits + direct) * ppc
+        return direct, promoted, pages[first:first + len(promoted) * ppc]
 
     def _start_copy(self, reg: Registration, start) -> asyncio.Future:
         """Start a copy and track it on the registration until it completes."""

@@ -150,3 +150,28 @@ def test_tp_sharded_chunks_take_the_host_path(gds_daemon):
             assert torch.equal(t[:, dst].view(torch.uint8), w.view(torch.uint8))
     disk = gds_daemon.stats()["tiers"]["disk"]
     assert disk["promotions"] == 2 and disk["gds"]["direct_chunks"] == 0, disk
+
+
+def test_gds_io_error_falls_back_to_the_host_path(start_daemon, tmp_path, monkeypatch):
+    pytest.importorskip("kvikio")
+    monkeypatch.setenv(F.FAULTS_ENV, "gds_eio")  # every GDS read fails; host-path reads work
+    d = start_daemon(**_knobs(tmp_path))
+    tensors, pool = _pool()
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as c:
+        c.register_kv(pool, model="gds-eio")
+        tokens = np.arange(3 * CHUNK) + 11
+        want = [t[:, :3 * PPC].clone() for t in tensors]
+        torch.cuda.synchronize()
+        assert c.store(tokens, range(3 * PPC)) == 3 * CHUNK
+        _to_disk_only(d)
+        dst = list(range(3 * PPC, 6 * PPC))
+        assert c.load(tokens, dst, layerwise=True) == 3 * CHUNK
+        for layer in range(LAYERS):
+            c.wait_for_layer(layer)
+        torch.cuda.synchronize()
+        for t, w in zip(tensors, want):
+            assert torch.equal(t[:, dst].view(torch.uint8), w.view(torch.uint8))
+    disk = d.stats()["tiers"]["disk"]
+    assert disk["gds"]["fallbacks"] == 1 and disk["gds"]["direct_chunks"] == 0, disk
+    assert disk["promotions"] == 3 and disk["read_errors"] >= 1 and disk["checksum_failures"] == 0
+    assert d.stop() == 0, d.log()
