@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Where the time of one CUDA store/load request goes (run on a GPU machine).
+
+    PYTHONPATH=$PWD/clients:$PWD python3 tools/request_breakdown.py [--chunks 8] [--n 30]
+
+One private daemon (debug log), one engine pool (Llama-3-8B shape, page 16,
+chunk 256). Serial stores and loads of ``--chunks`` chunks; per op, medians
+of: the client's call time; the daemon's time from receiving the request to
+sending the reply (``kvd stats`` latency p50); the service's time (op
+handler); the copy's enqueue and landing times (kvd.cuda_backend debug
+log); and a pinned cudaMemcpy of the same bytes. The differences are the
+client + ZeroMQ path, the server's parse/dispatch/reply, and the service's
+own work around the copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--n", type=int, default=30)
+    args = p.parse_args()
+    import torch
+    from kvd_client import KvdClient
+    from kvd_client.torch_pool import CudaKVPool
+
+    from kvd.bench import _start_daemon
+    from kvd.bench_gds import _control
+    from kvd.bench_gpu import SHAPES, _make_pool, _memcpy_s, _request_bytes
+    sys.path.insert(0, str(Path(__file__).parent))
+    from daemon_timings import summary
+
+    shape, page, chunk = SHAPES["llama3-8b"], 16, 256
+    nbytes = _request_bytes(shape, args.chunks, chunk)
+    ppc = chunk // page
+    with tempfile.TemporaryDirectory(prefix="kvd-breakdown-") as rundir:
+        log_path = Path(rundir) / "daemon.log"
+        daemon = _start_daemon(rundir, capacity=4 * nbytes, chunk_tokens=chunk,
+                               extra=["--gpu", "on"], log_path=str(log_path))
+        try:
+            pool = _make_pool(torch, CudaKVPool, shape, 2 * args.chunks * ppc, page)
+            c = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
+            c.register_kv(pool, model="breakdown")
+            pages = list(range(args.chunks * ppc))
+            other = list(range(args.chunks * ppc, 2 * args.chunks * ppc))
+            times = {"store": [], "load": []}
+            for i in range(args.n + 2):
+                tokens = np.arange(args.chunks * chunk) + i * 10**6
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                c.store(tokens, pages)
+                t1 = time.perf_counter()
+                c.load(tokens, other)
+                t2 = time.perf_counter()
+                if i >= 2:
+                    times["store"].append(t1 - t0)
+                    times["load"].append(t2 - t1)
+            pings = []
+            for _ in range(200):  # an empty op: client + ZeroMQ + dispatch, no work
+                t0 = time.perf_counter()
+                c.channel.request("heartbeat", {})
+                pings.append(time.perf_counter() - t0)
+            lat = _control(rundir, "stats")["latency"]
+            c.close()
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
+        memcpy = _memcpy_s(torch, nbytes, 5)
+        print(f"request: {args.chunks} chunks, {nbytes / 1e6:.0f} MB; memcpy d2h "
+              f"{memcpy['d2h'] * 1e3:.3f} ms, h2d {memcpy['h2d'] * 1e3:.3f} ms")
+        print(f"  heartbeat round trip: client {statistics.median(pings) * 1e3:.3f} ms, daemon "
+              f"p50 {lat['heartbeat']['p50_ms']:.3f} ms")
+        for op in ("store", "load"):
+            print(f"  {op}: client call {statistics.median(times[op]) * 1e3:.3f} ms, daemon "
+                  f"receive-to-reply p50 {lat[op]['p50_ms']:.3f} ms")
+        summary(str(log_path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
