@@ -134,14 +134,18 @@ class Daemon:
         max_bytes = sock.getsockopt(zmq.MAXMSGSIZE)
         while True:
             parts = await sock.recv_multipart(copy=True)
+            received = time.monotonic()
             if len(parts) < 2:
                 continue
-            task = asyncio.create_task(self._respond(sock, parts[0], parts[1:], ops, handler, max_bytes))
+            task = asyncio.create_task(self._respond(sock, parts[0], parts[1:], ops, handler,
+                                                     max_bytes, received))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    async def _respond(self, sock, peer: bytes, body: list, ops: dict, handler, max_bytes: int) -> None:
+    async def _respond(self, sock, peer: bytes, body: list, ops: dict, handler, max_bytes: int,
+                       received: float) -> None:
         t0 = time.perf_counter()
+        started = time.monotonic()
         req_id, op = None, "invalid"
         try:
             req = protocol.parse_request(body, ops)
@@ -166,6 +170,9 @@ class Daemon:
             await sock.send_multipart([peer, *reply])
         except zmq.ZMQError as exc:
             log.debug("reply to a gone peer dropped: %s", exc)
+        if log.isEnabledFor(logging.DEBUG):  # CLOCK_MONOTONIC: comparable with the client's
+            log.debug("request %s: received %.6f, started %.6f, replied %.6f", op, received,
+                      started, time.monotonic())
 
     async def _engine_op(self, peer: bytes, req):
         if self.stopping.is_set() and req.op not in ("bye", "heartbeat"):

@@ -29,6 +29,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--n", type=int, default=30)
+    p.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each request")
     args = p.parse_args()
     import torch
     from kvd_client import KvdClient
@@ -54,17 +55,22 @@ def main() -> int:
             pages = list(range(args.chunks * ppc))
             other = list(range(args.chunks * ppc, 2 * args.chunks * ppc))
             times = {"store": [], "load": []}
+            marks = []  # (op, client start, client end) on CLOCK_MONOTONIC
             for i in range(args.n + 2):
                 tokens = np.arange(args.chunks * chunk) + i * 10**6
                 torch.cuda.synchronize()
-                t0 = time.perf_counter()
+                time.sleep(args.gap_ms / 1e3)
+                t0 = time.monotonic()
                 c.store(tokens, pages)
-                t1 = time.perf_counter()
+                t1 = time.monotonic()
+                time.sleep(args.gap_ms / 1e3)
+                t1 = time.monotonic()
                 c.load(tokens, other)
-                t2 = time.perf_counter()
+                t2 = time.monotonic()
                 if i >= 2:
                     times["store"].append(t1 - t0)
                     times["load"].append(t2 - t1)
+                    marks += [("store", t0, t1), ("load", t1, t2)]
             pings = []
             for _ in range(200):  # an empty op: client + ZeroMQ + dispatch, no work
                 t0 = time.perf_counter()
@@ -84,7 +90,29 @@ def main() -> int:
             print(f"  {op}: client call {statistics.median(times[op]) * 1e3:.3f} ms, daemon "
                   f"receive-to-reply p50 {lat[op]['p50_ms']:.3f} ms")
         summary(str(log_path))
+        _timeline(log_path, marks)
     return 0
+
+
+def _timeline(log_path: Path, marks: list) -> None:
+    """Per op, medians of: client start -> daemon received, received -> handler started,
+    handler started -> reply sent, reply sent -> client end (one clock for both)."""
+    import re
+    pat = re.compile(r"request (\w+): received ([\d.]+), started ([\d.]+), replied ([\d.]+)")
+    seen = [(m[1], float(m[2]), float(m[3]), float(m[4]))
+            for m in map(pat.search, open(log_path, errors="replace")) if m]
+    parts = {}
+    for op, start, end in marks:
+        hit = next(((r, s, e) for o, r, s, e in seen if o == op and start <= r <= end), None)
+        if hit is None:
+            continue
+        r, s, e = hit
+        for name, v in (("client->daemon", r - start), ("queued in daemon", s - r),
+                        ("handler", e - s), ("daemon->client", end - e)):
+            parts.setdefault(op, {}).setdefault(name, []).append(v * 1e3)
+    for op, d in parts.items():
+        print(f"  {op} timeline (ms): " + ", ".join(f"{k} {statistics.median(v):.3f}"
+                                                      for k, v in d.items()))
 
 
 if __name__ == "__main__":
