@@ -20,9 +20,10 @@ Ordering: a store may name one of the client's interprocess events; the
 daemon's first copy waits on it. A layer-wise load records one
 interprocess event per layer once that layer landed (a ring of
 ``LOAD_SLOTS`` sets per pool), so the engine's stream can wait for layer i
-while later layers still copy. Completion of every copy is a blocking-sync
-event waited on by a helper thread, which resolves the asyncio future; at
-debug level that thread logs how long the enqueue and the copy took.
+while later layers still copy. Completion of every copy is an event that
+the event loop polls while copies are in flight (kvd.cuda_poll), which
+resolves the asyncio future; at debug level it logs how long the enqueue
+and the copy took.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import asyncio
 import logging
 import resource
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +39,7 @@ import numpy as np
 from . import cuda_driver
 from .copy_engine import CopyPlan
 from .cuda_kernels import KernelCopier, desc_params, plane_bases
+from .cuda_poll import EventPoller
 from .cuda_staging import StagingRing
 from .errors import BadRequest
 from .layout import LayoutDescriptor
@@ -87,7 +88,7 @@ class CudaCopyEngine:
         self.stage = (stage_slots, stage_slot_bytes)
         self.devices: dict[int, _Device] = {}
         self.registered = False
-        self.waiter = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvd-cuda-wait")
+        self.poller = EventPoller()
         self.uuid_to_ordinal = {bytes(self.rt.getDeviceProperties(i)["uuid"]).hex(): i
                                 for i in range(self.rt.getDeviceCount())}
 
@@ -262,23 +263,22 @@ class CudaCopyEngine:
         return dev.streams[2]
 
     def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float) -> asyncio.Future:
-        done = self.cp.cuda.Event(block=True, disable_timing=True)
+        done = self.cp.cuda.Event(block=False, disable_timing=True)
         done.record(stream)
         enqueued = time.perf_counter()
+        future = self.poller.wait(done)
+        if log.isEnabledFor(logging.DEBUG):
+            nbytes = len(plan.shard_offsets) * plan.layout.shard_bytes(plan.chunk_tokens)
 
-        def wait() -> None:
-            done.synchronize()
-            if log.isEnabledFor(logging.DEBUG):
-                nbytes = len(plan.shard_offsets) * plan.layout.shard_bytes(plan.chunk_tokens)
+            def landed(_) -> None:
                 took = time.perf_counter() - t0
                 log.debug("%s of %d chunks, %.1f MB, %s: enqueued in %.3f ms, landed after "
                           "%.3f ms (%.1f GB/s)", what, len(plan.shard_offsets), nbytes / 1e6, how,
                           (enqueued - t0) * 1e3, took * 1e3, nbytes / took / 1e9)
-
-        return asyncio.get_running_loop().run_in_executor(self.waiter, wait)
+            future.add_done_callback(landed)
+        return future
 
     def close(self) -> None:
-        self.waiter.shutdown(wait=True)
         for dev in self.devices.values():
             with self.cp.cuda.Device(dev.ordinal):
                 for stream in dev.streams:
