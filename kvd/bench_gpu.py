@@ -105,8 +105,10 @@ def _measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape, page, args
     nbytes = _request_bytes(shape, n, chunk)
     store_pool = _make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page)
     load_pool = _make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page)
-    a = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
-    b = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
+    a = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
+                  spin_s=args.spin_ms / 1e3).connect()
+    b = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
+                  spin_s=args.spin_ms / 1e3).connect()
     a.register_kv(store_pool, model=f"bench-{name}")
     b.register_kv(load_pool, model=f"bench-{name}")
     perm = np.random.default_rng(page).permutation(2 * n * ppc)  # engines' pages are scattered
@@ -162,7 +164,8 @@ def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
     gemm_ms(5)
     alone = statistics.median(gemm_ms() for _ in range(args.repeat))
     pool = _make_pool(torch, CudaKVPool, shape, 2 * n * (chunk // page), page)
-    client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
+    client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
+                       spin_s=args.spin_ms / 1e3).connect()
     client.register_kv(pool, model="bench-gemm")
     stop, window = threading.Event(), threading.Event()
     moved = [0, 0.0]  # bytes stored + loaded while the GEMMs were timed, and that time

@@ -5,8 +5,13 @@ import numpy as np
 import kvd_client
 
 
-def test_store_lookup_load_roundtrip(daemon):
-    with kvd_client.KvdClient(runtime_dir=str(daemon.runtime_dir), raise_errors=True) as client:
+import pytest
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.05])  # 0.05: replies are busy-polled for
+def test_store_lookup_load_roundtrip(daemon, spin_s):
+    with kvd_client.KvdClient(runtime_dir=str(daemon.runtime_dir), raise_errors=True,
+                              spin_s=spin_s) as client:
         pool = kvd_client.SharedKVPool("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")
         pool.raw[:] = np.random.default_rng(1).integers(0, 256, pool.raw.size, dtype=np.uint8)
         client.register_kv(pool, model="smoke")

@@ -30,6 +30,7 @@ def main() -> int:
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--n", type=int, default=30)
     p.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each request")
+    p.add_argument("--spin-ms", type=float, default=0.0, help="client busy-polls for replies")
     args = p.parse_args()
     import torch
     from kvd_client import KvdClient
@@ -50,7 +51,8 @@ def main() -> int:
                                extra=["--gpu", "on"], log_path=str(log_path))
         try:
             pool = _make_pool(torch, CudaKVPool, shape, 2 * args.chunks * ppc, page)
-            c = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
+            c = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
+                          spin_s=args.spin_ms / 1e3).connect()
             c.register_kv(pool, model="breakdown")
             pages = list(range(args.chunks * ppc))
             other = list(range(args.chunks * ppc, 2 * args.chunks * ppc))

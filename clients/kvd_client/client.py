@@ -7,7 +7,9 @@ tokens and stores report 0 stored (``raise_errors=True`` raises the
 ``kvd.errors`` exception instead). A background thread sends heartbeats;
 when the daemon restarts, the next call (or heartbeat) says hello again,
 re-registers every pool and retries once. A load that timed out may still
-land later: treat those pages as garbage, as for any miss.
+land later: treat those pages as garbage, as for any miss. ``spin_s`` > 0
+makes each call busy-poll that long for its reply before sleeping (saves
+the 0.1-0.3 ms wake-up of a sleeping thread per call, for a busy core).
 """
 
 from __future__ import annotations
@@ -48,12 +50,13 @@ class KVRegistration:
 
 class KvdClient:
     def __init__(self, runtime_dir: str | None = None, timeout: float = 5.0,
-                 raise_errors: bool = False, name: str | None = None, heartbeat: bool = True):
+                 raise_errors: bool = False, name: str | None = None, heartbeat: bool = True,
+                 spin_s: float = 0.0):
         self.endpoint = engine_endpoint(resolve_runtime_dir(runtime_dir))
         self.timeout = timeout
         self.raise_errors = raise_errors
         self.name = name or f"kvd_client:{os.getpid()}"
-        self.channel = Channel(self.endpoint, timeout)
+        self.channel = Channel(self.endpoint, timeout, spin_s)
         self.limits: dict = {}
         self.registrations: list[KVRegistration] = []
         self._lock = threading.RLock()
