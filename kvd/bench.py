@@ -39,8 +39,6 @@ def add_arguments(p) -> None:
                    "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
     p.add_argument("--spin-ms", type=float, default=0.0, help="with --gpu: the clients busy-poll "
                    "this long for each reply before sleeping (KvdClient spin_s)")
-    p.add_argument("--busy-poll", action="store_true", help="with --gpu: run the private daemon "
-                   "with busy_poll = true")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
     p.add_argument("--gds", action="store_true", help="benchmark loads of disk-only chunks into "

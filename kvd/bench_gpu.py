@@ -40,7 +40,7 @@ def run(args) -> int:
     chunk = args.chunk_tokens
     with tempfile.TemporaryDirectory(prefix="kvd-gbench-") as rundir:
         cap = 3 * max(_request_bytes(s, args.chunks, chunk) for s in SHAPES.values()) + 2**24
-        daemon = _start_daemon(rundir, capacity=cap, chunk_tokens=chunk, extra=["--gpu", "on", "--busy-poll", str(args.busy_poll).lower()],
+        daemon = _start_daemon(rundir, capacity=cap, chunk_tokens=chunk, extra=["--gpu", "on"],
                                log_path=args.daemon_log)
         try:
             for name, shape in SHAPES.items():

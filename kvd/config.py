@@ -90,8 +90,6 @@ KNOBS = (
          "buffers per GPU (a load reads as many chunks as fit, then the next batch).",
          minimum=2**20),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
-    Knob("busy_poll", "bool", False, "Never let the request loop sleep: it polls its sockets "
-         "(one core busy all the time) and picks up each request 0.1-0.4 ms sooner."),
     Knob("log_level", "str", "info", "Logging level.", choices=("debug", "info", "warning", "error")),
 )
 KNOB_BY_NAME = {k.name: k for k in KNOBS}

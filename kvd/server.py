@@ -102,9 +102,6 @@ class Daemon:
         readers = [asyncio.create_task(self._serve(self.engine_sock, protocol.OPS, self._engine_op)),
                    asyncio.create_task(self._serve(self.control_sock, protocol.CONTROL_OPS, self._control_op)),
                    asyncio.create_task(self._reaper())]
-        if self.cfg.busy_poll:
-            readers.append(asyncio.create_task(_busy_poll()))
-            log.info("busy_poll on: the request loop never sleeps (one core busy)")
         if self.service.tiering is not None:
             self.service.tiering.start()  # recovery scan runs in the background
         await self.stopping.wait()
@@ -196,15 +193,6 @@ class Daemon:
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
 
-
-
-async def _busy_poll() -> None:
-    """Keep one callback always ready, so the loop polls its sockets instead of sleeping
-    in epoll (a sleeping thread takes 0.1-0.4 ms to wake on the hosts we measured).
-    Each pass yields the GIL so IO and copy threads keep running."""
-    while True:
-        await asyncio.sleep(0)
-        time.sleep(0)
 
 
 def make_tiering(cfg, host: HostTier, arena_view):

@@ -70,9 +70,8 @@ def verify_all_files(tmp_path: Path) -> int:
     return len(chunk_files(tmp_path))
 
 
-@pytest.mark.parametrize("busy_poll", ["false", "true"])  # true: disk threads share the GIL
-def test_more_than_host_comes_back_bit_exact_via_disk(start_daemon, procs, tmp_path, busy_poll):
-    d = start_daemon(**disk_knobs(tmp_path, busy_poll=busy_poll))
+def test_more_than_host_comes_back_bit_exact_via_disk(start_daemon, procs, tmp_path):
+    d = start_daemon(**disk_knobs(tmp_path))
     rd = str(d.runtime_dir)
     count, chunks = 12, 4  # 48 chunks, three times the host tier
     assert procs.apply(D.store_seqs, (rd, SPEC, 31, count, chunks, "disk/big")) == count * chunks * CHUNK

@@ -31,7 +31,6 @@ def main() -> int:
     p.add_argument("--n", type=int, default=30)
     p.add_argument("--gap-ms", type=float, default=0.0, help="idle time before each request")
     p.add_argument("--spin-ms", type=float, default=0.0, help="client busy-polls for replies")
-    p.add_argument("--busy-poll", action="store_true", help="daemon busy_poll = true")
     args = p.parse_args()
     import torch
     from kvd_client import KvdClient
@@ -49,8 +48,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvd-breakdown-") as rundir:
         log_path = Path(rundir) / "daemon.log"
         daemon = _start_daemon(rundir, capacity=4 * nbytes, chunk_tokens=chunk,
-                               extra=["--gpu", "on", "--busy-poll", str(args.busy_poll).lower()],
-                               log_path=str(log_path))
+                               extra=["--gpu", "on"], log_path=str(log_path))
         try:
             pool = _make_pool(torch, CudaKVPool, shape, 2 * args.chunks * ppc, page)
             c = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
