@@ -108,6 +108,11 @@ def format_stats(s: dict) -> str:
                      f"write {disk['write_gbps']} GB/s  read {disk['read_gbps']} GB/s  "
                      f"checksum failures {disk['checksum_failures']}  io errors {disk['io_errors']}  "
                      f"recovery {disk['recovery']['state']} ({disk['recovery']['chunks']} chunks)")
+        gds = disk.get("gds")
+        if gds:
+            lines.append(f"gds: {gds['mode']}  loads {gds['direct_loads']}  chunks "
+                         f"{gds['direct_chunks']} ({_size(gds['direct_bytes'])})  fallbacks "
+                         f"{gds['fallbacks']}")
     lines.append("")
     lines.append(f"hits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
                  f"dedup {s['store_dedup']}")

@@ -26,6 +26,7 @@ import pytest
 import workers_data as W
 import workers_disk as D
 from kvd import disk_file as F
+from kvd.cli import format_stats
 
 CHUNK = W.CHUNK
 # 16 KiB shards: a 256 KiB host tier holds 16 chunks
@@ -242,6 +243,10 @@ def test_gds_unavailable_falls_back_to_the_host_path_with_a_log_line(start_daemo
     assert got == [(4 * CHUNK, 4 * CHUNK)] * 8
     disk = disk_stats(d)
     assert disk["gds"] is None and disk["promotions"] > 0
+    snap = d.stats()  # the `kvd stats` table, with the GDS line a GPU machine would show
+    snap["tiers"]["disk"]["gds"] = {"mode": "gds", "gpus": [0], "direct_loads": 3,
+                                    "direct_chunks": 12, "direct_bytes": 3 << 20, "fallbacks": 1}
+    assert "gds: gds  loads 3  chunks 12 (3.0 MiB)  fallbacks 1" in format_stats(snap)
     assert ("disk_gds is on but GPU Direct Storage is unavailable: the CUDA backend is off"
             in d.log())
     assert d.stop() == 0
