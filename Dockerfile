@@ -14,7 +14,13 @@
 #   containers mounting the same directory) can connect. The directory is
 #   created mode 0700 for uid 10001 (the kvd user here): run engines with
 #   that uid, or mount a directory owned by the engines' uid.
+# Disk tier: mount the NVMe directory and name it, e.g.
+#   -v /nvme/kvd:/var/lib/kvd -e KVD_DISK_DIR=/var/lib/kvd -e KVD_DISK_CAPACITY=2TiB
+#   (owned by uid 10001). GPU Direct Storage: build with
+#   `--build-arg KVD_EXTRAS=gds` (adds KvikIO), run with KVD_DISK_GDS=true; real
+#   GDS also needs the host's nvidia-fs devices, else KvikIO's compatibility mode.
 FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
+ARG KVD_EXTRAS=gpu
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 KVD_RUNTIME_DIR=/run/kvd
 RUN apt-get update \
@@ -28,7 +34,7 @@ COPY kernels ./kernels
 COPY clients ./clients
 COPY configs/kvd.toml /etc/kvd/kvd.toml
 RUN python3 -m venv /opt/kvd \
- && /opt/kvd/bin/pip install '.[gpu]' \
+ && /opt/kvd/bin/pip install ".[${KVD_EXTRAS}]" \
  && rm -rf /src
 
 RUN useradd --uid 10001 --system --no-create-home kvd \
