@@ -133,7 +133,7 @@ class GdsLoader:
             run.append(d)
         return run
 
-    async def load(self, reg, keys: list, pages, host, check_deadline) -> int:
+    async def load(self, reg, keys: list, pages, host, check_deadline) -> tuple[int, bool]:
         run = self.disk_run(keys, host, reg.shard_bytes)
         if not run:
             return 0, False
