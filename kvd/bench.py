@@ -95,6 +95,20 @@ def run(args) -> int:
     return 0
 
 
+def control(rundir: str, op: str, timeout: float = 300.0):
+    """One control-socket request (``stats``, ``clear``, ``flush_disk``...) to the private daemon."""
+    from pathlib import Path
+
+    from kvd_client.transport import Channel
+
+    from .runtime import control_endpoint
+    ch = Channel(control_endpoint(Path(rundir)), timeout)
+    try:
+        return ch.request(op)
+    finally:
+        ch.close()
+
+
 def _start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),
                   log_path: str | None = None) -> subprocess.Popen:
     """The private daemon; with ``log_path`` it logs at debug level into that file."""

@@ -34,7 +34,7 @@ def run(args) -> int:
     from kvd_client import KvdClient
     from kvd_client.torch_pool import CudaKVPool
 
-    from .bench import _start_daemon
+    from .bench import _start_daemon, control
     from .bench_gpu import _request_bytes
 
     torch.cuda.init()
@@ -70,12 +70,12 @@ def run(args) -> int:
                     torch.cuda.synchronize()
                     for tokens in seqs:
                         client.store(tokens, src)
-                    _control(rundir, "flush_disk")
+                    control(rundir, "flush_disk")
                 else:
                     _wait_recovered(rundir)
                 want = [t[:, src].clone() for t in tensors]
                 for _ in range(args.repeat):
-                    _control(rundir, "clear")
+                    control(rundir, "clear")
                     _drop_cache(base / "disk")
                     t0 = time.perf_counter()
                     loaded = sum(client.load(tokens, dst) for tokens in seqs)
@@ -88,7 +88,7 @@ def run(args) -> int:
                 if not all(torch.equal(t[:, dst].view(torch.uint8), w.view(torch.uint8))
                            for t, w in zip(tensors, want)):
                     raise RuntimeError(f"{mode}: loaded pages differ from the stored ones")
-                stats = _control(rundir, "stats")["tiers"]["disk"]
+                stats = control(rundir, "stats")["tiers"]["disk"]
                 print(f"  {mode}: gds {stats['gds']}, promotions {stats['promotions']}", flush=True)
                 client.close()
             finally:
@@ -104,19 +104,9 @@ def run(args) -> int:
     return 0
 
 
-def _control(rundir: str, op: str):
-    from kvd_client.transport import Channel
-
-    from .runtime import control_endpoint
-    ch = Channel(control_endpoint(Path(rundir)), 300)
-    try:
-        return ch.request(op)
-    finally:
-        ch.close()
-
-
 def _wait_recovered(rundir: str) -> None:
-    while _control(rundir, "stats")["tiers"]["disk"]["recovery"]["state"] != "done":
+    from .bench import control
+    while control(rundir, "stats")["tiers"]["disk"]["recovery"]["state"] != "done":
         time.sleep(0.1)
 
 

@@ -37,9 +37,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from kvd_client import KvdClient, SharedKVPool
 
-    from .bench import _start_daemon
-    from .bench_gds import _control
-
+    from .bench import _start_daemon, control
+    
     base = Path(tempfile.mkdtemp(prefix="kvd-bench-policy-", dir=args.disk_dir))
     rng = np.random.default_rng(0)
     picks = [int(rng.integers(HOT)) if rng.random() < args.policy_hot else HOT + i
@@ -67,7 +66,7 @@ def run(args) -> int:
                 served = sum(_request(client, pick) for pick in picks)
                 secs = time.perf_counter() - t0
                 client.close()
-                st = _control(rundir, "stats")["tiers"]
+                st = control(rundir, "stats")["tiers"]
             finally:
                 if pool is not None:
                     pool.close()

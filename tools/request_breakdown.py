@@ -36,8 +36,7 @@ def main() -> int:
     from kvd_client import KvdClient
     from kvd_client.torch_pool import CudaKVPool
 
-    from kvd.bench import _start_daemon
-    from kvd.bench_gds import _control
+    from kvd.bench import _start_daemon, control
     from kvd.bench_gpu import SHAPES, _make_pool, _memcpy_s, _request_bytes
     sys.path.insert(0, str(Path(__file__).parent))
     from daemon_timings import summary
@@ -78,7 +77,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 c.channel.request("heartbeat", {})
                 pings.append(time.perf_counter() - t0)
-            lat = _control(rundir, "stats")["latency"]
+            lat = control(rundir, "stats")["latency"]
             c.close()
         finally:
             daemon.terminate()
