@@ -387,14 +387,14 @@ def _run_engine(ctx, target, args, rundir: str, timeout: float) -> dict:
 
 def run(args) -> dict:
     """Daemon + engine A + engine B; returns the results (also written to --out)."""
-    from kvd.bench import _start_daemon
+    from kvd.bench.common import start_daemon
 
     shape = model_shape(args)
     kv_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
     total = sum(len(p["prefix"]) for p in prompts(args)) * kv_per_token
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvd-e2e-") as rundir:
-        daemon = _start_daemon(rundir, capacity=int(total * 1.25) + 2**26, chunk_tokens=args.chunk_tokens,
+        daemon = start_daemon(rundir, capacity=int(total * 1.25) + 2**26, chunk_tokens=args.chunk_tokens,
                                extra=["--gpu", "on"], log_path=args.daemon_log)
         try:
             a = _run_engine(ctx, engine_a, args, rundir, args.timeout)

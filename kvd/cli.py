@@ -1,7 +1,7 @@
 """The ``kvd`` command: serve, stats, ctl, health, config, bench.
 
 Every subcommand resolves the runtime dir the same way (``--runtime-dir``,
-then the environment; see kvd.runtime). ``serve`` takes one flag per
+then the environment; see kvd_protocol.runtime). ``serve`` takes one flag per
 config knob (``--host-capacity 8GiB``); a bad value exits with status 2
 and one line naming the key. Operator commands talk to ``control.sock``
 with a timeout and exit 1 when the daemon does not answer.
@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-from .config import KNOBS, load_config
-from .errors import ConfigError, KvdError
+from kvd.config import KNOBS, load_config
+from kvd_protocol.errors import ConfigError, KvdError
 
 
 def _add_runtime(p: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = sub.add_parser("config", help="print the default config file (TOML, commented)")
     cfg.add_argument("--defaults", action="store_true", help="(the only mode for now)")
     bench = sub.add_parser("bench", help="benchmark store/load through a private daemon")
-    from .bench import add_arguments
+    from kvd.bench import add_arguments
     add_arguments(bench)
     return parser
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         print(default_config_toml(), end="")
         return 0
     if args.command == "bench":
-        from .bench import run
+        from kvd.bench import run
         return run(args)
     return _control(args)
 
@@ -69,14 +69,13 @@ def _serve(args) -> int:
     except ConfigError as exc:
         print(f"kvd: config error: {exc}", file=sys.stderr)
         return 2
-    from .server import serve
+    from kvd.server.daemon import serve
     return serve(cfg)
 
 
 def _control(args) -> int:
     from kvd_client.transport import Channel
-
-    from .runtime import control_endpoint, resolve_runtime_dir
+    from kvd_protocol.runtime import control_endpoint, resolve_runtime_dir
     action = (getattr(args, "action", None) or "").replace("-", "_")
     op = {"stats": "stats", "health": "health", "ctl": action}[args.command]
     channel = Channel(control_endpoint(resolve_runtime_dir(args.runtime_dir)), args.timeout)

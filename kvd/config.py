@@ -16,7 +16,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from kvd_protocol.errors import ConfigError
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
                "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvd_client.transport import Channel
-from kvd.runtime import control_endpoint
+from kvd_protocol.runtime import control_endpoint, instance_tag
 
 DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interval_s": 0.2,
                  "client_timeout_s": 2.0, "log_level": "info"}
@@ -87,6 +87,24 @@ class DaemonProc:
             return ""
 
 
+SHM = Path("/dev/shm")
+
+
+def _kvd_shm_entries() -> set[str]:
+    return {p.name for p in SHM.glob("kvd-*")} if SHM.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shm_leaks():
+    """The suite leaves no new ``kvd-*`` entry in /dev/shm (arenas, pools, flag pages)."""
+    before = _kvd_shm_entries()
+    yield
+    leaked = sorted(_kvd_shm_entries() - before)
+    for name in leaked:
+        (SHM / name).unlink(missing_ok=True)
+    assert not leaked, f"the test suite left these in /dev/shm: {leaked}"
+
+
 @pytest.fixture
 def start_daemon():
     base = Path(tempfile.mkdtemp(prefix="kvd-t-", dir="/tmp"))
@@ -102,6 +120,9 @@ def start_daemon():
     for d in started:
         if d.proc is not None and d.proc.poll() is None:
             d.stop()
+    for d in started:  # a daemon a test killed on purpose leaves its arena behind
+        for arena in SHM.glob(f"kvd-arena-{instance_tag(d.runtime_dir)}-*"):
+            arena.unlink(missing_ok=True)
     shutil.rmtree(base, ignore_errors=True)
 
 

@@ -1,11 +1,9 @@
 """First contact: a daemon starts, answers health and stats, and stops cleanly."""
 
 import numpy as np
+import pytest
 
 import kvd_client
-
-
-import pytest
 
 
 @pytest.mark.parametrize("spin_s", [0.0, 0.05])  # 0.05: replies are busy-polled for
@@ -30,13 +28,13 @@ def test_store_lookup_load_roundtrip(daemon, spin_s):
 
 
 def test_store_completing_after_the_deadline_is_discarded(daemon):
-    from kvd import protocol
-    from kvd.errors import DeadlineExceeded
+    from kvd_protocol import wire
+    from kvd_protocol.errors import DeadlineExceeded
     with kvd_client.KvdClient(runtime_dir=str(daemon.runtime_dir), raise_errors=True) as client:
         pool = kvd_client.SharedKVPool("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")
         reg = client.register_kv(pool, model="deadline")
         tokens = np.arange(16)
-        frames = [protocol.keys_frame(client.keys(tokens)), protocol.pages_frame(np.arange(4))]
+        frames = [wire.keys_frame(client.keys(tokens)), wire.pages_frame(np.arange(4))]
         try:
             client.channel.request("store", {"reg": reg.id, "deadline_us": 1}, frames)
         except DeadlineExceeded:

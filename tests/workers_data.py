@@ -1,4 +1,4 @@
-"""Client-side halves of tests/test_data_path.py, run in spawned processes.
+"""Client-side halves of tests/server/test_data_path.py, run in spawned processes.
 
 Every function here is a module-level function so a spawn-context pool can
 run it. Each one plays an engine: it owns a ``SharedKVPool`` filled with
@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 import kvd_client
-from kvd.errors import NoSpace, NotFound
-from kvd.runtime import control_endpoint
 from kvd_client.transport import Channel
+from kvd_protocol.errors import NoSpace, NotFound
+from kvd_protocol.runtime import control_endpoint
 
 CHUNK = 16          # the test daemons' chunk_tokens
 BARRIER_S = 60.0    # a partner that does not arrive in this long has failed

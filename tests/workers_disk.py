@@ -1,4 +1,4 @@
-"""Client-side halves of tests/test_disk_tier.py, run in spawned processes.
+"""Client-side halves of tests/tiers/test_disk_tier.py, run in spawned processes.
 
 Built on tests/workers_data.py: pools filled from seeds, expected bytes
 regenerated from the storer's seed and read by the engine's own tensor
@@ -9,10 +9,9 @@ slice of the storer's pages, so any sequence can be checked on its own.
 from __future__ import annotations
 
 import numpy as np
+import workers_data as W
 
 import kvd_client
-
-import workers_data as W
 
 CHUNK = W.CHUNK
 
@@ -76,8 +75,8 @@ def load_seqs(runtime_dir: str, spec: dict, src_seed: int, count: int, chunks: i
 def control(runtime_dir: str, op: str) -> dict:
     from pathlib import Path
 
-    from kvd.runtime import control_endpoint
     from kvd_client.transport import Channel
+    from kvd_protocol.runtime import control_endpoint
     ch = Channel(control_endpoint(Path(runtime_dir)), 30.0)
     try:
         return ch.request(op)

@@ -18,7 +18,8 @@ for _ in $(seq 100); do "$tmp/venv/bin/kvd" health --timeout 0.5 >/dev/null 2>&1
 "$tmp/venv/bin/kvd" health
 "$tmp/venv/bin/kvd" stats | head -2
 (cd "$tmp" && "$tmp/venv/bin/python" -c "import kvd_client, kvd.kernels, importlib.resources as r; \
-  print('kernels shipped:', sorted(p.name for p in r.files('kvd.kernels').iterdir() if p.name.endswith('.cu')))")
+  print('kernels shipped:', sorted(p.name for p in r.files('kvd.kernels').iterdir() if p.name.endswith('.cu'))); \
+  from kvd.cuda.kernels import kernel_source_path; print('kernel source found at', kernel_source_path())")
 kill -TERM "$pid"
 wait "$pid"
 pid=""

@@ -15,7 +15,7 @@ sed "s#/usr/local/bin/kvd#$kvd#g" configs/kvd.service > "$tmp/kvd.service"
 # verify prints problems and exits non-zero on errors in the unit
 out=$(systemd-analyze verify "$tmp/kvd.service" 2>&1 || echo "VERIFY-FAILED")
 echo "$out" | grep -v -e "^$" -e "Cannot add dependency job" -e "Failed to connect to bus" || true
-if echo "$out" | grep -q -e "VERIFY-FAILED" -e "kvd.service:"; then
+if echo "$out" | grep -q -e "VERIFY-FAILED" -e "kvd.server.service:"; then
   echo "check_service: configs/kvd.service has problems" >&2
   exit 1
 fi

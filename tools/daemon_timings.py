@@ -4,8 +4,8 @@
     python3 -m kvd bench --gpu --daemon-log /tmp/kvd-debug.log
     python3 tools/daemon_timings.py /tmp/kvd-debug.log
 
-kvd.cuda_backend logs, per copy, how long queuing took and when the copy
-landed; kvd.service logs the time spent in the service around each copy.
+kvd.cuda.backend logs, per copy, how long queuing took and when the copy
+landed; kvd.server.service logs the time spent in the service around each copy.
 """
 
 import re

@@ -4,7 +4,7 @@
 #   bash .gpu/run.sh bash tools/gpu_check.sh
 # 1. nvcc builds kernels/kv_copy.cu for sm_80 and sm_90 with warnings as
 #    errors (resource report and 128-bit access count in $OUT/nvcc.log);
-# 2. the GPU tests (tests/test_gpu_kernels.py), isolated from the repo's
+# 2. the GPU tests (tests/cuda/test_gpu_kernels.py), isolated from the repo's
 #    pytest config so other people's half-written files cannot break them;
 # 3. the throughput benchmark (tools/gpu_kernel_bench.py), table last;
 # 4. a short compute-sanitizer memcheck pass over a few test cases.
@@ -33,14 +33,14 @@ grep -E "Used|warning|error" "$OUT/nvcc.log"
 rm -f "$OUT"/*.cubin
 
 echo "== pytest"
-"${PYTEST[@]}" -q -rs tests/test_gpu_kernels.py 2>&1 | tee "$OUT/pytest.log" | tail -n 25
+"${PYTEST[@]}" -q -rs tests/cuda/test_gpu_kernels.py 2>&1 | tee "$OUT/pytest.log" | tail -n 25
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "pytest FAILED"; rc=1; }
 
 echo "== compute-sanitizer (subset)"
 if command -v compute-sanitizer >/dev/null; then
   timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "${PYTEST[@]}" -q -x \
     -k "ps16 and mis0 and (vllm_flash_attn or sglang_mla) or ps1-odd5-mis1 or reuse or device_side" \
-    tests/test_gpu_kernels.py >"$OUT/sanitizer.log" 2>&1
+    tests/cuda/test_gpu_kernels.py >"$OUT/sanitizer.log" 2>&1
   s=$?
   tail -n 5 "$OUT/sanitizer.log"
   [ $s -eq 0 ] || { echo "compute-sanitizer exit $s"; rc=1; }

@@ -25,8 +25,8 @@ import time
 import cupy as cp
 import numpy as np
 
-from kvd import layout as L
-from kvd.cuda_kernels import KernelCopier, desc_params, plane_bases
+from kvd.cuda.kernels import KernelCopier, desc_params, plane_bases
+from kvd_protocol import layout as L
 
 CHUNK = 256
 D2H, H2D = 2, 1

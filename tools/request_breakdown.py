@@ -7,7 +7,7 @@ One private daemon (debug log), one engine pool (Llama-3-8B shape, page 16,
 chunk 256). Serial stores and loads of ``--chunks`` chunks; per op, medians
 of: the client's call time; the daemon's time from receiving the request to
 sending the reply (``kvd stats`` latency p50); the service's time (op
-handler); the copy's enqueue and landing times (kvd.cuda_backend debug
+handler); the copy's enqueue and landing times (kvd.cuda.backend debug
 log); and a pinned cudaMemcpy of the same bytes. The differences are the
 client + ZeroMQ path, the server's parse/dispatch/reply, and the service's
 own work around the copy.
@@ -33,23 +33,23 @@ def main() -> int:
     p.add_argument("--spin-ms", type=float, default=0.0, help="client busy-polls for replies")
     args = p.parse_args()
     import torch
+
+    from kvd.bench.common import control, request_bytes, start_daemon
+    from kvd.bench.gpu import SHAPES, make_pool, memcpy_s
     from kvd_client import KvdClient
     from kvd_client.torch_pool import CudaKVPool
-
-    from kvd.bench import _start_daemon, control
-    from kvd.bench_gpu import SHAPES, _make_pool, _memcpy_s, _request_bytes
     sys.path.insert(0, str(Path(__file__).parent))
     from daemon_timings import summary
 
     shape, page, chunk = SHAPES["llama3-8b"], 16, 256
-    nbytes = _request_bytes(shape, args.chunks, chunk)
+    nbytes = request_bytes(shape, args.chunks, chunk)
     ppc = chunk // page
     with tempfile.TemporaryDirectory(prefix="kvd-breakdown-") as rundir:
         log_path = Path(rundir) / "daemon.log"
-        daemon = _start_daemon(rundir, capacity=4 * nbytes, chunk_tokens=chunk,
+        daemon = start_daemon(rundir, capacity=4 * nbytes, chunk_tokens=chunk,
                                extra=["--gpu", "on"], log_path=str(log_path))
         try:
-            pool = _make_pool(torch, CudaKVPool, shape, 2 * args.chunks * ppc, page)
+            pool = make_pool(torch, CudaKVPool, shape, 2 * args.chunks * ppc, page)
             c = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
                           spin_s=args.spin_ms / 1e3).connect()
             c.register_kv(pool, model="breakdown")
@@ -82,7 +82,7 @@ def main() -> int:
         finally:
             daemon.terminate()
             daemon.wait(60)
-        memcpy = _memcpy_s(torch, nbytes, 5)
+        memcpy = memcpy_s(torch, nbytes, 5)
         print(f"request: {args.chunks} chunks, {nbytes / 1e6:.0f} MB; memcpy d2h "
               f"{memcpy['d2h'] * 1e3:.3f} ms, h2d {memcpy['h2d'] * 1e3:.3f} ms")
         print(f"  heartbeat round trip: client {statistics.median(pings) * 1e3:.3f} ms, daemon "

@@ -10,10 +10,9 @@
     client.store(tokens, page_ids)          # offload whole chunks
 """
 
-from kvd.errors import (DaemonUnavailable, KvdError, NoSpace, ServerError, Timeout,
-                        TransportError)
+from kvd_protocol.errors import DaemonUnavailable, KvdError, NoSpace, ServerError, Timeout, TransportError
 
-from .client import KVRegistration, KvdClient, connect
+from .client import KvdClient, KVRegistration, connect
 from .pool import SharedKVPool
 
 __all__ = ["KvdClient", "KVRegistration", "SharedKVPool", "connect", "KvdError", "TransportError",

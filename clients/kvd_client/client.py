@@ -4,7 +4,7 @@ Operations: ``connect``, ``register_kv``, ``lookup``, ``store``, ``load``,
 ``release``, ``close``. Every call has a timeout. By default a daemon that
 is down or slow never raises into the engine: lookups and loads report 0
 tokens and stores report 0 stored (``raise_errors=True`` raises the
-``kvd.errors`` exception instead). A background thread sends heartbeats;
+``kvd_protocol.errors`` exception instead). A background thread sends heartbeats;
 when the daemon restarts, the next call (or heartbeat) says hello again,
 re-registers every pool and retries once. A load that timed out may still
 land later: treat those pages as garbage, as for any miss. ``spin_s`` > 0
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd import protocol
-from kvd.errors import KvdError, NoSession, TransportError
-from kvd.keys import Namespace, chain_root, chunk_keys, namespace_digest
-from kvd.runtime import engine_endpoint, resolve_runtime_dir
+from kvd_protocol import wire
+from kvd_protocol.errors import KvdError, NoSession, TransportError
+from kvd_protocol.keys import Namespace, chain_root, chunk_keys, namespace_digest
+from kvd_protocol.runtime import engine_endpoint, resolve_runtime_dir
 
 from .transport import Channel
 
@@ -82,7 +82,7 @@ class KvdClient:
     def _hello(self) -> None:
         with self._lock:
             self.limits = self.channel.request(
-                "hello", {"client": self.name, "pid": os.getpid(), "versions": [protocol.VERSION]})
+                "hello", {"client": self.name, "pid": os.getpid(), "versions": [wire.VERSION]})
             for reg in self.registrations:
                 self._register(reg)
             self._last_ok = time.monotonic()
@@ -138,8 +138,8 @@ class KvdClient:
         ns = Namespace(model=model, kv_dtype=pool.kv_dtype, attention=pool.attention,
                        num_layers=pool.num_layers, kv_heads=pool.kv_heads, head_dim=pool.head_dim,
                        chunk_tokens=self.chunk_tokens, tp_size=tp_size)
-        fields = {"namespace": protocol.namespace_to_wire(ns), "tp_rank": tp_rank,
-                  "buffers": pool.buffers, "layout": protocol.layout_to_wire(pool.descriptor)}
+        fields = {"namespace": wire.namespace_to_wire(ns), "tp_rank": tp_rank,
+                  "buffers": pool.buffers, "layout": wire.layout_to_wire(pool.descriptor)}
         if getattr(pool, "event_handles", None):
             fields["events"] = pool.event_handles
         reg = KVRegistration(ns, tp_rank, fields, pool)
@@ -175,7 +175,7 @@ class KvdClient:
         if not keys:
             return 0, None
         res = self._guard(lambda: self._call(
-            "lookup", {"lease_ms": lease_ms}, [protocol.keys_frame(keys)], reg),
+            "lookup", {"lease_ms": lease_ms}, [wire.keys_frame(keys)], reg),
             {"hits": 0, "lease": None})
         return res["hits"] * self.chunk_tokens, res["lease"]
 
@@ -189,7 +189,7 @@ class KvdClient:
         # CLOCK_MONOTONIC is one clock for every process of the host: the daemon
         # drops a store that completes after we stopped waiting for it
         fields["deadline_us"] = (time.monotonic_ns() // 1000) + int(self.timeout * 1e6)
-        res = self._guard(lambda: self._call("store", fields, [protocol.keys_frame(keys), pages], reg),
+        res = self._guard(lambda: self._call("store", fields, [wire.keys_frame(keys), pages], reg),
                           {"stored": 0, "deduped": 0})
         return (res["stored"] + res["deduped"]) * self.chunk_tokens
 
@@ -207,7 +207,7 @@ class KvdClient:
         fields["deadline_us"] = (time.monotonic_ns() // 1000) + int(self.timeout * 1e6)
         if lease is not None:
             fields["lease"] = lease
-        res = self._guard(lambda: self._call("load", fields, [protocol.keys_frame(keys), pages], reg),
+        res = self._guard(lambda: self._call("load", fields, [wire.keys_frame(keys), pages], reg),
                           {"loaded": 0})
         reg.last_slot = res.get("slot")
         return res["loaded"] * self.chunk_tokens
@@ -246,7 +246,7 @@ class KvdClient:
         pages = np.asarray(page_ids, dtype=np.int64)
         if pages.ndim != 1 or len(pages) < need:
             raise ValueError(f"{len(keys)} chunks need {need} page ids, got {pages.size}")
-        return keys, protocol.pages_frame(pages[:need])
+        return keys, wire.pages_frame(pages[:need])
 
     def _default(self, reg):
         if reg is not None:

@@ -1,7 +1,7 @@
 """SharedKVPool: an engine KV pool in a shared-memory file (host backend).
 
 Allocates, in one file under /dev/shm, the tensors of one of the layouts of
-``kvd.layout`` (numpy arrays, zero-filled), and exposes what
+``kvd_protocol.layout`` (numpy arrays, zero-filled), and exposes what
 ``KvdClient.register_kv`` needs: the layout descriptor, the buffer list,
 the dtype and head geometry. The daemon maps the same file and copies
 pages in and out. The file is unlinked by ``close`` (and at exit); files
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd import layout as L
-from kvd.keys import DTYPE_SIZES
+from kvd_protocol import layout as L
+from kvd_protocol.keys import DTYPE_SIZES
 
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
            "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "int8": np.int8, "uint8": np.uint8}

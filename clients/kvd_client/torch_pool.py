@@ -1,6 +1,6 @@
 """CudaKVPool: describe an engine's torch CUDA KV tensors for ``register_kv``.
 
-Takes the tensors in the engine's own layout (see kvd.layout) and produces
+Takes the tensors in the engine's own layout (see kvd_protocol.layout) and produces
 the layout descriptor and the ``cuda_ipc`` buffer list: one buffer per
 distinct CUDA allocation the tensors live in, with each tensor's byte
 offset inside it (caching allocators rarely start a tensor at its
@@ -15,9 +15,8 @@ Tensors:
 
 from __future__ import annotations
 
-from kvd import layout as L
-
-from kvd.cuda_driver import export_allocation
+from kvd_protocol import layout as L
+from kvd_protocol.cuda_driver import export_allocation
 
 STORE_EVENTS = 16  # ring of interprocess events a store can wait on
 

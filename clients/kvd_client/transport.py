@@ -20,8 +20,8 @@ import time
 
 import zmq
 
-from kvd import protocol
-from kvd.errors import DaemonUnavailable, Timeout
+from kvd_protocol import wire
+from kvd_protocol.errors import DaemonUnavailable, Timeout
 
 
 class Channel:
@@ -59,7 +59,7 @@ class Channel:
                 self._down = True
                 raise DaemonUnavailable(f"kvd is not reachable at {self.endpoint}")
             try:
-                self._sock.send_multipart(protocol.encode_request(req_id, op, fields, frames),
+                self._sock.send_multipart(wire.encode_request(req_id, op, fields, frames),
                                           flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 self._down = True
@@ -84,8 +84,8 @@ class Channel:
                 raise Timeout(f"kvd did not answer {op} within the timeout")
             parts = self._sock.recv_multipart()
             try:
-                got_id, result = protocol.parse_reply(parts)
-            except protocol.ServerError as exc:
+                got_id, result = wire.parse_reply(parts)
+            except wire.ServerError as exc:
                 # id None: the daemon could not read our header; we have one request in flight
                 if getattr(exc, "req_id", None) not in (req_id, None):
                     continue  # an error reply to an earlier, timed-out request

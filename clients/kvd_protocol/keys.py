@@ -1,0 +1,113 @@
+"""Chunk keys: 128-bit, prefix-chained, identical in every process.
+
+``namespace_digest(ns)`` hashes, with xxh3-128, a fixed byte encoding of
+everything that makes two KV tensors incompatible (see ``Namespace``).
+A request's chain root is that digest, or, with a per-request salt,
+``xxh3_128(digest || b"salt" || utf8(salt))``. Chunk ``i`` of a token
+sequence has key ``xxh3_128(key_{i-1} || tokens_i)`` where ``tokens_i`` are
+the chunk's token ids as little-endian uint32 and ``key_{-1}`` is the root.
+Digests are the 16-byte big-endian (canonical) xxh3-128 output. Only whole
+chunks get keys; a trailing partial chunk is ignored. The spec and test
+vectors live in docs/protocol.md and are checked by tests/protocol/test_keys.py.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+KEY_BYTES = 16
+NAMESPACE_VERSION = 1
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "int8": 1, "uint8": 1}
+ATTENTIONS = ("mha", "mla")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """What makes two KV chunks interchangeable. Never depends on GPU layout.
+
+    ``kv_heads`` counts the heads of one tensor-parallel shard. For MLA the
+    latent is identical on every rank, so ``kv_heads`` must be 1 and
+    ``tp_size`` is encoded as 1: MLA engines of any TP size share chunks.
+    """
+
+    model: str
+    kv_dtype: str
+    attention: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    chunk_tokens: int
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.model or len(self.model.encode()) > 512:
+            raise ValueError("model must be a non-empty string of at most 512 bytes")
+        if self.kv_dtype not in DTYPE_SIZES:
+            raise ValueError(f"kv_dtype must be one of {sorted(DTYPE_SIZES)}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError("attention must be 'mha' or 'mla'")
+        for name in ("num_layers", "kv_heads", "head_dim", "chunk_tokens", "tp_size"):
+            value = getattr(self, name)
+            if not 1 <= value < 2**31:
+                raise ValueError(f"{name} must be between 1 and 2**31-1")
+        if self.attention == "mla" and self.kv_heads != 1:
+            raise ValueError("MLA namespaces have kv_heads == 1 (one latent vector per token)")
+
+    @property
+    def shards(self) -> int:
+        """Shards that make one chunk entry: one per TP rank, one for MLA."""
+        return 1 if self.attention == "mla" else self.tp_size
+
+    @property
+    def planes(self) -> int:
+        return 1 if self.attention == "mla" else 2
+
+    @property
+    def row_bytes(self) -> int:
+        return self.kv_heads * self.head_dim * DTYPE_SIZES[self.kv_dtype]
+
+    def encode(self) -> bytes:
+        tp = 1 if self.attention == "mla" else self.tp_size
+        text = "\0".join((self.model, self.kv_dtype, self.attention)).encode()
+        return (b"kvd-ns\0" + struct.pack("<I", NAMESPACE_VERSION) + struct.pack("<I", len(text))
+                + text + struct.pack("<5I", self.num_layers, self.kv_heads, self.head_dim,
+                                     self.chunk_tokens, tp))
+
+
+def namespace_digest(ns: Namespace) -> bytes:
+    return xxhash.xxh3_128_digest(ns.encode())
+
+
+def chain_root(ns_digest: bytes, salt: str | None = None) -> bytes:
+    if not salt:
+        return ns_digest
+    return xxhash.xxh3_128_digest(ns_digest + b"salt" + salt.encode())
+
+
+def chunk_keys(root: bytes, tokens, chunk_tokens: int) -> list[bytes]:
+    """Keys of every whole chunk of ``tokens`` (ints in [0, 2**32))."""
+    try:
+        ids = np.asarray(tokens)
+    except (OverflowError, ValueError):
+        raise ValueError("token ids must lie in [0, 2**32)") from None
+    if ids.ndim != 1:
+        raise ValueError("tokens must be a 1-d sequence of token ids")
+    if ids.size == 0:
+        ids = ids.astype(np.int64)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got {ids.dtype}")
+    if ids.size and (ids.min() < 0 or ids.max() >= 2**32):
+        raise ValueError("token ids must lie in [0, 2**32)")
+    n = ids.size // chunk_tokens
+    raw = ids[: n * chunk_tokens].astype("<u4").tobytes()
+    step = chunk_tokens * 4
+    keys, prev = [], root
+    for i in range(n):
+        prev = xxhash.xxh3_128_digest(prev + raw[i * step:(i + 1) * step])
+        keys.append(prev)
+    return keys

@@ -1,0 +1,280 @@
+"""Wire protocol v1: the only module that knows how messages look on the wire.
+
+A message is a ZeroMQ multipart message: frame 0 is a msgpack map header,
+further frames are raw little-endian arrays (16-byte keys, int64 page ids).
+Requests: ``{v, id, op, ...fields}``; replies: ``{v, id, result}`` or
+``{v, id, error: {code, message}}``. ``OPS`` (engine socket) and
+``CONTROL_OPS`` (control socket) list every op with its fields and frame
+count. Everything is validated here before the daemon looks at it: unknown
+or missing fields, wrong types, oversized containers, wrong frame counts
+and malformed arrays raise a ``ServerError`` subclass carrying the request
+id (when it could be read) so the daemon can send a typed error reply.
+No pickle, no msgpack ext types. docs/protocol.md is the prose version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from kvd_protocol.errors import BadRequest, ServerError, TooLarge, UnknownOp, VersionMismatch, server_error
+from kvd_protocol.keys import KEY_BYTES, Namespace
+from kvd_protocol.layout import LayoutDescriptor
+
+VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MAX_HEADER_BYTES = 256 * 1024
+MAX_ID = 2**63 - 1
+PAGE_DTYPE = np.dtype("<i8")
+
+
+def _int(v):
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID
+
+
+def _str(v):
+    return isinstance(v, str) and len(v) <= 4096
+
+
+def _list(v):
+    return isinstance(v, list)
+
+
+def _map(v):
+    return isinstance(v, dict)
+
+
+def _bool(v):
+    return isinstance(v, bool)
+
+
+_TYPE_NAMES = {_int: "a non-negative integer", _str: "a string", _list: "a list", _map: "a map",
+               _bool: "true or false"}
+
+
+@dataclass(frozen=True)
+class Op:
+    required: dict = field(default_factory=dict)
+    optional: dict = field(default_factory=dict)
+    frames: int = 0
+
+
+OPS = {
+    "hello": Op({"client": _str, "pid": _int, "versions": _list}),
+    "register": Op({"namespace": _map, "tp_rank": _int, "buffers": _list, "layout": _map},
+                   {"events": _list}),
+    "unregister": Op({"reg": _int}),
+    "lookup": Op({"reg": _int}, {"lease_ms": _int}, frames=1),
+    "store": Op({"reg": _int}, {"event": _int, "deadline_us": _int}, frames=2),
+    "load": Op({"reg": _int}, {"lease": _int, "layerwise": _bool, "deadline_us": _int}, frames=2),
+    "release": Op({"lease": _int}),
+    "heartbeat": Op(),
+    "bye": Op(),
+}
+CONTROL_OPS = {"stats": Op(), "clear": Op(), "health": Op(), "flush_disk": Op(),
+               "clear_disk": Op()}
+
+
+class ProtocolError(ServerError):
+    """A validation failure that still knows the request id (None if unreadable)."""
+
+    def __init__(self, req_id, error: ServerError):
+        super().__init__(str(error), code=error.code)
+        self.req_id = req_id
+
+
+@dataclass
+class Request:
+    id: int
+    op: str
+    fields: dict
+    frames: list
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _refuse_ext(code, data):
+    raise ValueError("msgpack ext types are not allowed")
+
+
+def unpack_header(data: bytes):
+    if len(data) > MAX_HEADER_BYTES:
+        raise TooLarge(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True,
+                               max_str_len=MAX_HEADER_BYTES, max_bin_len=MAX_HEADER_BYTES,
+                               max_array_len=65536, max_map_len=64, max_ext_len=0,
+                               ext_hook=_refuse_ext)
+    except Exception as exc:  # msgpack raises many types for garbage input
+        raise BadRequest(f"malformed msgpack header: {type(exc).__name__}") from None
+
+
+def encode_request(req_id: int, op: str, fields: dict | None = None, frames=()) -> list:
+    header = {"v": VERSION, "id": req_id, "op": op}
+    header.update(fields or {})
+    return [pack(header), *frames]
+
+
+def parse_request(parts: list, ops: dict) -> Request:
+    """Validate a request's frames against ``ops``; raise ProtocolError."""
+    try:
+        header = unpack_header(bytes(parts[0])) if parts else None
+    except ServerError as exc:
+        raise ProtocolError(None, exc) from None
+    req_id = header.get("id") if isinstance(header, dict) and _int(header.get("id")) else None
+    try:
+        return _validate(header, parts[1:], ops)
+    except ServerError as exc:
+        raise ProtocolError(req_id, exc) from None
+
+
+def _validate(header, frames: list, ops: dict) -> Request:
+    if not isinstance(header, dict):
+        raise BadRequest("header must be a msgpack map")
+    if not _int(header.get("v")) or header.get("v") not in SUPPORTED_VERSIONS:
+        raise VersionMismatch(f"protocol version {header.get('v')!r} not supported "
+                              f"(supported: {list(SUPPORTED_VERSIONS)})")
+    if not _int(header.get("id")):
+        raise BadRequest("id must be a non-negative integer")
+    op = header.get("op")
+    spec = ops.get(op) if isinstance(op, str) else None
+    if spec is None:
+        raise UnknownOp(f"unknown op {op!r}")
+    fields = {k: v for k, v in header.items() if k not in ("v", "id", "op")}
+    for name in fields:
+        if name not in spec.required and name not in spec.optional:
+            raise BadRequest(f"{op}: unknown field {name!r}")
+    for name, check in [*spec.required.items(), *spec.optional.items()]:
+        if name not in fields:
+            if name in spec.required:
+                raise BadRequest(f"{op}: missing field {name!r}")
+        elif not check(fields[name]):
+            raise BadRequest(f"{op}: field {name!r} must be {_TYPE_NAMES[check]}")
+    if len(frames) != spec.frames:
+        raise BadRequest(f"{op}: expected {spec.frames} data frames, got {len(frames)}")
+    return Request(header["id"], op, fields, [bytes(f) for f in frames])
+
+
+def ok_reply(req_id, result) -> list:
+    return [pack({"v": VERSION, "id": req_id, "result": result})]
+
+
+def error_reply(req_id, code: str, message: str) -> list:
+    return [pack({"v": VERSION, "id": req_id, "error": {"code": code, "message": message}})]
+
+
+def parse_reply(parts: list):
+    """(id, result) of a reply; a typed error reply raises its ServerError."""
+    header = unpack_header(bytes(parts[0]))
+    if not isinstance(header, dict) or not _int(header.get("id")) and header.get("id") is not None:
+        raise BadRequest("malformed reply")
+    if "error" in header:
+        err = header["error"] if isinstance(header["error"], dict) else {}
+        raise _with_id(server_error(str(err.get("code", "internal")), str(err.get("message", ""))),
+                       header.get("id"))
+    return header.get("id"), header.get("result")
+
+
+def _with_id(exc: ServerError, req_id):
+    exc.req_id = req_id
+    return exc
+
+
+# ---- bulk arrays -------------------------------------------------------------
+
+def keys_frame(keys: list) -> bytes:
+    return b"".join(keys)
+
+
+def keys_from_frame(data: bytes, max_keys: int) -> list:
+    if len(data) % KEY_BYTES:
+        raise BadRequest(f"keys frame length {len(data)} is not a multiple of {KEY_BYTES}")
+    n = len(data) // KEY_BYTES
+    if n > max_keys:
+        raise TooLarge(f"{n} keys exceed the limit of {max_keys}")
+    return [data[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]
+
+
+def pages_frame(page_ids) -> bytes:
+    return np.ascontiguousarray(page_ids, dtype=PAGE_DTYPE).tobytes()
+
+
+def pages_from_frame(data: bytes) -> np.ndarray:
+    if len(data) % PAGE_DTYPE.itemsize:
+        raise BadRequest("page id frame length is not a multiple of 8")
+    return np.frombuffer(data, dtype=PAGE_DTYPE)
+
+
+# ---- nested maps of register ------------------------------------------------
+
+NAMESPACE_FIELDS = {"model": _str, "kv_dtype": _str, "attention": _str, "num_layers": _int,
+                    "kv_heads": _int, "head_dim": _int, "tp_size": _int}
+LAYOUT_FIELDS = {"num_layers": _int, "planes": _int, "num_pages": _int, "page_size": _int,
+                 "row_bytes": _int, "page_stride": _int, "token_stride": _int, "bases": _list}
+BUFFER_FIELDS = {"shm": {"kind": _str, "path": _str, "size": _int},
+                 "cuda_ipc": {"kind": _str, "handle": lambda v: isinstance(v, bytes) and len(v) == 64,
+                              "offset": _int, "size": _int, "device_uuid": _str}}
+
+
+def _strict_map(m, schema: dict, what: str) -> dict:
+    if not isinstance(m, dict) or set(m) != set(schema):
+        raise BadRequest(f"{what} must be a map with exactly the keys {sorted(schema)}")
+    for name, check in schema.items():
+        if not check(m[name]):
+            raise BadRequest(f"{what}.{name} must be {_TYPE_NAMES.get(check, 'valid')}")
+    return m
+
+
+def namespace_to_wire(ns: Namespace) -> dict:
+    return {name: getattr(ns, name) for name in NAMESPACE_FIELDS}
+
+
+def namespace_from_wire(m, chunk_tokens: int) -> Namespace:
+    _strict_map(m, NAMESPACE_FIELDS, "namespace")
+    try:
+        return Namespace(chunk_tokens=chunk_tokens, **m)
+    except ValueError as exc:
+        raise BadRequest(f"namespace: {exc}") from None
+
+
+def layout_to_wire(d: LayoutDescriptor) -> dict:
+    wire = {name: getattr(d, name) for name in LAYOUT_FIELDS}
+    wire["bases"] = [list(b) for b in d.bases]
+    return wire
+
+
+def layout_from_wire(m) -> LayoutDescriptor:
+    _strict_map(m, LAYOUT_FIELDS, "layout")
+    bases = m["bases"]
+    if not all(isinstance(b, list) and len(b) == 2 and _int(b[0]) and _int(b[1]) for b in bases):
+        raise BadRequest("layout.bases must be a list of [buffer, offset] pairs")
+    try:
+        return LayoutDescriptor(**{**m, "bases": tuple((b[0], b[1]) for b in bases)})
+    except ValueError as exc:
+        raise BadRequest(f"layout: {exc}") from None
+
+
+IPC_HANDLE_BYTES = 64
+
+
+def events_from_wire(items, max_events: int) -> list:
+    if not isinstance(items, list) or len(items) > max_events:
+        raise BadRequest(f"events must be a list of at most {max_events} handles")
+    if not all(isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES for h in items):
+        raise BadRequest(f"every event handle must be {IPC_HANDLE_BYTES} bytes")
+    return items
+
+
+def buffers_from_wire(items, max_buffers: int) -> list:
+    if not isinstance(items, list) or not 1 <= len(items) <= max_buffers:
+        raise BadRequest(f"buffers must be a list of 1 to {max_buffers} maps")
+    for i, b in enumerate(items):
+        kind = b.get("kind") if isinstance(b, dict) else None
+        if kind not in BUFFER_FIELDS:
+            raise BadRequest(f"buffers[{i}].kind must be one of {sorted(BUFFER_FIELDS)}")
+        _strict_map(b, BUFFER_FIELDS[kind], f"buffers[{i}]")
+    return items

@@ -1,0 +1,61 @@
+"""``kvd bench``: benchmarks, each through a private daemon it starts itself.
+
+One module per benchmark, each with ``run(args)`` (and ``add_arguments``
+where it has flags of its own): ``host`` (the default: store/load through
+the host backend vs a numpy copy), ``gpu`` (``--gpu``: the CUDA path vs
+pinned cudaMemcpy), ``disk`` (``--disk``), ``gds`` (``--gds``), ``policy``
+(``--disk-policy``). ``common`` holds what they share (starting the
+private daemon, control requests, request geometry). Benchmarks may import
+everything below them (kvd.server, kvd.tiers, kvd.config, kvd_client,
+kvd_protocol); nothing in the daemon imports kvd.bench. They print medians
+and ratios against a baseline measured in the same run; they assert
+nothing about speed.
+"""
+
+from __future__ import annotations
+
+from kvd_protocol.keys import DTYPE_SIZES
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--layout", default="vllm_flash_attn", help="engine layout of the pool")
+    p.add_argument("--layers", type=int, default=32, help="model layers")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (1 for MLA layouts)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (latent width for MLA)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_SIZES), help="KV dtype")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per engine page")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per cached chunk")
+    p.add_argument("--chunks", type=int, default=8, help="chunks per store/load request")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
+    p.add_argument("--daemon-log", default=None, metavar="PATH", help="write the private daemon's "
+                   "debug log (per-copy timings) to PATH; summarise it with tools/daemon_timings.py")
+    p.add_argument("--gpu", action="store_true", help="benchmark the CUDA path (needs torch, cupy, "
+                   "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
+    p.add_argument("--spin-ms", type=float, default=0.0, help="with --gpu: the clients busy-poll "
+                   "this long for each reply before sleeping (KvdClient spin_s)")
+    p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
+    p.add_argument("--gds", action="store_true", help="benchmark loads of disk-only chunks into "
+                   "GPU pages, GPU Direct Storage vs the host tier path vs raw O_DIRECT reads (needs "
+                   "torch, cupy, KvikIO, a GPU; uses --disk-dir, --disk-gib, --disk-threads, --chunks)")
+    from .disk import add_arguments as add_disk_arguments
+    from .policy import add_arguments as add_policy_arguments
+    add_disk_arguments(p)
+    add_policy_arguments(p)
+
+
+def run(args) -> int:
+    if args.disk_policy:
+        from .policy import run as run_policy
+        return run_policy(args)
+    if args.gds:
+        from .gds import run as run_gds
+        return run_gds(args)
+    if args.disk:
+        from .disk import run as run_disk
+        return run_disk(args)
+    if args.gpu:
+        from .gpu import run as run_gpu
+        return run_gpu(args)
+    from .host import run as run_host
+    return run_host(args)

@@ -1,0 +1,50 @@
+"""What the benchmarks share: the private daemon, control requests, geometry.
+
+``start_daemon`` runs ``kvd serve`` in a subprocess on a given runtime dir
+and returns once its control socket exists; ``control`` sends one control
+request to it; ``request_bytes`` is the size of one request of a shape.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def control(rundir: str, op: str, timeout: float = 300.0):
+    """One control-socket request (``stats``, ``clear``, ``flush_disk``...) to the private daemon."""
+    from kvd_client.transport import Channel
+    from kvd_protocol.runtime import control_endpoint
+
+    ch = Channel(control_endpoint(Path(rundir)), timeout)
+    try:
+        return ch.request(op)
+    finally:
+        ch.close()
+
+
+def start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),
+                  log_path: str | None = None) -> subprocess.Popen:
+    """The private daemon; with ``log_path`` it logs at debug level into that file."""
+    level = "debug" if log_path else "warning"
+    cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", rundir, "--host-capacity",
+           str(capacity), "--chunk-tokens", str(chunk_tokens), "--log-level", level, *extra]
+    log = open(log_path, "ab") if log_path else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(rundir, "control.sock")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the benchmark daemon did not start")
+        time.sleep(0.05)
+    return proc
+
+
+def request_bytes(shape, chunks: int, chunk: int) -> int:
+    """Bytes of one request of ``chunks`` chunks of a (layout, layers, kv_heads, head_dim)
+    shape in a 2-byte dtype."""
+    layout, layers, heads, dim = shape
+    planes = 1 if layout.endswith("mla") else 2
+    return layers * planes * chunk * heads * dim * 2 * chunks

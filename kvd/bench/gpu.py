@@ -1,0 +1,209 @@
+"""``kvd bench --gpu``: end-to-end GPU offload and load through a private daemon.
+
+This process is the engine: it allocates torch KV pools on the GPU, exports
+them through CUDA IPC and times client calls to completion (``store``
+returns once the daemon's gather finished; ``load`` once its scatter did).
+Page ids are a random permutation (an engine's free list scatters them).
+Baselines measured in the same run: one pinned ``cudaMemcpy`` of the same
+bytes in each direction, and both directions at once on two streams. Also
+the slowdown of a bf16 GEMM running on the engine's stream while copies
+run, and the copy throughput meanwhile (kernels of two processes time-slice
+the GPU unless MPS is on, so a small slowdown can mean starved copies).
+Medians of ``--repeat`` runs. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from .common import request_bytes, start_daemon
+
+SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
+    "llama3-8b": ("vllm_flash_attn", 32, 8, 128),
+    "deepseek-mla": ("vllm_mla", 61, 1, 576),
+}
+
+
+def run(args) -> int:
+    import torch
+
+    from kvd_client import KvdClient
+    from kvd_client.torch_pool import CudaKVPool
+
+
+    torch.cuda.init()
+    rows = []
+    chunk = args.chunk_tokens
+    with tempfile.TemporaryDirectory(prefix="kvd-gbench-") as rundir:
+        cap = 3 * max(request_bytes(s, args.chunks, chunk) for s in SHAPES.values()) + 2**24
+        daemon = start_daemon(rundir, capacity=cap, chunk_tokens=chunk, extra=["--gpu", "on"],
+                               log_path=args.daemon_log)
+        try:
+            for name, shape in SHAPES.items():
+                for page in args.gpu_page_sizes:
+                    rows.append(_measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape,
+                                               page, args))
+            gemm = _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args)
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
+    _report(torch, rows, gemm, args)
+    return 0
+
+
+def make_pool(torch, CudaKVPool, shape, pages: int, page: int):
+    layout, layers, heads, dim = shape
+    if layout == "vllm_mla":
+        tensors = [torch.randn(pages, page, dim, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    else:
+        tensors = [torch.randn(2, pages, page, heads, dim, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(layers)]
+    return CudaKVPool(layout, tensors)
+
+
+def memcpy_s(torch, nbytes: int, repeat: int) -> dict:
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    out = {"d2h": [], "h2d": [], "both": []}
+    for i in range(repeat + 1):
+        for key, fn in (("d2h", lambda: host[0].copy_(dev, non_blocking=True)),
+                        ("h2d", lambda: dev.copy_(host[0], non_blocking=True))):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if i:
+                out[key].append(time.perf_counter() - t0)
+        dev2 = torch.empty_like(dev)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(s1):
+            host[1].copy_(dev2, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev.copy_(host[0], non_blocking=True)
+        torch.cuda.synchronize()
+        if i:
+            out["both"].append(time.perf_counter() - t0)
+        del dev2
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def _measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape, page, args) -> dict:
+    chunk, n = args.chunk_tokens, args.chunks
+    ppc = chunk // page
+    nbytes = request_bytes(shape, n, chunk)
+    store_pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page)
+    load_pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page)
+    a = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
+                  spin_s=args.spin_ms / 1e3).connect()
+    b = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
+                  spin_s=args.spin_ms / 1e3).connect()
+    a.register_kv(store_pool, model=f"bench-{name}")
+    b.register_kv(load_pool, model=f"bench-{name}")
+    perm = np.random.default_rng(page).permutation(2 * n * ppc)  # engines' pages are scattered
+    pages, other = perm[:n * ppc], perm[n * ppc:]
+    times = {"store": [], "load": [], "both": []}
+    base = 10**6 * page
+    for i in range(args.repeat + 1):
+        tokens = np.arange(n * chunk) + base + 2 * i * n * chunk
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        stored = a.store(tokens, pages)
+        t1 = time.perf_counter()
+        loaded = b.load(tokens, pages)
+        t2 = time.perf_counter()
+        fresh = tokens + n * chunk  # store new chunks while loading the ones just stored
+        worker = threading.Thread(target=a.store, args=(fresh, other))
+        t3 = time.perf_counter()
+        worker.start()
+        b.load(tokens, other)
+        worker.join()
+        t4 = time.perf_counter()
+        if stored != len(tokens) or loaded != len(tokens):
+            raise RuntimeError(f"stored {stored}, loaded {loaded} of {len(tokens)} tokens")
+        if i:
+            times["store"].append(t1 - t0)
+            times["load"].append(t2 - t1)
+            times["both"].append(t4 - t3)
+    a.close()
+    b.close()
+    del store_pool, load_pool
+    torch.cuda.empty_cache()
+    base_s = memcpy_s(torch, nbytes, args.repeat)
+    return {"shape": name, "page": page, "bytes": nbytes,
+            **{k: statistics.median(v) for k, v in times.items()},
+            "memcpy_d2h": base_s["d2h"], "memcpy_h2d": base_s["h2d"], "memcpy_both": base_s["both"]}
+
+
+def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
+    shape, page, chunk, n = SHAPES["llama3-8b"], 16, args.chunk_tokens, args.chunks
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+
+    def gemm_ms(iters=20):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            a @ b
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+
+    gemm_ms(5)
+    alone = statistics.median(gemm_ms() for _ in range(args.repeat))
+    pool = make_pool(torch, CudaKVPool, shape, 2 * n * (chunk // page), page)
+    client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
+                       spin_s=args.spin_ms / 1e3).connect()
+    client.register_kv(pool, model="bench-gemm")
+    stop, window = threading.Event(), threading.Event()
+    moved = [0, 0.0]  # bytes stored + loaded while the GEMMs were timed, and that time
+
+    def copy_loop():
+        i = 0
+        perm = np.random.default_rng(0).permutation(2 * n * (chunk // page))
+        pages, other = perm[:len(perm) // 2], perm[len(perm) // 2:]
+        while not stop.is_set():
+            tokens = np.arange(n * chunk) + 10**9 + i * n * chunk
+            timed, t0 = window.is_set(), time.perf_counter()
+            client.store(tokens, pages)
+            client.load(tokens, other)
+            if timed and window.is_set():
+                moved[0] += 2 * request_bytes(shape, n, chunk)
+                moved[1] += time.perf_counter() - t0
+            i += 1
+
+    worker = threading.Thread(target=copy_loop)
+    worker.start()
+    time.sleep(0.2)
+    window.set()
+    busy = statistics.median(gemm_ms() for _ in range(args.repeat))
+    window.clear()
+    stop.set()
+    worker.join()
+    client.close()
+    return {"alone_ms": alone, "with_copies_ms": busy, "slowdown": busy / alone - 1,
+            "copy_GBps": moved[0] / moved[1] / 1e9 if moved[1] else 0.0}
+
+
+def _report(torch, rows, gemm, args) -> None:
+    print(f"\nGPU {torch.cuda.get_device_name()}; chunk {args.chunk_tokens} tokens, {args.chunks} chunks "
+          f"per request, bf16; median of {args.repeat}; GB/s = 1e9 B/s; ratio = memcpy time / kvd time")
+    print(f"{'shape':<14}{'page':>5}{'MB':>7}{'offload':>9}{'ratio':>7}{'load':>8}{'ratio':>7}"
+          f"{'both':>8}{'ratio':>7}   memcpy d2h/h2d/both GB/s")
+    for r in rows:
+        gb = r["bytes"] / 1e9
+        print(f"{r['shape']:<14}{r['page']:>5}{r['bytes'] / 1e6:>7.0f}"
+              f"{gb / r['store']:>9.1f}{r['memcpy_d2h'] / r['store']:>7.2f}"
+              f"{gb / r['load']:>8.1f}{r['memcpy_h2d'] / r['load']:>7.2f}"
+              f"{2 * gb / r['both']:>8.1f}{r['memcpy_both'] / r['both']:>7.2f}"
+              f"   {gb / r['memcpy_d2h']:.1f}/{gb / r['memcpy_h2d']:.1f}/{2 * gb / r['memcpy_both']:.1f}")
+    print(f"\nbf16 GEMM 8192^3: {gemm['alone_ms']:.3f} ms alone, {gemm['with_copies_ms']:.3f} ms while "
+          f"kvd copies (llama3-8b, page 16): slowdown {gemm['slowdown']:+.1%}; the copies meanwhile "
+          f"{gemm['copy_GBps']:.1f} GB/s (store + load, whole requests inside the timed GEMMs)")

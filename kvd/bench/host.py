@@ -1,0 +1,87 @@
+"""``kvd bench`` (default): store and load through the host backend.
+
+Starts a private daemon, registers a shared-memory pool, and times
+end-to-end ``store`` (engine pages -> host tier) and ``load`` (host tier ->
+other pages) of the same chunks, each next to a plain numpy copy of the
+same number of bytes measured in the same run. Medians of ``--repeat`` runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from kvd_protocol.keys import DTYPE_SIZES
+
+from .common import start_daemon
+
+
+def run(args) -> int:
+    from kvd_client import KvdClient, SharedKVPool
+
+    row = args.kv_heads * args.head_dim * DTYPE_SIZES[args.dtype]
+    planes = 1 if args.layout.endswith("mla") else 2
+    shard = args.layers * planes * args.chunk_tokens * row
+    nbytes = shard * args.chunks
+    ppc = args.chunk_tokens // args.page_size
+    pages = 2 * args.chunks * ppc
+    print(f"kvd bench: {args.layout}, {args.layers} layers, row {row} B, page {args.page_size} tokens, "
+          f"{args.chunks} chunks of {shard / 2**20:.1f} MiB = {nbytes / 2**20:.0f} MiB per request",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvd-bench-") as rundir:
+        daemon = start_daemon(rundir, capacity=int(nbytes * 2.5) + 2**20, chunk_tokens=args.chunk_tokens,
+                               log_path=args.daemon_log)
+        pool = None
+        try:
+            client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
+            pool = SharedKVPool(args.layout, args.layers, pages, args.page_size, args.kv_heads,
+                                args.head_dim, args.dtype)
+            pool.raw[:] = np.random.default_rng(0).integers(0, 256, pool.raw.size, dtype=np.uint8)
+            client.register_kv(pool, model="kvd-bench")
+            results = _measure(client, args, ppc, nbytes)
+            client.close()
+        finally:
+            if pool is not None:
+                pool.close()
+            daemon.terminate()
+            daemon.wait(30)
+    _report(results, nbytes)
+    return 0
+
+
+def _measure(client, args, ppc: int, nbytes: int) -> dict:
+    src_pages = np.arange(args.chunks * ppc)
+    dst_pages = src_pages + args.chunks * ppc
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.empty_like(a)
+    out = {"store": [], "load": [], "numpy copy": []}
+    for i in range(args.repeat + 1):  # the first run warms up and is dropped
+        tokens = np.arange(args.chunks * args.chunk_tokens) + i * 10**6
+        t0 = time.perf_counter()
+        stored = client.store(tokens, src_pages)
+        t1 = time.perf_counter()
+        loaded = client.load(tokens, dst_pages)
+        t2 = time.perf_counter()
+        np.copyto(b, a)
+        t3 = time.perf_counter()
+        if stored != len(tokens) or loaded != len(tokens):
+            raise RuntimeError(f"stored {stored} and loaded {loaded} of {len(tokens)} tokens")
+        if i:
+            out["store"].append(t1 - t0)
+            out["load"].append(t2 - t1)
+            out["numpy copy"].append(t3 - t2)
+        print(f"  run {i}{' (warm-up)' if not i else ''}: store {nbytes / (t1 - t0) / 1e9:.2f} GB/s, "
+              f"load {nbytes / (t2 - t1) / 1e9:.2f} GB/s, numpy {nbytes / (t3 - t2) / 1e9:.2f} GB/s",
+              flush=True)
+    return out
+
+
+def _report(results: dict, nbytes: int) -> None:
+    base = statistics.median(results["numpy copy"])
+    print(f"\n{'what':<12}{'median ms':>11}{'GB/s':>9}{'vs numpy copy':>15}")
+    for name, times in results.items():
+        med = statistics.median(times)
+        print(f"{name:<12}{med * 1e3:>11.2f}{nbytes / med / 1e9:>9.2f}{base / med:>14.0%}")

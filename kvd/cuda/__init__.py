@@ -1,0 +1,12 @@
+"""The CUDA copy backend: engine pools through CUDA IPC, SM kernels, staged DMA.
+
+Owns the backend (``backend``: opening pools, per-GPU streams, gather and
+scatter), the copy kernels' loader and launcher (``kernels``, over
+kernels/kv_copy.cu), the staging ring (``staging``), completion polling
+from the event loop (``poll``), the GPU payload digest (``digest``) and GPU
+Direct Storage loads (``gds``).
+
+Imports: kvd.copy (the interface), kvd.tiers (gds reads chunk files),
+kvd_protocol, and CuPy, which is imported lazily so that importing this
+package never needs a GPU. Never imported by kvd.tiers or kvd.copy.
+"""

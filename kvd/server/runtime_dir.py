@@ -1,0 +1,67 @@
+"""The runtime directory on the daemon's side: create it, lock it, reclaim leftovers.
+
+The directory is created with mode 0700 and holds ``kvd.sock``,
+``control.sock`` and ``kvd.lock`` (names and resolution rules:
+kvd_protocol.runtime). The lock (flock) lets one daemon serve a directory;
+it is released by the kernel when the daemon dies, so a new daemon that
+gets it knows every leftover is stale.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+
+def prepare_runtime_dir(runtime_dir: Path) -> None:
+    """Create the directory 0700; refuse one that others can enter."""
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(runtime_dir)
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"runtime dir {runtime_dir} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise RuntimeError(f"runtime dir {runtime_dir} belongs to uid {st.st_uid}, not to us")
+    if st.st_mode & 0o077:
+        os.chmod(runtime_dir, 0o700)
+
+
+class InstanceLock:
+    """flock on <runtime_dir>/kvd.lock holding the owner's pid."""
+
+    def __init__(self, runtime_dir: Path):
+        self.path = runtime_dir / "kvd.lock"
+        self.fd = -1
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RuntimeError(f"another kvd (pid {owner}) is serving {self.path.parent}; "
+                               "stop it or pass a different --runtime-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def reclaim_stale(runtime_dir: Path, shm_dir: Path, tag: str) -> list[str]:
+    """Remove sockets and arenas a dead daemon left. Call only under the lock."""
+    removed = []
+    for name in ("kvd.sock", "control.sock"):
+        p = runtime_dir / name
+        if p.exists() or p.is_symlink():
+            p.unlink()
+            removed.append(str(p))
+    for p in shm_dir.glob(f"kvd-arena-{tag}-*"):
+        p.unlink(missing_ok=True)
+        removed.append(str(p))
+    return removed

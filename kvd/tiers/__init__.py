@@ -1,0 +1,13 @@
+"""Where cached chunks live: the host arena and index, the disk tier, the policy between.
+
+Owns the shared-memory arena (``arena``) and its extent allocator
+(``allocator``), the host tier's index with LRU eviction and pins
+(``host``), the disk tier's chunk files (``chunk_file``: format, checksums,
+crash-safe writes; ``disk_scan``: recovery scan; ``digest``: the segmented
+payload digest) and index (``disk``), and demotion/promotion between host
+and disk (``tiering``). A remote tier (a distributed store) belongs here,
+behind the same shape as ``disk``.
+
+Imports: kvd_protocol only. Tiers never copy engine pages (that is
+kvd.copy / kvd.cuda) and never see sockets or sessions.
+"""

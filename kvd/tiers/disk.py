@@ -1,0 +1,377 @@
+"""Disk tier: the index of chunk files, its LRU, its IO threads and recovery.
+
+State (index, byte accounting, counters) lives on the event loop; every
+file operation runs on a ``ThreadPoolExecutor`` of ``threads`` workers and
+reports back to the loop, so several reads and writes are in flight at once
+and the loop never blocks on IO.
+
+Contracts:
+- ``used_bytes`` (file sizes, header and padding included) plus the bytes
+  of writes in flight never exceeds ``capacity``: room is made before a
+  write starts by deleting least-recently-used files nobody is reading.
+- ``submit_write`` never blocks: it returns None (and counts a dropped
+  demotion) when the write-behind queue holds ``queue_chunks`` writes, when
+  the key is already on disk or being written, or when no room can be made.
+  A key has at most one write in flight, and a write of a key waits for a
+  pending delete of that key, so one key leaves exactly one final file.
+- ``read_into`` fills ``dest`` with verified bytes and returns True, or
+  returns False: checksum/header failure (file deleted, counted), file gone
+  (counted), IO error (counted). Never raises for IO; never wrong bytes.
+  ``read_many(entries, read)`` runs another reader (kvd.cuda.gds: into GPU
+  memory) on an IO thread under the same pinning, accounting and failure
+  handling, and returns how many entries, in order, it read fine.
+- Recovery (``start``): a background task scans the directory in jobs of
+  ``SCAN_BATCH`` files, ``threads`` jobs at once; removes temp files of earlier processes
+  and files with a wrong header, version or length (counted); adds the rest
+  to the index as least recently used; logs progress and one summary line.
+  Keys written since start-up win over scanned files.
+- One daemon per directory: an exclusive flock on ``.kvd-disk.lock`` (gone
+  with the process, kill -9 included); a second one gets ``OSError(EBUSY)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import logging
+import os
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvd.tiers.chunk_file import ChunkCorrupt, ChunkFiles, file_size
+from kvd.tiers.disk_scan import names as _names
+from kvd.tiers.disk_scan import ns_dirs as _ns_dirs
+from kvd.tiers.disk_scan import scan_files as _scan_files
+from kvd.tiers.disk_scan import unlink as _unlink
+
+log = logging.getLogger("kvd")
+PROGRESS_S = 2.0
+SCAN_BATCH = 2048  # files per recovery job
+
+
+@dataclass(eq=False)
+class DiskEntry:
+    key: bytes
+    ns: bytes
+    length: int
+    shards: int
+    shard_bytes: int
+    path: Path
+    refs: int = 0
+
+    @property
+    def size(self) -> int:
+        return file_size(self.length)
+
+
+class _Busy:
+    """Wall seconds with at least one operation of a kind in flight (for GB/s)."""
+
+    def __init__(self):
+        self.inflight, self.since, self.seconds = 0, 0.0, 0.0
+
+    def begin(self) -> None:
+        if self.inflight == 0:
+            self.since = time.monotonic()
+        self.inflight += 1
+
+    def end(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.seconds += time.monotonic() - self.since
+
+
+class DiskTier:
+    def __init__(self, root, capacity: int, threads: int = 4, queue_chunks: int = 256,
+                 direct: bool | None = None):
+        self.files = ChunkFiles(Path(root), direct)
+        self.root = self.files.root
+        self._lock = _lock_dir(self.root)
+        self.capacity = capacity
+        self.queue_chunks = queue_chunks
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvd-disk")
+        self.entries: OrderedDict[bytes, DiskEntry] = OrderedDict()
+        self.used = 0
+        self.reserved = 0
+        self.writing: dict[bytes, asyncio.Future] = {}
+        self.deleting: dict[bytes, asyncio.Future] = {}
+        self.counters: Counter = Counter()
+        self.recovery = {"state": "idle", "chunks": 0, "bytes": 0, "removed": 0,
+                         "temp_removed": 0, "over_capacity": 0,
+                         "seconds": 0.0}
+        self.on_evict = None  # callable(key) when a file leaves the index
+        self._reads, self._writes = _Busy(), _Busy()
+        self._scan = None
+        self._closed = False
+
+    # ---- lookup side -------------------------------------------------------------
+
+    def get(self, key: bytes, touch: bool = True) -> DiskEntry | None:
+        entry = self.entries.get(key)
+        if entry is not None and touch:
+            self.entries.move_to_end(key)
+        return entry
+
+    async def _io(self, fn, *args):
+        """Run ``fn`` on an IO thread. A cancelled caller still waits for the thread to
+        finish, so no thread ever touches a buffer its owner already gave back."""
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.gather(fut, return_exceptions=True)
+            raise
+
+    async def read_into(self, entry: DiskEntry, dest) -> bool:
+        return await self.read_many([entry], lambda es: [_attempt(
+            self.files.read_into, es[0].path, es[0].ns, es[0].key, dest)]) == 1
+
+    async def read_many(self, entries: list, read) -> int:
+        """Run ``read(entries)`` on an IO thread; it returns, per entry, None or the
+        exception its read raised. Failures are handled and counted (a corrupt file is
+        deleted); returns how many entries, in order, were read fine."""
+        for e in entries:
+            e.refs += 1
+        self._reads.begin()
+        try:
+            results = await self._io(read, entries)
+        except Exception as exc:  # noqa: BLE001 - the reader itself failed: the first one fails
+            results = [exc]
+        finally:
+            for e in entries:
+                e.refs -= 1
+            self._reads.end()
+        n = 0
+        for e, result in zip(entries, results):
+            if result is not None:
+                self._failed(e, result)
+                break
+            n += 1
+            self.counters["reads"] += 1
+            self.counters["read_bytes"] += e.length
+        return n
+
+    def _failed(self, entry: DiskEntry, exc: BaseException) -> None:
+        if isinstance(exc, ChunkCorrupt):
+            log.warning("disk chunk %s is corrupt (%s): deleted", entry.path.name, exc)
+            self.counters["checksum_failures"] += 1
+            self._forget(entry, delete=True)
+        elif isinstance(exc, FileNotFoundError):
+            log.warning("disk chunk %s vanished", entry.path.name)
+            self.counters["vanished"] += 1
+            self._forget(entry, delete=False)
+        else:
+            log.warning("disk read of %s failed: %s", entry.path.name, exc)
+            self.counters["read_errors"] += 1
+
+    # ---- write side ----------------------------------------------------------------
+
+    def submit_write(self, ns: bytes, key: bytes, payload, shards: int,
+                     shard_bytes: int) -> asyncio.Future | None:
+        """Queue a write of ``payload`` (must stay valid until the future is done)."""
+        if self._closed or key in self.entries or key in self.writing:
+            return None
+        if len(self.writing) >= self.queue_chunks:
+            self.counters["demotions_dropped"] += 1
+            return None
+        size = file_size(memoryview(payload).nbytes)
+        if not self._make_room(size):
+            self.counters["demotions_dropped"] += 1
+            return None
+        self.reserved += size
+        fut = asyncio.ensure_future(self._write(ns, key, payload, shards, shard_bytes, size))
+        self.writing[key] = fut
+        return fut
+
+    async def _write(self, ns, key, payload, shards, shard_bytes, size) -> bool:
+        try:
+            pending = self.deleting.get(key)
+            if pending is not None:
+                await asyncio.shield(pending)
+            self._writes.begin()
+            try:
+                path = await self._io(self.files.write, ns, key, payload, shards, shard_bytes)
+            finally:
+                self._writes.end()
+        except OSError as exc:
+            kind = "enospc" if exc.errno == errno.ENOSPC else "write_errors"
+            self.counters[kind] += 1
+            self.counters["demotions_failed"] += 1
+            log.warning("disk write of %s failed: %s", key.hex(), exc)
+            return False
+        finally:
+            self.reserved -= size
+            self.writing.pop(key, None)
+        entry = DiskEntry(key, ns, _payload_len(payload), shards, shard_bytes, path)
+        self.entries[key] = entry
+        self.used += entry.size
+        self.counters["writes"] += 1
+        self.counters["write_bytes"] += entry.length
+        return True
+
+    def _make_room(self, size: int) -> bool:
+        if size > self.capacity:
+            return False
+        while self.used + self.reserved + size > self.capacity:
+            victim = next((e for e in self.entries.values() if e.refs == 0), None)
+            if victim is None:
+                return False
+            self.counters["evictions"] += 1
+            self._forget(victim, delete=True)
+        return True
+
+    def _forget(self, entry: DiskEntry, delete: bool) -> None:
+        """Drop ``entry`` from the index (its file deleted on an IO thread when ``delete``)."""
+        if self.entries.get(entry.key) is not entry:
+            return
+        del self.entries[entry.key]
+        self.used -= entry.size
+        if self.on_evict is not None:
+            self.on_evict(entry.key)
+        if delete:
+            fut = asyncio.get_running_loop().run_in_executor(self.pool, _unlink, entry.path)
+            self.deleting[entry.key] = fut
+            fut.add_done_callback(lambda f, k=entry.key: self._deleted(k, f))
+
+    def _deleted(self, key: bytes, fut) -> None:
+        if self.deleting.get(key) is fut:
+            del self.deleting[key]
+
+    async def flush(self) -> int:
+        """Wait until no write is queued or in flight; returns writes waited for."""
+        waited = 0
+        while self.writing or self.deleting:
+            pending = list(self.writing.values()) + list(self.deleting.values())
+            waited += len(self.writing)
+            await asyncio.gather(*pending, return_exceptions=True)
+        return waited
+
+    async def clear(self) -> tuple[int, int]:
+        """Delete every file nobody is reading: (deleted, kept because in use)."""
+        await self.flush()
+        victims = [e for e in self.entries.values() if e.refs == 0]
+        for e in victims:
+            self._forget(e, delete=True)
+        await self.flush()
+        return len(victims), len(self.entries)
+
+    # ---- recovery ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        log.info("disk tier: %.1f MiB at %s, IO %s, %d threads", self.capacity / 2**20, self.root,
+                 self.files.mode, self.threads)
+        self._scan = asyncio.ensure_future(self._recover())
+
+    async def _recover(self) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = last = time.monotonic()
+        rec = self.recovery
+        rec["state"] = "scanning"
+        try:
+            dirs = await loop.run_in_executor(self.pool, _ns_dirs, self.root)
+            for i, d in enumerate(dirs):
+                names = await loop.run_in_executor(self.pool, _names, d)
+                batches = [names[j:j + SCAN_BATCH] for j in range(0, len(names), SCAN_BATCH)]
+                for k in range(0, len(batches), self.threads):  # `threads` batches at once
+                    for found, removed, temps in await asyncio.gather(*(
+                            loop.run_in_executor(self.pool, _scan_files, d, b,
+                                                 self.files.temp_prefix)
+                            for b in batches[k:k + self.threads])):
+                        rec["removed"] += removed
+                        rec["temp_removed"] += temps
+                        self._merge(found)
+                    if time.monotonic() - last > PROGRESS_S:
+                        last = time.monotonic()
+                        log.info("disk recovery: directory %d of %d, %d chunks so far", i + 1,
+                                 len(dirs), rec["chunks"])
+        except asyncio.CancelledError:
+            rec["state"] = "cancelled"
+            raise
+        except OSError as exc:
+            rec["state"] = f"failed: {exc}"
+            log.error("disk recovery failed: %s", exc)
+            return
+        rec["state"] = "done"
+        rec["seconds"] = round(time.monotonic() - t0, 3)
+        log.info("disk recovery: %d chunks, %.1f MiB, %d bad files and %d temp files removed, "
+                 "%.2f s", rec["chunks"], rec["bytes"] / 2**20, rec["removed"],
+                 rec["temp_removed"], rec["seconds"])
+
+    def _merge(self, found: list) -> None:
+        found.sort(key=lambda item: item[1], reverse=True)  # newest first: oldest ends LRU-first
+        for head, _mtime, path in found:
+            if head.key in self.entries or head.key in self.writing or head.key in self.deleting:
+                continue
+            entry = DiskEntry(head.key, head.ns, head.length, head.shards, head.shard_bytes, path)
+            if self.used + self.reserved + entry.size > self.capacity:
+                asyncio.get_running_loop().run_in_executor(self.pool, _unlink, path)
+                self.recovery["over_capacity"] += 1
+                continue
+            self.entries[head.key] = entry
+            self.entries.move_to_end(head.key, last=False)
+            self.used += entry.size
+            self.recovery["chunks"] += 1
+            self.recovery["bytes"] += entry.size
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._scan is not None:
+            self._scan.cancel()
+            await asyncio.gather(self._scan, return_exceptions=True)
+        await self.flush()
+        self.pool.shutdown(wait=True)
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
+
+    # ---- stats -------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"capacity_bytes": self.capacity, "used_bytes": self.used,
+                "chunks": len(self.entries), "evictions": c["evictions"],
+                "dir": str(self.root), "io_mode": "direct" if self.files.direct else "buffered",
+                "queued_writes": len(self.writing), "writes": c["writes"],
+                "write_bytes": c["write_bytes"], "write_gbps": _gbps(c["write_bytes"], self._writes),
+                "reads": c["reads"], "read_bytes": c["read_bytes"],
+                "read_gbps": _gbps(c["read_bytes"], self._reads),
+                "demotions_dropped": c["demotions_dropped"],
+                "demotions_failed": c["demotions_failed"], "enospc": c["enospc"],
+                "write_errors": c["write_errors"], "read_errors": c["read_errors"],
+                "checksum_failures": c["checksum_failures"], "vanished": c["vanished"],
+                "io_errors": c["enospc"] + c["write_errors"] + c["read_errors"] + c["vanished"],
+                "recovery": dict(self.recovery)}
+
+
+def _lock_dir(root: Path) -> int:
+    """Hold an exclusive flock on ``<root>/.kvd-disk.lock``: one daemon per disk_dir."""
+    fd = os.open(root / ".kvd-disk.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OSError(errno.EBUSY, "another kvd daemon uses this disk_dir") from None
+    return fd
+
+
+def _attempt(fn, *args) -> BaseException | None:
+    """None when ``fn(*args)`` returns, else the exception it raised."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - handed back to the loop to count
+        return exc
+    return None
+
+
+def _payload_len(payload) -> int:
+    return memoryview(payload).nbytes
+
+
+def _gbps(nbytes: int, busy: _Busy) -> float:
+    secs = busy.seconds + (time.monotonic() - busy.since if busy.inflight else 0.0)
+    return round(nbytes / secs / 1e9, 3) if secs > 0 else 0.0

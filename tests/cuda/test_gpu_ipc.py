@@ -1,0 +1,283 @@
+"""The CUDA data path end to end: daemon and engines in separate processes.
+
+The pytest process is an engine (torch tensors exported through CUDA IPC);
+``kvd serve --gpu on`` runs in a subprocess; a second engine runs in a
+spawned process. Skipped without torch, cupy or a GPU.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cupy")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+import kvd_client  # noqa: E402
+from kvd_client.torch_pool import CudaKVPool  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CHUNK = 64
+GPU_KNOBS = {"chunk_tokens": CHUNK, "host_capacity": "512MiB", "gpu": "on"}
+DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def make_tensors(layout: str, layers: int, pages: int, page_size: int, heads: int, dim: int, dtype):
+    item = torch.tensor([], dtype=dtype).element_size()
+
+    def rnd(*shape):
+        raw = (*shape[:-1], shape[-1] * item)
+        return torch.randint(0, 256, raw, dtype=torch.uint8, device="cuda").view(dtype)
+
+    if layout == "vllm_flash_attn":
+        return [rnd(2, pages, page_size, heads, dim) for _ in range(layers)]
+    if layout == "vllm_flashinfer":
+        return [rnd(pages, 2, page_size, heads, dim) for _ in range(layers)]
+    if layout == "vllm_mla":
+        return [rnd(pages, page_size, dim) for _ in range(layers)]
+    if layout == "sglang_mha":
+        return [(rnd(pages * page_size, heads, dim), rnd(pages * page_size, heads, dim)) for _ in range(layers)]
+    if layout == "sglang_mla":
+        return [rnd(pages * page_size, 1, dim) for _ in range(layers)]
+    assert layout == "page_first"
+    return rnd(pages, layers, 2, page_size, heads, dim)
+
+
+def page_rows(layout: str, tensors, page: int, page_size: int) -> torch.Tensor:
+    """All bytes of one page across layers and planes, independent of kvd's code."""
+    def u8(t):
+        return t.contiguous().view(torch.uint8).flatten()
+    tok = slice(page * page_size, (page + 1) * page_size)
+    if layout == "vllm_flash_attn":
+        return torch.cat([u8(t[:, page]) for t in tensors])
+    if layout in ("vllm_flashinfer", "vllm_mla"):
+        return torch.cat([u8(t[page]) for t in tensors])
+    if layout == "sglang_mha":
+        return torch.cat([u8(x[tok]) for k, v in tensors for x in (k, v)])
+    if layout == "sglang_mla":
+        return torch.cat([u8(t[tok]) for t in tensors])
+    return u8(tensors[page])
+
+
+def all_bytes(layout: str, tensors) -> torch.Tensor:
+    flat = [tensors] if layout == "page_first" else (
+        [x for pair in tensors for x in pair] if layout == "sglang_mha" else tensors)
+    return torch.cat([t.contiguous().view(torch.uint8).flatten() for t in flat])
+
+
+@pytest.fixture
+def gpu_daemon(start_daemon):
+    d = start_daemon(**GPU_KNOBS)
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+CASES = [(layout, ps, dt) for layout in ("vllm_flash_attn", "vllm_flashinfer", "vllm_mla",
+                                          "sglang_mha", "sglang_mla", "page_first")
+         for ps in (1, 16, 64) for dt in DTYPES]
+
+
+@pytest.mark.parametrize("layout,page_size,dtype", CASES)
+def test_store_then_load_other_pages_bit_exact(gpu_daemon, layout, page_size, dtype):
+    mla = layout.endswith("mla")
+    heads, dim = (1, 576) if mla else (4, 64)
+    ppc = CHUNK // page_size
+    pages = 4 * ppc + 3
+    tensors = make_tensors(layout, 3, pages, page_size, heads, dim, DTYPES[dtype])
+    pool = CudaKVPool(layout, tensors, page_size=page_size)
+    with kvd_client.KvdClient(runtime_dir=str(gpu_daemon.runtime_dir), raise_errors=True) as client:
+        client.register_kv(pool, model=f"m-{layout}")
+        tokens = np.random.default_rng().integers(0, 50000, 2 * CHUNK)
+        perm = torch.randperm(pages).tolist()
+        src, dst = perm[:2 * ppc], perm[2 * ppc:4 * ppc]
+        expect = [page_rows(layout, tensors, p, page_size).clone() for p in src]
+        torch.cuda.synchronize()
+        assert client.store(tokens, src) == 2 * CHUNK
+        for p in dst:  # poison the target pages after the store
+            _fill_page(layout, tensors, p, page_size, 0xA5)
+        before = all_bytes(layout, tensors).clone()
+        assert client.load(tokens, dst) == 2 * CHUNK
+        torch.cuda.synchronize()
+        for p, want in zip(dst, expect):
+            assert torch.equal(page_rows(layout, tensors, p, page_size), want), f"page {p}"
+        for p in dst:  # make the loaded pages equal their poison again, then nothing else moved
+            _fill_page(layout, tensors, p, page_size, 0xA5)
+        assert torch.equal(all_bytes(layout, tensors), before)
+
+
+def _fill_page(layout, tensors, page, page_size, value):
+    tok = slice(page * page_size, (page + 1) * page_size)
+    if layout == "vllm_flash_attn":
+        for t in tensors:
+            t[:, page].view(torch.uint8).fill_(value)
+    elif layout in ("vllm_flashinfer", "vllm_mla"):
+        for t in tensors:
+            t[page].view(torch.uint8).fill_(value)
+    elif layout == "sglang_mha":
+        for k, v in tensors:
+            k[tok].view(torch.uint8).fill_(value)
+            v[tok].view(torch.uint8).fill_(value)
+    elif layout == "sglang_mla":
+        for t in tensors:
+            t[tok].view(torch.uint8).fill_(value)
+    else:
+        tensors[page].view(torch.uint8).fill_(value)
+
+
+def test_store_waits_for_the_engine_stream(gpu_daemon):
+    """Data written on the engine's stream after a long kernel is what gets stored."""
+    tensors = make_tensors("vllm_flash_attn", 2, 8, 16, 4, 64, torch.bfloat16)
+    pool = CudaKVPool("vllm_flash_attn", tensors)
+    with kvd_client.KvdClient(runtime_dir=str(gpu_daemon.runtime_dir), raise_errors=True) as client:
+        client.register_kv(pool, model="ordering")
+        tokens = np.arange(CHUNK)
+        fresh = [torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, device="cuda")
+                 for t in tensors]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the new KV lands
+        for t, f in zip(tensors, fresh):
+            t.view(torch.uint8).copy_(f)
+        assert client.store(tokens, range(4)) == CHUNK
+        torch.cuda.synchronize()
+        want = [page_rows("vllm_flash_attn", tensors, p, 16).clone() for p in range(4)]
+        for t in tensors:
+            t.view(torch.uint8).fill_(0)
+        assert client.load(tokens, range(4, 8)) == CHUNK
+        torch.cuda.synchronize()
+        for i, p in enumerate(range(4, 8)):
+            assert torch.equal(page_rows("vllm_flash_attn", tensors, p, 16), want[i])
+
+
+def test_layerwise_load_on_the_engine_stream(gpu_daemon):
+    layers = 6
+    tensors = make_tensors("vllm_flash_attn", layers, 16, 16, 8, 128, torch.bfloat16)
+    pool = CudaKVPool("vllm_flash_attn", tensors)
+    with kvd_client.KvdClient(runtime_dir=str(gpu_daemon.runtime_dir), raise_errors=True) as client:
+        client.register_kv(pool, model="layerwise")
+        tokens = np.arange(2 * CHUNK)
+        torch.cuda.synchronize()
+        assert client.store(tokens, range(8)) == 2 * CHUNK
+        want = [t[:, 0:8].clone() for t in tensors]
+        for t in tensors:
+            t[:, 8:16].view(torch.uint8).fill_(0x5A)
+        torch.cuda.synchronize()
+        assert client.load(tokens, range(8, 16), layerwise=True) == 2 * CHUNK
+        seen = []
+        for layer in range(layers):
+            client.wait_for_layer(layer)
+            seen.append(tensors[layer][:, 8:16].clone())  # ordered after layer's event
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            assert torch.equal(seen[layer].view(torch.uint8), want[layer].view(torch.uint8)), layer
+
+
+def _second_engine(runtime_dir: str, tokens, expect: list, result_q) -> None:
+    import torch as t
+
+    import kvd_client as kc
+    from kvd_client.torch_pool import CudaKVPool as Pool
+    tensors = [t.zeros(2, 8, 16, 4, 64, dtype=t.bfloat16, device="cuda") for _ in range(2)]
+    pool = Pool("vllm_flash_attn", tensors)
+    with kc.KvdClient(runtime_dir=runtime_dir, raise_errors=True) as client:
+        client.register_kv(pool, model="shared")
+        hit = client.lookup(tokens)
+        loaded = client.load(tokens, range(4, 8))
+        t.cuda.synchronize()
+        ok = all(t.equal(tensors[l][:, 4:8].cpu().view(t.uint8), expect[l]) for l in range(2))
+    result_q.put((hit, loaded, ok))
+
+
+def _dying_engine(runtime_dir: str, ready_q) -> None:
+    import torch as t
+
+    import kvd_client as kc
+    from kvd_client.torch_pool import CudaKVPool as Pool
+    tensors = [t.ones(2, 8, 16, 4, 64, dtype=t.bfloat16, device="cuda") for _ in range(2)]
+    client = kc.KvdClient(runtime_dir=runtime_dir, raise_errors=True, heartbeat=False).connect()
+    client.register_kv(Pool("vllm_flash_attn", tensors), model="dying")
+    ready_q.put(os.getpid())
+    time.sleep(60)
+
+
+def test_two_engines_share_and_a_killed_engine_is_reaped(start_daemon):
+    d = start_daemon(**GPU_KNOBS, client_timeout_s=1.0, heartbeat_interval_s=0.2)
+    ctx = multiprocessing.get_context("spawn")
+    tensors = make_tensors("vllm_flash_attn", 2, 8, 16, 4, 64, torch.bfloat16)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        client.register_kv(CudaKVPool("vllm_flash_attn", tensors), model="shared")
+        tokens = np.arange(CHUNK) + 7
+        torch.cuda.synchronize()
+        assert client.store(tokens, range(4)) == CHUNK
+        expect = [t[:, 0:4].cpu().view(torch.uint8) for t in tensors]
+        q = ctx.Queue()
+        p = ctx.Process(target=_second_engine, args=(str(d.runtime_dir), tokens, expect, q))
+        p.start()
+        assert q.get(timeout=120) == (CHUNK, CHUNK, True)
+        p.join(30)
+        dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), q))
+        dying.start()
+        q.get(timeout=120)
+        assert d.stats()["registrations"] == 2
+        os.kill(dying.pid, signal.SIGKILL)
+        dying.join(10)
+        deadline = time.monotonic() + 15
+        while d.stats()["clients_reaped"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stats = d.stats()
+        assert stats["clients_reaped"] >= 1 and stats["registrations"] == 1
+        assert client.lookup(tokens) == CHUNK  # the survivor keeps working
+        assert client.load(tokens, range(4, 8)) == CHUNK
+    assert d.stop() == 0, d.log()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_one_daemon_serves_pools_on_two_gpus(gpu_daemon):
+    """A chunk stored from GPU 0's pool loads bit-exact into GPU 1's pool."""
+    pools, tensors = [], []
+    for dev in (0, 1):
+        with torch.cuda.device(dev):
+            t = make_tensors("vllm_flash_attn", 2, 8, 16, 4, 64, torch.bfloat16)
+            tensors.append(t)
+            pools.append(CudaKVPool("vllm_flash_attn", t))
+    with kvd_client.KvdClient(runtime_dir=str(gpu_daemon.runtime_dir), raise_errors=True) as client:
+        regs = [client.register_kv(p, model="two-gpus") for p in pools]
+        tokens = np.arange(CHUNK) + 99
+        torch.cuda.synchronize(0)
+        assert client.store(tokens, range(4), reg=regs[0]) == CHUNK
+        for t in tensors[1]:
+            t[:, 4:8].view(torch.uint8).fill_(0x3C)
+        torch.cuda.synchronize(1)
+        assert client.load(tokens, range(4, 8), reg=regs[1]) == CHUNK
+        torch.cuda.synchronize(1)
+        for src, dst in zip(tensors[0], tensors[1]):
+            assert torch.equal(src[:, 0:4].cpu().view(torch.uint8), dst[:, 4:8].cpu().view(torch.uint8))
+
+
+def test_chunks_across_host_registration_pieces(start_daemon):
+    """A host tier over 1 GiB is pinned in pieces; chunks straddling a piece
+    boundary must store and load bit-exact (one DMA cannot cross pieces)."""
+    d = start_daemon(**{**GPU_KNOBS, "host_capacity": "1200MiB"})
+    tensors = make_tensors("vllm_flash_attn", 3, 64, 16, 8, 128, torch.bfloat16)  # 768 KiB shards
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True, timeout=60) as client:
+        client.register_kv(CudaKVPool("vllm_flash_attn", tensors), model="pieces")
+        n = 8  # chunks per request: pages 0..31 are the source, 32..63 the target
+        want = [t[:, 0:32].clone() for t in tensors]
+        torch.cuda.synchronize()
+        for r in range(180):  # 1440 chunks x 768 KiB > 1 GiB: some straddle the boundary
+            tokens = np.arange(n * CHUNK) + r * 10**6
+            assert client.store(tokens, range(32)) == n * CHUNK
+            if r % 6 == 5 or r > 160:
+                for t in tensors:
+                    t[:, 32:64].view(torch.uint8).fill_(0x11)
+                assert client.load(tokens, range(32, 64)) == n * CHUNK
+                torch.cuda.synchronize()
+                for t, w in zip(tensors, want):
+                    assert torch.equal(t[:, 32:64].view(torch.uint8), w.view(torch.uint8)), r
+    assert d.stop() == 0, d.log()

@@ -1,0 +1,604 @@
+"""Hostile and broken input on the wire: a raw ZeroMQ DEALER against a real daemon.
+
+Every test first has a well-behaved client (kvd_client) store chunks, then
+sends bad requests through a bare DEALER socket (pyzmq + msgpack, no
+kvd_client) and checks the typed error code of each reply. At the end the
+daemon must still be healthy, its ``errors`` counter must have grown by
+exactly the number of error replies, nothing may have been stored,
+registered or leased by the bad requests, and the good client's chunks must
+load back bit-exact (raw bytes: random float16 bytes contain NaNs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import kvd_client
+from kvd_protocol.runtime import control_endpoint, engine_endpoint
+
+GEOMETRY = ("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")  # layers, pages, page size, heads, dim
+TOKENS = np.arange(64)  # 4 chunks of 16 tokens
+KEY = b"\x07" * 16
+
+
+class Raw:
+    """A bare DEALER: sends frames as given, returns the decoded reply header."""
+
+    def __init__(self, endpoint: str, ctx: zmq.Context):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, 5000)  # a test never hangs on a send
+        self.sock.connect(endpoint)
+        self.errors = 0
+        self.next_id = 1000
+
+    def send(self, parts: list, timeout: float = 5.0):
+        """Reply header (a dict), or None when no reply came within ``timeout``."""
+        self.sock.send_multipart(parts)
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        reply = self.sock.recv_multipart()
+        assert len(reply) == 1, reply
+        header = msgpack.unpackb(reply[0], raw=False)
+        assert header["v"] == 1
+        if "error" in header:
+            self.errors += 1
+        return header
+
+    def call(self, op, frames=(), **fields):
+        self.next_id += 1
+        return self.send([pack({"v": 1, "id": self.next_id, "op": op, **fields}), *frames])
+
+    def ok(self, op, frames=(), **fields):
+        reply = self.call(op, frames, **fields)
+        assert reply is not None and "result" in reply, (op, reply)
+        assert reply["id"] == self.next_id
+        return reply["result"]
+
+    def fails(self, code: str, op, frames=(), **fields) -> str:
+        reply = self.call(op, frames, **fields)
+        return _check_error(reply, code, self.next_id, (op, fields, [len(f) for f in frames]))
+
+    def fails_raw(self, code: str, parts: list, req_id=None) -> str:
+        return _check_error(self.send(parts), code, req_id, parts[:1])
+
+    def hello(self):
+        return self.ok("hello", client="raw", pid=os.getpid(), versions=[1])
+
+    def register(self, pool, model="good", **overrides):
+        fields = register_fields(pool, model)
+        fields.update(overrides)
+        return self.ok("register", **fields)["reg"]
+
+    def close(self):
+        self.sock.close(linger=0)
+
+
+def _check_error(reply, code, req_id, what) -> str:
+    assert reply is not None, f"no reply to {what}"
+    assert "result" not in reply, f"{what} succeeded: {reply}"
+    assert reply["error"]["code"] == code, f"{what}: {reply['error']}"
+    assert reply["id"] == req_id, f"{what}: reply id {reply['id']}, expected {req_id}"
+    assert isinstance(reply["error"]["message"], str) and reply["error"]["message"]
+    return reply["error"]["message"]
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def pages(*ids) -> bytes:
+    return np.asarray(ids, dtype="<i8").tobytes()
+
+
+def namespace(pool, model="good", **overrides) -> dict:
+    ns = {"model": model, "kv_dtype": pool.kv_dtype, "attention": pool.attention,
+          "num_layers": pool.num_layers, "kv_heads": pool.kv_heads, "head_dim": pool.head_dim,
+          "tp_size": 1}
+    ns.update(overrides)
+    return ns
+
+
+def layout(pool, **overrides) -> dict:
+    d = pool.descriptor
+    wire = {"num_layers": d.num_layers, "planes": d.planes, "num_pages": d.num_pages,
+            "page_size": d.page_size, "row_bytes": d.row_bytes, "page_stride": d.page_stride,
+            "token_stride": d.token_stride, "bases": [list(b) for b in d.bases]}
+    wire.update(overrides)
+    return wire
+
+
+def register_fields(pool, model="good") -> dict:
+    return {"namespace": namespace(pool, model), "tp_rank": 0,
+            "buffers": [{"kind": "shm", "path": str(pool.path), "size": pool.size}],
+            "layout": layout(pool)}
+
+
+class Good:
+    """A well-behaved engine with 4 chunks stored from pages 0..15."""
+
+    def __init__(self, daemon):
+        self.daemon = daemon
+        self.client = kvd_client.KvdClient(runtime_dir=str(daemon.runtime_dir), raise_errors=True)
+        self.client.connect()
+        self.pool = kvd_client.SharedKVPool(*GEOMETRY)
+        self.pool.raw[:] = np.random.default_rng(3).integers(0, 256, self.pool.raw.size, dtype=np.uint8)
+        self.reg = self.client.register_kv(self.pool, model="good")
+        assert self.client.store(TOKENS, np.arange(16)) == 64
+        self.keys = self.client.keys(TOKENS)
+        self.stats0 = daemon.stats()
+
+    def assert_intact(self, error_replies: int) -> None:
+        """Healthy, errors counted, nothing changed, chunks bit-exact."""
+        d = self.daemon
+        assert d.control("health")["status"] == "ok"
+        assert d.proc.poll() is None
+        stats = d.stats()
+        assert stats["errors"] - self.stats0["errors"] == error_replies
+        host0, host = self.stats0["tiers"]["host"], stats["tiers"]["host"]
+        assert (host["chunks"], host["entries"], host["used_bytes"]) == \
+               (host0["chunks"], host0["entries"], host0["used_bytes"])
+        assert stats["chunks_stored"] == self.stats0["chunks_stored"]
+        assert stats["registrations"] == 1
+        assert stats["leases"] == 0
+        for t in self.pool.tensors:
+            t.view(np.uint8)[:, 16:48] = 0
+        assert self.client.lookup(TOKENS) == 64
+        assert self.client.load(TOKENS, np.arange(16, 32)) == 64
+        for t in self.pool.tensors:
+            raw = t.view(np.uint8)
+            assert (raw[:, 16:32] == raw[:, 0:16]).all()
+            assert not raw[:, 32:48].any()
+
+    def close(self):
+        self.client.close()
+        self.pool.close()
+
+
+@pytest.fixture
+def zctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)  # closes sockets a failed test left open
+
+
+@pytest.fixture
+def good(daemon):
+    g = Good(daemon)
+    yield g
+    g.close()
+
+
+@pytest.fixture
+def raw_pool():
+    """A second pool of the good client's geometry, for raw registrations (zero-filled)."""
+    pool = kvd_client.SharedKVPool(*GEOMETRY)
+    yield pool
+    pool.close()
+
+
+def engine(daemon, zctx) -> Raw:
+    return Raw(engine_endpoint(daemon.runtime_dir), zctx)
+
+
+# ---- headers --------------------------------------------------------------------
+
+def test_malformed_headers(daemon, good, zctx):
+    raw = engine(daemon, zctx)
+    for garbage in [b"", b"\xc1", b"\x82\xa1v", b"\x01\x02", b"\xff" * 64,
+                    np.random.default_rng(0).bytes(300),
+                    pack({1: 2}), pack({"v": 1, "id": 1, "op": "hello", "x": [[[[[[0]]]]]] * 2})[:-3],
+                    msgpack.packb(msgpack.ExtType(1, b"abc")),
+                    pack({f"k{i}": i for i in range(100)}),  # more keys than any header has
+                    b"\x91" * 100_000 + b"\xc0"]:  # nested 100k deep
+        raw.fails_raw("bad_request", [garbage])
+    for not_a_map in [[1, 2, 3], 7, "hello", None, True, b"bytes", 1.5]:
+        raw.fails_raw("bad_request", [pack(not_a_map)])
+    raw.fails_raw("too_large", [pack({"v": 1, "id": 5, "op": "hello", "client": "x" * 300_000})])
+    # Wrong protocol versions; the id is still echoed where it can be read.
+    for v in [0, 2, -1, 2**64 - 1, "1", None, [1], 1.5, True, 1.0]:
+        raw.fails_raw("bad_version", [pack({"v": v, "id": 11, "op": "heartbeat"})], req_id=11)
+    raw.fails_raw("bad_version", [pack({"id": 12, "op": "heartbeat"})], req_id=12)
+    raw.fails("bad_version", "hello", client="raw", pid=1, versions=[2, 3])
+    raw.fails("bad_version", "hello", client="raw", pid=1, versions=[])
+    # Request ids that are not non-negative int64.
+    for bad_id in [-1, True, 2**63, 2**64 - 1, "7", 1.0, None, [1]]:
+        raw.fails_raw("bad_request", [pack({"v": 1, "id": bad_id, "op": "heartbeat"})])
+    raw.fails_raw("bad_request", [pack({"v": 1, "op": "heartbeat"})])
+    raw.close()
+    good.assert_intact(raw.errors)
+
+
+def test_fields_ops_and_frame_counts(daemon, good, zctx, raw_pool):
+    raw = engine(daemon, zctx)
+    raw.hello()
+    reg = raw.register(raw_pool)
+    for op in ["nope", "", "op_store", "__init__", "handle", "stats", "health", "clear", "HELLO"]:
+        raw.fails("unknown_op", op)
+    for op in [7, None, ["store"], {"x": 1}, True]:
+        raw.fails_raw("unknown_op", [pack({"v": 1, "id": 21, "op": op})], req_id=21)
+    raw.fails_raw("unknown_op", [pack({"v": 1, "id": 22})], req_id=22)
+    keys = b"".join(good.keys)
+    # Missing and unknown fields.
+    raw.fails("bad_request", "lookup", [keys])
+    raw.fails("bad_request", "store", [keys, pages(*range(16))])
+    raw.fails("bad_request", "release")
+    raw.fails("bad_request", "hello", client="raw", pid=1)
+    raw.fails("bad_request", "register", namespace=namespace(raw_pool), tp_rank=0)
+    raw.fails("bad_request", "lookup", [keys], reg=reg, extra=1)
+    raw.fails("bad_request", "heartbeat", reg=reg)
+    raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, lease_ms=5)
+    # Wrong types: bool for int, negative, beyond int64, float, string, nil, containers.
+    bad_ints = [True, False, -1, -2**63, 2**63, 2**64 - 1, 1.0, "1", None, [reg], {"reg": reg}]
+    for value in bad_ints:
+        raw.fails("bad_request", "lookup", [keys], reg=value)
+        raw.fails("bad_request", "store", [keys, pages(*range(16))], reg=value)
+        raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, lease=value)
+        raw.fails("bad_request", "lookup", [keys], reg=reg, lease_ms=value)
+        raw.fails("bad_request", "release", lease=value)
+        raw.fails("bad_request", "unregister", reg=value)
+        raw.fails("bad_request", "hello", client="raw", pid=value, versions=[1])
+        raw.fails("bad_request", "register", **{**register_fields(raw_pool), "tp_rank": value})
+    for value in [1, "yes", None]:
+        raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, layerwise=value)
+    for value in bad_ints:
+        raw.fails("bad_request", "store", [keys, pages(*range(16))], reg=reg, event=value)
+    for value in [5, None, b"bytes", "s" * 5000, ["a"]]:
+        raw.fails("bad_request", "lookup", [keys], reg=reg, salt=value)
+        raw.fails("bad_request", "hello", client=value, pid=1, versions=[1])
+    for value in ["1", 1, {"v": 1}, None]:
+        raw.fails("bad_request", "hello", client="raw", pid=1, versions=value)
+    # Wrong numbers of frames.
+    raw.fails("bad_request", "lookup", (), reg=reg)
+    raw.fails("bad_request", "lookup", [keys, keys], reg=reg)
+    raw.fails("bad_request", "store", [keys], reg=reg)
+    raw.fails("bad_request", "store", [keys, pages(*range(16)), b""], reg=reg)
+    raw.fails("bad_request", "load", [keys], reg=reg)
+    raw.fails("bad_request", "heartbeat", [b""])
+    raw.fails("bad_request", "release", [b"x"], lease=1)
+    raw.fails("bad_request", "register", [b"x"], **register_fields(raw_pool))
+    raw.fails("bad_request", "hello", [b""], client="raw", pid=1, versions=[1])
+    # The session survived all of it: hello was never replaced, the pool is still ours.
+    assert raw.ok("lookup", [keys], reg=reg) == {"hits": 4, "lease": None}
+    raw.ok("unregister", reg=reg)
+    raw.ok("bye")
+    raw.close()
+    good.assert_intact(raw.errors)
+
+
+# ---- bulk frames and page ids --------------------------------------------------
+
+def test_keys_and_page_frames(daemon, good, zctx, raw_pool):
+    raw = engine(daemon, zctx)
+    raw.hello()
+    reg = raw.register(raw_pool)  # same namespace as the good client: its keys hit
+    keys = b"".join(good.keys)
+    one = pages(0, 1, 2, 3)
+    for bad in [b"x", KEY[:15], KEY + b"x", keys[:-1], keys + b"\0"]:
+        raw.fails("bad_request", "lookup", [bad], reg=reg)
+        raw.fails("bad_request", "store", [bad, one], reg=reg)
+        raw.fails("bad_request", "load", [bad, one], reg=reg)
+    for bad in [b"\0", one[:-1], one + b"\0", one[:7]]:
+        raw.fails("bad_request", "store", [KEY, bad], reg=reg)
+        raw.fails("bad_request", "load", [good.keys[0], bad], reg=reg)
+    # Page counts that do not match the chunks (4 pages per chunk).
+    for bad in [b"", pages(0, 1, 2), pages(*range(5)), pages(*range(8))]:
+        raw.fails("bad_request", "store", [KEY, bad], reg=reg)
+        raw.fails("bad_request", "load", [good.keys[0], bad], reg=reg)
+    raw.fails("bad_request", "store", [KEY * 2, pages(*range(4))], reg=reg)
+    raw.fails("bad_request", "load", [keys, pages(*range(15))], reg=reg)
+    # Page ids outside [0, 64): every chunk checked, not only the first page.
+    for bad in [(0, 1, 2, 64), (-1, 0, 1, 2), (64, 65, 66, 67), (0, 1, 2, 2**62), (0, 1, 2, -2**63),
+                (0, 1, 2, 2**63 - 1)]:
+        raw.fails("out_of_range", "store", [KEY, pages(*bad)], reg=reg)
+        raw.fails("out_of_range", "load", [good.keys[0], pages(*bad)], reg=reg)
+    raw.fails("out_of_range", "store", [KEY + b"\x08" * 16, pages(*range(4), 60, 61, 62, 64)], reg=reg)
+    raw.fails("out_of_range", "load", [keys, pages(*range(15), 1000)], reg=reg)
+    # None of the bad loads wrote into the pool, and no bad store stored anything.
+    assert not raw_pool.raw.any()
+    # A store of the good client's keys from other bytes under the same namespace is a
+    # dedup: it never overwrites what is cached (the good client checks its bytes).
+    assert raw.ok("store", [keys, pages(*range(16))], reg=reg) == {"stored": 0, "deduped": 4}
+    # Under a different namespace the same keys are refused, not overwritten.
+    other = raw.register(raw_pool, model="other")
+    raw.fails("bad_request", "store", [KEY + good.keys[0], pages(*range(8))], reg=other)
+    raw.ok("bye")
+    raw.close()
+    good.assert_intact(raw.errors)
+
+
+def test_too_many_keys(start_daemon, zctx, raw_pool):
+    daemon = start_daemon(max_keys_per_request=4)
+    good = Good(daemon)
+    try:
+        raw = engine(daemon, zctx)
+        raw.hello()
+        reg = raw.register(raw_pool)
+        assert raw.ok("lookup", [KEY * 4], reg=reg)["hits"] == 0
+        for n in (5, 64, 4096):
+            raw.fails("too_large", "lookup", [KEY * n], reg=reg)
+            raw.fails("too_large", "store", [KEY * n, pages(*range(4 * n))], reg=reg)
+            raw.fails("too_large", "load", [KEY * n, pages(*range(4 * n))], reg=reg)
+        assert not raw_pool.raw.any()
+        raw.ok("bye")
+        raw.close()
+        good.assert_intact(raw.errors)
+        # The kvd_client gets the same typed error for a long prompt.
+        with pytest.raises(kvd_client.ServerError) as err:
+            good.client.lookup(np.arange(16 * 5))
+        assert err.value.code == "too_large"
+    finally:
+        good.close()
+
+
+# ---- sessions and ownership ------------------------------------------------------
+
+def test_sessions_and_ownership(daemon, good, zctx, raw_pool):
+    keys = b"".join(good.keys)
+    hits, lease = good.client.lookup_lease(TOKENS, 60_000)
+    assert hits == 64 and lease is not None
+    # Before hello, every op is refused, even well-formed ones naming real ids.
+    stranger = engine(daemon, zctx)
+    stranger.fails("no_session", "heartbeat")
+    stranger.fails("no_session", "bye")
+    stranger.fails("no_session", "lookup", [keys], reg=good.reg.id)
+    stranger.fails("no_session", "store", [keys, pages(*range(16))], reg=good.reg.id)
+    stranger.fails("no_session", "load", [keys, pages(*range(16))], reg=good.reg.id, lease=lease)
+    stranger.fails("no_session", "release", lease=lease)
+    stranger.fails("no_session", "unregister", reg=good.reg.id)
+    stranger.fails("no_session", "register", **register_fields(raw_pool))
+    # After hello: another client's registration and lease are forbidden.
+    raw = engine(daemon, zctx)
+    raw.hello()
+    mine = raw.register(raw_pool)
+    raw.fails("forbidden", "lookup", [keys], reg=good.reg.id, lease_ms=60_000)
+    raw.fails("forbidden", "store", [KEY, pages(0, 1, 2, 3)], reg=good.reg.id)
+    raw.fails("forbidden", "load", [keys, pages(*range(16, 32))], reg=good.reg.id)
+    raw.fails("forbidden", "unregister", reg=good.reg.id)
+    raw.fails("forbidden", "release", lease=lease)
+    raw.fails("forbidden", "load", [keys, pages(*range(16))], reg=mine, lease=lease)
+    assert not raw_pool.raw.any()  # the forbidden load copied nothing
+    # Ids nobody holds.
+    for unknown in (0, 999_999, 2**63 - 1):
+        raw.fails("not_found", "lookup", [keys], reg=unknown)
+        raw.fails("not_found", "store", [KEY, pages(0, 1, 2, 3)], reg=unknown)
+        raw.fails("not_found", "load", [keys, pages(*range(16))], reg=unknown)
+        raw.fails("not_found", "unregister", reg=unknown)
+        raw.fails("not_found", "release", lease=unknown)
+        raw.fails("not_found", "load", [keys, pages(*range(16))], reg=mine, lease=unknown)
+    assert not raw_pool.raw.any()
+    # A registration is gone after unregister; a session is gone after bye.
+    raw.ok("unregister", reg=mine)
+    raw.fails("not_found", "lookup", [keys], reg=mine)
+    raw.ok("bye")
+    raw.fails("no_session", "heartbeat")
+    # The good client's lease survived every attempt on it and still works, once.
+    assert daemon.stats()["leases"] == 1
+    assert good.client.load(TOKENS, np.arange(16, 32), lease=lease) == 64
+    with pytest.raises(kvd_client.ServerError) as err:
+        good.client.release(lease)  # consumed by the load
+    assert err.value.code == "not_found"
+    stranger.close()
+    raw.close()
+    good.assert_intact(stranger.errors + raw.errors + 1)
+
+
+# ---- register: buffers, layouts, namespaces -------------------------------------
+
+@pytest.fixture
+def shm_junk():
+    """Paths under /dev/shm for bad buffers; all removed afterwards."""
+    made = []
+
+    def path(name: str) -> Path:
+        p = Path("/dev/shm") / f"kvd-test-{os.getpid()}-{name}"
+        made.append(p)
+        return p
+
+    yield path
+    for p in made:
+        if p.is_dir() and not p.is_symlink():
+            p.rmdir()
+        else:
+            p.unlink(missing_ok=True)
+
+
+def test_register_rejects_bad_buffers(daemon, good, zctx, raw_pool, shm_junk, tmp_path):
+    raw = engine(daemon, zctx)
+    raw.hello()
+    size = raw_pool.size
+
+    def bad_buffer(code, **buf):
+        fields = register_fields(raw_pool)
+        fields["buffers"] = [{**fields["buffers"][0], **buf}]
+        return raw.fails(code, "register", **fields)
+
+    outside = tmp_path / "pool"
+    outside.write_bytes(bytes(size))
+    bad_buffer("bad_request", path=str(outside))                                # not in /dev/shm
+    bad_buffer("bad_request", path=raw_pool.path.name)                          # relative
+    bad_buffer("bad_request", path=f"/dev/shm/../..{outside}")                  # escapes by ..
+    link = shm_junk("link")
+    link.symlink_to(raw_pool.path)
+    bad_buffer("bad_request", path=str(link))                                   # symlink
+    linkdir = shm_junk("linkdir")
+    linkdir.symlink_to(tmp_path)
+    bad_buffer("bad_request", path=str(linkdir / "pool"))                       # via a dir link
+    bad_buffer("bad_request", path=str(shm_junk("missing")))                    # nonexistent
+    subdir = shm_junk("dir")
+    subdir.mkdir()
+    bad_buffer("bad_request", path=str(subdir))                                 # a directory
+    fifo = shm_junk("fifo")
+    os.mkfifo(fifo, 0o600)
+    bad_buffer("bad_request", path=str(fifo))                                   # not a file
+    small = shm_junk("small")
+    small.write_bytes(bytes(4096))
+    bad_buffer("bad_request", path=str(small))                                  # file too small
+    arena = next(Path("/dev/shm").glob(f"kvd-arena-*-{daemon.proc.pid}"))
+    bad_buffer("bad_request", path=str(arena))                                  # the daemon's own tier
+    bad_buffer("bad_request", size=size + 1)                                    # size > file
+    bad_buffer("bad_request", size=0)
+    bad_buffer("bad_request", size=2**62)
+    bad_buffer("bad_request", size=-1)
+    bad_buffer("bad_request", size=True)
+    bad_buffer("bad_request", kind="nfs")
+    bad_buffer("bad_request", kind="cuda_ipc")                                  # wrong keys
+    bad_buffer("bad_request", extra=1)
+    fields = register_fields(raw_pool)
+    cuda = {"kind": "cuda_ipc", "handle": bytes(64), "offset": 0, "size": size, "device_uuid": "x"}
+    raw.fails("bad_request", "register", **{**fields, "buffers": [cuda]})        # host backend
+    for buffers in [[], fields["buffers"] * 7, "x", [None], [[1, 2]], {"kind": "shm"}]:
+        raw.fails("bad_request", "register", **{**fields, "buffers": buffers})
+    # The layout must fit its buffers (a file that is large enough does not help).
+    raw.fails("bad_request", "register", **{**fields, "buffers": [{**fields["buffers"][0],
+                                                                   "size": size - 256}]})
+    raw.fails("bad_request", "register", **{**fields, "buffers": [{**fields["buffers"][0],
+                                                                   "path": str(small), "size": 4096}]})
+    assert not _mapped(daemon, "kvd-test-") and not _mapped(daemon, raw_pool.path.name)
+    raw.ok("bye")
+    raw.close()
+    good.assert_intact(raw.errors)
+
+
+def test_register_rejects_bad_layouts_and_namespaces(daemon, good, zctx, raw_pool):
+    raw = engine(daemon, zctx)
+    raw.hello()
+    d = raw_pool.descriptor
+    fields = register_fields(raw_pool)
+
+    def bad_layout(**over):
+        raw.fails("bad_request", "register", **{**fields, "layout": layout(raw_pool, **over)})
+
+    def bad_ns(**over):
+        raw.fails("bad_request", "register", **{**fields, "namespace": namespace(raw_pool, **over)})
+
+    # Layouts that reach past the buffer.
+    bad_layout(num_pages=d.num_pages + 1)
+    bad_layout(page_stride=d.page_stride * 2)
+    bad_layout(token_stride=d.page_stride)
+    bad_layout(page_stride=2**62)
+    bad_layout(bases=[[0, off + raw_pool.size] for _, off in d.bases])
+    bad_layout(bases=[[0, 0]] * (len(d.bases) - 1) + [[0, raw_pool.size - 1]])
+    bad_layout(bases=[[1, off] for _, off in d.bases])          # a buffer not registered
+    # Malformed layouts.
+    bad_layout(bases=[list(b) for b in d.bases][:-1])
+    bad_layout(bases=[[0, -1]] * len(d.bases))
+    bad_layout(bases=[[0]] * len(d.bases))
+    bad_layout(bases=[[0, 0, 0]] * len(d.bases))
+    bad_layout(bases="0")
+    bad_layout(planes=3)
+    bad_layout(num_layers=0)
+    bad_layout(num_pages=0)
+    bad_layout(row_bytes=0)
+    bad_layout(page_size=True)
+    bad_layout(num_layers=10**6)
+    raw.fails("bad_request", "register", **{**fields, "layout": {**layout(raw_pool), "x": 1}})
+    raw.fails("bad_request", "register", **{**fields, "layout": [1, 2]})
+    # Layouts that fit the buffer but not the namespace.
+    bad_layout(row_bytes=d.row_bytes // 2)                       # rows: heads x dim x dtype
+    bad_ns(head_dim=16)
+    bad_ns(kv_dtype="float32")
+    bad_ns(num_layers=1)                                         # layers
+    bad_layout(num_layers=1, bases=[list(b) for b in d.bases][:2])
+    bad_ns(attention="mla", kv_heads=1)                           # 1 plane expected
+    bad_layout(page_size=3, token_stride=d.token_stride, num_pages=d.num_pages)  # 16 % 3
+    bad_layout(page_size=32)                                     # larger than a chunk
+    raw.fails("bad_request", "register", **{**fields, "tp_rank": 1})              # tp_rank >= tp_size
+    raw.fails("bad_request", "register", **{**fields, "tp_rank": 4,
+                                              "namespace": namespace(raw_pool, tp_size=4)})
+    # Bad namespaces.
+    bad_ns(model="")
+    bad_ns(model="m" * 600)
+    bad_ns(kv_dtype="float64")
+    bad_ns(attention="gqa")
+    bad_ns(attention="mla")                                      # MLA with 2 kv heads
+    bad_ns(tp_size=0)
+    bad_ns(num_layers=2**40)
+    bad_ns(head_dim=-8)
+    bad_ns(kv_heads="2")
+    raw.fails("bad_request", "register", **{**fields, "namespace": {**namespace(raw_pool), "salt": "x"}})
+    ns = namespace(raw_pool)
+    del ns["tp_size"]
+    raw.fails("bad_request", "register", **{**fields, "namespace": ns})
+    raw.fails("bad_request", "register", **{**fields, "namespace": "good"})
+    # The well-formed registration still works afterwards and is the only one added.
+    reg = raw.register(raw_pool)
+    assert raw.ok("lookup", [b"".join(good.keys)], reg=reg)["hits"] == 4
+    assert daemon.stats()["registrations"] == 2
+    raw.ok("bye")
+    raw.close()
+    good.assert_intact(raw.errors)
+
+
+def _mapped(daemon, needle: str) -> list[str]:
+    maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+    return [line for line in maps.splitlines() if needle in line]
+
+
+# ---- message size and the control socket ---------------------------------------
+
+def test_oversized_message_drops_the_peer(start_daemon, zctx, raw_pool):
+    daemon = start_daemon(max_message_bytes=65536)
+    good = Good(daemon)
+    try:
+        bystander = engine(daemon, zctx)
+        bystander.hello()
+        reg = bystander.register(raw_pool)
+        big = engine(daemon, zctx)
+        big.hello()
+        # One frame over the limit: ZeroMQ drops the connection; no reply, nothing done.
+        assert big.send([pack({"v": 1, "id": 1, "op": "lookup", "reg": reg}), KEY * 5000],
+                        timeout=1.0) is None
+        assert big.send([pack({"v": 1, "id": 2, "op": "heartbeat", "pad": "x" * 70_000})],
+                        timeout=0.5) is None
+        # The DEALER reconnected as a new peer (no fixed routing id): the old one was dropped.
+        big.fails("no_session", "heartbeat")
+        big.hello()
+        assert big.ok("heartbeat") == {}
+        # Frames each under the limit but together over it are refused just as well.
+        other = engine(daemon, zctx)
+        other.hello()
+        other_reg = other.register(raw_pool)
+        frames = [KEY * 2000, pages(*np.arange(8000) % 64)]
+        assert max(map(len, frames)) < 65536 < sum(map(len, frames))
+        other.fails("too_large", "store", frames, reg=other_reg)
+        other.ok("bye")
+        # The daemon kept serving everyone else.
+        assert bystander.ok("lookup", [b"".join(good.keys)], reg=reg)["hits"] == 4
+        bystander.ok("bye")
+        big.ok("bye")
+        assert not raw_pool.raw.any()
+        good.assert_intact(big.errors + bystander.errors + other.errors)
+        for r in (big, bystander, other):
+            r.close()
+    finally:
+        good.close()
+
+
+def test_control_socket_rejects_engine_ops(daemon, good, zctx):
+    ctl = Raw(control_endpoint(daemon.runtime_dir), zctx)
+    assert ctl.ok("health")["status"] == "ok"
+    assert ctl.ok("stats")["tiers"]["host"]["chunks"] == 4
+    for op in ["hello", "register", "lookup", "store", "load", "release", "unregister",
+               "heartbeat", "bye", "nope"]:
+        ctl.fails("unknown_op", op)
+    ctl.fails("unknown_op", "hello", client="raw", pid=1, versions=[1])
+    ctl.fails("unknown_op", "lookup", [KEY], reg=1)
+    ctl.fails("bad_request", "stats", [b"x"])
+    ctl.fails("bad_request", "health", extra=1)
+    ctl.fails_raw("bad_request", [b"\xc1"])
+    ctl.fails_raw("bad_version", [pack({"v": 9, "id": 3, "op": "stats"})], req_id=3)
+    # An engine socket peer cannot reach control ops either.
+    raw = engine(daemon, zctx)
+    raw.hello()
+    raw.fails("unknown_op", "clear")
+    raw.fails("unknown_op", "stats")
+    ctl.close()
+    raw.close()
+    good.assert_intact(ctl.errors + raw.errors)

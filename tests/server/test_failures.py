@@ -1,0 +1,371 @@
+"""Failure model: dead clients, daemon restarts and crashes, bad config, leases.
+
+kvd is a cache: it may lose entries but never takes an engine down. A client
+that dies is reaped after ``client_timeout_s`` (leases and mappings
+released); a live idle client is not. A daemon that stops or crashes turns
+client calls into quick misses, and a new daemon on the same runtime dir
+reclaims what the old one left and serves the same client objects again.
+A second daemon on a busy runtime dir and a bad config both refuse to
+start. Leased hits survive memory pressure; with everything leased a store
+gets ``no_space``; released or expired leases make eviction possible again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import workers_failures as W
+
+import kvd_client
+from kvd_protocol.runtime import instance_tag
+
+GEOMETRY = ("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")  # 2 KiB per 16-token chunk
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def random_pool(seed: int, *geometry) -> kvd_client.SharedKVPool:
+    pool = kvd_client.SharedKVPool(*(geometry or GEOMETRY))
+    pool.raw[:] = np.random.default_rng(seed).integers(0, 256, pool.raw.size, dtype=np.uint8)
+    return pool
+
+
+def same_pages(pool, src: slice, dst: slice) -> bool:
+    """Raw bytes of pages ``dst`` equal those of ``src`` in every tensor (NaN-safe)."""
+    return all(bool((t.view(np.uint8)[:, dst] == t.view(np.uint8)[:, src]).all()) for t in pool.tensors)
+
+
+def arenas(daemon) -> list[Path]:
+    return sorted(Path("/dev/shm").glob(f"kvd-arena-{instance_tag(daemon.runtime_dir)}-*"))
+
+
+def mapped(pid: int, needle: str) -> bool:
+    return needle in Path(f"/proc/{pid}/maps").read_text()
+
+
+# ---- (a) a client killed mid-flight is reaped -------------------------------------
+
+def test_killed_client_is_reaped_and_its_leases_released(daemon, procs):
+    rd = str(daemon.runtime_dir)
+    timeout_s = daemon.knobs["client_timeout_s"]
+    ctx = multiprocessing.get_context("spawn")
+    report, child_end = ctx.Pipe(duplex=False)
+    stores_started = ctx.Value("i", 0)
+    victim = ctx.Process(target=W.victim, args=(rd, child_end, stores_started), daemon=True)
+    victim.start()
+    child_end.close()
+    observer = kvd_client.KvdClient(runtime_dir=rd, raise_errors=True).connect()
+    pool = random_pool(11, "vllm_flash_attn", 4, 32, 16, 8, 64, "float16")  # the victim's namespace
+    info = None
+    try:
+        assert report.poll(30), "victim did not start"
+        info = report.recv()
+        assert info["hits"] == len(W.LEASED_TOKENS) and info["lease"] is not None
+        observer.register_kv(pool, model=W.VICTIM_MODEL)
+        assert observer.lookup(W.LEASED_TOKENS) == len(W.LEASED_TOKENS)
+        wait_for(lambda: stores_started.value >= 2, 30, "the victim's stores")
+        before = daemon.stats()
+        assert before["clients"] == 2 and before["leases"] == 1 and before["registrations"] == 2
+        assert mapped(daemon.proc.pid, info["pool"])
+        # Kill it just after it starts a 24 MiB store: most likely while the daemon copies.
+        started = stores_started.value
+        wait_for(lambda: stores_started.value > started, 30, "the next store", interval=0.001)
+        time.sleep(0.005)
+        os.kill(info["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        victim.join(10)
+        assert victim.exitcode == -signal.SIGKILL
+        # Another engine works while the dead one is still registered.
+        assert procs.apply(W.roundtrip, (rd, 5)) is True
+        stats = wait_for(lambda: (s := daemon.stats())["clients"] == 1 and s, timeout_s + 5,
+                         "the dead client to be reaped")
+        reaped_after = time.monotonic() - killed_at
+        assert reaped_after > timeout_s / 2, f"reaped {reaped_after:.2f} s after death"
+        assert stats["clients_reaped"] >= 1
+        assert stats["leases"] == 0 and stats["registrations"] == 1
+        host = stats["tiers"]["host"]
+        assert host["entries"] == host["chunks"], "an entry was left half-written"
+        assert not mapped(daemon.proc.pid, info["pool"]), "the dead client's pool is still mapped"
+        # Its pins are gone: pressure from another client can evict the formerly leased chunks.
+        assert observer.lookup(W.LEASED_TOKENS) == len(W.LEASED_TOKENS)
+        chunks_per_store = 32
+        fills = -(-host["capacity_bytes"] // (chunks_per_store * 128 * 1024)) + 2
+        rng = np.random.default_rng(1)
+        for _ in range(fills):
+            tokens = rng.integers(0, 2**31, chunks_per_store * 16)
+            assert observer.store(tokens, np.arange(32)) == len(tokens)
+        assert observer.lookup(W.LEASED_TOKENS) == 0
+        assert daemon.stats()["tiers"]["host"]["evictions"] > host["evictions"]
+        # And everyone else still works.
+        assert procs.apply(W.roundtrip, (rd, 6)) is True
+    finally:
+        if victim.is_alive():
+            victim.kill()
+        observer.close()
+        pool.close()
+        if info is not None:
+            Path(info["pool"]).unlink(missing_ok=True)  # a killed process leaves its pool file
+
+
+# ---- (b) an idle client with heartbeats is not reaped ----------------------------
+
+def test_idle_client_with_heartbeats_is_not_reaped(start_daemon):
+    daemon = start_daemon(client_timeout_s=1.0, heartbeat_interval_s=0.2)
+    rd = str(daemon.runtime_dir)
+    live = kvd_client.KvdClient(runtime_dir=rd, raise_errors=True).connect()
+    silent = kvd_client.KvdClient(runtime_dir=rd, raise_errors=True, heartbeat=False).connect()
+    pool = random_pool(21)
+    try:
+        reg = live.register_kv(pool, model="idle")
+        silent.register_kv(pool, model="idle")
+        tokens = np.arange(64)
+        assert live.store(tokens, np.arange(16)) == 64
+        hits, lease = live.lookup_lease(tokens, 60_000)
+        assert hits == 64
+        reg_id = reg.id
+        assert daemon.stats()["clients"] == 2
+        time.sleep(3.5)  # three and a half timeouts of doing nothing
+        stats = daemon.stats()
+        assert stats["clients"] == 1 and stats["clients_reaped"] == 1  # only the silent one
+        assert stats["registrations"] == 1 and stats["leases"] == 1
+        # The live client never had to say hello again: same registration, same lease.
+        assert reg.id == reg_id
+        assert live.load(tokens, np.arange(16, 32), lease=lease) == 64
+        assert same_pages(pool, slice(0, 16), slice(16, 32))
+        assert daemon.stats()["clients_reaped"] == 1
+    finally:
+        live.close()
+        silent.close()
+        pool.close()
+
+
+# ---- (c) daemon restart under a connected client ---------------------------------
+
+def test_daemon_restart_with_connected_client(start_daemon):
+    d1 = start_daemon()
+    rd = d1.runtime_dir
+    client = kvd_client.KvdClient(runtime_dir=str(rd), timeout=1.0, raise_errors=False).connect()
+    pool = random_pool(31)
+    tokens = np.arange(64)
+    try:
+        client.register_kv(pool, model="restart")
+        assert client.store(tokens, np.arange(16)) == 64
+        arena = arenas(d1)
+        assert len(arena) == 1
+        assert d1.stop() == 0, d1.log()
+        assert not (rd / "kvd.sock").exists() and not (rd / "control.sock").exists()
+        assert arenas(d1) == [], "the arena was left in /dev/shm"
+        # Daemon gone: misses within the timeout, never an exception.
+        for call in [lambda: client.lookup(tokens), lambda: client.store(tokens, np.arange(16)),
+                     lambda: client.load(tokens, np.arange(16, 32)),
+                     lambda: client.lookup_lease(tokens, 1000)[0]] * 3:
+            t0 = time.monotonic()
+            assert call() == 0
+            assert time.monotonic() - t0 < client.timeout + 0.5
+        t0 = time.monotonic()
+        assert client.lookup(tokens) == 0
+        assert time.monotonic() - t0 < 0.3, "a down daemon should fail fast after the first miss"
+        strict = kvd_client.KvdClient(runtime_dir=str(rd), timeout=0.5, raise_errors=True)
+        with pytest.raises(kvd_client.TransportError):
+            strict.connect()
+        strict.close()
+        # A new daemon on the same runtime dir: the same client object comes back by itself.
+        d2 = start_daemon(runtime_dir=rd)
+        assert arenas(d2) != arena
+        wait_for(lambda: client.store(tokens, np.arange(16)) == 64, 10, "the client to re-register")
+        assert client.lookup(tokens) == 64
+        assert client.load(tokens, np.arange(16, 32)) == 64
+        assert same_pages(pool, slice(0, 16), slice(16, 32))
+        stats = d2.stats()
+        assert stats["clients"] == 1 and stats["registrations"] == 1
+    finally:
+        client.close()
+        pool.close()
+    assert d2.stop() == 0
+
+
+# ---- (d) daemon crash: stale sockets and arena are reclaimed --------------------
+
+def test_crashed_daemon_leftovers_are_reclaimed(start_daemon, procs):
+    d1 = start_daemon()
+    rd = d1.runtime_dir
+    client = kvd_client.KvdClient(runtime_dir=str(rd), timeout=1.0, raise_errors=False).connect()
+    pool = random_pool(41)
+    tokens = np.arange(64)
+    try:
+        client.register_kv(pool, model="crash")
+        assert client.store(tokens, np.arange(16)) == 64
+        old_pid = d1.proc.pid
+        d1.kill()
+        assert d1.proc.returncode == -signal.SIGKILL
+        stale = arenas(d1)
+        assert [p.name for p in stale] == [f"kvd-arena-{instance_tag(rd)}-{old_pid}"]
+        assert (rd / "kvd.sock").exists() and (rd / "control.sock").exists()
+        assert client.lookup(tokens) == 0
+        d2 = start_daemon(runtime_dir=rd)
+        assert [p.name for p in arenas(d2)] == [f"kvd-arena-{instance_tag(rd)}-{d2.proc.pid}"]
+        log = d2.log()
+        for leftover in (rd / "kvd.sock", rd / "control.sock", stale[0]):
+            assert f"reclaimed stale {leftover}" in log, log
+        assert procs.apply(W.roundtrip, (str(rd), 7)) is True
+        wait_for(lambda: client.store(tokens, np.arange(16)) == 64, 10, "the client to re-register")
+        assert client.load(tokens, np.arange(16, 32)) == 64
+        assert same_pages(pool, slice(0, 16), slice(16, 32))
+    finally:
+        client.close()
+        pool.close()
+    assert d2.stop() == 0
+    assert arenas(d2) == []
+
+
+# ---- (e) one daemon per runtime dir ----------------------------------------------
+
+def test_second_daemon_on_same_runtime_dir_refuses(daemon, procs):
+    rd = daemon.runtime_dir
+    arena = arenas(daemon)
+    second = subprocess.run([sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(rd),
+                             "--host-capacity", "64MiB", "--chunk-tokens", "16"],
+                            capture_output=True, text=True, timeout=60, env=clean_env())
+    assert second.returncode not in (0, None)
+    out = second.stdout + second.stderr
+    assert f"another kvd (pid {daemon.proc.pid}) is serving {rd}" in out, out
+    # The first one keeps serving, with its sockets and arena untouched.
+    assert daemon.proc.poll() is None
+    assert (rd / "kvd.sock").exists() and (rd / "control.sock").exists()
+    assert arenas(daemon) == arena
+    assert daemon.control("health")["pid"] == daemon.proc.pid
+    assert procs.apply(W.roundtrip, (str(rd), 8)) is True
+
+
+# ---- (f) bad configuration ----------------------------------------------------------
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    env.update(extra)
+    return env
+
+
+def _serve_config(args: list, tmp_path: Path, **env):
+    rd = tmp_path / "rd"
+    p = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(rd), *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=clean_env(**env))
+    return p, rd
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text('host_capacity = "64MiB"\nbogus_knob = 1\n')
+    bad_value = tmp_path / "bad_value.toml"
+    bad_value.write_text("chunk_tokens = 16\nmax_clients = \"lots\"\n")
+    not_toml = tmp_path / "not.toml"
+    not_toml.write_text("host_capacity = = 3\n")
+    cases = [
+        (["--host-capacity", "abc"], {}, "host_capacity"),
+        (["--host-capacity", "1KiB"], {}, "host_capacity"),
+        (["--chunk-tokens", "0"], {}, "chunk_tokens"),
+        (["--chunk-tokens", "1.5"], {}, "chunk_tokens"),
+        (["--client-timeout-s", "soon"], {}, "client_timeout_s"),
+        (["--heartbeat-interval-s", "5", "--client-timeout-s", "2"], {}, "client_timeout_s"),
+        (["--log-level", "loud"], {}, "log_level"),
+        ([], {"KVD_HOST_CAPACITY": "abc"}, "host_capacity"),
+        ([], {"KVD_MAX_KEYS_PER_REQUEST": "-3"}, "max_keys_per_request"),
+        (["--config", str(unknown)], {}, "bogus_knob"),
+        (["--config", str(bad_value)], {}, "max_clients"),
+        (["--config", str(not_toml)], {}, "config"),
+        (["--config", str(tmp_path / "missing.toml")], {}, "config"),
+    ]
+    started = [(_serve_config(args, tmp_path / f"c{i}", **env), key)
+               for i, (args, env, key) in enumerate(cases)]
+    for ((p, rd), key), (args, env, _) in zip(started, cases):
+        out, err = p.communicate(timeout=60)
+        lines = err.strip().splitlines()
+        assert p.returncode == 2, (args, env, p.returncode, err)
+        assert len(lines) == 1, (args, env, err)
+        assert lines[0].startswith(f"kvd: config error: {key}:"), (args, env, err)
+        assert out == ""
+        assert not (rd / "kvd.sock").exists()
+
+
+# ---- (g) leases under memory pressure ------------------------------------------------
+
+def test_leases_hold_under_pressure_then_release_and_expire(start_daemon):
+    chunk = 2048
+    daemon = start_daemon(host_capacity=8 * chunk)  # room for exactly 8 chunks
+    rd = str(daemon.runtime_dir)
+    a = kvd_client.KvdClient(runtime_dir=rd, raise_errors=True).connect()
+    b = kvd_client.KvdClient(runtime_dir=rd, raise_errors=False).connect()
+    b_strict = kvd_client.KvdClient(runtime_dir=rd, raise_errors=True).connect()
+    pool_a, pool_b = random_pool(51), random_pool(52)
+    a1, a2 = np.arange(64), np.arange(64) + 10_000  # 4 chunks each, independent prefixes
+    b_tokens = iter(np.arange(64) + 100_000 * i for i in range(1, 100))
+    try:
+        a.register_kv(pool_a, model="lease")
+        b.register_kv(pool_b, model="lease")
+        b_strict.register_kv(pool_b, model="lease")
+        assert daemon.stats()["tiers"]["host"]["capacity_bytes"] == 8 * chunk
+        # A leased hit survives another client's stores, far more than the tier holds.
+        assert a.store(a1, np.arange(16)) == 64
+        hits, lease1 = a.lookup_lease(a1, 60_000)
+        assert hits == 64
+        for _ in range(4):
+            assert b.store(next(b_tokens), np.arange(16)) == 64
+        assert daemon.stats()["tiers"]["host"]["evictions"] >= 8
+        assert a.lookup(a1) == 64
+        assert a.load(a1, np.arange(16, 32), lease=lease1) == 64
+        assert same_pages(pool_a, slice(0, 16), slice(16, 32))
+        assert daemon.stats()["leases"] == 0  # a load consumes its lease
+        # Everything leased: stores get no_space and nothing cached is touched.
+        _, lease1 = a.lookup_lease(a1, 60_000)
+        assert a.store(a2, np.arange(16)) == 64
+        _, lease2 = a.lookup_lease(a2, 60_000)
+        before = daemon.stats()
+        assert before["tiers"]["host"]["entries"] == 8 and before["leases"] == 2
+        t = next(b_tokens)
+        assert b.store(t, np.arange(16)) == 0
+        assert b.store(t[:16], np.arange(4)) == 0
+        with pytest.raises(kvd_client.NoSpace):
+            b_strict.store(t, np.arange(16))
+        after = daemon.stats()
+        assert after["errors"] - before["errors"] == 3
+        assert after["tiers"]["host"] == before["tiers"]["host"]
+        assert a.lookup(a1) == 64 and a.lookup(a2) == 64
+        # Released: those entries can be evicted again (the others stay pinned).
+        a.release(lease1)
+        assert b.store(t, np.arange(16)) == 64
+        assert a.lookup(a1) == 0 and a.lookup(a2) == 64
+        assert b.store(next(b_tokens), np.arange(16)) == 64
+        assert a.lookup(a2) == 64
+        # Expired: a short lease alone pins a2; once it lapses a2 can be evicted.
+        _, short = a.lookup_lease(a2, 700)
+        a.release(lease2)
+        assert daemon.stats()["leases"] == 1
+        t = next(b_tokens)
+        wait_for(lambda: daemon.stats()["leases"] == 0, 5, "the short lease to expire")
+        assert b.store(np.concatenate([t, t + 50_000]), np.arange(32)) == 128  # the whole tier
+        assert a.lookup(a2) == 0
+        with pytest.raises(kvd_client.ServerError) as err:
+            a.release(short)
+        assert err.value.code == "not_found"
+    finally:
+        for c in (a, b, b_strict):
+            c.close()
+        pool_a.close()
+        pool_b.close()
