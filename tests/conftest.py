@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -94,12 +95,19 @@ def _kvd_shm_entries() -> set[str]:
     return {p.name for p in SHM.glob("kvd-*")} if SHM.is_dir() else set()
 
 
+def _owner_alive(name: str) -> bool:
+    """Whether the process a ``kvd-*`` name carries (arena ``...-<pid>``, pool
+    ``kvd-pool-<pid>-...``) still runs: another test run's live files are no leak."""
+    m = re.search(r"^kvd-arena-[0-9a-f]+-(\d+)$", name) or re.search(r"^kvd-\w+-(\d+)-", name)
+    return bool(m) and pids_alive(int(m.group(1)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shm_leaks():
     """The suite leaves no new ``kvd-*`` entry in /dev/shm (arenas, pools, flag pages)."""
     before = _kvd_shm_entries()
     yield
-    leaked = sorted(_kvd_shm_entries() - before)
+    leaked = sorted(n for n in _kvd_shm_entries() - before if not _owner_alive(n))
     for name in leaked:
         (SHM / name).unlink(missing_ok=True)
     assert not leaked, f"the test suite left these in /dev/shm: {leaked}"

@@ -159,3 +159,16 @@ def test_modules_stay_small(module):
 def test_every_package_states_its_contract(package):
     doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
     assert len(doc.split()) >= 20, f"{package}/__init__.py needs a docstring stating its contract"
+
+
+def test_the_client_needs_nothing_of_the_daemon():
+    """An engine's environment has kvd_client and kvd_protocol, never the daemon."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['kvd'] = None\n"
+            "import kvd_client, kvd_client.torch_pool, kvd_client.transport, kvd_protocol.wire\n"
+            "pool = kvd_client.SharedKVPool('vllm_flash_attn', 2, 4, 4, 2, 8)\n"
+            "client = kvd_client.KvdClient(runtime_dir='/nonexistent-kvd-dir', timeout=0.2)\n"
+            "pool.close(); print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
