@@ -25,6 +25,11 @@
 //   vec_bytes     access width: 16, 8, 4, 2 or 1. The host picks the largest
 //                 one dividing row_bytes, both strides, every plane base and
 //                 every chunk pointer (any other value copies nothing)
+//   cancel, cancel_seq   a load's cancel word in a flag page (host-mapped
+//                 memory the engine's CPU writes) or null: a block that
+//                 finds *cancel == cancel_seq when it starts copies nothing,
+//                 so once the engine cancelled a load, no kernel that has not
+//                 started yet writes its pages
 //
 // Token row t of page p of plane (l, k) is the row_bytes at
 //   plane_bases[l*planes + k] + p*page_stride + t*token_stride.
@@ -101,6 +106,15 @@ __device__ __forceinline__ void kv_copy_rows(
     }
 }
 
+__device__ __forceinline__ bool kv_cancelled(const volatile unsigned int* cancel,
+                                              unsigned int cancel_seq)
+{
+    __shared__ int skip;
+    if (threadIdx.x == 0) skip = cancel != nullptr && *cancel == cancel_seq;
+    __syncthreads();
+    return skip != 0;
+}
+
 template <bool GATHER>
 __device__ __forceinline__ void kv_copy_dispatch(
     const unsigned long long* __restrict__ plane_bases,
@@ -142,8 +156,10 @@ extern "C" __global__ void kv_gather(
     const unsigned long long* __restrict__ chunk_ptrs,
     int n_chunks, int num_layers, int planes, int layer_begin, int layer_end,
     int chunk_tokens, int page_size,
-    long long page_stride, long long token_stride, long long row_bytes, int vec_bytes)
+    long long page_stride, long long token_stride, long long row_bytes, int vec_bytes,
+    const volatile unsigned int* cancel, unsigned int cancel_seq)
 {
+    if (kv_cancelled(cancel, cancel_seq)) return;
     (void)num_layers;  // canonical offsets need only layer*planes; kept for a uniform signature
     kv_copy_dispatch<true>(plane_bases, page_ids, chunk_ptrs, n_chunks, planes, layer_begin,
         layer_end, chunk_tokens, page_size, page_stride, token_stride, row_bytes, vec_bytes);
@@ -155,8 +171,10 @@ extern "C" __global__ void kv_scatter(
     const unsigned long long* __restrict__ chunk_ptrs,
     int n_chunks, int num_layers, int planes, int layer_begin, int layer_end,
     int chunk_tokens, int page_size,
-    long long page_stride, long long token_stride, long long row_bytes, int vec_bytes)
+    long long page_stride, long long token_stride, long long row_bytes, int vec_bytes,
+    const volatile unsigned int* cancel, unsigned int cancel_seq)
 {
+    if (kv_cancelled(cancel, cancel_seq)) return;
     (void)num_layers;
     kv_copy_dispatch<false>(plane_bases, page_ids, chunk_ptrs, n_chunks, planes, layer_begin,
         layer_end, chunk_tokens, page_size, page_stride, token_stride, row_bytes, vec_bytes);

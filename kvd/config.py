@@ -61,6 +61,10 @@ KNOBS = (
     Knob("lease_max_ms", "int", 60000, "Longest lease a lookup may take on its hits.", minimum=1),
     Knob("max_clients", "int", 1024, "Most sessions at once.", minimum=1),
     Knob("max_registrations", "int", 64, "Most KV pools one client may register.", minimum=1),
+    Knob("max_inflight", "int", 64, "Most lookup/store/load requests one client may have in flight; "
+         "one more gets a busy reply and does nothing.", minimum=1),
+    Knob("shutdown_grace_s", "float", 8.0, "On SIGTERM/SIGINT, how long requests in flight may take "
+         "to finish (copies, disk writes) before the daemon exits anyway.", minimum=0.1),
     Knob("copy_threads", "int", 2, "Threads of the host copy backend.", minimum=1),
     Knob("gpu", "str", "auto", "CUDA backend: auto (on when cupy and a GPU are present), on "
          "(fail start-up without them), off.", choices=("auto", "on", "off")),

@@ -8,12 +8,27 @@
     cached = client.lookup(tokens)          # tokens of the longest cached prefix
     client.load(tokens[:cached], page_ids)  # copy them into your pages
     client.store(tokens, page_ids)          # offload whole chunks
+
+    t = client.submit_load(tokens, page_ids)  # pipelined: returns at once
+    for done in client.poll(): ...            # transfers that ended (ok or failed) and are fenced
 """
 
-from kvd_protocol.errors import DaemonUnavailable, KvdError, NoSpace, ServerError, Timeout, TransportError
+from kvd_protocol.errors import (
+                                 Busy,
+                                 Cancelled,
+                                 DaemonUnavailable,
+                                 KvdError,
+                                 NoSpace,
+                                 ServerError,
+                                 Timeout,
+                                 TransportError,
+)
 
 from .client import KvdClient, KVRegistration, connect
 from .pool import SharedKVPool
+from .retry import Retry
+from .transfer import Transfer
 
-__all__ = ["KvdClient", "KVRegistration", "SharedKVPool", "connect", "KvdError", "TransportError",
-           "DaemonUnavailable", "Timeout", "ServerError", "NoSpace"]
+__all__ = ["KvdClient", "KVRegistration", "SharedKVPool", "Transfer", "Retry", "connect", "KvdError",
+           "TransportError", "DaemonUnavailable", "Timeout", "ServerError", "NoSpace", "Busy",
+           "Cancelled"]

@@ -1,15 +1,29 @@
 """KvdClient: the engine-side stub. Hashes token chunks, names pages, asks kvd.
 
-Operations: ``connect``, ``register_kv``, ``lookup``, ``store``, ``load``,
-``release``, ``close``. Every call has a timeout. By default a daemon that
-is down or slow never raises into the engine: lookups and loads report 0
-tokens and stores report 0 stored (``raise_errors=True`` raises the
-``kvd_protocol.errors`` exception instead). A background thread sends heartbeats;
-when the daemon restarts, the next call (or heartbeat) says hello again,
-re-registers every pool and retries once. A load that timed out may still
-land later: treat those pages as garbage, as for any miss. ``spin_s`` > 0
-makes each call busy-poll that long for its reply before sleeping (saves
-the 0.1-0.3 ms wake-up of a sleeping thread per call, for a busy core).
+Pipelined: ``submit_store`` and ``submit_load`` send a request and return
+a ``Transfer`` at once; many may be in flight; ``poll()`` returns those
+that ended and are fenced (kvd_client.transfer), ``Transfer.wait()`` waits
+for one. ``store``/``load`` are the blocking forms; ``lookup`` and
+``lookup_lease`` are blocking. A layer-wise load on a CUDA pool signals each
+layer in the registration's flag page (kvd_client.flags): ``wait_for_layer``
+makes the engine's current stream wait for it, no host round trip; a store
+on a CUDA pool marks the engine's stream in the flag page, and the daemon
+starts the copy once the stream got there. Nothing either side waits on
+depends on the other being alive: a load that fails (error, timeout, the
+daemon's death) is cancelled, its waits are released, and it is reported
+failed once fenced.
+
+Failures. Unavailability degrades to a miss (lookups and loads report 0
+tokens, stores 0 stored, a transfer ends ``failed``): the daemon is down or
+slow, shutting down, out of space, busy, the deadline passed, the copy
+failed. A contract error (``bad_request``, ``out_of_range``, ``forbidden``,
+``too_large``, a version mismatch) is the caller's bug and always raises.
+``raise_errors=True`` raises everything. The client connects lazily: an
+engine started before the daemon works (with misses) and registers its
+pools when the daemon appears. A background thread sends heartbeats, ends
+transfers past their deadline, fences failed loads and watches the
+daemon's instance lock; after a daemon restart the client says hello
+again, registers again and resends per its ``Retry`` policy.
 """
 
 from __future__ import annotations
@@ -18,111 +32,146 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import numpy as np
 
 from kvd_protocol import wire
-from kvd_protocol.errors import KvdError, NoSession, TransportError
+from kvd_protocol.errors import (
+    BadRequest,
+    Forbidden,
+    KvdError,
+    NoSession,
+    OutOfRange,
+    Timeout,
+    TooLarge,
+    UnknownOp,
+    VersionMismatch,
+)
 from kvd_protocol.keys import Namespace, chain_root, chunk_keys, namespace_digest
 from kvd_protocol.runtime import engine_endpoint, resolve_runtime_dir
 
+from .flags import ClientFlags
+from .liveness import DaemonProbe
+from .pump import Pump
+from .registration import Call, KVRegistration, engine_stream, next_seq
+from .retry import Retry
+from .transfer import Transfer
 from .transport import Channel
 
 log = logging.getLogger("kvd_client")
-
-
-@dataclass
-class KVRegistration:
-    """A registered pool; ``id`` changes when the daemon restarts."""
-
-    namespace: Namespace
-    tp_rank: int
-    fields: dict
-    pool: object = None
-    id: int = 0
-    pages_per_chunk: int = 0
-    load_event_handles: list = field(default_factory=list)
-    load_events: dict = field(default_factory=dict)  # slot -> opened torch events, per layer
-    last_slot: int | None = None
-    next_store_event: int = 0
+CONTRACT_ERRORS = (BadRequest, OutOfRange, Forbidden, TooLarge, VersionMismatch, UnknownOp)
 
 
 class KvdClient:
     def __init__(self, runtime_dir: str | None = None, timeout: float = 5.0,
                  raise_errors: bool = False, name: str | None = None, heartbeat: bool = True,
-                 spin_s: float = 0.0):
-        self.endpoint = engine_endpoint(resolve_runtime_dir(runtime_dir))
+                 spin_s: float = 0.0, retry: Retry | None = None, load_slots: int = 64,
+                 fence_quiet_s: float = 1.0, shm_dir: str = "/dev/shm"):
+        self.runtime_dir = resolve_runtime_dir(runtime_dir)
         self.timeout = timeout
         self.raise_errors = raise_errors
         self.name = name or f"kvd_client:{os.getpid()}"
-        self.channel = Channel(self.endpoint, timeout, spin_s)
+        self.retry = retry or Retry()
+        self.load_slots, self.fence_quiet_s, self.shm_dir = load_slots, fence_quiet_s, shm_dir
+        self.channel = Channel(engine_endpoint(self.runtime_dir), timeout, spin_s)
+        self.probe = DaemonProbe(self.runtime_dir)
         self.limits: dict = {}
+        self.connected = False
         self.registrations: list[KVRegistration] = []
         self._lock = threading.RLock()
+        self._hello_lock = threading.Lock()
+        self._hello_thread: int | None = None
+        self._pending: dict[int, object] = {}  # request id -> Transfer | Call
+        self._finished: list[Transfer] = []    # submitted transfers done since the last poll
+        self._need_hello = False
         self._last_ok = 0.0
+        self._pump = Pump(self)
         self._closed = threading.Event()
         self._heartbeat = heartbeat
-        self._hb_thread = None
+        self._keeper = None
 
     # ---- session ----------------------------------------------------------------
 
     def connect(self) -> "KvdClient":
-        """Say hello (raises if the daemon is unreachable) and start heartbeats."""
-        self._hello()
-        if self._heartbeat and self._hb_thread is None:
-            self._hb_thread = threading.Thread(target=self._beat, name="kvd-heartbeat", daemon=True)
-            self._hb_thread.start()
+        """Say hello now if the daemon is there (else later, by itself) and start the
+        background thread. Raises only with ``raise_errors``."""
+        try:
+            self._hello()
+        except KvdError as exc:
+            if self.raise_errors or isinstance(exc, CONTRACT_ERRORS):
+                raise
+            log.warning("kvd not reachable yet (%s); calls are misses until it is", exc)
+        if self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep, name="kvd-client", daemon=True)
+            self._keeper.start()
         return self
 
     @property
     def chunk_tokens(self) -> int:
+        if not self.limits:
+            self._hello()
         return self.limits["chunk_tokens"]
 
     def _hello(self) -> None:
-        with self._lock:
-            self.limits = self.channel.request(
-                "hello", {"client": self.name, "pid": os.getpid(), "versions": [wire.VERSION]})
-            for reg in self.registrations:
-                self._register(reg)
-            self._last_ok = time.monotonic()
+        with self._hello_lock:
+            self._hello_thread = threading.get_ident()
+            try:
+                limits = self._call("hello", {"client": self.name, "pid": os.getpid(),
+                                              "versions": [wire.VERSION]})
+                with self._lock:
+                    self.limits, self.connected, self._need_hello = limits, True, False
+                for reg in list(self.registrations):
+                    self._register(reg)
+                self._last_ok = time.monotonic()
+            finally:
+                self._hello_thread = None
 
     def _register(self, reg: KVRegistration) -> None:
-        result = self.channel.request("register", reg.fields)
+        result = self._call("register", reg.fields)
         reg.id, reg.pages_per_chunk = result["reg"], result["pages_per_chunk"]
-        reg.load_event_handles, reg.load_events, reg.last_slot = result.get("load_events", []), {}, None
+        if reg.namespace.chunk_tokens != self.limits["chunk_tokens"]:  # registered before hello
+            reg.namespace = replace(reg.namespace, chunk_tokens=self.limits["chunk_tokens"])
 
-    def _call(self, op: str, fields: dict, frames=(), reg: KVRegistration | None = None):
-        """One request; on a daemon restart (no session) re-hello and retry once."""
+    def _call(self, op: str, fields: dict, frames=(), timeout: float | None = None):
+        """One blocking request: its result, or its error raised."""
+        timeout = self.timeout if timeout is None else timeout
+        call = Call()
+        req_id = self.channel.send(op, fields, frames)
         with self._lock:
-            try:
-                result = self.channel.request(op, _with_reg(fields, reg), frames)
-            except NoSession:
-                self._hello()  # re-registers: ``reg.id`` is the new daemon's id
-                result = self.channel.request(op, _with_reg(fields, reg), frames)
-            self._last_ok = time.monotonic()
-            return result
+            self._pending[req_id] = call
+        end = time.monotonic() + timeout
+        while not call.done:
+            left = end - time.monotonic()
+            if left <= 0:
+                with self._lock:
+                    self._pending.pop(req_id, None)
+                self.channel.forget(req_id)
+                raise Timeout(f"kvd did not answer {op} within {timeout:g} s")
+            self.progress(None, left)
+        if call.error is not None:
+            if isinstance(call.error, NoSession):
+                self._need_hello = True
+            raise call.error
+        self._last_ok = time.monotonic()
+        return call.result
 
-    def _beat(self) -> None:
-        while not self._closed.wait(self._interval()):
-            if time.monotonic() - self._last_ok < self._interval():
-                continue
-            try:
-                self._call("heartbeat", {})
-            except KvdError as exc:
-                log.debug("heartbeat failed: %s", exc)
-
-    def _interval(self) -> float:
-        return float(self.limits.get("heartbeat_interval_s", 5.0))
+    def _ensure_connected(self) -> None:
+        if self._need_hello or not self.connected:
+            if self._hello_thread == threading.get_ident():
+                return  # inside hello already
+            self._hello()
 
     def close(self) -> None:
         self._closed.set()
-        with self._lock:
+        if self.connected:
             try:
-                self.channel.request("bye", {}, timeout=min(self.timeout, 1.0))
+                self._call("bye", {}, timeout=min(self.timeout, 1.0))
             except KvdError:
                 pass
-            self.channel.close()
+        for reg in self.registrations:
+            reg.flags.close()
+        self.channel.close()
 
     def __enter__(self):
         return self.connect()
@@ -133,35 +182,60 @@ class KvdClient:
     # ---- registration -----------------------------------------------------------
 
     def register_kv(self, pool, model: str, tp_size: int = 1, tp_rank: int = 0) -> KVRegistration:
-        """Register a KV pool (anything with descriptor, buffers, kv_dtype, attention,
-        num_layers, kv_heads, head_dim, such as ``SharedKVPool``)."""
+        """Register a KV pool (``SharedKVPool`` or ``torch_pool.CudaKVPool``). Without a
+        daemon (and ``raise_errors`` off) it registers when the daemon appears."""
         ns = Namespace(model=model, kv_dtype=pool.kv_dtype, attention=pool.attention,
                        num_layers=pool.num_layers, kv_heads=pool.kv_heads, head_dim=pool.head_dim,
-                       chunk_tokens=self.chunk_tokens, tp_size=tp_size)
+                       chunk_tokens=self._chunk_tokens_or_default(), tp_size=tp_size)
+        flags = ClientFlags(pool.num_layers, self.load_slots, self.shm_dir,
+                            getattr(pool, "device_index", None))
         fields = {"namespace": wire.namespace_to_wire(ns), "tp_rank": tp_rank,
-                  "buffers": pool.buffers, "layout": wire.layout_to_wire(pool.descriptor)}
-        if getattr(pool, "event_handles", None):
-            fields["events"] = pool.event_handles
-        reg = KVRegistration(ns, tp_rank, fields, pool)
+                  "buffers": pool.buffers, "layout": wire.layout_to_wire(pool.descriptor),
+                  "flags": flags.spec}
+        reg = KVRegistration(ns, tp_rank, fields, pool, flags, owners=[None] * self.load_slots)
         with self._lock:
-            try:
-                self._register(reg)
-            except NoSession:
-                self._hello()
-                self._register(reg)
             self.registrations.append(reg)
+        try:
+            self._ensure_connected()
+            if self.connected and reg.id == 0:
+                self._register(reg)
+        except KvdError as exc:
+            if self.raise_errors or isinstance(exc, CONTRACT_ERRORS):
+                with self._lock:
+                    self.registrations.remove(reg)
+                flags.close()
+                raise
+            log.warning("kvd unavailable; the pool registers when it is back: %s", exc)
         return reg
+
+    def _chunk_tokens_or_default(self) -> int:
+        try:
+            return self.chunk_tokens
+        except KvdError:
+            if self.raise_errors:
+                raise
+            return 256  # the daemon's default; corrected keys follow the real value on hello
 
     def unregister(self, reg: KVRegistration) -> None:
         with self._lock:
             self.registrations.remove(reg)
-            self._guard(lambda: self._call("unregister", {}, reg=reg), None)
+        if self.connected and reg.id:
+            self._guard(lambda: self._call("unregister", {"reg": reg.id}), None)
+        reg.flags.close()
 
-    # ---- data -------------------------------------------------------------------
+    def _default(self, reg):
+        if reg is not None:
+            return reg
+        if not self.registrations:
+            raise ValueError("register a KV pool first (register_kv)")
+        return self.registrations[0]
+
+    # ---- lookups ----------------------------------------------------------------
 
     def keys(self, tokens, salt: str | None = None, reg: KVRegistration | None = None) -> list[bytes]:
         reg = self._default(reg)
-        return chunk_keys(chain_root(namespace_digest(reg.namespace), salt), tokens, self.chunk_tokens)
+        return chunk_keys(chain_root(namespace_digest(reg.namespace), salt), tokens,
+                          reg.namespace.chunk_tokens)
 
     def lookup(self, tokens, salt: str | None = None, reg: KVRegistration | None = None) -> int:
         """Tokens of the longest cached prefix of ``tokens`` (whole chunks)."""
@@ -174,104 +248,150 @@ class KvdClient:
         keys = self.keys(tokens, salt, reg)
         if not keys:
             return 0, None
-        res = self._guard(lambda: self._call(
-            "lookup", {"lease_ms": lease_ms}, [wire.keys_frame(keys)], reg),
-            {"hits": 0, "lease": None})
-        return res["hits"] * self.chunk_tokens, res["lease"]
-
-    def store(self, tokens, page_ids, salt: str | None = None, reg: KVRegistration | None = None) -> int:
-        """Offload the whole chunks of ``tokens`` from ``page_ids``; returns tokens now cached."""
-        reg = self._default(reg)
-        keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
-        if not keys:
-            return 0
-        fields = self._record_store_event(reg)
-        # CLOCK_MONOTONIC is one clock for every process of the host: the daemon
-        # drops a store that completes after we stopped waiting for it
-        fields["deadline_us"] = (time.monotonic_ns() // 1000) + int(self.timeout * 1e6)
-        res = self._guard(lambda: self._call("store", fields, [wire.keys_frame(keys), pages], reg),
-                          {"stored": 0, "deduped": 0})
-        return (res["stored"] + res["deduped"]) * self.chunk_tokens
-
-    def load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
-             reg: KVRegistration | None = None, layerwise: bool = False) -> int:
-        """Copy the cached prefix of ``tokens`` into ``page_ids``; returns tokens loaded.
-
-        ``layerwise`` (CUDA pools): return once the copies are queued; call
-        ``wait_for_layer(i)`` before layer i's attention reads its KV."""
-        reg = self._default(reg)
-        keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
-        if not keys:
-            return 0
-        fields = {"layerwise": True} if layerwise else {}
-        fields["deadline_us"] = (time.monotonic_ns() // 1000) + int(self.timeout * 1e6)
-        if lease is not None:
-            fields["lease"] = lease
-        res = self._guard(lambda: self._call("load", fields, [wire.keys_frame(keys), pages], reg),
-                          {"loaded": 0})
-        reg.last_slot = res.get("slot")
-        return res["loaded"] * self.chunk_tokens
-
-    def wait_for_layer(self, layer: int, reg: KVRegistration | None = None) -> None:
-        """Make the current CUDA stream wait until layer ``layer`` of the last
-        layer-wise load has landed (no host round trip). No-op without one."""
-        import torch
-        reg = self._default(reg)
-        if reg.last_slot is None:
-            return
-        events = reg.load_events.get(reg.last_slot)
-        if events is None:
-            handles = reg.load_event_handles[reg.last_slot]
-            events = [torch.cuda.Event.from_ipc_handle(reg.pool.device, h) for h in handles]
-            reg.load_events[reg.last_slot] = events
-        torch.cuda.current_stream(reg.pool.device).wait_event(events[layer])
-
-    def _record_store_event(self, reg: KVRegistration) -> dict:
-        """CUDA pools: the daemon's copy waits for what this stream has queued so far."""
-        events = getattr(reg.pool, "store_events", None)
-        if not events:
-            return {}
-        import torch
-        index = reg.next_store_event
-        reg.next_store_event = (index + 1) % len(events)
-        events[index].record(torch.cuda.current_stream(reg.pool.device))
-        return {"event": index}
+        res = self._guard(lambda: self._reg_call(reg, "lookup", {"lease_ms": lease_ms},
+                                                 [wire.keys_frame(keys)]),
+                          {"hits": 0, "lease": None})
+        return res["hits"] * reg.namespace.chunk_tokens, res["lease"]
 
     def release(self, lease: int) -> None:
         self._guard(lambda: self._call("release", {"lease": lease}), None)
 
-    def _keys_pages(self, tokens, page_ids, salt, reg):
-        keys = self.keys(tokens, salt, reg)
-        need = len(keys) * reg.pages_per_chunk
-        pages = np.asarray(page_ids, dtype=np.int64)
-        if pages.ndim != 1 or len(pages) < need:
-            raise ValueError(f"{len(keys)} chunks need {need} page ids, got {pages.size}")
-        return keys, wire.pages_frame(pages[:need])
-
-    def _default(self, reg):
-        if reg is not None:
-            return reg
-        if not self.registrations:
-            raise ValueError("register a KV pool first (register_kv)")
-        return self.registrations[0]
+    def _reg_call(self, reg: KVRegistration, op: str, fields: dict, frames=()):
+        """A blocking call naming ``reg``; after a daemon restart, hello and retry."""
+        for attempt in range(self.retry.attempts + 1):
+            self._ensure_connected()
+            try:
+                return self._call(op, {**fields, "reg": reg.id}, frames)
+            except NoSession:
+                if attempt == self.retry.attempts:
+                    raise
+                time.sleep(self.retry.delay(attempt))
+                self._need_hello = True
 
     def _guard(self, call, fallback):
         try:
             return call()
-        except TransportError as exc:
-            if self.raise_errors:
+        except KvdError as exc:
+            if self.raise_errors or isinstance(exc, CONTRACT_ERRORS):
                 raise
             log.warning("kvd unavailable, treating as a miss: %s", exc)
             return fallback
-        except KvdError as exc:
-            if self.raise_errors:
-                raise
-            log.warning("kvd refused the request: %s", exc)
-            return fallback
 
+    # ---- transfers --------------------------------------------------------------
 
-def _with_reg(fields: dict, reg: KVRegistration | None) -> dict:
-    return fields if reg is None else {**fields, "reg": reg.id}
+    def submit_store(self, tokens, page_ids, salt: str | None = None,
+                     reg: KVRegistration | None = None) -> Transfer:
+        """Offload the whole chunks of ``tokens`` from ``page_ids``, asynchronously."""
+        reg = self._default(reg)
+        keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
+        t = Transfer(self, "store", reg, keys, pages, time.monotonic() + self.timeout)
+        t.collect = True
+        stream = engine_stream(reg.pool)
+        if stream is not None and keys:  # the daemon starts once the engine's stream got here
+            reg.store_seq = next_seq(reg.store_seq)
+            reg.flags.mark_store(stream, reg.store_seq)
+            t.store_seq = reg.store_seq
+        self._start(t)
+        return t
+
+    def submit_load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
+                    reg: KVRegistration | None = None, layerwise: bool = False) -> Transfer:
+        """Copy the cached prefix of ``tokens`` into ``page_ids``, asynchronously. With
+        ``layerwise``, ``wait_for_layer(i, transfer)`` orders the engine's work after
+        layer i landed while later layers still copy."""
+        reg = self._default(reg)
+        keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
+        deadline = time.monotonic() + self.timeout
+        slot = self._free_slot(reg, deadline)
+        reg.load_seq = next_seq(reg.load_seq)
+        t = Transfer(self, "load", reg, keys, pages, deadline, slot, reg.load_seq, layerwise)
+        t.collect, t.lease = True, lease
+        with self._lock:
+            reg.owners[slot] = t
+            reg.last_load = t
+        self._start(t)
+        return t
+
+    def store(self, tokens, page_ids, salt: str | None = None, reg: KVRegistration | None = None) -> int:
+        """Offload the whole chunks of ``tokens``; returns tokens now cached (0 on failure)."""
+        return self._blocking(self.submit_store(tokens, page_ids, salt, reg))
+
+    def load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
+             reg: KVRegistration | None = None, layerwise: bool = False) -> int:
+        """Copy the cached prefix of ``tokens`` into ``page_ids``; returns tokens loaded (0
+        on failure: then the pages hold undefined bytes, and the daemon no longer writes
+        them). ``layerwise``: returns once the load is sent; the engine's stream waits per
+        layer (``wait_for_layer``)."""
+        t = self.submit_load(tokens, page_ids, salt, lease, reg, layerwise)
+        if layerwise and engine_stream(t.reg.pool) is not None:
+            t.collect = False
+            return t.chunks * t.reg.namespace.chunk_tokens if t.status != "failed" else 0
+        return self._blocking(t)
+
+    def _blocking(self, t: Transfer) -> int:
+        t.collect = False
+        t.wait()
+        if t.error is not None and (self.raise_errors or isinstance(t.error, CONTRACT_ERRORS)):
+            raise t.error
+        if t.error is not None:
+            log.warning("kvd %s failed, treating as a miss: %s", t.op, t.error)
+        return t.tokens
+
+    def wait_for_layer(self, layer: int, transfer: Transfer | None = None,
+                       reg: KVRegistration | None = None) -> None:
+        """Order the engine's next work after layer ``layer`` of a layer-wise load (the
+        last one of ``reg`` by default) landed or failed. CUDA pools: the current
+        stream waits (no host round trip). Host pools: this thread waits."""
+        t = transfer or self._default(reg).last_load
+        if t is None or not t.layerwise:
+            return
+        stream = engine_stream(t.reg.pool)
+        if stream is not None:
+            t.reg.flags.wait_layer(stream, t.slot, layer, t.seq)
+            return
+        while not t.reg.flags.layer_landed(t.slot, layer, t.seq) and not t.done:
+            self.progress(t, 0.001)
+
+    def poll(self) -> list[Transfer]:
+        """Submitted transfers that ended and are fenced since the last poll."""
+        self.progress(None, 0.0)
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def _keys_pages(self, tokens, page_ids, salt, reg):
+        keys = self.keys(tokens, salt, reg)
+        ppc = reg.pages_per_chunk or reg.namespace.chunk_tokens // reg.pool.descriptor.page_size
+        need = len(keys) * ppc
+        pages = np.asarray(page_ids, dtype=np.int64)
+        if pages.ndim != 1 or len(pages) < need:
+            raise ValueError(f"{len(keys)} chunks of {reg.namespace.chunk_tokens} tokens need "
+                             f"{need} page ids (ceil(tokens / page_size) per chunk), got {pages.size}")
+        return keys, wire.pages_frame(pages[:need])
+
+    def _free_slot(self, reg: KVRegistration, deadline: float) -> int:
+        while True:
+            with self._lock:
+                for slot, owner in enumerate(reg.owners):
+                    if owner is None or owner.done:
+                        return slot
+            if time.monotonic() >= deadline:
+                raise TooLarge(f"all {len(reg.owners)} load slots of this pool are in flight; "
+                               "collect finished loads (poll) or raise load_slots")
+            self.progress(None, min(0.01, deadline - time.monotonic()))
+
+    # ---- progress: the pump (kvd_client.pump) does the work ----------------------
+
+    def progress(self, target=None, timeout: float | None = None) -> None:
+        """Collect replies (waiting up to ``timeout`` for one), end transfers past their
+        deadline, fence failed loads, notice a dead daemon; resend after a restart."""
+        self._pump.progress(target, timeout)
+
+    def _start(self, t: Transfer) -> None:
+        self._pump.start(t)
+
+    def _keep(self) -> None:
+        self._pump.keep()
 
 
 def connect(runtime_dir: str | None = None, timeout: float = 5.0, raise_errors: bool = False,

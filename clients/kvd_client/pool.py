@@ -55,7 +55,7 @@ class SharedKVPool:
         for shape in shapes:
             offsets.append(size)
             size += -(-int(np.prod(shape)) * item // ALIGN) * ALIGN
-        _remove_dead_pools(Path(shm_dir))
+        remove_dead_files(Path(shm_dir), "kvd-pool")
         self.path = Path(shm_dir) / f"kvd-pool-{os.getpid()}-{os.urandom(6).hex()}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -84,9 +84,10 @@ class SharedKVPool:
         self.path.unlink(missing_ok=True)
 
 
-def _remove_dead_pools(shm_dir: Path) -> None:
-    for p in shm_dir.glob("kvd-pool-*-*"):
-        m = re.fullmatch(r"kvd-pool-(\d+)-[0-9a-f]+", p.name)
+def remove_dead_files(shm_dir: Path, prefix: str) -> None:
+    """Remove ``<prefix>-<pid>-<hex>`` files (pools, flag pages) of processes that are gone."""
+    for p in shm_dir.glob(f"{prefix}-*-*"):
+        m = re.fullmatch(re.escape(prefix) + r"-(\d+)-[0-9a-f]+", p.name)
         if m and not _alive(int(m.group(1))):
             p.unlink(missing_ok=True)
 

@@ -4,8 +4,9 @@ Takes the tensors in the engine's own layout (see kvd_protocol.layout) and produ
 the layout descriptor and the ``cuda_ipc`` buffer list: one buffer per
 distinct CUDA allocation the tensors live in, with each tensor's byte
 offset inside it (caching allocators rarely start a tensor at its
-allocation). Also creates the interprocess events a store waits on, so the
-daemon's copy starts only after the engine's stream wrote the KV.
+allocation). ``device_index`` and ``stream_ptr()`` (the engine's current
+stream) let the client mark stores and wait for layer-wise loads on the
+engine's stream through the registration's flag page (kvd_client.flags).
 Tensors:
 
 - ``vllm_flash_attn``, ``vllm_flashinfer``, ``vllm_mla``: one tensor per layer
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 from kvd_protocol import layout as L
 from kvd_protocol.cuda_driver import export_allocation
-
-STORE_EVENTS = 16  # ring of interprocess events a store can wait on
 
 
 class CudaKVPool:
@@ -50,10 +49,13 @@ class CudaKVPool:
                                     tuple(s * item for s in t.stride()), item))
         self.descriptor = L.describe(layout, refs, page_size)
         self.tensors = tensors  # keep the memory alive while registered
-        with torch.cuda.device(self.device):
-            self.store_events = [torch.cuda.Event(interprocess=True, blocking=False)
-                                 for _ in range(STORE_EVENTS)]
-        self.event_handles = [ev.ipc_handle() for ev in self.store_events]
+        self.device_index = self.device.index if self.device.index is not None \
+            else torch.cuda.current_device()
+        self._torch = torch
+
+    def stream_ptr(self) -> int:
+        """The engine's current CUDA stream on this pool's GPU (a ``cudaStream_t``)."""
+        return self._torch.cuda.current_stream(self.device_index).cuda_stream
 
 
 def _flatten(layout: str, tensors) -> list:

@@ -1,40 +1,54 @@
-"""A blocking request/reply channel to one kvd socket, with timeouts.
+"""Requests and replies over one ZeroMQ DEALER, pipelined, with timeouts.
 
-``Channel.request(op, fields, frames, timeout)`` sends one request over a
-ZeroMQ DEALER and waits for the reply with the same id, discarding late
-replies to earlier, timed-out requests. The socket keeps one random routing
-id for its life, so the daemon knows it across reconnects. Failures are
-``DaemonUnavailable`` (nothing to send to: the daemon is not running),
-``Timeout`` (sent, no reply in time: the request may still run) or the
-typed ``ServerError`` of an error reply. Thread-safe (one lock). With
-``spin_s`` > 0 a request busy-polls that long for its reply before it
-sleeps (lower latency for copies that take milliseconds, at the cost of a
-busy core meanwhile).
+``Channel.send(op, fields, frames)`` queues a request and returns its id at
+once (``DaemonUnavailable`` when there is no daemon to send to); replies
+come back in any order and are collected by ``collect(timeout)``, which
+waits up to ``timeout`` for at least one reply and returns every reply
+that arrived as ``(id, result, error)`` (``error`` is the typed
+``ServerError`` of an error reply, else None). ``request`` is the blocking
+form for one call (``Timeout`` when no reply came in time: the request may
+still run). A reply to an id the caller stopped waiting for (``forget``)
+is dropped. The socket keeps one random routing id for its life, so the
+daemon knows it across reconnects.
+
+Thread-safe: socket operations and the reply table are under one lock, and
+nobody sleeps holding it: a waiting thread sleeps in ``select`` on the
+socket's file descriptor (ZeroMQ's edge-triggered notification), so a
+heartbeat or another thread's request goes through meanwhile. With
+``spin_s`` > 0 a wait busy-polls that long before it sleeps (lower latency
+for copies that take milliseconds, at the cost of a busy core meanwhile).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
+from pathlib import Path
 
 import zmq
 
 from kvd_protocol import wire
-from kvd_protocol.errors import DaemonUnavailable, Timeout
+from kvd_protocol.errors import DaemonUnavailable, ServerError, Timeout
+
+SLICE_S = 0.005  # longest sleep before the table is looked at again (another thread may drain)
 
 
 class Channel:
     def __init__(self, endpoint: str, timeout: float = 5.0, spin_s: float = 0.0):
         self.endpoint = endpoint
         self.timeout = timeout
-        self.spin_s = spin_s  # busy-poll this long for a reply before sleeping in zmq_poll
+        self.spin_s = spin_s
         self._ctx = zmq.Context()
         self._lock = threading.RLock()
         self._next_id = 0
         self._pid = os.getpid()
         self._down = False  # last attempt found no daemon: fail fast until one is back
+        self._replies: dict[int, tuple] = {}
+        self._waiting: set[int] = set()  # ids whose replies are wanted
         self._sock = self._open()
+        self._fd = self._sock.getsockopt(zmq.FD)
 
     def _open(self):
         sock = self._ctx.socket(zmq.DEALER)
@@ -46,18 +60,24 @@ class Channel:
         sock.connect(self.endpoint)
         return sock
 
-    def request(self, op: str, fields: dict | None = None, frames=(), timeout: float | None = None):
-        timeout = self.timeout if timeout is None else timeout
+    def socket_exists(self) -> bool:
+        """Whether an ``ipc://`` endpoint's socket file exists (no daemon if not)."""
+        return not self.endpoint.startswith("ipc://") or Path(self.endpoint[6:]).exists()
+
+    # ---- pipelined -------------------------------------------------------------------
+
+    def send(self, op: str, fields: dict | None = None, frames=()) -> int:
         with self._lock:
+            if self._sock is None:
+                raise DaemonUnavailable("the channel is closed")
             if os.getpid() != self._pid:
                 raise DaemonUnavailable("channel used after fork; create a new client in the child")
-            self._next_id += 1
-            req_id = self._next_id
-            deadline = time.monotonic() + timeout
-            wait = min(timeout, 0.05) if self._down else timeout
-            if not self._sock.poll(int(wait * 1000), zmq.POLLOUT):
+            wait = 0.05 if self._down else min(self.timeout, 0.5)
+            if not self.socket_exists() or not self._sock.poll(int(wait * 1000), zmq.POLLOUT):
                 self._down = True
                 raise DaemonUnavailable(f"kvd is not reachable at {self.endpoint}")
+            self._next_id += 1
+            req_id = self._next_id
             try:
                 self._sock.send_multipart(wire.encode_request(req_id, op, fields, frames),
                                           flags=zmq.NOBLOCK, copy=False)
@@ -65,33 +85,81 @@ class Channel:
                 self._down = True
                 raise DaemonUnavailable(f"kvd is not reachable at {self.endpoint}") from None
             self._down = False
-            return self._wait(req_id, deadline, op)
+            self._waiting.add(req_id)
+            return req_id
 
-    def _spin(self) -> None:
-        """Busy-poll for up to ``spin_s``: a sleeping thread takes 0.1-0.3 ms to wake on
-        the hosts we measured, a few percent of a large copy. Yields the CPU and the GIL
-        between polls, so other threads of the engine keep running."""
-        end = time.monotonic() + self.spin_s
-        while not self._sock.poll(0, zmq.POLLIN) and time.monotonic() < end:
-            os.sched_yield()
-
-    def _wait(self, req_id: int, deadline: float, op: str):
+    def collect(self, timeout: float = 0.0) -> list[tuple]:
+        """Replies that arrived, waiting up to ``timeout`` for the first one."""
+        deadline = time.monotonic() + timeout
+        spin_end = time.monotonic() + min(self.spin_s, timeout)
         while True:
-            if self.spin_s > 0:
-                self._spin()
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                raise Timeout(f"kvd did not answer {op} within the timeout")
-            parts = self._sock.recv_multipart()
+            with self._lock:
+                self._drain()
+                if self._replies:
+                    out = list(self._replies.items())
+                    self._replies.clear()
+                    return [(i, *r) for i, r in out]
+            now = time.monotonic()
+            if now >= deadline:
+                return []
+            if now < spin_end:
+                os.sched_yield()
+                continue
+            select.select([self._fd], [], [], min(deadline - now, SLICE_S))
+
+    def forget(self, req_id: int) -> None:
+        with self._lock:
+            self._waiting.discard(req_id)
+            self._replies.pop(req_id, None)
+
+    def _drain(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            parts = sock.recv_multipart(zmq.NOBLOCK)
             try:
-                got_id, result = wire.parse_reply(parts)
-            except wire.ServerError as exc:
-                # id None: the daemon could not read our header; we have one request in flight
-                if getattr(exc, "req_id", None) not in (req_id, None):
-                    continue  # an error reply to an earlier, timed-out request
-                raise
-            if got_id == req_id:
-                return result
+                req_id, result = wire.parse_reply(parts)
+                error = None
+            except ServerError as exc:
+                req_id, result, error = getattr(exc, "req_id", None), None, exc
+            if req_id is None and error is not None and len(self._waiting) == 1:
+                req_id = next(iter(self._waiting))  # the daemon could not read our header
+            if req_id in self._waiting:
+                self._waiting.discard(req_id)
+                self._replies[req_id] = (result, error)
+
+    # ---- blocking ----------------------------------------------------------------------
+
+    def request(self, op: str, fields: dict | None = None, frames=(), timeout: float | None = None):
+        """Send one request and wait for its reply: the result, or its typed error raised."""
+        timeout = self.timeout if timeout is None else timeout
+        req_id = self.send(op, fields, frames)
+        got = self.wait_for(req_id, time.monotonic() + timeout)
+        if got is None:
+            raise Timeout(f"kvd did not answer {op} within {timeout:g} s")
+        result, error = got
+        if error is not None:
+            raise error
+        return result
+
+    def wait_for(self, req_id: int, deadline: float):
+        """(result, error) of ``req_id`` once it arrived, or None at ``deadline`` (the id
+        is then forgotten). Other replies that arrive meanwhile stay for ``collect``."""
+        spin_end = time.monotonic() + self.spin_s
+        while True:
+            with self._lock:
+                self._drain()
+                if req_id in self._replies:
+                    return self._replies.pop(req_id)
+            now = time.monotonic()
+            if now >= deadline:
+                self.forget(req_id)
+                return None
+            if now < spin_end:
+                os.sched_yield()
+                continue
+            select.select([self._fd], [], [], min(deadline - now, SLICE_S))
 
     def close(self) -> None:
         with self._lock:

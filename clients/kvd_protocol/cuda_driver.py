@@ -92,3 +92,68 @@ def allocation_size(ptr: int) -> int:
     """Bytes of the allocation ``ptr`` lies in, from ``ptr`` to its end."""
     base = pointer_attribute(ptr, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ctypes.c_uint64)
     return base + pointer_attribute(ptr, CU_POINTER_ATTRIBUTE_RANGE_SIZE, ctypes.c_uint64) - ptr
+
+
+# ---- host-mapped flag words and stream memory operations ------------------------
+
+CU_MEMHOSTREGISTER_PORTABLE = 0x1
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x2
+CU_STREAM_WAIT_VALUE_GEQ = 0x0
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+
+
+def _fn(name: str, *alternatives: str):
+    lib = _cuda()
+    for candidate in (name, *alternatives):
+        fn = getattr(lib, candidate, None)
+        if fn is not None:
+            return fn
+    raise CudaExportError(f"the CUDA driver has no {name}")
+
+
+def _ensure_context(ordinal: int) -> None:
+    """Make the device's primary context current on this thread if none is:
+    driver calls need one, and a thread of the engine may not have touched CUDA."""
+    lib = _cuda()
+    ctx = ctypes.c_void_p()
+    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if ctx.value:
+        return
+    dev = ctypes.c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def register_host(ptr: int, size: int, ordinal: int = 0) -> int:
+    """Register host memory (page-aligned) as portable and device-mapped; returns
+    the address GPUs use for it (the same as ``ptr`` with unified addressing)."""
+    _ensure_context(ordinal)
+    _check(_fn("cuMemHostRegister_v2", "cuMemHostRegister")(
+        ctypes.c_void_p(ptr), ctypes.c_size_t(size),
+        ctypes.c_uint(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP)),
+        "cuMemHostRegister")
+    dptr = ctypes.c_uint64()
+    _check(_fn("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")(
+        ctypes.byref(dptr), ctypes.c_void_p(ptr), ctypes.c_uint(0)), "cuMemHostGetDevicePointer")
+    return dptr.value
+
+
+def unregister_host(ptr: int) -> None:
+    _check(_cuda().cuMemHostUnregister(ctypes.c_void_p(ptr)), "cuMemHostUnregister")
+
+
+def stream_write_u32(stream: int, dev_addr: int, value: int) -> None:
+    """Queue on ``stream``: once all earlier work on it is done, write ``value`` to the
+    32-bit word at ``dev_addr`` (with a memory barrier: earlier writes are visible first)."""
+    _check(_fn("cuStreamWriteValue32_v2", "cuStreamWriteValue32")(
+        ctypes.c_void_p(stream), ctypes.c_uint64(dev_addr), ctypes.c_uint32(value),
+        ctypes.c_uint(CU_STREAM_WRITE_VALUE_DEFAULT)), "cuStreamWriteValue32")
+
+
+def stream_wait_u32(stream: int, dev_addr: int, value: int) -> None:
+    """Queue on ``stream``: later work waits until the word at ``dev_addr`` is at or past
+    ``value`` (cyclic 32-bit compare). Whoever can write the word can release the wait."""
+    _check(_fn("cuStreamWaitValue32_v2", "cuStreamWaitValue32")(
+        ctypes.c_void_p(stream), ctypes.c_uint64(dev_addr), ctypes.c_uint32(value),
+        ctypes.c_uint(CU_STREAM_WAIT_VALUE_GEQ)), "cuStreamWaitValue32")

@@ -91,9 +91,22 @@ class DeadlineExceeded(ServerError):
     code = "deadline_exceeded"
 
 
+class Busy(ServerError):
+    """The client has ``max_inflight`` requests in flight already: nothing was done."""
+
+    code = "busy"
+
+
+class Cancelled(ServerError):
+    """The client cancelled the load (its cancel word), or the request was dropped
+    because its session ended: nothing of it was kept."""
+
+    code = "cancelled"
+
+
 SERVER_ERRORS = {cls.code: cls for cls in (
     ServerError, BadRequest, VersionMismatch, UnknownOp, NoSession, NotFound, Forbidden,
-    OutOfRange, NoSpace, TooLarge, ShuttingDown, CopyFailed, DeadlineExceeded)}
+    OutOfRange, NoSpace, TooLarge, ShuttingDown, CopyFailed, DeadlineExceeded, Busy, Cancelled)}
 
 
 def server_error(code: str, message: str) -> ServerError:

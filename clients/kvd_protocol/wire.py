@@ -1,4 +1,4 @@
-"""Wire protocol v1: the only module that knows how messages look on the wire.
+"""Wire protocol v2: the only module that knows how messages look on the wire.
 
 A message is a ZeroMQ multipart message: frame 0 is a msgpack map header,
 further frames are raw little-endian arrays (16-byte keys, int64 page ids).
@@ -10,6 +10,10 @@ or missing fields, wrong types, oversized containers, wrong frame counts
 and malformed arrays raise a ``ServerError`` subclass carrying the request
 id (when it could be read) so the daemon can send a typed error reply.
 No pickle, no msgpack ext types. docs/protocol.md is the prose version.
+Version 2 replaced v1's CUDA IPC events with the flag page (kvd_protocol.flags):
+every registration names one, stores carry the ``seq`` the engine's stream
+writes, loads the ``slot`` and ``seq`` the daemon signals. A v1 peer gets a
+``bad_version`` reply naming the versions this side speaks.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ import msgpack
 import numpy as np
 
 from kvd_protocol.errors import BadRequest, ServerError, TooLarge, UnknownOp, VersionMismatch, server_error
+from kvd_protocol.flags import FlagLayout
 from kvd_protocol.keys import KEY_BYTES, Namespace
 from kvd_protocol.layout import LayoutDescriptor
 
-VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+VERSION = 2
+SUPPORTED_VERSIONS = (2,)
 MAX_HEADER_BYTES = 256 * 1024
 MAX_ID = 2**63 - 1
 PAGE_DTYPE = np.dtype("<i8")
@@ -32,6 +37,10 @@ PAGE_DTYPE = np.dtype("<i8")
 
 def _int(v):
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID
+
+
+def _u32(v):
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 0xFFFFFFFF
 
 
 def _str(v):
@@ -51,7 +60,7 @@ def _bool(v):
 
 
 _TYPE_NAMES = {_int: "a non-negative integer", _str: "a string", _list: "a list", _map: "a map",
-               _bool: "true or false"}
+               _bool: "true or false", _u32: "an integer in [0, 2**32)"}
 
 
 @dataclass(frozen=True)
@@ -63,12 +72,13 @@ class Op:
 
 OPS = {
     "hello": Op({"client": _str, "pid": _int, "versions": _list}),
-    "register": Op({"namespace": _map, "tp_rank": _int, "buffers": _list, "layout": _map},
-                   {"events": _list}),
+    "register": Op({"namespace": _map, "tp_rank": _int, "buffers": _list, "layout": _map,
+                    "flags": _map}),
     "unregister": Op({"reg": _int}),
     "lookup": Op({"reg": _int}, {"lease_ms": _int}, frames=1),
-    "store": Op({"reg": _int}, {"event": _int, "deadline_us": _int}, frames=2),
-    "load": Op({"reg": _int}, {"lease": _int, "layerwise": _bool, "deadline_us": _int}, frames=2),
+    "store": Op({"reg": _int}, {"seq": _u32, "deadline_us": _int}, frames=2),
+    "load": Op({"reg": _int, "slot": _int, "seq": _u32},
+               {"lease": _int, "layerwise": _bool, "deadline_us": _int}, frames=2),
     "release": Op({"lease": _int}),
     "heartbeat": Op(),
     "bye": Op(),
@@ -258,15 +268,20 @@ def layout_from_wire(m) -> LayoutDescriptor:
         raise BadRequest(f"layout: {exc}") from None
 
 
-IPC_HANDLE_BYTES = 64
+FLAGS_FIELDS = {"path": _str, "size": _int, "slots": _int}
 
 
-def events_from_wire(items, max_events: int) -> list:
-    if not isinstance(items, list) or len(items) > max_events:
-        raise BadRequest(f"events must be a list of at most {max_events} handles")
-    if not all(isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES for h in items):
-        raise BadRequest(f"every event handle must be {IPC_HANDLE_BYTES} bytes")
-    return items
+def flags_from_wire(m, num_layers: int) -> tuple[dict, FlagLayout]:
+    """The register's flag page map and the layout its words follow."""
+    _strict_map(m, FLAGS_FIELDS, "flags")
+    try:
+        layout = FlagLayout(num_layers, m["slots"])
+    except ValueError as exc:
+        raise BadRequest(f"flags: {exc}") from None
+    if m["size"] != layout.size:
+        raise BadRequest(f"flags.size must be {layout.size} for {num_layers} layers and "
+                         f"{m['slots']} slots, got {m['size']}")
+    return m, layout
 
 
 def buffers_from_wire(items, max_buffers: int) -> list:

@@ -2,28 +2,32 @@
 
 Serves CPU inference engines and runs the whole protocol where there is no
 GPU. A pool buffer is ``{kind: "shm", path, size}``: a regular file inside
-the configured shm directory, owned by the daemon's user, opened without
-following symlinks and at least ``size`` bytes long; it is mapped
-read/write; the daemon's own arena is refused. Copies run on a small thread pool (numpy releases the GIL for
-the bulk of a copy) and complete through asyncio futures.
+the configured shm directory, checked and mapped by kvd.copy.shm_file (the
+daemon's own arena is refused). Copies run on a small thread pool (numpy
+releases the GIL for the bulk of a copy) and complete through asyncio
+futures. A scatter with a signal copies layer by layer when layer-wise
+(writing each layer's word as it lands, so a CPU engine can start on layer
+0 early), checks the slot's cancel word before each layer, and writes the
+done word last, whatever happened.
 """
 
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
-import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kvd.copy import host_ops as host_copy
-from kvd.copy.plan import CopyPlan
 from kvd_protocol.errors import BadRequest
 from kvd_protocol.layout import LayoutDescriptor
+
+from . import host_ops
+from .flags import FlagPage, LoadSignal
+from .plan import CopyPlan
+from .shm_file import map_shm_file
 
 
 @dataclass
@@ -38,19 +42,18 @@ class HostCopyEngine:
     def __init__(self, arena: np.ndarray, shm_dir: Path, threads: int = 2, arena_path: Path | None = None):
         self.arena = arena
         st = os.stat(arena_path) if arena_path else None
-        self._arena_id = (st.st_dev, st.st_ino) if st else None
+        self.arena_id = (st.st_dev, st.st_ino) if st else None
         self.shm_dir = Path(shm_dir).resolve()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvd-copy")
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, events=()) -> HostPool:
-        if events:
-            raise BadRequest("the host backend takes no CUDA events")
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage | None = None) -> HostPool:
         maps = []
         try:
             for i, b in enumerate(buffers):
                 if b["kind"] != "shm":
                     raise BadRequest(f"buffers[{i}]: the host backend takes only shm buffers")
-                maps.append(self._map_file(b["path"], b["size"], i))
+                maps.append(map_shm_file(b["path"], b["size"], self.shm_dir, f"buffers[{i}]",
+                                         self.arena_id))
             try:
                 layout.validate_extent([b["size"] for b in buffers])
             except ValueError as exc:
@@ -60,26 +63,6 @@ class HostCopyEngine:
                 m.close()
             raise
         return HostPool(maps, [np.frombuffer(m, dtype=np.uint8) for m in maps])
-
-    def _map_file(self, path: str, size: int, i: int) -> mmap.mmap:
-        p = Path(path)
-        if not p.is_absolute() or p.parent.resolve() != self.shm_dir:
-            raise BadRequest(f"buffers[{i}].path must be a file directly inside {self.shm_dir}")
-        try:
-            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise BadRequest(f"buffers[{i}]: cannot open {path}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise BadRequest(f"buffers[{i}]: {path} is not a regular file of our user")
-            if (st.st_dev, st.st_ino) == self._arena_id:
-                raise BadRequest(f"buffers[{i}]: {path} is the daemon's own host tier")
-            if size < 1 or st.st_size < size:
-                raise BadRequest(f"buffers[{i}]: {path} holds {st.st_size} bytes, not {size}")
-            return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
 
     def close_pool(self, pool: HostPool) -> None:
         pool.arrays.clear()
@@ -92,13 +75,37 @@ class HostCopyEngine:
     def _submit(self, fn, *args) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    def gather(self, plan: CopyPlan) -> asyncio.Future:
-        return self._submit(host_copy.gather, plan.pool.arrays, self.arena, plan.layout,
+    async def gather(self, plan: CopyPlan) -> asyncio.Future:
+        return self._submit(host_ops.gather, plan.pool.arrays, self.arena, plan.layout,
                             plan.chunk_tokens, plan.page_ids, plan.shard_offsets)
 
-    def scatter(self, plan: CopyPlan) -> asyncio.Future:
-        return self._submit(host_copy.scatter, plan.pool.arrays, self.arena, plan.layout,
-                            plan.chunk_tokens, plan.page_ids, plan.shard_offsets, plan.layers)
+    async def scatter(self, plan: CopyPlan) -> asyncio.Future:
+        return self._submit(self._scatter, plan)
+
+    def _scatter(self, plan: CopyPlan) -> None:
+        signal: LoadSignal | None = plan.signal
+        args = (plan.pool.arrays, self.arena, plan.layout, plan.chunk_tokens, plan.page_ids,
+                plan.shard_offsets)
+        try:
+            if signal is None:
+                host_ops.scatter(*args)
+                return
+            for layers in _layer_steps(plan.layout.num_layers, signal.layerwise):
+                if signal.cancelled:
+                    return  # the client gave up on this load: leave its pages alone
+                host_ops.scatter(*args, layers)
+                if signal.layerwise:
+                    for layer in layers:
+                        signal.page.signal_layer(signal.slot, layer, signal.seq)
+        finally:
+            if signal is not None:
+                if signal.layerwise:  # a copy that failed midway still releases every wait
+                    signal.page.release(signal.slot, signal.seq, True)
+                signal.page.signal_done(signal.slot, signal.seq)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+
+
+def _layer_steps(num_layers: int, per_layer: bool) -> list[range]:
+    return [range(i, i + 1) for i in range(num_layers)] if per_layer else [range(num_layers)]

@@ -1,18 +1,23 @@
 """The copy engine interface every backend implements.
 
-``open_pool(buffers, layout, events)`` maps an engine's KV buffers (validated:
+``open_pool(buffers, layout, flags)`` maps an engine's KV buffers (validated:
 kinds, sizes, every byte the layout can reach) and returns an opaque pool;
-``close_pool(pool)`` unmaps it and is called only after the pool's copies
-completed. ``gather(plan)`` copies engine pages into arena shards and
-``scatter(plan)`` copies arena shards into engine pages; both return at
-once with an ``asyncio.Future`` that resolves (result None) when the bytes
-have landed, or fails with the backend's error. The caller keeps entries
-and pools alive until that future is done. Backends: ``host`` (numpy over
-shared memory, kvd.copy.host) and ``cuda`` (CUDA IPC + kernels,
-kvd.cuda.backend). The service picks the engine per pool by buffer kind.
-A CUDA pool also has interprocess events: ``events`` are the client's
-(a gather may wait on one), and the pool's ``load_event_handles`` are the
-per-layer events its layer-wise scatters record.
+``flags`` is the registration's flag page (kvd.copy.flags), which the CUDA
+backend also registers with the driver. ``close_pool(pool)`` unmaps it and
+is called only after the pool's copies completed; it never waits on a GPU.
+
+``gather(plan)`` copies engine pages into arena shards and ``scatter(plan)``
+copies arena shards into engine pages. Both are coroutines that return
+once the copy is *queued* (requests of one registration are queued in
+arrival order by the service) with an ``asyncio.Future`` that resolves
+(result None) when the bytes have landed, or fails with the backend's
+error. A scatter with a ``signal`` writes the load's layer words (when
+layer-wise) as layers land and its done word after its last copy, and
+skips the engine's pages once the client wrote the slot's cancel word; if
+it raises, nothing of the copy was queued. The caller keeps entries and
+pools alive until the future is done. Backends: ``host`` (numpy over shared
+memory, kvd.copy.host) and ``cuda`` (CUDA IPC + kernels, kvd.cuda.backend).
+The service picks the engine per pool by buffer kind.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import numpy as np
 
 from kvd_protocol.layout import LayoutDescriptor
 
+from .flags import FlagPage, LoadSignal
+
 
 @dataclass
 class CopyPlan:
@@ -33,25 +40,26 @@ class CopyPlan:
     chunk_tokens: int
     page_ids: np.ndarray      # int64, pages_per_chunk ids per chunk, chunk-major
     shard_offsets: list[int]  # arena byte offset of each chunk's shard
-    layers: range | None = None  # scatter only: a layer subrange
-    wait_event: int | None = None  # gather only: index of a registered client event to wait on
-    layerwise: bool = False        # scatter only: record per-layer events as layers land
-    event_slot: int | None = None  # set by a layer-wise scatter: the event set it records
+    signal: LoadSignal | None = None  # scatter only: the load's flag words
 
     @property
     def pages_per_chunk(self) -> int:
         return self.chunk_tokens // self.layout.page_size
 
+    @property
+    def layerwise(self) -> bool:
+        return self.signal is not None and self.signal.layerwise
+
 
 class CopyEngine(Protocol):
     name: str
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, events=()) -> object: ...
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage) -> object: ...
 
     def close_pool(self, pool: object) -> None: ...
 
-    def gather(self, plan: CopyPlan) -> asyncio.Future: ...
+    async def gather(self, plan: CopyPlan) -> asyncio.Future: ...
 
-    def scatter(self, plan: CopyPlan) -> asyncio.Future: ...
+    async def scatter(self, plan: CopyPlan) -> asyncio.Future: ...
 
     def close(self) -> None: ...

@@ -16,14 +16,20 @@ the ring, DMA between the ring and the arena. Where one layer of one chunk
 does not fit a slot (or ``stage_slots`` is 0), kernels read and write the
 arena directly through unified addressing instead (zero-copy).
 
-Ordering: a store may name one of the client's interprocess events; the
-daemon's first copy waits on it. A layer-wise load records one
-interprocess event per layer once that layer landed (a ring of
-``LOAD_SLOTS`` sets per pool), so the engine's stream can wait for layer i
-while later layers still copy. Completion of every copy is an event that
-the event loop polls while copies are in flight (kvd.cuda.poll), which
-resolves the asyncio future; at debug level it logs how long the enqueue
-and the copy took.
+Fault isolation: nothing of an engine's ever enters the daemon's streams.
+A store's ordering after the engine's forward pass is checked by the
+service on the host (the flag page's store word, kvd.copy.flags) before
+the gather is queued. A load signals through its flag-page slot
+(kvd.cuda.signal): the kernel stream writes each layer's word as the layer
+lands (layer-wise loads) and the done word after the last kernel; the copy
+kernels skip the engine's pages once the client wrote the slot's cancel
+word. The flag page is registered with the driver at ``open_pool`` and
+unregistered at ``close_pool``. Completion of every copy is an event that
+the event loop polls while copies are in flight (kvd.copy.poll), which
+resolves the asyncio future; the loop never blocks on the GPU (a busy
+table slot of the kernel copier is awaited the same way), and ``close``
+gives the GPU at most ``CLOSE_WAIT_S`` to finish before the process exits
+anyway. At debug level it logs how long the enqueue and the copy took.
 """
 
 from __future__ import annotations
@@ -36,21 +42,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvd.copy.flags import FlagPage
 from kvd.copy.plan import CopyPlan
+from kvd.copy.poll import EventPoller
 from kvd.cuda.kernels import KernelCopier, desc_params, plane_bases
-from kvd.cuda.poll import EventPoller
+from kvd.cuda.signal import GpuSignal
 from kvd.cuda.staging import StagingRing
 from kvd_protocol import cuda_driver
-from kvd_protocol.errors import BadRequest
+from kvd_protocol.errors import BadRequest, ServerError
 from kvd_protocol.layout import LayoutDescriptor
 
 log = logging.getLogger("kvd")
-LOAD_SLOTS = 4
 REGISTER_PIECE = 1 << 30
 STAGE_SLOTS = 2
 STAGE_SLOT_BYTES = 32 << 20
-_EVENT_FLAGS = 0x2 | 0x4  # cudaEventDisableTiming | cudaEventInterprocess
+CLOSE_WAIT_S = 5.0
 _IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess
+_HOST_REGISTER = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 @dataclass
@@ -67,10 +75,7 @@ class CudaPool:
     device: _Device
     ptrs: list
     bases: np.ndarray
-    store_events: list
-    load_events: list  # [slot][layer] raw event handles
-    load_event_handles: list
-    next_slot: int = 0
+    flags: FlagPage
     closed: bool = False
 
 
@@ -131,61 +136,84 @@ class CudaCopyEngine:
             log.warning("RLIMIT_MEMLOCK (%d bytes) is below the host tier (%d bytes); pinning may "
                         "fail: raise LimitMEMLOCK / ulimit -l", soft, size)
         t0 = time.monotonic()
-        for start in range(0, size, REGISTER_PIECE):
-            piece = min(REGISTER_PIECE, size - start)
-            self.rt.hostRegister(self.arena_ptr + start, piece, 0x3)  # Portable | Mapped
+        done = []
+        try:
+            for start in range(0, size, REGISTER_PIECE):
+                self.rt.hostRegister(self.arena_ptr + start, min(REGISTER_PIECE, size - start),
+                                     _HOST_REGISTER)
+                done.append(self.arena_ptr + start)
+            if self.rt.pointerGetAttributes(self.arena_ptr).devicePointer != self.arena_ptr:
+                raise RuntimeError("this GPU cannot use host pointers of registered memory (no UVA)")
+        except Exception:  # unwind, so a later registration can try again from scratch
+            for ptr in done:
+                self.rt.hostUnregister(ptr)
+            raise
         self.registered = True
-        if self.rt.pointerGetAttributes(self.arena_ptr).devicePointer != self.arena_ptr:
-            raise RuntimeError("this GPU cannot use host pointers of registered memory (no UVA)")
         log.info("host tier pinned for the GPU in %.2f s (%d pieces)", time.monotonic() - t0,
                  -(-size // REGISTER_PIECE))
 
     # ---- pools --------------------------------------------------------------
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, events=()) -> CudaPool:
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage) -> CudaPool:
         uuids = {b.get("device_uuid") for b in buffers}
         if {b["kind"] for b in buffers} != {"cuda_ipc"} or len(uuids) != 1:
             raise BadRequest("a CUDA pool's buffers must all be cuda_ipc buffers of one GPU")
-        dev = self._device(uuids.pop())
-        ptrs, opened = [], []
+        try:
+            dev = self._device(uuids.pop())
+        except (BadRequest, ServerError):
+            raise
+        except Exception as exc:  # the daemon's own CUDA set-up failed: not the client's fault
+            log.exception("setting up the GPU for a pool failed")
+            raise ServerError(f"the daemon could not set up the GPU: {exc}") from None
+        opened = []
         with self.cp.cuda.Device(dev.ordinal):
             try:
-                for i, b in enumerate(buffers):
-                    base = self.rt.ipcOpenMemHandle(b["handle"], _IPC_LAZY_PEER)
-                    opened.append(base)
-                    if b["offset"] + b["size"] > cuda_driver.allocation_size(base):
-                        raise BadRequest(f"buffers[{i}]: offset + size exceed the shared allocation")
-                    ptrs.append(base + b["offset"])
+                ptrs = self._open_buffers(buffers, opened)
                 layout.validate_extent([b["size"] for b in buffers])
-                store_events = [self.rt.ipcOpenEventHandle(h) for h in events]
-                load_events = [[self.rt.eventCreateWithFlags(_EVENT_FLAGS) for _ in range(layout.num_layers)]
-                               for _ in range(LOAD_SLOTS)]
+                self._register_flags(flags)
             except ValueError as exc:
                 self._close_ptrs(opened)
                 raise BadRequest(f"layout does not fit its buffers: {exc}") from None
-            except BadRequest:
+            except BaseException:
                 self._close_ptrs(opened)
                 raise
-            except Exception as exc:
-                self._close_ptrs(opened)
-                raise BadRequest(f"cannot open the CUDA IPC handles: {exc}") from None
-        handles = [[bytes(self.rt.ipcGetEventHandle(e)) for e in slot] for slot in load_events]
-        return CudaPool(dev, opened, plane_bases(layout, ptrs), store_events, load_events, handles)
+        return CudaPool(dev, opened, plane_bases(layout, ptrs), flags)
+
+    def _open_buffers(self, buffers: list[dict], opened: list) -> list[int]:
+        ptrs = []
+        for i, b in enumerate(buffers):
+            try:
+                base = self.rt.ipcOpenMemHandle(b["handle"], _IPC_LAZY_PEER)
+            except Exception as exc:  # a handle this process cannot open is the client's
+                raise BadRequest(f"buffers[{i}]: cannot open the CUDA IPC handle: {exc}") from None
+            opened.append(base)
+            if b["offset"] + b["size"] > cuda_driver.allocation_size(base):
+                raise BadRequest(f"buffers[{i}]: offset + size exceed the shared allocation")
+            ptrs.append(base + b["offset"])
+        return ptrs
+
+    def _register_flags(self, flags: FlagPage) -> None:
+        try:
+            self.rt.hostRegister(flags.ptr, flags.size, _HOST_REGISTER)
+        except Exception as exc:
+            raise ServerError(f"the daemon could not register the flag page with CUDA: {exc}") from None
+        if self.rt.pointerGetAttributes(flags.ptr).devicePointer != flags.ptr:
+            self.rt.hostUnregister(flags.ptr)
+            raise ServerError("this GPU cannot use host pointers of registered memory (no UVA)")
 
     def _close_ptrs(self, ptrs) -> None:
         for p in ptrs:
             self.rt.ipcCloseMemHandle(p)
 
     def close_pool(self, pool: CudaPool) -> None:
+        """Unmap the pool. The service calls it once the pool's copies completed (their
+        events were polled), so nothing here waits on the GPU."""
         with self.cp.cuda.Device(pool.device.ordinal):
-            for stream in pool.device.streams:
-                stream.synchronize()
             self._close_ptrs(pool.ptrs)
-            for ev in pool.store_events:
-                self.rt.eventDestroy(ev)
-            for slot in pool.load_events:
-                for ev in slot:
-                    self.rt.eventDestroy(ev)
+            try:
+                self.rt.hostUnregister(pool.flags.ptr)
+            except Exception as exc:  # noqa: BLE001 - a broken context: nothing more to undo
+                log.warning("unregistering a flag page failed: %s", exc)
         pool.closed = True
 
     # ---- copies -------------------------------------------------------------
@@ -197,69 +225,80 @@ class CudaCopyEngine:
     def _geometry(plan: CopyPlan) -> dict:
         return {**desc_params(plan.layout), "chunk_tokens": plan.chunk_tokens}
 
-    def gather(self, plan: CopyPlan) -> asyncio.Future:
+    async def table_slot(self, dev: _Device) -> None:
+        """Wait, without blocking the loop, until the copier's next table slot is free
+        (call right before queueing a copy, with no await in between)."""
+        while (busy := dev.copier.busy_slot()) is not None:
+            await self.poller.wait(busy)
+
+    async def gather(self, plan: CopyPlan) -> asyncio.Future:
         t0 = time.perf_counter()
         pool, dev = plan.pool, plan.pool.device
-        wait = None
-        if plan.wait_event is not None:
-            if not 0 <= plan.wait_event < len(pool.store_events):
-                raise BadRequest(f"event {plan.wait_event} is not one of the registered events")
-            wait = pool.store_events[plan.wait_event]
         ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
         layers = range(plan.layout.num_layers)
+        await self.table_slot(dev)
         with self.cp.cuda.Device(dev.ordinal):
             if (pieces := _plan(dev.store, plan, layers, False)) is not None:
                 how = f"{len(pieces)} staged pieces"
-                stream = dev.store.run(pieces, pool.bases, plan.page_ids, ptrs, geometry,
-                                       wait_event=wait)
+                stream = dev.store.run(pieces, pool.bases, plan.page_ids, ptrs, geometry)
             else:
                 stream, how = dev.streams[0], "zero-copy kernel"
-                if wait is not None:
-                    self.rt.streamWaitEvent(stream.ptr, wait, 0)
                 dev.copier.gather(pool.bases, plan.page_ids, ptrs, stream=stream, **geometry)
             return self._completion(stream, "gather", plan, how, t0)
 
-    def scatter(self, plan: CopyPlan) -> asyncio.Future:
+    async def scatter(self, plan: CopyPlan) -> asyncio.Future:
         t0 = time.perf_counter()
         pool, dev = plan.pool, plan.pool.device
-        layers = plan.layers or range(plan.layout.num_layers)
-        events = None
-        if plan.layerwise:
-            slot = pool.next_slot
-            pool.next_slot = (slot + 1) % LOAD_SLOTS
-            plan.event_slot = slot
-            events = pool.load_events[slot]
+        layers = range(plan.layout.num_layers)
+        signal = GpuSignal.of(plan.signal)
         ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
+        await self.table_slot(dev)
         with self.cp.cuda.Device(dev.ordinal):
-            if not len(ptrs):  # everything came another way (kvd.cuda.gds): events and completion only
-                stream, how = dev.streams[2], "no host chunks"
-                for layer in (layers if events is not None else ()):
-                    self.rt.eventRecord(events[layer], stream.ptr)
-            elif (pieces := _plan(dev.load, plan, layers, plan.layerwise)) is not None:
-                how = f"{len(pieces)} staged pieces"
-                stream = dev.load.run(pieces, pool.bases, plan.page_ids, ptrs, geometry,
-                                      layer_events=events)
-            else:
-                stream, how = dev.streams[2], "zero-copy kernels"
-                with dev.copier.batch("scatter", pool.bases, plan.page_ids, ptrs, stream=stream,
-                                      **geometry) as batch:
-                    if events is None:
-                        batch.launch_all(layers.start, layers.stop)
-                    else:
-                        for layer in layers:
-                            batch.launch_all(layer, layer + 1)
-                            self.rt.eventRecord(events[layer], stream.ptr)
+            stream = dev.streams[2]
+            try:
+                if not len(ptrs):  # everything came another way (kvd.cuda.gds): signals only
+                    how = "no host chunks"
+                    if signal is not None and signal.layerwise:
+                        signal.layers_landed(stream, layers)
+                elif (pieces := _plan(dev.load, plan, layers, plan.layerwise)) is not None:
+                    how = f"{len(pieces)} staged pieces"
+                    stream = dev.load.run(pieces, pool.bases, plan.page_ids, ptrs, geometry,
+                                          signal=signal)
+                else:
+                    how = "zero-copy kernels"
+                    self._scatter_direct(dev, pool, plan, ptrs, geometry, signal)
+            finally:  # whatever was queued, the done word follows it
+                if signal is not None:
+                    signal.done(stream)
             return self._completion(stream, "scatter", plan, how, t0)
 
+    @staticmethod
+    def _scatter_direct(dev: _Device, pool: CudaPool, plan: CopyPlan, ptrs, geometry: dict,
+                        signal: GpuSignal | None) -> None:
+        """Kernels reading the pinned arena directly (zero-copy), layer by layer when
+        the load signals each layer."""
+        stream = dev.streams[2]
+        cancel = None if signal is None else signal.cancel
+        with dev.copier.batch("scatter", pool.bases, plan.page_ids, ptrs, stream=stream,
+                              cancel=cancel, **geometry) as batch:
+            if not plan.layerwise:
+                batch.launch_all()
+                return
+            for layer in range(plan.layout.num_layers):
+                batch.launch_all(layer, layer + 1)
+                signal.layers_landed(stream, (layer,))
+
     def scatter_device(self, pool: CudaPool, layout: LayoutDescriptor, page_ids, ptrs: list,
-                       chunk_tokens: int):
+                       chunk_tokens: int, cancel: tuple[int, int] | None = None):
         """Queue kernels scattering whole chunks already in this GPU's memory at ``ptrs``
         into ``page_ids``, on the load kernel stream (returned): a later ``scatter`` of
-        this pool is ordered after them, events and completion included."""
+        this pool is ordered after them, signals and completion included. ``cancel``:
+        the load's cancel word and seq (the kernels skip once it is set)."""
         dev = pool.device
         geometry = {**desc_params(layout), "chunk_tokens": chunk_tokens}
         with self.cp.cuda.Device(dev.ordinal):
-            dev.copier.scatter(pool.bases, page_ids, ptrs, stream=dev.streams[2], **geometry)
+            dev.copier.scatter(pool.bases, page_ids, ptrs, stream=dev.streams[2], cancel=cancel,
+                               **geometry)
         return dev.streams[2]
 
     def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float) -> asyncio.Future:
@@ -279,16 +318,36 @@ class CudaCopyEngine:
         return future
 
     def close(self) -> None:
+        """Free every GPU resource; gives queued copies ``CLOSE_WAIT_S`` to finish. The
+        daemon exits right after, so a GPU that does not finish in time (it cannot wait
+        on anything of another process) only delays the exit, never hangs it."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        idle = all(self._drain(dev, deadline) for dev in self.devices.values())
+        if not idle:
+            log.warning("GPU copies still queued after %.0f s at shutdown; exiting anyway",
+                        CLOSE_WAIT_S)
+            return  # freeing memory a queued copy uses would be worse than leaking it
         for dev in self.devices.values():
             with self.cp.cuda.Device(dev.ordinal):
-                for stream in dev.streams:
-                    stream.synchronize()
                 for ring in (dev.store, dev.load):
                     if ring is not None:
                         ring.close()
         if self.registered:
             for start in range(0, self.arena.nbytes, REGISTER_PIECE):
                 self.rt.hostUnregister(self.arena_ptr + start)
+
+    def _drain(self, dev: _Device, deadline: float) -> bool:
+        with self.cp.cuda.Device(dev.ordinal):
+            events = []
+            for stream in dev.streams:
+                ev = self.cp.cuda.Event(block=False, disable_timing=True)
+                ev.record(stream)
+                events.append(ev)
+            while not all(ev.done for ev in events):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
+        return True
 
 
 def _plan(ring: StagingRing | None, plan: CopyPlan, layers: range, per_layer: bool):

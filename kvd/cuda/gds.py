@@ -133,7 +133,8 @@ class GdsLoader:
             run.append(d)
         return run
 
-    async def load(self, reg, keys: list, pages, host, check_deadline) -> tuple[int, bool]:
+    async def load(self, reg, keys: list, pages, host, check_deadline,
+                   cancel: tuple[int, int] | None = None) -> tuple[int, bool]:
         run = self.disk_run(keys, host, reg.shard_bytes)
         if not run:
             return 0, False
@@ -151,7 +152,7 @@ class GdsLoader:
                 gpu.next = (gpu.next + 1) % len(gpu.slots)
                 prev = asyncio.ensure_future(self._batch(
                     reg, gpu, slot, stride, run[b0:b0 + per_slot], pages, prev, progress,
-                    check_deadline))
+                    check_deadline, cancel))
                 tasks.append(prev)
             await asyncio.gather(*tasks)
         except BaseException:
@@ -171,7 +172,7 @@ class GdsLoader:
         return done, progress["io_error"]
 
     async def _batch(self, reg, gpu, slot: _Slot, stride: int, batch: list, pages, prev,
-                     progress: dict, check_deadline) -> None:
+                     progress: dict, check_deadline, cancel) -> None:
         """Read and verify ``batch`` into ``slot``; once the previous batch is queued (in
         order, so the loaded chunks stay a prefix), queue its scatter."""
         async with slot.lock:
@@ -181,6 +182,7 @@ class GdsLoader:
                                                           progress))
             if prev is not None:
                 await prev
+            await reg.engine.table_slot(reg.pool.device)  # nothing awaits from here to the queueing
             if progress["stop"] or reg.closing:  # closing: the pool may be unmapped next
                 progress["stop"] = True
                 return
@@ -189,7 +191,7 @@ class GdsLoader:
                 ppc, done = reg.pages_per_chunk, progress["done"]
                 stream = reg.engine.scatter_device(
                     reg.pool, reg.layout, pages[done * ppc:(done + ok) * ppc],
-                    [slot.ptr + i * stride for i in range(ok)], reg.ns.chunk_tokens)
+                    [slot.ptr + i * stride for i in range(ok)], reg.ns.chunk_tokens, cancel)
                 slot.free.record(stream)
                 progress["done"] = done + ok
             progress["stop"] = ok < len(batch)

@@ -35,8 +35,14 @@ Contract:
 - Tables travel in one host-to-device copy from a pinned staging slot, on a
   side stream that the copy's stream then waits for (an event), so
   back-to-back copies on one stream have no table upload between their
-  kernels. ``slots`` slots are reused round-robin; reusing one first waits
-  (host side) until the batch that last used it has finished.
+  kernels. ``slots`` slots are reused round-robin; ``busy_slot()`` is the
+  event to await (from the event loop, kvd.copy.poll) before the next
+  ``batch`` when that slot's last batch has not finished: the daemon never
+  blocks its loop on the GPU. (A direct caller that did not wait blocks in
+  ``batch`` until the slot is free.)
+- ``cancel=(address, seq)`` makes every kernel of the batch skip its copy
+  when the 32-bit word at ``address`` (a load's cancel word in a host-mapped
+  flag page, kvd_protocol.flags) equals ``seq`` as the kernel starts.
 """
 
 from __future__ import annotations
@@ -174,7 +180,8 @@ class KernelCopier:
     def batch(self, kind: str, plane_bases: Sequence[int], page_ids: Sequence[int],
               chunk_ptrs: Sequence[int], *, num_layers: int, planes: int, chunk_tokens: int,
               page_size: int, page_stride: int, token_stride: int, row_bytes: int,
-              stream: Any = None, num_pages: int | None = None) -> "CopyBatch":
+              stream: Any = None, num_pages: int | None = None,
+              cancel: tuple[int, int] | None = None) -> "CopyBatch":
         """Validate and upload the tables of one request once; launch its kernels
         through the returned ``CopyBatch`` (a context manager: leaving it marks the
         tables' slot free once the launched kernels are done)."""
@@ -205,7 +212,13 @@ class KernelCopier:
             slot = self._upload(stream, bases, pids, ptrs)
         return CopyBatch(self, self._kernels[kind], slot, stream, bases.size, pids.size,
                          ptrs.size, (num_layers, planes, chunk_tokens, page_size, page_stride,
-                                     token_stride, row_bytes, vec))
+                                     token_stride, row_bytes, vec), cancel or (0, 0))
+
+    def busy_slot(self) -> Any:
+        """The event the next ``batch`` would have to wait for, or None when its table
+        slot is free."""
+        event = self._slots[self._next].event
+        return None if event is None or event.done else event
 
     def _upload(self, stream: Any, bases: np.ndarray, pids: np.ndarray,
                 ptrs: np.ndarray) -> _Slot:
@@ -248,7 +261,8 @@ class CopyBatch:
     """
 
     def __init__(self, copier: KernelCopier, kernel: Any, slot: _Slot, stream: Any,
-                 n_bases: int, n_pids: int, n_ptrs: int, geometry: tuple) -> None:
+                 n_bases: int, n_pids: int, n_ptrs: int, geometry: tuple,
+                 cancel: tuple[int, int] = (0, 0)) -> None:
         self.copier, self.kernel, self.slot, self.stream = copier, kernel, slot, stream
         self.geometry = geometry
         self.ppc = geometry[2] // geometry[3]
@@ -259,7 +273,8 @@ class CopyBatch:
         num_layers, planes, tokens, page_size, page_stride, token_stride, row_bytes, vec = geometry
         self._head = (np.uint64(table),)
         self._tail = (np.int32(tokens), np.int32(page_size), np.int64(page_stride),
-                      np.int64(token_stride), np.int64(row_bytes), np.int32(vec))
+                      np.int64(token_stride), np.int64(row_bytes), np.int32(vec),
+                      np.uint64(cancel[0]), np.uint32(cancel[1]))
         self.group = group_threads(row_bytes, vec)
         self._device = copier._cp.cuda.Device(copier.device_id)
 

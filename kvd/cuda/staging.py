@@ -25,10 +25,12 @@ Contract:
   ``slot_bytes``, a kernel stream and a DMA stream, two events per slot.
   ``run`` only enqueues; it returns the stream whose completion means the
   whole copy landed (the DMA stream for a gather, the kernel stream for a
-  scatter). A gather's first kernel waits on ``wait_event`` when given; a
-  scatter records ``layer_events[l]`` on the kernel stream once every
-  piece of layer l is scattered. Reusing a slot waits (on the GPU) for the
-  piece that last used it, across requests; nothing here blocks the host.
+  scatter). A scatter with a layer-wise ``signal`` (kvd.cuda.backend's
+  ``GpuSignal``) writes the load's word of layer l on the kernel stream
+  once every piece of layer l is scattered, and its kernels skip the
+  engine's pages once the load's cancel word is set. Reusing a slot waits
+  (on the GPU) for the piece that last used it, across requests; nothing
+  here waits on another process and nothing blocks the host.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class StagingRing:
         return plan_pieces(n_chunks, layer_begin, layer_end, layer_bytes, self.slot_bytes, per_layer)
 
     def run(self, pieces: list, bases: np.ndarray, page_ids: np.ndarray, shard_ptrs: Sequence[int],
-            geometry: dict, wait_event: Any = None, layer_events: Sequence[Any] | None = None) -> Any:
+            geometry: dict, signal: Any = None) -> Any:
         """Enqueue ``pieces`` (from ``plan``); returns the stream that finishes last."""
         rt, k_stream, d_stream = self.rt, self.kernel_stream.ptr, self.dma_stream.ptr
         shard_ptrs = [int(p) for p in shard_ptrs]
@@ -129,11 +131,10 @@ class StagingRing:
             kernel_ptrs += [(self.slot_ptrs[s] + k * width - a * layer_bytes) % 2**64
                             for k in range(c1 - c0)]
         runs = {}
-        if wait_event is not None:
-            rt.streamWaitEvent(k_stream, wait_event, 0)
         gather = self.kind == "gather"
+        cancel = None if signal is None else signal.cancel
         with self.copier.batch(self.kind, bases, page_ids, kernel_ptrs, stream=self.kernel_stream,
-                               **geometry) as batch:
+                               cancel=cancel, **geometry) as batch:
             ptr_first = 0
             for j, ((c0, c1, a, b), s) in enumerate(zip(pieces, slots)):
                 if (c0, c1) not in runs:
@@ -153,9 +154,8 @@ class StagingRing:
                     batch.launch(c0, c1 - c0, a, b, ptr_first)
                     rt.eventRecord(self._kernel_done[s], k_stream)
                     last_of_layers = j + 1 == len(pieces) or pieces[j + 1][2] != a
-                    if layer_events is not None and last_of_layers:
-                        for layer in range(a, b):
-                            rt.eventRecord(layer_events[layer], k_stream)
+                    if signal is not None and signal.layerwise and last_of_layers:
+                        signal.layers_landed(k_stream, range(a, b))
                 ptr_first += c1 - c0
         return self.dma_stream if gather else self.kernel_stream
 

@@ -9,14 +9,24 @@ peer that sends a frame larger than ``max_message_bytes`` is dropped by
 ZeroMQ (its limit is per frame), and a message whose frames together exceed
 it gets a ``too_large`` reply and is not run.
 With ``disk_dir`` set, the disk tier (kvd.tiers.tiering) starts with the loop and
-scans its directory in the background. SIGTERM/SIGINT: stop reading, let
-in-flight requests (and their copies) finish, finish disk IO, remove
-sockets and arena, exit 0.
+scans its directory in the background. SIGTERM/SIGINT: stop reading, end
+every request waiting on a client (``shutting_down``), let the others (and
+their copies) finish within ``shutdown_grace_s`` in all, finish disk IO,
+remove sockets and arena, exit 0: bounded whatever the GPU or the clients
+do, since no copy waits on another process.
+Reaping: a session silent for ``client_timeout_s`` with no request being
+served is reaped. Sooner when its peer is gone: ZeroMQ's socket monitor
+says that some connection closed (not whose), so the daemon then probes
+every session's routing id with a ``{v, id: 0, result: {}}`` message
+(clients drop replies to ids they never sent); with ``ROUTER_MANDATORY`` a
+routing id that has no connection any more fails at once, and that session
+is reaped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -37,7 +47,8 @@ from kvd_protocol.errors import ServerError, ShuttingDown, TooLarge
 from kvd_protocol.runtime import control_endpoint, engine_endpoint, instance_tag, resolve_runtime_dir
 
 log = logging.getLogger("kvd")
-SHUTDOWN_GRACE_S = 30.0
+PROBE = wire.pack({"v": wire.VERSION, "id": 0, "result": {}})
+PROBE_DELAY_S = 0.25
 
 
 class Daemon:
@@ -51,6 +62,7 @@ class Daemon:
         self.service = None
         self.ctx = None
         self.sockets = []
+        self.probe_due: float | None = None
 
     def start(self) -> None:
         t0 = time.monotonic()
@@ -68,7 +80,9 @@ class Daemon:
         if cuda is not None:
             engines["cuda_ipc"] = cuda
         align = 4096 if self.cfg.disk_dir else 256  # 4096: disk IO straight to/from slots
-        self.service = Service(self.cfg, HostTier(self.cfg.host_capacity, align), engines)
+        st = os.stat(self.arena.path)
+        self.service = Service(self.cfg, HostTier(self.cfg.host_capacity, align), engines,
+                               (st.st_dev, st.st_ino), os.urandom(8).hex())
         if self.cfg.disk_dir:
             self.service.tiering = make_tiering(self.cfg, self.service.tier, self.arena.view)
         if self.cfg.disk_gds:
@@ -88,6 +102,7 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails: see _probe_peers
         sock.bind(endpoint)
         self.sockets.append(sock)
         return sock
@@ -102,18 +117,26 @@ class Daemon:
             loop.add_signal_handler(sig, self.stopping.set)
         readers = [asyncio.create_task(self._serve(self.engine_sock, wire.OPS, self._engine_op)),
                    asyncio.create_task(self._serve(self.control_sock, wire.CONTROL_OPS, self._control_op)),
-                   asyncio.create_task(self._reaper())]
+                   asyncio.create_task(self._reaper()),
+                   asyncio.create_task(self._watch_disconnects())]
         if self.service.tiering is not None:
             self.service.tiering.start()  # recovery scan runs in the background
         await self.stopping.wait()
-        log.info("shutting down: finishing %d requests in flight", len(self.tasks))
+        deadline = time.monotonic() + self.cfg.shutdown_grace_s
+        log.info("shutting down: finishing %d requests in flight (at most %.1f s)", len(self.tasks),
+                 self.cfg.shutdown_grace_s)
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
+        self.service.stop_waiting()
         if self.tasks:
-            await asyncio.wait(self.tasks, timeout=SHUTDOWN_GRACE_S)
+            await asyncio.wait(self.tasks, timeout=max(0.0, deadline - time.monotonic()))
         if self.service.tiering is not None:  # finish disk IO before the arena goes
-            await self.service.tiering.stop()
+            try:
+                await asyncio.wait_for(self.service.tiering.stop(),
+                                       max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                log.warning("disk writes still running after shutdown_grace_s; exiting anyway")
 
     def close(self) -> None:
         if self.lock.fd < 0:
@@ -189,10 +212,44 @@ class Daemon:
             await asyncio.sleep(period)
             now = time.monotonic()
             self.service.expire(now)
-            for session in self.service.sessions.stale(self.cfg.client_timeout_s, now):
-                task = asyncio.create_task(self.service.reap(session, "heartbeat timeout"))
+            gone = []
+            if self.probe_due is not None and now >= self.probe_due:
+                self.probe_due = None
+                gone = await self._probe_peers()
+            stale = self.service.sessions.stale(self.cfg.client_timeout_s, now)
+            for session, why in [*((s, "connection closed") for s in gone),
+                                 *((s, "heartbeat timeout") for s in stale if s not in gone)]:
+                task = asyncio.create_task(self.service.reap(session, why))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
+
+    async def _probe_peers(self) -> list:
+        """Sessions whose routing id has no connection any more (ROUTER_MANDATORY)."""
+        gone = []
+        for session in list(self.service.sessions.by_peer.values()):
+            if session.closing:
+                continue
+            try:
+                await self.engine_sock.send_multipart([session.peer, PROBE], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # its queue is full: it is there
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EHOSTUNREACH:
+                    gone.append(session)
+        return gone
+
+    async def _watch_disconnects(self) -> None:
+        """Note when a peer's connection to the engine socket closes (ZeroMQ's monitor
+        names the file descriptor, not the session: the reaper does the rest)."""
+        monitor = self.engine_sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                # give a peer that reconnects at once (same routing id) time to come back
+                self.probe_due = time.monotonic() + PROBE_DELAY_S
+        finally:
+            self.engine_sock.disable_monitor()
+            monitor.close(linger=0)
 
 
 

@@ -1,12 +1,18 @@
 """Client sessions, their KV pool registrations and their leases.
 
 A session is created by ``hello`` and keyed by the client's ZeroMQ routing
-id. It owns registrations (a mapped KV pool plus its namespace) and leases
-(pins on cached entries with an expiry). Every request refreshes
-``last_seen``; heartbeats keep an idle client alive. Copies in flight are
-tracked per registration so that unregistering, ``bye`` and reaping wait
-for them before a pool is unmapped. Registration and lease ids are global
-and never reused, so another session's id is recognised as such.
+id. It owns registrations (a mapped KV pool, its flag page and its
+namespace) and leases (pins on cached entries with an expiry). Every
+request refreshes ``last_seen`` when it starts and when it ends; heartbeats
+keep an idle client alive; a session with requests in flight (``inflight``)
+is never reaped for silence. Per registration, ``turn`` makes requests
+queue their copies in arrival order, ``waiting`` holds the requests that
+wait on the client itself (a store waiting for the engine's stream to
+reach its seq: reaping cancels them) and ``inflight`` the copies, which
+unregistering, ``bye`` and reaping wait for before the pool is unmapped
+(copies never wait on another process, so that wait is bounded).
+Registration and lease ids are global and never reused, so another
+session's id is recognised as such.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ class Registration:
     layout: LayoutDescriptor
     pool: object
     engine: object
+    flags: object  # kvd.copy.flags.FlagPage
     inflight: set = field(default_factory=set)
+    waiting: set = field(default_factory=set)
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     closing: bool = False
 
     @property
@@ -42,9 +51,12 @@ class Registration:
         return self.ns.chunk_tokens // self.layout.page_size
 
     async def drain(self) -> None:
-        """Wait for every copy in flight on this pool (errors were already reported)."""
-        while self.inflight:
-            await asyncio.gather(*list(self.inflight), return_exceptions=True)
+        """Cancel the requests waiting on the client, then wait for every copy in flight
+        on this pool (errors were already reported)."""
+        for task in list(self.waiting):
+            task.cancel()
+        while self.inflight or self.waiting:
+            await asyncio.gather(*list(self.inflight), *list(self.waiting), return_exceptions=True)
 
 
 @dataclass(eq=False)
@@ -63,6 +75,7 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     registrations: dict = field(default_factory=dict)
     leases: dict = field(default_factory=dict)
+    inflight: int = 0  # requests of this session being served now
     closing: bool = False
 
 
@@ -80,7 +93,13 @@ class SessionTable:
         return len(self.by_peer)
 
     def stale(self, timeout_s: float, now: float) -> list[Session]:
-        return [s for s in self.by_peer.values() if not s.closing and now - s.last_seen > timeout_s]
+        """Sessions silent for ``timeout_s``, except those the daemon is serving a request
+        of (a long copy is not silence). Requests that wait on the client itself (a
+        store waiting for the engine's stream) do not count: a dead client never
+        completes them, and reaping cancels them."""
+        return [s for s in self.by_peer.values()
+                if not s.closing and now - s.last_seen > timeout_s
+                and s.inflight <= sum(len(r.waiting) for r in s.registrations.values())]
 
     def expired_leases(self, now: float) -> list[Lease]:
         return [lease for lease in self.leases.values() if lease.expires <= now]

@@ -18,6 +18,7 @@ from kvd_protocol.errors import (
     UnknownOp,
     VersionMismatch,
 )
+from kvd_protocol.flags import FlagLayout
 from kvd_protocol.keys import Namespace
 
 NS_WIRE = {"model": "org/m", "kv_dtype": "float16", "attention": "mha", "num_layers": 2,
@@ -27,18 +28,20 @@ LAYOUT_WIRE = {"num_layers": 2, "planes": 2, "num_pages": 4, "page_size": 4, "ro
 SHM_BUF = {"kind": "shm", "path": "/dev/shm/kvd-pool-1-abc", "size": 1024}
 CUDA_BUF = {"kind": "cuda_ipc", "handle": bytes(range(64)), "offset": 0, "size": 1024,
             "device_uuid": "GPU-00000000-0000-0000-0000-000000000000"}
+FLAGS = {"path": "/dev/shm/kvd-flags-1-abc", "size": 4096, "slots": 8}
 KEYS2 = bytes(range(32))
 PAGES = P.pages_frame([0, 1, 2, 3])
 
 # every op with a full set of valid fields (required and optional) and frames
 SAMPLES = {
-    "hello": ({"client": "test", "pid": 123, "versions": [1]}, []),
+    "hello": ({"client": "test", "pid": 123, "versions": [2]}, []),
     "register": ({"namespace": NS_WIRE, "tp_rank": 0, "buffers": [SHM_BUF, CUDA_BUF],
-                  "layout": LAYOUT_WIRE, "events": [b"\x01" * 64, b"\x02" * 64]}, []),
+                  "layout": LAYOUT_WIRE, "flags": FLAGS}, []),
     "unregister": ({"reg": 5}, []),
     "lookup": ({"reg": 5, "lease_ms": 100}, [KEYS2]),
-    "store": ({"reg": 5, "event": 1, "deadline_us": 10**12}, [KEYS2, PAGES]),
-    "load": ({"reg": 5, "lease": 9, "layerwise": True, "deadline_us": 10**12}, [KEYS2, PAGES]),
+    "store": ({"reg": 5, "seq": 1, "deadline_us": 10**12}, [KEYS2, PAGES]),
+    "load": ({"reg": 5, "slot": 3, "seq": 2**32 - 1, "lease": 9, "layerwise": True,
+              "deadline_us": 10**12}, [KEYS2, PAGES]),
     "release": ({"lease": 9}, []),
     "heartbeat": ({}, []),
     "bye": ({}, []),
@@ -83,7 +86,7 @@ def test_frames_may_be_memoryviews_or_zmq_like_buffers():
 
 def test_header_layout_on_the_wire():
     parts = P.encode_request(3, "release", {"lease": 4})
-    assert msgpack.unpackb(parts[0]) == {"v": 1, "id": 3, "op": "release", "lease": 4}
+    assert msgpack.unpackb(parts[0]) == {"v": 2, "id": 3, "op": "release", "lease": 4}
     # a str is a msgpack str, bytes are a msgpack bin
     raw = P.pack({"a": "x", "b": b"x"})
     assert msgpack.unpackb(raw, raw=True) == {b"a": b"x", b"b": b"x"}
@@ -106,17 +109,17 @@ def expect_error(parts, code, req_id=None, ops=P.OPS, match=None):
 
 
 def test_unknown_op():
-    expect_error([_header(v=1, id=4, op="frobnicate")], "unknown_op", 4)
-    expect_error([_header(v=1, id=4, op=7)], "unknown_op", 4)
-    expect_error([_header(v=1, id=4)], "unknown_op", 4)
+    expect_error([_header(v=2, id=4, op="frobnicate")], "unknown_op", 4)
+    expect_error([_header(v=2, id=4, op=7)], "unknown_op", 4)
+    expect_error([_header(v=2, id=4)], "unknown_op", 4)
     # each socket has its own ops
     expect_error(P.encode_request(5, "stats"), "unknown_op", 5, ops=P.OPS)
     expect_error(P.encode_request(6, "heartbeat"), "unknown_op", 6, ops=P.CONTROL_OPS)
     assert UnknownOp.code == "unknown_op"
 
 
-@pytest.mark.parametrize("v", [2, 0, None, "1", 1.0, True, [1], -1],
-                         ids=["2", "0", "nil", "str", "float", "bool", "list", "negative"])
+@pytest.mark.parametrize("v", [1, 3, 0, None, "2", 2.0, True, [2], -1],
+                         ids=["v1", "3", "0", "nil", "str", "float", "bool", "list", "negative"])
 def test_bad_version(v):
     fields = {"id": 8, "op": "heartbeat"}
     if v is not None:
@@ -128,7 +131,7 @@ def test_bad_version(v):
 @pytest.mark.parametrize("req_id", [None, -1, True, "1", 1.5, 2**64 - 1],
                          ids=["missing", "negative", "bool", "str", "float", "above-2**63-1"])
 def test_bad_id(req_id):
-    fields = {"v": 1, "op": "heartbeat"}
+    fields = {"v": 2, "op": "heartbeat"}
     if req_id is not None:
         fields["id"] = req_id
     expect_error([_header(**fields)], "bad_request", None, match="id")
@@ -155,7 +158,7 @@ def test_unknown_field(op, extra):
 
 
 def test_unknown_bytes_key_is_an_unknown_field():
-    header = _header(v=1, id=13, op="heartbeat", **{"x": 1}).replace(b"\xa1x", b"\xc4\x01x")
+    header = _header(v=2, id=13, op="heartbeat", **{"x": 1}).replace(b"\xa1x", b"\xc4\x01x")
     expect_error([header], "bad_request", 13, match="unknown field")
 
 
@@ -167,7 +170,8 @@ def test_unknown_bytes_key_is_an_unknown_field():
     ("hello", "client", 1), ("hello", "pid", -1), ("hello", "versions", 1),
     ("hello", "versions", "1"), ("register", "namespace", [1]), ("register", "layout", "x"),
     ("register", "buffers", {"kind": "shm"}), ("register", "tp_rank", True),
-    ("register", "events", b"\0" * 64), ("store", "event", True), ("store", "event", -1),
+    ("register", "flags", [1]), ("store", "seq", True), ("store", "seq", -1),
+    ("store", "seq", 2**32), ("load", "seq", 2**32), ("load", "slot", "0"), ("load", "slot", -1),
     ("load", "layerwise", 1), ("load", "layerwise", "true"), ("load", "layerwise", None),
 ], ids=lambda x: repr(x)[:12])
 def test_wrong_type(op, field, value):
@@ -180,7 +184,7 @@ def test_type_limits_accepted():
     fields, frames = SAMPLES["lookup"]
     P.parse_request(P.encode_request(1, "lookup", {**fields, "lease_ms": 0}, frames), P.OPS)
     P.parse_request(P.encode_request(1, "hello", {"client": "c" * 4096, "pid": 2**63 - 1,
-                                                  "versions": [1]}), P.OPS)
+                                                  "versions": [2]}), P.OPS)
     P.parse_request(P.encode_request(1, "unregister", {"reg": 0}), P.OPS)
 
 
@@ -207,32 +211,32 @@ def test_malformed_msgpack(raw):
 
 
 def test_non_string_map_keys_are_malformed():
-    expect_error([msgpack.packb({1: 2, "v": 1, "id": 3, "op": "bye"})], "bad_request", None)
+    expect_error([msgpack.packb({1: 2, "v": 2, "id": 3, "op": "bye"})], "bad_request", None)
 
 
 def test_too_many_map_entries_are_malformed():
     fields = {f"f{i}": i for i in range(70)}
-    expect_error([_header(v=1, id=3, op="bye", **fields)], "bad_request", None)
+    expect_error([_header(v=2, id=3, op="bye", **fields)], "bad_request", None)
 
 
 def test_too_long_array_is_malformed():
     fields, _ = SAMPLES["hello"]
-    expect_error(P.encode_request(3, "hello", {**fields, "versions": [1] * 70000}),
+    expect_error(P.encode_request(3, "hello", {**fields, "versions": [2] * 70000}),
                  "bad_request", None)
 
 
 @pytest.mark.parametrize("ext", [msgpack.ExtType(5, b"abc"), msgpack.ExtType(127, b"x" * 300),
                                  msgpack.Timestamp(1, 0)], ids=["ext", "ext16", "timestamp"])
 def test_msgpack_ext_types_are_refused(ext):
-    header = msgpack.packb({"v": 1, "id": 3, "op": "hello", "client": "c", "pid": 1,
-                            "versions": [1, ext]}, datetime=False)
+    header = msgpack.packb({"v": 2, "id": 3, "op": "hello", "client": "c", "pid": 1,
+                            "versions": [2, ext]}, datetime=False)
     expect_error([header], "bad_request", None, match="malformed msgpack")
 
 
 def test_zero_length_ext_is_refused():
-    header = (b"\x86" + b"".join(msgpack.packb(x) for x in ("v", 1, "id", 3, "op", "hello",
+    header = (b"\x86" + b"".join(msgpack.packb(x) for x in ("v", 2, "id", 3, "op", "hello",
                                                             "client", "c", "pid", 1, "versions"))
-              + b"\x92\x01\xc7\x00\x05")  # versions: [1, ExtType(5, b"")]
+              + b"\x92\x02\xc7\x00\x05")  # versions: [2, ExtType(5, b"")]
     expect_error([header], "bad_request", None)
 
 
@@ -264,7 +268,7 @@ def test_protocol_error_carries_request_id():
     assert isinstance(exc, P.ProtocolError) and exc.req_id == 4242
     exc = expect_error(P.encode_request(0, "heartbeat", {"x": 1}), "bad_request", 0)
     assert exc.req_id == 0  # id 0 is a valid id, not "unreadable"
-    exc = expect_error([_header(v=1, id="x", op="heartbeat")], "bad_request", None)
+    exc = expect_error([_header(v=2, id="x", op="heartbeat")], "bad_request", None)
     assert isinstance(exc, P.ProtocolError) and exc.req_id is None
     # an error reply built from it goes back with the id
     _, _ = P.parse_reply(P.ok_reply(4242, {}))
@@ -391,13 +395,15 @@ def test_buffers_maps_are_strict(items, maxn):
         P.buffers_from_wire(items, maxn)
 
 
-def test_events_list():
-    handles = [b"\x07" * 64] * 3
-    assert P.events_from_wire(handles, 3) == handles
-    assert P.events_from_wire([], 3) == []
-    for bad in ([b"\0" * 64] * 4, [b"\0" * 63], ["\0" * 64], b"\0" * 64, [None]):
-        with pytest.raises(BadRequest, match="event"):
-            P.events_from_wire(bad, 3)
+def test_flags_map():
+    spec, layout = P.flags_from_wire(dict(FLAGS), 2)
+    assert spec == FLAGS and (layout.num_layers, layout.slots, layout.size) == (2, 8, 4096)
+    big = {**FLAGS, "slots": 256, "size": FlagLayout(128, 256).size}
+    assert P.flags_from_wire(big, 128)[1].words == 8 + 256 * (128 + 4)
+    for bad in ({**FLAGS, "size": 8192}, {**FLAGS, "slots": 0}, {**FLAGS, "slots": 257},
+                {**FLAGS, "extra": 1}, {"path": "/x", "size": 4096}, [FLAGS], {**FLAGS, "path": 5}):
+        with pytest.raises(BadRequest, match="flags"):
+            P.flags_from_wire(bad, 2)
 
 
 def test_register_maps_survive_msgpack():
@@ -414,7 +420,7 @@ def test_register_maps_survive_msgpack():
 def test_ok_reply_round_trip():
     parts = P.ok_reply(9, {"hits": 3, "lease": None, "namespace": b"\x01" * 16})
     assert len(parts) == 1
-    assert msgpack.unpackb(parts[0]) == {"v": 1, "id": 9,
+    assert msgpack.unpackb(parts[0]) == {"v": 2, "id": 9,
                                          "result": {"hits": 3, "lease": None,
                                                     "namespace": b"\x01" * 16}}
     assert P.parse_reply(parts) == (9, {"hits": 3, "lease": None, "namespace": b"\x01" * 16})
@@ -423,7 +429,7 @@ def test_ok_reply_round_trip():
 @pytest.mark.parametrize("code", sorted(SERVER_ERRORS))
 def test_error_reply_raises_typed_error(code):
     parts = P.error_reply(21, code, f"message of {code}")
-    assert msgpack.unpackb(parts[0]) == {"v": 1, "id": 21,
+    assert msgpack.unpackb(parts[0]) == {"v": 2, "id": 21,
                                          "error": {"code": code, "message": f"message of {code}"}}
     with pytest.raises(SERVER_ERRORS[code], match=f"message of {code}") as info:
         P.parse_reply(parts)
@@ -434,7 +440,7 @@ def test_error_reply_raises_typed_error(code):
 def test_error_codes_are_distinct_and_documented():
     from pathlib import Path
     doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
-    assert len(SERVER_ERRORS) == 13
+    assert len(SERVER_ERRORS) == 15
     for code, cls in SERVER_ERRORS.items():
         assert cls.code == code
         assert f"| `{code}` | `{cls.__name__}` |" in doc, f"{code} missing from docs/protocol.md"
@@ -448,12 +454,12 @@ def test_error_reply_edge_cases():
         P.parse_reply(P.error_reply(3, "brand_new_code", "later version"))
     assert type(info.value) is ServerError and info.value.code == "brand_new_code"
     with pytest.raises(ServerError) as info:
-        P.parse_reply([P.pack({"v": 1, "id": 3, "error": "oops"})])
+        P.parse_reply([P.pack({"v": 2, "id": 3, "error": "oops"})])
     assert info.value.code == "internal"
 
 
-@pytest.mark.parametrize("raw", [P.pack([1]), P.pack({"v": 1, "id": "x", "result": {}}),
-                                 P.pack({"v": 1, "id": -1, "result": {}})])
+@pytest.mark.parametrize("raw", [P.pack([1]), P.pack({"v": 2, "id": "x", "result": {}}),
+                                 P.pack({"v": 2, "id": -1, "result": {}})])
 def test_malformed_reply(raw):
     with pytest.raises(BadRequest):
         P.parse_reply([raw])

@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 import kvd_client
+from kvd_client.flags import ClientFlags
 from kvd_protocol.runtime import control_endpoint, engine_endpoint
 
 GEOMETRY = ("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")  # layers, pages, page size, heads, dim
@@ -41,19 +42,25 @@ class Raw:
     def send(self, parts: list, timeout: float = 5.0):
         """Reply header (a dict), or None when no reply came within ``timeout``."""
         self.sock.send_multipart(parts)
-        if not self.sock.poll(int(timeout * 1000)):
-            return None
-        reply = self.sock.recv_multipart()
-        assert len(reply) == 1, reply
-        header = msgpack.unpackb(reply[0], raw=False)
-        assert header["v"] == 1
+        while True:
+            if not self.sock.poll(int(timeout * 1000)):
+                return None
+            reply = self.sock.recv_multipart()
+            assert len(reply) == 1, reply
+            header = msgpack.unpackb(reply[0], raw=False)
+            if header.get("id") != 0:
+                break  # id 0: the daemon's liveness probe, not a reply
+        assert header["v"] == 2
         if "error" in header:
             self.errors += 1
         return header
 
     def call(self, op, frames=(), **fields):
         self.next_id += 1
-        return self.send([pack({"v": 1, "id": self.next_id, "op": op, **fields}), *frames])
+        if op == "load":  # every load names a flag-page slot and a seq (tests of those omit them)
+            fields = {"slot": 0, "seq": self.next_id, **fields}
+            fields = {k: v for k, v in fields.items() if v is not OMIT}
+        return self.send([pack({"v": 2, "id": self.next_id, "op": op, **fields}), *frames])
 
     def ok(self, op, frames=(), **fields):
         reply = self.call(op, frames, **fields)
@@ -69,7 +76,7 @@ class Raw:
         return _check_error(self.send(parts), code, req_id, parts[:1])
 
     def hello(self):
-        return self.ok("hello", client="raw", pid=os.getpid(), versions=[1])
+        return self.ok("hello", client="raw", pid=os.getpid(), versions=[2])
 
     def register(self, pool, model="good", **overrides):
         fields = register_fields(pool, model)
@@ -114,10 +121,13 @@ def layout(pool, **overrides) -> dict:
     return wire
 
 
+OMIT = object()  # a field a test leaves out on purpose
+
+
 def register_fields(pool, model="good") -> dict:
     return {"namespace": namespace(pool, model), "tp_rank": 0,
             "buffers": [{"kind": "shm", "path": str(pool.path), "size": pool.size}],
-            "layout": layout(pool)}
+            "layout": layout(pool), "flags": pool.flags.spec}
 
 
 class Good:
@@ -177,9 +187,12 @@ def good(daemon):
 
 @pytest.fixture
 def raw_pool():
-    """A second pool of the good client's geometry, for raw registrations (zero-filled)."""
+    """A second pool of the good client's geometry, for raw registrations (zero-filled),
+    with a flag page of 8 load slots."""
     pool = kvd_client.SharedKVPool(*GEOMETRY)
+    pool.flags = ClientFlags(pool.num_layers, 8)
     yield pool
+    pool.flags.close()
     pool.close()
 
 
@@ -193,24 +206,26 @@ def test_malformed_headers(daemon, good, zctx):
     raw = engine(daemon, zctx)
     for garbage in [b"", b"\xc1", b"\x82\xa1v", b"\x01\x02", b"\xff" * 64,
                     np.random.default_rng(0).bytes(300),
-                    pack({1: 2}), pack({"v": 1, "id": 1, "op": "hello", "x": [[[[[[0]]]]]] * 2})[:-3],
+                    pack({1: 2}), pack({"v": 2, "id": 1, "op": "hello", "x": [[[[[[0]]]]]] * 2})[:-3],
                     msgpack.packb(msgpack.ExtType(1, b"abc")),
                     pack({f"k{i}": i for i in range(100)}),  # more keys than any header has
                     b"\x91" * 100_000 + b"\xc0"]:  # nested 100k deep
         raw.fails_raw("bad_request", [garbage])
     for not_a_map in [[1, 2, 3], 7, "hello", None, True, b"bytes", 1.5]:
         raw.fails_raw("bad_request", [pack(not_a_map)])
-    raw.fails_raw("too_large", [pack({"v": 1, "id": 5, "op": "hello", "client": "x" * 300_000})])
+    raw.fails_raw("too_large", [pack({"v": 2, "id": 5, "op": "hello", "client": "x" * 300_000})])
     # Wrong protocol versions; the id is still echoed where it can be read.
-    for v in [0, 2, -1, 2**64 - 1, "1", None, [1], 1.5, True, 1.0]:
+    for v in [0, 1, 3, -1, 2**64 - 1, "2", None, [2], 1.5, True, 2.0]:
         raw.fails_raw("bad_version", [pack({"v": v, "id": 11, "op": "heartbeat"})], req_id=11)
     raw.fails_raw("bad_version", [pack({"id": 12, "op": "heartbeat"})], req_id=12)
-    raw.fails("bad_version", "hello", client="raw", pid=1, versions=[2, 3])
+    message = raw.fails("bad_version", "hello", client="raw", pid=1, versions=[1])
+    assert "speaks 2" in message  # a v1 client is told what to upgrade
+    raw.fails("bad_version", "hello", client="raw", pid=1, versions=[3, 4])
     raw.fails("bad_version", "hello", client="raw", pid=1, versions=[])
     # Request ids that are not non-negative int64.
     for bad_id in [-1, True, 2**63, 2**64 - 1, "7", 1.0, None, [1]]:
-        raw.fails_raw("bad_request", [pack({"v": 1, "id": bad_id, "op": "heartbeat"})])
-    raw.fails_raw("bad_request", [pack({"v": 1, "op": "heartbeat"})])
+        raw.fails_raw("bad_request", [pack({"v": 2, "id": bad_id, "op": "heartbeat"})])
+    raw.fails_raw("bad_request", [pack({"v": 2, "op": "heartbeat"})])
     raw.close()
     good.assert_intact(raw.errors)
 
@@ -222,8 +237,8 @@ def test_fields_ops_and_frame_counts(daemon, good, zctx, raw_pool):
     for op in ["nope", "", "op_store", "__init__", "handle", "stats", "health", "clear", "HELLO"]:
         raw.fails("unknown_op", op)
     for op in [7, None, ["store"], {"x": 1}, True]:
-        raw.fails_raw("unknown_op", [pack({"v": 1, "id": 21, "op": op})], req_id=21)
-    raw.fails_raw("unknown_op", [pack({"v": 1, "id": 22})], req_id=22)
+        raw.fails_raw("unknown_op", [pack({"v": 2, "id": 21, "op": op})], req_id=21)
+    raw.fails_raw("unknown_op", [pack({"v": 2, "id": 22})], req_id=22)
     keys = b"".join(good.keys)
     # Missing and unknown fields.
     raw.fails("bad_request", "lookup", [keys])
@@ -243,15 +258,22 @@ def test_fields_ops_and_frame_counts(daemon, good, zctx, raw_pool):
         raw.fails("bad_request", "lookup", [keys], reg=reg, lease_ms=value)
         raw.fails("bad_request", "release", lease=value)
         raw.fails("bad_request", "unregister", reg=value)
-        raw.fails("bad_request", "hello", client="raw", pid=value, versions=[1])
+        raw.fails("bad_request", "hello", client="raw", pid=value, versions=[2])
         raw.fails("bad_request", "register", **{**register_fields(raw_pool), "tp_rank": value})
     for value in [1, "yes", None]:
         raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, layerwise=value)
-    for value in bad_ints:
-        raw.fails("bad_request", "store", [keys, pages(*range(16))], reg=reg, event=value)
+    for value in bad_ints + [2**32]:
+        raw.fails("bad_request", "store", [keys, pages(*range(16))], reg=reg, seq=value)
+        raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, seq=value)
+        raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, slot=value)
+    raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, slot=OMIT)
+    raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, seq=OMIT)
+    for slot in (8, 9, 2**40):  # the pool's flag page has 8 load slots
+        assert "slot" in raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg,
+                                   slot=slot)
     for value in [5, None, b"bytes", "s" * 5000, ["a"]]:
         raw.fails("bad_request", "lookup", [keys], reg=reg, salt=value)
-        raw.fails("bad_request", "hello", client=value, pid=1, versions=[1])
+        raw.fails("bad_request", "hello", client=value, pid=1, versions=[2])
     for value in ["1", 1, {"v": 1}, None]:
         raw.fails("bad_request", "hello", client="raw", pid=1, versions=value)
     # Wrong numbers of frames.
@@ -263,7 +285,7 @@ def test_fields_ops_and_frame_counts(daemon, good, zctx, raw_pool):
     raw.fails("bad_request", "heartbeat", [b""])
     raw.fails("bad_request", "release", [b"x"], lease=1)
     raw.fails("bad_request", "register", [b"x"], **register_fields(raw_pool))
-    raw.fails("bad_request", "hello", [b""], client="raw", pid=1, versions=[1])
+    raw.fails("bad_request", "hello", [b""], client="raw", pid=1, versions=[2])
     # The session survived all of it: hello was never replaced, the pool is still ours.
     assert raw.ok("lookup", [keys], reg=reg) == {"hits": 4, "lease": None}
     raw.ok("unregister", reg=reg)
@@ -553,9 +575,9 @@ def test_oversized_message_drops_the_peer(start_daemon, zctx, raw_pool):
         big = engine(daemon, zctx)
         big.hello()
         # One frame over the limit: ZeroMQ drops the connection; no reply, nothing done.
-        assert big.send([pack({"v": 1, "id": 1, "op": "lookup", "reg": reg}), KEY * 5000],
+        assert big.send([pack({"v": 2, "id": 1, "op": "lookup", "reg": reg}), KEY * 5000],
                         timeout=1.0) is None
-        assert big.send([pack({"v": 1, "id": 2, "op": "heartbeat", "pad": "x" * 70_000})],
+        assert big.send([pack({"v": 2, "id": 2, "op": "heartbeat", "pad": "x" * 70_000})],
                         timeout=0.5) is None
         # The DEALER reconnected as a new peer (no fixed routing id): the old one was dropped.
         big.fails("no_session", "heartbeat")
@@ -588,7 +610,7 @@ def test_control_socket_rejects_engine_ops(daemon, good, zctx):
     for op in ["hello", "register", "lookup", "store", "load", "release", "unregister",
                "heartbeat", "bye", "nope"]:
         ctl.fails("unknown_op", op)
-    ctl.fails("unknown_op", "hello", client="raw", pid=1, versions=[1])
+    ctl.fails("unknown_op", "hello", client="raw", pid=1, versions=[2])
     ctl.fails("unknown_op", "lookup", [KEY], reg=1)
     ctl.fails("bad_request", "stats", [b"x"])
     ctl.fails("bad_request", "health", extra=1)

@@ -1,4 +1,4 @@
-"""kvd.cuda.poll without a GPU: objects with a ``done`` property stand in for CUDA events."""
+"""kvd.copy.poll without a GPU: objects with a ``done`` property stand in for CUDA events."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvd.cuda.poll import EventPoller
+from kvd.copy.poll import EventPoller
 
 
 class FakeEvent:

@@ -1,0 +1,106 @@
+"""The client's side of a registration's flag page (layout: kvd_protocol.flags).
+
+``ClientFlags(num_layers, slots, shm_dir, device)`` creates the page in
+shared memory (``kvd-flags-<pid>-<hex>``, mode 0600, removed by ``close``
+and at exit) and, for a CUDA pool (``device`` = the GPU ordinal), registers
+it with the driver so the engine's streams can write and wait on its words.
+
+- ``mark_store(stream, seq)``: the engine's stream writes ``seq`` into the
+  store word once everything queued before it ran (the forward pass that
+  wrote the KV); the daemon starts the store's copy only then.
+- ``wait_layer(stream, slot, layer, seq)``: the engine's stream waits until
+  the daemon signalled layer ``layer`` of the load ``seq`` in ``slot``.
+- ``cancel(slot, seq)``: the daemon's kernels that have not started skip
+  the load; ``done(slot, seq)``: the daemon wrote the load's done word (it
+  will not write the load's pages again); ``release_waits(slot, seq)``: the
+  CPU writes every layer word of the load, so no stream waits on it any
+  more (a failed load: the caller cancels first and reports the failure).
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from kvd_protocol import cuda_driver
+from kvd_protocol.flags import STORE_WORD, FlagLayout, reached
+
+from .pool import remove_dead_files
+
+
+class ClientFlags:
+    def __init__(self, num_layers: int, slots: int, shm_dir: str = "/dev/shm", device: int | None = None):
+        self.layout = FlagLayout(num_layers, slots)
+        size = self.layout.size
+        remove_dead_files(Path(shm_dir), "kvd-flags")
+        self.path = Path(shm_dir) / f"kvd-flags-{os.getpid()}-{os.urandom(6).hex()}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        self.words = np.frombuffer(self._map, dtype="<u4")
+        self.words[:4] = self.layout.header()
+        self.ptr = self.words.ctypes.data
+        self.device = device
+        self.dev_base = None
+        if device is not None:
+            try:
+                self.dev_base = cuda_driver.register_host(self.ptr, size, device)
+            except BaseException:
+                self.close()
+                raise
+        atexit.register(self.close)
+
+    @property
+    def spec(self) -> dict:
+        return {"path": str(self.path), "size": self.layout.size, "slots": self.layout.slots}
+
+    def _dev(self, word: int) -> int:
+        return self.dev_base + 4 * word
+
+    def mark_store(self, stream: int, seq: int) -> None:
+        cuda_driver.stream_write_u32(stream, self._dev(STORE_WORD), seq)
+
+    def wait_layer(self, stream: int, slot: int, layer: int, seq: int) -> None:
+        cuda_driver.stream_wait_u32(stream, self._dev(self.layout.layer_word(slot, layer)), seq)
+
+    def layer_landed(self, slot: int, layer: int, seq: int) -> bool:
+        return reached(int(self.words[self.layout.layer_word(slot, layer)]), seq)
+
+    def cancel(self, slot: int, seq: int) -> None:
+        self.words[self.layout.cancel_word(slot)] = seq
+
+    def done(self, slot: int, seq: int) -> bool:
+        return reached(int(self.words[self.layout.done_word(slot)]), seq)
+
+    def release_waits(self, slot: int, seq: int) -> None:
+        first = self.layout.layer_word(slot, 0)
+        layers = self.words[first:first + self.layout.num_layers]
+        behind = np.array([not reached(int(w), seq) for w in layers])
+        layers[behind] = seq  # never move a word backwards
+
+    def close(self) -> None:
+        if getattr(self, "_map", None) is None:
+            return
+        if self.dev_base is not None:
+            try:
+                cuda_driver.unregister_host(self.ptr)
+            except Exception:  # noqa: BLE001 - a context already torn down at exit
+                pass
+            self.dev_base = None
+        self.words = None
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        self._map = None
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,229 @@
+"""The client's engine room: sending transfers, routing replies, deadlines, fences.
+
+``Pump(client)`` is composed into ``KvdClient``. ``start(t)`` sends a
+transfer (saying hello first when the client is not connected).
+``progress(target, timeout)`` collects replies from the channel (waiting up
+to ``timeout`` for one) and routes each to its ``Transfer`` or blocking
+call, then does the housekeeping: transfers past their deadline fail with
+``Timeout``; failed loads are cancelled, their stream waits released, and
+fenced once the daemon's done word arrives, the daemon is gone, or
+``fence_quiet_s`` passed (kvd_client.transfer); while anything is pending
+the daemon's instance lock is probed (kvd_client.liveness) and a dead
+daemon fails everything in flight at once, instead of at the timeouts.
+Transfers answered ``no_session`` are resent after hello, as the client's
+``Retry`` allows. ``keep()`` is the body of the client's background thread:
+the same housekeeping when no caller is waiting, heartbeats when idle, and
+hello when a daemon appears. State is under the client's lock; nobody
+sleeps holding it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvd_protocol import wire
+from kvd_protocol.errors import DaemonUnavailable, KvdError, NoSession, Timeout
+
+from .transfer import Transfer
+
+log = logging.getLogger("kvd_client")
+NOT_QUEUED = {"busy", "no_session", "bad_request", "bad_version", "unknown_op", "not_found",
+              "forbidden", "out_of_range", "too_large", "shutting_down"}
+KEEPER_PERIOD_S = 0.02  # housekeeping while transfers are pending
+PROBE_PERIOD_S = 0.05   # daemon liveness checks while transfers are pending
+
+
+class Pump:
+    def __init__(self, client):
+        self.c = client
+        self.fencing: list[Transfer] = []
+        self.resend: list[Transfer] = []
+        self.waiters = 0
+        self.last_probe = 0.0
+
+    # ---- sending --------------------------------------------------------------------
+
+    def start(self, t: Transfer) -> None:
+        if not t.keys:
+            self._finish_unsent(t, None)
+            return
+        try:
+            self.c._ensure_connected()
+            self._send(t)
+        except KvdError as exc:
+            self._finish_unsent(t, exc)
+
+    def _send(self, t: Transfer) -> None:
+        c = self.c
+        fields = {"reg": t.reg.id, "deadline_us": int(t.deadline * 1e6)}
+        if t.op == "store":
+            if getattr(t, "store_seq", None) is not None:
+                fields["seq"] = t.store_seq
+        else:
+            fields.update(slot=t.slot, seq=t.seq, layerwise=t.layerwise)
+            if getattr(t, "lease", None) is not None:
+                fields["lease"] = t.lease
+        req_id = c.channel.send(t.op, fields, [wire.keys_frame(t.keys), t.pages])
+        with c._lock:
+            t.req_id, t.sent = req_id, True
+            c._pending[req_id] = t
+
+    def _finish_unsent(self, t: Transfer, error: KvdError | None) -> None:
+        """A transfer that never reached a daemon: nothing can touch its pages."""
+        with self.c._lock:
+            if error is None:
+                t.succeed(0)
+            else:
+                t.fail(error)
+            if t.seq is not None:
+                t.reg.flags.release_waits(t.slot, t.seq)
+            t.fence()
+            self._finished(t)
+
+    # ---- receiving --------------------------------------------------------------------
+
+    def progress(self, target=None, timeout: float | None = None) -> None:
+        c = self.c
+        with c._lock:
+            self.waiters += 1
+        try:
+            wait = 0.01 if timeout is None else max(0.0, min(timeout, 0.01))
+            replies = c.channel.collect(wait)
+            with c._lock:
+                for req_id, result, error in replies:
+                    self._dispatch(req_id, result, error)
+                self._housekeeping()
+        finally:
+            with c._lock:
+                self.waiters -= 1
+        if self.resend and c._hello_thread is None:
+            self._recover()
+
+    def _dispatch(self, req_id: int, result, error) -> None:
+        item = self.c._pending.pop(req_id, None)
+        if item is None:
+            return
+        if not isinstance(item, Transfer):
+            item.resolve(result, error)
+            return
+        if error is None:
+            chunks = result["loaded"] if item.op == "load" else result["stored"] + result["deduped"]
+            item.succeed(chunks * item.reg.namespace.chunk_tokens)
+            self._finished(item)
+        elif isinstance(error, NoSession) and item.attempts < self.c.retry.attempts:
+            item.attempts += 1
+            self.c._need_hello = True
+            self.resend.append(item)
+        else:
+            self._fail(item, error)
+
+    def _fail(self, t: Transfer, error: Exception) -> None:
+        t.fail(error)
+        if t.seq is None:  # a store: ended is fenced
+            self._finished(t)
+            return
+        flags = t.reg.flags
+        flags.cancel(t.slot, t.seq)       # kernels not started yet skip the pages
+        flags.release_waits(t.slot, t.seq)  # no engine stream waits on a failed load
+        if flags.done(t.slot, t.seq) or getattr(error, "code", None) in NOT_QUEUED:
+            t.fence()
+            self._finished(t)
+        else:
+            t.fence_at = time.monotonic() + self.c.fence_quiet_s
+            self.fencing.append(t)
+
+    def _finished(self, t: Transfer) -> None:
+        if getattr(t, "collect", False):
+            self.c._finished.append(t)
+
+    # ---- housekeeping (the client's lock is held) ---------------------------------------
+
+    def _housekeeping(self) -> None:
+        c, now = self.c, time.monotonic()
+        for req_id, item in list(c._pending.items()):
+            if isinstance(item, Transfer) and now > item.deadline:
+                del c._pending[req_id]
+                c.channel.forget(req_id)
+                self._fail(item, Timeout(f"kvd did not finish the {item.op} within "
+                                         f"{c.timeout:g} s"))
+        for t in list(self.fencing):
+            if t.reg.flags.done(t.slot, t.seq) or now >= t.fence_at:
+                self.fencing.remove(t)
+                t.fence()
+                self._finished(t)
+        busy = any(isinstance(i, Transfer) for i in c._pending.values())
+        if busy and c.connected and now - self.last_probe > PROBE_PERIOD_S:
+            self.last_probe = now
+            if c.probe.gone(c.limits.get("daemon_pid")):
+                self._daemon_gone()
+
+    def _daemon_gone(self) -> None:
+        """The daemon's process ended: everything in flight failed; a load's pages are
+        fenced after ``fence_quiet_s`` (time for the driver to tear its context down)."""
+        c = self.c
+        log.warning("kvd (pid %s) is gone; %d requests in flight failed",
+                    c.limits.get("daemon_pid"), len(c._pending))
+        c.connected, c._need_hello = False, True
+        for reg in c.registrations:
+            reg.id = 0
+        error = DaemonUnavailable("the daemon exited while the request was in flight")
+        for req_id, item in list(c._pending.items()):
+            del c._pending[req_id]
+            c.channel.forget(req_id)
+            if isinstance(item, Transfer):
+                self._fail(item, error)
+            else:
+                item.resolve(None, error)
+
+    def _recover(self) -> None:
+        """Hello and register again, then resend what ``no_session`` turned away."""
+        c = self.c
+        with c._lock:
+            todo, self.resend = self.resend, []
+        try:
+            time.sleep(c.retry.delay(min(t.attempts for t in todo) - 1))
+            c._hello()
+        except KvdError as exc:
+            with c._lock:
+                for t in todo:
+                    self._fail(t, exc)
+            return
+        for t in todo:
+            try:
+                self._send(t)
+            except KvdError as exc:
+                with c._lock:
+                    self._fail(t, exc)
+
+    # ---- the background thread ---------------------------------------------------------
+
+    def keep(self) -> None:
+        c = self.c
+        while not c._closed.wait(self._period()):
+            try:
+                if self.waiters == 0:
+                    self.progress(None, 0.0)
+                if c.connected and c._heartbeat and time.monotonic() - c._last_ok > self._interval():
+                    self._heartbeat()
+                elif not c.connected and c.registrations and c.channel.socket_exists():
+                    c._hello()  # a daemon appeared: register the pools
+            except KvdError as exc:
+                log.debug("background exchange failed: %s", exc)
+            except Exception:  # noqa: BLE001 - the engine must never lose this thread
+                log.exception("kvd_client background thread")
+
+    def _period(self) -> float:
+        busy = bool(self.c._pending) or bool(self.fencing)
+        return KEEPER_PERIOD_S if busy else min(self._interval(), 1.0)
+
+    def _interval(self) -> float:
+        return float(self.c.limits.get("heartbeat_interval_s", 5.0))
+
+    def _heartbeat(self) -> None:
+        c = self.c
+        c._last_ok = time.monotonic()
+        try:
+            c._call("heartbeat", {}, timeout=min(c.timeout, self._interval()))
+        except NoSession:
+            c._hello()

@@ -1,0 +1,59 @@
+"""A registered pool on the client's side, and the small records the client keeps.
+
+``KVRegistration`` holds what re-registering after a daemon restart needs
+(the register request's fields), the pool, its flag page (kvd_client.flags),
+the id the current daemon gave it (0: not registered with it), the load
+slots' last transfers (a slot is reused once its last transfer is done,
+i.e. fenced) and the store and load sequence counters (uint32, never 0:
+every flag word starts at 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvd_protocol.keys import Namespace
+
+from .flags import ClientFlags
+from .transfer import Transfer
+
+
+@dataclass(eq=False)
+class KVRegistration:
+    """A registered pool; ``id`` changes when the daemon restarts (0: not registered)."""
+
+    namespace: Namespace
+    tp_rank: int
+    fields: dict
+    pool: object
+    flags: ClientFlags
+    id: int = 0
+    pages_per_chunk: int = 0
+    owners: list = field(default_factory=list)  # load slot -> its last Transfer
+    store_seq: int = 0
+    load_seq: int = 0
+    last_load: Transfer | None = None
+
+
+class Call:
+    """A blocking request's reply slot."""
+
+    def __init__(self):
+        self.result, self.error, self.done = None, None, False
+
+    def resolve(self, result, error) -> None:
+        self.result, self.error, self.done = result, error, True
+
+
+
+
+
+def engine_stream(pool) -> int | None:
+    """The engine's current CUDA stream for a CUDA pool, else None."""
+    current = getattr(pool, "stream_ptr", None)
+    return None if current is None else current()
+
+
+def next_seq(seq: int) -> int:
+    seq = (seq + 1) & 0xFFFFFFFF
+    return seq or 1  # 0 is every word's initial value

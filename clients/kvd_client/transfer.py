@@ -1,0 +1,91 @@
+"""A store or load in flight: how it ended, and when its pages are the engine's again.
+
+``Transfer`` is what ``KvdClient.submit_store`` and ``submit_load`` return.
+``status`` goes from ``"pending"`` to ``"ok"`` or ``"failed"`` (``error``
+then says why, a ``kvd_protocol.errors`` exception); ``tokens`` is what
+landed (store: tokens now cached, stored or deduplicated; load: tokens
+whose KV is in the pages). ``done`` is true once the transfer ended **and is
+fenced**: the daemon will never again read (store) or write (load) its
+pages, so the engine may reuse them. ``wait(timeout)`` drives the client
+until then.
+
+Fences. A store is fenced when it ends: the daemon replies only after its
+copy landed, and discards a copy that lands after the client's deadline. A
+load that succeeded is fenced by its reply (the daemon writes the slot's
+done word before it replies). A failed load is fenced once the daemon
+wrote the slot's done word, or the daemon can no longer write (its process
+is gone), or ``fence_quiet_s`` passed since the client wrote the slot's
+cancel word (copy kernels check it before they touch the pages, so only a
+kernel already running could still write, and none runs that long). Before
+the fence the client releases every stream wait on the load (layer words),
+so a failed load never stalls the engine; its pages hold undefined bytes
+and must be recomputed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class Transfer:
+    def __init__(self, client, op: str, reg, keys: list, pages: bytes, deadline: float,
+                 slot: int | None = None, seq: int | None = None, layerwise: bool = False):
+        self._client = client
+        self.op = op
+        self.reg = reg
+        self.keys = keys
+        self.pages = pages
+        self.deadline = deadline  # CLOCK_MONOTONIC seconds
+        self.slot, self.seq, self.layerwise = slot, seq, layerwise
+        self.status = "pending"
+        self.tokens = 0
+        self.error: Exception | None = None
+        self.req_id: int | None = None
+        self.attempts = 0
+        self.fence_at: float | None = None  # failed load: fenced by this time at the latest
+        self._done = threading.Event()
+
+    @property
+    def chunks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def done(self) -> bool:
+        """Ended and fenced: the pages are the engine's again."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> "Transfer":
+        """Drive the client until this transfer is done (or ``timeout`` passed)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.done:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self._client.progress(self, left)
+        return self
+
+    # ---- state changes (the client's lock is held) -----------------------------------
+
+    def succeed(self, tokens: int) -> None:
+        self.status, self.tokens = "ok", tokens
+        self._done.set()
+
+    def fail(self, error: Exception) -> None:
+        if self.status != "pending":
+            return
+        self.status, self.error = "failed", error
+        if self.op == "store" or self.seq is None:
+            self._done.set()  # the daemon never touches a store's pages after it ended
+
+    def fence(self) -> None:
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = self.status + ("" if self.done else ", fencing" if self.status == "failed" else "")
+        return (f"<Transfer {self.op} {self.chunks} chunks {state} tokens={self.tokens}"
+                f"{'' if self.error is None else f' error={self.error!r}'}>")

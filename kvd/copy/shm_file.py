@@ -1,0 +1,41 @@
+"""Mapping a client's shared-memory file, after checking it may be mapped.
+
+``map_shm_file(path, size, shm_dir, what, forbid)`` opens ``path`` without
+following symlinks and maps its first ``size`` bytes shared, read/write.
+The file must be a regular file directly inside ``shm_dir``, owned by the
+daemon's user, at least ``size`` bytes long, and not the file ``forbid``
+names (``(st_dev, st_ino)``: the daemon's own arena). Anything else is a
+``BadRequest`` naming ``what`` (e.g. ``buffers[2]``, ``flags``). Used for
+host-backend pool buffers and for every registration's flag page.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from pathlib import Path
+
+from kvd_protocol.errors import BadRequest
+
+
+def map_shm_file(path: str, size: int, shm_dir: Path, what: str,
+                 forbid: tuple[int, int] | None = None) -> mmap.mmap:
+    p = Path(path)
+    if not p.is_absolute() or p.parent.resolve() != shm_dir:
+        raise BadRequest(f"{what}.path must be a file directly inside {shm_dir}")
+    try:
+        fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BadRequest(f"{what}: cannot open {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise BadRequest(f"{what}: {path} is not a regular file of our user")
+        if forbid is not None and (st.st_dev, st.st_ino) == forbid:
+            raise BadRequest(f"{what}: {path} is the daemon's own host tier")
+        if size < 1 or st.st_size < size:
+            raise BadRequest(f"{what}: {path} holds {st.st_size} bytes, not {size}")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)

@@ -1,0 +1,308 @@
+"""Store and load: the two ops that move chunk bytes, with their order and their fences.
+
+Both run their set-up inside the registration's ``turn``, so the copies of
+one registration are queued in the order its requests arrived, and wait for
+the copy outside it, so later requests queue while earlier copies run.
+
+Store: reserve the shards (dedup, all or nothing), wait on the host until
+the engine's stream reached the store's ``seq`` in the flag page (the
+daemon's streams never wait on anything of the engine's; the wait ends at
+the client's deadline with ``deadline_exceeded`` and at reaping or shutdown
+with ``cancelled``), queue the gather, then wait for it and commit the
+shards only if it landed before the client's deadline (the client may have
+reused the pages after it). The reply means the pages may be reused.
+
+Load: pin the longest ready prefix (host entries, then disk: promotions
+into host slots, or GPU Direct Storage reads queued on the load stream),
+then queue the scatter with the load's ``LoadSignal``: layer words as
+layers land (layer-wise), the done word after the last copy, and kernels
+that skip the engine's pages once the client wrote the slot's cancel word.
+If anything fails before the scatter is queued, the slot's words are
+released (on the GPU after queued GDS kernels, else from the CPU), so no
+engine stream waits forever. The reply is ``{loaded}`` once the bytes
+landed, ``cancelled`` when the client cancelled meanwhile (the pages hold
+undefined bytes) or the error; in every case the daemon writes nothing
+into the pages after its done word.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from kvd.copy.flags import LoadSignal
+from kvd.copy.plan import CopyPlan
+from kvd.copy.poll import EventPoller
+from kvd.server.sessions import Registration
+from kvd_protocol import wire
+from kvd_protocol.errors import (
+    BadRequest,
+    Cancelled,
+    CopyFailed,
+    DeadlineExceeded,
+    NotFound,
+    OutOfRange,
+    ServerError,
+    ShuttingDown,
+)
+
+log = logging.getLogger("kvd")
+
+
+class Transfers:
+    def __init__(self, cfg, tier, stats):
+        self.cfg = cfg
+        self.tier = tier
+        self.stats = stats
+        self.tiering = None  # kvd.tiers.tiering.Tiering when the disk tier is on
+        self.gds = None      # kvd.cuda.gds.GdsLoader when disk_gds is on and available
+        self.stopping = False
+        # a store may wait a whole forward pass for the engine: poll gently when idle
+        self.flag_poller = EventPoller(idle_after_s=0.001, idle_sleep_s=0.0002)
+
+    # ---- store ------------------------------------------------------------------
+
+    async def store(self, reg: Registration, req: wire.Request) -> dict:
+        t0 = time.perf_counter()
+        keys, pages = self._keys_and_pages(reg, req)
+        deadline = req.fields.get("deadline_us")
+        async with reg.turn:
+            _check_open(reg)
+            todo, deduped = self._reserve(reg, keys)
+            self.stats.add("store_dedup", deduped)
+            if not todo:
+                return {"stored": 0, "deduped": deduped}
+            try:
+                if "seq" in req.fields:
+                    await self._engine_reached(reg, req.fields["seq"], deadline)
+                chunks = [i for i, _ in todo]
+                plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
+                                pages.reshape(len(keys), -1)[chunks].reshape(-1),
+                                [e.shard_offset(reg.tp_rank) for _, e in todo])
+                landed = await self._start(reg, reg.engine.gather(plan))
+            except BaseException:
+                self._abort(reg, todo)
+                raise
+        try:
+            waited = await _landed(landed)
+            _check_deadline(deadline)
+        except BaseException:
+            self._abort(reg, todo)
+            raise
+        for _, entry in todo:
+            self.tier.commit(entry, reg.tp_rank)
+        if self.tiering is not None:
+            self.tiering.wake.set()  # the demoter looks at the watermark now
+        _log_timing("store", len(todo), t0, waited)
+        self.stats.add("chunks_stored", len(todo))
+        self.stats.add("bytes_stored", len(todo) * reg.shard_bytes)
+        return {"stored": len(todo), "deduped": deduped}
+
+    async def _engine_reached(self, reg: Registration, seq: int, deadline_us) -> None:
+        """Wait (polling the flag page from the loop) until the engine's stream wrote
+        ``seq``: its forward pass has written the KV the store reads."""
+        waiter = self.flag_poller.wait(reg.flags.store_ready(seq))
+        reg.waiting.add(waiter)
+        timeout = None if deadline_us is None else max(0.0, deadline_us / 1e6 - time.monotonic())
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded("the engine's stream did not reach the store's seq before the "
+                                   "deadline; nothing stored") from None
+        except asyncio.CancelledError:
+            if not waiter.cancelled():
+                raise  # the request itself was cancelled
+            if self.stopping:
+                raise ShuttingDown("daemon is shutting down; nothing stored") from None
+            raise Cancelled("the registration closed while the store waited for the engine; "
+                            "nothing stored") from None
+        finally:
+            reg.waiting.discard(waiter)
+            waiter.cancel()
+
+    def _reserve(self, reg: Registration, keys: list):
+        """Reserve every shard to copy, all or nothing; dedup hits stay pinned meanwhile."""
+        todo, seen, pinned = [], set(), []
+        try:
+            for i, key in enumerate(keys):
+                if key in seen:
+                    continue
+                seen.add(key)
+                entry, fresh = self.tier.reserve(key, reg.ns_digest, reg.shard_bytes,
+                                                 reg.ns.shards, reg.tp_rank)
+                if fresh:
+                    todo.append((i, entry))
+                else:
+                    self.tier.pin([entry])
+                    pinned.append(entry)
+        except BaseException:
+            self._abort(reg, todo)
+            raise
+        finally:
+            self.tier.unpin(pinned)
+        return todo, len(keys) - len(todo)
+
+    def _abort(self, reg: Registration, todo: list) -> None:
+        for _, entry in todo:
+            self.tier.abort(entry, reg.tp_rank)
+
+    # ---- load -------------------------------------------------------------------
+
+    async def load(self, reg: Registration, req: wire.Request) -> dict:
+        t0 = time.perf_counter()
+        keys, pages = self._keys_and_pages(reg, req)
+        f = req.fields
+        reg.flags.check_slot(f["slot"])
+        signal = LoadSignal(reg.flags, f["slot"], f["seq"], bool(f.get("layerwise")))
+        entries, direct = [], 0
+        try:
+            async with reg.turn:
+                try:
+                    _check_open(reg)
+                    entries, direct, host_pages = await self._pin_prefix(reg, req, keys, pages,
+                                                                         signal)
+                    landed = await self._queue_scatter(reg, req, entries, direct, host_pages,
+                                                       signal)
+                except BaseException:
+                    await self._release_unqueued(reg, signal, direct)
+                    raise
+            if landed is None:
+                return {"loaded": 0}
+            waited = await _landed(landed)
+        finally:
+            self.tier.unpin(entries)
+        if signal.cancelled:
+            raise Cancelled("the client cancelled the load; its pages hold undefined bytes")
+        _log_timing("load", len(entries), t0, waited)
+        loaded = len(entries) + direct
+        self.stats.add("chunks_loaded", loaded)
+        self.stats.add("bytes_loaded", loaded * reg.shard_bytes)
+        return {"loaded": loaded}
+
+    async def _pin_prefix(self, reg: Registration, req, keys: list, pages, signal: LoadSignal):
+        """(host entries, pinned; chunks GDS queued; the host entries' page ids)."""
+        entries = self.tier.ready_prefix(keys)
+        self.tier.pin(entries)
+        host_pages = pages[:len(entries) * reg.pages_per_chunk]
+        if self.tiering is None or len(entries) == len(keys):
+            return entries, 0, host_pages
+        try:
+            direct, promoted, promoted_pages = await self._from_disk(reg, req, keys, pages,
+                                                                     len(entries), signal)
+        except BaseException:
+            self.tier.unpin(entries)
+            raise
+        return entries + promoted, direct, np.concatenate([host_pages, promoted_pages])
+
+    async def _from_disk(self, reg: Registration, req, keys: list, pages, hits: int,
+                         signal: LoadSignal):
+        """The prefix past the first ``hits`` chunks, from disk: (chunks GPU Direct Storage
+        queued, host entries promoted from disk (pinned), their page ids). GDS comes first;
+        where it failed for IO reasons (not a bad chunk) the rest takes the host path."""
+        ppc, direct = reg.pages_per_chunk, 0
+        if self.gds is not None and self.gds.eligible(reg):
+            cancel = (reg.flags.addr(reg.flags.layout.cancel_word(signal.slot)), signal.seq)
+            direct, fallback = await self.gds.load(
+                reg, keys[hits:], pages[hits * ppc:], self.tier,
+                lambda: _check_deadline(req.fields.get("deadline_us")), cancel)
+            if not fallback:
+                return direct, [], pages[:0]
+        promoted = await self.tiering.promote_prefix(keys[hits + direct:])
+        first = (hits + direct) * ppc
+        return direct, promoted, pages[first:first + len(promoted) * ppc]
+
+    async def _queue_scatter(self, reg: Registration, req, entries: list, direct: int, host_pages,
+                             signal: LoadSignal):
+        """Queue the scatter (None when there is nothing to load: the slot is released)."""
+        if not entries and not direct:
+            signal.release()
+            return None
+        if signal.cancelled:
+            raise Cancelled("the client cancelled the load before it started; nothing written")
+        if not direct:  # GDS kernels already queued must be followed by the signals
+            _check_deadline(req.fields.get("deadline_us"))
+        plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, host_pages,
+                        [e.shard_offset(reg.tp_rank) for e in entries], signal=signal)
+        return await self._start(reg, reg.engine.scatter(plan))
+
+    async def _release_unqueued(self, reg: Registration, signal: LoadSignal, direct: int) -> None:
+        """A load that failed before its scatter was queued still releases every wait on
+        its slot: after GDS kernels it already queued (on their stream), else at once."""
+        if not direct:
+            signal.release()
+            return
+        empty = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, np.zeros(0, np.int64), [],
+                         signal=signal)
+        try:
+            await self._start(reg, reg.engine.scatter(empty))
+        except Exception:  # noqa: BLE001 - a broken GPU: the client's fence times out instead
+            log.exception("could not queue the signals of a failed load")
+
+    # ---- shared -------------------------------------------------------------------
+
+    def _keys_and_pages(self, reg: Registration, req):
+        keys = wire.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
+        pages = wire.pages_from_frame(req.frames[1])
+        if len(pages) != len(keys) * reg.pages_per_chunk:
+            raise BadRequest(f"{len(keys)} chunks need {len(keys) * reg.pages_per_chunk} page ids, "
+                             f"got {len(pages)}")
+        if len(pages) and (pages.min() < 0 or pages.max() >= reg.layout.num_pages):
+            raise OutOfRange(f"page ids must lie in [0, {reg.layout.num_pages})")
+        return keys, pages
+
+    async def _start(self, reg: Registration, start) -> asyncio.Future:
+        """Queue a copy (``start``: the backend's gather/scatter coroutine) and track it
+        on the registration until it lands."""
+        try:
+            landed = await start
+        except ServerError:
+            raise
+        except Exception as exc:
+            log.exception("copy could not start")
+            raise CopyFailed(f"copy could not start: {type(exc).__name__}: {exc}") from None
+        reg.inflight.add(landed)
+        landed.add_done_callback(reg.inflight.discard)
+        landed.add_done_callback(_log_failure)
+        return landed
+
+
+async def _landed(landed: asyncio.Future) -> float:
+    """Wait for a queued copy; returns the seconds waited. A copy is never left running
+    unowned: a cancelled waiter still waits for it before giving up."""
+    t0 = time.perf_counter()
+    try:
+        await asyncio.shield(landed)
+    except asyncio.CancelledError:
+        await asyncio.gather(landed, return_exceptions=True)
+        raise
+    except ServerError:
+        raise
+    except Exception as exc:
+        raise CopyFailed(f"copy failed: {type(exc).__name__}: {exc}") from None
+    return time.perf_counter() - t0
+
+
+def _check_open(reg: Registration) -> None:
+    if reg.closing:
+        raise NotFound(f"registration {reg.id} was closed")
+
+
+def _check_deadline(deadline_us) -> None:
+    """Past the client's deadline: it stopped waiting and may reuse its pages, so a
+    finished store cannot be trusted and a load must not start."""
+    if deadline_us is not None and time.monotonic_ns() // 1000 > deadline_us:
+        raise DeadlineExceeded("past the client's deadline; nothing kept or written")
+
+
+def _log_timing(op: str, chunks: int, t0: float, waited: float) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s of %d chunks: %.3f ms in the service, %.3f ms of it in the copy", op, chunks,
+                  (time.perf_counter() - t0) * 1e3, waited * 1e3)
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("copy failed: %r", future.exception())
