@@ -49,6 +49,7 @@ from kvd_protocol.runtime import control_endpoint, engine_endpoint, instance_tag
 log = logging.getLogger("kvd")
 PROBE = wire.pack({"v": wire.VERSION, "id": 0, "result": {}})
 PROBE_DELAY_S = 0.25
+REPLY_PATIENCE_S = 5.0
 
 
 class Daemon:
@@ -190,13 +191,30 @@ class Daemon:
             self.service.stats.add("errors")
         self.service.stats.add(f"op_{op}")
         self.service.stats.observe(op, time.perf_counter() - t0)
-        try:
-            await sock.send_multipart([peer, *reply])
-        except zmq.ZMQError as exc:
-            log.debug("reply to a gone peer dropped: %s", exc)
+        await self._reply(sock, peer, reply)
         if log.isEnabledFor(logging.DEBUG):  # CLOCK_MONOTONIC: comparable with the client's
             log.debug("request %s: received %.6f, started %.6f, replied %.6f", op, received,
                       started, time.monotonic())
+
+    async def _reply(self, sock, peer: bytes, reply: list) -> None:
+        """Send a reply; a peer whose queue is full (it does not read) gets up to
+        ``REPLY_PATIENCE_S`` before the reply is dropped and counted; a gone peer's is
+        dropped at once."""
+        give_up = time.monotonic() + REPLY_PATIENCE_S
+        while True:
+            try:
+                await sock.send_multipart([peer, *reply], flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if time.monotonic() > give_up:
+                    self.service.stats.add("replies_dropped")
+                    log.warning("a reply was dropped: the client has not read its replies for "
+                                "%.0f s", REPLY_PATIENCE_S)
+                    return
+                await asyncio.sleep(0.001)
+            except zmq.ZMQError as exc:
+                log.debug("reply to a gone peer dropped: %s", exc)
+                return
 
     async def _engine_op(self, peer: bytes, req):
         if self.stopping.is_set() and req.op not in ("bye", "heartbeat"):

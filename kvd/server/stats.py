@@ -40,5 +40,6 @@ class Stats:
                 "hit_rate": round(c["hit_chunks"] / lookups, 4) if lookups else 0.0,
                 "bytes_stored": c["bytes_stored"], "bytes_loaded": c["bytes_loaded"],
                 "chunks_stored": c["chunks_stored"], "chunks_loaded": c["chunks_loaded"],
-                "store_dedup": c["store_dedup"], "errors": c["errors"],
+                "store_dedup": c["store_dedup"], "errors": c["errors"], "busy": c["busy"],
+                "replies_dropped": c["replies_dropped"],
                 "clients_reaped": c["clients_reaped"], "uptime_s": round(time.monotonic() - self.started, 1)}
