@@ -15,7 +15,7 @@ One private ``kvd serve --gpu on`` daemon and two engine processes (spawned):
   (a) ``full``: a full prefill of the prompt (the reference logits);
   (c) ``suffix``: the suffix-only prefill with the prefix KV already in its
       pool (computed by B itself, not through kvd);
-  (b) ``kvd``: lookup, ``load(..., layerwise=True)`` into other pages, and the
+  (b) ``kvd``: lookup, ``submit_load(..., layerwise=True)`` into other pages, and the
       suffix-only prefill where layer i's forward pre-hook waits for layer
       i's copy (``wait_for_layer``, a stream wait) and gathers its pages, so
       layer i computes while later layers are still arriving;
@@ -336,10 +336,12 @@ def _engine_b(args, rundir: str) -> dict:
                 hit = client.lookup(prompt)
                 if hit != n:
                     raise RuntimeError(f"lookup hit {hit} tokens of the {n}-token prefix")
-                if client.load(prompt[:hit], loaded_ids, layerwise=True) != hit:
-                    raise RuntimeError("load returned fewer tokens than the lookup hit")
-                return prefill_from_pool(model, pool, loaded, hit, suffix_ids,
-                                         before_layer=client.wait_for_layer)
+                transfer = client.submit_load(prompt[:hit], loaded_ids, layerwise=True)
+                out = prefill_from_pool(model, pool, loaded, hit, suffix_ids,
+                                        before_layer=lambda i: client.wait_for_layer(i, transfer))
+                if not transfer.wait().ok or transfer.tokens != hit:  # failed: recompute instead
+                    raise RuntimeError(f"the layer-wise load failed: {transfer}")
+                return out
             t, got = _timed(torch, via_kvd)
             times["kvd"].append(t)
             t, _ = _timed(torch, lambda: dev[:nbytes].copy_(host[:nbytes], non_blocking=True))

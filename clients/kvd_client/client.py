@@ -137,8 +137,8 @@ class KvdClient:
         """One blocking request: its result, or its error raised."""
         timeout = self.timeout if timeout is None else timeout
         call = Call()
-        req_id = self.channel.send(op, fields, frames)
-        with self._lock:
+        with self._lock:  # registered before any thread can collect its reply
+            req_id = self.channel.send(op, fields, frames)
             self._pending[req_id] = call
         end = time.monotonic() + timeout
         while not call.done:
@@ -317,16 +317,11 @@ class KvdClient:
         return self._blocking(self.submit_store(tokens, page_ids, salt, reg))
 
     def load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
-             reg: KVRegistration | None = None, layerwise: bool = False) -> int:
+             reg: KVRegistration | None = None) -> int:
         """Copy the cached prefix of ``tokens`` into ``page_ids``; returns tokens loaded (0
         on failure: then the pages hold undefined bytes, and the daemon no longer writes
-        them). ``layerwise``: returns once the load is sent; the engine's stream waits per
-        layer (``wait_for_layer``)."""
-        t = self.submit_load(tokens, page_ids, salt, lease, reg, layerwise)
-        if layerwise and engine_stream(t.reg.pool) is not None:
-            t.collect = False
-            return t.chunks * t.reg.namespace.chunk_tokens if t.status != "failed" else 0
-        return self._blocking(t)
+        them). Layer-wise loads are ``submit_load(..., layerwise=True)``."""
+        return self._blocking(self.submit_load(tokens, page_ids, salt, lease, reg))
 
     def _blocking(self, t: Transfer) -> int:
         t.collect = False

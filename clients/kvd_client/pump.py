@@ -64,8 +64,8 @@ class Pump:
             fields.update(slot=t.slot, seq=t.seq, layerwise=t.layerwise)
             if getattr(t, "lease", None) is not None:
                 fields["lease"] = t.lease
-        req_id = c.channel.send(t.op, fields, [wire.keys_frame(t.keys), t.pages])
-        with c._lock:
+        with c._lock:  # registered before any thread can collect its reply
+            req_id = c.channel.send(t.op, fields, [wire.keys_frame(t.keys), t.pages])
             t.req_id, t.sent = req_id, True
             c._pending[req_id] = t
 

@@ -87,10 +87,11 @@ def test_disk_only_chunks_load_into_pages_bit_exact(gds_daemon, layerwise):
         assert c.lookup(tokens) == n * CHUNK
         for t in tensors:
             t.view(torch.uint8).fill_(0xA5)
-        assert c.load(tokens, dst, layerwise=layerwise) == n * CHUNK
+        t = c.submit_load(tokens, dst, layerwise=layerwise)
         if layerwise:
             for layer in range(LAYERS):
-                c.wait_for_layer(layer)
+                c.wait_for_layer(layer, t)
+        assert t.wait(60).ok and t.tokens == n * CHUNK, t
         torch.cuda.synchronize()
         for t, w in zip(tensors, want):
             assert torch.equal(t[:, dst].view(torch.uint8), w.view(torch.uint8))
@@ -165,9 +166,10 @@ def test_gds_io_error_falls_back_to_the_host_path(start_daemon, tmp_path, monkey
         assert c.store(tokens, range(3 * PPC)) == 3 * CHUNK
         _to_disk_only(d)
         dst = list(range(3 * PPC, 6 * PPC))
-        assert c.load(tokens, dst, layerwise=True) == 3 * CHUNK
+        t = c.submit_load(tokens, dst, layerwise=True)
         for layer in range(LAYERS):
-            c.wait_for_layer(layer)
+            c.wait_for_layer(layer, t)
+        assert t.wait(60).ok and t.tokens == 3 * CHUNK, t
         torch.cuda.synchronize()
         for t, w in zip(tensors, want):
             assert torch.equal(t[:, dst].view(torch.uint8), w.view(torch.uint8))

@@ -168,11 +168,12 @@ def test_layerwise_load_on_the_engine_stream(gpu_daemon):
         for t in tensors:
             t[:, 8:16].view(torch.uint8).fill_(0x5A)
         torch.cuda.synchronize()
-        assert client.load(tokens, range(8, 16), layerwise=True) == 2 * CHUNK
+        transfer = client.submit_load(tokens, range(8, 16), layerwise=True)
         seen = []
         for layer in range(layers):
-            client.wait_for_layer(layer)
-            seen.append(tensors[layer][:, 8:16].clone())  # ordered after layer's event
+            client.wait_for_layer(layer, transfer)
+            seen.append(tensors[layer][:, 8:16].clone())  # ordered after layer's flag word
+        assert transfer.wait(60).ok and transfer.tokens == 2 * CHUNK, transfer
         torch.cuda.synchronize()
         for layer in range(layers):
             assert torch.equal(seen[layer].view(torch.uint8), want[layer].view(torch.uint8)), layer

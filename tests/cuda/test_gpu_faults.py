@@ -1,0 +1,153 @@
+"""No process's death hangs another, on the GPU: real engines, a real daemon, real kills.
+
+- An engine dies (exits, or is SIGKILLed) while its store waits behind a long
+  kernel on its stream: another engine on the same GPU stores and loads
+  within ``client_timeout_s`` + 2 s, bytes verified; the daemon stops on
+  SIGTERM within its grace period afterwards.
+- The daemon is SIGKILLed while a layer-wise load (and, separately, a plain
+  load) is being copied: the engine's stream resumes within the client's
+  timeout (an event recorded after the waits of every layer completes), the
+  load is reported failed, and a restarted daemon serves the same engine
+  without restarting it.
+Skipped without torch, cupy or a GPU.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cupy")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+import kvd_client  # noqa: E402
+from kvd_client.torch_pool import CudaKVPool  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+CHUNK = 64
+KNOBS = {"chunk_tokens": CHUNK, "host_capacity": "1GiB", "gpu": "on", "client_timeout_s": 2.0,
+         "heartbeat_interval_s": 0.2, "shutdown_grace_s": 8.0}
+
+
+def tensors(layers=2, pages=64, page=16, heads=4, dim=64):
+    return [torch.randint(0, 256, (2, pages, page, heads, dim * 2), dtype=torch.uint8,
+                          device="cuda").view(torch.bfloat16) for _ in range(layers)]
+
+
+def _dying_engine(runtime_dir: str, how: str, q) -> None:
+    import torch as t
+
+    import kvd_client as kc
+    from kvd_client.torch_pool import CudaKVPool as Pool
+    kv = [t.ones(2, 64, 16, 4, 64, dtype=t.bfloat16, device="cuda") for _ in range(2)]
+    client = kc.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=30).connect()
+    client.register_kv(Pool("vllm_flash_attn", kv), model="shared-gpu")
+    t.cuda.synchronize()
+    t.cuda._sleep(4_000_000_000)  # seconds of GPU time: the store's mark comes after it
+    transfer = client.submit_store(np.arange(4 * CHUNK) + 5, range(16))
+    q.put(("waiting", os.getpid(), transfer.status))
+    if how == "exit":
+        os._exit(0)  # the context goes away with the kernel still running
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_dead_engine_with_a_waiting_store_hangs_nobody(start_daemon, how):
+    d = start_daemon(**KNOBS)
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), how, q))
+    dying.start()
+    kind, pid, status = q.get(timeout=120)
+    assert (kind, status) == ("waiting", "pending")
+    time.sleep(0.3)
+    if how == "sigkill":
+        os.kill(pid, signal.SIGKILL)
+    dying.join(30)
+    kv = tensors()
+    t0 = time.monotonic()
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True, timeout=10) as c:
+        c.register_kv(CudaKVPool("vllm_flash_attn", kv), model="shared-gpu")
+        tokens = np.arange(4 * CHUNK) + 999
+        want = [x[:, 0:16].clone() for x in kv]
+        torch.cuda.synchronize()
+        assert c.store(tokens, range(16)) == 4 * CHUNK
+        for x in kv:
+            x[:, 16:32].view(torch.uint8).fill_(0xA5)
+        assert c.load(tokens, range(16, 32)) == 4 * CHUNK
+        torch.cuda.synchronize()
+        assert all(torch.equal(x[:, 16:32].view(torch.uint8), w.view(torch.uint8))
+                   for x, w in zip(kv, want))
+    assert time.monotonic() - t0 < KNOBS["client_timeout_s"] + 2
+    stats = d.stats()
+    assert stats["clients"] == 0 and stats["tiers"]["host"]["entries"] == stats["tiers"]["host"]["chunks"]
+    t1 = time.monotonic()
+    assert d.stop(signal.SIGTERM, timeout=30) == 0, d.log()
+    assert time.monotonic() - t1 < 10
+
+
+@pytest.mark.parametrize("when,layerwise", [("queued", True), ("queued", False),
+                                            ("copying", True), ("copying", False)])
+def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon, when, layerwise):
+    """``queued``: the daemon is stopped (SIGSTOP) when the load arrives and killed with the
+    load unanswered; ``copying``: killed a few milliseconds into a 1 GiB load (it may have
+    finished: then its bytes must be right)."""
+    knobs = {**KNOBS, "host_capacity": "2GiB"}
+    d = start_daemon(**knobs)
+    layers, pages = 16, 512
+    kv = tensors(layers, pages, 16, 8, 128)  # 64 KiB per page and layer: 512 MiB a direction
+    client = kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), timeout=10,
+                                  fence_quiet_s=0.5).connect()
+    try:
+        client.register_kv(CudaKVPool("vllm_flash_attn", kv), model="phoenix-gpu")
+        tokens = np.arange(64 * CHUNK)  # 64 chunks of 4 pages: pages 0..255
+        want = [x[:, 0:256].clone() for x in kv]
+        torch.cuda.synchronize()
+        assert client.store(tokens, range(256)) == 64 * CHUNK
+        if when == "queued":
+            d.proc.send_signal(signal.SIGSTOP)
+        t = client.submit_load(tokens, range(256, 512), layerwise=layerwise)
+        if layerwise:
+            for layer in range(layers):
+                client.wait_for_layer(layer, t)
+        after = torch.cuda.Event()
+        after.record(torch.cuda.current_stream())  # ordered after every layer's wait
+        time.sleep(0.3 if when == "queued" else 0.003)
+        assert when == "copying" or not t.done
+        d.kill()
+        killed = time.monotonic()
+        t.wait(30)
+        assert t.done, t
+        while not after.query():
+            assert time.monotonic() - killed < client.timeout, "the engine's stream is stuck"
+            time.sleep(0.01)
+        if t.ok:
+            assert when == "copying"
+            torch.cuda.synchronize()
+            assert all(torch.equal(x[:, 256:512].view(torch.uint8), w.view(torch.uint8))
+                       for x, w in zip(kv, want))
+        else:
+            assert isinstance(t.error, kvd_client.DaemonUnavailable), t
+        x = torch.ones(1024, device="cuda")
+        assert float((x * 2).sum()) == 2048.0  # the engine's GPU work goes on
+        d2 = start_daemon(runtime_dir=d.runtime_dir, **knobs)
+        deadline = time.monotonic() + 20
+        while client.store(tokens[:4 * CHUNK], range(16)) != 4 * CHUNK:
+            assert time.monotonic() < deadline, "the client did not come back"
+            time.sleep(0.1)
+        for x in kv:
+            x[:, 16:32].view(torch.uint8).fill_(0x5A)
+        assert client.load(tokens[:4 * CHUNK], range(16, 32)) == 4 * CHUNK
+        torch.cuda.synchronize()
+        assert all(torch.equal(x[:, 16:32].view(torch.uint8), w[:, 0:16].view(torch.uint8))
+                   for x, w in zip(kv, want))
+        assert d2.stats()["registrations"] == 1
+    finally:
+        client.close()
