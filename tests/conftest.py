@@ -128,6 +128,11 @@ def start_daemon():
     for d in started:
         if d.proc is not None and d.proc.poll() is None:
             d.stop()
+    keep = os.environ.get("KVD_TEST_LOG_DIR")  # e.g. on the GPU machine: logs come back
+    for d in started if keep else ():
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        if d.log_path.exists():
+            shutil.copy(d.log_path, Path(keep) / f"{base.name}-{d.log_path.name}")
     for d in started:  # a daemon a test killed on purpose leaves its arena behind
         for arena in SHM.glob(f"kvd-arena-{instance_tag(d.runtime_dir)}-*"):
             arena.unlink(missing_ok=True)

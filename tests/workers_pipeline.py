@@ -26,7 +26,7 @@ def stuck_store(runtime_dir: str, key: bytes, report) -> None:
     reg = raw.register(pool, model="stuck")
     raw.next_id += 1
     raw.sock.send_multipart([__import__("msgpack").packb(
-        {"v": 2, "id": raw.next_id, "op": "store", "reg": reg, "seq": 7}), key, pages(0, 1, 2, 3)])
+        {"v": 2, "id": raw.next_id, "op": "store", "reg": reg, "after": 7}), key, pages(0, 1, 2, 3)])
     report.send({"pid": os.getpid(), "pool": str(pool.path), "flags": str(pool.flags.path)})
     time.sleep(120)
 

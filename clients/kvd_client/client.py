@@ -115,6 +115,8 @@ class KvdClient:
 
     def _hello(self) -> None:
         with self._hello_lock:
+            if self.connected and not self._need_hello:
+                return  # another thread said hello while this one waited for the lock
             self._hello_thread = threading.get_ident()
             try:
                 limits = self._call("hello", {"client": self.name, "pid": os.getpid(),
@@ -286,11 +288,7 @@ class KvdClient:
         keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
         t = Transfer(self, "store", reg, keys, pages, time.monotonic() + self.timeout)
         t.collect = True
-        stream = engine_stream(reg.pool)
-        if stream is not None and keys:  # the daemon starts once the engine's stream got here
-            reg.store_seq = next_seq(reg.store_seq)
-            reg.flags.mark_store(stream, reg.store_seq)
-            t.store_seq = reg.store_seq
+        self._mark(t)
         self._start(t)
         return t
 
@@ -309,8 +307,18 @@ class KvdClient:
         with self._lock:
             reg.owners[slot] = t
             reg.last_load = t
+        self._mark(t)
         self._start(t)
         return t
+
+    def _mark(self, t: Transfer) -> None:
+        """CUDA pools: the daemon copies once the engine's stream got here (a store's KV
+        is written; the last kernels that used a load's pages are done)."""
+        stream = engine_stream(t.reg.pool)
+        if stream is not None and t.keys:
+            t.reg.mark_seq = next_seq(t.reg.mark_seq)
+            t.reg.flags.mark(stream, t.reg.mark_seq)
+            t.after = t.reg.mark_seq
 
     def store(self, tokens, page_ids, salt: str | None = None, reg: KVRegistration | None = None) -> int:
         """Offload the whole chunks of ``tokens``; returns tokens now cached (0 on failure)."""

@@ -5,9 +5,10 @@ shared memory (``kvd-flags-<pid>-<hex>``, mode 0600, removed by ``close``
 and at exit) and, for a CUDA pool (``device`` = the GPU ordinal), registers
 it with the driver so the engine's streams can write and wait on its words.
 
-- ``mark_store(stream, seq)``: the engine's stream writes ``seq`` into the
-  store word once everything queued before it ran (the forward pass that
-  wrote the KV); the daemon starts the store's copy only then.
+- ``mark(stream, value)``: the engine's stream writes ``value`` into the
+  mark word once everything queued before it ran (the forward pass that
+  wrote a store's KV, the kernels that last used a load's pages); the
+  daemon starts a copy sent with ``after=value`` only then.
 - ``wait_layer(stream, slot, layer, seq)``: the engine's stream waits until
   the daemon signalled layer ``layer`` of the load ``seq`` in ``slot``.
 - ``cancel(slot, seq)``: the daemon's kernels that have not started skip
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kvd_protocol import cuda_driver
-from kvd_protocol.flags import STORE_WORD, FlagLayout, reached
+from kvd_protocol.flags import MARK_WORD, FlagLayout, reached
 
 from .pool import remove_dead_files
 
@@ -67,8 +68,8 @@ class ClientFlags:
     def _dev(self, word: int) -> int:
         return self.dev_base + 4 * word
 
-    def mark_store(self, stream: int, seq: int) -> None:
-        cuda_driver.stream_write_u32(stream, self._dev(STORE_WORD), seq)
+    def mark(self, stream: int, value: int) -> None:
+        cuda_driver.stream_write_u32(stream, self._dev(MARK_WORD), value)
 
     def wait_layer(self, stream: int, slot: int, layer: int, seq: int) -> None:
         cuda_driver.stream_wait_u32(stream, self._dev(self.layout.layer_word(slot, layer)), seq)

@@ -57,10 +57,9 @@ class Pump:
     def _send(self, t: Transfer) -> None:
         c = self.c
         fields = {"reg": t.reg.id, "deadline_us": int(t.deadline * 1e6)}
-        if t.op == "store":
-            if getattr(t, "store_seq", None) is not None:
-                fields["seq"] = t.store_seq
-        else:
+        if getattr(t, "after", None) is not None:
+            fields["after"] = t.after
+        if t.op == "load":
             fields.update(slot=t.slot, seq=t.seq, layerwise=t.layerwise)
             if getattr(t, "lease", None) is not None:
                 fields["lease"] = t.lease
@@ -226,4 +225,5 @@ class Pump:
         try:
             c._call("heartbeat", {}, timeout=min(c.timeout, self._interval()))
         except NoSession:
+            c._need_hello = True
             c._hello()

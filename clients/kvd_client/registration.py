@@ -4,7 +4,7 @@
 (the register request's fields), the pool, its flag page (kvd_client.flags),
 the id the current daemon gave it (0: not registered with it), the load
 slots' last transfers (a slot is reused once its last transfer is done,
-i.e. fenced) and the store and load sequence counters (uint32, never 0:
+i.e. fenced) and the mark and load sequence counters (uint32, never 0:
 every flag word starts at 0).
 """
 
@@ -30,7 +30,7 @@ class KVRegistration:
     id: int = 0
     pages_per_chunk: int = 0
     owners: list = field(default_factory=list)  # load slot -> its last Transfer
-    store_seq: int = 0
+    mark_seq: int = 0
     load_seq: int = 0
     last_load: Transfer | None = None
 

@@ -12,10 +12,13 @@ Layout (word indices; ``FlagLayout`` computes them):
 
 - ``MAGIC``, ``VERSION``, ``num_layers``, ``slots`` at words 0-3 (written by
   the client at creation; the daemon checks them).
-- word ``STORE_WORD``: the engine's stream writes a store's ``seq`` here
-  once the forward pass has written the KV; the daemon polls it from the
-  host and starts that store's copy only when it is reached. The daemon
-  never puts anything of the engine's into its own streams.
+- word ``MARK_WORD``: the engine's **mark**. Before each store or load the
+  engine's stream writes the next mark value here (after everything it
+  queued so far: the forward pass that wrote a store's KV, the last kernels
+  that used a load's pages); the request carries that value as ``after``,
+  and the daemon, polling the word from the host, queues the copy only once
+  it is reached. The daemon never puts anything of the engine's into its
+  own streams.
 - per load slot ``s`` (``slots`` of them), ``num_layers + 4`` words:
   ``layer[l]`` (the daemon writes the load's ``seq`` once layer ``l``
   landed; the engine's stream waits for it), ``done`` (the daemon writes
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 MAGIC = 0x4644564B  # b"KVDF" little-endian
 VERSION = 1
 HEADER_WORDS = 8
-STORE_WORD = 4
+MARK_WORD = 4
 SLOT_EXTRA = 4  # done, cancel, 2 spare
 MAX_SLOTS = 256
 MAX_LAYERS = 1024

@@ -11,8 +11,9 @@ and malformed arrays raise a ``ServerError`` subclass carrying the request
 id (when it could be read) so the daemon can send a typed error reply.
 No pickle, no msgpack ext types. docs/protocol.md is the prose version.
 Version 2 replaced v1's CUDA IPC events with the flag page (kvd_protocol.flags):
-every registration names one, stores carry the ``seq`` the engine's stream
-writes, loads the ``slot`` and ``seq`` the daemon signals. A v1 peer gets a
+every registration names one, stores and loads carry the engine's mark
+(``after``) its stream writes, loads the ``slot`` and ``seq`` the daemon
+signals. A v1 peer gets a
 ``bad_version`` reply naming the versions this side speaks.
 """
 
@@ -76,9 +77,9 @@ OPS = {
                     "flags": _map}),
     "unregister": Op({"reg": _int}),
     "lookup": Op({"reg": _int}, {"lease_ms": _int}, frames=1),
-    "store": Op({"reg": _int}, {"seq": _u32, "deadline_us": _int}, frames=2),
+    "store": Op({"reg": _int}, {"after": _u32, "deadline_us": _int}, frames=2),
     "load": Op({"reg": _int, "slot": _int, "seq": _u32},
-               {"lease": _int, "layerwise": _bool, "deadline_us": _int}, frames=2),
+               {"after": _u32, "lease": _int, "layerwise": _bool, "deadline_us": _int}, frames=2),
     "release": Op({"lease": _int}),
     "heartbeat": Op(),
     "bye": Op(),

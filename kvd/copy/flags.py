@@ -2,10 +2,10 @@
 
 ``FlagPage.open(spec, layout, shm_dir, forbid)`` maps the client's flag
 file (checked like a pool buffer: kvd.copy.shm_file) and checks its header.
-The daemon reads two kinds of words: the store word (``store_ready(seq)``
-returns an object whose ``done`` turns true when the engine's stream wrote
-``seq``: polled by kvd.copy.poll, never waited on in a stream) and a load
-slot's cancel word (``cancelled``). It writes a load slot's layer and done
+The daemon reads two kinds of words: the engine's mark word
+(``engine_reached(value)`` returns an object whose ``done`` turns true when
+the engine's stream got to ``value``: polled by kvd.copy.poll, never waited
+on in a stream) and a load slot's cancel word (``cancelled``). It writes a load slot's layer and done
 words: from the CPU (``signal_layer``, ``signal_done``, ``release``: the host
 backend, and any load that failed before a copy was queued) or from a CUDA
 stream (the CUDA backend writes at ``addr(word)`` once the page is
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from kvd_protocol.errors import BadRequest
-from kvd_protocol.flags import MAGIC, STORE_WORD, VERSION, FlagLayout, reached
+from kvd_protocol.flags import MAGIC, MARK_WORD, VERSION, FlagLayout, reached
 
 from .shm_file import map_shm_file
 
@@ -63,8 +63,8 @@ class FlagPage:
     def addr(self, word: int) -> int:
         return self.ptr + 4 * word
 
-    def store_ready(self, seq: int) -> _Reached:
-        return _Reached(self.words, STORE_WORD, seq)
+    def engine_reached(self, value: int) -> _Reached:
+        return _Reached(self.words, MARK_WORD, value)
 
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.layout.slots:

@@ -193,6 +193,7 @@ class Service:
         if session.closing:
             return
         session.closing = True
+        t0 = time.monotonic()
         for lease in list(session.leases.values()):
             self._drop_lease(lease)
         for reg in list(session.registrations.values()):
@@ -201,7 +202,8 @@ class Service:
             del self.sessions.by_peer[session.peer]
         if why != "bye":
             self.stats.add("clients_reaped")
-        log.info("client %s (pid %d) removed: %s", session.name, session.pid, why)
+        log.info("client %s (pid %d) removed: %s (%.3f s)", session.name, session.pid, why,
+                 time.monotonic() - t0)
 
     def stop_waiting(self) -> None:
         """Shutdown: every request waiting on a client ends now (``shutting_down``)."""

@@ -76,8 +76,8 @@ class Transfers:
             if not todo:
                 return {"stored": 0, "deduped": deduped}
             try:
-                if "seq" in req.fields:
-                    await self._engine_reached(reg, req.fields["seq"], deadline)
+                if "after" in req.fields:
+                    await self._engine_reached(reg, req.fields["after"], deadline)
                 chunks = [i for i, _ in todo]
                 plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
                                 pages.reshape(len(keys), -1)[chunks].reshape(-1),
@@ -101,24 +101,25 @@ class Transfers:
         self.stats.add("bytes_stored", len(todo) * reg.shard_bytes)
         return {"stored": len(todo), "deduped": deduped}
 
-    async def _engine_reached(self, reg: Registration, seq: int, deadline_us) -> None:
-        """Wait (polling the flag page from the loop) until the engine's stream wrote
-        ``seq``: its forward pass has written the KV the store reads."""
-        waiter = self.flag_poller.wait(reg.flags.store_ready(seq))
+    async def _engine_reached(self, reg: Registration, mark: int, deadline_us) -> None:
+        """Wait (polling the flag page from the loop) until the engine's stream wrote its
+        ``mark``: the forward pass wrote a store's KV, or the kernels that last used a
+        load's pages are done with them."""
+        waiter = self.flag_poller.wait(reg.flags.engine_reached(mark))
         reg.waiting.add(waiter)
         timeout = None if deadline_us is None else max(0.0, deadline_us / 1e6 - time.monotonic())
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except asyncio.TimeoutError:
-            raise DeadlineExceeded("the engine's stream did not reach the store's seq before the "
-                                   "deadline; nothing stored") from None
+            raise DeadlineExceeded("the engine's stream did not reach the request's mark before "
+                                   "the deadline; nothing copied") from None
         except asyncio.CancelledError:
             if not waiter.cancelled():
                 raise  # the request itself was cancelled
             if self.stopping:
                 raise ShuttingDown("daemon is shutting down; nothing stored") from None
-            raise Cancelled("the registration closed while the store waited for the engine; "
-                            "nothing stored") from None
+            raise Cancelled("the registration closed while the request waited for the engine; "
+                            "nothing copied") from None
         finally:
             reg.waiting.discard(waiter)
             waiter.cancel()
@@ -162,6 +163,8 @@ class Transfers:
             async with reg.turn:
                 try:
                     _check_open(reg)
+                    if "after" in f:  # the pages' last users on the engine's stream are done
+                        await self._engine_reached(reg, f["after"], f.get("deadline_us"))
                     entries, direct, host_pages = await self._pin_prefix(reg, req, keys, pages,
                                                                          signal)
                     landed = await self._queue_scatter(reg, req, entries, direct, host_pages,

@@ -39,8 +39,8 @@ SAMPLES = {
                   "layout": LAYOUT_WIRE, "flags": FLAGS}, []),
     "unregister": ({"reg": 5}, []),
     "lookup": ({"reg": 5, "lease_ms": 100}, [KEYS2]),
-    "store": ({"reg": 5, "seq": 1, "deadline_us": 10**12}, [KEYS2, PAGES]),
-    "load": ({"reg": 5, "slot": 3, "seq": 2**32 - 1, "lease": 9, "layerwise": True,
+    "store": ({"reg": 5, "after": 1, "deadline_us": 10**12}, [KEYS2, PAGES]),
+    "load": ({"reg": 5, "slot": 3, "seq": 2**32 - 1, "after": 7, "lease": 9, "layerwise": True,
               "deadline_us": 10**12}, [KEYS2, PAGES]),
     "release": ({"lease": 9}, []),
     "heartbeat": ({}, []),
@@ -170,8 +170,9 @@ def test_unknown_bytes_key_is_an_unknown_field():
     ("hello", "client", 1), ("hello", "pid", -1), ("hello", "versions", 1),
     ("hello", "versions", "1"), ("register", "namespace", [1]), ("register", "layout", "x"),
     ("register", "buffers", {"kind": "shm"}), ("register", "tp_rank", True),
-    ("register", "flags", [1]), ("store", "seq", True), ("store", "seq", -1),
-    ("store", "seq", 2**32), ("load", "seq", 2**32), ("load", "slot", "0"), ("load", "slot", -1),
+    ("register", "flags", [1]), ("store", "after", True), ("store", "after", -1),
+    ("store", "after", 2**32), ("load", "seq", 2**32), ("load", "after", 2**32),
+    ("load", "slot", "0"), ("load", "slot", -1),
     ("load", "layerwise", 1), ("load", "layerwise", "true"), ("load", "layerwise", None),
 ], ids=lambda x: repr(x)[:12])
 def test_wrong_type(op, field, value):

@@ -162,7 +162,8 @@ def test_fields_ops_and_frame_counts(daemon, good, zctx, raw_pool):
     for value in [1, "yes", None]:
         raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, layerwise=value)
     for value in bad_ints + [2**32]:
-        raw.fails("bad_request", "store", [keys, pages(*range(16))], reg=reg, seq=value)
+        raw.fails("bad_request", "store", [keys, pages(*range(16))], reg=reg, after=value)
+        raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, after=value)
         raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, seq=value)
         raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, slot=value)
     raw.fails("bad_request", "load", [keys, pages(*range(16))], reg=reg, slot=OMIT)

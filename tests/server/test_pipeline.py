@@ -25,7 +25,7 @@ import zmq
 import kvd_client
 import workers_pipeline as WP
 from kvd_client.flags import ClientFlags
-from kvd_protocol.flags import STORE_WORD
+from kvd_protocol.flags import MARK_WORD
 from kvd_protocol.runtime import engine_endpoint
 from rawwire import Raw, pages
 
@@ -138,10 +138,10 @@ def test_busy_beyond_max_inflight_and_other_clients_go_on(start_daemon, zctx):
         raw.hello()
         reg = raw.register(pool, model="busy")
         # Four stores wait for the engine's stream (store word 0 < seq): all in flight.
-        ids = [send(raw, "store", [bytes([i]) * 16, pages(0, 1, 2, 3)], reg=reg, seq=i + 1)
+        ids = [send(raw, "store", [bytes([i]) * 16, pages(0, 1, 2, 3)], reg=reg, after=i + 1)
                for i in range(4)]
         time.sleep(0.3)
-        assert raw.fails("busy", "store", [b"\x09" * 16, pages(0, 1, 2, 3)], reg=reg, seq=9)
+        assert raw.fails("busy", "store", [b"\x09" * 16, pages(0, 1, 2, 3)], reg=reg, after=9)
         assert raw.fails("busy", "lookup", [b"\x09" * 16], reg=reg)
         assert raw.ok("heartbeat") == {}  # liveness is never refused
         # Another client is served meanwhile, and its bytes are right.
@@ -150,7 +150,7 @@ def test_busy_beyond_max_inflight_and_other_clients_go_on(start_daemon, zctx):
         assert good.load(np.arange(64), np.arange(16, 32)) == 64
         assert all((t.view(np.uint8)[:, 16:32] == t.view(np.uint8)[:, :16]).all()
                    for t in good_pool.tensors)
-        pool.flags.words[STORE_WORD] = 4  # the engine's stream got past all four
+        pool.flags.words[MARK_WORD] = 4  # the engine's stream got past all four
         got = replies(raw, 4)
         assert sorted(got) == ids and all(r["result"] == {"stored": 1, "deduped": 0}
                                           for r in got.values())
@@ -193,12 +193,12 @@ def test_flooding_client_gets_busy_and_a_neighbour_is_served(start_daemon):
 
 def test_store_copies_what_the_engine_wrote_once_its_stream_got_there(daemon, raw_engine):
     raw, pool = raw_engine, raw_engine.pool
-    req = send(raw, "store", [b"\x05" * 16, pages(0, 1, 2, 3)], reg=raw.reg, seq=3)
+    req = send(raw, "store", [b"\x05" * 16, pages(0, 1, 2, 3)], reg=raw.reg, after=3)
     time.sleep(0.2)
     assert replies(raw, 1, timeout=0.2) == {}  # still waiting for the engine
     pool.raw[:] = np.random.default_rng(1).integers(0, 256, pool.raw.size, dtype=np.uint8)
     want = page_bytes(pool, slice(0, 4))  # what the "forward pass" wrote before seq 3
-    pool.flags.words[STORE_WORD] = 3
+    pool.flags.words[MARK_WORD] = 3
     assert replies(raw, 1)[req]["result"] == {"stored": 1, "deduped": 0}
     pool.raw[:] = 0
     r = raw.ok("load", [b"\x05" * 16, pages(8, 9, 10, 11)], reg=raw.reg, slot=0, seq=1)
@@ -211,7 +211,7 @@ def test_store_whose_engine_never_gets_there_ends_at_its_deadline(daemon, raw_en
     before = daemon.stats()["tiers"]["host"]["entries"]
     deadline_us = time.monotonic_ns() // 1000 + 300_000
     t0 = time.monotonic()
-    raw.fails("deadline_exceeded", "store", [b"\x06" * 16, pages(0, 1, 2, 3)], reg=raw.reg, seq=5,
+    raw.fails("deadline_exceeded", "store", [b"\x06" * 16, pages(0, 1, 2, 3)], reg=raw.reg, after=5,
               deadline_us=deadline_us)
     assert 0.25 < time.monotonic() - t0 < 3.0
     assert daemon.stats()["tiers"]["host"]["entries"] == before
@@ -252,7 +252,7 @@ def test_sigterm_ends_promptly_while_a_store_waits(start_daemon, zctx):
     try:
         raw.hello()
         reg = raw.register(pool)
-        req = send(raw, "store", [b"\x0b" * 16, pages(0, 1, 2, 3)], reg=reg, seq=1)
+        req = send(raw, "store", [b"\x0b" * 16, pages(0, 1, 2, 3)], reg=reg, after=1)
         time.sleep(0.2)
         t0 = time.monotonic()
         assert d.stop(signal.SIGTERM, timeout=10) == 0
