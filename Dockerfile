@@ -17,10 +17,10 @@
 # Disk tier: mount the NVMe directory and name it, e.g.
 #   -v /nvme/kvd:/var/lib/kvd -e KVD_DISK_DIR=/var/lib/kvd -e KVD_DISK_CAPACITY=2TiB
 #   (owned by uid 10001). GPU Direct Storage: build with
-#   `--build-arg KVD_EXTRAS=gds` (adds KvikIO), run with KVD_DISK_GDS=true; real
+#   `--build-arg KVD_EXTRAS=gds,metrics` (adds KvikIO), run with KVD_DISK_GDS=true; real
 #   GDS also needs the host's nvidia-fs devices, else KvikIO's compatibility mode.
 FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
-ARG KVD_EXTRAS=gpu
+ARG KVD_EXTRAS=gpu,metrics
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 KVD_RUNTIME_DIR=/run/kvd
 RUN apt-get update \

@@ -29,6 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
     p.add_argument("--daemon-log", default=None, metavar="PATH", help="write the private daemon's "
                    "debug log (per-copy timings) to PATH; summarise it with tools/daemon_timings.py")
+    p.add_argument("--scrape-hz", type=float, default=0.0, help="host benchmark: the daemon serves "
+                   "/metrics and another process scrapes it this often meanwhile (0: metrics off)")
     p.add_argument("--gpu", action="store_true", help="benchmark the CUDA path (needs torch, cupy, "
                    "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
     p.add_argument("--spin-ms", type=float, default=0.0, help="with --gpu: the clients busy-poll "

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from kvd.copy.host import HostCopyEngine
-from kvd.server import control
+from kvd.server import control, metrics
 from kvd.server.runtime_dir import InstanceLock, prepare_runtime_dir, reclaim_stale
 from kvd.server.service import Service
 from kvd.tiers.arena import SharedArena
@@ -51,6 +51,7 @@ class Daemon:
         self.service = None
         self.ctx = None
         self.sockets = []
+        self.metrics = None  # the /metrics HTTP server (kvd.server.metrics), when metrics_port is set
 
     def start(self) -> None:
         t0 = time.monotonic()
@@ -73,6 +74,7 @@ class Daemon:
             self.service.tiering = make_tiering(self.cfg, self.service.tier, self.arena.view)
         if self.cfg.disk_gds:
             self.service.gds = make_gds(self.cfg, self.service.tiering, cuda)
+        self.metrics = metrics.start(self.cfg, self.service)
         self.ctx = zmq.asyncio.Context()
         old = os.umask(0o077)
         try:
@@ -118,6 +120,9 @@ class Daemon:
     def close(self) -> None:
         if self.lock.fd < 0:
             return  # never owned the runtime dir: touch nothing in it
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics.server_close()
         for sock in self.sockets:
             sock.close(linger=0)
         if self.ctx is not None:
@@ -157,14 +162,14 @@ class Daemon:
             reply = wire.ok_reply(req_id, await handler(peer, req))
         except wire.ProtocolError as exc:
             reply = wire.error_reply(exc.req_id, exc.code, str(exc))
-            self.service.stats.add("errors")
+            self.service.stats.error(op, exc.code)
         except ServerError as exc:
             reply = wire.error_reply(req_id, exc.code, str(exc))
-            self.service.stats.add("errors")
+            self.service.stats.error(op, exc.code)
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("internal error in %s", op)
             reply = wire.error_reply(req_id, "internal", f"{type(exc).__name__}: {exc}")
-            self.service.stats.add("errors")
+            self.service.stats.error(op, "internal")
         self.service.stats.add(f"op_{op}")
         self.service.stats.observe(op, time.perf_counter() - t0)
         try:

@@ -251,8 +251,7 @@ class Service:
             if self.tiering is not None:
                 self.tiering.wake.set()  # the demoter looks at the watermark now
             _log_timing("store", len(todo), t0, waited)
-        self.stats.add("chunks_stored", len(todo))
-        self.stats.add("bytes_stored", len(todo) * reg.shard_bytes)
+        self.stats.copied("stored", reg.engine.name, len(todo), len(todo) * reg.shard_bytes)
         return {"stored": len(todo), "deduped": deduped}
 
     def _reserve(self, reg: Registration, keys: list):
@@ -328,8 +327,8 @@ class Service:
             finally:
                 finish()
             _log_timing("load", len(entries), t0, waited)
-        self.stats.add("chunks_loaded", len(entries) + direct)
-        self.stats.add("bytes_loaded", (len(entries) + direct) * reg.shard_bytes)
+        self.stats.copied("loaded", reg.engine.name, len(entries) + direct,
+                          (len(entries) + direct) * reg.shard_bytes)
         return result
 
     async def _from_disk(self, reg: Registration, req, keys: list, pages, hits: int):
