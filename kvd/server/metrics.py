@@ -15,8 +15,8 @@ Names follow Prometheus conventions (``kvd_`` prefix, base units,
 from __future__ import annotations
 
 import logging
+from importlib import metadata
 
-from kvd import __version__
 from kvd.server.stats import LATENCY_BUCKETS_S
 from kvd_protocol import wire
 
@@ -81,7 +81,7 @@ class KvdCollector:
         from prometheus_client.core import InfoMetricFamily
         s = self.service
         info = InfoMetricFamily("kvd_build", "kvd version, wire protocol and copy backends.")
-        info.add_metric([], {"version": __version__, "protocol": str(wire.VERSION),
+        info.add_metric([], {"version": _version(), "protocol": str(wire.VERSION),
                              "backends": s.backends})
         yield info
         scraped = s.stats.scrape()
@@ -92,6 +92,13 @@ class KvdCollector:
             yield from _disk(s.tiering)
         if s.gds is not None:
             yield from _counters(GDS_COUNTERS, dict(s.gds.counters))
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvd")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def _counter(name: str, doc: str, value=None, labels=()):
