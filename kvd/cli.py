@@ -119,6 +119,9 @@ def format_stats(s: dict) -> str:
                  f"loaded {_size(s['bytes_loaded'])} ({s['chunks_loaded']} chunks)")
     lines.append(f"clients {s['clients']}  registrations {s['registrations']}  leases {s['leases']}  "
                  f"errors {s['errors']}  uptime {s['uptime_s']} s  backend {s['backend']}")
+    for c in s.get("sessions", []):
+        cred = f", uid {c['uid']} gid {c['gid']}" if "uid" in c else ""
+        lines.append(f"  {c['name']}: pid {c['pid']}{cred}")
     if s["latency"]:
         lines.append("")
         lines.append(f"{'op':<12}{'count':>10}{'p50 ms':>10}{'p99 ms':>10}")

@@ -47,6 +47,9 @@ class Knob:
 KNOBS = (
     Knob("runtime_dir", "str", "", "Directory for sockets and the lock (mode 0700). Empty: "
          "$KVD_RUNTIME_DIR, $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/kvd, /run/kvd (root), /tmp/kvd-<uid>."),
+    Knob("access_group", "str", "", "Group (name or gid) whose members may connect: runtime dir 0750 "
+         "and sockets 0660 of that group; each connection's kernel credentials are checked. Empty: "
+         "the daemon's user (and root) only."),
     Knob("host_capacity", "size", 2**30, "Bytes of the shared-memory host tier.", minimum=4096),
     Knob("chunk_tokens", "int", 256, "Tokens per cached chunk; engines' page sizes must divide it.",
          minimum=1),

@@ -4,13 +4,16 @@ Allocates, in one file under /dev/shm, the tensors of one of the layouts of
 ``kvd_protocol.layout`` (numpy arrays, zero-filled), and exposes what
 ``KvdClient.register_kv`` needs: the layout descriptor, the buffer list,
 the dtype and head geometry. The daemon maps the same file and copies
-pages in and out. The file is unlinked by ``close`` (and at exit); files
-of dead processes are removed when a new pool is created.
+pages in and out. The file is mode 0600; with ``group`` (the daemon's
+``access_group``, for engines running as another user) it is 0660 of that
+group, so the daemon can map it. The file is unlinked by ``close`` (and at
+exit); files of dead processes are removed when a new pool is created.
 """
 
 from __future__ import annotations
 
 import atexit
+import grp
 import mmap
 import os
 import re
@@ -41,7 +44,8 @@ def _shapes(layout: str, n_layers: int, pages: int, ps: int, heads: int, dim: in
 
 class SharedKVPool:
     def __init__(self, layout: str, num_layers: int, num_pages: int, page_size: int,
-                 kv_heads: int, head_dim: int, dtype: str = "float16", shm_dir: str = "/dev/shm"):
+                 kv_heads: int, head_dim: int, dtype: str = "float16", shm_dir: str = "/dev/shm",
+                 group: str | int | None = None):
         if dtype not in STORAGE:
             raise ValueError(f"dtype must be one of {sorted(STORAGE)}")
         self.layout_name, self.kv_dtype = layout, dtype
@@ -59,8 +63,14 @@ class SharedKVPool:
         self.path = Path(shm_dir) / f"kvd-pool-{os.getpid()}-{os.urandom(6).hex()}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            if group is not None:  # before any KV byte is in it
+                os.fchown(fd, -1, group if isinstance(group, int) else grp.getgrnam(group).gr_gid)
+                os.fchmod(fd, 0o660)
             os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         atexit.register(self.close)
@@ -88,7 +98,10 @@ def _remove_dead_pools(shm_dir: Path) -> None:
     for p in shm_dir.glob("kvd-pool-*-*"):
         m = re.fullmatch(r"kvd-pool-(\d+)-[0-9a-f]+", p.name)
         if m and not _alive(int(m.group(1))):
-            p.unlink(missing_ok=True)
+            try:
+                p.unlink(missing_ok=True)
+            except PermissionError:
+                pass  # another user's, in sticky /dev/shm: theirs to remove
 
 
 def _alive(pid: int) -> bool:

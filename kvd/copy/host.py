@@ -2,9 +2,11 @@
 
 Serves CPU inference engines and runs the whole protocol where there is no
 GPU. A pool buffer is ``{kind: "shm", path, size}``: a regular file inside
-the configured shm directory, owned by the daemon's user, opened without
-following symlinks and at least ``size`` bytes long; it is mapped
-read/write; the daemon's own arena is refused. Copies run on a small thread pool (numpy releases the GIL for
+the configured shm directory, owned by the registering process's uid (from
+the kernel; the daemon's own user when that is unknown), so one tenant can
+never make the daemon map another's pool; opened without following symlinks
+and at least ``size`` bytes long; it is mapped read/write; the daemon's own
+arena is refused. Copies run on a small thread pool (numpy releases the GIL for
 the bulk of a copy) and complete through asyncio futures.
 """
 
@@ -42,7 +44,8 @@ class HostCopyEngine:
         self.shm_dir = Path(shm_dir).resolve()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvd-copy")
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, events=()) -> HostPool:
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, events=(),
+                  owner_uid: int | None = None) -> HostPool:
         if events:
             raise BadRequest("the host backend takes no CUDA events")
         maps = []
@@ -50,7 +53,8 @@ class HostCopyEngine:
             for i, b in enumerate(buffers):
                 if b["kind"] != "shm":
                     raise BadRequest(f"buffers[{i}]: the host backend takes only shm buffers")
-                maps.append(self._map_file(b["path"], b["size"], i))
+                maps.append(self._map_file(b["path"], b["size"], i,
+                                           os.geteuid() if owner_uid is None else owner_uid))
             try:
                 layout.validate_extent([b["size"] for b in buffers])
             except ValueError as exc:
@@ -61,7 +65,7 @@ class HostCopyEngine:
             raise
         return HostPool(maps, [np.frombuffer(m, dtype=np.uint8) for m in maps])
 
-    def _map_file(self, path: str, size: int, i: int) -> mmap.mmap:
+    def _map_file(self, path: str, size: int, i: int, owner_uid: int) -> mmap.mmap:
         p = Path(path)
         if not p.is_absolute() or p.parent.resolve() != self.shm_dir:
             raise BadRequest(f"buffers[{i}].path must be a file directly inside {self.shm_dir}")
@@ -71,8 +75,11 @@ class HostCopyEngine:
             raise BadRequest(f"buffers[{i}]: cannot open {path}: {exc.strerror}") from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise BadRequest(f"buffers[{i}]: {path} is not a regular file of our user")
+            if not stat.S_ISREG(st.st_mode):
+                raise BadRequest(f"buffers[{i}]: {path} is not a regular file")
+            if st.st_uid != owner_uid:
+                raise BadRequest(f"buffers[{i}]: {path} belongs to uid {st.st_uid}, not to the "
+                                 f"registering process's uid {owner_uid}")
             if (st.st_dev, st.st_ino) == self._arena_id:
                 raise BadRequest(f"buffers[{i}]: {path} is the daemon's own host tier")
             if size < 1 or st.st_size < size:

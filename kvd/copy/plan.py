@@ -1,7 +1,9 @@
 """The copy engine interface every backend implements.
 
-``open_pool(buffers, layout, events)`` maps an engine's KV buffers (validated:
-kinds, sizes, every byte the layout can reach) and returns an opaque pool;
+``open_pool(buffers, layout, events, owner_uid)`` maps an engine's KV buffers
+(validated: kinds, sizes, every byte the layout can reach; files must belong
+to ``owner_uid``, the registering process's uid from the kernel, or to the
+daemon's user when that is unknown) and returns an opaque pool;
 ``close_pool(pool)`` unmaps it and is called only after the pool's copies
 completed. ``gather(plan)`` copies engine pages into arena shards and
 ``scatter(plan)`` copies arena shards into engine pages; both return at
@@ -46,7 +48,8 @@ class CopyPlan:
 class CopyEngine(Protocol):
     name: str
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, events=()) -> object: ...
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, events=(),
+                  owner_uid: int | None = None) -> object: ...
 
     def close_pool(self, pool: object) -> None: ...
 

@@ -58,18 +58,20 @@ class Service:
 
     # ---- dispatch -------------------------------------------------------------
 
-    async def handle(self, peer: bytes, req: wire.Request):
+    async def handle(self, peer: bytes, req: wire.Request, cred=None):
         if req.op == "hello":
-            return await self.hello(peer, req.fields)
+            return await self.hello(peer, req.fields, cred)
         session = self.sessions.by_peer.get(peer)
         if session is None or session.closing:
             raise NoSession("no session: send hello first")
+        if cred != session.cred:  # its routing id, taken over by another process
+            raise Forbidden("this session belongs to another process")
         session.last_seen = time.monotonic()
         return await getattr(self, f"op_{req.op}")(session, req)
 
     # ---- session ops ----------------------------------------------------------
 
-    async def hello(self, peer: bytes, f: dict):
+    async def hello(self, peer: bytes, f: dict, cred=None):
         if not any(v == wire.VERSION and type(v) is int for v in f["versions"]):
             raise VersionMismatch(f"client speaks {f['versions']!r}, daemon speaks {wire.VERSION}")
         old = self.sessions.by_peer.get(peer)
@@ -77,8 +79,9 @@ class Service:
             await self.reap(old, "re-hello")
         elif len(self.sessions) >= self.cfg.max_clients:
             raise TooLarge(f"too many clients (max_clients={self.cfg.max_clients})")
-        self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"])
-        log.info("client %s (pid %d) connected", f["client"][:128], f["pid"])
+        self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"], cred)
+        log.info("client %s (pid %d) connected%s", f["client"][:128], f["pid"],
+                 "" if cred is None else f": uid {cred.uid} gid {cred.gid} pid {cred.pid} (kernel)")
         return {"version": wire.VERSION, "chunk_tokens": self.cfg.chunk_tokens,
                 "max_message_bytes": self.cfg.max_message_bytes,
                 "max_keys": self.cfg.max_keys_per_request,
@@ -103,7 +106,7 @@ class Service:
         _check_layout_matches(ns, layout, f["tp_rank"])
         events = wire.events_from_wire(f.get("events", []), 256)
         engine = self._engine_for(buffers)
-        pool = engine.open_pool(buffers, layout, events)
+        pool = engine.open_pool(buffers, layout, events, getattr(session.cred, "uid", None))
         shard = 0 if ns.attention == "mla" else f["tp_rank"]  # MLA: one copy for all ranks
         reg = Registration(self.sessions.next_id(), session, ns, namespace_digest(ns),
                            shard, layout, pool, engine)
