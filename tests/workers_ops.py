@@ -41,3 +41,23 @@ def metered_run(runtime_dir: str, spec: dict, seed: int, n: int, m: int, connect
             return out
     finally:
         pool.close()
+
+
+def busy_engine(runtime_dir: str, spec: dict, seed: int, stop) -> dict:
+    """Store, look up and load two chunks over and over (new tokens each round) until
+    ``stop`` is set; returns how many rounds ran."""
+    pool = W.make_pool(spec, seed)
+    rounds = 0
+    try:
+        with W.client(runtime_dir) as c:
+            c.register_kv(pool, model="busy")
+            src, dst = np.arange(2 * W.ppc(spec)), np.arange(2 * W.ppc(spec), 4 * W.ppc(spec))
+            while not stop.is_set():
+                tokens = W.seq_tokens(seed + rounds, [2 * CHUNK])[0]
+                c.store(tokens, src)
+                c.lookup(tokens)
+                c.load(tokens, dst)
+                rounds += 1
+        return {"rounds": rounds}
+    finally:
+        pool.close()

@@ -42,7 +42,8 @@ def snapshot(service) -> dict:
     sessions = service.sessions
     return {"tiers": tiers, "disk_hits": service.stats.counters["disk_hit_chunks"],
             **service.stats.summary(),
-            "latency": service.stats.latency_ms(), "clients": len(sessions),
+            "latency": service.stats.latency_ms(), "latency_histogram": service.stats.latency_histogram(),
+            "clients": len(sessions),
             "sessions": [_session(s) for s in sessions.by_peer.values()],
             "connections_refused": service.stats.counters["connections_refused"],
             "registrations": len(sessions.registrations), "leases": len(sessions.leases),
