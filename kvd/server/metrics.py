@@ -145,13 +145,13 @@ def _cache(scraped: dict, s):
     yield _counter("kvd_lookup_miss_chunks_total", "Chunks lookups did not find.", c.get("miss_chunks", 0))
     yield _counter("kvd_store_dedup_chunks_total", "Chunks a store skipped: already cached.",
                    c.get("store_dedup", 0))
+    backends = sorted({*s.backends.split(","), *(b for _, b in scraped["moved"])})
     for what in ("stored", "loaded"):
         for unit, doc in (("chunks", "Chunks"), ("bytes", "Bytes")):
             family = _counter(f"kvd_{what}_{unit}_total", f"{doc} engines {what} (one shard each), "
                               "by copy backend.", labels=["backend"])
-            for (name, backend), n in sorted(scraped["moved"].items()):
-                if name == f"{unit}_{what}":
-                    family.add_metric([backend], n)
+            for backend in backends:  # every backend from the start: 0, not "no data"
+                family.add_metric([backend], scraped["moved"].get((f"{unit}_{what}", backend), 0))
             yield family
     tier = s.tier
     cap = _gauge("kvd_tier_capacity_bytes", "Capacity of each tier.", labels=["tier"])

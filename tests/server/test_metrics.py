@@ -130,3 +130,25 @@ def test_without_prometheus_client_a_set_port_fails_start_up(start_daemon, tmp_p
                      wrapper=["env", f"PYTHONPATH={tmp_path}"])
     assert d.proc.wait(30) == 1
     assert "metrics_port is set but prometheus-client is not installed" in d.log()
+
+
+def test_the_grafana_dashboard_uses_only_metrics_the_daemon_exports(start_daemon, tmp_path):
+    import json
+    import re
+    from pathlib import Path
+
+    from kvd.server.metrics import GDS_COUNTERS
+    port = free_port()
+    d = start_daemon(metrics_port=port, disk_dir=str(tmp_path / "disk"), disk_capacity="16MiB")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        families = list(parser.text_string_to_metric_families(reply.read().decode()))
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"], "info": ["_info"]}
+    exported = {f.name + s for f in families for s in suffixes.get(f.type, [""])}
+    exported |= {name for name, _, _ in GDS_COUNTERS}  # exported only with a GPU
+    d.stop()
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "configs" / "grafana-kvd.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"\b((?:kvd|process)_[a-z_]+)\b", e)}
+    assert len(exprs) > 20 and len(used) > 25
+    assert used - exported == set(), "the dashboard queries metrics nobody exports"
+    assert {"kvd_request_duration_seconds_bucket", "kvd_lookup_hit_chunks_total"} <= used
