@@ -57,6 +57,8 @@ def run(args) -> int:
             daemon.terminate()
             daemon.wait(30)
     _report(results, nbytes)
+    if args.plot:
+        _plot(args, results, nbytes)
     return 0
 
 
@@ -85,6 +87,15 @@ def _measure(client, args, ppc: int, nbytes: int) -> dict:
               f"load {nbytes / (t2 - t1) / 1e9:.2f} GB/s, numpy {nbytes / (t3 - t2) / 1e9:.2f} GB/s",
               flush=True)
     return out
+
+
+def _plot(args, results: dict, nbytes: int) -> None:
+    from .plot import bars, command, machine
+    names = list(results)
+    gbps = [nbytes / statistics.median(results[n]) / 1e9 for n in names]
+    bars(args.plot, f"kvd bench (host backend): {nbytes / 2**20:.0f} MiB per request, median of "
+         f"{args.repeat}", names, {"GB/s": gbps}, "GB/s", f"{machine()}; {command()}")
+    print(f"plot: {args.plot}")
 
 
 def _report(results: dict, nbytes: int) -> None:
