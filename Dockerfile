@@ -12,15 +12,19 @@
 #   host_capacity (--shm-size) and run the engines in the same container.
 # -v /run/kvd:/run/kvd: the sockets, so engines (on the host or in other
 #   containers mounting the same directory) can connect. The directory is
-#   created mode 0700 for uid 10001 (the kvd user here): run engines with
-#   that uid, or mount a directory owned by the engines' uid.
+#   0700 for uid 10001 (the kvd user here) unless KVD_ACCESS_GROUP is set:
+#   -e KVD_ACCESS_GROUP=10001 makes it 0750 and the sockets 0660 of gid
+#   10001, and engines run with that primary gid (--user UID:10001) connect
+#   (docs/operations.md, "Engines of other users and in other containers").
+# Metrics: configs/kvd.toml serves /metrics on 127.0.0.1:9477 inside the
+#   container; publish it with -e KVD_METRICS_ADDRESS=0.0.0.0 -p 127.0.0.1:9477:9477.
 # Disk tier: mount the NVMe directory and name it, e.g.
 #   -v /nvme/kvd:/var/lib/kvd -e KVD_DISK_DIR=/var/lib/kvd -e KVD_DISK_CAPACITY=2TiB
 #   (owned by uid 10001). GPU Direct Storage: build with
-#   `--build-arg KVD_EXTRAS=gds` (adds KvikIO), run with KVD_DISK_GDS=true; real
+#   `--build-arg KVD_EXTRAS=gds,metrics` (adds KvikIO), run with KVD_DISK_GDS=true; real
 #   GDS also needs the host's nvidia-fs devices, else KvikIO's compatibility mode.
 FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04
-ARG KVD_EXTRAS=gpu
+ARG KVD_EXTRAS=gpu,metrics
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 KVD_RUNTIME_DIR=/run/kvd
 RUN apt-get update \
@@ -37,7 +41,8 @@ RUN python3 -m venv /opt/kvd \
  && /opt/kvd/bin/pip install ".[${KVD_EXTRAS}]" \
  && rm -rf /src
 
-RUN useradd --uid 10001 --system --no-create-home kvd \
+RUN groupadd --gid 10001 --system kvd \
+ && useradd --uid 10001 --gid 10001 --system --no-create-home kvd \
  && mkdir -p /run/kvd && chown kvd:kvd /run/kvd && chmod 0700 /run/kvd
 USER kvd
 WORKDIR /tmp

@@ -33,6 +33,10 @@ Exit status: 1 if an uncorrupted prompt fails its check, else 0 (a corrupted
 prompt that passes is reported as MISSED but does not change the status).
 
     PYTHONPATH=$PWD/clients:$PWD python3 examples/prefix_reuse.py --out /tmp/e2e.json
+
+``--plot FILE.png`` draws the TTFT table (full prefill, with kvd, suffix
+alone per prefix; needs matplotlib); ``--replot RESULT.json`` redraws it
+(and reprints the table) from an earlier ``--out`` without running anything.
 """
 
 from __future__ import annotations
@@ -473,13 +477,37 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800, help="seconds each engine may take")
     p.add_argument("--daemon-log", default=None, metavar="PATH", help="the daemon's debug log")
     p.add_argument("--out", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw the TTFT table as a bar chart")
+    p.add_argument("--replot", default=None, metavar="RESULT.json", help="report and --plot an earlier "
+                   "--out instead of running")
     return p.parse_args(argv)
+
+
+def plot(result: dict, path: str) -> None:
+    """Full prefill, kvd and suffix-only time per uncorrupted prompt, labelled with what ran."""
+    from kvd.bench.plot import bars
+    rows = [r for r in result["rows"] if not r["corrupt"]]
+    m = result["model"]
+    bars(path, f"Time to first token, {result['suffix']}-token suffix after a cached prefix "
+         "(lower is better)", [str(r["prompt"]) for r in rows],
+         {"full prefill": [r["full_ms"] for r in rows], "with kvd": [r["kvd_ms"] for r in rows],
+          "suffix prefill alone": [r["suffix_ms"] for r in rows]}, "ms",
+         f"{result['gpu']}, torch {result['torch']}, transformers {result['transformers']}; "
+         f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}; medians of {result['repeat']}; "
+         f"{result['command']}", fmt="{:.1f}")
+    print(f"plot: {path}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args)
+    if args.replot:
+        with open(args.replot) as f:
+            result = json.load(f)
+    else:
+        result = run(args)
     report(result)
+    if args.plot:
+        plot(result, args.plot)
     return 0 if result["clean_ok"] else 1
 
 

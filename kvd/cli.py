@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime(ctl)
     cfg = sub.add_parser("config", help="print the default config file (TOML, commented)")
     cfg.add_argument("--defaults", action="store_true", help="(the only mode for now)")
+    top = sub.add_parser("top", help="live view: hit rate, GB/s, latencies, tier fill, clients")
+    from kvd.top import add_arguments as add_top_arguments
+    add_top_arguments(top)
+    _add_runtime(top)
     bench = sub.add_parser("bench", help="benchmark store/load through a private daemon")
     from kvd.bench import add_arguments
     add_arguments(bench)
@@ -59,6 +63,9 @@ def main(argv=None) -> int:
     if args.command == "bench":
         from kvd.bench import run
         return run(args)
+    if args.command == "top":
+        from kvd.top import run as run_top
+        return run_top(args)
     return _control(args)
 
 
@@ -119,6 +126,9 @@ def format_stats(s: dict) -> str:
                  f"loaded {_size(s['bytes_loaded'])} ({s['chunks_loaded']} chunks)")
     lines.append(f"clients {s['clients']}  registrations {s['registrations']}  leases {s['leases']}  "
                  f"errors {s['errors']}  uptime {s['uptime_s']} s  backend {s['backend']}")
+    for c in s.get("sessions", []):
+        cred = f", uid {c['uid']} gid {c['gid']}" if "uid" in c else ""
+        lines.append(f"  {c['name']}: pid {c['pid']}{cred}")
     if s["latency"]:
         lines.append("")
         lines.append(f"{'op':<12}{'count':>10}{'p50 ms':>10}{'p99 ms':>10}")

@@ -47,6 +47,9 @@ class Knob:
 KNOBS = (
     Knob("runtime_dir", "str", "", "Directory for sockets and the lock (mode 0700). Empty: "
          "$KVD_RUNTIME_DIR, $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/kvd, /run/kvd (root), /tmp/kvd-<uid>."),
+    Knob("access_group", "str", "", "Group (name or gid) whose members may connect: runtime dir 0750 "
+         "and sockets 0660 of that group; each connection's kernel credentials are checked. Empty: "
+         "the daemon's user (and root) only."),
     Knob("host_capacity", "size", 2**30, "Bytes of the shared-memory host tier.", minimum=4096),
     Knob("chunk_tokens", "int", 256, "Tokens per cached chunk; engines' page sizes must divide it.",
          minimum=1),
@@ -95,6 +98,10 @@ KNOBS = (
          minimum=2**20),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
     Knob("log_level", "str", "info", "Logging level.", choices=("debug", "info", "warning", "error")),
+    Knob("metrics_port", "int", 0, "TCP port of the Prometheus /metrics endpoint (needs kvd[metrics]); "
+         "0: off.", minimum=0),
+    Knob("metrics_address", "str", "127.0.0.1", "Address the /metrics endpoint binds (0.0.0.0: every "
+         "interface)."),
 )
 KNOB_BY_NAME = {k.name: k for k in KNOBS}
 
@@ -173,6 +180,8 @@ def load_config(path: str | None = None, env: dict | None = None, overrides: dic
     _apply(values, {k: v for k, v in (overrides or {}).items() if v is not None}, "command line")
     if values["disk_high_watermark"] > 1.0:
         raise ConfigError("disk_high_watermark", "must be <= 1.0")
+    if values["metrics_port"] > 65535:
+        raise ConfigError("metrics_port", "must be <= 65535")
     if values["client_timeout_s"] <= values["heartbeat_interval_s"]:
         raise ConfigError("client_timeout_s", "must be larger than heartbeat_interval_s")
     return Config(values)

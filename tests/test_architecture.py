@@ -31,7 +31,8 @@ ALLOWED = {
     "kvd.cuda": {"kvd.copy", "kvd.tiers", "kvd_protocol"},
     "kvd.server": {"kvd.cuda", "kvd.copy", "kvd.tiers", "kvd.config", "kvd_protocol"},
     "kvd.bench": {"kvd.server", "kvd.cuda", "kvd.tiers", "kvd.config", "kvd_client", "kvd_protocol"},
-    "kvd.cli": {"kvd.bench", "kvd.server", "kvd.config", "kvd_client", "kvd_protocol"},
+    "kvd.cli": {"kvd.bench", "kvd.server", "kvd.config", "kvd.top", "kvd_client", "kvd_protocol"},
+    "kvd.top": {"kvd_client", "kvd_protocol"},
     "kvd.__main__": {"kvd.cli"},
 }
 OURS = ("kvd", "kvd_client", "kvd_protocol")

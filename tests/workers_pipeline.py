@@ -6,11 +6,11 @@ import os
 import time
 
 import zmq
+from rawwire import Raw, pages
 
 import kvd_client
 from kvd_client.flags import ClientFlags
 from kvd_protocol.runtime import engine_endpoint
-from rawwire import Raw, pages, register_fields
 
 GEOMETRY = ("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")
 

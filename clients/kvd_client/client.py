@@ -51,6 +51,7 @@ from kvd_protocol.errors import (
 from kvd_protocol.keys import Namespace, chain_root, chunk_keys, namespace_digest
 from kvd_protocol.runtime import engine_endpoint, resolve_runtime_dir
 
+from . import shm
 from .flags import ClientFlags
 from .liveness import DaemonProbe
 from .pump import Pump
@@ -190,7 +191,7 @@ class KvdClient:
                        num_layers=pool.num_layers, kv_heads=pool.kv_heads, head_dim=pool.head_dim,
                        chunk_tokens=self._chunk_tokens_or_default(), tp_size=tp_size)
         flags = ClientFlags(pool.num_layers, self.load_slots, self.shm_dir,
-                            getattr(pool, "device_index", None))
+                            getattr(pool, "device_index", None), shm.shared_group(self.runtime_dir))
         fields = {"namespace": wire.namespace_to_wire(ns), "tp_rank": tp_rank,
                   "buffers": pool.buffers, "layout": wire.layout_to_wire(pool.descriptor),
                   "flags": flags.spec}

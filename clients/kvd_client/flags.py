@@ -1,8 +1,9 @@
 """The client's side of a registration's flag page (layout: kvd_protocol.flags).
 
-``ClientFlags(num_layers, slots, shm_dir, device)`` creates the page in
-shared memory (``kvd-flags-<pid>-<hex>``, mode 0600, removed by ``close``
-and at exit) and, for a CUDA pool (``device`` = the GPU ordinal), registers
+``ClientFlags(num_layers, slots, shm_dir, device, group)`` creates the page
+in shared memory (``kvd-flags-<pid>-<hex>``, kvd_client.shm: mode 0600, or
+0660 of ``group`` for a daemon of another user; removed by ``close`` and at
+exit) and, for a CUDA pool (``device`` = the GPU ordinal), registers
 it with the driver so the engine's streams can write and wait on its words.
 
 - ``mark(stream, value)``: the engine's stream writes ``value`` into the
@@ -21,33 +22,20 @@ it with the driver so the engine's streams can write and wait on its words.
 from __future__ import annotations
 
 import atexit
-import mmap
-import os
-from pathlib import Path
 
 import numpy as np
 
 from kvd_protocol import cuda_driver
 from kvd_protocol.flags import MARK_WORD, FlagLayout, reached
 
-from .pool import remove_dead_files
+from . import shm
 
 
 class ClientFlags:
-    def __init__(self, num_layers: int, slots: int, shm_dir: str = "/dev/shm", device: int | None = None):
+    def __init__(self, num_layers: int, slots: int, shm_dir: str = "/dev/shm", device: int | None = None,
+                 group: int | None = None):
         self.layout = FlagLayout(num_layers, slots)
-        size = self.layout.size
-        remove_dead_files(Path(shm_dir), "kvd-flags")
-        self.path = Path(shm_dir) / f"kvd-flags-{os.getpid()}-{os.urandom(6).hex()}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        except BaseException:
-            self.path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
+        self.path, self._map = shm.create("kvd-flags", self.layout.size, shm_dir, group)
         self.words = np.frombuffer(self._map, dtype="<u4")
         self.words[:4] = self.layout.header()
         self.ptr = self.words.ctypes.data
@@ -55,7 +43,7 @@ class ClientFlags:
         self.dev_base = None
         if device is not None:
             try:
-                self.dev_base = cuda_driver.register_host(self.ptr, size, device)
+                self.dev_base = cuda_driver.register_host(self.ptr, self.layout.size, device)
             except BaseException:
                 self.close()
                 raise

@@ -4,22 +4,22 @@ Allocates, in one file under /dev/shm, the tensors of one of the layouts of
 ``kvd_protocol.layout`` (numpy arrays, zero-filled), and exposes what
 ``KvdClient.register_kv`` needs: the layout descriptor, the buffer list,
 the dtype and head geometry. The daemon maps the same file and copies
-pages in and out. The file is unlinked by ``close`` (and at exit); files
-of dead processes are removed when a new pool is created.
+pages in and out. The file is mode 0600; with ``group`` (the daemon's
+``access_group``, for engines running as another user) it is 0660 of that
+group, so the daemon can map it. The file is unlinked by ``close`` (and at
+exit); files of dead processes are removed when a new pool is created.
 """
 
 from __future__ import annotations
 
 import atexit
-import mmap
-import os
-import re
-from pathlib import Path
 
 import numpy as np
 
 from kvd_protocol import layout as L
 from kvd_protocol.keys import DTYPE_SIZES
+
+from . import shm
 
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
            "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "int8": np.int8, "uint8": np.uint8}
@@ -41,7 +41,8 @@ def _shapes(layout: str, n_layers: int, pages: int, ps: int, heads: int, dim: in
 
 class SharedKVPool:
     def __init__(self, layout: str, num_layers: int, num_pages: int, page_size: int,
-                 kv_heads: int, head_dim: int, dtype: str = "float16", shm_dir: str = "/dev/shm"):
+                 kv_heads: int, head_dim: int, dtype: str = "float16", shm_dir: str = "/dev/shm",
+                 group: str | int | None = None):
         if dtype not in STORAGE:
             raise ValueError(f"dtype must be one of {sorted(STORAGE)}")
         self.layout_name, self.kv_dtype = layout, dtype
@@ -55,14 +56,7 @@ class SharedKVPool:
         for shape in shapes:
             offsets.append(size)
             size += -(-int(np.prod(shape)) * item // ALIGN) * ALIGN
-        remove_dead_files(Path(shm_dir), "kvd-pool")
-        self.path = Path(shm_dir) / f"kvd-pool-{os.getpid()}-{os.urandom(6).hex()}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, size)
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+        self.path, self._map = shm.create("kvd-pool", size, shm_dir, group)
         atexit.register(self.close)
         self.size = size
         self.raw = np.frombuffer(self._map, dtype=np.uint8)
@@ -83,20 +77,3 @@ class SharedKVPool:
         self._map = None
         self.path.unlink(missing_ok=True)
 
-
-def remove_dead_files(shm_dir: Path, prefix: str) -> None:
-    """Remove ``<prefix>-<pid>-<hex>`` files (pools, flag pages) of processes that are gone."""
-    for p in shm_dir.glob(f"{prefix}-*-*"):
-        m = re.fullmatch(re.escape(prefix) + r"-(\d+)-[0-9a-f]+", p.name)
-        if m and not _alive(int(m.group(1))):
-            p.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

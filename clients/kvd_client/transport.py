@@ -61,8 +61,12 @@ class Channel:
         return sock
 
     def socket_exists(self) -> bool:
-        """Whether an ``ipc://`` endpoint's socket file exists (no daemon if not)."""
-        return not self.endpoint.startswith("ipc://") or Path(self.endpoint[6:]).exists()
+        """Whether an ``ipc://`` endpoint's socket file may exist (no daemon if not; a file
+        we may not even look at is left to ZeroMQ to fail on)."""
+        try:
+            return not self.endpoint.startswith("ipc://") or Path(self.endpoint[6:]).exists()
+        except PermissionError:
+            return True
 
     # ---- pipelined -------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ where it has flags of its own): ``host`` (the default: store/load through
 the host backend vs a numpy copy), ``gpu`` (``--gpu``: the CUDA path vs
 pinned cudaMemcpy), ``disk`` (``--disk``), ``gds`` (``--gds``), ``policy``
 (``--disk-policy``). ``common`` holds what they share (starting the
-private daemon, control requests, request geometry). Benchmarks may import
+private daemon, control requests, request geometry); ``plot`` draws a
+result table as a PNG (``--plot``). Benchmarks may import
 everything below them (kvd.server, kvd.tiers, kvd.config, kvd_client,
 kvd_protocol); nothing in the daemon imports kvd.bench. They print medians
 and ratios against a baseline measured in the same run; they assert
@@ -29,6 +30,10 @@ def add_arguments(p) -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
     p.add_argument("--daemon-log", default=None, metavar="PATH", help="write the private daemon's "
                    "debug log (per-copy timings) to PATH; summarise it with tools/daemon_timings.py")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the result table as a "
+                   "bar chart (host, --gpu, --disk, --gds; needs kvd[plot]: matplotlib)")
+    p.add_argument("--scrape-hz", type=float, default=0.0, help="host benchmark: the daemon serves "
+                   "/metrics and another process scrapes it this often meanwhile (0: metrics off)")
     p.add_argument("--gpu", action="store_true", help="benchmark the CUDA path (needs torch, cupy, "
                    "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
     p.add_argument("--spin-ms", type=float, default=0.0, help="with --gpu: the clients busy-poll "
@@ -45,6 +50,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.plot:
+        from .plot import PlotUnavailable, require
+        try:
+            require()  # before minutes of benchmark, not after
+        except PlotUnavailable as exc:
+            print(f"kvd bench: {exc}")
+            return 2
     if args.disk_policy:
         from .policy import run as run_policy
         return run_policy(args)

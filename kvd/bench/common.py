@@ -2,12 +2,15 @@
 
 ``start_daemon`` runs ``kvd serve`` in a subprocess on a given runtime dir
 and returns once its control socket exists; ``control`` sends one control
-request to it; ``request_bytes`` is the size of one request of a shape.
+request to it; ``request_bytes`` is the size of one request of a shape;
+``start_scraper`` polls a daemon's ``/metrics`` from another process, as
+Prometheus would.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -48,3 +51,36 @@ def request_bytes(shape, chunks: int, chunk: int) -> int:
     layout, layers, heads, dim = shape
     planes = 1 if layout.endswith("mla") else 2
     return layers * planes * chunk * heads * dim * 2 * chunks
+
+
+SCRAPER = """
+import signal, sys, time, urllib.request
+url, period, n = sys.argv[1], 1.0 / float(sys.argv[2]), 0
+def stop(*_):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGTERM, stop)
+try:
+    while True:
+        t = time.monotonic()
+        try:
+            urllib.request.urlopen(url, timeout=5).read()
+            n += 1
+        except OSError:
+            pass
+        time.sleep(max(0.0, period - (time.monotonic() - t)))
+except KeyboardInterrupt:
+    print(n)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_scraper(port: int, hz: float) -> subprocess.Popen:
+    """A process fetching http://127.0.0.1:<port>/metrics ``hz`` times a second; on SIGTERM it
+    prints how many scrapes succeeded."""
+    return subprocess.Popen([sys.executable, "-c", SCRAPER, f"http://127.0.0.1:{port}/metrics",
+                             str(hz)], stdout=subprocess.PIPE, text=True)

@@ -77,6 +77,13 @@ def run(args) -> int:
     for d in ("write", "read"):
         print(f"{d:<10}{med['tier ' + d]:>16.3f}{med['raw ' + d]:>12.3f}"
               f"{med['tier ' + d] / med['raw ' + d]:>10.2f}")
+    if args.plot:
+        from .plot import bars, command, machine
+        bars(args.plot, f"kvd bench --disk: {chunk / 2**20:g} MiB chunks, {threads} threads, median of "
+             f"{args.repeat}", ["write", "read"], {"disk tier": [med["tier write"], med["tier read"]],
+                                                    "raw IO": [med["raw write"], med["raw read"]]},
+             "GB/s", f"{machine()}; {args.disk_dir}; {command()}", fmt="{:.3f}")
+        print(f"plot: {args.plot}")
     return 0
 
 

@@ -99,6 +99,12 @@ def run(args) -> int:
     print(f"{'path':<12}{'GB/s':>8}{'vs raw O_DIRECT read':>24}")
     for k in ("gds", "host path", "raw read"):
         print(f"{k:<12}{med[k]:>8.2f}{med[k] / med['raw read']:>24.2f}")
+    if args.plot:
+        from .plot import bars, command, machine
+        paths = ["gds", "host path", "raw read"]
+        bars(args.plot, f"kvd bench --gds: disk-only chunks into GPU pages, median of {args.repeat}",
+             paths, {"GB/s": [med[k] for k in paths]}, "GB/s", f"{machine()}; {command()}")
+        print(f"plot: {args.plot}")
     return 0
 
 

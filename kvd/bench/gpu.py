@@ -53,7 +53,21 @@ def run(args) -> int:
             daemon.terminate()
             daemon.wait(60)
     _report(torch, rows, gemm, args)
+    if args.plot:
+        _plot(torch, rows, args)
     return 0
+
+
+def _plot(torch, rows, args) -> None:
+    """Each path's GB/s as a ratio of the pinned cudaMemcpy measured in the same run."""
+    from .plot import bars, command, machine
+    series = {"offload / d2h memcpy": [r["memcpy_d2h"] / r["store"] for r in rows],
+              "load / h2d memcpy": [r["memcpy_h2d"] / r["load"] for r in rows],
+              "both / both memcpy": [r["memcpy_both"] / r["both"] for r in rows]}
+    bars(args.plot, f"kvd bench --gpu: CUDA path end to end vs pinned cudaMemcpy, median of {args.repeat}",
+         [f"{r['shape']}\npage {r['page']}" for r in rows], series, "ratio to memcpy",
+         f"{machine(torch.cuda.get_device_name())}; {command()}", reference=1.0)
+    print(f"plot: {args.plot}")
 
 
 def make_pool(torch, CudaKVPool, shape, pages: int, page: int):

@@ -4,6 +4,8 @@ Starts a private daemon, registers a shared-memory pool, and times
 end-to-end ``store`` (engine pages -> host tier) and ``load`` (host tier ->
 other pages) of the same chunks, each next to a plain numpy copy of the
 same number of bytes measured in the same run. Medians of ``--repeat`` runs.
+With ``--scrape-hz`` the daemon serves /metrics and another process scrapes
+it that often meanwhile (the request path must not notice).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from kvd_protocol.keys import DTYPE_SIZES
 
-from .common import start_daemon
+from .common import free_port, start_daemon, start_scraper
 
 
 def run(args) -> int:
@@ -32,8 +34,10 @@ def run(args) -> int:
           f"{args.chunks} chunks of {shard / 2**20:.1f} MiB = {nbytes / 2**20:.0f} MiB per request",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as rundir:
+        port = free_port() if args.scrape_hz else 0
         daemon = start_daemon(rundir, capacity=int(nbytes * 2.5) + 2**20, chunk_tokens=args.chunk_tokens,
-                               log_path=args.daemon_log)
+                              log_path=args.daemon_log, extra=("--metrics-port", str(port)))
+        scraper = start_scraper(port, args.scrape_hz) if port else None
         pool = None
         try:
             client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
@@ -46,9 +50,15 @@ def run(args) -> int:
         finally:
             if pool is not None:
                 pool.close()
+            if scraper is not None:
+                scraper.terminate()
+                print(f"scraper: {scraper.communicate(timeout=10)[0].strip()} scrapes of /metrics at "
+                      f"{args.scrape_hz:g} Hz meanwhile")
             daemon.terminate()
             daemon.wait(30)
     _report(results, nbytes)
+    if args.plot:
+        _plot(args, results, nbytes)
     return 0
 
 
@@ -77,6 +87,15 @@ def _measure(client, args, ppc: int, nbytes: int) -> dict:
               f"load {nbytes / (t2 - t1) / 1e9:.2f} GB/s, numpy {nbytes / (t3 - t2) / 1e9:.2f} GB/s",
               flush=True)
     return out
+
+
+def _plot(args, results: dict, nbytes: int) -> None:
+    from .plot import bars, command, machine
+    names = list(results)
+    gbps = [nbytes / statistics.median(results[n]) / 1e9 for n in names]
+    bars(args.plot, f"kvd bench (host backend): {nbytes / 2**20:.0f} MiB per request, median of "
+         f"{args.repeat}", names, {"GB/s": gbps}, "GB/s", f"{machine()}; {command()}")
+    print(f"plot: {args.plot}")
 
 
 def _report(results: dict, nbytes: int) -> None:

@@ -50,8 +50,8 @@ class FlagPage:
 
     @classmethod
     def open(cls, spec: dict, layout: FlagLayout, shm_dir: Path,
-             forbid: tuple[int, int] | None = None) -> "FlagPage":
-        mm = map_shm_file(spec["path"], layout.size, shm_dir, "flags", forbid)
+             forbid: tuple[int, int] | None = None, owner_uid: int | None = None) -> "FlagPage":
+        mm = map_shm_file(spec["path"], layout.size, shm_dir, "flags", forbid, owner_uid)
         page = cls(mm, layout)
         if [int(w) for w in page.words[:4]] != [MAGIC, VERSION, layout.num_layers, layout.slots]:
             page.close()

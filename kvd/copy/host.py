@@ -2,8 +2,8 @@
 
 Serves CPU inference engines and runs the whole protocol where there is no
 GPU. A pool buffer is ``{kind: "shm", path, size}``: a regular file inside
-the configured shm directory, checked and mapped by kvd.copy.shm_file (the
-daemon's own arena is refused). Copies run on a small thread pool (numpy
+the configured shm directory, owned by the registering process's uid,
+checked and mapped by kvd.copy.shm_file (the daemon's own arena is refused). Copies run on a small thread pool (numpy
 releases the GIL for the bulk of a copy) and complete through asyncio
 futures. A scatter with a signal copies layer by layer when layer-wise
 (writing each layer's word as it lands, so a CPU engine can start on layer
@@ -46,14 +46,15 @@ class HostCopyEngine:
         self.shm_dir = Path(shm_dir).resolve()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvd-copy")
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage | None = None) -> HostPool:
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage | None = None,
+                  owner_uid: int | None = None) -> HostPool:
         maps = []
         try:
             for i, b in enumerate(buffers):
                 if b["kind"] != "shm":
                     raise BadRequest(f"buffers[{i}]: the host backend takes only shm buffers")
                 maps.append(map_shm_file(b["path"], b["size"], self.shm_dir, f"buffers[{i}]",
-                                         self.arena_id))
+                                         self.arena_id, owner_uid))
             try:
                 layout.validate_extent([b["size"] for b in buffers])
             except ValueError as exc:

@@ -1,7 +1,9 @@
 """The copy engine interface every backend implements.
 
-``open_pool(buffers, layout, flags)`` maps an engine's KV buffers (validated:
-kinds, sizes, every byte the layout can reach) and returns an opaque pool;
+``open_pool(buffers, layout, flags, owner_uid)`` maps an engine's KV buffers
+(validated: kinds, sizes, every byte the layout can reach; files must belong
+to ``owner_uid``, the registering process's uid from the kernel, or to the
+daemon's user when that is unknown) and returns an opaque pool;
 ``flags`` is the registration's flag page (kvd.copy.flags), which the CUDA
 backend also registers with the driver. ``close_pool(pool)`` unmaps it and
 is called only after the pool's copies completed; it never waits on a GPU.
@@ -54,7 +56,8 @@ class CopyPlan:
 class CopyEngine(Protocol):
     name: str
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage) -> object: ...
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage,
+                  owner_uid: int | None = None) -> object: ...
 
     def close_pool(self, pool: object) -> None: ...
 

@@ -1,10 +1,12 @@
 """Mapping a client's shared-memory file, after checking it may be mapped.
 
-``map_shm_file(path, size, shm_dir, what, forbid)`` opens ``path`` without
-following symlinks and maps its first ``size`` bytes shared, read/write.
-The file must be a regular file directly inside ``shm_dir``, owned by the
-daemon's user, at least ``size`` bytes long, and not the file ``forbid``
-names (``(st_dev, st_ino)``: the daemon's own arena). Anything else is a
+``map_shm_file(path, size, shm_dir, what, forbid, owner_uid)`` opens
+``path`` without following symlinks and maps its first ``size`` bytes
+shared, read/write. The file must be a regular file directly inside
+``shm_dir``, owned by ``owner_uid`` (the registering process's uid, from the
+kernel; the daemon's own uid when that is unknown), so one tenant can never
+make the daemon map another's file, at least ``size`` bytes long, and not
+the file ``forbid`` names (``(st_dev, st_ino)``: the daemon's own arena). Anything else is a
 ``BadRequest`` naming ``what`` (e.g. ``buffers[2]``, ``flags``). Used for
 host-backend pool buffers and for every registration's flag page.
 """
@@ -20,7 +22,8 @@ from kvd_protocol.errors import BadRequest
 
 
 def map_shm_file(path: str, size: int, shm_dir: Path, what: str,
-                 forbid: tuple[int, int] | None = None) -> mmap.mmap:
+                 forbid: tuple[int, int] | None = None, owner_uid: int | None = None) -> mmap.mmap:
+    owner_uid = os.geteuid() if owner_uid is None else owner_uid
     p = Path(path)
     if not p.is_absolute() or p.parent.resolve() != shm_dir:
         raise BadRequest(f"{what}.path must be a file directly inside {shm_dir}")
@@ -30,8 +33,11 @@ def map_shm_file(path: str, size: int, shm_dir: Path, what: str,
         raise BadRequest(f"{what}: cannot open {path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            raise BadRequest(f"{what}: {path} is not a regular file of our user")
+        if not stat.S_ISREG(st.st_mode):
+            raise BadRequest(f"{what}: {path} is not a regular file")
+        if st.st_uid != owner_uid:
+            raise BadRequest(f"{what}: {path} belongs to uid {st.st_uid}, not to the registering "
+                             f"process's uid {owner_uid}")
         if forbid is not None and (st.st_dev, st.st_ino) == forbid:
             raise BadRequest(f"{what}: {path} is the daemon's own host tier")
         if size < 1 or st.st_size < size:

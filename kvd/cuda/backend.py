@@ -154,7 +154,8 @@ class CudaCopyEngine:
 
     # ---- pools --------------------------------------------------------------
 
-    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage) -> CudaPool:
+    def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage,
+                  owner_uid: int | None = None) -> CudaPool:  # IPC handles name no file: no owner
         uuids = {b.get("device_uuid") for b in buffers}
         if {b["kind"] for b in buffers} != {"cuda_ipc"} or len(uuids) != 1:
             raise BadRequest("a CUDA pool's buffers must all be cuda_ipc buffers of one GPU")

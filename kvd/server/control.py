@@ -1,7 +1,8 @@
 """Operator commands on the control socket, over the service's state.
 
 ``handle(service, op)`` answers ``health`` (liveness, pid, backends,
-uptime), ``stats`` (the snapshot documented in docs/protocol.md §6),
+uptime), ``stats`` (the snapshot documented in docs/protocol.md §6, with
+each client's kernel-reported uid/gid/pid),
 ``clear`` (drop every host chunk nobody pins), ``flush_disk`` (write every
 host chunk to the disk tier and wait) and ``clear_disk`` (delete every disk
 chunk nobody reads). The op is validated by the server (protocol.CONTROL_OPS).
@@ -41,6 +42,16 @@ def snapshot(service) -> dict:
     sessions = service.sessions
     return {"tiers": tiers, "disk_hits": service.stats.counters["disk_hit_chunks"],
             **service.stats.summary(),
-            "latency": service.stats.latency_ms(), "clients": len(sessions),
+            "latency": service.stats.latency_ms(), "latency_histogram": service.stats.latency_histogram(),
+            "clients": len(sessions),
+            "sessions": [_session(s) for s in sessions.by_peer.values()],
+            "connections_refused": service.stats.counters["connections_refused"],
             "registrations": len(sessions.registrations), "leases": len(sessions.leases),
             "backend": service.backends, "chunk_tokens": service.cfg.chunk_tokens}
+
+
+def _session(s) -> dict:
+    """A client as ``kvd stats`` shows it: its own name and pid, and what the kernel says."""
+    cred = {} if s.cred is None else {"uid": s.cred.uid, "gid": s.cred.gid, "peer_pid": s.cred.pid}
+    return {"name": s.name, "pid": s.pid, **cred, "registrations": len(s.registrations),
+            "leases": len(s.leases)}

@@ -2,7 +2,10 @@
 
 Start-up: resolve and lock the runtime dir, reclaim what a dead daemon
 left, allocate the arena, bind ``kvd.sock`` (engines) and ``control.sock``
-(operators) under umask 077. Each request runs as its own task so a slow
+(operators) under umask 077, then open them to ``access_group`` if set
+(kvd.server.runtime_dir); every connection is admitted or refused by its
+kernel peer credentials (kvd.server.peers) before any of its messages is
+read, and each request carries the credentials of its connection. Each request runs as its own task so a slow
 copy never blocks other clients; every reply goes back through the socket
 it came from. A request that fails validation gets a typed error reply; a
 peer that sends a frame larger than ``max_message_bytes`` is dropped by
@@ -37,8 +40,9 @@ import zmq
 import zmq.asyncio
 
 from kvd.copy.host import HostCopyEngine
-from kvd.server import control
-from kvd.server.runtime_dir import InstanceLock, prepare_runtime_dir, reclaim_stale
+from kvd.server import control, metrics
+from kvd.server.peers import AccessPolicy, ZapGate, credentials_available, recv_request, resolve_group
+from kvd.server.runtime_dir import InstanceLock, prepare_runtime_dir, reclaim_stale, share_socket
 from kvd.server.service import Service
 from kvd.tiers.arena import SharedArena
 from kvd.tiers.host import HostTier
@@ -64,10 +68,13 @@ class Daemon:
         self.ctx = None
         self.sockets = []
         self.probe_due: float | None = None
+        self.metrics = None  # the /metrics HTTP server (kvd.server.metrics), when metrics_port is set
+        self.group = resolve_group(cfg.access_group)  # gid engines of other users connect with
+        self.gate = None  # kvd.server.peers.ZapGate: admits connections by their peer credentials
 
     def start(self) -> None:
         t0 = time.monotonic()
-        prepare_runtime_dir(self.runtime_dir)
+        prepare_runtime_dir(self.runtime_dir, self.group)
         self.lock.acquire()
         shm_dir = Path(self.cfg.shm_dir)
         for path in reclaim_stale(self.runtime_dir, shm_dir, instance_tag(self.runtime_dir)):
@@ -88,7 +95,9 @@ class Daemon:
             self.service.tiering = make_tiering(self.cfg, self.service.tier, self.arena.view)
         if self.cfg.disk_gds:
             self.service.gds = make_gds(self.cfg, self.service.tiering, cuda)
+        self.metrics = metrics.start(self.cfg, self.service)
         self.ctx = zmq.asyncio.Context()
+        self.gate = self._start_gate()
         old = os.umask(0o077)
         try:
             self.engine_sock = self._bind(engine_endpoint(self.runtime_dir), self.cfg.max_message_bytes)
@@ -104,9 +113,26 @@ class Daemon:
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails: see _probe_peers
+        if self.gate is not None:
+            ZapGate.guard(sock)
         sock.bind(endpoint)
+        share_socket(Path(endpoint.removeprefix("ipc://")), self.group)
         self.sockets.append(sock)
         return sock
+
+    def _start_gate(self):
+        """The peer-credential check of every connection (kvd.server.peers), or None where
+        libzmq does not report ipc peer credentials (then the file modes alone guard)."""
+        policy = AccessPolicy(self.group)
+        if credentials_available():
+            log.info("connections admitted: %s", policy.describe())
+            return ZapGate(self.ctx, policy, self.service.stats)
+        if self.group is not None:
+            raise RuntimeError("access_group needs the peer credentials of ipc connections, which "
+                               "this libzmq build does not report")
+        log.warning("this libzmq does not report ipc peer credentials: connections are guarded by "
+                    "the runtime directory's permissions only")
+        return None
 
     async def main(self) -> None:
         self.start()
@@ -120,6 +146,8 @@ class Daemon:
                    asyncio.create_task(self._serve(self.control_sock, wire.CONTROL_OPS, self._control_op)),
                    asyncio.create_task(self._reaper()),
                    asyncio.create_task(self._watch_disconnects())]
+        if self.gate is not None:
+            readers.append(asyncio.create_task(self.gate.serve()))
         if self.service.tiering is not None:
             self.service.tiering.start()  # recovery scan runs in the background
         await self.stopping.wait()
@@ -142,8 +170,13 @@ class Daemon:
     def close(self) -> None:
         if self.lock.fd < 0:
             return  # never owned the runtime dir: touch nothing in it
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics.server_close()
         for sock in self.sockets:
             sock.close(linger=0)
+        if self.gate is not None:
+            self.gate.close()
         if self.ctx is not None:
             self.ctx.term()
         for name in ("kvd.sock", "control.sock"):
@@ -158,17 +191,17 @@ class Daemon:
     async def _serve(self, sock, ops: dict, handler) -> None:
         max_bytes = sock.getsockopt(zmq.MAXMSGSIZE)
         while True:
-            parts = await sock.recv_multipart(copy=True)
+            parts, cred = await recv_request(sock)
             received = time.monotonic()
             if len(parts) < 2:
                 continue
             task = asyncio.create_task(self._respond(sock, parts[0], parts[1:], ops, handler,
-                                                     max_bytes, received))
+                                                     max_bytes, received, cred))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
     async def _respond(self, sock, peer: bytes, body: list, ops: dict, handler, max_bytes: int,
-                       received: float) -> None:
+                       received: float, cred) -> None:
         t0 = time.perf_counter()
         started = time.monotonic()
         req_id, op = None, "invalid"
@@ -178,17 +211,17 @@ class Daemon:
             size = sum(len(frame) for frame in body)
             if size > max_bytes:
                 raise TooLarge(f"message of {size} bytes exceeds max_message_bytes ({max_bytes})")
-            reply = wire.ok_reply(req_id, await handler(peer, req))
+            reply = wire.ok_reply(req_id, await handler(peer, req, cred))
         except wire.ProtocolError as exc:
             reply = wire.error_reply(exc.req_id, exc.code, str(exc))
-            self.service.stats.add("errors")
+            self.service.stats.error(op, exc.code)
         except ServerError as exc:
             reply = wire.error_reply(req_id, exc.code, str(exc))
-            self.service.stats.add("errors")
+            self.service.stats.error(op, exc.code)
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("internal error in %s", op)
             reply = wire.error_reply(req_id, "internal", f"{type(exc).__name__}: {exc}")
-            self.service.stats.add("errors")
+            self.service.stats.error(op, "internal")
         self.service.stats.add(f"op_{op}")
         self.service.stats.observe(op, time.perf_counter() - t0)
         await self._reply(sock, peer, reply)
@@ -216,12 +249,12 @@ class Daemon:
                 log.debug("reply to a gone peer dropped: %s", exc)
                 return
 
-    async def _engine_op(self, peer: bytes, req):
+    async def _engine_op(self, peer: bytes, req, cred):
         if self.stopping.is_set() and req.op not in ("bye", "heartbeat"):
             raise ShuttingDown("daemon is shutting down")
-        return await self.service.handle(peer, req)
+        return await self.service.handle(peer, req, cred)
 
-    async def _control_op(self, peer: bytes, req):
+    async def _control_op(self, peer: bytes, req, cred):
         return await control.handle(self.service, req.op)
 
     async def _reaper(self) -> None:

@@ -2,7 +2,10 @@
 
 The directory is created with mode 0700 and holds ``kvd.sock``,
 ``control.sock`` and ``kvd.lock`` (names and resolution rules:
-kvd_protocol.runtime). The lock (flock) lets one daemon serve a directory;
+kvd_protocol.runtime). With ``access_group`` the directory is 0750 and the
+sockets 0660, both of that group, so its members (engines of other users)
+can connect; without it only the daemon's user (and root) can. The lock
+(flock) lets one daemon serve a directory;
 it is released by the kernel when the daemon dies, so a new daemon that
 gets it knows every leftover is stale.
 """
@@ -15,16 +18,34 @@ import stat
 from pathlib import Path
 
 
-def prepare_runtime_dir(runtime_dir: Path) -> None:
-    """Create the directory 0700; refuse one that others can enter."""
-    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+def prepare_runtime_dir(runtime_dir: Path, group: int | None = None) -> None:
+    """Create the directory 0700 (0750 of ``group``); refuse one that is not ours."""
+    mode = 0o700 if group is None else 0o750
+    runtime_dir.mkdir(mode=mode, parents=True, exist_ok=True)
     st = os.lstat(runtime_dir)
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeError(f"runtime dir {runtime_dir} is not a directory")
     if st.st_uid != os.geteuid():
         raise RuntimeError(f"runtime dir {runtime_dir} belongs to uid {st.st_uid}, not to us")
-    if st.st_mode & 0o077:
-        os.chmod(runtime_dir, 0o700)
+    if group is not None and st.st_gid != group:
+        _chgrp(runtime_dir, group)
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(runtime_dir, mode)
+
+
+def share_socket(path: Path, group: int | None) -> None:
+    """Give a socket bound under umask 077 (0600) to ``group``, 0660; nothing without a group."""
+    if group is not None:
+        _chgrp(path, group)
+        os.chmod(path, 0o660)
+
+
+def _chgrp(path: Path, group: int) -> None:
+    try:
+        os.chown(path, -1, group, follow_symlinks=False)
+    except PermissionError:
+        raise RuntimeError(f"cannot give {path} to group {group} (access_group): the daemon's "
+                           "user must be a member of it") from None
 
 
 class InstanceLock:

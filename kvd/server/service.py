@@ -74,12 +74,14 @@ class Service:
 
     # ---- dispatch -------------------------------------------------------------
 
-    async def handle(self, peer: bytes, req: wire.Request):
+    async def handle(self, peer: bytes, req: wire.Request, cred=None):
         if req.op == "hello":
-            return await self.hello(peer, req.fields)
+            return await self.hello(peer, req.fields, cred)
         session = self.sessions.by_peer.get(peer)
         if session is None or session.closing:
             raise NoSession("no session: send hello first")
+        if cred != session.cred:  # its routing id, taken over by another process
+            raise Forbidden("this session belongs to another process")
         if req.op in DATA_OPS and session.inflight >= self.cfg.max_inflight:
             self.stats.add("busy")
             raise Busy(f"{session.inflight} requests of this client are in flight already "
@@ -94,7 +96,7 @@ class Service:
 
     # ---- session ops ----------------------------------------------------------
 
-    async def hello(self, peer: bytes, f: dict):
+    async def hello(self, peer: bytes, f: dict, cred=None):
         if not any(v == wire.VERSION and type(v) is int for v in f["versions"]):
             raise VersionMismatch(f"client speaks protocol {f['versions']!r}, this daemon speaks "
                                   f"{wire.VERSION}: install the kvd_client of this daemon's release")
@@ -103,8 +105,9 @@ class Service:
             await self.reap(old, "re-hello")
         elif len(self.sessions) >= self.cfg.max_clients:
             raise TooLarge(f"too many clients (max_clients={self.cfg.max_clients})")
-        self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"])
-        log.info("client %s (pid %d) connected", f["client"][:128], f["pid"])
+        self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"], cred)
+        log.info("client %s (pid %d) connected%s", f["client"][:128], f["pid"],
+                 "" if cred is None else f": uid {cred.uid} gid {cred.gid} pid {cred.pid} (kernel)")
         return {"version": wire.VERSION, "chunk_tokens": self.cfg.chunk_tokens,
                 "max_message_bytes": self.cfg.max_message_bytes,
                 "max_keys": self.cfg.max_keys_per_request,
@@ -131,9 +134,10 @@ class Service:
         _check_layout_matches(ns, layout, f["tp_rank"])
         flags_spec, flag_layout = wire.flags_from_wire(f["flags"], layout.num_layers)
         engine = self._engine_for(buffers)
-        flags = FlagPage.open(flags_spec, flag_layout, self.shm_dir, self.arena_id)
+        owner = getattr(session.cred, "uid", None)  # files must be the registering process's
+        flags = FlagPage.open(flags_spec, flag_layout, self.shm_dir, self.arena_id, owner)
         try:
-            pool = engine.open_pool(buffers, layout, flags)
+            pool = engine.open_pool(buffers, layout, flags, owner)
         except BaseException:
             flags.close()
             raise

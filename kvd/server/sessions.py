@@ -72,6 +72,7 @@ class Session:
     peer: bytes
     name: str
     pid: int
+    cred: object = None  # kvd.server.peers.PeerCred of its connection (from the kernel), or None
     last_seen: float = field(default_factory=time.monotonic)
     registrations: dict = field(default_factory=dict)
     leases: dict = field(default_factory=dict)

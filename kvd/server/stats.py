@@ -1,21 +1,48 @@
-"""Counters and op latencies of one daemon, for the control socket.
+"""Counters and op latencies of one daemon, for the control socket and /metrics.
 
 Counters are plain integers bumped on the event loop. Latencies keep the
-last ``window`` samples per op; p50/p99 are computed when stats are read,
-so the request path pays one deque append.
+last ``window`` samples per op (p50/p99 computed when stats are read) and a
+fixed-bucket histogram per op (``LATENCY_BUCKETS_S``, for Prometheus and
+``kvd top``), so the request path pays one deque append, one bisect and two
+additions. ``scrape()`` may be called from another thread (the metrics
+server): it only copies (``dict(...)``, ``list(...)``: single C calls that
+hold the GIL throughout, so they cannot see a dict change size mid-copy)
+and reads ints; it never iterates what the loop mutates.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import Counter, defaultdict, deque
 
 import numpy as np
+
+# Upper bounds (seconds) of the latency buckets: 50 us to 5 s, 1-2.5-5 steps; +Inf is implied.
+LATENCY_BUCKETS_S = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
+                     0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Histogram:
+    """Bucket counts (``le`` semantics, the last one is +Inf) and the sum of observations."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self):
+        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.sum += seconds
 
 
 class Stats:
     def __init__(self, window: int = 2048):
         self.counters: Counter = Counter()
+        self.errors: Counter = Counter()  # (op, error code) -> failed requests
+        self.moved: Counter = Counter()  # (counter name, backend) -> chunks or bytes
+        self.histograms: dict[str, Histogram] = {}
         self._latency = defaultdict(lambda: deque(maxlen=window))
         self.started = time.monotonic()
 
@@ -24,6 +51,29 @@ class Stats:
 
     def observe(self, op: str, seconds: float) -> None:
         self._latency[op].append(seconds)
+        hist = self.histograms.get(op)
+        if hist is None:
+            hist = self.histograms[op] = Histogram()
+        hist.observe(seconds)
+
+    def error(self, op: str, code: str) -> None:
+        """A request that got an error reply (``code``: the wire error code)."""
+        self.counters["errors"] += 1
+        self.errors[(op, code)] += 1
+
+    def copied(self, direction: str, backend: str, chunks: int, nbytes: int) -> None:
+        """Chunks and bytes an engine stored (``direction`` "stored") or loaded ("loaded")."""
+        self.counters[f"chunks_{direction}"] += chunks
+        self.counters[f"bytes_{direction}"] += nbytes
+        self.moved[(f"chunks_{direction}", backend)] += chunks
+        self.moved[(f"bytes_{direction}", backend)] += nbytes
+
+    def scrape(self) -> dict:
+        """Copies of every counter and histogram; safe from another thread (see the docstring)."""
+        hists = dict(self.histograms)
+        return {"counters": dict(self.counters), "errors": dict(self.errors),
+                "moved": dict(self.moved),
+                "histograms": {op: (list(h.counts), h.sum) for op, h in hists.items()}}
 
     def latency_ms(self) -> dict:
         out = {}
@@ -32,6 +82,11 @@ class Stats:
             out[op] = {"count": self.counters[f"op_{op}"], "p50_ms": round(float(np.percentile(arr, 50)), 4),
                        "p99_ms": round(float(np.percentile(arr, 99)), 4)}
         return out
+
+    def latency_histogram(self) -> dict:
+        """Bucket bounds and counts per op (for ``kvd top``'s percentiles over an interval)."""
+        return {"bounds_s": list(LATENCY_BUCKETS_S),
+                "counts": {op: list(h.counts) for op, h in self.histograms.items()}}
 
     def summary(self) -> dict:
         c = self.counters

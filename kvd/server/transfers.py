@@ -97,8 +97,7 @@ class Transfers:
         if self.tiering is not None:
             self.tiering.wake.set()  # the demoter looks at the watermark now
         _log_timing("store", len(todo), t0, waited)
-        self.stats.add("chunks_stored", len(todo))
-        self.stats.add("bytes_stored", len(todo) * reg.shard_bytes)
+        self.stats.copied("stored", reg.engine.name, len(todo), len(todo) * reg.shard_bytes)
         return {"stored": len(todo), "deduped": deduped}
 
     async def _engine_reached(self, reg: Registration, mark: int, deadline_us) -> None:
@@ -181,8 +180,7 @@ class Transfers:
             raise Cancelled("the client cancelled the load; its pages hold undefined bytes")
         _log_timing("load", len(entries), t0, waited)
         loaded = len(entries) + direct
-        self.stats.add("chunks_loaded", loaded)
-        self.stats.add("bytes_loaded", loaded * reg.shard_bytes)
+        self.stats.copied("loaded", reg.engine.name, loaded, loaded * reg.shard_bytes)
         return {"loaded": loaded}
 
     async def _pin_prefix(self, reg: Registration, req, keys: list, pages, signal: LoadSignal):

@@ -20,14 +20,14 @@ import time
 import msgpack
 import numpy as np
 import pytest
+import workers_pipeline as WP
 import zmq
+from rawwire import Raw, pages
 
 import kvd_client
-import workers_pipeline as WP
 from kvd_client.flags import ClientFlags
 from kvd_protocol.flags import MARK_WORD
 from kvd_protocol.runtime import engine_endpoint
-from rawwire import Raw, pages
 
 GEOMETRY = WP.GEOMETRY  # 2 layers, 64 pages of 4 tokens, 512 B per 16-token chunk shard...
 

@@ -1,0 +1,196 @@
+"""Prometheus metrics: ``/metrics`` on ``metrics_address:metrics_port`` (off when the port is 0).
+
+``start(cfg, service)`` serves the exposition with prometheus-client's HTTP
+server on its own thread (``pip install 'kvd[metrics]'``; when the port is
+set and the library is missing, or the address cannot be bound, start-up
+fails with one line saying so). Nothing on the event loop waits for a
+scrape: ``KvdCollector`` reads, at scrape time and on the server's thread,
+the counters the loop keeps anyway (kvd.server.stats, the tiers' counters,
+the session table), through copies taken by single C-level calls and
+``len()``; it takes no lock and never iterates a dict the loop mutates.
+Names follow Prometheus conventions (``kvd_`` prefix, base units,
+``_total`` counters, ``_bytes``, ``_seconds``); docs/operations.md lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib import metadata
+
+from kvd.server.stats import LATENCY_BUCKETS_S
+from kvd_protocol import wire
+
+log = logging.getLogger("kvd")
+
+DISK_IO_ERRORS = ("enospc", "write_errors", "read_errors", "vanished")
+DISK_COUNTERS = (  # (metric name, help, the disk tier's counter)
+    ("kvd_disk_writes_total", "Chunk files written to the disk tier.", "writes"),
+    ("kvd_disk_write_bytes_total", "Bytes written to the disk tier.", "write_bytes"),
+    ("kvd_disk_reads_total", "Chunk files read from the disk tier.", "reads"),
+    ("kvd_disk_read_bytes_total", "Bytes read from the disk tier.", "read_bytes"),
+    ("kvd_demotions_dropped_total", "Demotions dropped because the write queue was full.",
+     "demotions_dropped"),
+    ("kvd_demotions_failed_total", "Demotions that failed (IO error, full disk).", "demotions_failed"),
+    ("kvd_checksum_failures_total", "Disk chunks whose checksum did not match (dropped).",
+     "checksum_failures"),
+)
+TIERING_COUNTERS = (
+    ("kvd_demotions_total", "Chunks copied from the host tier to the disk tier.", "demotions"),
+    ("kvd_promotions_total", "Chunks read from the disk tier back into the host tier.", "promotions"),
+    ("kvd_promotions_failed_total", "Promotions that failed.", "promotions_failed"),
+    ("kvd_demotions_skipped_cold_total", "Chunks not demoted for too few hits (disk_min_hits).",
+     "demotions_skipped_cold"),
+)
+GDS_COUNTERS = (
+    ("kvd_gds_loads_total", "Loads served by GPU Direct Storage.", "direct_loads"),
+    ("kvd_gds_loaded_chunks_total", "Chunks read by GPU Direct Storage into GPU pages.", "direct_chunks"),
+    ("kvd_gds_loaded_bytes_total", "Bytes read by GPU Direct Storage into GPU pages.", "direct_bytes"),
+    ("kvd_gds_fallbacks_total", "GPU Direct Storage loads finished through the host tier.", "fallbacks"),
+)
+
+
+def start(cfg, service):
+    """Serve /metrics when ``metrics_port`` is set; returns the server (``shutdown()``) or None."""
+    if not cfg.metrics_port:
+        return None
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client.process_collector import ProcessCollector
+    except ImportError:
+        raise RuntimeError("metrics_port is set but prometheus-client is not installed: "
+                           "pip install 'kvd[metrics]', or set metrics_port = 0") from None
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    registry.register(KvdCollector(service))
+    try:
+        server, _ = start_http_server(cfg.metrics_port, cfg.metrics_address, registry=registry)
+    except OSError as exc:
+        raise RuntimeError(f"cannot serve metrics on {cfg.metrics_address}:{cfg.metrics_port}: "
+                           f"{exc.strerror}") from None
+    log.info("metrics: http://%s:%d/metrics", cfg.metrics_address, cfg.metrics_port)
+    return server
+
+
+class KvdCollector:
+    """Builds every ``kvd_*`` family from the daemon's counters at scrape time."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        from prometheus_client.core import InfoMetricFamily
+        s = self.service
+        info = InfoMetricFamily("kvd_build", "kvd version, wire protocol and copy backends.")
+        info.add_metric([], {"version": _version(), "protocol": str(wire.VERSION),
+                             "backends": s.backends})
+        yield info
+        scraped = s.stats.scrape()
+        yield from _requests(scraped)
+        yield from _cache(scraped, s)
+        yield from _sessions(scraped["counters"], s.sessions)
+        if s.tiering is not None:
+            yield from _disk(s.tiering)
+        if s.gds is not None:
+            yield from _counters(GDS_COUNTERS, dict(s.gds.counters))
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvd")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _counter(name: str, doc: str, value=None, labels=()):
+    from prometheus_client.core import CounterMetricFamily
+    return CounterMetricFamily(name.removesuffix("_total"), doc, value=value, labels=labels or None)
+
+
+def _gauge(name: str, doc: str, value=None, labels=()):
+    from prometheus_client.core import GaugeMetricFamily
+    return GaugeMetricFamily(name, doc, value=value, labels=labels or None)
+
+
+def _counters(table, values: dict):
+    for name, doc, key in table:
+        yield _counter(name, doc, values.get(key, 0))
+
+
+def _requests(scraped: dict):
+    from prometheus_client.core import HistogramMetricFamily
+    hist = HistogramMetricFamily("kvd_request_duration_seconds", "Time from a request's parse to "
+                                 "its reply, by op.", labels=["op"])
+    requests = _counter("kvd_requests_total", "Requests answered, by op.", labels=["op"])
+    for op, (counts, total) in sorted(scraped["histograms"].items()):
+        cumulative, buckets = 0, []
+        for bound, n in zip((*map(str, LATENCY_BUCKETS_S), "+Inf"), counts):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        hist.add_metric([op], buckets, total)
+        requests.add_metric([op], cumulative)
+    errors = _counter("kvd_request_errors_total", "Requests answered with an error, by op and "
+                      "error code (deadline_exceeded: the client's timeout passed).", labels=["op", "code"])
+    for (op, code), n in sorted(scraped["errors"].items()):
+        errors.add_metric([op, code], n)
+    yield from (hist, requests, errors)
+
+
+def _cache(scraped: dict, s):
+    c = scraped["counters"]
+    hits = _counter("kvd_lookup_hit_chunks_total", "Chunks lookups found, by the tier that held "
+                    "them.", labels=["tier"])
+    hits.add_metric(["host"], c.get("hit_chunks", 0) - c.get("disk_hit_chunks", 0))
+    hits.add_metric(["disk"], c.get("disk_hit_chunks", 0))
+    yield hits
+    yield _counter("kvd_lookup_miss_chunks_total", "Chunks lookups did not find.", c.get("miss_chunks", 0))
+    yield _counter("kvd_store_dedup_chunks_total", "Chunks a store skipped: already cached.",
+                   c.get("store_dedup", 0))
+    backends = sorted({*s.backends.split(","), *(b for _, b in scraped["moved"])})
+    for what in ("stored", "loaded"):
+        for unit, doc in (("chunks", "Chunks"), ("bytes", "Bytes")):
+            family = _counter(f"kvd_{what}_{unit}_total", f"{doc} engines {what} (one shard each), "
+                              "by copy backend.", labels=["backend"])
+            for backend in backends:  # every backend from the start: 0, not "no data"
+                family.add_metric([backend], scraped["moved"].get((f"{unit}_{what}", backend), 0))
+            yield family
+    tier = s.tier
+    cap = _gauge("kvd_tier_capacity_bytes", "Capacity of each tier.", labels=["tier"])
+    used = _gauge("kvd_tier_used_bytes", "Bytes in use in each tier.", labels=["tier"])
+    chunks = _gauge("kvd_tier_chunks", "Chunks held by each tier (host: including chunks being "
+                    "stored).", labels=["tier"])
+    evictions = _counter("kvd_evictions_total", "Chunks evicted from each tier.", labels=["tier"])
+    cap.add_metric(["host"], tier.capacity)
+    used.add_metric(["host"], tier.alloc.used)
+    chunks.add_metric(["host"], len(tier.entries))
+    evictions.add_metric(["host"], tier.evictions)
+    if s.tiering is not None:
+        disk = s.tiering.disk
+        cap.add_metric(["disk"], disk.capacity)
+        used.add_metric(["disk"], disk.used)
+        chunks.add_metric(["disk"], len(disk.entries))
+        evictions.add_metric(["disk"], dict(disk.counters).get("evictions", 0))
+    yield from (cap, used, chunks, evictions)
+    yield _counter("kvd_host_evicted_not_on_disk_total", "Host chunks evicted with no copy on disk "
+                   "(lost from the cache).", tier.evicted_not_on_disk)
+
+
+def _sessions(c: dict, sessions):
+    yield _gauge("kvd_clients", "Engine sessions connected.", len(sessions.by_peer))
+    yield _gauge("kvd_registrations", "KV pools registered.", len(sessions.registrations))
+    yield _gauge("kvd_leases", "Leases held on cached chunks.", len(sessions.leases))
+    yield _counter("kvd_clients_reaped_total", "Sessions removed for silence or a re-hello.",
+                   c.get("clients_reaped", 0))
+    yield _counter("kvd_connections_refused_total", "Connections refused by the peer credential "
+                   "check.", c.get("connections_refused", 0))
+
+
+def _disk(tiering):
+    c = dict(tiering.disk.counters)
+    yield from _counters(DISK_COUNTERS, c)
+    io = _counter("kvd_disk_io_errors_total", "Disk tier IO failures, by kind.", labels=["kind"])
+    for kind in DISK_IO_ERRORS:
+        io.add_metric([kind.removesuffix("_errors")], c.get(kind, 0))
+    yield io
+    yield _gauge("kvd_disk_queued_writes", "Demotions queued or being written.",
+                 len(tiering.disk.writing))
+    yield from _counters(TIERING_COUNTERS, dict(tiering.counters))

@@ -1,0 +1,166 @@
+"""Who is on the other end of an ipc:// connection (from the kernel), and whether they may be.
+
+libzmq, built with SO_PEERCRED support (pyzmq's bundled libzmq on Linux
+is; ``credentials_available`` probes for it), reads the credentials of
+every accepted Unix-socket connection with ``getsockopt(SO_PEERCRED)`` and
+reports them as the connection's peer address ``<host>:<uid>:<gid>:<pid>``:
+in the ZAP request it sends when a connection is made (ZeroMQ's
+authentication protocol, RFC 27; our sockets set a ZAP domain so libzmq
+asks) and in each message's ``Peer-Address`` property. These are the
+kernel's values at connect time, not anything the client says.
+
+``AccessPolicy`` decides: the daemon's own uid, root (which bypasses the
+socket's file permissions anyway), and, with ``access_group``, a process
+whose gid or one of whose supplementary groups (/proc/<pid>/status, read
+while the connection is being made) is that group. ``ZapGate`` answers
+libzmq's ZAP requests on the event loop: a refused peer's connection is
+closed during the handshake, so none of its messages ever reaches the
+daemon (counted, logged once per uid). ``recv_request`` reads one request
+with the credentials of the connection it came on (for the session, and
+for checking whose shared-memory pool a registration may map).
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+from typing import NamedTuple
+
+import zmq
+
+log = logging.getLogger("kvd")
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends ZAP requests (RFC 27)
+ZAP_DOMAIN = b"kvd"
+
+
+class PeerCred(NamedTuple):
+    uid: int
+    gid: int
+    pid: int  # 0 when the peer is in a pid namespace we cannot see (another container)
+
+
+_parsed: dict = {}  # peer address -> PeerCred: every request of a connection repeats its address
+
+
+def parse_peer_address(address: str | None) -> PeerCred | None:
+    """The credentials at the end of libzmq's ipc peer address, or None if it has none."""
+    cred = _parsed.get(address)
+    if cred is None:
+        parts = (address or "").rsplit(":", 3)
+        if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+            return None
+        if len(_parsed) >= 4096:
+            _parsed.clear()
+        cred = _parsed[address] = PeerCred(int(parts[1]), int(parts[2]), int(parts[3]))
+    return cred
+
+
+def credentials_available() -> bool:
+    """Whether this libzmq reports ipc peer credentials (it accepts the IPC_FILTER_* options
+    only when it was built with SO_PEERCRED)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        sock.setsockopt(zmq.IPC_FILTER_UID, os.geteuid())
+        return True
+    except (zmq.ZMQError, AttributeError):
+        return False
+    finally:
+        sock.close(linger=0)
+
+
+def resolve_group(name: str) -> int | None:
+    """The gid of ``access_group`` (a name or a number); None when empty."""
+    if not name:
+        return None
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise RuntimeError(f"access_group {name!r}: no such group") from None
+
+
+def process_groups(pid: int) -> set[int]:
+    """Supplementary groups of a live process (empty when it cannot be read)."""
+    if pid <= 0:
+        return set()
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
+class AccessPolicy:
+    def __init__(self, group: int | None):
+        self.uid = os.geteuid()
+        self.group = group
+
+    def allows(self, cred: PeerCred) -> bool:
+        if cred.uid in (self.uid, 0):
+            return True
+        if self.group is None:
+            return False
+        return cred.gid == self.group or self.group in process_groups(cred.pid)
+
+    def describe(self) -> str:
+        group = "" if self.group is None else f", group {self.group}"
+        return f"uid {self.uid}, root{group}"
+
+
+class ZapGate:
+    """The ZAP handler: admits or refuses each new connection of a socket that set ZAP_DOMAIN."""
+
+    def __init__(self, ctx, policy: AccessPolicy, stats):
+        self.policy = policy
+        self.stats = stats
+        self.refused_uids: set[int] = set()
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(ZAP_ENDPOINT)
+
+    @staticmethod
+    def guard(sock) -> None:
+        """Make libzmq ask the gate about every connection to ``sock`` (call before bind)."""
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no handler: refuse, never admit unchecked
+
+    async def serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            await self.sock.send_multipart(self.answer(frames))
+
+    def answer(self, frames: list) -> list:
+        """A ZAP reply: version, request id, status, text, user id, metadata."""
+        if len(frames) < 6 or frames[0] != b"1.0":
+            return [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"bad ZAP request", b"", b""]
+        cred = parse_peer_address(frames[3].decode("ascii", "replace"))
+        if cred is not None and self.policy.allows(cred):
+            return [b"1.0", frames[1], b"200", b"OK", f"{cred.uid}:{cred.gid}".encode(), b""]
+        self.stats.add("connections_refused")
+        key = -1 if cred is None else cred.uid
+        if key not in self.refused_uids:  # a refused client reconnects every second: log once
+            self.refused_uids.add(key)
+            log.warning("refused a connection from %s: allowed are %s (access_group)",
+                        "a peer without credentials" if cred is None else
+                        f"uid {cred.uid} gid {cred.gid} pid {cred.pid}", self.policy.describe())
+        return [b"1.0", frames[1], b"400", b"not allowed", b"", b""]
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+async def recv_request(sock) -> tuple[list, PeerCred | None]:
+    """One multipart request as bytes, and the credentials of the connection it came on.
+    Frames are received as zmq.Frame for the property, then copied out: measured on the
+    2-core VM, +4.6 to +5.5 us of process CPU per 3-frame request over
+    recv_multipart(copy=True) (about 3 for the Frames, the rest for the property; receiving
+    only the first frame as a Frame costs a second await: +17 us)."""
+    parts = await sock.recv_multipart(copy=False)
+    cred = parse_peer_address(parts[0].get("Peer-Address"))
+    return [p.bytes for p in parts], cred

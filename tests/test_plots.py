@@ -1,0 +1,84 @@
+"""Plots of measured tables: ``kvd bench --plot``, the TTFT chart, docs/img from docs/benchmarks.md.
+
+Real benchmark runs (small) draw real PNGs; the docs' pictures are drawn
+from the tables parsed out of docs/benchmarks.md, which must keep parsing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+image = pytest.importorskip("matplotlib.image")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import plot_docs  # noqa: E402
+
+
+def png_shape(path: Path) -> tuple:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return image.imread(path).shape
+
+
+def test_bench_plot_draws_the_run_it_measured(tmp_path):
+    out = tmp_path / "host.png"
+    proc = subprocess.run([sys.executable, "-m", "kvd", "bench", "--layers", "2", "--kv-heads", "2",
+                           "--head-dim", "64", "--chunks", "2", "--repeat", "1", "--plot", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"plot: {out}" in proc.stdout
+    assert png_shape(out)[:2] == (480, 900)
+
+
+def test_disk_bench_plot(tmp_path):
+    out = tmp_path / "disk.png"
+    proc = subprocess.run([sys.executable, "-m", "kvd", "bench", "--disk", "--disk-dir", str(tmp_path),
+                           "--disk-gib", "0.03", "--disk-chunk", "1MiB", "--disk-threads", "2",
+                           "--repeat", "1", "--plot", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert png_shape(out)[:2] == (480, 900)
+
+
+def test_without_matplotlib_plot_fails_before_benchmarking(tmp_path):
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('hidden')\n")
+    proc = subprocess.run([sys.executable, "-m", "kvd", "bench", "--plot", str(tmp_path / "x.png")],
+                          capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and "pip install 'kvd[plot]'" in proc.stdout
+    assert "run 0" not in proc.stdout  # nothing was measured
+
+
+def test_prefix_reuse_replots_a_saved_result(tmp_path):
+    # the shape of examples/prefix_reuse.py's --out record (as `assemble` writes it)
+    row = {"prompt": "2048", "prefix": 2048, "suffix": 256, "corrupt": False, "full_ms": 17.3,
+           "suffix_ms": 11.7, "floor_ms": 1.3, "bound": 1.3, "kvd_ms": 12.5, "speedup": 1.4,
+           "of_bound": 1.04, "load_hidden": 0.37, "logits": {"ok": True, "argmax_same": True, "rel": 0.015}}
+    result = {"command": "examples/prefix_reuse.py", "model": {"num_hidden_layers": 8, "hidden_size": 4096,
+              "num_key_value_heads": 8}, "page_size": 16, "chunk_tokens": 256, "suffix": 256,
+              "repeat": 3, "rtol": 0.02, "gpu": "test GPU", "torch": "x", "transformers": "y",
+              "rows": [row, {**row, "prompt": "2048 corrupt", "corrupt": True,
+                             "logits": {"ok": False, "argmax_same": False, "rel": 1.3}}],
+              "clean_ok": True, "corrupt_caught": True}
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    out = tmp_path / "ttft.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "prefix_reuse.py"), "--replot",
+                           str(tmp_path / "r.json"), "--plot", str(out)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "17.3" in proc.stdout and png_shape(out)[:2] == (480, 900)
+
+
+def test_docs_images_are_drawn_from_the_benchmark_tables(tmp_path):
+    doc = plot_docs.DOC.read_text()
+    ttft = plot_docs.table(doc, "## Time to first token")
+    assert [r["prefix"] for r in ttft][:3] == ["2048", "8192", "32768"] and "kvd ms" in ttft[0]
+    disk = plot_docs.table(doc, "## Disk tier (`kvd bench --disk`)")
+    assert {"tier/raw", "tier/raw #2"} <= set(disk[0])  # write and read ratios, both kept
+    assert plot_docs.main([str(tmp_path)]) == 0
+    drawn = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert drawn == sorted(p.name for p in (ROOT / "docs" / "img").glob("*.png"))
