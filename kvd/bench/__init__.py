@@ -40,6 +40,12 @@ def add_arguments(p) -> None:
                    "this long for each reply before sleeping (KvdClient spin_s)")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
+    p.add_argument("--pipeline", type=int, default=0, metavar="N", help="with --gpu: also measure "
+                   "with N requests in flight per client (submit/poll), next to the blocking figures")
+    p.add_argument("--clients", type=int, default=2, metavar="M", help="with --pipeline: engines "
+                   "(at least 2: for both directions half store while half load)")
+    p.add_argument("--pipeline-rounds", type=int, default=4, metavar="R", help="with --pipeline: "
+                   "each client sends N x R requests per timed run")
     p.add_argument("--gds", action="store_true", help="benchmark loads of disk-only chunks into "
                    "GPU pages, GPU Direct Storage vs the host tier path vs raw O_DIRECT reads (needs "
                    "torch, cupy, KvikIO, a GPU; uses --disk-dir, --disk-gib, --disk-threads, --chunks)")

@@ -9,7 +9,9 @@ bytes in each direction, and both directions at once on two streams. Also
 the slowdown of a bf16 GEMM running on the engine's stream while copies
 run, and the copy throughput meanwhile (kernels of two processes time-slice
 the GPU unless MPS is on, so a small slowdown can mean starved copies).
-Medians of ``--repeat`` runs. A benchmark, not a test.
+With ``--pipeline N``, each shape and page size is measured again with
+requests pipelined (kvd.bench.pipeline). Medians of ``--repeat`` runs. A
+benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 
 import numpy as np
 
+from . import pipeline
 from .common import request_bytes, start_daemon
 
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
@@ -40,19 +43,27 @@ def run(args) -> int:
     rows = []
     chunk = args.chunk_tokens
     with tempfile.TemporaryDirectory(prefix="kvd-gbench-") as rundir:
-        cap = 3 * max(request_bytes(s, args.chunks, chunk) for s in SHAPES.values()) + 2**24
+        req = max(request_bytes(s, args.chunks, chunk) for s in SHAPES.values())
+        in_flight = max(2, args.clients) * (args.pipeline + 1) + 2 if args.pipeline else 3
+        cap = max(3, in_flight) * req + 2**24
         daemon = start_daemon(rundir, capacity=cap, chunk_tokens=chunk, extra=["--gpu", "on"],
                                log_path=args.daemon_log)
+        piped = []
         try:
             for name, shape in SHAPES.items():
                 for page in args.gpu_page_sizes:
                     rows.append(_measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape,
                                                page, args))
+                    if args.pipeline:
+                        memcpy = {k: rows[-1][f"memcpy_{k}"] for k in ("d2h", "h2d", "both")}
+                        piped.append(pipeline.measure(torch, KvdClient, CudaKVPool, make_pool,
+                                                      rundir, name, shape, page, args, memcpy))
             gemm = _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args)
         finally:
             daemon.terminate()
             daemon.wait(60)
     _report(torch, rows, gemm, args)
+    pipeline.report(piped)
     if args.plot:
         _plot(torch, rows, args)
     return 0
