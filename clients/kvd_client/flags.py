@@ -57,9 +57,11 @@ class ClientFlags:
         return self.dev_base + 4 * word
 
     def mark(self, stream: int, value: int) -> None:
+        cuda_driver.ensure_context(self.device)  # the calling thread may never have used CUDA
         cuda_driver.stream_write_u32(stream, self._dev(MARK_WORD), value)
 
     def wait_layer(self, stream: int, slot: int, layer: int, seq: int) -> None:
+        cuda_driver.ensure_context(self.device)
         cuda_driver.stream_wait_u32(stream, self._dev(self.layout.layer_word(slot, layer)), seq)
 
     def layer_landed(self, slot: int, layer: int, seq: int) -> bool:

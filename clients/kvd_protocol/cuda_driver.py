@@ -111,7 +111,7 @@ def _fn(name: str, *alternatives: str):
     raise CudaExportError(f"the CUDA driver has no {name}")
 
 
-def _ensure_context(ordinal: int) -> None:
+def ensure_context(ordinal: int) -> None:
     """Make the device's primary context current on this thread if none is:
     driver calls need one, and a thread of the engine may not have touched CUDA."""
     lib = _cuda()
@@ -128,7 +128,7 @@ def _ensure_context(ordinal: int) -> None:
 def register_host(ptr: int, size: int, ordinal: int = 0) -> int:
     """Register host memory (page-aligned) as portable and device-mapped; returns
     the address GPUs use for it (the same as ``ptr`` with unified addressing)."""
-    _ensure_context(ordinal)
+    ensure_context(ordinal)
     _check(_fn("cuMemHostRegister_v2", "cuMemHostRegister")(
         ctypes.c_void_p(ptr), ctypes.c_size_t(size),
         ctypes.c_uint(CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP)),
@@ -145,7 +145,8 @@ def unregister_host(ptr: int) -> None:
 
 def stream_write_u32(stream: int, dev_addr: int, value: int) -> None:
     """Queue on ``stream``: once all earlier work on it is done, write ``value`` to the
-    32-bit word at ``dev_addr`` (with a memory barrier: earlier writes are visible first)."""
+    32-bit word at ``dev_addr`` (with a memory barrier: earlier writes are visible first).
+    Needs a current context (``ensure_context``)."""
     _check(_fn("cuStreamWriteValue32_v2", "cuStreamWriteValue32")(
         ctypes.c_void_p(stream), ctypes.c_uint64(dev_addr), ctypes.c_uint32(value),
         ctypes.c_uint(CU_STREAM_WRITE_VALUE_DEFAULT)), "cuStreamWriteValue32")

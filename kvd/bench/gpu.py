@@ -204,7 +204,8 @@ def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
                 moved[1] += time.perf_counter() - t0
             i += 1
 
-    worker = threading.Thread(target=copy_loop)
+    errors = []
+    worker = threading.Thread(target=lambda: _catch(errors, copy_loop))
     worker.start()
     time.sleep(0.2)
     window.set()
@@ -213,8 +214,17 @@ def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
     stop.set()
     worker.join()
     client.close()
+    if errors:
+        raise errors[0]
     return {"alone_ms": alone, "with_copies_ms": busy, "slowdown": busy / alone - 1,
             "copy_GBps": moved[0] / moved[1] / 1e9 if moved[1] else 0.0}
+
+
+def _catch(errors: list, fn) -> None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+        errors.append(exc)
 
 
 def _report(torch, rows, gemm, args) -> None:

@@ -53,12 +53,16 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
     for phase, body in phases.items():
         times = []
         for i in range(args.repeat + 1):
-            threads = [threading.Thread(target=body, args=(c, e)) for c, e in enumerate(engines)]
+            errors = []
+            threads = [threading.Thread(target=_catching, args=(errors, body, c, e))
+                       for c, e in enumerate(engines)]
             t0 = time.perf_counter()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
+            if errors:
+                raise errors[0]
             if i:
                 times.append(time.perf_counter() - t0)
         total = clients * depth * args.pipeline_rounds * nbytes
@@ -71,6 +75,13 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
             "store_Bps": out["store"], "load_Bps": out["load"], "both_Bps": out["both"],
             "memcpy_d2h_Bps": nbytes / memcpy["d2h"], "memcpy_h2d_Bps": nbytes / memcpy["h2d"],
             "memcpy_both_Bps": 2 * nbytes / memcpy["both"]}
+
+
+def _catching(errors: list, body, *args) -> None:
+    try:
+        body(*args)
+    except BaseException as exc:  # noqa: BLE001 - re-raised by the timing thread
+        errors.append(exc)
 
 
 def _run(engine, op: str, depth: int, rounds: int, fresh, n: int, chunk: int, tokens=None) -> None:
