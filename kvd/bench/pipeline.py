@@ -39,8 +39,6 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
         engines.append((client, pool, perm[:n * ppc], perm[n * ppc:]))
     cached = [np.arange(n * chunk) + 7 * 10**8 + c * n * chunk for c in range(clients)]
     torch.cuda.synchronize()
-    for (client, _, src, _), tokens in zip(engines, cached):
-        client.store(tokens, src)
     fresh = itertools.count(10**9, n * chunk)  # next() on it is atomic: threads share it
     phases = {"store": lambda c, e: _run(e, "store", depth, args.pipeline_rounds, fresh, n, chunk),
               "load": lambda c, e: _run(e, "load", depth, args.pipeline_rounds, None, n, chunk,
@@ -53,6 +51,8 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
     for phase, body in phases.items():
         times = []
         for i in range(args.repeat + 1):
+            leases = [client.lookup_lease(tokens, 600_000)  # fresh stores must not evict them
+                      for (client, *_), tokens in zip(engines, _restore(engines, cached))]
             errors = []
             threads = [threading.Thread(target=_catching, args=(errors, body, c, e))
                        for c, e in enumerate(engines)]
@@ -61,10 +61,13 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
                 t.start()
             for t in threads:
                 t.join()
+            elapsed = time.perf_counter() - t0
+            for (client, *_), (_, lease) in zip(engines, leases):
+                client.release(lease)
             if errors:
                 raise errors[0]
             if i:
-                times.append(time.perf_counter() - t0)
+                times.append(elapsed)
         total = clients * depth * args.pipeline_rounds * nbytes
         out[phase] = total / statistics.median(times)
     for client, *_ in engines:
@@ -75,6 +78,13 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
             "store_Bps": out["store"], "load_Bps": out["load"], "both_Bps": out["both"],
             "memcpy_d2h_Bps": nbytes / memcpy["d2h"], "memcpy_h2d_Bps": nbytes / memcpy["h2d"],
             "memcpy_both_Bps": 2 * nbytes / memcpy["both"]}
+
+
+def _restore(engines: list, cached: list) -> list:
+    """Store each client's cached prompt again where the previous phase evicted it."""
+    for (client, _, src, _), tokens in zip(engines, cached):
+        client.store(tokens, src)
+    return cached
 
 
 def _catching(errors: list, body, *args) -> None:
