@@ -1,0 +1,70 @@
+"""The ``kvd`` command: serve, stats, health, ctl, config, bench.
+
+``main(argv)`` parses (kvd.cli.parser: typo'd flags get the subcommand's
+usage and the closest flag, exit 2) and runs one subcommand:
+
+- ``serve``: resolves the config (``--config``, ``KVD_<KEY>``, one flag per
+  knob); a bad key or value is one line naming the key and exit status 2;
+  then runs the daemon (kvd.server.daemon) until SIGTERM/SIGINT.
+- ``stats``, ``health``, ``ctl``: one control-socket request each
+  (kvd.cli.control), printed for people or, with ``--json``, for machines;
+  exit 1 when no daemon answers.
+- ``config``: the default config file; ``--resolved``: what ``serve`` would
+  run with here, each value with its source.
+- ``bench``: benchmarks, each with a private daemon (kvd.bench).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvd.cli.format import format_stats
+from kvd.cli.parser import build_parser, parse
+from kvd.config import KNOBS, defaults_toml, load_config, resolved_toml
+from kvd_protocol.errors import ConfigError
+
+__all__ = ["main", "build_parser", "format_stats"]
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "config":
+        return _config(args)
+    if args.command == "bench":
+        from kvd.bench import run
+        return run(args)
+    from kvd.cli.control import run
+    return run(args)
+
+
+def _serve(args) -> int:
+    overrides = {k.name: getattr(args, k.name) for k in KNOBS}
+    try:
+        cfg = load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"kvd: config error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        from kvd.server.daemon import serve
+    except KeyboardInterrupt:  # Ctrl-C while the daemon's modules load: nothing exists yet
+        print("kvd: interrupted before start-up", file=sys.stderr)
+        return 130
+    return serve(cfg)
+
+
+def _config(args) -> int:
+    if not args.resolved:
+        print(defaults_toml(), end="")
+        return 0
+    try:
+        print(resolved_toml(load_config(args.config)), end="")
+    except ConfigError as exc:
+        print(f"kvd: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
