@@ -1,8 +1,15 @@
 """``kvd serve``: start-up, the two ROUTER sockets, reaping, and shutdown.
 
-Start-up: resolve and lock the runtime dir, reclaim what a dead daemon
-left, allocate the arena, bind ``kvd.sock`` (engines) and ``control.sock``
-(operators) under umask 077. Each request runs as its own task so a slow
+Start-up, cheapest first: log the resolved config (each knob and its
+source), check every cheap thing (kvd.server.startup: runtime dir, shm_dir,
+disk_dir, room for the host tier; exit status 2 with one line for a bad
+value), lock the runtime dir, reclaim what a dead daemon left, open the
+disk tier, allocate the arena on a thread (progress in the log and in
+systemd's STATUS=), start the backends, bind ``kvd.sock`` (engines) and
+``control.sock`` (operators) under umask 077, then tell systemd READY=1
+(kvd.server.notify; WATCHDOG=1 from the loop when systemd asks for it).
+SIGTERM/SIGINT during start-up abandon it at once (the allocation stops
+between pieces), remove what was made and exit 0 with one line. Each request runs as its own task so a slow
 copy never blocks other clients; every reply goes back through the socket
 it came from. A request that fails validation gets a typed error reply; a
 peer that sends a frame larger than ``max_message_bytes`` is dropped by
@@ -20,59 +27,102 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
+from kvd import __version__
+from kvd.config import size_text
 from kvd.copy.host import HostCopyEngine
-from kvd.server import control
-from kvd.server.runtime_dir import InstanceLock, prepare_runtime_dir, reclaim_stale
+from kvd.server import control, logs, startup
+from kvd.server.notify import Notifier
+from kvd.server.runtime_dir import InstanceLock, reclaim_stale
 from kvd.server.service import Service
-from kvd.tiers.arena import SharedArena
+from kvd.tiers.arena import AllocationStopped, SharedArena, arena_path
 from kvd.tiers.host import HostTier
+from kvd.tiers.progress import Progress
+from kvd.tiers.tiering import Tiering
 from kvd_protocol import wire
-from kvd_protocol.errors import ServerError, ShuttingDown, TooLarge
+from kvd_protocol.errors import ConfigError, ServerError, ShuttingDown, TooLarge
 from kvd_protocol.runtime import control_endpoint, engine_endpoint, instance_tag, resolve_runtime_dir
 
 log = logging.getLogger("kvd")
 SHUTDOWN_GRACE_S = 30.0
+EXTEND_S = 30.0  # each start-up STATUS moves systemd's start timeout this far out
 
 
 class Daemon:
-    def __init__(self, cfg):
+    def __init__(self, cfg, notifier: Notifier | None = None):
         self.cfg = cfg
         self.runtime_dir = resolve_runtime_dir(cfg.runtime_dir or None)
         self.lock = InstanceLock(self.runtime_dir)
+        self.notifier = notifier or Notifier()
         self.stopping = asyncio.Event()
+        self.abort = threading.Event()  # set with ``stopping``: work on threads checks it
+        self.stop_signal = None
         self.tasks: set[asyncio.Task] = set()
         self.arena = None
+        self.disk = None
         self.service = None
         self.ctx = None
         self.sockets = []
 
-    def start(self) -> None:
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.stop_signal = self.stop_signal or sig.name
+        self.abort.set()
+        self.stopping.set()
+
+    async def main(self) -> bool:
+        """Start, serve until a signal, shut down. False when a signal ended start-up."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # before anything is made: see _allocate
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        watchdog = asyncio.create_task(self._watchdog()) if self.notifier.watchdog_s else None
+        try:
+            if not await self.start():
+                return False
+            await self.run()
+            return True
+        finally:
+            if self.service is not None and self.service.tiering is not None:
+                await self.service.tiering.stop()  # finish disk IO before the arena goes
+            elif self.disk is not None:
+                await self.disk.close()
+            if watchdog is not None:
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
+
+    async def start(self) -> bool:
         t0 = time.monotonic()
-        prepare_runtime_dir(self.runtime_dir)
+        startup.check(self.cfg, self.runtime_dir)  # everything cheap, before the allocation
         self.lock.acquire()
         shm_dir = Path(self.cfg.shm_dir)
         for path in reclaim_stale(self.runtime_dir, shm_dir, instance_tag(self.runtime_dir)):
             log.info("reclaimed stale %s", path)
-        self.arena = SharedArena(shm_dir, instance_tag(self.runtime_dir), self.cfg.host_capacity)
-        log.info("host tier: %.1f MiB at %s, allocated in %.2f s", self.cfg.host_capacity / 2**20,
-                 self.arena.path, self.arena.setup_seconds)
+        if self.cfg.disk_dir:
+            self.disk = startup.open_disk(self.cfg)
+        self.arena = await self._allocate(shm_dir)
+        if self.arena is None:
+            return False
         engines = {"shm": HostCopyEngine(self.arena.view, shm_dir, self.cfg.copy_threads,
                                              self.arena.path)}
-        cuda = make_cuda_engine(self.cfg, self.arena.view)
+        cuda = startup.make_cuda_engine(self.cfg, self.arena.view)
         if cuda is not None:
             engines["cuda_ipc"] = cuda
         align = 4096 if self.cfg.disk_dir else 256  # 4096: disk IO straight to/from slots
         self.service = Service(self.cfg, HostTier(self.cfg.host_capacity, align), engines)
-        if self.cfg.disk_dir:
-            self.service.tiering = make_tiering(self.cfg, self.service.tier, self.arena.view)
+        if self.disk is not None:
+            self.service.tiering = Tiering(self.service.tier, self.disk, self.arena.view,
+                                           self.cfg.disk_high_watermark, self.cfg.disk_min_hits)
+            self.disk.on_progress = self._disk_progress
         if self.cfg.disk_gds:
-            self.service.gds = make_gds(self.cfg, self.service.tiering, cuda)
+            self.service.gds = startup.make_gds(self.cfg, self.service.tiering, cuda)
+        if self.stopping.is_set():
+            log.info("start-up interrupted by %s before serving: stopped", self.stop_signal)
+            return False
         self.ctx = zmq.asyncio.Context()
         old = os.umask(0o077)
         try:
@@ -82,6 +132,51 @@ class Daemon:
             os.umask(old)
         log.info("serving %s (backends %s, chunk %d tokens) — ready in %.2f s, pid %d",
                  self.runtime_dir, self.service.backends, self.cfg.chunk_tokens, time.monotonic() - t0, os.getpid())
+        self.notifier.ready(self._serving())
+        return True
+
+    async def _allocate(self, shm_dir: Path):
+        """The host tier, allocated on a thread (the loop keeps handling signals and the
+        watchdog), with progress in the log and in systemd's status; None when a signal
+        stopped it (its file is removed)."""
+        size, tag = self.cfg.host_capacity, instance_tag(self.runtime_dir)
+        where = f"{size_text(size)} at {arena_path(shm_dir, tag)}"
+        log.info("allocating the host tier: %s", where)
+        self.notifier.status(f"allocating the host tier: {where}", extend_s=EXTEND_S)
+        progress = Progress(size)
+
+        def on_progress(done: int) -> None:  # on the allocating thread
+            if done < size and progress.due():
+                text, fields = progress.report(done)
+                log.info("allocating the host tier: %s", text, extra={"progress": fields})
+                self.notifier.status(f"allocating the host tier: {text}", extend_s=EXTEND_S)
+
+        loop = asyncio.get_running_loop()
+        try:
+            arena = await loop.run_in_executor(None, SharedArena, shm_dir, tag, size, self.abort,
+                                               on_progress)
+        except AllocationStopped as stop:
+            log.info("start-up interrupted by %s while allocating the host tier (%.0f%% of %s "
+                     "done): stopped, nothing left behind", self.stop_signal,
+                     100 * stop.done / stop.size, size_text(size))
+            return None
+        secs = max(arena.setup_seconds, 1e-9)
+        log.info("host tier: %s at %s, allocated in %.2f s (%.2f GiB/s)", size_text(size),
+                 arena.path, secs, size / secs / 2**30)
+        return arena
+
+    def _serving(self, extra: str = "") -> str:
+        return (f"serving {self.runtime_dir} (backends {self.service.backends})"
+                + (f"; {extra}" if extra else ""))
+
+    def _disk_progress(self, text: str) -> None:
+        self.notifier.status(self._serving(text) if self.sockets else text)
+
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 from the event loop at half systemd's interval: a wedged loop stops them."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_s / 2)
 
     def _bind(self, endpoint: str, max_bytes: int):
         sock = self.ctx.socket(zmq.ROUTER)
@@ -92,28 +187,21 @@ class Daemon:
         self.sockets.append(sock)
         return sock
 
-    async def main(self) -> None:
-        self.start()
-        await self.run()
-
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
         readers = [asyncio.create_task(self._serve(self.engine_sock, wire.OPS, self._engine_op)),
                    asyncio.create_task(self._serve(self.control_sock, wire.CONTROL_OPS, self._control_op)),
                    asyncio.create_task(self._reaper())]
         if self.service.tiering is not None:
             self.service.tiering.start()  # recovery scan runs in the background
         await self.stopping.wait()
-        log.info("shutting down: finishing %d requests in flight", len(self.tasks))
+        log.info("shutting down (%s): finishing %d requests in flight", self.stop_signal,
+                 len(self.tasks))
+        self.notifier.stopping(f"shutting down: finishing {len(self.tasks)} requests in flight")
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=SHUTDOWN_GRACE_S)
-        if self.service.tiering is not None:  # finish disk IO before the arena goes
-            await self.service.tiering.stop()
 
     def close(self) -> None:
         if self.lock.fd < 0:
@@ -196,70 +284,43 @@ class Daemon:
 
 
 
-def make_tiering(cfg, host: HostTier, arena_view):
-    from kvd.tiers.disk import DiskTier
-    from kvd.tiers.tiering import Tiering
-    try:
-        disk = DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_io_threads, cfg.disk_queue_chunks)
-    except OSError as exc:
-        raise RuntimeError(f"cannot use disk_dir {cfg.disk_dir}: {exc}") from None
-    return Tiering(host, disk, arena_view, cfg.disk_high_watermark, cfg.disk_min_hits)
-
-
-def make_gds(cfg, tiering, cuda):
-    """The GPU Direct Storage loader, or None with the log line saying why not."""
-    why = ("there is no disk tier (disk_dir)" if tiering is None else
-           "the CUDA backend is off" if cuda is None else None)
-    if why is None:
-        from kvd.cuda.gds import GdsLoader, open_gds
-        kvikio, mode = open_gds(cfg.disk_io_threads)
-        if kvikio is not None:
-            log.info("GPU Direct Storage on (%s)", mode)
-            return GdsLoader(kvikio, mode, tiering.disk, cfg.disk_gds_slot_bytes)
-        why = mode
-    log.warning("disk_gds is on but GPU Direct Storage is unavailable: %s; disk chunks load "
-                "through the host tier", why)
-    return None
-
-
-def make_cuda_engine(cfg, arena_view):
-    """The CUDA backend, or None when it is off or unavailable (``gpu = "on"``: an error)."""
-    if cfg.gpu == "off":
-        return None
-    try:
-        from kvd.cuda.backend import CudaCopyEngine
-        engine = CudaCopyEngine(arena_view, cfg.gpu_max_blocks, cfg.gpu_stage_slots,
-                                cfg.gpu_stage_slot_bytes)
-        if not engine.uuid_to_ordinal:
-            raise RuntimeError("no CUDA device visible")
-    except Exception as exc:  # ImportError without cupy, CUDA errors without a driver
-        if cfg.gpu == "on":
-            raise RuntimeError(f"gpu = on but the CUDA backend is unavailable: {exc}") from None
-        log.info("CUDA backend off: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return None
-    log.info("CUDA backend on: %d GPU(s) visible", len(engine.uuid_to_ordinal))
-    return engine
-
-
 def serve(cfg) -> int:
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s kvd %(levelname)s %(message)s")
-    daemon = Daemon(cfg)
+    """Run the daemon until SIGTERM/SIGINT: exit status 0 (also when a signal ended start-up),
+    2 for a config problem found at start-up, 1 when start-up failed otherwise."""
+    logs.setup(cfg.log_level, cfg.log_format)
+    log.info("kvd %s starting, pid %d", __version__, os.getpid())
+    log_config(cfg)
+    notifier = Notifier.from_env()
+    daemon = Daemon(cfg, notifier)
     try:
-        _run(daemon.main())
-    except RuntimeError as exc:
+        served = _run(daemon.main())
+    except ConfigError as exc:
+        log.error("config error: %s", exc)
+        return 2
+    except RuntimeError as exc:  # StartupError and the arena's own: one line each
         log.error("%s", exc)
         return 1
     finally:
         daemon.close()
-    log.info("stopped")
+        notifier.close()
+    if served:
+        log.info("stopped")
     return 0
 
 
-def _run(coro) -> None:
+def log_config(cfg) -> None:
+    """One line per knob: its value and where it came from (default, file, env, flag)."""
+    if cfg.file:
+        log.info("config file %s", cfg.file)
+    for name, value, source in cfg.describe():
+        log.info("config %s = %s (%s)", name, value, source,
+                 extra={"knob": name, "value": getattr(cfg, name), "source": source})
+
+
+def _run(coro):
     try:
         import uvloop
     except ImportError:
         log.warning("uvloop not installed; using the default asyncio loop")
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)

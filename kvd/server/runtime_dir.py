@@ -4,7 +4,8 @@ The directory is created with mode 0700 and holds ``kvd.sock``,
 ``control.sock`` and ``kvd.lock`` (names and resolution rules:
 kvd_protocol.runtime). The lock (flock) lets one daemon serve a directory;
 it is released by the kernel when the daemon dies, so a new daemon that
-gets it knows every leftover is stale.
+gets it knows every leftover is stale. A directory that cannot be created
+or used raises ``ConfigError("runtime_dir", ...)``: one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -14,15 +15,24 @@ import os
 import stat
 from pathlib import Path
 
+from kvd_protocol.errors import ConfigError
+
 
 def prepare_runtime_dir(runtime_dir: Path) -> None:
     """Create the directory 0700; refuse one that others can enter."""
-    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(runtime_dir)
+    try:
+        if not os.path.lexists(runtime_dir):
+            runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(runtime_dir)
+    except OSError as exc:
+        raise ConfigError("runtime_dir", f"cannot create {runtime_dir}: {exc.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"runtime dir {runtime_dir} is not a directory")
+        raise ConfigError("runtime_dir", f"{runtime_dir} is not a directory")
     if st.st_uid != os.geteuid():
-        raise RuntimeError(f"runtime dir {runtime_dir} belongs to uid {st.st_uid}, not to us")
+        raise ConfigError("runtime_dir", f"{runtime_dir} belongs to uid {st.st_uid}, not to "
+                          f"uid {os.geteuid()} that kvd runs as")
+    if not os.access(runtime_dir, os.W_OK | os.X_OK):
+        raise ConfigError("runtime_dir", f"{runtime_dir} is not writable by uid {os.geteuid()}")
     if st.st_mode & 0o077:
         os.chmod(runtime_dir, 0o700)
 
