@@ -42,3 +42,9 @@ def test_the_service_unit_waits_for_readiness_and_has_a_watchdog():
     assert settings["Type"] == "notify" and settings["NotifyAccess"] == "main"
     assert int(settings["WatchdogSec"]) >= 10 and settings["Restart"] == "on-failure"
     assert "tools/check_service.sh" in unit and "is not executable" in unit  # the header says so
+
+
+def test_the_license_is_an_spdx_expression():
+    """PEP 639: a table (``{ text = ... }``) makes setuptools print a deprecation banner."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
