@@ -18,15 +18,23 @@ from __future__ import annotations
 
 import sys
 
-from kvd.cli.format import format_stats
-from kvd.cli.parser import build_parser, parse
-from kvd.config import KNOBS, defaults_toml, load_config, resolved_toml
-from kvd_protocol.errors import ConfigError
-
-__all__ = ["main", "build_parser", "format_stats"]
+# Only ``sys`` at import time: ``kvd`` (the console script) imports this module before
+# calling main(), and a Ctrl-C during the heavier imports below must be main()'s to handle.
 
 
 def main(argv=None) -> int:
+    try:
+        if (sys.argv[1:] if argv is None else list(argv))[:1] == ["serve"]:
+            from kvd.server.early_signals import record
+            record()  # before the heavy imports: see kvd.server.early_signals
+        return _main(argv)
+    except KeyboardInterrupt:  # outside the daemon's own handlers: imports, bench, exit
+        print("kvd: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv) -> int:
+    from kvd.cli.parser import parse
     args = parse(argv)
     if args.command == "serve":
         return _serve(args)
@@ -40,21 +48,25 @@ def main(argv=None) -> int:
 
 
 def _serve(args) -> int:
+    from kvd.config import KNOBS, load_config
+    from kvd_protocol.errors import ConfigError
     overrides = {k.name: getattr(args, k.name) for k in KNOBS}
     try:
         cfg = load_config(args.config, overrides=overrides)
     except ConfigError as exc:
         print(f"kvd: config error: {exc}", file=sys.stderr)
         return 2
-    try:
-        from kvd.server.daemon import serve
-    except KeyboardInterrupt:  # Ctrl-C while the daemon's modules load: nothing exists yet
-        print("kvd: interrupted before start-up", file=sys.stderr)
-        return 130
+    from kvd.server.daemon import serve
+    from kvd.server.early_signals import pending
+    if pending() is not None:
+        print(f"kvd: stopped by {pending().name} before start-up", file=sys.stderr)
+        return 0
     return serve(cfg)
 
 
 def _config(args) -> int:
+    from kvd.config import defaults_toml, load_config, resolved_toml
+    from kvd_protocol.errors import ConfigError
     if not args.resolved:
         print(defaults_toml(), end="")
         return 0

@@ -37,7 +37,7 @@ import zmq.asyncio
 from kvd import __version__
 from kvd.config import size_text
 from kvd.copy.host import HostCopyEngine
-from kvd.server import control, logs, startup
+from kvd.server import control, early_signals, logs, startup
 from kvd.server.notify import Notifier
 from kvd.server.runtime_dir import InstanceLock, reclaim_stale
 from kvd.server.service import Service
@@ -80,6 +80,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):  # before anything is made: see _allocate
             loop.add_signal_handler(sig, self._on_signal, sig)
+        if early_signals.pending() is not None:  # arrived before these handlers
+            self._on_signal(early_signals.pending())
         watchdog = asyncio.create_task(self._watchdog()) if self.notifier.watchdog_s else None
         try:
             if not await self.start():
@@ -97,6 +99,9 @@ class Daemon:
 
     async def start(self) -> bool:
         t0 = time.monotonic()
+        if self.stopping.is_set():
+            log.info("start-up interrupted by %s: stopped", self.stop_signal)
+            return False
         startup.check(self.cfg, self.runtime_dir)  # everything cheap, before the allocation
         self.lock.acquire()
         shm_dir = Path(self.cfg.shm_dir)
@@ -152,9 +157,15 @@ class Daemon:
                 self.notifier.status(f"allocating the host tier: {text}", extend_s=EXTEND_S)
 
         loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(None, SharedArena, shm_dir, tag, size, self.abort, on_progress)
         try:
-            arena = await loop.run_in_executor(None, SharedArena, shm_dir, tag, size, self.abort,
-                                               on_progress)
+            arena = await asyncio.shield(job)
+        except asyncio.CancelledError:  # stop the thread and remove what it made, then go
+            self.abort.set()
+            made = (await asyncio.gather(job, return_exceptions=True))[0]
+            if isinstance(made, SharedArena):
+                made.close()
+            raise
         except AllocationStopped as stop:
             log.info("start-up interrupted by %s while allocating the host tier (%.0f%% of %s "
                      "done): stopped, nothing left behind", self.stop_signal,
@@ -301,6 +312,7 @@ def serve(cfg) -> int:
         log.error("%s", exc)
         return 1
     finally:
+        early_signals.record()  # the loop's handlers are gone: a signal must not cut this short
         daemon.close()
         notifier.close()
     if served:

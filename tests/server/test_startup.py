@@ -179,3 +179,38 @@ def test_gpu_on_without_cupy_fails_before_the_allocation(tmp_path):
     out = serve("--runtime-dir", tmp_path / "run", "--host-capacity", "64MiB", "--gpu", "on")
     assert out.returncode == 1 and "gpu = on but CuPy is not installed" in out.stderr
     assert "allocating" not in out.stderr and "Traceback" not in out.stderr
+
+
+RUN_KVD_AFTER_GO = ("import sys, runpy; print('go', flush=True); sys.argv[0] = 'kvd'; "
+                    "runpy.run_module('kvd', run_name='__main__')")
+
+
+def test_ctrl_c_at_any_moment_of_start_up_leaves_no_traceback_and_nothing_behind(tmp_path):
+    """SIGINT while modules import, while checking, allocating, binding, serving: exit 0, one
+    line, no traceback, nothing left in /dev/shm, never a daemon that serves on regardless.
+    Each process says "go" once the interpreter has started (a signal while Python itself
+    starts is Python's to report), then runs ``kvd serve`` as ``python -m kvd`` would."""
+    procs = []
+    try:
+        for i, delay in enumerate((0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 1.0, 1.5)):
+            rd = tmp_path / f"run{i}"
+            p = subprocess.Popen([sys.executable, "-c", RUN_KVD_AFTER_GO, "serve", "--runtime-dir",
+                                  str(rd), "--host-capacity", "256MiB"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+            assert p.stdout.readline() == "go\n"
+            procs.append((p, rd, delay, time.monotonic()))
+        for p, _, delay, went in procs:
+            time.sleep(max(0.0, went + delay - time.monotonic()))
+            p.send_signal(signal.SIGINT)
+        for p, rd, _, _ in procs:
+            out, _ = p.communicate(timeout=30)
+            assert list(SHM.glob(f"kvd-arena-{instance_tag(rd)}-*")) == []
+            assert p.returncode == 0 and "Traceback" not in out, out
+            last = out.strip().splitlines()[-1]
+            assert re.search(r"kvd: stopped by SIGINT before start-up$|start-up interrupted by "
+                             r"SIGINT|kvd INFO stopped$", last), out
+    finally:
+        for p, _, _, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

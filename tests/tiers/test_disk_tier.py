@@ -25,7 +25,7 @@ import pytest
 import workers_data as W
 import workers_disk as D
 
-from kvd.cli import format_stats
+from kvd.cli.format import format_stats
 from kvd.tiers import chunk_file as F
 
 CHUNK = W.CHUNK
