@@ -110,6 +110,16 @@ def test_ctl_prints_one_line_and_json_on_request(daemon):
     assert json.loads(kvd("health", "--json", "--runtime-dir", rd, check=True).stdout)["status"] == "ok"
 
 
+def test_a_reader_that_stops_early_is_no_error(daemon):
+    """``kvd stats | head -2``: the pipe's reader is gone before kvd writes (here: at once)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvd", "stats", "--runtime-dir",
+                             str(daemon.runtime_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=30) == 0 and err == ""
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_stats_watch_repeats_until_ctrl_c(daemon, as_json):
     cmd = [sys.executable, "-m", "kvd", "stats", "--watch", "0.1", "--runtime-dir",

@@ -16,9 +16,10 @@ usage and the closest flag, exit 2) and runs one subcommand:
 
 from __future__ import annotations
 
+import os
 import sys
 
-# Only ``sys`` at import time: ``kvd`` (the console script) imports this module before
+# Only ``os`` and ``sys`` at import time: ``kvd`` (the console script) imports this module before
 # calling main(), and a Ctrl-C during the heavier imports below must be main()'s to handle.
 
 
@@ -31,6 +32,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # outside the daemon's own handlers: imports, bench, exit
         print("kvd: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kvd stats | head -2`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
 
 
 def _main(argv) -> int:
