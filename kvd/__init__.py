@@ -3,8 +3,7 @@
 Layers, each importing only those below it (tests/test_architecture.py
 checks this; docs/architecture.md draws it):
 
-    kvd.cli            the ``kvd`` command
-    kvd.top            ``kvd top``, a live view over the control socket (client side only)
+    kvd.cli            the ``kvd`` command (and ``kvd top``)
     kvd.bench          benchmarks (never imported by the daemon)
     kvd.server         event loop, sockets, sessions, service ops, control, stats
     kvd.cuda           CUDA backend: IPC pools, kernels, staging, GDS

@@ -5,33 +5,62 @@ lowest precedence first, from the defaults, a TOML file (``--config``),
 environment variables ``KVD_<KEY>`` (upper case) and command-line flags
 ``--<key-with-dashes>``. A bad key or value raises ``ConfigError`` naming
 the key; ``kvd serve`` turns it into one line on stderr and exit code 2.
+TOML values must have the knob's type (``chunk_tokens = "256"`` is an
+error); environment and flag values are text and are parsed. Sizes take
+binary (KiB, MiB, GiB, TiB) or decimal (KB, MB, GB, TB) units; a bare K,
+M, G or T is refused as ambiguous.
+
+``load_config`` returns a ``Config``: a frozen dataclass with one field per
+knob (built from ``KNOBS``) that also records where each value came from
+(``sources``: default, file, env or flag). ``defaults_toml`` and
+``resolved_toml`` render the table as TOML (``kvd config``).
 configs/kvd.toml and docs/config.md list the same knobs (a test checks).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
+from fractions import Fraction
+from types import MappingProxyType
 
 from kvd_protocol.errors import ConfigError
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-               "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-               "gib": 2**30, "tib": 2**40}
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_AMBIGUOUS = ("k", "m", "g", "t")
+SOURCES = ("default", "file", "env", "flag")
 
 
 def parse_size(value) -> int:
-    """Bytes from an int or a string such as '1GiB', '512 MiB', '4096'."""
+    """Bytes from an int or a string such as '1GiB', '512 MiB', '8GB', '4096'."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, str):
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _SIZE_UNITS:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+        unit = m.group(2).lower() if m else None
+        if unit in _AMBIGUOUS:
+            n, u = m.group(1), unit.upper()
+            raise ValueError(f"{value.strip()!r} is ambiguous: write {n}{u}iB (powers of 1024) "
+                             f"or {n}{u}B (powers of 1000)")
+        if unit in _SIZE_UNITS:
+            size = Fraction(m.group(1)) * _SIZE_UNITS[unit]
+            if size.denominator != 1:
+                raise ValueError(f"{value.strip()!r} is not a whole number of bytes")
+            return int(size)
     raise ValueError(f"expected a size such as 1GiB or 4096, got {value!r}")
+
+
+def size_text(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it: '1GiB', '64MiB', '4097'."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
 
 
 @dataclass(frozen=True)
@@ -102,31 +131,50 @@ KNOBS = (
          "0: off.", minimum=0),
     Knob("metrics_address", "str", "127.0.0.1", "Address the /metrics endpoint binds (0.0.0.0: every "
          "interface)."),
+    Knob("log_format", "str", "text", "Log line format: text, or json (one object per line with "
+         "time, level, message and the line's fields) for log shippers.", choices=("text", "json")),
 )
 KNOB_BY_NAME = {k.name: k for k in KNOBS}
 
 
-def _coerce(knob: Knob, value):
+_PY_TYPES = {"size": int, "int": int, "float": float, "str": str, "bool": bool}
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+
+def _from_text(knob: Knob, text: str):
+    """An environment or flag value (always text) as the knob's type."""
+    text = text.strip()
+    if knob.kind == "int":
+        if not re.fullmatch(r"[+-]?\d+", text):
+            raise ValueError(f"expected an integer, got {text!r}")
+        return int(text)
+    if knob.kind == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+    if knob.kind == "bool":
+        if text.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"expected true or false, got {text!r}")
+        return text.lower() in _TRUE
+    return parse_size(text) if knob.kind == "size" else text
+
+
+def _typed(knob: Knob, value):
+    """A TOML (or Python) value, which must already have the knob's type."""
     if knob.kind == "size":
-        out = parse_size(value)
-    elif knob.kind == "int":
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"expected an integer, got {value!r}")
-        out = int(value)
-    elif knob.kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ValueError(f"expected a number, got {value!r}")
-        out = float(value)
-    elif knob.kind == "bool":
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
-            value = value.lower() in ("1", "true", "yes")
-        if not isinstance(value, bool):
-            raise ValueError(f"expected true or false, got {value!r}")
-        out = value
-    else:
-        if not isinstance(value, str):
-            raise ValueError(f"expected a string, got {value!r}")
-        out = value
+        return parse_size(value)
+    wanted = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}[knob.kind]
+    if isinstance(value, bool) != (knob.kind == "bool") or not isinstance(value, wanted):
+        noun = {"int": "an integer", "float": "a number", "bool": "true or false",
+                "str": "a string"}[knob.kind]
+        hint = " (write it without quotes)" if isinstance(value, str) else ""
+        raise ValueError(f"expected {noun}, got {value!r}{hint}")
+    return float(value) if knob.kind == "float" else value
+
+
+def _coerce(knob: Knob, value, text: bool):
+    out = _from_text(knob, value) if text and isinstance(value, str) else _typed(knob, value)
     if knob.kind == "float" and not math.isfinite(out):
         raise ValueError(f"must be a finite number, got {out}")
     if knob.minimum is not None and out < knob.minimum:
@@ -136,52 +184,115 @@ def _coerce(knob: Knob, value):
     return out
 
 
-class Config:
-    """Attribute access to the resolved knobs (``cfg.host_capacity``)."""
-
-    def __init__(self, values: dict):
-        self._values = dict(values)
-
-    def __getattr__(self, name):
-        try:
-            return self._values[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
+class _ConfigMethods:
     def as_dict(self) -> dict:
-        return dict(self._values)
+        """The knobs' values by name (no sources)."""
+        return {k.name: getattr(self, k.name) for k in KNOBS}
+
+    def describe(self) -> list:
+        """(name, value as TOML, source) of every knob, in table order."""
+        return [(k.name, toml_value(k, getattr(self, k.name)), self.sources[k.name]) for k in KNOBS]
 
 
-def _apply(values: dict, source: dict, origin: str) -> None:
-    for key, raw in source.items():
+def _default_sources():
+    return MappingProxyType(dict.fromkeys(KNOB_BY_NAME, "default"))
+
+
+Config = make_dataclass(
+    "Config",
+    [(k.name, _PY_TYPES[k.kind], field(default=k.default)) for k in KNOBS]
+    + [("sources", MappingProxyType, field(default_factory=_default_sources, compare=False,
+                                           repr=False)),
+       ("file", str | None, field(default=None, compare=False))],
+    bases=(_ConfigMethods,), frozen=True)
+Config.__module__ = __name__
+Config.__doc__ = ("The resolved knobs (``cfg.host_capacity``), immutable; ``sources[name]`` says "
+                  "where each value came from (default, file, env, flag), ``file`` the TOML file.")
+
+
+def _apply(values: dict, sources: dict, data: dict, source: str, origin: str) -> None:
+    for key, raw in data.items():
         knob = KNOB_BY_NAME.get(key)
         if knob is None:
             raise ConfigError(key, f"unknown key (from {origin})")
         try:
-            values[key] = _coerce(knob, raw)
+            values[key] = _coerce(knob, raw, text=source != "file")
         except ValueError as exc:
             raise ConfigError(key, f"{exc} (from {origin})") from None
+        sources[key] = source
 
 
-def load_config(path: str | None = None, env: dict | None = None, overrides: dict | None = None) -> Config:
+def _read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+
+
+def load_config(path: str | None = None, env: dict | None = None,
+                overrides: dict | None = None) -> Config:
+    """Defaults < ``path`` (TOML) < ``env`` (default: os.environ) < ``overrides`` (flags;
+    None means "not given")."""
     values = {k.name: k.default for k in KNOBS}
+    sources = dict.fromkeys(values, "default")
     if path:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
-        _apply(values, data, path)
+        _apply(values, sources, _read_toml(path), "file", path)
     env = os.environ if env is None else env
     from_env = {k.name: env[f"KVD_{k.name.upper()}"] for k in KNOBS if f"KVD_{k.name.upper()}" in env}
-    _apply(values, from_env, "environment")
-    _apply(values, {k: v for k, v in (overrides or {}).items() if v is not None}, "command line")
+    _apply(values, sources, from_env, "env", "environment")
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    _apply(values, sources, flags, "flag", "command line")
     if values["disk_high_watermark"] > 1.0:
         raise ConfigError("disk_high_watermark", "must be <= 1.0")
     if values["metrics_port"] > 65535:
         raise ConfigError("metrics_port", "must be <= 65535")
     if values["client_timeout_s"] <= values["heartbeat_interval_s"]:
         raise ConfigError("client_timeout_s", "must be larger than heartbeat_interval_s")
-    return Config(values)
+    return Config(**values, sources=MappingProxyType(sources), file=path or None)
+
+
+# ---- rendering ---------------------------------------------------------------------------
+
+def toml_value(knob: Knob, value) -> str:
+    """``value`` as a TOML literal: sizes with a unit where one divides them."""
+    if knob.kind == "size":
+        text = size_text(value)
+        return text if text.isdigit() else f'"{text}"'
+    if knob.kind == "bool":
+        return "true" if value else "false"
+    if knob.kind == "str":
+        return json.dumps(value)  # a TOML basic string for every value a knob takes
+    return repr(value)
+
+
+def display_value(knob: Knob, value) -> str:
+    """``value`` as a person reads it (``--help``, logs): 1GiB, auto, false, ""."""
+    text = toml_value(knob, value)
+    return text[1:-1] if text.startswith('"') and len(text) > 2 else text
+
+
+_PRECEDENCE = "# Precedence: defaults < this file (--config) < KVD_<KEY> env < command-line flags."
+
+
+def defaults_toml() -> str:
+    """Every knob with its help and default, as a commented TOML file (configs/kvd.toml)."""
+    out = ["# kvd configuration. Every key is optional; shown with its default.", _PRECEDENCE, ""]
+    for knob in KNOBS:
+        out.append(f"# {knob.help}")
+        out.append(f"# type: {knob.kind}" + (f", one of: {', '.join(knob.choices)}" if knob.choices else ""))
+        out.append(f"{knob.name} = {toml_value(knob, knob.default)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def resolved_toml(cfg: Config) -> str:
+    """``cfg`` as TOML, each line saying where its value came from."""
+    out = ["# kvd configuration as resolved: defaults < file < KVD_<KEY> env < flags.",
+           f"# file: {cfg.file or '(none)'}", ""]
+    for name, value, source in cfg.describe():
+        where = f"env KVD_{name.upper()}" if source == "env" else source
+        out.append(f"{name} = {value}  # {where}")
+    return "\n".join(out) + "\n"

@@ -2,8 +2,9 @@
 
 ``daemon`` starts one with small defaults (chunk of 16 tokens, 64 MiB host
 tier, fast heartbeats); ``start_daemon(**knobs)`` starts more or differently
-configured ones. Client code runs in separate processes through
-``procs`` (a spawn-context multiprocessing pool), as engines would.
+configured ones (``env``: variables added to its environment). Client code
+runs in separate processes through ``procs`` (a spawn-context
+multiprocessing pool), as engines would.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interv
 
 
 class DaemonProc:
-    def __init__(self, runtime_dir: Path, knobs: dict, wrapper: list | None = None):
+    def __init__(self, runtime_dir: Path, knobs: dict, wrapper: list | None = None,
+                 env: dict | None = None):
         self.runtime_dir = runtime_dir
         self.knobs = {**DEFAULT_KNOBS, **knobs}
         self.wrapper = wrapper or []  # a command the daemon runs under (it must exec it)
+        self.env = {**os.environ, **env} if env else None  # added to the environment
         self.proc = None
         self.log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
 
@@ -42,7 +45,7 @@ class DaemonProc:
         for key, value in self.knobs.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         if wait:
             self.wait_ready()
         return self
@@ -102,12 +105,22 @@ def _owner_alive(name: str) -> bool:
     return bool(m) and pids_alive(int(m.group(1)))
 
 
+SESSION_TAGS: set[str] = set()  # instance tags of the runtime dirs this session's daemons used
+
+
+def _ours(name: str) -> bool:
+    """An arena is this session's when its runtime dir was (other test runs on the same
+    machine kill daemons too); pools and flag pages carry only a pid, so all count."""
+    m = re.match(r"^kvd-arena-([0-9a-f]+)-\d+$", name)
+    return m is None or m.group(1) in SESSION_TAGS
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shm_leaks():
     """The suite leaves no new ``kvd-*`` entry in /dev/shm (arenas, pools, flag pages)."""
     before = _kvd_shm_entries()
     yield
-    leaked = sorted(n for n in _kvd_shm_entries() - before if not _owner_alive(n))
+    leaked = sorted(n for n in _kvd_shm_entries() - before if not _owner_alive(n) and _ours(n))
     for name in leaked:
         (SHM / name).unlink(missing_ok=True)
     assert not leaked, f"the test suite left these in /dev/shm: {leaked}"
@@ -119,8 +132,9 @@ def start_daemon():
     started = []
 
     def start(runtime_dir: Path | None = None, wait: bool = True, wrapper: list | None = None,
-              **knobs) -> DaemonProc:
-        d = DaemonProc(runtime_dir or base / f"run{len(started)}", knobs, wrapper)
+              env: dict | None = None, **knobs) -> DaemonProc:
+        d = DaemonProc(runtime_dir or base / f"run{len(started)}", knobs, wrapper, env)
+        SESSION_TAGS.add(instance_tag(d.runtime_dir))
         started.append(d)
         return d.start(wait)
 

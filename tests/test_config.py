@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import tomllib
 
 import pytest
 
-from kvd.config import KNOB_BY_NAME, KNOBS, load_config, parse_size
+from kvd.config import (
+    KNOB_BY_NAME,
+    KNOBS,
+    Config,
+    defaults_toml,
+    load_config,
+    parse_size,
+    resolved_toml,
+)
 from kvd_protocol.errors import (
     ConfigError,
 )
@@ -47,6 +57,49 @@ def test_precedence_default_toml_env_cli(tmp_path):
     assert cfg.copy_threads == 2  # default
 
 
+def test_config_is_a_frozen_dataclass_of_the_knob_table(tmp_path):
+    cfg = load_config(env={})
+    assert dataclasses.is_dataclass(cfg) and isinstance(cfg, Config)
+    knob_fields = [f.name for f in dataclasses.fields(cfg)][:len(KNOBS)]
+    assert knob_fields == [k.name for k in KNOBS]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.host_capacity = 1
+    assert Config() == cfg  # the dataclass's defaults are the table's
+    changed = dataclasses.replace(cfg, chunk_tokens=64)
+    assert changed.chunk_tokens == 64 and cfg.chunk_tokens == 256
+
+
+def test_sources_say_where_each_value_came_from(tmp_path):
+    path = _toml(tmp_path, "chunk_tokens = 64\nmax_clients = 7\nlease_max_ms = 5\n")
+    env = {"KVD_CHUNK_TOKENS": "32", "KVD_MAX_CLIENTS": "8"}
+    cfg = load_config(path, env=env, overrides={"chunk_tokens": "16", "copy_threads": None})
+    assert cfg.file == path
+    assert (cfg.sources["chunk_tokens"], cfg.sources["max_clients"], cfg.sources["lease_max_ms"],
+            cfg.sources["copy_threads"]) == ("flag", "env", "file", "default")
+    described = {name: (value, source) for name, value, source in cfg.describe()}
+    assert described["chunk_tokens"] == ("16", "flag")
+    assert described["host_capacity"] == ('"1GiB"', "default")
+    assert set(cfg.sources.values()) <= {"default", "file", "env", "flag"}
+
+
+def test_resolved_toml_round_trips_with_sources(tmp_path):
+    path = _toml(tmp_path, 'host_capacity = "2GiB"\nshm_dir = "/tmp"\n')
+    cfg = load_config(path, env={"KVD_DISK_GDS": "yes", "KVD_DISK_HIGH_WATERMARK": "0.75"})
+    text = resolved_toml(cfg)
+    assert load_config(_toml(tmp_path, text), env={}) == cfg
+    lines = {line.split(" = ")[0]: line for line in text.splitlines() if " = " in line}
+    assert lines["host_capacity"].endswith("# file") and '"2GiB"' in lines["host_capacity"]
+    assert lines["disk_gds"] == "disk_gds = true  # env KVD_DISK_GDS"
+    assert lines["chunk_tokens"].endswith("# default")
+    assert f"# file: {path}" in text
+
+
+def test_defaults_toml_is_the_table():
+    data = tomllib.loads(defaults_toml())
+    assert list(data) == [k.name for k in KNOBS]
+    assert data["host_capacity"] == "1GiB" and data["disk_gds"] is False
+
+
 def test_env_is_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("KVD_MAX_REGISTRATIONS", "3")
     assert load_config().max_registrations == 3
@@ -55,17 +108,51 @@ def test_env_is_os_environ_by_default(monkeypatch):
 
 @pytest.mark.parametrize("text,value", [
     ("4096", 4096), ("1GiB", 2**30), ("512 MiB", 512 * 2**20), (" 1.5KiB ", 1536),
-    ("1kb", 1000), ("2G", 2 * 10**9), ("3TB", 3 * 10**12), ("1tib", 2**40), ("7b", 7),
-    (12345, 12345), ("0", 0),
+    ("1kb", 1000), ("8GB", 8 * 10**9), ("8gb", 8 * 10**9), ("3TB", 3 * 10**12),
+    ("1tib", 2**40), ("2MB", 2 * 10**6), ("7b", 7), (12345, 12345), ("0", 0), ("0.5KiB", 512),
 ])
 def test_parse_size(text, value):
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("bad", ["lots", "1 XB", "-1", "", "GiB", "1e3", "1,000", True, 1.5, None])
+@pytest.mark.parametrize("bad", ["lots", "1 XB", "-1", "", "GiB", "1e3", "1,000", True, 1.5, None,
+                                 "1.3B", "0.1KiB"])
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError):
         parse_size(bad)
+
+
+@pytest.mark.parametrize("text", ["8G", "8g", "1k", "1K", "512M", "512m", "2T", "2t", "1.5 G"])
+def test_bare_unit_letters_are_refused_with_a_hint(text):
+    with pytest.raises(ValueError) as info:
+        parse_size(text)
+    number, letter = text.replace(" ", "")[:-1], text[-1].upper()
+    assert "ambiguous" in str(info.value)
+    assert f"{number}{letter}iB" in str(info.value) and f"{number}{letter}B" in str(info.value)
+
+
+def test_an_ambiguous_size_flag_is_one_config_error():
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"host_capacity": "8G"})
+    assert info.value.key == "host_capacity" and "8GiB" in str(info.value)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("chunk_tokens", '"256"'), ("max_clients", '"7"'), ("heartbeat_interval_s", '"5.0"'),
+    ("disk_high_watermark", '"0.5"'), ("disk_gds", '"true"'), ("disk_gds", "1"),
+    ("chunk_tokens", "256.0"),
+])
+def test_toml_values_must_have_the_knobs_type(tmp_path, key, value):
+    """TOML is typed: a quoted number is a string, and a string is not an int knob's value.
+    The same text from the environment or a flag is parsed, as text always is."""
+    with pytest.raises(ConfigError) as info:
+        load_config(_toml(tmp_path, f"{key} = {value}\n"), env={})
+    assert info.value.key == key
+    if value.startswith('"'):
+        assert "without quotes" in str(info.value)
+    text = value.strip('"')
+    if text not in ("1", "256.0"):
+        assert load_config(env={f"KVD_{key.upper()}": text}).as_dict()[key] is not None
 
 
 @pytest.mark.parametrize("source,key,value", [

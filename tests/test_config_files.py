@@ -40,3 +40,18 @@ def test_readme_has_the_two_commands_and_ci_calls_the_test_one():
     readme = (ROOT / "README.md").read_text()
     assert "make serve" in readme and "make test" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_service_unit_waits_for_readiness_and_has_a_watchdog():
+    unit = (ROOT / "configs" / "kvd.service").read_text()
+    settings = dict(line.split("=", 1) for line in unit.splitlines()
+                    if "=" in line and not line.startswith("#"))
+    assert settings["Type"] == "notify" and settings["NotifyAccess"] == "main"
+    assert int(settings["WatchdogSec"]) >= 10 and settings["Restart"] == "on-failure"
+    assert "tools/check_service.sh" in unit and "is not executable" in unit  # the header says so
+
+
+def test_the_license_is_an_spdx_expression():
+    """PEP 639: a table (``{ text = ... }``) makes setuptools print a deprecation banner."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"

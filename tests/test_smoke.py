@@ -1,4 +1,7 @@
-"""First contact: a daemon starts, answers health and stats, and stops cleanly."""
+"""First contact through a real daemon: one engine registers a shared-memory pool, stores,
+looks up and loads chunks back bit-exact into other pages (replies waited for, then
+busy-polled), and the daemon's stats count them; a store whose copy completes after the
+client's deadline is discarded, not kept."""
 
 import numpy as np
 import pytest

@@ -15,7 +15,7 @@ import time
 
 import workers_ops
 
-from kvd.top import quantile
+from kvd.cli.top import quantile
 
 SPEC = {"layout": "vllm_flash_attn", "layers": 2, "page_size": 16, "dtype": "float16",
         "num_pages": 16, "heads": 2, "dim": 8}

@@ -8,12 +8,17 @@ pinned cudaMemcpy), ``disk`` (``--disk``), ``gds`` (``--gds``), ``policy``
 private daemon, control requests, request geometry); ``plot`` draws a
 result table as a PNG (``--plot``). Benchmarks may import
 everything below them (kvd.server, kvd.tiers, kvd.config, kvd_client,
-kvd_protocol); nothing in the daemon imports kvd.bench. They print medians
+kvd_protocol); nothing in the daemon imports kvd.bench. ``--disk-dir`` is created when
+missing (one line and exit status 2 when it cannot be). They print medians
 and ratios against a baseline measured in the same run; they assert
 nothing about speed.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
 
 from kvd_protocol.keys import DTYPE_SIZES
 
@@ -63,6 +68,11 @@ def run(args) -> int:
         except PlotUnavailable as exc:
             print(f"kvd bench: {exc}")
             return 2
+    if args.disk_policy or args.gds or args.disk:
+        problem = _usable_dir(args.disk_dir)
+        if problem:
+            print(f"kvd bench: --disk-dir {args.disk_dir}: {problem}", file=sys.stderr)
+            return 2
     if args.disk_policy:
         from .policy import run as run_policy
         return run_policy(args)
@@ -77,3 +87,18 @@ def run(args) -> int:
         return run_gpu(args)
     from .host import run as run_host
     return run_host(args)
+
+
+def _usable_dir(path: str) -> str | None:
+    """Create ``path`` if missing (as ``kvd serve`` does its disk_dir); why it cannot be
+    benchmarked in, or None."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return "not a directory"
+    except OSError as exc:
+        return f"cannot create it: {exc.strerror}"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"not writable by uid {os.geteuid()}"
+    return None

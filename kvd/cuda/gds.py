@@ -60,7 +60,7 @@ def open_gds(threads: int) -> tuple[Any, str]:
     try:
         import kvikio
         import kvikio.defaults
-    except Exception as exc:  # noqa: BLE001 - any import failure means: not available
+    except (ImportError, OSError) as exc:  # not installed, or its libraries (cuFile) missing
         return None, f"KvikIO is not importable ({type(exc).__name__}: {exc})"
     kvikio.defaults.set("num_threads", threads)
     if kvikio.defaults.is_compat_mode_preferred():

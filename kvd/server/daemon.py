@@ -1,100 +1,148 @@
 """``kvd serve``: start-up, the two ROUTER sockets, reaping, and shutdown.
 
-Start-up: resolve and lock the runtime dir, reclaim what a dead daemon
-left, allocate the arena, bind ``kvd.sock`` (engines) and ``control.sock``
-(operators) under umask 077, then open them to ``access_group`` if set
+Start-up, cheapest first: log the resolved config (each knob and its
+source), check every cheap thing (kvd.server.startup: runtime dir, shm_dir,
+disk_dir, room for the host tier; exit status 2 with one line for a bad
+value), lock the runtime dir, reclaim what a dead daemon left, open the
+disk tier, allocate the arena on a thread (progress in the log and in
+systemd's STATUS=), start the backends, bind ``kvd.sock`` (engines) and
+``control.sock`` (operators) under umask 077, then tell systemd READY=1
+(kvd.server.notify; WATCHDOG=1 from the loop when systemd asks for it).
+With ``access_group`` the runtime dir and sockets are opened to that group
 (kvd.server.runtime_dir); every connection is admitted or refused by its
 kernel peer credentials (kvd.server.peers) before any of its messages is
-read, and each request carries the credentials of its connection. Each request runs as its own task so a slow
-copy never blocks other clients; every reply goes back through the socket
-it came from. A request that fails validation gets a typed error reply; a
-peer that sends a frame larger than ``max_message_bytes`` is dropped by
-ZeroMQ (its limit is per frame), and a message whose frames together exceed
-it gets a ``too_large`` reply and is not run.
-With ``disk_dir`` set, the disk tier (kvd.tiers.tiering) starts with the loop and
-scans its directory in the background. SIGTERM/SIGINT: stop reading, end
-every request waiting on a client (``shutting_down``), let the others (and
-their copies) finish within ``shutdown_grace_s`` in all, finish disk IO,
-remove sockets and arena, exit 0: bounded whatever the GPU or the clients
-do, since no copy waits on another process.
-Reaping: a session silent for ``client_timeout_s`` with no request being
-served is reaped. Sooner when its peer is gone: ZeroMQ's socket monitor
-says that some connection closed (not whose), so the daemon then probes
-every session's routing id with a ``{v, id: 0, result: {}}`` message
-(clients drop replies to ids they never sent); with ``ROUTER_MANDATORY`` a
-routing id that has no connection any more fails at once, and that session
-is reaped.
+read, and each request carries its connection's credentials. The
+``/metrics`` endpoint starts when ``metrics_port`` is set (kvd.server.metrics).
+SIGTERM/SIGINT during start-up abandon it at once (the allocation stops
+between pieces), remove what was made and exit 0 with one line.
+
+Each request runs as its own task so a slow copy never blocks other
+clients; every reply goes back through the socket it came from
+(kvd.server.peers_alive: slow readers, probes of gone peers, reaping). A
+request that fails validation gets a typed error reply; a peer that sends a
+frame larger than ``max_message_bytes`` is dropped by ZeroMQ (its limit is
+per frame), and a message whose frames together exceed it gets a
+``too_large`` reply and is not run. With ``disk_dir`` set, the disk tier
+(kvd.tiers.tiering) starts with the loop and scans its directory in the
+background. SIGTERM/SIGINT: stop reading, end every request waiting on a
+client (``shutting_down``), let the others (and their copies) finish and
+finish disk IO within ``shutdown_grace_s`` in all, remove sockets and
+arena, exit 0: bounded whatever the GPU or the clients do, since no copy
+waits on another process.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
+from kvd import __version__
+from kvd.config import size_text
 from kvd.copy.host import HostCopyEngine
-from kvd.server import control, metrics
+from kvd.server import control, early_signals, logs, metrics, startup
+from kvd.server.notify import Notifier
 from kvd.server.peers import AccessPolicy, ZapGate, credentials_available, recv_request, resolve_group
-from kvd.server.runtime_dir import InstanceLock, prepare_runtime_dir, reclaim_stale, share_socket
+from kvd.server.peers_alive import Liveness, reply
+from kvd.server.runtime_dir import InstanceLock, reclaim_stale, share_socket
 from kvd.server.service import Service
-from kvd.tiers.arena import SharedArena
+from kvd.tiers.arena import AllocationStopped, SharedArena, arena_path
 from kvd.tiers.host import HostTier
+from kvd.tiers.progress import Progress
+from kvd.tiers.tiering import Tiering
 from kvd_protocol import wire
-from kvd_protocol.errors import ServerError, ShuttingDown, TooLarge
+from kvd_protocol.errors import ConfigError, ServerError, ShuttingDown, TooLarge
 from kvd_protocol.runtime import control_endpoint, engine_endpoint, instance_tag, resolve_runtime_dir
 
 log = logging.getLogger("kvd")
-PROBE = wire.pack({"v": wire.VERSION, "id": 0, "result": {}})
-PROBE_DELAY_S = 0.25
-REPLY_PATIENCE_S = 5.0
+EXTEND_S = 30.0  # each start-up STATUS moves systemd's start timeout this far out
 
 
 class Daemon:
-    def __init__(self, cfg):
+    def __init__(self, cfg, notifier: Notifier | None = None):
         self.cfg = cfg
         self.runtime_dir = resolve_runtime_dir(cfg.runtime_dir or None)
         self.lock = InstanceLock(self.runtime_dir)
+        self.notifier = notifier or Notifier()
         self.stopping = asyncio.Event()
+        self.abort = threading.Event()  # set with ``stopping``: work on threads checks it
+        self.stop_signal = None
         self.tasks: set[asyncio.Task] = set()
         self.arena = None
+        self.disk = None
         self.service = None
         self.ctx = None
         self.sockets = []
-        self.probe_due: float | None = None
         self.metrics = None  # the /metrics HTTP server (kvd.server.metrics), when metrics_port is set
         self.group = resolve_group(cfg.access_group)  # gid engines of other users connect with
         self.gate = None  # kvd.server.peers.ZapGate: admits connections by their peer credentials
+        self.liveness = Liveness(self)
+        self.deadline = None  # set at shutdown: when everything must be done
 
-    def start(self) -> None:
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self.stop_signal = self.stop_signal or sig.name
+        self.abort.set()
+        self.stopping.set()
+
+    async def main(self) -> bool:
+        """Start, serve until a signal, shut down. False when a signal ended start-up."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # before anything is made: see _allocate
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        if early_signals.pending() is not None:  # arrived before these handlers
+            self._on_signal(early_signals.pending())
+        watchdog = asyncio.create_task(self._watchdog()) if self.notifier.watchdog_s else None
+        try:
+            if not await self.start():
+                return False
+            await self.run()
+            return True
+        finally:
+            await self._finish_disk_io()
+            if watchdog is not None:
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
+
+    async def start(self) -> bool:
         t0 = time.monotonic()
-        prepare_runtime_dir(self.runtime_dir, self.group)
+        if self.stopping.is_set():
+            log.info("start-up interrupted by %s: stopped", self.stop_signal)
+            return False
+        startup.check(self.cfg, self.runtime_dir, self.group)  # everything cheap, first
         self.lock.acquire()
         shm_dir = Path(self.cfg.shm_dir)
         for path in reclaim_stale(self.runtime_dir, shm_dir, instance_tag(self.runtime_dir)):
             log.info("reclaimed stale %s", path)
-        self.arena = SharedArena(shm_dir, instance_tag(self.runtime_dir), self.cfg.host_capacity)
-        log.info("host tier: %.1f MiB at %s, allocated in %.2f s", self.cfg.host_capacity / 2**20,
-                 self.arena.path, self.arena.setup_seconds)
+        if self.cfg.disk_dir:
+            self.disk = startup.open_disk(self.cfg)
+        self.arena = await self._allocate(shm_dir)
+        if self.arena is None:
+            return False
         engines = {"shm": HostCopyEngine(self.arena.view, shm_dir, self.cfg.copy_threads,
                                              self.arena.path)}
-        cuda = make_cuda_engine(self.cfg, self.arena.view)
+        cuda = startup.make_cuda_engine(self.cfg, self.arena.view)
         if cuda is not None:
             engines["cuda_ipc"] = cuda
         align = 4096 if self.cfg.disk_dir else 256  # 4096: disk IO straight to/from slots
         st = os.stat(self.arena.path)
         self.service = Service(self.cfg, HostTier(self.cfg.host_capacity, align), engines,
                                (st.st_dev, st.st_ino), os.urandom(8).hex())
-        if self.cfg.disk_dir:
-            self.service.tiering = make_tiering(self.cfg, self.service.tier, self.arena.view)
+        if self.disk is not None:
+            self.service.tiering = Tiering(self.service.tier, self.disk, self.arena.view,
+                                           self.cfg.disk_high_watermark, self.cfg.disk_min_hits)
+            self.disk.on_progress = self._disk_progress
         if self.cfg.disk_gds:
-            self.service.gds = make_gds(self.cfg, self.service.tiering, cuda)
+            self.service.gds = startup.make_gds(self.cfg, self.service.tiering, cuda)
+        if self.stopping.is_set():
+            log.info("start-up interrupted by %s before serving: stopped", self.stop_signal)
+            return False
         self.metrics = metrics.start(self.cfg, self.service)
         self.ctx = zmq.asyncio.Context()
         self.gate = self._start_gate()
@@ -106,13 +154,64 @@ class Daemon:
             os.umask(old)
         log.info("serving %s (backends %s, chunk %d tokens) — ready in %.2f s, pid %d",
                  self.runtime_dir, self.service.backends, self.cfg.chunk_tokens, time.monotonic() - t0, os.getpid())
+        self.notifier.ready(self._serving())
+        return True
+
+    async def _allocate(self, shm_dir: Path):
+        """The host tier, allocated on a thread (the loop keeps handling signals and the
+        watchdog), with progress in the log and in systemd's status; None when a signal
+        stopped it (its file is removed)."""
+        size, tag = self.cfg.host_capacity, instance_tag(self.runtime_dir)
+        where = f"{size_text(size)} at {arena_path(shm_dir, tag)}"
+        log.info("allocating the host tier: %s", where)
+        self.notifier.status(f"allocating the host tier: {where}", extend_s=EXTEND_S)
+        progress = Progress(size)
+
+        def on_progress(done: int) -> None:  # on the allocating thread
+            if done < size and progress.due():
+                text, fields = progress.report(done)
+                log.info("allocating the host tier: %s", text, extra={"progress": fields})
+                self.notifier.status(f"allocating the host tier: {text}", extend_s=EXTEND_S)
+
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(None, SharedArena, shm_dir, tag, size, self.abort, on_progress)
+        try:
+            arena = await asyncio.shield(job)
+        except asyncio.CancelledError:  # stop the thread and remove what it made, then go
+            self.abort.set()
+            made = (await asyncio.gather(job, return_exceptions=True))[0]
+            if isinstance(made, SharedArena):
+                made.close()
+            raise
+        except AllocationStopped as stop:
+            log.info("start-up interrupted by %s while allocating the host tier (%.0f%% of %s "
+                     "done): stopped, nothing left behind", self.stop_signal,
+                     100 * stop.done / stop.size, size_text(size))
+            return None
+        secs = max(arena.setup_seconds, 1e-9)
+        log.info("host tier: %s at %s, allocated in %.2f s (%.2f GiB/s)", size_text(size),
+                 arena.path, secs, size / secs / 2**30)
+        return arena
+
+    def _serving(self, extra: str = "") -> str:
+        return (f"serving {self.runtime_dir} (backends {self.service.backends})"
+                + (f"; {extra}" if extra else ""))
+
+    def _disk_progress(self, text: str) -> None:
+        self.notifier.status(self._serving(text) if self.sockets else text)
+
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 from the event loop at half systemd's interval: a wedged loop stops them."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_s / 2)
 
     def _bind(self, endpoint: str, max_bytes: int):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails: see _probe_peers
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails: see peers_alive
         if self.gate is not None:
             ZapGate.guard(sock)
         sock.bind(endpoint)
@@ -134,38 +233,44 @@ class Daemon:
                     "the runtime directory's permissions only")
         return None
 
-    async def main(self) -> None:
-        self.start()
-        await self.run()
+    def spawn(self, coro) -> asyncio.Task:
+        """A task the shutdown waits for."""
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
         readers = [asyncio.create_task(self._serve(self.engine_sock, wire.OPS, self._engine_op)),
                    asyncio.create_task(self._serve(self.control_sock, wire.CONTROL_OPS, self._control_op)),
-                   asyncio.create_task(self._reaper()),
-                   asyncio.create_task(self._watch_disconnects())]
+                   asyncio.create_task(self.liveness.reap_loop()),
+                   asyncio.create_task(self.liveness.watch_disconnects())]
         if self.gate is not None:
             readers.append(asyncio.create_task(self.gate.serve()))
         if self.service.tiering is not None:
             self.service.tiering.start()  # recovery scan runs in the background
         await self.stopping.wait()
-        deadline = time.monotonic() + self.cfg.shutdown_grace_s
-        log.info("shutting down: finishing %d requests in flight (at most %.1f s)", len(self.tasks),
-                 self.cfg.shutdown_grace_s)
+        self.deadline = time.monotonic() + self.cfg.shutdown_grace_s
+        log.info("shutting down (%s): finishing %d requests in flight (at most %.1f s)",
+                 self.stop_signal, len(self.tasks), self.cfg.shutdown_grace_s)
+        self.notifier.stopping(f"shutting down: finishing {len(self.tasks)} requests in flight")
         for task in readers:
             task.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
         self.service.stop_waiting()
         if self.tasks:
-            await asyncio.wait(self.tasks, timeout=max(0.0, deadline - time.monotonic()))
-        if self.service.tiering is not None:  # finish disk IO before the arena goes
-            try:
-                await asyncio.wait_for(self.service.tiering.stop(),
-                                       max(0.1, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                log.warning("disk writes still running after shutdown_grace_s; exiting anyway")
+            await asyncio.wait(self.tasks, timeout=max(0.0, self.deadline - time.monotonic()))
+
+    async def _finish_disk_io(self) -> None:
+        """Disk IO finishes before the arena goes, within what is left of the grace."""
+        left = 60.0 if self.deadline is None else max(0.1, self.deadline - time.monotonic())
+        try:
+            if self.service is not None and self.service.tiering is not None:
+                await asyncio.wait_for(self.service.tiering.stop(), left)
+            elif self.disk is not None:
+                await asyncio.wait_for(self.disk.close(), left)
+        except asyncio.TimeoutError:
+            log.warning("disk IO still running after shutdown_grace_s; exiting anyway")
 
     def close(self) -> None:
         if self.lock.fd < 0:
@@ -195,10 +300,8 @@ class Daemon:
             received = time.monotonic()
             if len(parts) < 2:
                 continue
-            task = asyncio.create_task(self._respond(sock, parts[0], parts[1:], ops, handler,
-                                                     max_bytes, received, cred))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self.spawn(self._respond(sock, parts[0], parts[1:], ops, handler, max_bytes, received,
+                                     cred))
 
     async def _respond(self, sock, peer: bytes, body: list, ops: dict, handler, max_bytes: int,
                        received: float, cred) -> None:
@@ -211,43 +314,23 @@ class Daemon:
             size = sum(len(frame) for frame in body)
             if size > max_bytes:
                 raise TooLarge(f"message of {size} bytes exceeds max_message_bytes ({max_bytes})")
-            reply = wire.ok_reply(req_id, await handler(peer, req, cred))
+            frames = wire.ok_reply(req_id, await handler(peer, req, cred))
         except wire.ProtocolError as exc:
-            reply = wire.error_reply(exc.req_id, exc.code, str(exc))
+            frames = wire.error_reply(exc.req_id, exc.code, str(exc))
             self.service.stats.error(op, exc.code)
         except ServerError as exc:
-            reply = wire.error_reply(req_id, exc.code, str(exc))
+            frames = wire.error_reply(req_id, exc.code, str(exc))
             self.service.stats.error(op, exc.code)
         except Exception as exc:  # a bug must cost one request, never the daemon
             log.exception("internal error in %s", op)
-            reply = wire.error_reply(req_id, "internal", f"{type(exc).__name__}: {exc}")
+            frames = wire.error_reply(req_id, "internal", f"{type(exc).__name__}: {exc}")
             self.service.stats.error(op, "internal")
         self.service.stats.add(f"op_{op}")
         self.service.stats.observe(op, time.perf_counter() - t0)
-        await self._reply(sock, peer, reply)
+        await reply(sock, peer, frames, self.service.stats)
         if log.isEnabledFor(logging.DEBUG):  # CLOCK_MONOTONIC: comparable with the client's
             log.debug("request %s: received %.6f, started %.6f, replied %.6f", op, received,
                       started, time.monotonic())
-
-    async def _reply(self, sock, peer: bytes, reply: list) -> None:
-        """Send a reply; a peer whose queue is full (it does not read) gets up to
-        ``REPLY_PATIENCE_S`` before the reply is dropped and counted; a gone peer's is
-        dropped at once."""
-        give_up = time.monotonic() + REPLY_PATIENCE_S
-        while True:
-            try:
-                await sock.send_multipart([peer, *reply], flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                if time.monotonic() > give_up:
-                    self.service.stats.add("replies_dropped")
-                    log.warning("a reply was dropped: the client has not read its replies for "
-                                "%.0f s", REPLY_PATIENCE_S)
-                    return
-                await asyncio.sleep(0.001)
-            except zmq.ZMQError as exc:
-                log.debug("reply to a gone peer dropped: %s", exc)
-                return
 
     async def _engine_op(self, peer: bytes, req, cred):
         if self.stopping.is_set() and req.op not in ("bye", "heartbeat"):
@@ -257,117 +340,46 @@ class Daemon:
     async def _control_op(self, peer: bytes, req, cred):
         return await control.handle(self.service, req.op)
 
-    async def _reaper(self) -> None:
-        period = min(1.0, self.cfg.heartbeat_interval_s / 2)
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            self.service.expire(now)
-            gone = []
-            if self.probe_due is not None and now >= self.probe_due:
-                self.probe_due = None
-                gone = await self._probe_peers()
-            stale = self.service.sessions.stale(self.cfg.client_timeout_s, now)
-            for session, why in [*((s, "connection closed") for s in gone),
-                                 *((s, "heartbeat timeout") for s in stale if s not in gone)]:
-                task = asyncio.create_task(self.service.reap(session, why))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
-
-    async def _probe_peers(self) -> list:
-        """Sessions whose routing id has no connection any more (ROUTER_MANDATORY)."""
-        gone = []
-        for session in list(self.service.sessions.by_peer.values()):
-            if session.closing:
-                continue
-            try:
-                await self.engine_sock.send_multipart([session.peer, PROBE], flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # its queue is full: it is there
-            except zmq.ZMQError as exc:
-                if exc.errno == errno.EHOSTUNREACH:
-                    gone.append(session)
-        return gone
-
-    async def _watch_disconnects(self) -> None:
-        """Note when a peer's connection to the engine socket closes (ZeroMQ's monitor
-        names the file descriptor, not the session: the reaper does the rest)."""
-        monitor = self.engine_sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                await monitor.recv_multipart()
-                # give a peer that reconnects at once (same routing id) time to come back
-                self.probe_due = time.monotonic() + PROBE_DELAY_S
-        finally:
-            self.engine_sock.disable_monitor()
-            monitor.close(linger=0)
-
-
-
-def make_tiering(cfg, host: HostTier, arena_view):
-    from kvd.tiers.disk import DiskTier
-    from kvd.tiers.tiering import Tiering
-    try:
-        disk = DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_io_threads, cfg.disk_queue_chunks)
-    except OSError as exc:
-        raise RuntimeError(f"cannot use disk_dir {cfg.disk_dir}: {exc}") from None
-    return Tiering(host, disk, arena_view, cfg.disk_high_watermark, cfg.disk_min_hits)
-
-
-def make_gds(cfg, tiering, cuda):
-    """The GPU Direct Storage loader, or None with the log line saying why not."""
-    why = ("there is no disk tier (disk_dir)" if tiering is None else
-           "the CUDA backend is off" if cuda is None else None)
-    if why is None:
-        from kvd.cuda.gds import GdsLoader, open_gds
-        kvikio, mode = open_gds(cfg.disk_io_threads)
-        if kvikio is not None:
-            log.info("GPU Direct Storage on (%s)", mode)
-            return GdsLoader(kvikio, mode, tiering.disk, cfg.disk_gds_slot_bytes)
-        why = mode
-    log.warning("disk_gds is on but GPU Direct Storage is unavailable: %s; disk chunks load "
-                "through the host tier", why)
-    return None
-
-
-def make_cuda_engine(cfg, arena_view):
-    """The CUDA backend, or None when it is off or unavailable (``gpu = "on"``: an error)."""
-    if cfg.gpu == "off":
-        return None
-    try:
-        from kvd.cuda.backend import CudaCopyEngine
-        engine = CudaCopyEngine(arena_view, cfg.gpu_max_blocks, cfg.gpu_stage_slots,
-                                cfg.gpu_stage_slot_bytes)
-        if not engine.uuid_to_ordinal:
-            raise RuntimeError("no CUDA device visible")
-    except Exception as exc:  # ImportError without cupy, CUDA errors without a driver
-        if cfg.gpu == "on":
-            raise RuntimeError(f"gpu = on but the CUDA backend is unavailable: {exc}") from None
-        log.info("CUDA backend off: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return None
-    log.info("CUDA backend on: %d GPU(s) visible", len(engine.uuid_to_ordinal))
-    return engine
 
 
 def serve(cfg) -> int:
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s kvd %(levelname)s %(message)s")
-    daemon = Daemon(cfg)
+    """Run the daemon until SIGTERM/SIGINT: exit status 0 (also when a signal ended start-up),
+    2 for a config problem found at start-up, 1 when start-up failed otherwise."""
+    logs.setup(cfg.log_level, cfg.log_format)
+    log.info("kvd %s starting, pid %d", __version__, os.getpid())
+    log_config(cfg)
+    notifier = Notifier.from_env()
+    daemon = Daemon(cfg, notifier)
     try:
-        _run(daemon.main())
-    except RuntimeError as exc:
+        served = _run(daemon.main())
+    except ConfigError as exc:
+        log.error("config error: %s", exc)
+        return 2
+    except RuntimeError as exc:  # StartupError and the arena's own: one line each
         log.error("%s", exc)
         return 1
     finally:
+        early_signals.record()  # the loop's handlers are gone: a signal must not cut this short
         daemon.close()
-    log.info("stopped")
+        notifier.close()
+    if served:
+        log.info("stopped")
     return 0
 
 
-def _run(coro) -> None:
+def log_config(cfg) -> None:
+    """One line per knob: its value and where it came from (default, file, env, flag)."""
+    if cfg.file:
+        log.info("config file %s", cfg.file)
+    for name, value, source in cfg.describe():
+        log.info("config %s = %s (%s)", name, value, source,
+                 extra={"knob": name, "value": getattr(cfg, name), "source": source})
+
+
+def _run(coro):
     try:
         import uvloop
     except ImportError:
         log.warning("uvloop not installed; using the default asyncio loop")
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -7,7 +7,8 @@ sockets 0660, both of that group, so its members (engines of other users)
 can connect; without it only the daemon's user (and root) can. The lock
 (flock) lets one daemon serve a directory;
 it is released by the kernel when the daemon dies, so a new daemon that
-gets it knows every leftover is stale.
+gets it knows every leftover is stale. A directory that cannot be created
+or used raises ``ConfigError("runtime_dir", ...)``: one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -17,16 +18,25 @@ import os
 import stat
 from pathlib import Path
 
+from kvd_protocol.errors import ConfigError
+
 
 def prepare_runtime_dir(runtime_dir: Path, group: int | None = None) -> None:
     """Create the directory 0700 (0750 of ``group``); refuse one that is not ours."""
     mode = 0o700 if group is None else 0o750
-    runtime_dir.mkdir(mode=mode, parents=True, exist_ok=True)
-    st = os.lstat(runtime_dir)
+    try:
+        if not os.path.lexists(runtime_dir):
+            runtime_dir.mkdir(mode=mode, parents=True, exist_ok=True)
+        st = os.lstat(runtime_dir)
+    except OSError as exc:
+        raise ConfigError("runtime_dir", f"cannot create {runtime_dir}: {exc.strerror}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise RuntimeError(f"runtime dir {runtime_dir} is not a directory")
+        raise ConfigError("runtime_dir", f"{runtime_dir} is not a directory")
     if st.st_uid != os.geteuid():
-        raise RuntimeError(f"runtime dir {runtime_dir} belongs to uid {st.st_uid}, not to us")
+        raise ConfigError("runtime_dir", f"{runtime_dir} belongs to uid {st.st_uid}, not to "
+                          f"uid {os.geteuid()} that kvd runs as")
+    if not os.access(runtime_dir, os.W_OK | os.X_OK):
+        raise ConfigError("runtime_dir", f"{runtime_dir} is not writable by uid {os.geteuid()}")
     if group is not None and st.st_gid != group:
         _chgrp(runtime_dir, group)
     if stat.S_IMODE(st.st_mode) != mode:

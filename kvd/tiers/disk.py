@@ -20,10 +20,14 @@ Contracts:
   ``read_many(entries, read)`` runs another reader (kvd.cuda.gds: into GPU
   memory) on an IO thread under the same pinning, accounting and failure
   handling, and returns how many entries, in order, it read fine.
-- Recovery (``start``): a background task scans the directory in jobs of
-  ``SCAN_BATCH`` files, ``threads`` jobs at once; removes temp files of earlier processes
-  and files with a wrong header, version or length (counted); adds the rest
-  to the index as least recently used; logs progress and one summary line.
+- Recovery (``start``): a background task counts the directory's files,
+  then scans them in jobs of ``SCAN_BATCH`` files, ``threads`` jobs at once;
+  removes temp files of earlier processes and files with a wrong header,
+  version or length (counted); adds the rest to the index as least recently
+  used. ``recovery`` (in ``stats``) holds its state (counting, scanning,
+  done, failed: ..., cancelled) and ``files_scanned`` of ``files_total``;
+  a progress line (percent, files/s, time left) every ``PROGRESS_S`` goes to
+  the log and to ``on_progress(text)``, and one summary line at the end.
   Keys written since start-up win over scanned files.
 - One daemon per directory: an exclusive flock on ``.kvd-disk.lock`` (gone
   with the process, kill -9 included); a second one gets ``OSError(EBUSY)``.
@@ -43,10 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvd.tiers.chunk_file import ChunkCorrupt, ChunkFiles, file_size
+from kvd.tiers.disk_scan import count_entries
 from kvd.tiers.disk_scan import names as _names
 from kvd.tiers.disk_scan import ns_dirs as _ns_dirs
 from kvd.tiers.disk_scan import scan_files as _scan_files
 from kvd.tiers.disk_scan import unlink as _unlink
+from kvd.tiers.progress import Progress
 
 log = logging.getLogger("kvd")
 PROGRESS_S = 2.0
@@ -101,10 +107,11 @@ class DiskTier:
         self.writing: dict[bytes, asyncio.Future] = {}
         self.deleting: dict[bytes, asyncio.Future] = {}
         self.counters: Counter = Counter()
-        self.recovery = {"state": "idle", "chunks": 0, "bytes": 0, "removed": 0,
-                         "temp_removed": 0, "over_capacity": 0,
+        self.recovery = {"state": "idle", "files_scanned": 0, "files_total": 0, "chunks": 0,
+                         "bytes": 0, "removed": 0, "temp_removed": 0, "over_capacity": 0,
                          "seconds": 0.0}
         self.on_evict = None  # callable(key) when a file leaves the index
+        self.on_progress = None  # callable(text) with each recovery progress line
         self._reads, self._writes = _Busy(), _Busy()
         self._scan = None
         self._closed = False
@@ -269,38 +276,54 @@ class DiskTier:
 
     async def _recover(self) -> None:
         loop = asyncio.get_running_loop()
-        t0 = last = time.monotonic()
+        t0 = time.monotonic()
         rec = self.recovery
-        rec["state"] = "scanning"
+        rec["state"] = "counting"
         try:
             dirs = await loop.run_in_executor(self.pool, _ns_dirs, self.root)
-            for i, d in enumerate(dirs):
+            rec["files_total"] = await loop.run_in_executor(self.pool, count_entries, dirs)
+            rec["state"] = "scanning"
+            self._progress(f"disk recovery: scanning {rec['files_total']} files in {len(dirs)} "
+                           "directories")
+            progress = Progress(rec["files_total"], "files", PROGRESS_S)
+            for d in dirs:
                 names = await loop.run_in_executor(self.pool, _names, d)
                 batches = [names[j:j + SCAN_BATCH] for j in range(0, len(names), SCAN_BATCH)]
                 for k in range(0, len(batches), self.threads):  # `threads` batches at once
+                    jobs = batches[k:k + self.threads]
                     for found, removed, temps in await asyncio.gather(*(
                             loop.run_in_executor(self.pool, _scan_files, d, b,
-                                                 self.files.temp_prefix)
-                            for b in batches[k:k + self.threads])):
+                                                 self.files.temp_prefix) for b in jobs)):
                         rec["removed"] += removed
                         rec["temp_removed"] += temps
                         self._merge(found)
-                    if time.monotonic() - last > PROGRESS_S:
-                        last = time.monotonic()
-                        log.info("disk recovery: directory %d of %d, %d chunks so far", i + 1,
-                                 len(dirs), rec["chunks"])
+                    rec["files_scanned"] += sum(map(len, jobs))
+                    # files written since the count: the total grows with them
+                    rec["files_total"] = progress.total = max(rec["files_total"], rec["files_scanned"])
+                    if progress.due():
+                        text, _ = progress.report(rec["files_scanned"])
+                        self._progress(f"disk recovery: {text}, {rec['chunks']} chunks so far")
         except asyncio.CancelledError:
             rec["state"] = "cancelled"
             raise
         except OSError as exc:
             rec["state"] = f"failed: {exc}"
             log.error("disk recovery failed: %s", exc)
+            self._progress(None)
             return
         rec["state"] = "done"
         rec["seconds"] = round(time.monotonic() - t0, 3)
         log.info("disk recovery: %d chunks, %.1f MiB, %d bad files and %d temp files removed, "
                  "%.2f s", rec["chunks"], rec["bytes"] / 2**20, rec["removed"],
                  rec["temp_removed"], rec["seconds"])
+        self._progress(None, f"disk recovery done: {rec['chunks']} chunks")
+
+    def _progress(self, line: str | None, status: str | None = None) -> None:
+        """Log ``line``; hand ``status or line`` to ``on_progress``."""
+        if line:
+            log.info("%s", line, extra={"recovery": dict(self.recovery)})
+        if self.on_progress is not None:
+            self.on_progress(status or line or f"disk recovery {self.recovery['state']}")
 
     def _merge(self, found: list) -> None:
         found.sort(key=lambda item: item[1], reverse=True)  # newest first: oldest ends LRU-first

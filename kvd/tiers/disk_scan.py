@@ -1,7 +1,8 @@
 """The disk tier's directory scan at start-up (kvd.tiers.disk runs it on IO threads).
 
 ``ns_dirs(root)`` lists the namespace directories ``<root>/<xx>/<ns>``;
-``names(dir)`` the entries of one; ``scan_files(dir, names, own_temp_prefix)``
+``names(dir)`` the entries of one; ``count_entries(dirs)`` how many entries
+they hold together (the recovery's total, counted before the scan); ``scan_files(dir, names, own_temp_prefix)``
 checks a batch of them: temp files of other processes are removed, files
 whose header, version, length or name do not verify are removed (logged),
 names that are not chunk files are left alone, and the valid ones come back
@@ -32,6 +33,17 @@ def ns_dirs(root: Path) -> list:
         if top.is_dir(follow_symlinks=False) and len(top.name) == 2:
             out += [Path(d.path) for d in os.scandir(top.path) if d.is_dir(follow_symlinks=False)]
     return out
+
+
+def count_entries(dirs: list) -> int:
+    total = 0
+    for d in dirs:
+        try:
+            with os.scandir(d) as it:
+                total += sum(1 for _ in it)
+        except FileNotFoundError:
+            pass  # removed since it was listed
+    return total
 
 
 def names(path: Path) -> list:

@@ -25,7 +25,7 @@ import pytest
 import workers_data as W
 import workers_disk as D
 
-from kvd.cli import format_stats
+from kvd.cli.format import format_stats
 from kvd.tiers import chunk_file as F
 
 CHUNK = W.CHUNK
@@ -202,6 +202,7 @@ def test_one_daemon_per_disk_dir_and_cli(start_daemon, tmp_path):
     other = start_daemon(wait=False, **disk_knobs(tmp_path))
     assert other.proc.wait(30) == 1
     assert "another kvd daemon uses this disk_dir" in other.log()
+    assert "allocating the host tier" not in other.log()  # found before the expensive part
     rd = ["--runtime-dir", str(d.runtime_dir)]
     for args in (["ctl", "flush-disk"], ["ctl", "clear-disk"], ["stats"]):
         out = subprocess.run([sys.executable, "-m", "kvd", *args, *rd], capture_output=True,

@@ -1,0 +1,90 @@
+"""The ``kvd`` command: serve, stats, health, ctl, config, top, bench.
+
+``main(argv)`` parses (kvd.cli.parser: typo'd flags get the subcommand's
+usage and the closest flag, exit 2) and runs one subcommand:
+
+- ``serve``: resolves the config (``--config``, ``KVD_<KEY>``, one flag per
+  knob); a bad key or value is one line naming the key and exit status 2;
+  then runs the daemon (kvd.server.daemon) until SIGTERM/SIGINT.
+- ``stats``, ``health``, ``ctl``: one control-socket request each
+  (kvd.cli.control), printed for people or, with ``--json``, for machines;
+  exit 1 when no daemon answers.
+- ``config``: the default config file; ``--resolved``: what ``serve`` would
+  run with here, each value with its source.
+- ``top``: a live view of the daemon (kvd.cli.top).
+- ``bench``: benchmarks, each with a private daemon (kvd.bench).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Only ``os`` and ``sys`` at import time: ``kvd`` (the console script) imports this module before
+# calling main(), and a Ctrl-C during the heavier imports below must be main()'s to handle.
+
+
+def main(argv=None) -> int:
+    try:
+        if (sys.argv[1:] if argv is None else list(argv))[:1] == ["serve"]:
+            from kvd.server.early_signals import record
+            record()  # before the heavy imports: see kvd.server.early_signals
+        return _main(argv)
+    except KeyboardInterrupt:  # outside the daemon's own handlers: imports, bench, exit
+        print("kvd: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `kvd stats | head -2`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
+
+
+def _main(argv) -> int:
+    from kvd.cli.parser import parse
+    args = parse(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "config":
+        return _config(args)
+    if args.command == "bench":
+        from kvd.bench import run
+        return run(args)
+    if args.command == "top":
+        from kvd.cli.top import run as run_top
+        return run_top(args)
+    from kvd.cli.control import run
+    return run(args)
+
+
+def _serve(args) -> int:
+    from kvd.config import KNOBS, load_config
+    from kvd_protocol.errors import ConfigError
+    overrides = {k.name: getattr(args, k.name) for k in KNOBS}
+    try:
+        cfg = load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"kvd: config error: {exc}", file=sys.stderr)
+        return 2
+    from kvd.server.daemon import serve
+    from kvd.server.early_signals import pending
+    if pending() is not None:
+        print(f"kvd: stopped by {pending().name} before start-up", file=sys.stderr)
+        return 0
+    return serve(cfg)
+
+
+def _config(args) -> int:
+    from kvd.config import defaults_toml, load_config, resolved_toml
+    from kvd_protocol.errors import ConfigError
+    if not args.resolved:
+        print(defaults_toml(), end="")
+        return 0
+    try:
+        print(resolved_toml(load_config(args.config)), end="")
+    except ConfigError as exc:
+        print(f"kvd: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

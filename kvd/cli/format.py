@@ -1,0 +1,86 @@
+"""How operator commands print the daemon's replies for people.
+
+``format_stats(snapshot)`` is ``kvd stats``'s table; ``summary(op, reply)``
+is the one line ``kvd health`` and ``kvd ctl ...`` print (``--json`` prints
+the reply itself instead). Replies are the control socket's (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def summary(op: str, r: dict) -> str:
+    """One line saying what ``op`` did, from its reply ``r``."""
+    if op == "health":
+        return f"ok: pid {r['pid']}, backend {r['backend']}, up {r['uptime_s']} s"
+    if r.get("disk") == "off":
+        return f"{op.replace('_', '-')}: nothing to do: the daemon has no disk tier (disk_dir is not set)"
+    if op == "clear":
+        return f"clear: dropped {r['dropped']} host-tier chunks, kept {r['kept_in_use']} in use"
+    if op == "flush_disk":
+        return (f"flush-disk: wrote {r['written']} chunks to the disk tier; its write queue "
+                "is empty")
+    if op == "clear_disk":
+        return f"clear-disk: deleted {r['deleted']} disk-tier chunks, kept {r['kept_in_use']} being read"
+    return json.dumps(r, default=_hex)
+
+
+def to_json(r, indent: int | None = 2) -> str:
+    return json.dumps(r, indent=indent, default=_hex)
+
+
+def _hex(b: bytes) -> str:
+    return b.hex()
+
+
+def format_stats(s: dict) -> str:
+    lines = [f"{'tier':<8}{'capacity':>14}{'used':>14}{'chunks':>10}{'evictions':>11}"]
+    for name, t in s["tiers"].items():
+        lines.append(f"{name:<8}{size(t['capacity_bytes']):>14}{size(t['used_bytes']):>14}"
+                     f"{t['chunks']:>10}{t['evictions']:>11}")
+    disk = s["tiers"].get("disk")
+    if disk:
+        lines.append(f"disk: demotions {disk['demotions']} (dropped {disk['demotions_dropped']}, "
+                     f"failed {disk['demotions_failed']})  promotions {disk['promotions']}  "
+                     f"write {disk['write_gbps']} GB/s  read {disk['read_gbps']} GB/s  "
+                     f"checksum failures {disk['checksum_failures']}  io errors {disk['io_errors']}  "
+                     f"recovery {_recovery(disk['recovery'])}")
+        gds = disk.get("gds")
+        if gds:
+            lines.append(f"gds: {gds['mode']}  loads {gds['direct_loads']}  chunks "
+                         f"{gds['direct_chunks']} ({size(gds['direct_bytes'])})  fallbacks "
+                         f"{gds['fallbacks']}")
+    lines.append("")
+    lines.append(f"hits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
+                 f"dedup {s['store_dedup']}")
+    lines.append(f"stored {size(s['bytes_stored'])} ({s['chunks_stored']} chunks)  "
+                 f"loaded {size(s['bytes_loaded'])} ({s['chunks_loaded']} chunks)")
+    lines.append(f"clients {s['clients']}  registrations {s['registrations']}  leases {s['leases']}  "
+                 f"errors {s['errors']}  uptime {s['uptime_s']} s  backend {s['backend']}")
+    for c in s.get("sessions", []):
+        cred = f", uid {c['uid']} gid {c['gid']}" if "uid" in c else ""
+        lines.append(f"  {c['name']}: pid {c['pid']}{cred}")
+    if s["latency"]:
+        lines.append("")
+        lines.append(f"{'op':<12}{'count':>10}{'p50 ms':>10}{'p99 ms':>10}")
+        for op, lat in sorted(s["latency"].items()):
+            lines.append(f"{op:<12}{lat['count']:>10}{lat['p50_ms']:>10.3f}{lat['p99_ms']:>10.3f}")
+    return "\n".join(lines)
+
+
+def _recovery(rec: dict) -> str:
+    scanned, total = rec.get("files_scanned"), rec.get("files_total")
+    files = f", {scanned} of {total} files" if total else ""
+    return f"{rec['state']} ({rec['chunks']} chunks{files})"
+
+
+def size(n: float) -> str:
+    """Bytes for people: '512 B', '1.5 KiB', '64.0 MiB'."""
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"

@@ -1,0 +1,101 @@
+"""Which clients are still there, and replies to clients that are slow to read.
+
+``Liveness(daemon)`` runs the daemon's reaper: every ``min(1 s,
+heartbeat_interval_s / 2)`` it expires leases and reaps sessions silent for
+``client_timeout_s`` with no request being served (kvd.server.sessions).
+Sooner when a peer is gone: ZeroMQ's socket monitor says that some
+connection of the engine socket closed (not whose), so ``PROBE_DELAY_S``
+later (a peer that reconnects at once, same routing id, is back by then)
+every session's routing id gets a probe ``{v, id: 0, result: {}}``, which
+clients drop (a reply to an id they never sent); with ``ROUTER_MANDATORY``
+a routing id with no connection fails at once, and that session is reaped.
+
+``reply(sock, peer, frames, stats)`` sends a reply without ever dropping it
+for a full queue while the client is merely slow: it retries for
+``REPLY_PATIENCE_S`` (the client has not read its replies for that long:
+dropped and counted as ``replies_dropped``); a gone peer's reply is dropped
+at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import time
+
+import zmq
+
+from kvd_protocol import wire
+
+log = logging.getLogger("kvd")
+PROBE = wire.pack({"v": wire.VERSION, "id": 0, "result": {}})
+PROBE_DELAY_S = 0.25
+REPLY_PATIENCE_S = 5.0
+
+
+async def reply(sock, peer: bytes, frames: list, stats) -> None:
+    give_up = time.monotonic() + REPLY_PATIENCE_S
+    while True:
+        try:
+            await sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if time.monotonic() > give_up:
+                stats.add("replies_dropped")
+                log.warning("a reply was dropped: the client has not read its replies for %.0f s",
+                            REPLY_PATIENCE_S)
+                return
+            await asyncio.sleep(0.001)
+        except zmq.ZMQError as exc:
+            log.debug("reply to a gone peer dropped: %s", exc)
+            return
+
+
+class Liveness:
+    def __init__(self, daemon):
+        self.d = daemon
+        self.probe_due: float | None = None
+
+    async def reap_loop(self) -> None:
+        d, cfg = self.d, self.d.cfg
+        period = min(1.0, cfg.heartbeat_interval_s / 2)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            d.service.expire(now)
+            gone = []
+            if self.probe_due is not None and now >= self.probe_due:
+                self.probe_due = None
+                gone = await self._probe_peers()
+            stale = d.service.sessions.stale(cfg.client_timeout_s, now)
+            for session, why in [*((s, "connection closed") for s in gone),
+                                 *((s, "heartbeat timeout") for s in stale if s not in gone)]:
+                d.spawn(d.service.reap(session, why))
+
+    async def _probe_peers(self) -> list:
+        """Sessions whose routing id has no connection any more (ROUTER_MANDATORY)."""
+        gone = []
+        for session in list(self.d.service.sessions.by_peer.values()):
+            if session.closing:
+                continue
+            try:
+                await self.d.engine_sock.send_multipart([session.peer, PROBE], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # its queue is full: it is there
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EHOSTUNREACH:
+                    gone.append(session)
+        return gone
+
+    async def watch_disconnects(self) -> None:
+        """Note when a connection to the engine socket closes; the reaper probes."""
+        sock = self.d.engine_sock
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                self.probe_due = time.monotonic() + PROBE_DELAY_S
+        finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)

@@ -1,0 +1,148 @@
+"""What ``kvd serve`` checks and builds before it serves, cheapest checks first.
+
+``check(cfg, runtime_dir)`` runs before anything expensive (the host tier's
+allocation takes minutes at 100 GiB): the runtime dir is creatable, ours
+and short enough for a socket path; ``shm_dir`` is a writable directory
+with room for ``host_capacity``; ``disk_dir`` is a directory (created if
+missing) we can write; with ``gpu = "on"``, CuPy is installed. A problem
+with a knob's value raises ``ConfigError`` (one line, exit status 2);
+anything else ``StartupError`` (one line, exit status 1).
+
+``open_disk`` opens the disk tier (its directory lock: a second daemon on
+the same ``disk_dir`` fails here, still before the allocation).
+``make_cuda_engine`` and ``make_gds`` start the optional backends: only the
+errors that mean "not available here" (ImportError, OSError, CUDA errors)
+turn one off with a log line; anything else is a bug of ours and is logged
+at error level with its traceback; with ``gpu = "on"`` any failure stops
+start-up.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+
+from kvd.server.runtime_dir import prepare_runtime_dir
+from kvd.tiers.arena import room_problem
+from kvd_protocol.errors import ConfigError
+
+log = logging.getLogger("kvd")
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, NUL included
+
+
+class StartupError(RuntimeError):
+    """Start-up cannot go on; the message is one line for the log."""
+
+
+class NoCudaDevice(RuntimeError):
+    pass
+
+
+def check(cfg, runtime_dir: Path, group: int | None = None) -> None:
+    longest = len(os.fsencode(runtime_dir / "control.sock"))
+    if longest > MAX_SOCKET_PATH:
+        raise ConfigError("runtime_dir", f"{runtime_dir} is too long for a Unix socket path "
+                          f"({longest} bytes with /control.sock; at most {MAX_SOCKET_PATH})")
+    prepare_runtime_dir(runtime_dir, group)
+    shm_dir = Path(cfg.shm_dir)
+    _writable_dir("shm_dir", shm_dir, create=False)
+    problem = room_problem(shm_dir, cfg.host_capacity)
+    if problem:
+        raise ConfigError("host_capacity", problem)
+    if cfg.disk_dir:
+        _writable_dir("disk_dir", Path(cfg.disk_dir), create=True)
+    if cfg.gpu == "on" and importlib.util.find_spec("cupy") is None:
+        raise StartupError("gpu = on but CuPy is not installed (pip install 'kvd[gpu]'), or "
+                           "set gpu = auto or off")
+
+
+def _writable_dir(key: str, path: Path, create: bool) -> None:
+    if create and not os.path.lexists(path):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(key, f"cannot create {path}: {exc.strerror}") from None
+    if not path.exists():
+        raise ConfigError(key, f"{path} does not exist")
+    if not path.is_dir():
+        raise ConfigError(key, f"{path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"{path} is not writable by uid {os.geteuid()}")
+
+
+def open_disk(cfg):
+    from kvd.tiers.disk import DiskTier
+    try:
+        return DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_io_threads, cfg.disk_queue_chunks)
+    except OSError as exc:
+        raise StartupError(f"cannot use disk_dir {cfg.disk_dir}: {exc.strerror or exc}") from None
+
+
+def cuda_unavailable_errors() -> tuple:
+    """The exceptions that mean "no usable CUDA here", as opposed to a bug of ours."""
+    errors = [ImportError, OSError, NoCudaDevice]
+    cuda = getattr(sys.modules.get("cupy"), "cuda", None)
+    for module, name in (("runtime", "CUDARuntimeError"), ("driver", "CUDADriverError")):
+        cls = getattr(getattr(cuda, module, None), name, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            errors.append(cls)
+    return tuple(errors)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def make_cuda_engine(cfg, arena_view):
+    """The CUDA backend, or None when it is off or unavailable (``gpu = "on"``: an error)."""
+    if cfg.gpu == "off":
+        return None
+    try:
+        from kvd.cuda.backend import CudaCopyEngine
+        engine = CudaCopyEngine(arena_view, cfg.gpu_max_blocks, cfg.gpu_stage_slots,
+                                cfg.gpu_stage_slot_bytes)
+        if not engine.uuid_to_ordinal:
+            raise NoCudaDevice("no CUDA device visible")
+    except Exception as exc:  # noqa: BLE001 - sorted below: unavailable, or a bug of ours
+        expected = isinstance(exc, cuda_unavailable_errors())
+        if not expected:
+            log.error("starting the CUDA backend failed unexpectedly (a bug in kvd, please "
+                      "report it)", exc_info=exc)
+        if cfg.gpu == "on":
+            raise StartupError(f"gpu = on but the CUDA backend is unavailable: {_first_line(exc)}") \
+                from None
+        if expected:
+            log.info("CUDA backend off: %s", _first_line(exc))
+        else:
+            log.error("CUDA backend off after that error; serving with the host backend only")
+        return None
+    log.info("CUDA backend on: %d GPU(s) visible", len(engine.uuid_to_ordinal))
+    return engine
+
+
+def make_gds(cfg, tiering, cuda):
+    """The GPU Direct Storage loader, or None with the log line saying why not."""
+    why = ("there is no disk tier (disk_dir)" if tiering is None else
+           "the CUDA backend is off" if cuda is None else None)
+    if why is None:
+        try:
+            from kvd.cuda.gds import GdsLoader, open_gds
+            kvikio, mode = open_gds(cfg.disk_io_threads)
+            if kvikio is not None:
+                loader = GdsLoader(kvikio, mode, tiering.disk, cfg.disk_gds_slot_bytes)
+                log.info("GPU Direct Storage on (%s)", mode)
+                return loader
+            why = mode
+        except cuda_unavailable_errors() as exc:
+            why = _first_line(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: loud, but GDS is optional
+            log.error("starting GPU Direct Storage failed unexpectedly (a bug in kvd, please "
+                      "report it)", exc_info=exc)
+            why = _first_line(exc)
+    log.warning("disk_gds is on but GPU Direct Storage is unavailable: %s; disk chunks load "
+                "through the host tier", why)
+    return None

@@ -1,0 +1,159 @@
+"""The ``kvd`` command as a user meets it: help, typos, version, config, operator commands.
+
+Every case runs the real ``kvd`` (``python -m kvd``) in a subprocess; the
+operator commands talk to a real daemon (the ``daemon`` fixture) or to a
+runtime dir where none listens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+
+from kvd import __version__
+
+
+def kvd(*args, env=None, timeout=30, check=False):
+    return subprocess.run([sys.executable, "-m", "kvd", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})},
+                          check=check)
+
+
+def test_version():
+    out = kvd("--version", check=True)
+    assert out.stdout.strip().startswith(f"kvd {__version__} (wire protocol v")
+
+
+def test_serve_help_shows_sizes_choices_and_booleans():
+    text = kvd("serve", "--help", check=True).stdout
+    flat = " ".join(text.split())
+    assert "Bytes of the shared-memory host tier. (default: 1GiB)" in flat
+    assert "(default: 64MiB)" in flat and "(default: 64GiB)" in flat
+    assert "1073741824" not in text and "67108864" not in text
+    assert "--gpu {auto,on,off}" in flat and "--log-level {debug,info,warning,error}" in flat
+    assert "--log-format {text,json}" in flat
+    assert "--disk-gds {true,false}" in flat and "(default: false)" in flat
+    assert "False" not in text
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["serve", "--hostcapacity", "1GiB"], "--host-capacity"),
+    (["serve", "--host_capacity=1GiB"], "--host-capacity"),
+    (["serve", "--chunk-token", "16"], "--chunk-tokens"),
+    (["stats", "--jsn"], "--json"),
+])
+def test_a_typo_gets_the_subcommands_usage_and_the_closest_flag(argv, hint):
+    out = kvd(*argv)
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"usage: kvd {argv[0]} ")
+    assert f"did you mean {hint}?" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_config_prints_the_defaults_and_resolved_prints_sources(tmp_path):
+    defaults = kvd("config", check=True).stdout
+    assert tomllib.loads(defaults)["host_capacity"] == "1GiB"
+    conf = tmp_path / "kvd.toml"
+    conf.write_text('chunk_tokens = 64\nhost_capacity = "2GiB"\n')
+    env = {"KVD_MAX_CLIENTS": "9", "KVD_HOST_CAPACITY": "3GiB"}
+    out = kvd("config", "--resolved", "--config", conf, env=env, check=True).stdout
+    lines = {line.split(" = ")[0]: line for line in out.splitlines() if " = " in line}
+    assert lines["chunk_tokens"] == "chunk_tokens = 64  # file"
+    assert lines["host_capacity"] == 'host_capacity = "3GiB"  # env KVD_HOST_CAPACITY'
+    assert lines["max_clients"] == "max_clients = 9  # env KVD_MAX_CLIENTS"
+    assert lines["copy_threads"] == "copy_threads = 2  # default"
+    assert tomllib.loads(out)["chunk_tokens"] == 64
+    bad = kvd("config", "--resolved", env={"KVD_CHUNK_TOKENS": "many"})
+    assert bad.returncode == 2 and bad.stderr.startswith("kvd: config error: chunk_tokens:")
+    assert kvd("config", "--config", conf).returncode == 2  # --config needs --resolved
+    assert kvd("config", "--defaults").returncode == 2  # the mode that did nothing is gone
+
+
+def test_no_daemon_fails_at_once_and_says_what_to_check(tmp_path):
+    """No control.sock: one line naming the dir and what to check, without waiting for the
+    --timeout (30 s here; the subprocess gets 20)."""
+    for command in (["health"], ["stats"], ["ctl", "clear"]):
+        out = kvd(*command, "--runtime-dir", tmp_path, "--timeout", "30", timeout=20)
+        assert out.returncode == 1
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+        assert str(tmp_path) in out.stderr and "kvd serve" in out.stderr
+        assert "KVD_RUNTIME_DIR" in out.stderr
+
+
+def test_a_stale_socket_fails_at_once(tmp_path):
+    """A control.sock nobody listens on (a daemon killed with -9 leaves one)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp_path / "control.sock"))
+    sock.close()
+    out = kvd("health", "--runtime-dir", tmp_path, "--timeout", "30", timeout=20)
+    assert out.returncode == 1 and "no kvd daemon listening" in out.stderr
+
+
+def test_ctl_prints_one_line_and_json_on_request(daemon):
+    rd = daemon.runtime_dir
+    out = kvd("ctl", "clear", "--runtime-dir", rd, check=True).stdout
+    assert out == "clear: dropped 0 host-tier chunks, kept 0 in use\n"
+    reply = json.loads(kvd("ctl", "clear", "--json", "--runtime-dir", rd, check=True).stdout)
+    assert reply == {"dropped": 0, "kept_in_use": 0}
+    out = kvd("ctl", "flush-disk", "--runtime-dir", rd, check=True).stdout
+    assert out.count("\n") == 1 and "no disk tier" in out
+    out = kvd("health", "--runtime-dir", rd, check=True).stdout
+    assert out.startswith(f"ok: pid {daemon.proc.pid}, backend host") and out.count("\n") == 1
+    assert json.loads(kvd("health", "--json", "--runtime-dir", rd, check=True).stdout)["status"] == "ok"
+
+
+def test_a_reader_that_stops_early_is_no_error(daemon):
+    """``kvd stats | head -2``: the pipe's reader is gone before kvd writes (here: at once)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvd", "stats", "--runtime-dir",
+                             str(daemon.runtime_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=30) == 0 and err == ""
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_stats_watch_repeats_until_ctrl_c(daemon, as_json):
+    cmd = [sys.executable, "-m", "kvd", "stats", "--watch", "0.1", "--runtime-dir",
+           str(daemon.runtime_dir)] + (["--json"] if as_json else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marker = '{"tiers"' if as_json else "tier          capacity"
+    seen, lines = 0, []
+    try:
+        while seen < 3:  # three snapshots printed, then Ctrl-C
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()
+            lines.append(line)
+            seen += line.startswith(marker)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    if as_json:
+        snapshots = [json.loads(line) for line in lines + out.splitlines()]
+        assert all("tiers" in s for s in snapshots)
+    assert kvd("stats", "--watch", "0", "--runtime-dir", daemon.runtime_dir).returncode == 2
+
+
+def test_bench_disk_creates_its_dir_or_says_why(tmp_path):
+    new = tmp_path / "new" / "sub"
+    out = kvd("bench", "--disk", "--disk-dir", new, "--disk-gib", "0.01", "--disk-chunk", "1MiB",
+              "--repeat", "1", "--disk-threads", "1", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert new.is_dir() and "tier/raw" in out.stdout
+    (tmp_path / "file").write_text("")
+    for bad, why in ((tmp_path / "file", "not a directory"), (tmp_path / "file" / "x", "cannot create")):
+        out = kvd("bench", "--disk", "--disk-dir", bad)
+        assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr
+        assert out.stderr.count("\n") == 1
