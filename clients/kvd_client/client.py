@@ -131,8 +131,8 @@ class KvdClient:
                 self._hello_thread = None
 
     def _register(self, reg: KVRegistration) -> None:
-        result = self._call("register", reg.fields)
-        reg.id, reg.pages_per_chunk = result["reg"], result["pages_per_chunk"]
+        result = self._call("register" if reg.pool is not None else "attach", reg.fields)
+        reg.id, reg.pages_per_chunk = result["reg"], result.get("pages_per_chunk", 0)
         if reg.namespace.chunk_tokens != self.limits["chunk_tokens"]:  # registered before hello
             reg.namespace = replace(reg.namespace, chunk_tokens=self.limits["chunk_tokens"])
 
@@ -173,7 +173,8 @@ class KvdClient:
             except KvdError:
                 pass
         for reg in self.registrations:
-            reg.flags.close()
+            if reg.flags is not None:
+                reg.flags.close()
         self.channel.close()
 
     def __enter__(self):
@@ -195,7 +196,20 @@ class KvdClient:
         fields = {"namespace": wire.namespace_to_wire(ns), "tp_rank": tp_rank,
                   "buffers": pool.buffers, "layout": wire.layout_to_wire(pool.descriptor),
                   "flags": flags.spec}
-        reg = KVRegistration(ns, tp_rank, fields, pool, flags, owners=[None] * self.load_slots)
+        return self._add(KVRegistration(ns, tp_rank, fields, pool, flags,
+                                        owners=[None] * self.load_slots))
+
+    def attach(self, model: str, kv_dtype: str, attention: str, num_layers: int, kv_heads: int,
+               head_dim: int, tp_size: int = 1, tp_rank: int = 0) -> KVRegistration:
+        """A registration of a namespace without a KV pool: for lookups in a process that
+        holds no KV (vLLM's scheduler). Stores and loads need ``register_kv``."""
+        ns = Namespace(model=model, kv_dtype=kv_dtype, attention=attention, num_layers=num_layers,
+                       kv_heads=kv_heads, head_dim=head_dim,
+                       chunk_tokens=self._chunk_tokens_or_default(), tp_size=tp_size)
+        fields = {"namespace": wire.namespace_to_wire(ns), "tp_rank": tp_rank}
+        return self._add(KVRegistration(ns, tp_rank, fields, None, None))
+
+    def _add(self, reg: KVRegistration) -> KVRegistration:
         with self._lock:
             self.registrations.append(reg)
         try:
@@ -206,7 +220,8 @@ class KvdClient:
             if self.raise_errors or isinstance(exc, CONTRACT_ERRORS):
                 with self._lock:
                     self.registrations.remove(reg)
-                flags.close()
+                if reg.flags is not None:
+                    reg.flags.close()
                 raise
             log.warning("kvd unavailable; the pool registers when it is back: %s", exc)
         return reg
@@ -224,7 +239,8 @@ class KvdClient:
             self.registrations.remove(reg)
         if self.connected and reg.id:
             self._guard(lambda: self._call("unregister", {"reg": reg.id}), None)
-        reg.flags.close()
+        if reg.flags is not None:
+            reg.flags.close()
 
     def _default(self, reg):
         if reg is not None:
@@ -364,6 +380,8 @@ class KvdClient:
         return out
 
     def _keys_pages(self, tokens, page_ids, salt, reg):
+        if reg.pool is None:
+            raise ValueError("this registration was attached for lookups: it has no KV pool")
         keys = self.keys(tokens, salt, reg)
         ppc = reg.pages_per_chunk or reg.namespace.chunk_tokens // reg.pool.descriptor.page_size
         need = len(keys) * ppc

@@ -75,6 +75,7 @@ OPS = {
     "hello": Op({"client": _str, "pid": _int, "versions": _list}),
     "register": Op({"namespace": _map, "tp_rank": _int, "buffers": _list, "layout": _map,
                     "flags": _map}),
+    "attach": Op({"namespace": _map, "tp_rank": _int}),
     "unregister": Op({"reg": _int}),
     "lookup": Op({"reg": _int}, {"lease_ms": _int}, frames=1),
     "store": Op({"reg": _int}, {"after": _u32, "deadline_us": _int}, frames=2),

@@ -151,6 +151,20 @@ class Service:
         return {"reg": reg.id, "shard_bytes": reg.shard_bytes, "namespace": reg.ns_digest,
                 "pages_per_chunk": reg.pages_per_chunk}
 
+    async def op_attach(self, session: Session, req):
+        """A registration of a namespace without a pool: lookups (and leases) only."""
+        f = req.fields
+        if len(session.registrations) >= self.cfg.max_registrations:
+            raise TooLarge(f"too many registrations (max_registrations={self.cfg.max_registrations})")
+        ns = wire.namespace_from_wire(f["namespace"], self.cfg.chunk_tokens)
+        if f["tp_rank"] >= ns.tp_size:
+            raise BadRequest(f"tp_rank {f['tp_rank']} must be < tp_size {ns.tp_size}")
+        reg = Registration(self.sessions.next_id(), session, ns, namespace_digest(ns),
+                           0 if ns.attention == "mla" else f["tp_rank"], None, None, None, None)
+        session.registrations[reg.id] = reg
+        self.sessions.registrations[reg.id] = reg
+        return {"reg": reg.id, "namespace": reg.ns_digest}
+
     def _prepare_gds(self, reg: Registration) -> None:
         try:
             self.gds.prepare(reg)
@@ -171,6 +185,12 @@ class Service:
         await self._close_registration(reg)
         return {}
 
+    def _with_pool(self, session: Session, reg_id: int) -> Registration:
+        reg = self._registration(session, reg_id)
+        if reg.pool is None:
+            raise BadRequest(f"registration {reg_id} was attached for lookups: it has no KV pool")
+        return reg
+
     def _registration(self, session: Session, reg_id: int) -> Registration:
         reg = self.sessions.registrations.get(reg_id)
         if reg is None or reg.closing:
@@ -189,8 +209,9 @@ class Service:
             await reg.drain()
         reg.session.registrations.pop(reg.id, None)
         self.sessions.registrations.pop(reg.id, None)
-        reg.engine.close_pool(reg.pool)
-        reg.flags.close()
+        if reg.pool is not None:
+            reg.engine.close_pool(reg.pool)
+            reg.flags.close()
 
     async def reap(self, session: Session, why: str) -> None:
         """Finish the session's copies, then drop its leases and pools."""
@@ -250,7 +271,7 @@ class Service:
             entry.hits += 1
         disk_hits = 0  # continue the prefix on disk; those start promoting to host
         if self.tiering is not None and len(hits) < len(keys):
-            direct = self.gds is not None and self.gds.eligible(reg)
+            direct = self.gds is not None and reg.pool is not None and self.gds.eligible(reg)
             disk_hits = self.tiering.disk_prefix(keys[len(hits):], promote=not direct)
         self.stats.add("hit_chunks", len(hits) + disk_hits)
         self.stats.add("disk_hit_chunks", disk_hits)
@@ -266,10 +287,10 @@ class Service:
         return {"hits": len(hits) + disk_hits, "lease": lease.id, **extra}
 
     async def op_store(self, session: Session, req):
-        return await self.transfers.store(self._registration(session, req.fields["reg"]), req)
+        return await self.transfers.store(self._with_pool(session, req.fields["reg"]), req)
 
     async def op_load(self, session: Session, req):
-        reg = self._registration(session, req.fields["reg"])
+        reg = self._with_pool(session, req.fields["reg"])
         lease = self._lease(session, req.fields["lease"]) if "lease" in req.fields else None
         try:
             return await self.transfers.load(reg, req)

@@ -37,6 +37,7 @@ SAMPLES = {
     "hello": ({"client": "test", "pid": 123, "versions": [2]}, []),
     "register": ({"namespace": NS_WIRE, "tp_rank": 0, "buffers": [SHM_BUF, CUDA_BUF],
                   "layout": LAYOUT_WIRE, "flags": FLAGS}, []),
+    "attach": ({"namespace": NS_WIRE, "tp_rank": 0}, []),
     "unregister": ({"reg": 5}, []),
     "lookup": ({"reg": 5, "lease_ms": 100}, [KEYS2]),
     "store": ({"reg": 5, "after": 1, "deadline_us": 10**12}, [KEYS2, PAGES]),

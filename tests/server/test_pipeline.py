@@ -369,3 +369,39 @@ def test_a_probe_reaps_only_the_peer_that_left(daemon, zctx, raw_engine):
     wait_for(lambda: daemon.stats()["clients"] == 1, 5, "the leaver to be reaped")
     assert raw_engine.ok("heartbeat") == {}
     assert "removed: connection closed" in daemon.log()
+
+
+def test_a_process_without_kv_attaches_for_lookups(daemon):
+    """vLLM's scheduler holds no KV: it attaches a namespace and looks up; an engine stores."""
+    engine = kvd_client.KvdClient(runtime_dir=str(daemon.runtime_dir), raise_errors=True).connect()
+    scheduler = kvd_client.KvdClient(runtime_dir=str(daemon.runtime_dir), raise_errors=True).connect()
+    pool = random_pool(8)
+    try:
+        engine.register_kv(pool, model="attached")
+        reg = scheduler.attach("attached", pool.kv_dtype, pool.attention, pool.num_layers,
+                               pool.kv_heads, pool.head_dim)
+        tokens = np.arange(64) + 555
+        assert scheduler.lookup(tokens, reg=reg) == 0
+        assert engine.store(tokens, np.arange(16)) == 64
+        assert scheduler.lookup(tokens, reg=reg) == 64
+        assert scheduler.keys(tokens, reg=reg) == engine.keys(tokens)
+        with pytest.raises(ValueError, match="no KV pool"):
+            scheduler.submit_load(tokens, np.arange(16), reg=reg)
+        assert daemon.stats()["registrations"] == 2
+    finally:
+        scheduler.close()
+        engine.close()
+        pool.close()
+
+
+def test_attached_registration_refuses_copies_on_the_wire(daemon, zctx, raw_engine):
+    ns = {"model": "pipe", "kv_dtype": "float16", "attention": "mha", "num_layers": 2,
+          "kv_heads": 2, "head_dim": 8, "tp_size": 1}
+    reg = raw_engine.ok("attach", namespace=ns, tp_rank=0)["reg"]
+    assert "no KV pool" in raw_engine.fails("bad_request", "store", [b"\x01" * 16, pages(0, 1, 2, 3)],
+                                            reg=reg)
+    assert "no KV pool" in raw_engine.fails("bad_request", "load", [b"\x01" * 16, pages(0, 1, 2, 3)],
+                                            reg=reg, slot=0, seq=1)
+    raw_engine.fails("bad_request", "attach", namespace=ns, tp_rank=1)
+    assert raw_engine.ok("lookup", [b"\x01" * 16], reg=reg) == {"hits": 0, "lease": None}
+    raw_engine.ok("unregister", reg=reg)
