@@ -45,6 +45,11 @@ def add_arguments(p) -> None:
                    "this long for each reply before sleeping (KvdClient spin_s)")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
+    p.add_argument("--interference", action="store_true", help="with --gpu: the slowdown of an "
+                   "engine process's GEMM and decode step while a client process keeps kvd copying, per "
+                   "copy path (kvd.bench.interference)")
+    p.add_argument("--mps", action="store_true", help="with --interference: also run under CUDA MPS "
+                   "(started and stopped by the benchmark when nvidia-cuda-mps-control is there)")
     p.add_argument("--pipeline", type=int, default=0, metavar="N", help="with --gpu: also measure "
                    "with N requests in flight per client (submit/poll), next to the blocking figures")
     p.add_argument("--clients", type=int, default=2, metavar="M", help="with --pipeline: engines "
@@ -82,6 +87,9 @@ def run(args) -> int:
     if args.disk:
         from .disk import run as run_disk
         return run_disk(args)
+    if args.gpu and args.interference:
+        from .interference import run as run_interference
+        return run_interference(args)
     if args.gpu:
         from .gpu import run as run_gpu
         return run_gpu(args)

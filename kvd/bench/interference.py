@@ -1,0 +1,196 @@
+"""``kvd bench --gpu --interference``: what kvd's copies cost an engine's compute.
+
+Three processes, as in production: the private daemon, an **engine**
+process that only computes (a bf16 8192³ GEMM, or a decode-like step: 32
+layers of a batch-64 4096×4096 matmul and an activation), and a **copier**
+process, a client that keeps stores and loads of the Llama-3-8B shape (page
+16) in flight through the daemon. The engine times its work with CUDA events
+alone, then while the copier runs; the copier counts the bytes that landed
+inside that window. Per daemon variant (copy kernels' block cap, staged or
+zero-copy): the engine's slowdown and the copies' GB/s meanwhile, next to
+the copier's pinned cudaMemcpy rate measured alone in the same run. With
+``--mps`` the whole run repeats under CUDA MPS when ``nvidia-cuda-mps-control``
+is there (started and stopped by the benchmark). A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from .common import request_bytes, start_daemon
+
+VARIANTS = [  # name -> daemon flags
+    ("staged, 32 blocks", ["--gpu-max-blocks", "32"]),
+    ("staged, 8 blocks", ["--gpu-max-blocks", "8"]),
+    ("staged, full width", ["--gpu-max-blocks", "1024"]),
+    ("zero-copy, 32 blocks", ["--gpu-max-blocks", "32", "--gpu-stage-slots", "0"]),
+    ("zero-copy, full width", ["--gpu-max-blocks", "1024", "--gpu-stage-slots", "0"]),
+]
+SHAPE = ("vllm_flash_attn", 32, 8, 128)
+SAMPLES = 15
+
+
+def run(args) -> int:
+    rows = []
+    modes = [False] + ([True] if args.mps else [])
+    for mps in modes:
+        if mps and not _start_mps():
+            print("CUDA MPS: nvidia-cuda-mps-control is not available here; skipped")
+            continue
+        try:
+            for name, flags in VARIANTS:
+                for workload in ("gemm", "decode"):
+                    rows.append({"variant": name, "mps": mps, "workload": workload,
+                                 **_one(args, flags, workload)})
+                    _print_row(rows[-1])
+        finally:
+            if mps:
+                _stop_mps()
+    _report(rows)
+    return 0
+
+
+def _one(args, flags: list, workload: str) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    chunk = args.chunk_tokens
+    nbytes = request_bytes(SHAPE, args.chunks, chunk)
+    with tempfile.TemporaryDirectory(prefix="kvd-ibench-") as rundir:
+        daemon = start_daemon(rundir, capacity=8 * nbytes + 2**24, chunk_tokens=chunk,
+                              extra=["--gpu", "on", *flags])
+        try:
+            to_engine, engine_end = ctx.Pipe()
+            to_copier, copier_end = ctx.Pipe()
+            engine = ctx.Process(target=_engine, args=(workload, engine_end))
+            copier = ctx.Process(target=_copier, args=(rundir, args.chunks, chunk, copier_end))
+            engine.start()
+            copier.start()
+            alone = to_engine.recv()              # the engine measured itself alone
+            memcpy_Bps = to_copier.recv()         # the copier measured memcpy alone, then copies
+            to_copier.recv()                      # "copying": warmed up
+            to_engine.send("measure")
+            busy = to_engine.recv()
+            to_copier.send(busy["window"])        # count what landed inside the engine's window
+            moved, seconds = to_copier.recv()
+            engine.join(60)
+            copier.join(60)
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
+    return {"alone_ms": alone["ms"], "busy_ms": busy["ms"], "slowdown": busy["ms"] / alone["ms"] - 1,
+            "copy_GBps": moved / seconds / 1e9 if seconds else 0.0,
+            "copy_ratio": moved / seconds / memcpy_Bps if seconds else 0.0}
+
+
+def _engine(workload: str, pipe) -> None:
+    import torch
+    step = _gemm(torch) if workload == "gemm" else _decode(torch)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    pipe.send({"ms": statistics.median(_sample(torch, step) for _ in range(SAMPLES))})
+    pipe.recv()
+    t0 = time.monotonic()
+    ms = statistics.median(_sample(torch, step) for _ in range(SAMPLES))
+    pipe.send({"ms": ms, "window": (t0, time.monotonic())})
+
+
+def _sample(torch, step, iters: int = 10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _gemm(torch):
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    return lambda: a @ b
+
+
+def _decode(torch):
+    w = [torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda") for _ in range(32)]
+    x = torch.randn(64, 4096, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        h = x
+        for layer in w:
+            h = torch.nn.functional.gelu(h @ layer)
+        return h
+    return step
+
+
+def _copier(rundir: str, chunks: int, chunk: int, pipe) -> None:
+    import numpy as np
+    import torch
+
+    from kvd.bench.gpu import make_pool, memcpy_s
+    from kvd_client import KvdClient
+    from kvd_client.torch_pool import CudaKVPool
+    nbytes = request_bytes(SHAPE, chunks, chunk)
+    pipe.send(nbytes / statistics.median(memcpy_s(torch, nbytes, 3)[k] for k in ("d2h", "h2d")))
+    ppc = chunk // 16
+    pool = make_pool(torch, CudaKVPool, SHAPE, 2 * chunks * ppc, 16)
+    client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
+    client.register_kv(pool, model="bench-interference")
+    src, dst = np.arange(chunks * ppc), np.arange(chunks * ppc, 2 * chunks * ppc)
+    cached = np.arange(chunks * chunk) + 10**8
+    client.store(cached, src)
+    torch.cuda.synchronize()
+    landed, fresh, inflight, sent = [], 10**9, [], 0
+    pipe.send("copying")
+    while not pipe.poll() or inflight:
+        if not pipe.poll() and len(inflight) < 4:
+            if sent % 2:
+                inflight.append(client.submit_load(cached, dst))
+            else:
+                inflight.append(client.submit_store(np.arange(chunks * chunk) + fresh, src))
+                fresh += chunks * chunk
+            sent += 1
+        for t in client.poll():
+            inflight.remove(t)
+            if not t.ok:
+                raise RuntimeError(f"a copy failed during the interference run: {t}")
+            landed.append((time.monotonic(), nbytes))
+        client.progress(None, 0.0005)
+    t0, t1 = pipe.recv()
+    inside = sum(b for at, b in landed if t0 <= at <= t1)
+    client.close()
+    pipe.send((inside, t1 - t0))
+
+
+def _start_mps() -> bool:
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        return False
+    return subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True).returncode == 0
+
+
+def _stop_mps() -> None:
+    subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", capture_output=True)
+    time.sleep(1)
+
+
+def _print_row(r: dict) -> None:
+    print(f"  {r['variant']:<22}{' MPS' if r['mps'] else '':<5}{r['workload']:<8}"
+          f"alone {r['alone_ms']:.3f} ms, with copies {r['busy_ms']:.3f} ms ({r['slowdown']:+.1%}); "
+          f"copies {r['copy_GBps']:.1f} GB/s = {r['copy_ratio']:.2f} of memcpy", flush=True)
+
+
+def _report(rows: list) -> None:
+    print("\ninterference: engine and copier in separate processes; slowdown of the engine's "
+          "step while kvd copies; copy GB/s inside that window, ratio to the copier's memcpy")
+    print(f"{'variant':<24}{'MPS':<5}{'workload':<9}{'alone ms':>9}{'busy ms':>9}{'slowdown':>10}"
+          f"{'copy GB/s':>10}{'ratio':>7}")
+    for r in rows:
+        print(f"{r['variant']:<24}{'yes' if r['mps'] else 'no':<5}{r['workload']:<9}"
+              f"{r['alone_ms']:>9.3f}{r['busy_ms']:>9.3f}{r['slowdown']:>+10.1%}"
+              f"{r['copy_GBps']:>10.1f}{r['copy_ratio']:>7.2f}")
+    sys.stdout.flush()
