@@ -107,6 +107,9 @@ KNOBS = (
          minimum=0),
     Knob("gpu_stage_slot_bytes", "size", 32 * 2**20, "Bytes of one staging buffer; each GPU that "
          "registers a pool holds 2 x slots x this.", minimum=2**20),
+    Knob("gpu_poll_interval_us", "float", 0.0, "How the daemon notices copies that landed: 0 "
+         "re-checks every event-loop pass (lowest latency, one busy core while copies run); "
+         "> 0 sleeps that many microseconds between checks that found nothing.", minimum=0.0),
     Knob("disk_dir", "str", "", "Directory of the disk tier (one file per chunk). Empty: no disk "
          "tier."),
     Knob("disk_capacity", "size", 64 * 2**30, "Bytes the disk tier may use (headers included).",

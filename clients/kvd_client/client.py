@@ -34,8 +34,6 @@ import threading
 import time
 from dataclasses import replace
 
-import numpy as np
-
 from kvd_protocol import wire
 from kvd_protocol.errors import (
     BadRequest,
@@ -55,7 +53,7 @@ from . import shm
 from .flags import ClientFlags
 from .liveness import DaemonProbe
 from .pump import Pump
-from .registration import Call, KVRegistration, engine_stream, next_seq
+from .registration import Call, KVRegistration, engine_stream, next_seq, page_frame
 from .retry import Retry
 from .transfer import Transfer
 from .transport import Channel
@@ -317,7 +315,7 @@ class KvdClient:
         reg = self._default(reg)
         keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
         deadline = time.monotonic() + self.timeout
-        slot = self._free_slot(reg, deadline)
+        slot = self._pump.free_slot(reg, deadline)
         reg.load_seq = next_seq(reg.load_seq)
         t = Transfer(self, "load", reg, keys, pages, deadline, slot, reg.load_seq, layerwise)
         t.collect, t.lease = True, lease
@@ -383,24 +381,7 @@ class KvdClient:
         if reg.pool is None:
             raise ValueError("this registration was attached for lookups: it has no KV pool")
         keys = self.keys(tokens, salt, reg)
-        ppc = reg.pages_per_chunk or reg.namespace.chunk_tokens // reg.pool.descriptor.page_size
-        need = len(keys) * ppc
-        pages = np.asarray(page_ids, dtype=np.int64)
-        if pages.ndim != 1 or len(pages) < need:
-            raise ValueError(f"{len(keys)} chunks of {reg.namespace.chunk_tokens} tokens need "
-                             f"{need} page ids (ceil(tokens / page_size) per chunk), got {pages.size}")
-        return keys, wire.pages_frame(pages[:need])
-
-    def _free_slot(self, reg: KVRegistration, deadline: float) -> int:
-        while True:
-            with self._lock:
-                for slot, owner in enumerate(reg.owners):
-                    if owner is None or owner.done:
-                        return slot
-            if time.monotonic() >= deadline:
-                raise TooLarge(f"all {len(reg.owners)} load slots of this pool are in flight; "
-                               "collect finished loads (poll) or raise load_slots")
-            self.progress(None, min(0.01, deadline - time.monotonic()))
+        return keys, page_frame(reg, len(keys), page_ids)
 
     # ---- progress: the pump (kvd_client.pump) does the work ----------------------
 

@@ -23,7 +23,7 @@ import logging
 import time
 
 from kvd_protocol import wire
-from kvd_protocol.errors import DaemonUnavailable, KvdError, NoSession, Timeout
+from kvd_protocol.errors import DaemonUnavailable, KvdError, NoSession, Timeout, TooLarge
 
 from .transfer import Transfer
 
@@ -79,6 +79,18 @@ class Pump:
                 t.reg.flags.release_waits(t.slot, t.seq)
             t.fence()
             self._finished(t)
+
+    def free_slot(self, reg, deadline: float) -> int:
+        """A load slot of ``reg`` whose last transfer is done, driving progress meanwhile."""
+        while True:
+            with self.c._lock:
+                for slot, owner in enumerate(reg.owners):
+                    if owner is None or owner.done:
+                        return slot
+            if time.monotonic() >= deadline:
+                raise TooLarge(f"all {len(reg.owners)} load slots of this pool are in flight; "
+                               "collect finished loads (poll) or raise load_slots")
+            self.progress(None, min(0.01, deadline - time.monotonic()))
 
     # ---- receiving --------------------------------------------------------------------
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from kvd_protocol import wire
 from kvd_protocol.keys import Namespace
 
 from .flags import ClientFlags
@@ -57,3 +60,15 @@ def engine_stream(pool) -> int | None:
 def next_seq(seq: int) -> int:
     seq = (seq + 1) & 0xFFFFFFFF
     return seq or 1  # 0 is every word's initial value
+
+
+def page_frame(reg: KVRegistration, chunks: int, page_ids) -> bytes:
+    """The page-id frame of ``chunks`` whole chunks (a ``ValueError`` naming what is
+    missing when ``page_ids`` are too few: ceil(tokens / page_size) per chunk)."""
+    ppc = reg.pages_per_chunk or reg.namespace.chunk_tokens // reg.pool.descriptor.page_size
+    need = chunks * ppc
+    pages = np.asarray(page_ids, dtype=np.int64)
+    if pages.ndim != 1 or len(pages) < need:
+        raise ValueError(f"{chunks} chunks of {reg.namespace.chunk_tokens} tokens need "
+                         f"{need} page ids (ceil(tokens / page_size) per chunk), got {pages.size}")
+    return wire.pages_frame(pages[:need])

@@ -48,6 +48,11 @@ def add_arguments(p) -> None:
     p.add_argument("--interference", action="store_true", help="with --gpu: the slowdown of an "
                    "engine process's GEMM and decode step while a client process keeps kvd copying, per "
                    "copy path (kvd.bench.interference)")
+    p.add_argument("--interference-variants", type=lambda v: v.split(";"), default=None,
+                   metavar="A;B", help="with --interference: the copy paths to run (names as printed; "
+                   "default: all)")
+    p.add_argument("--interference-workloads", type=lambda v: v.split(","), default=["gemm", "decode"],
+                   metavar="gemm,decode", help="with --interference: the engine's workloads")
     p.add_argument("--mps", action="store_true", help="with --interference: also run under CUDA MPS "
                    "(started and stopped by the benchmark when nvidia-cuda-mps-control is there)")
     p.add_argument("--pipeline", type=int, default=0, metavar="N", help="with --gpu: also measure "

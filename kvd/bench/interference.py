@@ -25,13 +25,18 @@ import time
 
 from .common import request_bytes, start_daemon
 
-VARIANTS = [  # name -> daemon flags
-    ("staged, 32 blocks", ["--gpu-max-blocks", "32"]),
-    ("staged, 8 blocks", ["--gpu-max-blocks", "8"]),
-    ("staged, full width", ["--gpu-max-blocks", "1024"]),
-    ("zero-copy, 32 blocks", ["--gpu-max-blocks", "32", "--gpu-stage-slots", "0"]),
-    ("zero-copy, full width", ["--gpu-max-blocks", "1024", "--gpu-stage-slots", "0"]),
-]
+VARIANTS = {  # name -> (daemon flags, copier options)
+    "staged, 32 blocks": (["--gpu-max-blocks", "32"], {}),
+    "staged, 8 blocks": (["--gpu-max-blocks", "8"], {}),
+    "staged, 128 blocks": (["--gpu-max-blocks", "128"], {}),
+    "staged, full width": (["--gpu-max-blocks", "1024"], {}),
+    "staged, 4 x 64 MiB slots": (["--gpu-max-blocks", "32", "--gpu-stage-slots", "4",
+                                  "--gpu-stage-slot-bytes", "64MiB"], {}),
+    "staged, poll 200 us": (["--gpu-max-blocks", "32", "--gpu-poll-interval-us", "200"], {}),
+    "staged, no marks": (["--gpu-max-blocks", "32"], {"marks": False}),
+    "zero-copy, 32 blocks": (["--gpu-max-blocks", "32", "--gpu-stage-slots", "0"], {}),
+    "zero-copy, full width": (["--gpu-max-blocks", "1024", "--gpu-stage-slots", "0"], {}),
+}
 SHAPE = ("vllm_flash_attn", 32, 8, 128)
 SAMPLES = 15
 
@@ -44,10 +49,11 @@ def run(args) -> int:
             print("CUDA MPS: nvidia-cuda-mps-control is not available here; skipped")
             continue
         try:
-            for name, flags in VARIANTS:
-                for workload in ("gemm", "decode"):
+            for name in args.interference_variants or list(VARIANTS):
+                flags, copier = VARIANTS[name]
+                for workload in args.interference_workloads:
                     rows.append({"variant": name, "mps": mps, "workload": workload,
-                                 **_one(args, flags, workload)})
+                                 **_one(args, flags, copier, workload)})
                     _print_row(rows[-1])
         finally:
             if mps:
@@ -56,7 +62,7 @@ def run(args) -> int:
     return 0
 
 
-def _one(args, flags: list, workload: str) -> dict:
+def _one(args, flags: list, copier_opts: dict, workload: str) -> dict:
     ctx = multiprocessing.get_context("spawn")
     chunk = args.chunk_tokens
     nbytes = request_bytes(SHAPE, args.chunks, chunk)
@@ -67,11 +73,13 @@ def _one(args, flags: list, workload: str) -> dict:
             to_engine, engine_end = ctx.Pipe()
             to_copier, copier_end = ctx.Pipe()
             engine = ctx.Process(target=_engine, args=(workload, engine_end))
-            copier = ctx.Process(target=_copier, args=(rundir, args.chunks, chunk, copier_end))
-            engine.start()
+            copier = ctx.Process(target=_copier, args=(rundir, args.chunks, chunk, copier_opts,
+                                                       copier_end))
             copier.start()
-            alone = to_engine.recv()              # the engine measured itself alone
-            memcpy_Bps = to_copier.recv()         # the copier measured memcpy alone, then copies
+            memcpy_Bps = to_copier.recv()         # the copier's memcpy, with the GPU to itself
+            engine.start()
+            alone = to_engine.recv()              # the engine alone (the copier waits)
+            to_copier.send("go")
             to_copier.recv()                      # "copying": warmed up
             to_engine.send("measure")
             busy = to_engine.recv()
@@ -128,7 +136,7 @@ def _decode(torch):
     return step
 
 
-def _copier(rundir: str, chunks: int, chunk: int, pipe) -> None:
+def _copier(rundir: str, chunks: int, chunk: int, opts: dict, pipe) -> None:
     import numpy as np
     import torch
 
@@ -137,10 +145,13 @@ def _copier(rundir: str, chunks: int, chunk: int, pipe) -> None:
     from kvd_client.torch_pool import CudaKVPool
     nbytes = request_bytes(SHAPE, chunks, chunk)
     pipe.send(nbytes / statistics.median(memcpy_s(torch, nbytes, 3)[k] for k in ("d2h", "h2d")))
+    pipe.recv()  # the engine measured itself alone meanwhile
     ppc = chunk // 16
     pool = make_pool(torch, CudaKVPool, SHAPE, 2 * chunks * ppc, 16)
     client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
     client.register_kv(pool, model="bench-interference")
+    if not opts.get("marks", True):  # diagnosis: copies not ordered after this stream
+        client._mark = lambda transfer: None
     src, dst = np.arange(chunks * ppc), np.arange(chunks * ppc, 2 * chunks * ppc)
     cached = np.arange(chunks * chunk) + 10**8
     client.store(cached, src)

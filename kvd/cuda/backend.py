@@ -83,7 +83,7 @@ class CudaCopyEngine:
     name = "cuda"
 
     def __init__(self, arena: np.ndarray, max_blocks: int = 32, stage_slots: int = STAGE_SLOTS,
-                 stage_slot_bytes: int = STAGE_SLOT_BYTES):
+                 stage_slot_bytes: int = STAGE_SLOT_BYTES, poll_interval_us: float = 0.0):
         import cupy
         self.cp = cupy
         self.rt = cupy.cuda.runtime
@@ -93,7 +93,9 @@ class CudaCopyEngine:
         self.stage = (stage_slots, stage_slot_bytes)
         self.devices: dict[int, _Device] = {}
         self.registered = False
-        self.poller = EventPoller()
+        # 0: re-check copies every loop pass (lowest latency); > 0: sleep that long between
+        # checks that found nothing done (less host CPU and fewer driver calls)
+        self.poller = EventPoller(0.0, poll_interval_us / 1e6) if poll_interval_us > 0 else EventPoller()
         self.uuid_to_ordinal = {bytes(self.rt.getDeviceProperties(i)["uuid"]).hex(): i
                                 for i in range(self.rt.getDeviceCount())}
 
