@@ -32,6 +32,8 @@ VARIANTS = {  # name -> (daemon flags, copier options)
     "staged, full width": (["--gpu-max-blocks", "1024"], {}),
     "staged, 4 x 64 MiB slots": (["--gpu-max-blocks", "32", "--gpu-stage-slots", "4",
                                   "--gpu-stage-slot-bytes", "64MiB"], {}),
+    "staged, 8 blocks, 4 x 64 MiB slots": (["--gpu-max-blocks", "8", "--gpu-stage-slots", "4",
+                                            "--gpu-stage-slot-bytes", "64MiB"], {}),
     "staged, poll 200 us": (["--gpu-max-blocks", "32", "--gpu-poll-interval-us", "200"], {}),
     "staged, no marks": (["--gpu-max-blocks", "32"], {"marks": False}),
     "zero-copy, 32 blocks": (["--gpu-max-blocks", "32", "--gpu-stage-slots", "0"], {}),
