@@ -3,10 +3,23 @@
 Pure functions over uint8 arrays, used by the host backend and as the
 reference the GPU kernels are tested against. ``buffers`` are the pool's
 registered buffers as uint8 arrays; the descriptor was validated against
-their sizes before any call (so the strided views stay in bounds).
+their sizes, and the page ids against ``num_pages``, before any call (so
+the strided views stay in bounds).
+
+A request costs two numpy calls per (layer, plane), whatever its number of
+chunks: one ``take`` of every page of the request from the pool's strided
+(layer, plane) view, and one row-indexed copy between that staging buffer
+and the chunks' segments in the arena. The arena is seen as rows of ``g``
+bytes, ``g`` the greatest common divisor of the segment length and the
+shard offsets (the allocator's alignment at least; a whole segment when
+the offsets are multiples of it, the usual case), so a segment is a run of
+whole rows and one index array names every segment of a (layer, plane).
+The staging buffer is allocated once per request and reused.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -28,24 +41,46 @@ def shard_view(arena: np.ndarray, offset: int, d: LayoutDescriptor, chunk_tokens
     return arena[offset:offset + size].reshape(d.num_layers, d.planes, ppc, d.page_size, d.row_bytes)
 
 
+class _Segments:
+    """Where each chunk's (layer, plane) segment lies in the arena, as rows of ``g`` bytes."""
+
+    def __init__(self, arena: np.ndarray, d: LayoutDescriptor, chunk_tokens: int, shard_offsets):
+        self.seg = chunk_tokens * d.row_bytes  # bytes of one (layer, plane) of one shard
+        offsets = np.asarray(shard_offsets, dtype=np.int64)
+        self.g = math.gcd(self.seg, *(int(x) for x in np.unique(offsets)))
+        self.rows = arena[:arena.size - arena.size % self.g].reshape(-1, self.g)
+        self.per_seg = self.seg // self.g
+        self.first = (offsets // self.g)[:, None] + np.arange(self.per_seg, dtype=np.int64)
+        self.planes = d.planes
+
+    def index(self, layer: int, plane: int) -> np.ndarray:
+        """Row ids of every chunk's segment of (layer, plane), chunk-major."""
+        return (self.first + (layer * self.planes + plane) * self.per_seg).reshape(-1)
+
+
 def gather(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, shard_offsets) -> None:
-    ppc = chunk_tokens // d.page_size
-    views = [[plane_view(buffers, d, l, p) for p in range(d.planes)] for l in range(d.num_layers)]
-    for c, offset in enumerate(shard_offsets):
-        pages = page_ids[c * ppc:(c + 1) * ppc]
-        dst = shard_view(arena, offset, d, chunk_tokens)
-        for layer in range(d.num_layers):
-            for plane in range(d.planes):
-                dst[layer, plane] = views[layer][plane][pages]
+    if not len(shard_offsets):
+        return
+    pages = np.asarray(page_ids, dtype=np.int64)
+    segs = _Segments(arena, d, chunk_tokens, shard_offsets)
+    staging = np.empty((pages.size, d.page_size, d.row_bytes), dtype=np.uint8)
+    rows = staging.reshape(-1, segs.g)
+    for layer in range(d.num_layers):
+        for plane in range(d.planes):
+            np.take(plane_view(buffers, d, layer, plane), pages, axis=0, out=staging, mode="clip")
+            segs.rows[segs.index(layer, plane)] = rows
 
 
 def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, shard_offsets,
             layers: range | None = None) -> None:
-    ppc = chunk_tokens // d.page_size
+    if not len(shard_offsets):
+        return
+    pages = np.asarray(page_ids, dtype=np.int64)
     layers = range(d.num_layers) if layers is None else layers
-    views = {(l, p): plane_view(buffers, d, l, p) for l in layers for p in range(d.planes)}
-    for c, offset in enumerate(shard_offsets):
-        pages = page_ids[c * ppc:(c + 1) * ppc]
-        src = shard_view(arena, offset, d, chunk_tokens)
-        for (layer, plane), view in views.items():
-            view[pages] = src[layer, plane]
+    segs = _Segments(arena, d, chunk_tokens, shard_offsets)
+    staging = np.empty((len(shard_offsets) * segs.per_seg, segs.g), dtype=np.uint8)
+    tokens = staging.reshape(pages.size, d.page_size, d.row_bytes)
+    for layer in layers:
+        for plane in range(d.planes):
+            np.take(segs.rows, segs.index(layer, plane), axis=0, out=staging, mode="clip")
+            plane_view(buffers, d, layer, plane)[pages] = tokens

@@ -256,27 +256,9 @@ class Service:
         return {"stored": len(todo), "deduped": deduped}
 
     def _reserve(self, reg: Registration, keys: list):
-        """Reserve every shard to copy, all or nothing; dedup hits stay pinned meanwhile."""
-        todo, seen, pinned = [], set(), []
-        try:
-            for i, key in enumerate(keys):
-                if key in seen:
-                    continue
-                seen.add(key)
-                entry, fresh = self.tier.reserve(key, reg.ns_digest, reg.shard_bytes,
-                                                 reg.ns.shards, reg.tp_rank)
-                if fresh:
-                    todo.append((i, entry))
-                else:
-                    self.tier.pin([entry])
-                    pinned.append(entry)
-        except BaseException:
-            for _, entry in todo:
-                self.tier.abort(entry, reg.tp_rank)
-            raise
-        finally:
-            self.tier.unpin(pinned)
-        return todo, len(keys) - len(todo)
+        """Reserve every shard to copy, all or nothing (kvd.tiers.host.HostTier.reserve_many)."""
+        return self.tier.reserve_many(keys, reg.ns_digest, reg.shard_bytes, reg.ns.shards,
+                                      reg.tp_rank)
 
     async def op_load(self, session: Session, req):
         t0 = time.perf_counter()

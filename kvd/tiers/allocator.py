@@ -2,7 +2,10 @@
 
 ``alloc(size)`` returns an offset aligned to ``align`` or None when no free
 extent is large enough (the caller evicts and retries); ``free`` returns an
-extent and merges it with its free neighbours. Freed extents are kept in
+extent and merges it with its free neighbours; ``claim(start, size)`` takes
+back one exact extent that is free (the host tier undoes evictions with it
+when a reservation fails after all; it scans the free extents, so it is for
+that rare path only). Freed extents are kept in
 exact-size free lists, so with one chunk size per daemon — the usual case —
 allocation is O(1) slot reuse; mixed sizes fall back to the smallest free
 extent that fits. Never hands out a byte twice, never exceeds capacity.
@@ -65,6 +68,20 @@ class ExtentAllocator:
             size += self._remove(prev)
             start = prev
         self._add(start, size)
+
+    def claim(self, start: int, size: int) -> None:
+        """Allocate exactly ``[start, start + rounded(size))``, which must be free."""
+        size = self.rounded(max(size, 1))
+        hole = next((s for s, n in self._by_start.items() if s <= start and start + size <= s + n),
+                    None)
+        if hole is None:
+            raise ValueError(f"extent [{start}, {start + size}) is not free")
+        hole_size = self._remove(hole)
+        if start > hole:
+            self._add(hole, start - hole)
+        if hole + hole_size > start + size:
+            self._add(start + size, hole + hole_size - start - size)
+        self.used += size
 
     def largest_free(self) -> int:
         return max(self._by_size, default=0)
