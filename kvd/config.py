@@ -17,6 +17,7 @@ import tomllib
 from dataclasses import dataclass
 
 from kvd_protocol.errors import ConfigError
+from kvd_protocol.limits import MAX_CHUNK_TOKENS
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
                "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20,
@@ -48,12 +49,12 @@ KNOBS = (
     Knob("runtime_dir", "str", "", "Directory for sockets and the lock (mode 0700). Empty: "
          "$KVD_RUNTIME_DIR, $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR/kvd, /run/kvd (root), /tmp/kvd-<uid>."),
     Knob("host_capacity", "size", 2**30, "Bytes of the shared-memory host tier.", minimum=4096),
-    Knob("chunk_tokens", "int", 256, "Tokens per cached chunk; engines' page sizes must divide it.",
-         minimum=1),
+    Knob("chunk_tokens", "int", 256, "Tokens per cached chunk (at most 8192); engines' page "
+         "sizes must divide it.", minimum=1),
     Knob("max_message_bytes", "size", 64 * 2**20, "Largest request a client may send; larger "
          "messages drop that peer.", minimum=2**16),
-    Knob("max_keys_per_request", "int", 65536, "Most chunk keys in one lookup, store or load.",
-         minimum=1),
+    Knob("max_keys_per_request", "int", 4096, "Most chunk keys in one lookup, store or load "
+         "(their per-key work holds the event loop: docs/benchmarks.md).", minimum=1),
     Knob("heartbeat_interval_s", "float", 5.0, "How often clients are asked to send a heartbeat.",
          minimum=0.05),
     Knob("client_timeout_s", "float", 30.0, "A client silent for this long is reaped.",
@@ -167,6 +168,8 @@ def load_config(path: str | None = None, env: dict | None = None, overrides: dic
     from_env = {k.name: env[f"KVD_{k.name.upper()}"] for k in KNOBS if f"KVD_{k.name.upper()}" in env}
     _apply(values, from_env, "environment")
     _apply(values, {k: v for k, v in (overrides or {}).items() if v is not None}, "command line")
+    if values["chunk_tokens"] > MAX_CHUNK_TOKENS:
+        raise ConfigError("chunk_tokens", f"must be <= {MAX_CHUNK_TOKENS}")
     if values["disk_high_watermark"] > 1.0:
         raise ConfigError("disk_high_watermark", "must be <= 1.0")
     if values["client_timeout_s"] <= values["heartbeat_interval_s"]:

@@ -19,11 +19,22 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvd_protocol.limits import (
+    MAX_CHUNK_TOKENS,
+    MAX_HEAD_DIM,
+    MAX_KV_HEADS,
+    MAX_LAYERS,
+    MAX_NAME_BYTES,
+    MAX_TP_SIZE,
+)
+
 KEY_BYTES = 16
 NAMESPACE_VERSION = 1
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "int8": 1, "uint8": 1}
 ATTENTIONS = ("mha", "mla")
+FIELD_CAPS = {"num_layers": MAX_LAYERS, "kv_heads": MAX_KV_HEADS, "head_dim": MAX_HEAD_DIM,
+              "chunk_tokens": MAX_CHUNK_TOKENS, "tp_size": MAX_TP_SIZE}
 
 
 @dataclass(frozen=True)
@@ -45,16 +56,16 @@ class Namespace:
     tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if not self.model or len(self.model.encode()) > 512:
-            raise ValueError("model must be a non-empty string of at most 512 bytes")
+        if not self.model or len(self.model.encode()) > MAX_NAME_BYTES:
+            raise ValueError(f"model must be a non-empty string of at most {MAX_NAME_BYTES} bytes")
         if self.kv_dtype not in DTYPE_SIZES:
             raise ValueError(f"kv_dtype must be one of {sorted(DTYPE_SIZES)}")
         if self.attention not in ATTENTIONS:
             raise ValueError("attention must be 'mha' or 'mla'")
-        for name in ("num_layers", "kv_heads", "head_dim", "chunk_tokens", "tp_size"):
+        for name, cap in FIELD_CAPS.items():
             value = getattr(self, name)
-            if not 1 <= value < 2**31:
-                raise ValueError(f"{name} must be between 1 and 2**31-1")
+            if not 1 <= value <= cap:
+                raise ValueError(f"{name} must be between 1 and {cap} (kvd_protocol.limits)")
         if self.attention == "mla" and self.kv_heads != 1:
             raise ValueError("MLA namespaces have kv_heads == 1 (one latent vector per token)")
 

@@ -22,6 +22,7 @@ import numpy as np
 from kvd_protocol.errors import BadRequest, ServerError, TooLarge, UnknownOp, VersionMismatch, server_error
 from kvd_protocol.keys import KEY_BYTES, Namespace
 from kvd_protocol.layout import LayoutDescriptor
+from kvd_protocol.limits import MAX_BYTES, MAX_LAYERS
 
 VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -50,8 +51,12 @@ def _bool(v):
     return isinstance(v, bool)
 
 
+def _size(v):
+    return _int(v) and v <= MAX_BYTES
+
+
 _TYPE_NAMES = {_int: "a non-negative integer", _str: "a string", _list: "a list", _map: "a map",
-               _bool: "true or false"}
+               _bool: "true or false", _size: f"an integer between 0 and {MAX_BYTES}"}
 
 
 @dataclass(frozen=True)
@@ -215,9 +220,9 @@ NAMESPACE_FIELDS = {"model": _str, "kv_dtype": _str, "attention": _str, "num_lay
                     "kv_heads": _int, "head_dim": _int, "tp_size": _int}
 LAYOUT_FIELDS = {"num_layers": _int, "planes": _int, "num_pages": _int, "page_size": _int,
                  "row_bytes": _int, "page_stride": _int, "token_stride": _int, "bases": _list}
-BUFFER_FIELDS = {"shm": {"kind": _str, "path": _str, "size": _int},
+BUFFER_FIELDS = {"shm": {"kind": _str, "path": _str, "size": _size},
                  "cuda_ipc": {"kind": _str, "handle": lambda v: isinstance(v, bytes) and len(v) == 64,
-                              "offset": _int, "size": _int, "device_uuid": _str}}
+                              "offset": _size, "size": _size, "device_uuid": _str}}
 
 
 def _strict_map(m, schema: dict, what: str) -> dict:
@@ -250,6 +255,8 @@ def layout_to_wire(d: LayoutDescriptor) -> dict:
 def layout_from_wire(m) -> LayoutDescriptor:
     _strict_map(m, LAYOUT_FIELDS, "layout")
     bases = m["bases"]
+    if len(bases) > 2 * MAX_LAYERS:
+        raise BadRequest(f"layout.bases holds more than {2 * MAX_LAYERS} pairs")
     if not all(isinstance(b, list) and len(b) == 2 and _int(b[0]) and _int(b[1]) for b in bases):
         raise BadRequest("layout.bases must be a list of [buffer, offset] pairs")
     try:

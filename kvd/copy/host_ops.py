@@ -19,8 +19,6 @@ The staging buffer is allocated once per request and reused.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
@@ -47,7 +45,7 @@ class _Segments:
     def __init__(self, arena: np.ndarray, d: LayoutDescriptor, chunk_tokens: int, shard_offsets):
         self.seg = chunk_tokens * d.row_bytes  # bytes of one (layer, plane) of one shard
         offsets = np.asarray(shard_offsets, dtype=np.int64)
-        self.g = math.gcd(self.seg, *(int(x) for x in np.unique(offsets)))
+        self.g = int(np.gcd.reduce(offsets, initial=self.seg))
         self.rows = arena[:arena.size - arena.size % self.g].reshape(-1, self.g)
         self.per_seg = self.seg // self.g
         self.first = (offsets // self.g)[:, None] + np.arange(self.per_seg, dtype=np.int64)

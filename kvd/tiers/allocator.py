@@ -43,15 +43,17 @@ class ExtentAllocator:
         return size
 
     def alloc(self, size: int) -> int | None:
-        size = self.rounded(max(size, 1))
-        if size in self._by_size:
-            fit = size
-        else:
-            fit = min((s for s in self._by_size if s > size), default=None)
-            if fit is None:
-                return None
-        start = next(iter(self._by_size[fit]))
-        self._remove(start)
+        size = -(-max(size, 1) // self.align) * self.align  # rounded(), inlined: a hot path
+        by_size = self._by_size
+        fit = size if size in by_size else min((s for s in by_size if s > size), default=None)
+        if fit is None:
+            return None
+        starts = by_size[fit]
+        start = starts.pop()
+        if not starts:
+            del by_size[fit]
+        del self._by_start[start]
+        del self._by_end[start + fit]
         if fit > size:
             self._add(start + size, fit - size)
         self.used += size

@@ -39,7 +39,6 @@ only: no locks.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from kvd.tiers.allocator import ExtentAllocator
@@ -47,7 +46,7 @@ from kvd.tiers.lru import LruQueue
 from kvd_protocol.errors import BadRequest, NoSpace
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     key: bytes
     ns: bytes
@@ -66,7 +65,6 @@ class Entry:
     scan_bytes: int = 0    # what it added to ``scanned_bytes`` then
     lru_prev: object = field(default=None, repr=False)
     lru_next: object = field(default=None, repr=False)
-    created: float = field(default_factory=time.monotonic)
 
     @property
     def size(self) -> int:
@@ -131,6 +129,12 @@ class HostTier:
         self.evictable_bytes += e.slot_bytes
 
     def _dequeue(self, e: Entry) -> None:
+        self._leave_front(e)
+        self.lru.remove(e)
+        self.evictable_bytes -= e.slot_bytes
+
+    def _leave_front(self, e: Entry) -> None:
+        """``e`` leaves its place: the examined prefix and the cold run end before it."""
         if e is self.scan_last:
             self.scan_last = self.lru.before(e)
         if e is self.cold_tail:
@@ -138,8 +142,6 @@ class HostTier:
         if e.scan == self.scan_gen:
             self.scanned_bytes -= e.scan_bytes
             e.scan = 0
-        self.lru.remove(e)
-        self.evictable_bytes -= e.slot_bytes
 
     def _settle(self, e: Entry) -> None:
         """Queue ``e`` (most recently used end) when it became evictable."""
@@ -149,9 +151,9 @@ class HostTier:
     def _use(self, e: Entry) -> None:
         self.clock += 1
         e.used = self.clock
-        if self.lru.queued(e):
-            self._dequeue(e)
-            self._enqueue(e)
+        if e.lru_next is not None:  # queued: to the most recently used end
+            self._leave_front(e)
+            self.lru.move_to_end(e)
 
     # ---- reservations -----------------------------------------------------------------
 

@@ -50,6 +50,17 @@ class LruQueue:
         prev.lru_next = nxt.lru_prev = item
         self._len += 1
 
+    def move_to_end(self, item) -> None:
+        """Make queued ``item`` the most recently used."""
+        head = self._head
+        if head.lru_prev is item:
+            return
+        prev, nxt = item.lru_prev, item.lru_next
+        prev.lru_next, nxt.lru_prev = nxt, prev
+        last = head.lru_prev
+        item.lru_prev, item.lru_next = last, head
+        last.lru_next = head.lru_prev = item
+
     def remove(self, item) -> None:
         prev, nxt = item.lru_prev, item.lru_next
         prev.lru_next, nxt.lru_prev = nxt, prev

@@ -219,7 +219,7 @@ def test_model_text_is_unambiguous():
 
 def test_mla_digest_ignores_tp_size():
     mla = Namespace("org/mla", "bfloat16", "mla", 61, 1, 576, 16, tp_size=1)
-    digests = {namespace_digest(replace(mla, tp_size=tp)) for tp in (1, 2, 4, 8, 16, 2**31 - 1)}
+    digests = {namespace_digest(replace(mla, tp_size=tp)) for tp in (1, 2, 4, 8, 16, 64)}
     assert len(digests) == 1
     assert replace(mla, tp_size=8).shards == 1 and replace(mla, tp_size=8).planes == 1
 
@@ -266,6 +266,8 @@ def test_float_token_ids_are_refused():
     {"model": ""}, {"model": "x" * 513}, {"model": "é" * 257}, {"kv_dtype": "fp16"},
     {"attention": "gqa"}, {"num_layers": 0}, {"kv_heads": 0}, {"head_dim": 2**31},
     {"chunk_tokens": 0}, {"tp_size": 0}, {"attention": "mla", "kv_heads": 2},
+    {"tp_size": 65}, {"tp_size": 2**31 - 1}, {"num_layers": 1025}, {"kv_heads": 257},
+    {"head_dim": 1025}, {"chunk_tokens": 8193},
 ], ids=lambda c: ",".join(f"{k}={str(v)[:8]}" for k, v in c.items()))
 def test_namespace_validation(bad):
     with pytest.raises(ValueError):
@@ -273,7 +275,8 @@ def test_namespace_validation(bad):
 
 
 def test_namespace_limits_accepted():
-    replace(NS, model="x" * 512, num_layers=2**31 - 1, head_dim=2**31 - 1)
+    replace(NS, model="x" * 512, num_layers=1024, kv_heads=256, head_dim=1024,
+            chunk_tokens=8192, tp_size=64)
 
 
 _CHILD = """

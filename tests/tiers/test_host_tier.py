@@ -68,6 +68,12 @@ def test_lru_queue_links():
     q.appendleft(items[1])
     assert list(q) == [items[1], items[0], items[2], items[3]] and len(q) == 4
     assert q.first() is items[1] and q.after(items[3]) is None and q.before(items[1]) is None
+    q.move_to_end(items[0])
+    q.move_to_end(items[0])  # already last: no change
+    assert list(q) == [items[1], items[2], items[3], items[0]]
+    q.remove(items[0])
+    q.insert_after(items[0], items[1])
+    assert list(q) == [items[1], items[0], items[2], items[3]]
     with pytest.raises(ValueError):
         q.append(items[0])
     for it in list(q):  # removing the item just yielded is allowed
