@@ -132,12 +132,16 @@ class KvdClient:
 
     # ---- registration -----------------------------------------------------------
 
-    def register_kv(self, pool, model: str, tp_size: int = 1, tp_rank: int = 0) -> KVRegistration:
+    def register_kv(self, pool, model: str, tp_size: int = 1, tp_rank: int = 0,
+                    first_layer: int = 0, fingerprint: str = "") -> KVRegistration:
         """Register a KV pool (anything with descriptor, buffers, kv_dtype, attention,
-        num_layers, kv_heads, head_dim, such as ``SharedKVPool``)."""
+        num_layers, kv_heads, head_dim, such as ``SharedKVPool``). A pipeline stage passes
+        the model-wide index of its first layer; ``fingerprint`` names the weights beyond
+        ``model`` (checkpoint, revision, LoRA): pools that differ in either never share chunks."""
         ns = Namespace(model=model, kv_dtype=pool.kv_dtype, attention=pool.attention,
                        num_layers=pool.num_layers, kv_heads=pool.kv_heads, head_dim=pool.head_dim,
-                       chunk_tokens=self.chunk_tokens, tp_size=tp_size)
+                       chunk_tokens=self.chunk_tokens, tp_size=tp_size, first_layer=first_layer,
+                       fingerprint=fingerprint)
         fields = {"namespace": wire.namespace_to_wire(ns), "tp_rank": tp_rank,
                   "buffers": pool.buffers, "layout": wire.layout_to_wire(pool.descriptor)}
         if getattr(pool, "event_handles", None):

@@ -217,7 +217,8 @@ def pages_from_frame(data: bytes) -> np.ndarray:
 # ---- nested maps of register ------------------------------------------------
 
 NAMESPACE_FIELDS = {"model": _str, "kv_dtype": _str, "attention": _str, "num_layers": _int,
-                    "kv_heads": _int, "head_dim": _int, "tp_size": _int}
+                    "kv_heads": _int, "head_dim": _int, "tp_size": _int, "first_layer": _int,
+                    "fingerprint": _str}
 LAYOUT_FIELDS = {"num_layers": _int, "planes": _int, "num_pages": _int, "page_size": _int,
                  "row_bytes": _int, "page_stride": _int, "token_stride": _int, "bases": _list}
 BUFFER_FIELDS = {"shm": {"kind": _str, "path": _str, "size": _size},
