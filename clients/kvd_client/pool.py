@@ -4,13 +4,23 @@ Allocates, in one file under /dev/shm, the tensors of one of the layouts of
 ``kvd_protocol.layout`` (numpy arrays, zero-filled), and exposes what
 ``KvdClient.register_kv`` needs: the layout descriptor, the buffer list,
 the dtype and head geometry. The daemon maps the same file and copies
-pages in and out. The file is unlinked by ``close`` (and at exit); files
-of dead processes are removed when a new pool is created.
+pages in and out. The file is unlinked by ``close`` (and at exit).
+
+Leftovers of processes that died without ``close`` are removed when a new
+pool is created, safely across containers that share one /dev/shm
+(Docker ``--ipc=host``) and so cannot see each other's pids: every pool
+holds an exclusive ``flock`` on its file for its whole life, and another
+process's file is removed only when that lock can be taken (its owner is
+gone, whatever its pid namespace) and, for files of clients that predate
+the lock, the pid in its name is not alive here. A new file is created,
+locked, then checked to still be linked under its name (a cleaner may have
+taken it in between: then another name is tried).
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import mmap
 import os
 import re
@@ -56,13 +66,14 @@ class SharedKVPool:
             offsets.append(size)
             size += -(-int(np.prod(shape)) * item // ALIGN) * ALIGN
         _remove_dead_pools(Path(shm_dir))
-        self.path = Path(shm_dir) / f"kvd-pool-{os.getpid()}-{os.urandom(6).hex()}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self.path, self._lock_fd = _create_locked(Path(shm_dir))
         try:
-            os.posix_fallocate(fd, 0, size)
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
+            os.posix_fallocate(self._lock_fd, 0, size)
+            self._map = mmap.mmap(self._lock_fd, size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            raise
         atexit.register(self.close)
         self.size = size
         self.raw = np.frombuffer(self._map, dtype=np.uint8)
@@ -82,13 +93,52 @@ class SharedKVPool:
             pass  # caller still holds a tensor; the mapping goes when it is collected
         self._map = None
         self.path.unlink(missing_ok=True)
+        os.close(self._lock_fd)  # unlinked first: no cleaner can find the file unlocked
+
+
+def _create_locked(shm_dir: Path) -> tuple[Path, int]:
+    """A new pool file under ``shm_dir``, flocked by us and still linked under its name."""
+    while True:
+        path = shm_dir / f"kvd-pool-{os.getpid()}-{os.urandom(6).hex()}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a cleaner holds it for a moment at most
+        if _same_file(path, fd):
+            return path, fd
+        os.close(fd)  # a cleaner took it between our create and our lock
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
 def _remove_dead_pools(shm_dir: Path) -> None:
     for p in shm_dir.glob("kvd-pool-*-*"):
         m = re.fullmatch(r"kvd-pool-(\d+)-[0-9a-f]+", p.name)
         if m and not _alive(int(m.group(1))):
-            p.unlink(missing_ok=True)
+            _remove_if_unlocked(p)
+
+
+def _remove_if_unlocked(path: Path) -> None:
+    """Unlink ``path`` when nobody holds its lock (its owner is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return  # vanished, a symlink, not ours to open: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)  # a live pool, maybe in another pid namespace
+        return
+    try:
+        if _same_file(path, fd):
+            path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
