@@ -2,7 +2,9 @@
 
 ``daemon`` starts one with small defaults (chunk of 16 tokens, 64 MiB host
 tier, fast heartbeats); ``start_daemon(**knobs)`` starts more or differently
-configured ones. Client code runs in separate processes through
+configured ones, ``start_daemon(faults="enospc", ...)`` one whose disk IO
+fails as asked (tests/fault_daemon.py, with the doubles of
+tests/disk_faults.py). Client code runs in separate processes through
 ``procs`` (a spawn-context multiprocessing pool), as engines would.
 """
 
@@ -28,16 +30,22 @@ DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interv
                  "client_timeout_s": 2.0, "log_level": "info"}
 
 
+FAULT_DAEMON = Path(__file__).resolve().parent / "fault_daemon.py"
+
+
 class DaemonProc:
-    def __init__(self, runtime_dir: Path, knobs: dict, wrapper: list | None = None):
+    def __init__(self, runtime_dir: Path, knobs: dict, wrapper: list | None = None,
+                 faults: str = ""):
         self.runtime_dir = runtime_dir
         self.knobs = {**DEFAULT_KNOBS, **knobs}
         self.wrapper = wrapper or []  # a command the daemon runs under (it must exec it)
+        self.faults = faults  # disk faults to inject (tests/disk_faults.py), comma-separated
         self.proc = None
         self.log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
 
     def start(self, wait: bool = True) -> "DaemonProc":
-        cmd = [*self.wrapper, sys.executable, "-m", "kvd", "serve", "--runtime-dir",
+        entry = [str(FAULT_DAEMON), "--faults", self.faults] if self.faults else ["-m", "kvd"]
+        cmd = [*self.wrapper, sys.executable, *entry, "serve", "--runtime-dir",
                str(self.runtime_dir)]
         for key, value in self.knobs.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -119,8 +127,8 @@ def start_daemon():
     started = []
 
     def start(runtime_dir: Path | None = None, wait: bool = True, wrapper: list | None = None,
-              **knobs) -> DaemonProc:
-        d = DaemonProc(runtime_dir or base / f"run{len(started)}", knobs, wrapper)
+              faults: str = "", **knobs) -> DaemonProc:
+        d = DaemonProc(runtime_dir or base / f"run{len(started)}", knobs, wrapper, faults)
         started.append(d)
         return d.start(wait)
 
