@@ -3,6 +3,8 @@ shard offsets of any alignment, with every engine layout, page order and layer r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -34,11 +36,23 @@ def pool(request, tmp_path):
 
 
 @pytest.mark.parametrize("align", [256, 8, 1], ids=["aligned", "align-8", "unaligned"])
-def test_gather_then_scatter_match_the_reference(pool, align):
+@pytest.mark.parametrize("n", [2, 5], ids=["2-chunks", "5-chunks"])
+@pytest.mark.parametrize("block", [host_ops.BLOCK_BYTES, 1], ids=["1MiB-copies", "chunk-copies"])
+@pytest.mark.parametrize("bases", ["as-made", "layers-reversed"])
+def test_gather_then_scatter_match_the_reference(pool, align, n, block, bases, monkeypatch):
+    """Every path: per-chunk scatter (few chunks, evenly spaced bases) or per (layer, plane)
+    (more chunks than pairs, or bases not evenly spaced), in one or several blocks."""
+    monkeypatch.setattr(host_ops, "BLOCK_BYTES", block)
     d, chunk = pool.descriptor, 8  # two pages per chunk
+    if bases == "layers-reversed":
+        order = [b for layer in reversed(range(d.num_layers))
+                 for b in d.bases[layer * d.planes:(layer + 1) * d.planes]]
+        d = replace(d, bases=tuple(order))
+        assert host_ops.pool_view([pool.raw], d) is None
+    else:
+        assert host_ops.pool_view([pool.raw], d) is not None
     shard = d.shard_bytes(chunk)
     rng = np.random.default_rng(align)
-    n = 5
     arena = np.zeros(align * 3 + (n + 2) * (shard + align), np.uint8)
     slots = rng.permutation(n + 2)[:n]
     offsets = [int(s) * (shard + align) + align * (i % 3) for i, s in enumerate(slots)]
