@@ -53,7 +53,7 @@ KNOBS = (
          "sizes must divide it.", minimum=1),
     Knob("max_message_bytes", "size", 64 * 2**20, "Largest request a client may send; larger "
          "messages drop that peer.", minimum=2**16),
-    Knob("max_keys_per_request", "int", 4096, "Most chunk keys in one lookup, store or load "
+    Knob("max_keys_per_request", "int", 2048, "Most chunk keys in one lookup, store or load "
          "(their per-key work holds the event loop: docs/benchmarks.md).", minimum=1),
     Knob("heartbeat_interval_s", "float", 5.0, "How often clients are asked to send a heartbeat.",
          minimum=0.05),
