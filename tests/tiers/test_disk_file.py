@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from disk_faults import FaultyChunkFiles
 
 from kvd.tiers import chunk_file as F
