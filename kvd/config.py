@@ -29,6 +29,7 @@ from fractions import Fraction
 from types import MappingProxyType
 
 from kvd_protocol.errors import ConfigError
+from kvd_protocol.limits import MAX_CHUNK_TOKENS
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -80,12 +81,12 @@ KNOBS = (
          "and sockets 0660 of that group; each connection's kernel credentials are checked. Empty: "
          "the daemon's user (and root) only."),
     Knob("host_capacity", "size", 2**30, "Bytes of the shared-memory host tier.", minimum=4096),
-    Knob("chunk_tokens", "int", 256, "Tokens per cached chunk; engines' page sizes must divide it.",
-         minimum=1),
+    Knob("chunk_tokens", "int", 256, "Tokens per cached chunk (at most 8192); engines' page "
+         "sizes must divide it.", minimum=1),
     Knob("max_message_bytes", "size", 64 * 2**20, "Largest request a client may send; larger "
          "messages drop that peer.", minimum=2**16),
-    Knob("max_keys_per_request", "int", 65536, "Most chunk keys in one lookup, store or load.",
-         minimum=1),
+    Knob("max_keys_per_request", "int", 2048, "Most chunk keys in one lookup, store or load "
+         "(their per-key work holds the event loop: docs/benchmarks.md).", minimum=1),
     Knob("heartbeat_interval_s", "float", 5.0, "How often clients are asked to send a heartbeat.",
          minimum=0.05),
     Knob("client_timeout_s", "float", 30.0, "A client silent for this long is reaped.",
@@ -248,6 +249,8 @@ def load_config(path: str | None = None, env: dict | None = None,
     _apply(values, sources, from_env, "env", "environment")
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     _apply(values, sources, flags, "flag", "command line")
+    if values["chunk_tokens"] > MAX_CHUNK_TOKENS:
+        raise ConfigError("chunk_tokens", f"must be <= {MAX_CHUNK_TOKENS}")
     if values["disk_high_watermark"] > 1.0:
         raise ConfigError("disk_high_watermark", "must be <= 1.0")
     if values["metrics_port"] > 65535:

@@ -2,7 +2,9 @@
 
 ``daemon`` starts one with small defaults (chunk of 16 tokens, 64 MiB host
 tier, fast heartbeats); ``start_daemon(**knobs)`` starts more or differently
-configured ones (``env``: variables added to its environment). Client code
+configured ones (``env``: variables added to its environment;
+``faults="enospc", ...``: a daemon whose disk IO fails as asked,
+tests/fault_daemon.py with the doubles of tests/disk_faults.py). Client code
 runs in separate processes through ``procs`` (a spawn-context
 multiprocessing pool), as engines would.
 """
@@ -29,18 +31,23 @@ DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interv
                  "client_timeout_s": 2.0, "log_level": "info"}
 
 
+FAULT_DAEMON = Path(__file__).resolve().parent / "fault_daemon.py"
+
+
 class DaemonProc:
     def __init__(self, runtime_dir: Path, knobs: dict, wrapper: list | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, faults: str = ""):
         self.runtime_dir = runtime_dir
         self.knobs = {**DEFAULT_KNOBS, **knobs}
         self.wrapper = wrapper or []  # a command the daemon runs under (it must exec it)
         self.env = {**os.environ, **env} if env else None  # added to the environment
+        self.faults = faults  # disk faults to inject (tests/disk_faults.py), comma-separated
         self.proc = None
         self.log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
 
     def start(self, wait: bool = True) -> "DaemonProc":
-        cmd = [*self.wrapper, sys.executable, "-m", "kvd", "serve", "--runtime-dir",
+        entry = [str(FAULT_DAEMON), "--faults", self.faults] if self.faults else ["-m", "kvd"]
+        cmd = [*self.wrapper, sys.executable, *entry, "serve", "--runtime-dir",
                str(self.runtime_dir)]
         for key, value in self.knobs.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -132,8 +139,8 @@ def start_daemon():
     started = []
 
     def start(runtime_dir: Path | None = None, wait: bool = True, wrapper: list | None = None,
-              env: dict | None = None, **knobs) -> DaemonProc:
-        d = DaemonProc(runtime_dir or base / f"run{len(started)}", knobs, wrapper, env)
+              env: dict | None = None, faults: str = "", **knobs) -> DaemonProc:
+        d = DaemonProc(runtime_dir or base / f"run{len(started)}", knobs, wrapper, env, faults)
         SESSION_TAGS.add(instance_tag(d.runtime_dir))
         started.append(d)
         return d.start(wait)

@@ -95,7 +95,7 @@ def pages(*ids) -> bytes:
 def namespace(pool, model="good", **overrides) -> dict:
     ns = {"model": model, "kv_dtype": pool.kv_dtype, "attention": pool.attention,
           "num_layers": pool.num_layers, "kv_heads": pool.kv_heads, "head_dim": pool.head_dim,
-          "tp_size": 1}
+          "tp_size": 1, "first_layer": 0, "fingerprint": ""}
     ns.update(overrides)
     return ns
 

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import tomllib
 
 import pytest

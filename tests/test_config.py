@@ -212,6 +212,13 @@ def test_timeout_must_exceed_heartbeat():
     assert math.isclose(cfg.client_timeout_s, 2.5)
 
 
+def test_chunk_tokens_is_capped_as_the_namespace_caps_it():
+    load_config(env={}, overrides={"chunk_tokens": 8192})
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"chunk_tokens": 8193})
+    assert info.value.key == "chunk_tokens" and "8192" in str(info.value)
+
+
 def test_every_knob_has_an_env_and_cli_spelling():
     for knob in KNOBS:
         value = {"size": "8MiB", "int": "3", "float": "0.5", "str": "/x", "bool": "true"}[knob.kind]

@@ -371,7 +371,8 @@ def isolation_probe(runtime_dir: str, base: dict, tokens, variants: dict) -> dic
     """Lookup (and load) ``tokens`` under each variant; returns {name: (lookup, loaded)}.
 
     A variant is a dict of overrides: spec keys (dtype, heads, layers, ...), ``model``,
-    ``salt``, ``tp_size``. A miss must leave the pool untouched.
+    ``salt``, ``tp_size``, ``first_layer``, ``fingerprint``. A miss must leave the pool
+    untouched.
     """
     out = {}
     with client(runtime_dir) as c:
@@ -380,7 +381,9 @@ def isolation_probe(runtime_dir: str, base: dict, tokens, variants: dict) -> dic
             pool = make_pool(spec, 7)
             try:
                 reg = c.register_kv(pool, model=v.get("model", base["model"]),
-                                    tp_size=v.get("tp_size", 1))
+                                    tp_size=v.get("tp_size", 1),
+                                    first_layer=v.get("first_layer", 0),
+                                    fingerprint=v.get("fingerprint", ""))
                 before = poison(pool)
                 n = len(tokens) // CHUNK
                 hit = c.lookup(tokens, salt=v.get("salt"), reg=reg)

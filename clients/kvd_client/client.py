@@ -183,12 +183,16 @@ class KvdClient:
 
     # ---- registration -----------------------------------------------------------
 
-    def register_kv(self, pool, model: str, tp_size: int = 1, tp_rank: int = 0) -> KVRegistration:
-        """Register a KV pool (``SharedKVPool`` or ``torch_pool.CudaKVPool``). Without a
-        daemon (and ``raise_errors`` off) it registers when the daemon appears."""
+    def register_kv(self, pool, model: str, tp_size: int = 1, tp_rank: int = 0,
+                    first_layer: int = 0, fingerprint: str = "") -> KVRegistration:
+        """Register a KV pool (``SharedKVPool`` or ``torch_pool.CudaKVPool``; without a daemon,
+        and ``raise_errors`` off, it registers when the daemon appears). A pipeline stage passes
+        the model-wide index of its first layer; ``fingerprint`` names the weights beyond
+        ``model`` (checkpoint, revision, LoRA): pools that differ in either never share chunks."""
         ns = Namespace(model=model, kv_dtype=pool.kv_dtype, attention=pool.attention,
                        num_layers=pool.num_layers, kv_heads=pool.kv_heads, head_dim=pool.head_dim,
-                       chunk_tokens=self._chunk_tokens_or_default(), tp_size=tp_size)
+                       chunk_tokens=self._chunk_tokens_or_default(), tp_size=tp_size,
+                       first_layer=first_layer, fingerprint=fingerprint)
         flags = ClientFlags(pool.num_layers, self.load_slots, self.shm_dir,
                             getattr(pool, "device_index", None), shm.shared_group(self.runtime_dir))
         fields = {"namespace": wire.namespace_to_wire(ns), "tp_rank": tp_rank,
@@ -198,12 +202,14 @@ class KvdClient:
                                         owners=[None] * self.load_slots))
 
     def attach(self, model: str, kv_dtype: str, attention: str, num_layers: int, kv_heads: int,
-               head_dim: int, tp_size: int = 1, tp_rank: int = 0) -> KVRegistration:
+               head_dim: int, tp_size: int = 1, tp_rank: int = 0, first_layer: int = 0,
+               fingerprint: str = "") -> KVRegistration:
         """A registration of a namespace without a KV pool: for lookups in a process that
         holds no KV (vLLM's scheduler). Stores and loads need ``register_kv``."""
         ns = Namespace(model=model, kv_dtype=kv_dtype, attention=attention, num_layers=num_layers,
                        kv_heads=kv_heads, head_dim=head_dim,
-                       chunk_tokens=self._chunk_tokens_or_default(), tp_size=tp_size)
+                       chunk_tokens=self._chunk_tokens_or_default(), tp_size=tp_size,
+                       first_layer=first_layer, fingerprint=fingerprint)
         fields = {"namespace": wire.namespace_to_wire(ns), "tp_rank": tp_rank}
         return self._add(KVRegistration(ns, tp_rank, fields, None, None))
 

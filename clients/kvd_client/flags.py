@@ -35,8 +35,9 @@ class ClientFlags:
     def __init__(self, num_layers: int, slots: int, shm_dir: str = "/dev/shm", device: int | None = None,
                  group: int | None = None):
         self.layout = FlagLayout(num_layers, slots)
-        self.path, self._map = shm.create("kvd-flags", self.layout.size, shm_dir, group)
-        self.words = np.frombuffer(self._map, dtype="<u4")
+        self._file = shm.ShmFile.create("kvd-flags", self.layout.size, shm_dir, group)
+        self.path = self._file.path
+        self.words = np.frombuffer(self._file.map, dtype="<u4")
         self.words[:4] = self.layout.header()
         self.ptr = self.words.ctypes.data
         self.device = device
@@ -80,7 +81,7 @@ class ClientFlags:
         layers[behind] = seq  # never move a word backwards
 
     def close(self) -> None:
-        if getattr(self, "_map", None) is None:
+        if getattr(self, "_file", None) is None:
             return
         if self.dev_base is not None:
             try:
@@ -89,9 +90,5 @@ class ClientFlags:
                 pass
             self.dev_base = None
         self.words = None
-        try:
-            self._map.close()
-        except BufferError:
-            pass
-        self._map = None
-        self.path.unlink(missing_ok=True)
+        self._file.close()
+        self._file = None

@@ -4,10 +4,12 @@ Allocates, in one file under /dev/shm, the tensors of one of the layouts of
 ``kvd_protocol.layout`` (numpy arrays, zero-filled), and exposes what
 ``KvdClient.register_kv`` needs: the layout descriptor, the buffer list,
 the dtype and head geometry. The daemon maps the same file and copies
-pages in and out. The file is mode 0600; with ``group`` (the daemon's
-``access_group``, for engines running as another user) it is 0660 of that
-group, so the daemon can map it. The file is unlinked by ``close`` (and at
-exit); files of dead processes are removed when a new pool is created.
+pages in and out. The file (kvd_client.shm) is mode 0600; with ``group``
+(the daemon's ``access_group``, for engines running as another user) it is
+0660 of that group, so the daemon can map it. It is flocked for the pool's
+life and unlinked by ``close`` (and at exit); files of processes that died
+are removed when a new pool is created, only once their lock is free
+(safe across pid namespaces sharing one /dev/shm).
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ class SharedKVPool:
         for shape in shapes:
             offsets.append(size)
             size += -(-int(np.prod(shape)) * item // ALIGN) * ALIGN
-        self.path, self._map = shm.create("kvd-pool", size, shm_dir, group)
+        self._file = shm.ShmFile.create("kvd-pool", size, shm_dir, group)
+        self.path = self._file.path
         atexit.register(self.close)
         self.size = size
-        self.raw = np.frombuffer(self._map, dtype=np.uint8)
+        self.raw = np.frombuffer(self._file.map, dtype=np.uint8)
         self.tensors = [self.raw[o:o + int(np.prod(s)) * item].view(STORAGE[dtype]).reshape(s)
                         for o, s in zip(offsets, shapes)]
         refs = [L.TensorRef(0, o, s, t.strides, item) for o, s, t in zip(offsets, shapes, self.tensors)]
@@ -67,13 +70,8 @@ class SharedKVPool:
         self.buffers = [{"kind": "shm", "path": str(self.path), "size": size}]
 
     def close(self) -> None:
-        if getattr(self, "_map", None) is None:
+        if getattr(self, "_file", None) is None:
             return
         self.tensors, self.raw = [], None
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # caller still holds a tensor; the mapping goes when it is collected
-        self._map = None
-        self.path.unlink(missing_ok=True)
+        self._file.close()
 

@@ -1,16 +1,24 @@
 """Files in shared memory that the client creates for the daemon to map.
 
-``create(prefix, size, shm_dir, group)`` makes ``<shm_dir>/<prefix>-<pid>-<hex>``
-(mode 0600; with ``group``, 0660 of that group, set before any byte is in
-it, so a daemon running as another user of the group can map it), fully
-allocated, and maps it shared. ``remove_dead_files(shm_dir, prefix)``
-removes such files of processes that are gone. ``shared_group(runtime_dir)``
-is the group a runtime directory is shared with (its group, when the
-directory grants it access), the group the client's files need.
+``ShmFile.create(prefix, size, shm_dir, group)`` makes
+``<shm_dir>/<prefix>-<pid>-<hex>`` (mode 0600; with ``group``, 0660 of that
+group, set before any byte is in it, so a daemon running as another user of
+the group can map it), fully allocated, mapped shared. The file is flocked
+for its owner's whole life: leftovers of processes that died without
+``close`` are removed (``remove_dead_files``) only when that lock can be
+taken, safely across containers that share one /dev/shm (Docker
+``--ipc=host``) and cannot see each other's pids; for files of clients that
+predate the lock, also only when the pid in the name is not alive here. A
+new file is created, locked, then checked to still be linked under its name
+(a cleaner may have taken it in between: then another name is tried).
+``close`` unlinks the file before it drops the lock. ``shared_group(dir)``
+is the group a runtime directory is shared with (its group, when it grants
+the group access): the group the client's files need.
 """
 
 from __future__ import annotations
 
+import fcntl
 import grp
 import mmap
 import os
@@ -18,21 +26,36 @@ import re
 from pathlib import Path
 
 
-def create(prefix: str, size: int, shm_dir, group: str | int | None = None) -> tuple[Path, mmap.mmap]:
-    remove_dead_files(Path(shm_dir), prefix)
-    path = Path(shm_dir) / f"{prefix}-{os.getpid()}-{os.urandom(6).hex()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        if group is not None:  # before any byte is in it
-            os.fchown(fd, -1, group if isinstance(group, int) else grp.getgrnam(group).gr_gid)
-            os.fchmod(fd, 0o660)
-        os.posix_fallocate(fd, 0, size)
-        return path, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
+class ShmFile:
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap):
+        self.path, self._fd, self.map = path, fd, mm
+
+    @classmethod
+    def create(cls, prefix: str, size: int, shm_dir, group: str | int | None = None) -> "ShmFile":
+        shm_dir = Path(shm_dir)
+        remove_dead_files(shm_dir, prefix)
+        path, fd = _create_locked(shm_dir, prefix)
+        try:
+            if group is not None:  # before any byte is in it
+                os.fchown(fd, -1, group if isinstance(group, int) else grp.getgrnam(group).gr_gid)
+                os.fchmod(fd, 0o660)
+            os.posix_fallocate(fd, 0, size)
+            return cls(path, fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED))
+        except BaseException:
+            path.unlink(missing_ok=True)
+            os.close(fd)
+            raise
+
+    def close(self) -> None:
+        if self.map is None:
+            return
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes when it is collected
+        self.map = None
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)  # unlinked first: no cleaner can find the file unlocked
 
 
 def shared_group(runtime_dir) -> int | None:
@@ -44,14 +67,49 @@ def shared_group(runtime_dir) -> int | None:
 
 
 def remove_dead_files(shm_dir: Path, prefix: str) -> None:
-    """Remove ``<prefix>-<pid>-<hex>`` files (pools, flag pages) of processes that are gone."""
+    """Remove ``<prefix>-<pid>-<hex>`` files whose owner is gone (their lock is free)."""
     for p in shm_dir.glob(f"{prefix}-*-*"):
         m = re.fullmatch(re.escape(prefix) + r"-(\d+)-[0-9a-f]+", p.name)
         if m and not _alive(int(m.group(1))):
-            try:
-                p.unlink(missing_ok=True)
-            except PermissionError:
-                pass  # another user's file: theirs to remove
+            _remove_if_unlocked(p)
+
+
+def _create_locked(shm_dir: Path, prefix: str) -> tuple[Path, int]:
+    while True:
+        path = shm_dir / f"{prefix}-{os.getpid()}-{os.urandom(6).hex()}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a cleaner holds it for a moment at most
+        if _same_file(path, fd):
+            return path, fd
+        os.close(fd)  # a cleaner took it between our create and our lock
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def _remove_if_unlocked(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return  # vanished, a symlink, not ours to open: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)  # a live file, maybe of another pid namespace
+        return
+    try:
+        if _same_file(path, fd):
+            path.unlink(missing_ok=True)
+    except PermissionError:
+        pass  # another user's file in sticky /dev/shm: theirs to remove
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

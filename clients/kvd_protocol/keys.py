@@ -6,7 +6,11 @@ A request's chain root is that digest, or, with a per-request salt,
 ``xxh3_128(digest || b"salt" || utf8(salt))``. Chunk ``i`` of a token
 sequence has key ``xxh3_128(key_{i-1} || tokens_i)`` where ``tokens_i`` are
 the chunk's token ids as little-endian uint32 and ``key_{-1}`` is the root.
-Digests are the 16-byte big-endian (canonical) xxh3-128 output. Only whole
+Digests are the 16-byte big-endian (canonical) xxh3-128 output. The
+namespace names the layers a pool holds (``first_layer``, so pipeline
+stages with equal layer counts never share keys) and the weights that made
+the KV (``fingerprint``, an opaque string the engine passes: checkpoint,
+revision, LoRA adapter). Only whole
 chunks get keys; a trailing partial chunk is ignored. The spec and test
 vectors live in docs/protocol.md and are checked by tests/protocol/test_keys.py.
 """
@@ -19,11 +23,22 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvd_protocol.limits import (
+    MAX_CHUNK_TOKENS,
+    MAX_HEAD_DIM,
+    MAX_KV_HEADS,
+    MAX_LAYERS,
+    MAX_NAME_BYTES,
+    MAX_TP_SIZE,
+)
+
 KEY_BYTES = 16
-NAMESPACE_VERSION = 1
+NAMESPACE_VERSION = 2  # 2: first_layer and fingerprint
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "int8": 1, "uint8": 1}
 ATTENTIONS = ("mha", "mla")
+FIELD_CAPS = {"num_layers": MAX_LAYERS, "kv_heads": MAX_KV_HEADS, "head_dim": MAX_HEAD_DIM,
+              "chunk_tokens": MAX_CHUNK_TOKENS, "tp_size": MAX_TP_SIZE}
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,11 @@ class Namespace:
     ``kv_heads`` counts the heads of one tensor-parallel shard. For MLA the
     latent is identical on every rank, so ``kv_heads`` must be 1 and
     ``tp_size`` is encoded as 1: MLA engines of any TP size share chunks.
+    ``first_layer`` is the model-wide index of the pool's first layer (a
+    pipeline stage holds layers ``first_layer .. first_layer + num_layers - 1``;
+    0 without pipeline parallelism). ``fingerprint`` identifies the weights
+    beyond ``model`` (e.g. a hash of checkpoint id, revision and LoRA id);
+    empty by default, compared as bytes, never interpreted.
     """
 
     model: str
@@ -43,18 +63,24 @@ class Namespace:
     head_dim: int
     chunk_tokens: int
     tp_size: int = 1
+    first_layer: int = 0
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
-        if not self.model or len(self.model.encode()) > 512:
-            raise ValueError("model must be a non-empty string of at most 512 bytes")
+        if not self.model or len(self.model.encode()) > MAX_NAME_BYTES:
+            raise ValueError(f"model must be a non-empty string of at most {MAX_NAME_BYTES} bytes")
+        if not isinstance(self.fingerprint, str) or len(self.fingerprint.encode()) > MAX_NAME_BYTES:
+            raise ValueError(f"fingerprint must be a string of at most {MAX_NAME_BYTES} bytes")
         if self.kv_dtype not in DTYPE_SIZES:
             raise ValueError(f"kv_dtype must be one of {sorted(DTYPE_SIZES)}")
         if self.attention not in ATTENTIONS:
             raise ValueError("attention must be 'mha' or 'mla'")
-        for name in ("num_layers", "kv_heads", "head_dim", "chunk_tokens", "tp_size"):
+        for name, cap in FIELD_CAPS.items():
             value = getattr(self, name)
-            if not 1 <= value < 2**31:
-                raise ValueError(f"{name} must be between 1 and 2**31-1")
+            if not 1 <= value <= cap:
+                raise ValueError(f"{name} must be between 1 and {cap} (kvd_protocol.limits)")
+        if not 0 <= self.first_layer <= MAX_LAYERS - self.num_layers:
+            raise ValueError(f"first_layer + num_layers must be at most {MAX_LAYERS}")
         if self.attention == "mla" and self.kv_heads != 1:
             raise ValueError("MLA namespaces have kv_heads == 1 (one latent vector per token)")
 
@@ -74,9 +100,11 @@ class Namespace:
     def encode(self) -> bytes:
         tp = 1 if self.attention == "mla" else self.tp_size
         text = "\0".join((self.model, self.kv_dtype, self.attention)).encode()
+        fingerprint = self.fingerprint.encode()
         return (b"kvd-ns\0" + struct.pack("<I", NAMESPACE_VERSION) + struct.pack("<I", len(text))
-                + text + struct.pack("<5I", self.num_layers, self.kv_heads, self.head_dim,
-                                     self.chunk_tokens, tp))
+                + text + struct.pack("<6I", self.num_layers, self.kv_heads, self.head_dim,
+                                     self.chunk_tokens, tp, self.first_layer)
+                + struct.pack("<I", len(fingerprint)) + fingerprint)
 
 
 def namespace_digest(ns: Namespace) -> bytes:

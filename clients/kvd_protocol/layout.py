@@ -23,8 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd_protocol.limits import MAX_BYTES, MAX_CHUNK_TOKENS, MAX_LAYERS, MAX_PAGES
+
 CANONICAL_VERSION = 1
-MAX_LAYERS = 1024
+CAPS = {"num_layers": MAX_LAYERS, "num_pages": MAX_PAGES, "page_size": MAX_CHUNK_TOKENS,
+        "row_bytes": MAX_BYTES, "page_stride": MAX_BYTES, "token_stride": MAX_BYTES}
 
 
 @dataclass(frozen=True)
@@ -50,20 +53,18 @@ class LayoutDescriptor:
     bases: tuple[tuple[int, int], ...]
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_pages", "page_size", "row_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.num_layers > MAX_LAYERS:
-            raise ValueError(f"num_layers must be <= {MAX_LAYERS}")
+        for name, cap in CAPS.items():
+            low = 0 if name.endswith("stride") else 1
+            if not low <= getattr(self, name) <= cap:
+                raise ValueError(f"{name} must be between {low} and {cap} (kvd_protocol.limits)")
         if self.planes not in (1, 2):
             raise ValueError("planes must be 1 (MLA latent) or 2 (K and V)")
-        if self.page_stride < 0 or self.token_stride < 0:
-            raise ValueError("strides must be >= 0")
         if len(self.bases) != self.num_layers * self.planes:
             raise ValueError("bases must hold one (buffer, offset) per layer and plane")
         for buf, off in self.bases:
-            if buf < 0 or off < 0:
-                raise ValueError("base buffer and offset must be >= 0")
+            if not (0 <= buf < 2 * MAX_LAYERS + 2 and 0 <= off <= MAX_BYTES):
+                raise ValueError(f"a base must name a buffer below {2 * MAX_LAYERS + 2} and an "
+                                 f"offset between 0 and {MAX_BYTES}")
 
     def base(self, layer: int, plane: int) -> tuple[int, int]:
         return self.bases[layer * self.planes + plane]

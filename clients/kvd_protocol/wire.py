@@ -28,6 +28,7 @@ from kvd_protocol.errors import BadRequest, ServerError, TooLarge, UnknownOp, Ve
 from kvd_protocol.flags import FlagLayout
 from kvd_protocol.keys import KEY_BYTES, Namespace
 from kvd_protocol.layout import LayoutDescriptor
+from kvd_protocol.limits import MAX_BYTES, MAX_LAYERS
 
 VERSION = 2
 SUPPORTED_VERSIONS = (2,)
@@ -60,8 +61,13 @@ def _bool(v):
     return isinstance(v, bool)
 
 
+def _size(v):
+    return _int(v) and v <= MAX_BYTES
+
+
 _TYPE_NAMES = {_int: "a non-negative integer", _str: "a string", _list: "a list", _map: "a map",
-               _bool: "true or false", _u32: "an integer in [0, 2**32)"}
+               _bool: "true or false", _u32: "an integer in [0, 2**32)",
+               _size: f"an integer between 0 and {MAX_BYTES}"}
 
 
 @dataclass(frozen=True)
@@ -224,12 +230,13 @@ def pages_from_frame(data: bytes) -> np.ndarray:
 # ---- nested maps of register ------------------------------------------------
 
 NAMESPACE_FIELDS = {"model": _str, "kv_dtype": _str, "attention": _str, "num_layers": _int,
-                    "kv_heads": _int, "head_dim": _int, "tp_size": _int}
+                    "kv_heads": _int, "head_dim": _int, "tp_size": _int, "first_layer": _int,
+                    "fingerprint": _str}
 LAYOUT_FIELDS = {"num_layers": _int, "planes": _int, "num_pages": _int, "page_size": _int,
                  "row_bytes": _int, "page_stride": _int, "token_stride": _int, "bases": _list}
-BUFFER_FIELDS = {"shm": {"kind": _str, "path": _str, "size": _int},
+BUFFER_FIELDS = {"shm": {"kind": _str, "path": _str, "size": _size},
                  "cuda_ipc": {"kind": _str, "handle": lambda v: isinstance(v, bytes) and len(v) == 64,
-                              "offset": _int, "size": _int, "device_uuid": _str}}
+                              "offset": _size, "size": _size, "device_uuid": _str}}
 
 
 def _strict_map(m, schema: dict, what: str) -> dict:
@@ -262,6 +269,8 @@ def layout_to_wire(d: LayoutDescriptor) -> dict:
 def layout_from_wire(m) -> LayoutDescriptor:
     _strict_map(m, LAYOUT_FIELDS, "layout")
     bases = m["bases"]
+    if len(bases) > 2 * MAX_LAYERS:
+        raise BadRequest(f"layout.bases holds more than {2 * MAX_LAYERS} pairs")
     if not all(isinstance(b, list) and len(b) == 2 and _int(b[0]) and _int(b[1]) for b in bases):
         raise BadRequest("layout.bases must be a list of [buffer, offset] pairs")
     try:

@@ -3,7 +3,29 @@
 Pure functions over uint8 arrays, used by the host backend and as the
 reference the GPU kernels are tested against. ``buffers`` are the pool's
 registered buffers as uint8 arrays; the descriptor was validated against
-their sizes before any call (so the strided views stay in bounds).
+their sizes, and the page ids against ``num_pages``, before any call (so
+the strided views stay in bounds).
+
+The number of numpy calls of a request never grows with its chunk count
+alone: at most one per (layer, plane) and MiB moved, or one per chunk when
+there are fewer chunks than (layer, plane) pairs.
+
+- Gather, per (layer, plane): one fancy-indexed read of the pages of as
+  many chunks as make ``BLOCK_BYTES`` (the temporary stays in cache), and
+  one row-indexed write of them into the chunks' segments in the arena.
+  The arena is seen as rows of ``g`` bytes, ``g`` the greatest common
+  divisor of the segment length and the shard offsets (the allocator's
+  alignment at least; a whole segment when the offsets are multiples of it,
+  the usual case), so a segment is a run of whole rows.
+- Scatter, when the pool's (layer, plane) bases are evenly spaced in one
+  buffer (every ``SharedKVPool``) and there are no more chunks than
+  (layer, plane) pairs: one copy per chunk, straight from its shard into a
+  [layer, plane, page, token, row] view of the pool. Otherwise as gather,
+  backwards: one ``take`` of the segments' rows (a contiguous source),
+  one fancy-indexed write into the pages.
+
+``np.take`` is never used on a strided pool view: it would copy the whole
+view first.
 """
 
 from __future__ import annotations
@@ -13,12 +35,29 @@ from numpy.lib.stride_tricks import as_strided
 
 from kvd_protocol.layout import LayoutDescriptor
 
+BLOCK_BYTES = 1 << 20
+
 
 def plane_view(buffers: list, d: LayoutDescriptor, layer: int, plane: int) -> np.ndarray:
     """[num_pages, page_size, row_bytes] view of one (layer, plane)."""
     buf, off = d.base(layer, plane)
     return as_strided(buffers[buf][off:], shape=(d.num_pages, d.page_size, d.row_bytes),
                       strides=(d.page_stride, d.token_stride, 1))
+
+
+def pool_view(buffers: list, d: LayoutDescriptor) -> np.ndarray | None:
+    """[layer, plane, num_pages, page_size, row_bytes] view of the whole pool, when every
+    (layer, plane) base lies in one buffer at ``first + layer * a + plane * b`` (a, b >= 0);
+    else None."""
+    buf, first = d.bases[0]
+    a = d.base(1, 0)[1] - first if d.num_layers > 1 else 0
+    b = d.base(0, 1)[1] - first if d.planes > 1 else 0
+    if a < 0 or b < 0 or any(d.base(layer, plane) != (buf, first + layer * a + plane * b)
+                             for layer in range(d.num_layers) for plane in range(d.planes)):
+        return None
+    return as_strided(buffers[buf][first:], shape=(d.num_layers, d.planes, d.num_pages,
+                                                   d.page_size, d.row_bytes),
+                      strides=(a, b, d.page_stride, d.token_stride, 1))
 
 
 def shard_view(arena: np.ndarray, offset: int, d: LayoutDescriptor, chunk_tokens: int) -> np.ndarray:
@@ -28,24 +67,63 @@ def shard_view(arena: np.ndarray, offset: int, d: LayoutDescriptor, chunk_tokens
     return arena[offset:offset + size].reshape(d.num_layers, d.planes, ppc, d.page_size, d.row_bytes)
 
 
+class _Segments:
+    """Where each chunk's (layer, plane) segment lies in the arena, as rows of ``g`` bytes,
+    and how many chunks one copy takes (``per``: about ``BLOCK_BYTES``)."""
+
+    def __init__(self, arena: np.ndarray, d: LayoutDescriptor, chunk_tokens: int, shard_offsets):
+        self.seg = chunk_tokens * d.row_bytes  # bytes of one (layer, plane) of one shard
+        offsets = np.asarray(shard_offsets, dtype=np.int64)
+        self.g = int(np.gcd.reduce(offsets, initial=self.seg))
+        self.rows = arena[:arena.size - arena.size % self.g].reshape(-1, self.g)
+        self.per_seg = self.seg // self.g
+        self.first = (offsets // self.g)[:, None] + np.arange(self.per_seg, dtype=np.int64)
+        self.planes = d.planes
+        self.chunks = len(offsets)
+        self.per = max(1, BLOCK_BYTES // self.seg)
+
+    def blocks(self, layer: int, plane: int):
+        """(first chunk, row ids of the segments of (layer, plane) of the next ``per``
+        chunks), chunk-major."""
+        rows = (self.first + (layer * self.planes + plane) * self.per_seg).reshape(-1)
+        for c in range(0, self.chunks, self.per):
+            yield c, rows[c * self.per_seg:(c + self.per) * self.per_seg]
+
+
 def gather(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, shard_offsets) -> None:
+    if not len(shard_offsets):
+        return
+    pages = np.asarray(page_ids, dtype=np.int64)
     ppc = chunk_tokens // d.page_size
-    views = [[plane_view(buffers, d, l, p) for p in range(d.planes)] for l in range(d.num_layers)]
-    for c, offset in enumerate(shard_offsets):
-        pages = page_ids[c * ppc:(c + 1) * ppc]
-        dst = shard_view(arena, offset, d, chunk_tokens)
-        for layer in range(d.num_layers):
-            for plane in range(d.planes):
-                dst[layer, plane] = views[layer][plane][pages]
+    segs = _Segments(arena, d, chunk_tokens, shard_offsets)
+    for layer in range(d.num_layers):
+        for plane in range(d.planes):
+            view = plane_view(buffers, d, layer, plane)
+            for c, rows in segs.blocks(layer, plane):
+                segs.rows[rows] = view[pages[c * ppc:(c + segs.per) * ppc]].reshape(-1, segs.g)
 
 
 def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, shard_offsets,
             layers: range | None = None) -> None:
+    if not len(shard_offsets):
+        return
+    pages = np.asarray(page_ids, dtype=np.int64)
     ppc = chunk_tokens // d.page_size
     layers = range(d.num_layers) if layers is None else layers
-    views = {(l, p): plane_view(buffers, d, l, p) for l in layers for p in range(d.planes)}
-    for c, offset in enumerate(shard_offsets):
-        pages = page_ids[c * ppc:(c + 1) * ppc]
-        src = shard_view(arena, offset, d, chunk_tokens)
-        for (layer, plane), view in views.items():
-            view[pages] = src[layer, plane]
+    whole = pool_view(buffers, d) if len(shard_offsets) <= len(layers) * d.planes else None
+    if whole is not None:
+        span = slice(layers.start, layers.stop)
+        for c, offset in enumerate(shard_offsets):
+            whole[span, :, pages[c * ppc:(c + 1) * ppc]] = \
+                shard_view(arena, offset, d, chunk_tokens)[span]
+        return
+    segs = _Segments(arena, d, chunk_tokens, shard_offsets)
+    staging = np.empty((min(segs.per, segs.chunks) * segs.per_seg, segs.g), dtype=np.uint8)
+    for layer in layers:
+        for plane in range(d.planes):
+            view = plane_view(buffers, d, layer, plane)
+            for c, rows in segs.blocks(layer, plane):
+                part = staging[:rows.size]
+                np.take(segs.rows, rows, axis=0, out=part, mode="clip")
+                view[pages[c * ppc:(c + segs.per) * ppc]] = \
+                    part.reshape(-1, d.page_size, d.row_bytes)

@@ -28,8 +28,9 @@ Contract:
   tier and ends the prefix: its pages and later ones are not written.
   ``io_error`` says the prefix ended on an IO failure of this path (KvikIO,
   cuFile, the GPU; not a bad or vanished file): the caller loads the rest
-  through the host tier (counted as ``fallbacks``). Test-only: the disk
-  fault ``gds_eio`` (``KVD_DISK_FAULTS``) fails every read of this path.
+  through the host tier (counted as ``fallbacks``). Reads go through the
+  ``kvikio`` module the loader was given, so a test hands it a stand-in
+  whose reads fail (tests/disk_faults.py).
   ``check_deadline()`` runs before each batch's kernels are queued and
   raises when the client gave up (earlier batches' pages are written).
 - Batches alternate between the slots, so batch k+1 is read while batch k is
@@ -42,7 +43,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -216,8 +216,6 @@ class GdsLoader:
                 head = read_header(e.path)
                 if (head.ns, head.key, head.length) != (e.ns, e.key, e.length):
                     raise ChunkCorrupt("header names another chunk")
-                if "gds_eio" in self.disk.files.faults:
-                    raise OSError(errno.EIO, "injected GPU Direct Storage read error", str(e.path))
                 f = self.kvikio.CuFile(e.path, "r")
                 view = slot.array[i * stride:(i + 1) * stride]
                 reads.append((i, head, f, f.pread(view, stride, HEADER_BYTES)))

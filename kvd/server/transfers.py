@@ -124,26 +124,9 @@ class Transfers:
             waiter.cancel()
 
     def _reserve(self, reg: Registration, keys: list):
-        """Reserve every shard to copy, all or nothing; dedup hits stay pinned meanwhile."""
-        todo, seen, pinned = [], set(), []
-        try:
-            for i, key in enumerate(keys):
-                if key in seen:
-                    continue
-                seen.add(key)
-                entry, fresh = self.tier.reserve(key, reg.ns_digest, reg.shard_bytes,
-                                                 reg.ns.shards, reg.tp_rank)
-                if fresh:
-                    todo.append((i, entry))
-                else:
-                    self.tier.pin([entry])
-                    pinned.append(entry)
-        except BaseException:
-            self._abort(reg, todo)
-            raise
-        finally:
-            self.tier.unpin(pinned)
-        return todo, len(keys) - len(todo)
+        """Reserve every shard to copy, all or nothing (kvd.tiers.host.HostTier.reserve_many)."""
+        return self.tier.reserve_many(keys, reg.ns_digest, reg.shard_bytes, reg.ns.shards,
+                                      reg.tp_rank)
 
     def _abort(self, reg: Registration, todo: list) -> None:
         for _, entry in todo:
@@ -166,6 +149,7 @@ class Transfers:
                         await self._engine_reached(reg, f["after"], f.get("deadline_us"))
                     entries, direct, host_pages = await self._pin_prefix(reg, req, keys, pages,
                                                                          signal)
+                    _check_open(reg)  # reaped during the disk reads: its pool goes next
                     landed = await self._queue_scatter(reg, req, entries, direct, host_pages,
                                                        signal)
                 except BaseException:

@@ -2,7 +2,10 @@
 
 ``alloc(size)`` returns an offset aligned to ``align`` or None when no free
 extent is large enough (the caller evicts and retries); ``free`` returns an
-extent and merges it with its free neighbours. Freed extents are kept in
+extent and merges it with its free neighbours; ``claim(start, size)`` takes
+back one exact extent that is free (the host tier undoes evictions with it
+when a reservation fails after all; it scans the free extents, so it is for
+that rare path only). Freed extents are kept in
 exact-size free lists, so with one chunk size per daemon — the usual case —
 allocation is O(1) slot reuse; mixed sizes fall back to the smallest free
 extent that fits. Never hands out a byte twice, never exceeds capacity.
@@ -40,15 +43,17 @@ class ExtentAllocator:
         return size
 
     def alloc(self, size: int) -> int | None:
-        size = self.rounded(max(size, 1))
-        if size in self._by_size:
-            fit = size
-        else:
-            fit = min((s for s in self._by_size if s > size), default=None)
-            if fit is None:
-                return None
-        start = next(iter(self._by_size[fit]))
-        self._remove(start)
+        size = -(-max(size, 1) // self.align) * self.align  # rounded(), inlined: a hot path
+        by_size = self._by_size
+        fit = size if size in by_size else min((s for s in by_size if s > size), default=None)
+        if fit is None:
+            return None
+        starts = by_size[fit]
+        start = starts.pop()
+        if not starts:
+            del by_size[fit]
+        del self._by_start[start]
+        del self._by_end[start + fit]
         if fit > size:
             self._add(start + size, fit - size)
         self.used += size
@@ -65,6 +70,20 @@ class ExtentAllocator:
             size += self._remove(prev)
             start = prev
         self._add(start, size)
+
+    def claim(self, start: int, size: int) -> None:
+        """Allocate exactly ``[start, start + rounded(size))``, which must be free."""
+        size = self.rounded(max(size, 1))
+        hole = next((s for s, n in self._by_start.items() if s <= start and start + size <= s + n),
+                    None)
+        if hole is None:
+            raise ValueError(f"extent [{start}, {start + size}) is not free")
+        hole_size = self._remove(hole)
+        if start > hole:
+            self._add(hole, start - hole)
+        if hole + hole_size > start + size:
+            self._add(start + size, hole + hole_size - start - size)
+        self.used += size
 
     def largest_free(self) -> int:
         return max(self._by_size, default=0)

@@ -27,13 +27,10 @@ Contracts:
   (``pwritev``/``preadv`` with the header page) when buffered, or when the
   buffer is 4096-aligned in address and length; else through a 4096-aligned
   anonymous-mmap bounce buffer (one per thread). Methods block: call them from IO threads, never the event loop.
-
-Test-only fault injection: ``KVD_DISK_FAULTS`` (read when a ``ChunkFiles``
-is made), comma-separated: ``enospc`` (every write fails with ENOSPC),
-``eio_read`` (every read fails with EIO), ``nodirect`` (the O_DIRECT probe
-fails as on a filesystem without it), ``slow_read`` (every read first
-sleeps ``SLOW_READ_S``), ``gds_eio`` (read by kvd.cuda.gds: every GPU Direct
-Storage read fails with EIO).
+- Every payload byte goes through ``write_parts`` and ``read_parts`` (the
+  ``pwritev``/``preadv`` loops): tests inject IO faults by overriding them
+  in a subclass handed to the disk tier (tests/disk_faults.py); nothing
+  here reads the environment.
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ import os
 import secrets
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +59,6 @@ TMP_MARK = ".tmp-"
 # magic, format version, canonical version, ns, key, payload length, shards, shard bytes, digest
 _FIELDS = struct.Struct("<8sII16s16sQIQ16s")
 HEADER = struct.Struct(_FIELDS.format + "Q")  # + xxh3-64 of the fields above
-FAULTS_ENV = "KVD_DISK_FAULTS"
-SLOW_READ_S = 2.5
 
 
 class ChunkCorrupt(Exception):
@@ -143,7 +137,7 @@ def read_header(path: Path) -> ChunkHeader:
 
 def probe_direct(root: Path) -> bool:
     """True when files under ``root`` can be written and read with O_DIRECT."""
-    if "nodirect" in _faults() or not hasattr(os, "O_DIRECT"):
+    if not hasattr(os, "O_DIRECT"):
         return False
     probe = Path(root) / f".probe{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     buf = mmap.mmap(-1, ALIGN)
@@ -162,10 +156,6 @@ def probe_direct(root: Path) -> bool:
         probe.unlink(missing_ok=True)
 
 
-def _faults() -> set:
-    return {f.strip() for f in os.environ.get(FAULTS_ENV, "").split(",") if f.strip()}
-
-
 class ChunkFiles:
     """Chunk file IO under ``root``; thread-safe (one bounce buffer per thread)."""
 
@@ -173,7 +163,6 @@ class ChunkFiles:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.direct = probe_direct(self.root) if direct is None else direct
-        self.faults = _faults()
         self.temp_prefix = f"{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}-"  # this process's
         self._local = threading.local()
 
@@ -226,9 +215,7 @@ class ChunkFiles:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self._flags(), 0o600)
             try:
                 try:
-                    if "enospc" in self.faults:
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
-                    _io_all(os.pwritev, fd, parts)
+                    self.write_parts(fd, parts)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -252,10 +239,6 @@ class ChunkFiles:
         out = memoryview(dest).cast("B")
         fd = os.open(path, os.O_RDONLY | self._flags())
         try:
-            if "eio_read" in self.faults:
-                raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
-            if "slow_read" in self.faults:
-                time.sleep(SLOW_READ_S)
             size = os.fstat(fd).st_size
             if size != file_size(out.nbytes):
                 raise ChunkCorrupt(f"file is {size} bytes, expected {file_size(out.nbytes)}")
@@ -269,7 +252,7 @@ class ChunkFiles:
                                                            if pad else [])
                 else:
                     parts = [view[:size]]
-                if _io_all(os.preadv, fd, parts) < size:
+                if self.read_parts(fd, parts) < size:
                     raise ChunkCorrupt("file shorter than its header says")
                 head = unpack_header(view[:HEADER.size], size)
                 if head.ns != ns or head.key != key:
@@ -291,6 +274,15 @@ class ChunkFiles:
                 view.release()
         finally:
             os.close(fd)
+
+
+    def write_parts(self, fd: int, parts: list) -> int:
+        """Write ``parts`` at offset 0 of ``fd``, all of them (raises ``OSError``)."""
+        return _io_all(os.pwritev, fd, parts)
+
+    def read_parts(self, fd: int, parts: list) -> int:
+        """Fill ``parts`` from offset 0 of ``fd``; bytes read (fewer at end of file)."""
+        return _io_all(os.preadv, fd, parts)
 
 
 def _io_all(call, fd: int, parts: list) -> int:

@@ -31,6 +31,8 @@ Contracts:
   Keys written since start-up win over scanned files.
 - One daemon per directory: an exclusive flock on ``.kvd-disk.lock`` (gone
   with the process, kill -9 included); a second one gets ``OSError(EBUSY)``.
+- File IO goes through ``files`` (a ``ChunkFiles`` over ``root`` unless one
+  is given: tests give one that injects faults, tests/disk_faults.py).
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ class _Busy:
 
 class DiskTier:
     def __init__(self, root, capacity: int, threads: int = 4, queue_chunks: int = 256,
-                 direct: bool | None = None):
-        self.files = ChunkFiles(Path(root), direct)
+                 direct: bool | None = None, files: ChunkFiles | None = None):
+        self.files = ChunkFiles(Path(root), direct) if files is None else files
         self.root = self.files.root
         self._lock = _lock_dir(self.root)
         self.capacity = capacity

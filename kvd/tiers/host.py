@@ -1,41 +1,70 @@
 """Host tier: the index of cached chunks over the shared-memory arena.
 
-Operations: ``reserve`` a shard of a chunk (dedup if that shard is already
-stored or being written; otherwise allocate, evicting least-recently-used
-entries), ``commit``/``abort`` the shard once its copy finished or failed,
-``ready_prefix`` for lookups, ``pin``/``unpin`` for leases and in-flight
-loads, ``clear``. Visibility: an entry is visible to lookups only when
-every shard is stored (``ready``). Eviction: LRU order, skipping entries
-that are pinned or have a shard being written (an entry the disk tier
-also holds, ``on_disk``, loses only its host copy); "no space" raises
-``NoSpace`` and never takes a slot that is in use. Capacity is the
-arena's size and is never exceeded. Runs on the event loop only: no locks.
+Operations: ``reserve_many`` the shards a store copies in (dedup where a
+shard is already stored or being written; otherwise allocate, evicting
+least-recently-used entries; all or nothing), ``reserve`` one shard (disk
+promotions), ``commit``/``abort`` a shard once its copy finished or failed,
+``ready_prefix`` for lookups, ``pin``/``unpin`` for leases, in-flight loads
+and demotions, ``clear``. Visibility: an entry is visible to lookups only
+when every shard is stored (``ready``).
+
+Eviction: only *evictable* entries (no pin, no shard being written) sit in
+an LRU queue (kvd/tiers/lru.py: O(1) removal from the middle), so eviction
+pops its head and never walks past entries in use. A use (a lookup or load
+hit, a commit, a store that finds the key cached, ``touch``) moves an entry
+to the most recently used end; an entry in use leaves the queue and, when
+its last pin drops, re-enters at the most recently used end (a pin is a
+use). The one exception is a demotion's pin: an entry the demoter copied to
+disk and nobody used meanwhile re-enters at the least recently used end,
+behind those that came back so before it (``unpin(..., cold_since=)``):
+demotions take the coldest entries first, so this keeps their order. An entry the disk tier also
+holds (``on_disk``) loses only its host copy.
+
+No space: a reservation first counts the free and evictable bytes against
+what it needs and raises ``NoSpace`` before evicting anything when they fall
+short; when they suffice but fragmentation (chunks of several sizes) still
+leaves no hole, every eviction it made is undone (same offsets, same LRU
+order) before ``NoSpace`` is raised (the request's keys that were cached
+count as used). A slot in use is never taken; capacity
+is the arena's size and is never exceeded.
+
+Demotion scan (kvd/tiers/tiering.py): ``scan_next``/``scan_mark`` walk the
+queue from its LRU end once; the queued prefix already examined and its
+ready bytes (``scanned_bytes``) are kept up to date as entries come and go,
+so a demotion pass resumes where the last one stopped instead of rescanning.
+
+``stats()`` reads counters kept up to date (O(1)). Runs on the event loop
+only: no locks.
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvd.tiers.allocator import ExtentAllocator
+from kvd.tiers.lru import LruQueue
 from kvd_protocol.errors import BadRequest, NoSpace
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     key: bytes
     ns: bytes
     offset: int
     shard_bytes: int
     shards: int
+    slot_bytes: int = 0    # the arena bytes it holds (size rounded to the alignment)
     stored: int = 0
     writing: int = 0
     refs: int = 0
-    on_disk: bool = False  # a verified copy is on the disk tier (kvd.tiers.tiering)
+    on_disk: bool = False  # a verified copy is on the disk tier (set with HostTier.set_on_disk)
     hits: int = 0          # lookups that found it (for disk_min_hits)
     passed_cold: bool = False  # a demotion pass skipped it for too few hits (counted once)
-    created: float = field(default_factory=time.monotonic)
+    used: int = 0          # the tier's use clock at its last use
+    scan: int = 0          # the demotion scan generation that examined it
+    scan_bytes: int = 0    # what it added to ``scanned_bytes`` then
+    lru_prev: object = field(default=None, repr=False)
+    lru_next: object = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -56,7 +85,14 @@ class Entry:
 class HostTier:
     def __init__(self, capacity: int, align: int = 256):
         self.alloc = ExtentAllocator(capacity, align)
-        self.entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self.entries: dict[bytes, Entry] = {}
+        self.lru = LruQueue()  # evictable entries only, least recently used first
+        self.evictable_bytes = 0
+        self.ready_count = 0
+        self.on_disk_ready = 0
+        self.clock = 0
+        self.scan_gen, self.scan_last, self.scanned_bytes = 1, None, 0
+        self.cold_tail = None  # the last entry queued cold: the front run they form ends there
         self.evictions = 0
         self.evicted_not_on_disk = 0
         self.dedup_hits = 0
@@ -65,55 +101,193 @@ class HostTier:
     def capacity(self) -> int:
         return self.alloc.capacity
 
+    # ---- the evictable queue ----------------------------------------------------------
+
+    def _enqueue(self, e: Entry, where: str = "mru") -> None:
+        """Queue ``e`` at the most recently used end ("mru"), at the very front ("front"),
+        or into the front run of entries that came back cold, in order of last use
+        ("cold"; writes finish about in the order they were queued, so the walk back from
+        the run's end is short)."""
+        if where == "mru":
+            self.lru.append(e)
+        else:
+            anchor = self.cold_tail if where == "cold" else None
+            while anchor is not None and anchor.used > e.used:
+                anchor = self.lru.before(anchor)
+            if anchor is None:
+                self.lru.appendleft(e)
+                inside = self.scan_last is not None
+            else:
+                self.lru.insert_after(e, anchor)
+                inside = anchor.scan == self.scan_gen
+                if anchor is self.scan_last:
+                    self.scan_last = e
+            if inside:  # within the examined prefix: counted as examined
+                self._count_scanned(e)
+            if where == "cold" and (anchor is self.cold_tail or self.cold_tail is None):
+                self.cold_tail = e
+        self.evictable_bytes += e.slot_bytes
+
+    def _dequeue(self, e: Entry) -> None:
+        self._leave_front(e)
+        self.lru.remove(e)
+        self.evictable_bytes -= e.slot_bytes
+
+    def _leave_front(self, e: Entry) -> None:
+        """``e`` leaves its place: the examined prefix and the cold run end before it."""
+        if e is self.scan_last:
+            self.scan_last = self.lru.before(e)
+        if e is self.cold_tail:
+            self.cold_tail = self.lru.before(e)
+        if e.scan == self.scan_gen:
+            self.scanned_bytes -= e.scan_bytes
+            e.scan = 0
+
+    def _settle(self, e: Entry) -> None:
+        """Queue ``e`` (most recently used end) when it became evictable."""
+        if e.evictable and not self.lru.queued(e):
+            self._enqueue(e)
+
+    def _use(self, e: Entry) -> None:
+        self.clock += 1
+        e.used = self.clock
+        if e.lru_next is not None:  # queued: to the most recently used end
+            self._leave_front(e)
+            self.lru.move_to_end(e)
+
+    # ---- reservations -----------------------------------------------------------------
+
+    def reserve_many(self, keys: list, ns: bytes, shard_bytes: int, shards: int, rank: int):
+        """Reserve shard ``rank`` of every distinct key, all or nothing: (todo, deduped) with
+        todo the ``(index, entry)`` pairs the caller must copy in, in key order, and
+        deduped ``len(keys) - len(todo)``. Raises ``NoSpace`` or ``BadRequest`` (a key cached
+        under another namespace or size) having changed nothing."""
+        bit, seen = 1 << rank, set()
+        fresh, joins, dedups = [], [], []
+        for i, key in enumerate(keys):
+            if key in seen:
+                continue
+            seen.add(key)
+            entry = self.entries.get(key)
+            if entry is None:
+                fresh.append((i, key))
+            elif entry.ns != ns or entry.shard_bytes != shard_bytes or entry.shards != shards:
+                raise BadRequest("key already cached with a different namespace or size")
+            elif (entry.stored | entry.writing) & bit:
+                dedups.append(entry)
+            else:
+                joins.append((i, entry))
+        slot = self.alloc.rounded(shard_bytes * shards)
+        held = [e for e in (*dedups, *(e for _, e in joins)) if self.lru.queued(e)]
+        self._check_room(len(fresh), slot, sum(e.slot_bytes for e in held))
+        for e in held:  # neither a dedup hit nor an entry gaining a shard may be evicted now
+            self._dequeue(e)
+        try:
+            offsets = self._allocate(len(fresh), slot)
+        except NoSpace:
+            for e in held:
+                self._enqueue(e)
+            raise
+        for e in dedups:
+            self.dedup_hits += 1
+            self._use(e)
+            self._settle(e)
+        todo = []
+        for i, entry in joins:
+            entry.writing |= bit
+            todo.append((i, entry))
+        for (i, key), offset in zip(fresh, offsets):
+            entry = Entry(key, ns, offset, shard_bytes, shards, slot, writing=bit)
+            self.entries[key] = entry
+            todo.append((i, entry))
+        todo.sort(key=lambda item: item[0])
+        return todo, len(keys) - len(todo)
+
     def reserve(self, key: bytes, ns: bytes, shard_bytes: int, shards: int, rank: int):
         """(entry, True) when the caller must copy the shard in; (entry, False) on dedup."""
-        entry = self.entries.get(key)
-        bit = 1 << rank
-        if entry is not None:
-            if entry.ns != ns or entry.shard_bytes != shard_bytes or entry.shards != shards:
-                raise BadRequest("key already cached with a different namespace or size")
-            if (entry.stored | entry.writing) & bit:
-                self.dedup_hits += 1
-                return entry, False
-            entry.writing |= bit
-            return entry, True
-        offset = self._allocate(shard_bytes * shards)
-        entry = Entry(key, ns, offset, shard_bytes, shards, writing=bit)
-        self.entries[key] = entry
-        return entry, True
+        todo, _ = self.reserve_many([key], ns, shard_bytes, shards, rank)
+        return (todo[0][1], True) if todo else (self.entries[key], False)
 
-    def _allocate(self, size: int) -> int:
-        if self.alloc.rounded(size) > self.capacity:
-            raise NoSpace(f"a chunk of {size} bytes is larger than the host tier ({self.capacity} bytes)")
-        offset = self.alloc.alloc(size)
-        while offset is None:
-            if not self._evict_one():
-                raise NoSpace(f"host tier full: {size} bytes needed, everything else is in use")
-            offset = self.alloc.alloc(size)
-        return offset
+    def _check_room(self, count: int, slot: int, held: int) -> None:
+        if not count:
+            return
+        if slot > self.capacity:
+            raise NoSpace(f"a chunk of {slot} bytes is larger than the host tier "
+                          f"({self.capacity} bytes)")
+        room = self.capacity - self.alloc.used + self.evictable_bytes - held
+        if count * slot > room:
+            raise NoSpace(f"host tier full: {count * slot} bytes needed, {room} free or "
+                          "evictable, everything else is in use")
 
-    def _evict_one(self) -> bool:
-        for entry in self.entries.values():
-            if entry.evictable:
-                self._drop(entry)
-                self.evictions += 1
-                self.evicted_not_on_disk += not entry.on_disk
-                return True
-        return False
+    def _allocate(self, count: int, slot: int) -> list[int]:
+        """Offsets of ``count`` slots, evicting from the LRU end; all or nothing."""
+        offsets, evicted = [], []
+        try:
+            for _ in range(count):
+                offset = self.alloc.alloc(slot)
+                while offset is None:
+                    victim = self.lru.first()
+                    if victim is None:
+                        raise NoSpace(f"host tier full: no free extent of {slot} bytes even "
+                                      "after evicting everything evictable (fragmented)")
+                    self._evict(victim)
+                    evicted.append(victim)
+                    offset = self.alloc.alloc(slot)
+                offsets.append(offset)
+        except NoSpace:
+            for offset in offsets:
+                self.alloc.free(offset, slot)
+            self._unevict(evicted)
+            raise
+        return offsets
 
-    def _drop(self, entry: Entry) -> None:
-        del self.entries[entry.key]
-        self.alloc.free(entry.offset, entry.size)
+    def _evict(self, e: Entry) -> None:
+        self._drop(e)
+        self.evictions += 1
+        self.evicted_not_on_disk += not e.on_disk
+
+    def _unevict(self, evicted: list) -> None:
+        """Put evicted entries back where they were: same bytes, same LRU order."""
+        self.reset_scan()
+        for e in reversed(evicted):
+            self.alloc.claim(e.offset, e.slot_bytes)
+            self.entries[e.key] = e
+            self._count_ready(e, +1)
+            self._enqueue(e, "front")
+            self.evictions -= 1
+            self.evicted_not_on_disk -= not e.on_disk
+
+    def _drop(self, e: Entry) -> None:
+        if self.lru.queued(e):
+            self._dequeue(e)
+        del self.entries[e.key]
+        self._count_ready(e, -1)
+        self.alloc.free(e.offset, e.slot_bytes)
+
+    def _count_ready(self, e: Entry, sign: int) -> None:
+        if e.ready:
+            self.ready_count += sign
+            self.on_disk_ready += sign * e.on_disk
 
     def commit(self, entry: Entry, rank: int) -> None:
         entry.writing &= ~(1 << rank)
+        was_ready = entry.ready
         entry.stored |= 1 << rank
-        self.entries.move_to_end(entry.key)
+        if not was_ready and entry.ready:
+            self._count_ready(entry, +1)
+        self._use(entry)
+        self._settle(entry)
 
     def abort(self, entry: Entry, rank: int) -> None:
         entry.writing &= ~(1 << rank)
-        if entry.stored == 0 and entry.writing == 0 and self.entries.get(entry.key) is entry:
+        if self.entries.get(entry.key) is not entry:
+            return
+        if entry.stored == 0 and entry.writing == 0:
             self._drop(entry)
+        else:
+            self._settle(entry)
+
+    # ---- lookups and pins -------------------------------------------------------------
 
     def ready_prefix(self, keys: list[bytes]) -> list[Entry]:
         """Ready entries for the longest prefix of ``keys``; marks them used."""
@@ -122,7 +296,7 @@ class HostTier:
             entry = self.entries.get(key)
             if entry is None or not entry.ready:
                 break
-            self.entries.move_to_end(key)
+            self._use(entry)
             out.append(entry)
         return out
 
@@ -130,28 +304,61 @@ class HostTier:
         """Mark ``entries`` (present ones) most recently used."""
         for e in entries:
             if self.entries.get(e.key) is e:
-                self.entries.move_to_end(e.key)
+                self._use(e)
 
-    @staticmethod
-    def pin(entries) -> None:
+    def pin(self, entries) -> None:
         for e in entries:
             e.refs += 1
+            if self.lru.queued(e):
+                self._dequeue(e)
 
-    @staticmethod
-    def unpin(entries) -> None:
+    def unpin(self, entries, cold_since: int | None = None) -> None:
+        """Drop a pin of each entry. With ``cold_since`` (the use clock when the pin was
+        taken), an entry not used since goes back to the least recently used end."""
         for e in entries:
             e.refs -= 1
+            if e.evictable and self.entries.get(e.key) is e:
+                cold = cold_since is not None and e.used <= cold_since
+                self._enqueue(e, "cold" if cold else "mru")
+
+    def set_on_disk(self, e: Entry, on_disk: bool) -> None:
+        if e.on_disk == on_disk:
+            return
+        e.on_disk = on_disk
+        if e.ready and self.entries.get(e.key) is e:
+            self.on_disk_ready += 1 if on_disk else -1
+        if not on_disk and e.scan == self.scan_gen:
+            self.reset_scan()  # examined as on disk, no longer is: examine again
 
     def clear(self) -> tuple[int, int]:
         """Drop every evictable entry: (dropped, kept because in use)."""
-        victims = [e for e in self.entries.values() if e.evictable]
+        victims = list(self.lru)
         for e in victims:
             self._drop(e)
         return len(victims), len(self.entries)
 
+    # ---- the demotion scan ------------------------------------------------------------
+
+    def scan_next(self) -> Entry | None:
+        """The next queued entry (from the LRU end) the demotion scan has not examined."""
+        return self.lru.first() if self.scan_last is None else self.lru.after(self.scan_last)
+
+    def scan_mark(self, e: Entry) -> None:
+        """Mark ``e`` (``scan_next()``) examined; its bytes count when it is ready."""
+        self._count_scanned(e)
+        self.scan_last = e
+
+    def _count_scanned(self, e: Entry) -> None:
+        e.scan = self.scan_gen
+        e.scan_bytes = e.slot_bytes if e.ready else 0
+        self.scanned_bytes += e.scan_bytes
+
+    def reset_scan(self) -> None:
+        self.scan_gen += 1
+        self.scan_last, self.scanned_bytes = None, 0
+
     def stats(self) -> dict:
-        ready = [e for e in self.entries.values() if e.ready]
         return {"capacity_bytes": self.capacity, "used_bytes": self.alloc.used,
-                "chunks": len(ready), "entries": len(self.entries),
+                "chunks": self.ready_count, "entries": len(self.entries),
                 "evictions": self.evictions, "evicted_not_on_disk": self.evicted_not_on_disk,
-                "on_disk": sum(e.on_disk for e in ready), "dedup_hits": self.dedup_hits}
+                "on_disk": self.on_disk_ready, "dedup_hits": self.dedup_hits}

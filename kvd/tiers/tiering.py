@@ -3,16 +3,23 @@
 Runs on the event loop; the disk tier does the IO on its threads.
 
 - **Demotion by watermark**: when the host tier's used bytes exceed
-  ``high_watermark`` × capacity, a background task walks host entries from
-  least recently used and queues a disk write for each ready entry not yet
-  on disk, until the coldest ``used - (high_watermark - 0.1) × capacity``
-  bytes are on disk or queued. The entry stays pinned while its bytes are
-  read on an IO thread, so its slot cannot be reused mid-copy (at most
+  ``high_watermark`` × capacity, a background task walks the host tier's
+  evictable entries from least recently used and queues a disk write for
+  each ready entry not yet on disk, until the coldest ``used -
+  (high_watermark - 0.1) × capacity`` bytes of them are on disk or queued.
+  The walk resumes where the last pass stopped (the host tier's demotion
+  scan, kvd/tiers/host.py), so a pass costs the entries it newly examines,
+  not the whole tier. The entry stays pinned while its bytes are read on an
+  IO thread, so its slot cannot be reused mid-copy (at most
   ``PINNED_SHARE`` of the host tier, or one entry, is pinned so at once);
-  on success it is marked ``on_disk``. Each store wakes the demoter. Host eviction then drops only the host copy (the
-  chunk stays findable on disk); entries evicted before reaching disk are
-  lost and counted by the host tier. ``min_hits`` > 0 demotes only entries
-  looked up at least that often (Dynamo's "second hit" rule).
+  on success it is marked ``on_disk`` and, if nobody used it meanwhile,
+  goes back to the cold end of the host LRU. Each store wakes the demoter.
+  Host eviction then drops only the host copy (the chunk stays findable on
+  disk); entries evicted before reaching disk are lost and counted by the
+  host tier. ``min_hits`` > 0 demotes only entries looked up at least that
+  often (Dynamo's "second hit" rule). Leased entries are not evictable and
+  wait for their lease to end; ``flush`` (an operator command) writes
+  every ready entry, leased or not.
 - **Promotion**: ``disk_prefix`` continues a lookup's host prefix with keys
   found on disk and starts their promotion (disk → a fresh host slot);
   ``promote_prefix`` (load) waits for those promotions and returns the
@@ -66,7 +73,7 @@ class Tiering:
     def _off_disk(self, key: bytes) -> None:
         entry = self.host.entries.get(key)
         if entry is not None:
-            entry.on_disk = False
+            self.host.set_on_disk(entry, False)
 
     # ---- demotion ------------------------------------------------------------------
 
@@ -85,52 +92,80 @@ class Tiering:
     def demote_pass(self, force: bool = False, tried: set | None = None) -> int:
         """Queue writes for the coldest entries; ``force``: every ready entry (each key at
         most once per ``tried`` set). Returns how many were queued."""
-        cap, used = self.host.capacity, self.host.alloc.used
-        if not force and used <= self.high * cap:
+        if force:
+            return self._demote_all(tried)
+        host, cap = self.host, self.host.capacity
+        if host.alloc.used <= self.high * cap:
             return 0
-        target = used if force else used - max(self.high - 0.1, 0.0) * cap
-        covered = queued = 0
-        for entry in list(self.host.entries.values()):
-            if covered >= target:
+        target = host.alloc.used - max(self.high - 0.1, 0.0) * cap
+        queued = 0
+        while host.scanned_bytes + self.demoting_bytes < target:
+            entry = host.scan_next()
+            if entry is None:
                 break
-            if not entry.ready:
-                continue
-            covered += entry.size
-            if entry.on_disk or entry.key in self.demoting:
-                continue
-            if tried is not None and entry.key in tried:
-                continue
-            if entry.hits < self.min_hits:
-                if not entry.passed_cold:
-                    entry.passed_cold = True
-                    self.counters["demotions_skipped_cold"] += 1
-                continue
-            if self.demoting and self.demoting_bytes + entry.size > PINNED_SHARE * cap:
-                break  # pinned for demotion: bounded, so stores still find room
-            payload = self.view[entry.offset:entry.offset + entry.size]
-            fut = self.disk.submit_write(entry.ns, entry.key, payload, entry.shards,
-                                         entry.shard_bytes)
-            if fut is None:
-                if entry.key in self.disk.entries:
-                    entry.on_disk = True
-                    continue
-                break  # queue full or no room: try again on a later pass
-            if tried is not None:
-                tried.add(entry.key)
-            self.host.pin([entry])
-            self.demoting.add(entry.key)
-            self.demoting_bytes += entry.size
-            fut.add_done_callback(lambda f, e=entry: self._demoted(e, f))
-            queued += 1
+            if entry.ready and not entry.on_disk and not self._cold(entry):
+                state = self._submit(entry)
+                if state == "full":
+                    break  # queue full, no room, or pinned share reached: a later pass
+                if state == "queued":
+                    queued += 1
+                    continue  # pinned: it left the evictable queue
+            host.scan_mark(entry)
         return queued
 
-    def _demoted(self, entry, fut: asyncio.Future) -> None:
-        self.host.unpin([entry])
+    def _demote_all(self, tried: set | None) -> int:
+        queued = 0
+        for entry in list(self.host.entries.values()):  # an operator's flush: rare
+            if not entry.ready or entry.on_disk or entry.key in self.demoting:
+                continue
+            if (tried is not None and entry.key in tried) or self._cold(entry):
+                continue
+            state = self._submit(entry)
+            if state == "full":
+                break
+            if tried is not None:
+                tried.add(entry.key)
+            queued += state == "queued"
+        return queued
+
+    def _cold(self, entry) -> bool:
+        """Too few hits to demote (``min_hits``); counted once per entry."""
+        if entry.hits >= self.min_hits:
+            return False
+        if not entry.passed_cold:
+            entry.passed_cold = True
+            self.counters["demotions_skipped_cold"] += 1
+        return True
+
+    def _submit(self, entry) -> str:
+        """Queue a disk write of ``entry``: "queued", "on_disk" (already there) or "full"."""
+        cap = self.host.capacity
+        if self.demoting and self.demoting_bytes + entry.size > PINNED_SHARE * cap:
+            return "full"  # pinned for demotion: bounded, so stores still find room
+        payload = self.view[entry.offset:entry.offset + entry.size]
+        fut = self.disk.submit_write(entry.ns, entry.key, payload, entry.shards,
+                                     entry.shard_bytes)
+        if fut is None:
+            if entry.key in self.disk.entries:
+                self.host.set_on_disk(entry, True)
+                return "on_disk"
+            return "full"
+        self.host.pin([entry])
+        self.demoting.add(entry.key)
+        self.demoting_bytes += entry.size
+        pinned_at = self.host.clock
+        fut.add_done_callback(lambda f, e=entry: self._demoted(e, f, pinned_at))
+        return "queued"
+
+    def _demoted(self, entry, fut: asyncio.Future, pinned_at: int) -> None:
         self.demoting.discard(entry.key)
         self.demoting_bytes -= entry.size
         if not fut.cancelled() and fut.exception() is None and fut.result():
-            entry.on_disk = True
+            self.host.set_on_disk(entry, True)
             self.counters["demotions"] += 1
+            self.host.unpin([entry], cold_since=pinned_at)  # back where it was, unless used
+        else:
+            self.host.unpin([entry])
 
     async def flush(self) -> int:
         """Queue every ready host entry not yet on disk, then wait for the queue to empty."""
@@ -206,7 +241,7 @@ class Tiering:
             for rank in ranks:
                 (self.host.commit if ok else self.host.abort)(entry, rank)
         if ok:
-            entry.on_disk = True
+            self.host.set_on_disk(entry, True)
             self.counters["promotions"] += 1
         else:
             self.counters["promotions_failed"] += 1

@@ -153,10 +153,9 @@ def test_tp_sharded_chunks_take_the_host_path(gds_daemon):
     assert disk["promotions"] == 2 and disk["gds"]["direct_chunks"] == 0, disk
 
 
-def test_gds_io_error_falls_back_to_the_host_path(start_daemon, tmp_path, monkeypatch):
+def test_gds_io_error_falls_back_to_the_host_path(start_daemon, tmp_path):
     pytest.importorskip("kvikio")
-    monkeypatch.setenv(F.FAULTS_ENV, "gds_eio")  # every GDS read fails; host-path reads work
-    d = start_daemon(**_knobs(tmp_path))
+    d = start_daemon(faults="gds_eio", **_knobs(tmp_path))  # every GDS read fails; host reads work
     tensors, pool = _pool()
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as c:
         c.register_kv(pool, model="gds-eio")

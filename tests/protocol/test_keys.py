@@ -51,9 +51,11 @@ def spec_ns_bytes(ns: dict) -> bytes:
     text = (ns["model"].encode("utf-8") + b"\x00" + ns["kv_dtype"].encode("ascii") + b"\x00"
             + ns["attention"].encode("ascii"))
     tp = 1 if ns["attention"] == "mla" else ns["tp_size"]
-    return (b"kvd-ns\x00" + struct.pack("<I", 1) + struct.pack("<I", len(text)) + text
+    fp = ns["fingerprint"].encode("utf-8")
+    return (b"kvd-ns\x00" + struct.pack("<I", 2) + struct.pack("<I", len(text)) + text
             + b"".join(struct.pack("<I", ns[k]) for k in ("num_layers", "kv_heads", "head_dim",
-                                                          "chunk_tokens")) + struct.pack("<I", tp))
+                                                          "chunk_tokens")) + struct.pack("<I", tp)
+            + struct.pack("<I", ns["first_layer"]) + struct.pack("<I", len(fp)) + fp)
 
 
 def spec_keys(ns: dict, salt, tokens: list[int]) -> tuple[bytes, bytes, list[bytes]]:
@@ -86,6 +88,11 @@ def test_vector_block_covers_the_required_cases():
     mla1, mla4 = BY_NAME["mla-tp1"], BY_NAME["mla-tp4-equals-tp1"]
     assert mla1["namespace"]["tp_size"] == 1 and mla4["namespace"]["tp_size"] == 4
     assert {**mla4["namespace"], "tp_size": 1} == mla1["namespace"]
+    stage0, stage1 = BY_NAME["pp-stage0-of-2"], BY_NAME["pp-stage1-of-2"]
+    assert {**stage0["namespace"], "first_layer": 16} == stage1["namespace"]
+    assert stage0["namespace"]["num_layers"] == 16 and stage0["tokens"] == basic["tokens"]
+    assert {**BY_NAME["fingerprinted"]["namespace"], "fingerprint": ""} == basic["namespace"]
+    assert all(set(v["namespace"]) >= {"first_layer", "fingerprint"} for v in VECTORS)
     partial = BY_NAME["mha-tp1-partial-trailing-chunk"]
     assert len(partial["tokens"]) % partial["namespace"]["chunk_tokens"]
     assert BY_NAME["mha-tp1-shorter-than-one-chunk"]["keys"] == []
@@ -125,6 +132,10 @@ def test_vector_relations():
     mla1, mla4 = BY_NAME["mla-tp1"], BY_NAME["mla-tp4-equals-tp1"]
     for field in ("namespace_bytes", "namespace_digest", "root", "keys"):
         assert mla1[field] == mla4[field]
+    stage0, stage1 = BY_NAME["pp-stage0-of-2"], BY_NAME["pp-stage1-of-2"]
+    assert stage0["namespace_digest"] != stage1["namespace_digest"]
+    assert not set(stage0["keys"]) & set(stage1["keys"])
+    assert BY_NAME["fingerprinted"]["namespace_digest"] != base["namespace_digest"]
 
 
 def test_doc_byte_example_matches_code():
@@ -195,6 +206,7 @@ def test_salt_isolation():
     {"model": "org/model-2"}, {"model": "org/Model"}, {"kv_dtype": "bfloat16"},
     {"kv_dtype": "float8_e4m3fn"}, {"attention": "mla", "kv_heads": 1}, {"num_layers": 5},
     {"kv_heads": 1}, {"kv_heads": 3}, {"head_dim": 16}, {"chunk_tokens": 16}, {"tp_size": 2},
+    {"first_layer": 4}, {"first_layer": 1}, {"fingerprint": "lora:a"}, {"fingerprint": "\0"},
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_namespace_isolation(change):
     other = replace(NS, **change)
@@ -207,7 +219,7 @@ def test_namespace_isolation(change):
 def test_every_namespace_field_is_covered():
     fields = set(asdict(NS))
     assert fields == {"model", "kv_dtype", "attention", "num_layers", "kv_heads", "head_dim",
-                      "chunk_tokens", "tp_size"}
+                      "chunk_tokens", "tp_size", "first_layer", "fingerprint"}
 
 
 def test_model_text_is_unambiguous():
@@ -217,9 +229,17 @@ def test_model_text_is_unambiguous():
     assert namespace_digest(a) != namespace_digest(b)
 
 
+def test_fingerprint_is_unambiguous():
+    # length-prefixed: no fingerprint can imitate another one followed by other bytes
+    a, b = replace(NS, fingerprint="ab"), replace(NS, fingerprint="a")
+    assert namespace_digest(a) != namespace_digest(b)
+    assert namespace_digest(replace(NS, model="m", fingerprint="x")) != \
+        namespace_digest(replace(NS, model="mx", fingerprint=""))
+
+
 def test_mla_digest_ignores_tp_size():
     mla = Namespace("org/mla", "bfloat16", "mla", 61, 1, 576, 16, tp_size=1)
-    digests = {namespace_digest(replace(mla, tp_size=tp)) for tp in (1, 2, 4, 8, 16, 2**31 - 1)}
+    digests = {namespace_digest(replace(mla, tp_size=tp)) for tp in (1, 2, 4, 8, 16, 64)}
     assert len(digests) == 1
     assert replace(mla, tp_size=8).shards == 1 and replace(mla, tp_size=8).planes == 1
 
@@ -266,6 +286,9 @@ def test_float_token_ids_are_refused():
     {"model": ""}, {"model": "x" * 513}, {"model": "é" * 257}, {"kv_dtype": "fp16"},
     {"attention": "gqa"}, {"num_layers": 0}, {"kv_heads": 0}, {"head_dim": 2**31},
     {"chunk_tokens": 0}, {"tp_size": 0}, {"attention": "mla", "kv_heads": 2},
+    {"tp_size": 65}, {"tp_size": 2**31 - 1}, {"num_layers": 1025}, {"kv_heads": 257},
+    {"head_dim": 1025}, {"chunk_tokens": 8193}, {"first_layer": -1},
+    {"first_layer": 1021}, {"fingerprint": "f" * 513}, {"fingerprint": None},
 ], ids=lambda c: ",".join(f"{k}={str(v)[:8]}" for k, v in c.items()))
 def test_namespace_validation(bad):
     with pytest.raises(ValueError):
@@ -273,7 +296,9 @@ def test_namespace_validation(bad):
 
 
 def test_namespace_limits_accepted():
-    replace(NS, model="x" * 512, num_layers=2**31 - 1, head_dim=2**31 - 1)
+    replace(NS, model="x" * 512, num_layers=1024, kv_heads=256, head_dim=1024,
+            chunk_tokens=8192, tp_size=64, fingerprint="f" * 512)
+    replace(NS, num_layers=4, first_layer=1020)
 
 
 _CHILD = """

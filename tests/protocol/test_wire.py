@@ -22,7 +22,7 @@ from kvd_protocol.flags import FlagLayout
 from kvd_protocol.keys import Namespace
 
 NS_WIRE = {"model": "org/m", "kv_dtype": "float16", "attention": "mha", "num_layers": 2,
-           "kv_heads": 2, "head_dim": 4, "tp_size": 1}
+           "kv_heads": 2, "head_dim": 4, "tp_size": 1, "first_layer": 0, "fingerprint": ""}
 LAYOUT_WIRE = {"num_layers": 2, "planes": 2, "num_pages": 4, "page_size": 4, "row_bytes": 16,
                "page_stride": 64, "token_stride": 16, "bases": [[0, 0], [0, 256], [0, 512], [0, 768]]}
 SHM_BUF = {"kind": "shm", "path": "/dev/shm/kvd-pool-1-abc", "size": 1024}
@@ -332,9 +332,14 @@ def test_namespace_map_round_trip():
     lambda m: m.update(head_dim=-4), lambda m: m.update(model=5),
     lambda m: m.update(kv_dtype="fp16"), lambda m: m.update(attention="mla"),
     lambda m: m.update(num_layers=0), lambda m: m.update(model=""),
-    lambda m: m.update(tp_size=2**31),
+    lambda m: m.update(tp_size=2**31), lambda m: m.update(tp_size=65),
+    lambda m: m.pop("first_layer"), lambda m: m.pop("fingerprint"),
+    lambda m: m.update(first_layer=-1), lambda m: m.update(first_layer=1023),
+    lambda m: m.update(fingerprint=5), lambda m: m.update(fingerprint="f" * 513),
 ], ids=["no-model", "no-tp", "chunk_tokens", "extra", "str-int", "bool-int", "negative",
-        "int-str", "bad-dtype", "mla-with-2-heads", "zero-layers", "empty-model", "tp-too-big"])
+        "int-str", "bad-dtype", "mla-with-2-heads", "zero-layers", "empty-model", "tp-too-big",
+        "tp-over-cap", "no-first-layer", "no-fingerprint", "negative-first-layer",
+        "layers-past-cap", "int-fingerprint", "long-fingerprint"])
 def test_namespace_map_is_strict(mutate):
     m = dict(NS_WIRE)
     mutate(m)

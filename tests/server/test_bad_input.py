@@ -458,6 +458,35 @@ def test_register_rejects_bad_layouts_and_namespaces(daemon, good, zctx, raw_poo
     good.assert_intact(raw.errors)
 
 
+def test_register_refuses_counts_beyond_the_caps(daemon, good, zctx, raw_pool):
+    """Namespaces and layouts that fit their buffer and agree with each other, but name
+    counts no engine has (kvd_protocol.limits): refused before the daemon builds anything
+    from them (a TP bitmask of 2**31 bits, loops over billions of pages)."""
+    raw = engine(daemon, zctx)
+    raw.hello()
+    fields = register_fields(raw_pool)
+
+    def refused(ns: dict, lay: dict, tp_rank: int = 0) -> str:
+        return raw.fails("bad_request", "register", **{**fields, "tp_rank": tp_rank,
+                                                       "namespace": namespace(raw_pool, **ns),
+                                                       "layout": layout(raw_pool, **lay)})
+
+    assert "tp_size" in refused({"tp_size": 65}, {}, tp_rank=64)
+    assert "tp_size" in refused({"tp_size": 2**31 - 1}, {}, tp_rank=2**31 - 2)
+    one_row = {"num_pages": 1, "page_stride": 0, "token_stride": 0}  # every token: one row
+    assert "kv_heads" in refused({"kv_heads": 512, "head_dim": 8}, {**one_row, "row_bytes": 8192})
+    assert "head_dim" in refused({"kv_heads": 1, "head_dim": 4096}, {**one_row, "row_bytes": 8192})
+    assert "num_pages" in refused({}, {"num_pages": 2**33, "page_stride": 0})
+    assert "page_stride" in refused({}, {"num_pages": 1, "page_stride": 2**60})
+    assert "token_stride" in refused({}, {"num_pages": 1, "page_size": 1, "token_stride": 2**62})
+    reg = raw.register(raw_pool)  # the well-formed registration is the only one added
+    assert raw.ok("lookup", [b"".join(good.keys)], reg=reg)["hits"] == 4
+    assert daemon.stats()["registrations"] == 2
+    raw.ok("bye")
+    raw.close()
+    good.assert_intact(raw.errors)
+
+
 def _mapped(daemon, needle: str) -> list[str]:
     maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
     return [line for line in maps.splitlines() if needle in line]

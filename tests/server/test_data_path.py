@@ -184,6 +184,10 @@ def test_namespace_and_salt_isolation(daemon, procs):
         "head dim": ({"dim": 16}, miss),
         "layers": ({"layers": 3}, miss),
         "tp size": ({"tp_size": 2}, miss),
+        # the next pipeline stage of a model with these layers twice: equal layer counts
+        "pipeline stage": ({"first_layer": base["layers"]}, miss),
+        "fingerprint": ({"fingerprint": "ckpt:1f2e+lora:sql"}, miss),
+        "empty fingerprint": ({"fingerprint": ""}, hit),
         "salt": ({"salt": "tenant-a"}, miss),
     }
     seen = procs.apply(W.isolation_probe, (rd, base, plain, {k: v for k, (v, _) in plain_variants.items()}))

@@ -396,7 +396,7 @@ def test_a_process_without_kv_attaches_for_lookups(daemon):
 
 def test_attached_registration_refuses_copies_on_the_wire(daemon, zctx, raw_engine):
     ns = {"model": "pipe", "kv_dtype": "float16", "attention": "mha", "num_layers": 2,
-          "kv_heads": 2, "head_dim": 8, "tp_size": 1}
+          "kv_heads": 2, "head_dim": 8, "tp_size": 1, "first_layer": 0, "fingerprint": ""}
     reg = raw_engine.ok("attach", namespace=ns, tp_rank=0)["reg"]
     assert "no KV pool" in raw_engine.fails("bad_request", "store", [b"\x01" * 16, pages(0, 1, 2, 3)],
                                             reg=reg)

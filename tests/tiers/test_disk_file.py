@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from disk_faults import FaultyChunkFiles
 
 from kvd.tiers import chunk_file as F
 from kvd.tiers.disk import DiskTier
@@ -123,33 +124,53 @@ def test_wrong_length_and_wrong_name(files):
 
 
 def test_direct_probe_fallback(tmp_path, monkeypatch):
-    monkeypatch.setenv(F.FAULTS_ENV, "nodirect")
-    files = F.ChunkFiles(tmp_path)
-    assert not files.direct and "buffered" in files.mode
-    data = payload(10000)
-    path = files.write(NS, KEY, data, 1, 10000)
-    out = np.zeros(10000, np.uint8)
-    files.read_into(path, NS, KEY, out)
-    assert (out == data).all()
     real_open = os.open
 
     def no_direct(path, flags, *a):  # a filesystem that rejects O_DIRECT (tmpfs on old kernels)
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a)
-    monkeypatch.delenv(F.FAULTS_ENV)
     monkeypatch.setattr(F.os, "open", no_direct)
     assert F.probe_direct(tmp_path) is False
     assert not list(tmp_path.glob(".probe*"))
+    files = F.ChunkFiles(tmp_path)  # probes, falls back to buffered IO, and works
+    assert not files.direct and "buffered" in files.mode
+    data = payload(10000)
+    path = files.write(NS, KEY, data, 1, 10000)
+    out = np.zeros(10000, np.uint8)
+    files.read_into(path, NS, KEY, out)
+    assert (out == data).all()
 
 
-def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
-    monkeypatch.setenv(F.FAULTS_ENV, "enospc")
-    files = F.ChunkFiles(tmp_path)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_failed_write_leaves_no_file(tmp_path, direct):
+    if direct and not F.probe_direct(tmp_path):
+        pytest.skip("no O_DIRECT on this filesystem")
+    files = FaultyChunkFiles(tmp_path / "disk", {"enospc"}, direct=direct)
     with pytest.raises(OSError) as info:
         files.write(NS, KEY, payload(100), 1, 100)
     assert info.value.errno == errno.ENOSPC
-    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert [p for p in (tmp_path / "disk").rglob("*") if p.is_file()] == []
+
+
+def test_a_failed_read_raises_and_the_tier_counts_it(tmp_path):
+    good = F.ChunkFiles(tmp_path / "disk", direct=False)
+    path = good.write(NS, KEY, payload(100), 1, 100)
+    with pytest.raises(OSError) as info:
+        FaultyChunkFiles(tmp_path / "disk", {"eio_read"}, direct=False).read_into(
+            path, NS, KEY, np.zeros(100, np.uint8))
+    assert info.value.errno == errno.EIO
+
+    async def main():
+        tier = DiskTier(tmp_path / "disk", 2**20, threads=1, direct=False,
+                        files=FaultyChunkFiles(tmp_path / "disk", {"eio_read"}, direct=False))
+        fut = tier.submit_write(NS, KEY, payload(100), 1, 100)
+        assert fut is not None and await fut  # writes work
+        entry = tier.get(KEY)
+        assert not await tier.read_into(entry, np.zeros(100, np.uint8))
+        assert tier.counters["read_errors"] == 1 and tier.get(KEY) is entry  # kept: IO error
+        await tier.close()
+    run(main())
 
 
 # ---- the disk tier's index, on a private loop ------------------------------------------

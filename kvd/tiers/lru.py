@@ -1,0 +1,90 @@
+"""An intrusive doubly linked LRU queue: O(1) append, insertion, and removal from the middle.
+
+The host tier keeps only its *evictable* entries here, least recently used
+first (as vLLM's free-block queue keeps only free blocks), so eviction pops
+the head and never walks past entries in use. Items carry their own links
+(``lru_prev``, ``lru_next``; ``None`` while not queued), so no per-item
+node is allocated and membership is an attribute test. An item is in at
+most one queue. Iteration is from the LRU end; removing the item just
+yielded is allowed.
+"""
+
+from __future__ import annotations
+
+
+class _Head:
+    """The sentinel: ``lru_next`` is the least recently used item, ``lru_prev`` the most."""
+
+    __slots__ = ("lru_prev", "lru_next")
+
+
+class LruQueue:
+    def __init__(self) -> None:
+        self._head = _Head()
+        self._head.lru_prev = self._head.lru_next = self._head
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    @staticmethod
+    def queued(item) -> bool:
+        return item.lru_next is not None
+
+    def append(self, item) -> None:
+        """Put ``item`` at the most recently used end."""
+        self._link(item, self._head.lru_prev, self._head)
+
+    def appendleft(self, item) -> None:
+        """Put ``item`` at the least recently used end (the next to be evicted)."""
+        self._link(item, self._head, self._head.lru_next)
+
+    def insert_after(self, item, anchor) -> None:
+        """Put ``item`` just after ``anchor`` (a queued item), on its more recently used side."""
+        self._link(item, anchor, anchor.lru_next)
+
+    def _link(self, item, prev, nxt) -> None:
+        if item.lru_next is not None:
+            raise ValueError("item is already queued")
+        item.lru_prev, item.lru_next = prev, nxt
+        prev.lru_next = nxt.lru_prev = item
+        self._len += 1
+
+    def move_to_end(self, item) -> None:
+        """Make queued ``item`` the most recently used."""
+        head = self._head
+        if head.lru_prev is item:
+            return
+        prev, nxt = item.lru_prev, item.lru_next
+        prev.lru_next, nxt.lru_prev = nxt, prev
+        last = head.lru_prev
+        item.lru_prev, item.lru_next = last, head
+        last.lru_next = head.lru_prev = item
+
+    def remove(self, item) -> None:
+        prev, nxt = item.lru_prev, item.lru_next
+        prev.lru_next, nxt.lru_prev = nxt, prev
+        item.lru_prev = item.lru_next = None
+        self._len -= 1
+
+    def first(self):
+        """The least recently used item, or None."""
+        item = self._head.lru_next
+        return None if item is self._head else item
+
+    def after(self, item):
+        """The item queued just after ``item`` (more recently used), or None."""
+        nxt = item.lru_next
+        return None if nxt is self._head else nxt
+
+    def before(self, item):
+        """The item queued just before ``item`` (less recently used), or None."""
+        prev = item.lru_prev
+        return None if prev is self._head else prev
+
+    def __iter__(self):
+        item = self._head.lru_next
+        while item is not self._head:
+            nxt = item.lru_next
+            yield item
+            item = nxt
