@@ -139,8 +139,14 @@ class KvdClient:
         timeout = self.timeout if timeout is None else timeout
         call = Call()
         with self._lock:  # registered before any thread can collect its reply
-            req_id = self.channel.send(op, fields, frames)
+            req_id = self.channel.reserve_id()
             self._pending[req_id] = call
+        try:
+            self.channel.send(op, fields, frames, wait=timeout, req_id=req_id)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(req_id, None)
+            raise
         end = time.monotonic() + timeout
         while not call.done:
             left = end - time.monotonic()

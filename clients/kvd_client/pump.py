@@ -32,6 +32,7 @@ NOT_QUEUED = {"busy", "no_session", "bad_request", "bad_version", "unknown_op", 
               "forbidden", "out_of_range", "too_large", "shutting_down"}
 KEEPER_PERIOD_S = 0.02  # housekeeping while transfers are pending
 PROBE_PERIOD_S = 0.05   # daemon liveness checks while transfers are pending
+SEND_WAIT_S = 0.5       # longest a transfer waits for the daemon to take it
 
 
 class Pump:
@@ -64,9 +65,17 @@ class Pump:
             if getattr(t, "lease", None) is not None:
                 fields["lease"] = t.lease
         with c._lock:  # registered before any thread can collect its reply
-            req_id = c.channel.send(t.op, fields, [wire.keys_frame(t.keys), t.pages])
-            t.req_id, t.sent = req_id, True
+            req_id = c.channel.reserve_id()
             c._pending[req_id] = t
+        try:  # a transfer never waits long to be sent: a daemon that cannot take it is a miss
+            c.channel.send(t.op, fields, [wire.keys_frame(t.keys), t.pages],
+                           wait=min(c.timeout, SEND_WAIT_S), req_id=req_id)
+        except BaseException:
+            with c._lock:
+                c._pending.pop(req_id, None)
+            raise
+        with c._lock:
+            t.req_id, t.sent = req_id, True
 
     def _finish_unsent(self, t: Transfer, error: KvdError | None) -> None:
         """A transfer that never reached a daemon: nothing can touch its pages."""

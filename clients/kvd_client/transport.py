@@ -70,27 +70,50 @@ class Channel:
 
     # ---- pipelined -------------------------------------------------------------------
 
-    def send(self, op: str, fields: dict | None = None, frames=()) -> int:
+    def reserve_id(self) -> int:
+        """An id for a request about to be sent (so a caller can expect its reply first)."""
         with self._lock:
-            if self._sock is None:
-                raise DaemonUnavailable("the channel is closed")
-            if os.getpid() != self._pid:
-                raise DaemonUnavailable("channel used after fork; create a new client in the child")
-            wait = 0.05 if self._down else min(self.timeout, 0.5)
-            if not self.socket_exists() or not self._sock.poll(int(wait * 1000), zmq.POLLOUT):
+            self._next_id += 1
+            return self._next_id
+
+    def send(self, op: str, fields: dict | None = None, frames=(), wait: float | None = None,
+             req_id: int | None = None) -> int:
+        """Send a request (``req_id`` from ``reserve_id``, or a new one); returns its id.
+        Waits up to ``wait`` seconds (default: the channel's timeout; 50 ms while no daemon
+        answered last time) for the daemon to take it, never holding the lock meanwhile:
+        other threads collect replies and send heartbeats."""
+        wait = (0.05 if self._down else self.timeout) if wait is None else wait
+        deadline = time.monotonic() + wait
+        while True:
+            with self._lock:
+                if self._sock is None:
+                    raise DaemonUnavailable("the channel is closed")
+                if os.getpid() != self._pid:
+                    raise DaemonUnavailable("channel used after fork; create a new client in the child")
+                if not self.socket_exists():
+                    self._down = True
+                    raise DaemonUnavailable(f"kvd is not reachable at {self.endpoint}")
+                if self._sock.poll(0, zmq.POLLOUT):
+                    return self._send_now(op, fields, frames, req_id)
+            left = deadline - time.monotonic()
+            if left <= 0:
                 self._down = True
                 raise DaemonUnavailable(f"kvd is not reachable at {self.endpoint}")
+            time.sleep(min(SLICE_S, left))
+
+    def _send_now(self, op: str, fields, frames, req_id: int | None) -> int:
+        if req_id is None:
             self._next_id += 1
             req_id = self._next_id
-            try:
-                self._sock.send_multipart(wire.encode_request(req_id, op, fields, frames),
-                                          flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                self._down = True
-                raise DaemonUnavailable(f"kvd is not reachable at {self.endpoint}") from None
-            self._down = False
-            self._waiting.add(req_id)
-            return req_id
+        try:
+            self._sock.send_multipart(wire.encode_request(req_id, op, fields, frames),
+                                      flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._down = True
+            raise DaemonUnavailable(f"kvd is not reachable at {self.endpoint}") from None
+        self._down = False
+        self._waiting.add(req_id)
+        return req_id
 
     def collect(self, timeout: float = 0.0) -> list[tuple]:
         """Replies that arrived, waiting up to ``timeout`` for the first one."""

@@ -45,6 +45,8 @@ def add_arguments(p) -> None:
                    "this long for each reply before sleeping (KvdClient spin_s)")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
+    p.add_argument("--flood", action="store_true", help="a well-behaved client's latency alone and "
+                   "next to a client flooding the daemon with requests (kvd.bench.flood)")
     p.add_argument("--interference", action="store_true", help="with --gpu: the slowdown of an "
                    "engine process's GEMM and decode step while a client process keeps kvd copying, per "
                    "copy path (kvd.bench.interference)")
@@ -92,6 +94,9 @@ def run(args) -> int:
     if args.disk:
         from .disk import run as run_disk
         return run_disk(args)
+    if args.flood:
+        from .flood import run as run_flood
+        return run_flood(args)
     if args.gpu and args.interference:
         from .interference import run as run_interference
         return run_interference(args)

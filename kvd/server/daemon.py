@@ -50,7 +50,7 @@ from kvd.copy.host import HostCopyEngine
 from kvd.server import control, early_signals, logs, metrics, startup
 from kvd.server.notify import Notifier
 from kvd.server.peers import AccessPolicy, ZapGate, credentials_available, recv_request, resolve_group
-from kvd.server.peers_alive import Liveness, reply
+from kvd.server.peers_alive import Intake, Liveness, reply
 from kvd.server.runtime_dir import InstanceLock, reclaim_stale, share_socket
 from kvd.server.service import Service
 from kvd.tiers.arena import AllocationStopped, SharedArena, arena_path
@@ -62,7 +62,8 @@ from kvd_protocol.errors import ConfigError, ServerError, ShuttingDown, TooLarge
 from kvd_protocol.runtime import control_endpoint, engine_endpoint, instance_tag, resolve_runtime_dir
 
 log = logging.getLogger("kvd")
-EXTEND_S = 30.0  # each start-up STATUS moves systemd's start timeout this far out
+EXTEND_S = 30.0
+REPLY_QUEUE = 65536  # a client pipelining hard gets its busy replies; one that never reads, not all  # each start-up STATUS moves systemd's start timeout this far out
 
 
 class Daemon:
@@ -84,6 +85,7 @@ class Daemon:
         self.group = resolve_group(cfg.access_group)  # gid engines of other users connect with
         self.gate = None  # kvd.server.peers.ZapGate: admits connections by their peer credentials
         self.liveness = Liveness(self)
+        self.intake = None  # kvd.server.peers_alive.Intake, once the engine socket is bound
         self.deadline = None  # set at shutdown: when everything must be done
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -149,6 +151,7 @@ class Daemon:
         old = os.umask(0o077)
         try:
             self.engine_sock = self._bind(engine_endpoint(self.runtime_dir), self.cfg.max_message_bytes)
+            self.intake = Intake(self.engine_sock, self.cfg.max_inflight, lambda: self.service.stats)
             self.control_sock = self._bind(control_endpoint(self.runtime_dir), wire.MAX_HEADER_BYTES)
         finally:
             os.umask(old)
@@ -212,6 +215,7 @@ class Daemon:
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails: see peers_alive
+        sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)  # replies queued per client before it must read
         if self.gate is not None:
             ZapGate.guard(sock)
         sock.bind(endpoint)
@@ -295,13 +299,16 @@ class Daemon:
 
     async def _serve(self, sock, ops: dict, handler) -> None:
         max_bytes = sock.getsockopt(zmq.MAXMSGSIZE)
+        admit = self.intake if sock is self.engine_sock else None
         while True:
             parts, cred = await recv_request(sock)
             received = time.monotonic()
-            if len(parts) < 2:
+            if len(parts) < 2 or (admit is not None and not admit.take(parts)):
                 continue
-            self.spawn(self._respond(sock, parts[0], parts[1:], ops, handler, max_bytes, received,
-                                     cred))
+            task = self.spawn(self._respond(sock, parts[0], parts[1:], ops, handler, max_bytes,
+                                            received, cred))
+            if admit is not None:
+                admit.track(parts[0], task)
 
     async def _respond(self, sock, peer: bytes, body: list, ops: dict, handler, max_bytes: int,
                        received: float, cred) -> None:

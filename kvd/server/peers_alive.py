@@ -10,6 +10,13 @@ every session's routing id gets a probe ``{v, id: 0, result: {}}``, which
 clients drop (a reply to an id they never sent); with ``ROUTER_MANDATORY``
 a routing id with no connection fails at once, and that session is reaped.
 
+``Intake`` admits engine requests per peer before any task is made for them:
+a peer with ``max_inflight`` requests being served (every op but
+``heartbeat`` and ``bye``) gets an immediate ``busy`` reply, parsed and
+answered right in the receive loop. A flooding client then costs one
+cheap reply per message and never has more than ``max_inflight`` tasks
+ahead of another client's request.
+
 ``reply(sock, peer, frames, stats)`` sends a reply without ever dropping it
 for a full queue while the client is merely slow: it retries for
 ``REPLY_PATIENCE_S`` (the client has not read its replies for that long:
@@ -35,7 +42,7 @@ REPLY_PATIENCE_S = 5.0
 
 
 async def reply(sock, peer: bytes, frames: list, stats) -> None:
-    give_up = time.monotonic() + REPLY_PATIENCE_S
+    give_up, pause = time.monotonic() + REPLY_PATIENCE_S, 0.001
     while True:
         try:
             await sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
@@ -46,7 +53,8 @@ async def reply(sock, peer: bytes, frames: list, stats) -> None:
                 log.warning("a reply was dropped: the client has not read its replies for %.0f s",
                             REPLY_PATIENCE_S)
                 return
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(pause)  # backing off: a flood of such waits must not spin the loop
+            pause = min(pause * 2, 0.05)
         except zmq.ZMQError as exc:
             log.debug("reply to a gone peer dropped: %s", exc)
             return
@@ -99,3 +107,46 @@ class Liveness:
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)
+
+
+class Intake:
+    def __init__(self, sock, max_inflight: int, stats):
+        self.sock, self.max_inflight, self.stats = sock, max_inflight, stats
+        self.inflight: dict[bytes, int] = {}
+
+    def take(self, parts: list) -> bool:
+        """Whether to serve this message; a peer over its cap gets ``busy`` at once."""
+        peer = parts[0]
+        if self.inflight.get(peer, 0) < self.max_inflight:
+            return True
+        try:
+            header = wire.unpack_header(bytes(parts[1]))
+        except Exception:  # noqa: BLE001 - malformed: let the normal path answer it
+            return True
+        if not isinstance(header, dict) or header.get("op") in ("heartbeat", "bye"):
+            return True
+        req_id = header.get("id") if isinstance(header.get("id"), int) else None
+        frames = wire.error_reply(req_id, "busy", f"{self.max_inflight} requests of this client "
+                                  "are in flight already (max_inflight); nothing done")
+        try:
+            sent = self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # 65536 replies unread, or it is gone: the reply is dropped
+            self.stats().add("replies_dropped")
+            sent = None
+        if isinstance(sent, asyncio.Future):  # zmq.asyncio: a failure lands in the future
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        stats = self.stats()
+        stats.add("busy")
+        stats.add("errors")
+        return False
+
+    def track(self, peer: bytes, task) -> None:
+        self.inflight[peer] = self.inflight.get(peer, 0) + 1
+        task.add_done_callback(lambda _: self._done(peer))
+
+    def _done(self, peer: bytes) -> None:
+        left = self.inflight[peer] - 1
+        if left:
+            self.inflight[peer] = left
+        else:
+            del self.inflight[peer]

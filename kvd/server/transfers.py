@@ -239,15 +239,28 @@ class Transfers:
         return keys, pages
 
     async def _start(self, reg: Registration, start) -> asyncio.Future:
-        """Queue a copy (``start``: the backend's gather/scatter coroutine) and track it
-        on the registration until it lands."""
+        """Queue a copy (``start``: the backend's gather/scatter coroutine) once the session
+        has fewer than ``max_queued_copies`` queued (fair to other clients: backends run
+        copies in the order they were queued), and track it on the registration until it
+        lands."""
+        slots = reg.session.copy_slots
+        try:
+            await slots.acquire()
+        except BaseException:
+            start.close()  # never awaited: no copy was queued
+            raise
         try:
             landed = await start
         except ServerError:
+            slots.release()
             raise
-        except Exception as exc:
+        except BaseException as exc:
+            slots.release()
+            if not isinstance(exc, Exception):
+                raise
             log.exception("copy could not start")
             raise CopyFailed(f"copy could not start: {type(exc).__name__}: {exc}") from None
+        landed.add_done_callback(lambda _: slots.release())
         reg.inflight.add(landed)
         landed.add_done_callback(reg.inflight.discard)
         landed.add_done_callback(_log_failure)
