@@ -96,7 +96,7 @@ KNOBS = (
     Knob("max_registrations", "int", 64, "Most KV pools one client may register.", minimum=1),
     Knob("max_inflight", "int", 64, "Most lookup/store/load requests one client may have in flight; "
          "one more gets a busy reply and does nothing.", minimum=1),
-    Knob("max_queued_copies", "int", 4, "Most copies of one client queued in a backend at "
+    Knob("max_queued_copies", "int", 1, "Most copies of one client queued in a backend at "
          "once; its other requests wait their turn in the daemon, so a client with many requests "
          "in flight cannot delay another client's copy by more than this many of its own.",
          minimum=1),
