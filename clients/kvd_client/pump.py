@@ -131,10 +131,13 @@ class Pump:
             chunks = result["loaded"] if item.op == "load" else result["stored"] + result["deduped"]
             item.succeed(chunks * item.reg.namespace.chunk_tokens)
             self._finished(item)
-        elif isinstance(error, NoSession) and item.attempts < self.c.retry.attempts:
-            item.attempts += 1
+        elif isinstance(error, NoSession):  # the daemon restarted or reaped us: hello next
             self.c._need_hello = True
-            self.resend.append(item)
+            if item.attempts < self.c.retry.attempts:
+                item.attempts += 1
+                self.resend.append(item)
+            else:
+                self._fail(item, error)
         else:
             self._fail(item, error)
 
