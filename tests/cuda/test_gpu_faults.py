@@ -21,11 +21,9 @@ import time
 
 import numpy as np
 import pytest
+from gpu_env import require_gpu  # noqa: E402
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("cupy")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+torch = require_gpu()
 
 import kvd_client  # noqa: E402
 from kvd_client.torch_pool import CudaKVPool  # noqa: E402

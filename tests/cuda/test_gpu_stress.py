@@ -18,11 +18,9 @@ import signal
 import time
 
 import pytest
+from gpu_env import require_gpu  # noqa: E402
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("cupy")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU", allow_module_level=True)
+torch = require_gpu()
 
 pytestmark = pytest.mark.gpu
 CHUNK = 64
