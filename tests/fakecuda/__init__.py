@@ -19,8 +19,9 @@ What is real and what is not:
   order; events, cross-stream waits, host-polled completion and
   ``cuStreamWaitValue32``/``WriteValue32`` have CUDA's semantics (a wait
   blocks that stream until the word reaches the value, whoever writes it).
-  ``FAKECUDA_KERNEL_DELAY_S`` makes each kernel hold its stream that long:
-  the knob that keeps copies in flight or a stream stuck.
+  ``FAKECUDA_KERNEL_DELAY_S`` makes each kernel (or the kernels named)
+  hold its stream that long: the knob that keeps copies in flight or a
+  stream stuck.
 - ``kernels``: kv_gather/kv_scatter of kernels/kv_copy.cu in numpy (layer
   subranges, the cancel word, vector width and alignment), with their
   signature checked against the real source.
@@ -46,11 +47,14 @@ from . import cupy_api, driver, errors, kernels, memory, runtime, streams, trace
 SHIM = Path(__file__).resolve().parent / "shim"
 
 
-def daemon_env(kernel_delay_s: float = 0.0, trace_file: str | Path | None = None,
+def daemon_env(kernel_delay_s: float | dict = 0.0, trace_file: str | Path | None = None,
                devices: int = 1) -> dict:
-    """Environment for a ``kvd serve`` on the fake GPU (``start_daemon(env=...)``)."""
+    """Environment for a ``kvd serve`` on the fake GPU (``start_daemon(env=...)``);
+    ``kernel_delay_s``: seconds for every kernel, or ``{kernel name: seconds}``."""
     path = [str(SHIM)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    env = {"PYTHONPATH": os.pathsep.join(path), "FAKECUDA_KERNEL_DELAY_S": str(kernel_delay_s),
+    delay = kernel_delay_s if not isinstance(kernel_delay_s, dict) else \
+        ",".join(f"{k}={v}" for k, v in kernel_delay_s.items())
+    env = {"PYTHONPATH": os.pathsep.join(path), "FAKECUDA_KERNEL_DELAY_S": str(delay),
            "FAKECUDA_DEVICES": str(devices)}
     if trace_file is not None:
         env["FAKECUDA_TRACE"] = str(trace_file)

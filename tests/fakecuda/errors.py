@@ -59,3 +59,12 @@ def check() -> None:
 
 def broken() -> bool:
     return _sticky is not None
+
+
+def reset() -> CudaError | None:
+    """Forget the sticky error and return it: a test harness's fresh context (a real
+    process would have to exit); the engine fixture calls it between tests."""
+    global _sticky
+    with _lock:
+        was, _sticky = _sticky, None
+    return was

@@ -9,7 +9,7 @@ any other function raises ``CudaError(NOT_SUPPORTED)``.
 
 A launch is queued on its stream and, when the stream reaches it, does
 what the CUDA kernel does (the .cu file's header is the contract): after
-``streams.KERNEL_DELAY_S``, it reads the cancel word (if the pointer is not
+``streams.kernel_delay(name)``, it reads the cancel word (if the pointer is not
 null) and copies nothing when the word equals ``cancel_seq``; otherwise it
 reads its three tables from (fake) device memory *then*, not at launch,
 and copies every row of chunks ``[0, n_chunks)`` x layers
@@ -83,8 +83,9 @@ class Kernel:
 
     def _run(self, a: SimpleNamespace) -> None:
         t0 = time.monotonic()
-        if streams.KERNEL_DELAY_S:
-            time.sleep(streams.KERNEL_DELAY_S)
+        delay = streams.kernel_delay(self.name)
+        if delay:
+            time.sleep(delay)
         cancelled = bool(a.cancel) and int(
             SPACE.view(a.cancel, 4, what="cancel word").view("<u4")[0]) == a.cancel_seq & 0xFFFFFFFF
         touched: set[str] = set()

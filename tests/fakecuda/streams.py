@@ -17,10 +17,12 @@ A fault in an operation (fakecuda.errors) breaks the context: later
 operations that touch memory are skipped, events still complete (so no
 waiter hangs) but ``done`` and ``synchronize`` raise the error.
 
-Test knob: ``KERNEL_DELAY_S`` (``FAKECUDA_KERNEL_DELAY_S`` in the
-environment; default 0) is how long each kernel occupies its stream before
-it starts (it reads its cancel word after the delay, as a kernel queued
-behind busy SMs would), so a test can hold copies in flight. Worker threads
+Test knob: ``FAKECUDA_KERNEL_DELAY_S`` in the environment, seconds (every
+kernel) or ``name=seconds`` pairs (``kv_scatter=2,kv_gather=0.1``; default
+none): how long each kernel occupies its stream before it starts
+(``kernel_delay(name)``; it reads its cancel word after the delay, as a
+kernel queued behind busy SMs would), so a test can hold copies in flight
+or a stream stuck. Worker threads
 are daemon threads: a process may exit with work still queued, as a real
 one may with a GPU still busy.
 """
@@ -37,7 +39,6 @@ from . import errors, trace
 from .errors import INVALID_HANDLE, CudaError
 from .memory import SPACE
 
-KERNEL_DELAY_S = float(os.environ.get("FAKECUDA_KERNEL_DELAY_S", "0") or 0)
 _changed = threading.Condition()          # notified whenever any operation completes
 _streams: dict[int, "Stream"] = {}
 _events: dict[int, "Event"] = {}
@@ -152,6 +153,22 @@ class Event:
     def synchronize(self) -> None:
         self.wait_for(self.recorded)
         errors.check()
+
+
+# ---- the delay knob -----------------------------------------------------------------
+
+def _delays(text: str) -> dict[str, float]:
+    if "=" not in text:
+        return {"*": float(text or 0)}
+    pairs = (item.split("=", 1) for item in text.split(",") if item.strip())
+    return {name.strip(): float(value) for name, value in pairs}
+
+
+_DELAYS = _delays(os.environ.get("FAKECUDA_KERNEL_DELAY_S", ""))
+
+
+def kernel_delay(name: str) -> float:
+    return _DELAYS.get(name, _DELAYS.get("*", 0.0))
 
 
 # ---- handles ----------------------------------------------------------------------
