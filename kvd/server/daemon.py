@@ -260,6 +260,12 @@ class Daemon:
         self.service.stop_waiting()
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=max(0.0, self.deadline - time.monotonic()))
+        if self.tasks and (abandoned := self.service.abandon_copies()):
+            # a request whose copy never lands would hold the loop's teardown; the engines'
+            # close gives the GPU its own bounded wait (kvd.cuda.backend.CLOSE_WAIT_S)
+            log.warning("%d copies still queued after shutdown_grace_s; not waiting for them",
+                        abandoned)
+            await asyncio.wait(self.tasks, timeout=1.0)
 
     async def _finish_disk_io(self) -> None:
         """Disk IO finishes before the arena goes, within what is left of the grace."""
