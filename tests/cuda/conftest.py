@@ -46,7 +46,7 @@ def fake_engine():
     eng = FakeEngine()
     try:
         yield eng
-        eng.stream.synchronize()
+        assert eng.stream.synchronize(timeout=30), "the engine's stream is stuck"
     finally:
         restore()
         for region in eng.regions:

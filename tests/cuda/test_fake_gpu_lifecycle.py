@@ -6,8 +6,8 @@
   no kernel touches the engine's memory after it, which the fake would
   report as an illegal address and a broken context), and serves the next
   engine bit-exact.
-- The daemon gets SIGTERM while a fake stream is stuck (a kernel held for a
-  minute): it exits 0 within ``shutdown_grace_s`` + ``CLOSE_WAIT_S`` (plus
+- The daemon gets SIGTERM while a fake stream is stuck (a kernel held for
+  20 s): it exits 0 within ``shutdown_grace_s`` + ``CLOSE_WAIT_S`` (plus
   slack), saying it left GPU copies queued, with the kernel never run.
 """
 
@@ -41,6 +41,11 @@ def _dying_engine(runtime_dir: str, conn) -> None:
     time.sleep(120)
 
 
+def _scattered(events: list, region: str) -> int:
+    return sum(e["ev"] == "kernel" and e["name"] == "kv_scatter" and region in e["regions"]
+               for e in events)
+
+
 def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, fake_daemon):
     d = fake_daemon(kernel_delay_s={"kv_scatter": 0.4}, trace=True, gpu_stage_slot_bytes="1MiB",
                     client_timeout_s=1.0, heartbeat_interval_s=0.2)
@@ -51,7 +56,10 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     try:
         assert conn.poll(60), "the engine did not start"
         pid, region = conn.recv()
-        time.sleep(0.2)  # the load's kernels are queued (and held) by now
+        deadline = time.monotonic() + 30
+        while not _scattered(d.trace(), region):  # the first of four pieces landed: the load runs
+            assert time.monotonic() < deadline, f"the load did not start:\n{d.log()}"
+            time.sleep(0.02)
     finally:
         os.kill(dying.pid, signal.SIGKILL)
         dying.join(10)
@@ -66,6 +74,7 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     touching = [i for i, e in enumerate(events) if e["ev"] == "kernel" and region in e["regions"]]
     assert touching and max(touching) < closes[0], "a kernel ran on the pool after it was closed"
     assert any(events[i]["t"] > killed for i in touching), "no copy was in flight when it died"
+    assert _scattered(events, region) == 4, "the load's copies did not all run"
     tensors, _, _ = fake_engine.tensors("vllm_flash_attn", LAYERS, 8, 16, 8, 128, seed=2)
     pool = fake_engine.pool("vllm_flash_attn", tensors)
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
@@ -79,7 +88,7 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
 
 def test_sigterm_is_bounded_while_a_stream_is_stuck(fake_engine, fake_daemon):
     grace = 1.0
-    d = fake_daemon(kernel_delay_s={"kv_gather": 60}, trace=True, shutdown_grace_s=grace)
+    d = fake_daemon(kernel_delay_s={"kv_gather": 20}, trace=True, shutdown_grace_s=grace)
     tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 2, 8, 16, 4, 64)
     pool = fake_engine.pool("vllm_flash_attn", tensors)
     client = kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), timeout=60).connect()
@@ -89,7 +98,7 @@ def test_sigterm_is_bounded_while_a_stream_is_stuck(fake_engine, fake_daemon):
         time.sleep(0.3)  # its gather kernel holds the store kernel stream
         assert not t.done
         t0 = time.monotonic()
-        assert d.stop(signal.SIGTERM, timeout=60) == 0, d.log()
+        assert d.stop(signal.SIGTERM, timeout=15) == 0, d.log()
         took = time.monotonic() - t0
     finally:
         client.close()

@@ -58,7 +58,7 @@ def test_layerwise_load_signals_each_layer_then_done(fake_engine, fake_daemon, p
             client.wait_for_layer(layer, t)  # the engine's stream waits for the layer word
             pool.stream.launch(lambda layer=layer: seen.__setitem__(layer, tensors[layer][:, chunks:].copy()))
         assert t.wait(30).ok and t.tokens == chunks * CHUNK, t
-        pool.stream.synchronize()
+        assert pool.stream.synchronize(timeout=10), "the engine's stream waits for a layer forever"
         for layer in range(layers):
             assert np.array_equal(seen[layer], want[layer]), f"layer {layer} read before it landed"
         flags = FlagLayout(layers, client.load_slots)

@@ -97,11 +97,13 @@ class Stream:
     def __exit__(self, *exc) -> None:
         _local.stream = self._outer
 
-    def synchronize(self) -> None:
+    def synchronize(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far ran (False: ``timeout`` passed first)."""
         target = self._queued
         with _changed:
-            _changed.wait_for(lambda: self._ran >= target)
+            ran = _changed.wait_for(lambda: self._ran >= target, timeout)
         errors.check()
+        return ran
 
     @property
     def done(self) -> bool:
