@@ -26,9 +26,10 @@ per frame), and a message whose frames together exceed it gets a
 (kvd.tiers.tiering) starts with the loop and scans its directory in the
 background. SIGTERM/SIGINT: stop reading, end every request waiting on a
 client (``shutting_down``), let the others (and their copies) finish and
-finish disk IO within ``shutdown_grace_s`` in all, remove sockets and
-arena, exit 0: bounded whatever the GPU or the clients do, since no copy
-waits on another process.
+finish disk IO within ``shutdown_grace_s`` in all (copies still queued then
+are abandoned: the CUDA backend's close gives the GPU a bounded wait of its
+own), remove sockets and arena, exit 0: bounded whatever the GPU or the
+clients do, since no copy waits on another process.
 """
 
 from __future__ import annotations
