@@ -26,9 +26,10 @@ per frame), and a message whose frames together exceed it gets a
 (kvd.tiers.tiering) starts with the loop and scans its directory in the
 background. SIGTERM/SIGINT: stop reading, end every request waiting on a
 client (``shutting_down``), let the others (and their copies) finish and
-finish disk IO within ``shutdown_grace_s`` in all, remove sockets and
-arena, exit 0: bounded whatever the GPU or the clients do, since no copy
-waits on another process.
+finish disk IO within ``shutdown_grace_s`` in all (copies still queued then
+are abandoned: the CUDA backend's close gives the GPU a bounded wait of its
+own), remove sockets and arena, exit 0: bounded whatever the GPU or the
+clients do, since no copy waits on another process.
 """
 
 from __future__ import annotations
@@ -264,6 +265,12 @@ class Daemon:
         self.service.stop_waiting()
         if self.tasks:
             await asyncio.wait(self.tasks, timeout=max(0.0, self.deadline - time.monotonic()))
+        if self.tasks and (abandoned := self.service.abandon_copies()):
+            # a request whose copy never lands would hold the loop's teardown; the engines'
+            # close gives the GPU its own bounded wait (kvd.cuda.backend.CLOSE_WAIT_S)
+            log.warning("%d copies still queued after shutdown_grace_s; not waiting for them",
+                        abandoned)
+            await asyncio.wait(self.tasks, timeout=1.0)
 
     async def _finish_disk_io(self) -> None:
         """Disk IO finishes before the arena goes, within what is left of the grace."""

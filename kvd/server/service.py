@@ -239,6 +239,16 @@ class Service:
             for waiter in list(reg.waiting):
                 waiter.cancel()
 
+    def abandon_copies(self) -> int:
+        """Shutdown past its grace: stop waiting for copies still queued (a GPU that does not
+        finish them), so their requests end now; the backends' ``close`` bounds the rest.
+        Returns how many copies were abandoned."""
+        abandoned = 0
+        for reg in list(self.sessions.registrations.values()):
+            for landed in list(reg.inflight):
+                abandoned += landed.cancel()
+        return abandoned
+
     # ---- leases ---------------------------------------------------------------
 
     def _drop_lease(self, lease: Lease) -> None:

@@ -1,0 +1,107 @@
+"""Engines dying and daemons stopping with copies in flight, on the fake GPU (tests/fakecuda).
+
+- An engine (a spawned process on the fake GPU) is SIGKILLed while its load's
+  kernels are held back on the daemon's streams: the daemon reaps it only
+  after those copies ran, then closes its pool (the IPC mapping goes last:
+  no kernel touches the engine's memory after it, which the fake would
+  report as an illegal address and a broken context), and serves the next
+  engine bit-exact.
+- The daemon gets SIGTERM while a fake stream is stuck (a kernel held for
+  20 s): it exits 0 within ``shutdown_grace_s`` + ``CLOSE_WAIT_S`` (plus
+  slack), saying it left GPU copies queued, with the kernel never run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+
+import kvd_client
+from kvd.cuda.backend import CLOSE_WAIT_S
+
+CHUNK = 16
+LAYERS = 4
+
+
+def _dying_engine(runtime_dir: str, conn) -> None:
+    from fakecuda import driver, engine
+    driver.install()
+    tensors, _, region = engine.kv_tensors("vllm_flash_attn", LAYERS, 64, 16, 8, 128, seed=1)
+    pool = engine.FakeCudaKVPool("vllm_flash_attn", tensors)
+    client = kvd_client.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=60).connect()
+    client.register_kv(pool, model="dying")
+    tokens = np.arange(16 * CHUNK)
+    assert client.store(tokens, range(16)) == 16 * CHUNK
+    client.submit_load(tokens, range(16, 32))  # 4 staged pieces, each kernel held 0.4 s
+    conn.send((os.getpid(), region.name))
+    time.sleep(120)
+
+
+def _scattered(events: list, region: str) -> int:
+    return sum(e["ev"] == "kernel" and e["name"] == "kv_scatter" and region in e["regions"]
+               for e in events)
+
+
+def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, fake_daemon):
+    d = fake_daemon(kernel_delay_s={"kv_scatter": 0.4}, trace=True, gpu_stage_slot_bytes="1MiB",
+                    client_timeout_s=1.0, heartbeat_interval_s=0.2)
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe(duplex=False)
+    dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), child_conn))
+    dying.start()
+    try:
+        assert conn.poll(60), "the engine did not start"
+        pid, region = conn.recv()
+        deadline = time.monotonic() + 30
+        while not _scattered(d.trace(), region):  # the first of four pieces landed: the load runs
+            assert time.monotonic() < deadline, f"the load did not start:\n{d.log()}"
+            time.sleep(0.02)
+    finally:
+        os.kill(dying.pid, signal.SIGKILL)
+        dying.join(10)
+    killed = time.monotonic()
+    deadline = killed + 20
+    while (stats := d.stats())["clients_reaped"] < 1 or stats["registrations"]:
+        assert time.monotonic() < deadline, f"the dead engine was not reaped:\n{d.log()}"
+        time.sleep(0.05)
+    events = d.trace()
+    closes = [i for i, e in enumerate(events) if e["ev"] == "ipc_close" and e["region"] == region]
+    assert len(closes) == 1, f"the dead engine's pool was not closed once: {events}"
+    touching = [i for i, e in enumerate(events) if e["ev"] == "kernel" and region in e["regions"]]
+    assert touching and max(touching) < closes[0], "a kernel ran on the pool after it was closed"
+    assert any(events[i]["t"] > killed for i in touching), "no copy was in flight when it died"
+    assert _scattered(events, region) == 4, "the load's copies did not all run"
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", LAYERS, 8, 16, 8, 128, seed=2)
+    pool = fake_engine.pool("vllm_flash_attn", tensors)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        client.register_kv(pool, model="survivor")
+        want = [t[:, :4].copy() for t in tensors]
+        assert client.store(np.arange(CHUNK * 4) + 9, range(4)) == 4 * CHUNK
+        assert client.load(np.arange(CHUNK * 4) + 9, range(4, 8)) == 4 * CHUNK
+        assert all(np.array_equal(t[:, 4:8], w) for t, w in zip(tensors, want))
+    assert d.stop() == 0, d.log()
+
+
+def test_sigterm_is_bounded_while_a_stream_is_stuck(fake_engine, fake_daemon):
+    grace = 1.0
+    d = fake_daemon(kernel_delay_s={"kv_gather": 20}, trace=True, shutdown_grace_s=grace)
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 2, 8, 16, 4, 64)
+    pool = fake_engine.pool("vllm_flash_attn", tensors)
+    client = kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), timeout=60).connect()
+    try:
+        client.register_kv(pool, model="stuck")
+        t = client.submit_store(np.arange(4 * CHUNK), range(4))
+        time.sleep(0.3)  # its gather kernel holds the store kernel stream
+        assert not t.done
+        t0 = time.monotonic()
+        assert d.stop(signal.SIGTERM, timeout=15) == 0, d.log()
+        took = time.monotonic() - t0
+    finally:
+        client.close()
+    assert took < grace + CLOSE_WAIT_S + 3, f"SIGTERM took {took:.1f} s:\n{d.log()}"
+    assert "GPU copies still queued" in d.log(), d.log()
+    assert not [e for e in d.trace() if e["ev"] == "kernel"], "the stuck kernel was not stuck"

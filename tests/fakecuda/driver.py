@@ -1,0 +1,128 @@
+"""libcuda of the fake GPU, for ``kvd_protocol.cuda_driver``'s ctypes calls.
+
+``FakeLibcuda`` has the driver functions cuda_driver calls, taking the same
+ctypes arguments (``byref`` outputs, ``c_void_p``/``c_uint64`` values) and
+returning a ``CUresult`` (0, or the error's code: fakecuda.errors), over
+the same address space, devices and streams as the fake runtime. So the
+engine side (exporting tensors, registering the flag page, marking its
+stream, waiting for layers) and the daemon side (``allocation_size``,
+the load's layer and done words) run cuda_driver's real code.
+
+``install()`` makes cuda_driver use it in this process (cuda_driver loads
+libcuda once, into its module global ``_lib``; the fake goes there) and
+returns a function that puts back what was there. The daemon gets it from
+the cupy shim (tests/fakecuda/shim); engines in tests call ``install``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from . import errors, runtime, streams
+from .errors import INVALID_VALUE, CudaError
+from .memory import SPACE
+
+ATTR_DEVICE_ORDINAL, ATTR_IPC_CAPABLE, ATTR_RANGE_START, ATTR_RANGE_SIZE = 9, 10, 11, 12
+_CONTEXT = 0xC0A7E47
+
+
+def _value(arg) -> int:
+    v = getattr(arg, "value", arg)
+    return 0 if v is None else int(v)
+
+
+def _out(ref, value: int) -> None:
+    ref._obj.value = value
+
+
+def _status(fn):
+    def call(*args):
+        try:
+            errors.check()
+            fn(*args)
+        except CudaError as exc:
+            return exc.status
+        return 0
+    call.__name__ = fn.__name__
+    return call
+
+
+class FakeLibcuda:
+    @_status
+    def cuInit(self, flags):
+        pass
+
+    @_status
+    def cuDeviceGet(self, dev_ref, ordinal):
+        if not 0 <= _value(ordinal) < runtime.device_count():
+            raise CudaError(INVALID_VALUE, f"no device {_value(ordinal)}")
+        _out(dev_ref, _value(ordinal))
+
+    @_status
+    def cuDeviceGetUuid_v2(self, uuid, dev):
+        ctypes.memmove(uuid, runtime.device_uuid(_value(dev)), 16)
+
+    @_status
+    def cuPointerGetAttribute(self, out_ref, attr, ptr):
+        r = SPACE.find(_value(ptr))
+        if r is None:
+            raise CudaError(INVALID_VALUE, f"{_value(ptr):#x} is no memory the GPU knows")
+        attr = _value(attr)
+        values = {ATTR_DEVICE_ORDINAL: r.device, ATTR_IPC_CAPABLE: int(r.kind == "device"),
+                  ATTR_RANGE_START: r.base, ATTR_RANGE_SIZE: r.size}
+        if attr not in values:
+            raise CudaError(INVALID_VALUE, f"pointer attribute {attr}")
+        _out(out_ref, values[attr])
+
+    @_status
+    def cuIpcGetMemHandle(self, handle, base):
+        raw = SPACE.ipc_handle(_value(base))
+        ctypes.memmove(handle, raw, len(raw))
+
+    @_status
+    def cuCtxGetCurrent(self, ctx_ref):
+        _out(ctx_ref, _CONTEXT)
+
+    @_status
+    def cuDevicePrimaryCtxRetain(self, ctx_ref, dev):
+        _out(ctx_ref, _CONTEXT)
+
+    @_status
+    def cuCtxSetCurrent(self, ctx):
+        pass
+
+    @_status
+    def cuMemHostRegister_v2(self, ptr, size, flags):
+        SPACE.host_register(_value(ptr), _value(size))
+
+    @_status
+    def cuMemHostGetDevicePointer_v2(self, out_ref, ptr, flags):
+        r = SPACE.find(_value(ptr))
+        if r is None or r.kind not in runtime.HOST:
+            raise CudaError(INVALID_VALUE, f"{_value(ptr):#x} is not registered host memory")
+        _out(out_ref, _value(ptr))
+
+    @_status
+    def cuMemHostUnregister(self, ptr):
+        SPACE.host_unregister(_value(ptr))
+
+    @_status
+    def cuStreamWriteValue32_v2(self, stream, addr, value, flags):
+        streams.stream_at(_value(stream)).write_value32(_value(addr), _value(value))
+
+    @_status
+    def cuStreamWaitValue32_v2(self, stream, addr, value, flags):
+        if _value(flags) != 0:  # only GEQ, the one cuda_driver uses
+            raise CudaError(INVALID_VALUE, f"wait flags {_value(flags)}")
+        streams.stream_at(_value(stream)).wait_value32(_value(addr), _value(value))
+
+
+def install():
+    """Point kvd_protocol.cuda_driver at the fake; returns the undo."""
+    from kvd_protocol import cuda_driver
+    before = cuda_driver._lib
+    cuda_driver._lib = FakeLibcuda()
+
+    def restore() -> None:
+        cuda_driver._lib = before
+    return restore

@@ -1,0 +1,91 @@
+"""An engine on the fake GPU: KV tensors in fake device memory, and the pool that exports them.
+
+``kv_tensors(layout, layers, pages, page_size, heads, dim)`` allocates one
+fake device allocation (fakecuda.memory) and places the layout's tensors in
+it at 256-byte aligned offsets after a gap, as a caching allocator hands
+out tensors in the middle of a block; they are numpy arrays (2-byte
+elements stand for bfloat16), filled with random bytes, so the engine's
+CPU reads and writes "GPU" memory directly where a torch test would copy.
+``FakeCudaKVPool`` is ``kvd_client.torch_pool.CudaKVPool`` for such
+tensors: it exports each tensor's allocation through cuda_driver (the fake
+libcuda: fakecuda.driver), builds the same layout descriptor and buffer
+list, and names its engine stream (a fakecuda ``Stream`` on which the test
+queues the "forward pass": ``launch(fn)``, ``sleep(s)``) for the client's
+marks and layer waits. The test process must have called
+``fakecuda.driver.install()``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvd_protocol import layout as L
+from kvd_protocol.cuda_driver import export_allocation
+
+from .memory import SPACE
+from .streams import Stream
+
+ALIGN = 256
+GAP = 4096  # bytes before the first tensor of an allocation
+
+
+def shapes(layout: str, layers: int, pages: int, ps: int, heads: int, dim: int) -> list[tuple]:
+    """Each tensor's shape, flattened as ``CudaKVPool`` flattens them (sglang_mha: K0, V0, ...)."""
+    per_layer = {"vllm_flash_attn": [(2, pages, ps, heads, dim)],
+                 "vllm_flashinfer": [(pages, 2, ps, heads, dim)],
+                 "vllm_mla": [(pages, ps, dim)],
+                 "sglang_mha": [(pages * ps, heads, dim)] * 2,
+                 "sglang_mla": [(pages * ps, 1, dim)]}
+    if layout == "page_first":
+        return [(pages, layers, 2, ps, heads, dim)]
+    return per_layer[layout] * layers
+
+
+def kv_tensors(layout: str, layers: int, pages: int, page_size: int, heads: int, dim: int,
+               seed: int = 0):
+    """(the tensors as the layout passes them to the pool, the flat list, the allocation)."""
+    flat_shapes = shapes(layout, layers, pages, page_size, heads, dim)
+    offsets, end = [], GAP
+    for shape in flat_shapes:
+        offsets.append(end)
+        end += -(-int(np.prod(shape)) * 2 // ALIGN) * ALIGN
+    region = SPACE.alloc(end + GAP)
+    region.array[:] = np.random.default_rng(seed).integers(0, 256, region.size, dtype=np.uint8)
+    flat = [region.array[o:o + int(np.prod(s)) * 2].view(np.uint16).reshape(s)
+            for o, s in zip(offsets, flat_shapes)]
+    if layout == "sglang_mha":
+        return list(zip(flat[0::2], flat[1::2])), flat, region
+    return (flat[0] if layout == "page_first" else flat), flat, region
+
+
+class FakeCudaKVPool:
+    def __init__(self, layout: str, tensors, page_size: int | None = None,
+                 kv_dtype: str = "bfloat16", stream: Stream | None = None):
+        flat = [tensors] if layout == "page_first" else (
+            [t for pair in tensors for t in pair] if layout == "sglang_mha" else list(tensors))
+        first = flat[0]
+        self.layout_name = layout
+        self.kv_dtype = kv_dtype
+        self.attention = "mla" if layout.endswith("mla") else "mha"
+        self.num_layers = first.shape[1] if layout == "page_first" else \
+            len(flat) // (2 if layout == "sglang_mha" else 1)
+        self.kv_heads = 1 if self.attention == "mla" else first.shape[-2]
+        self.head_dim = first.shape[-1]
+        self.buffers, refs, index = [], [], {}
+        for t in flat:
+            ptr = t.ctypes.data
+            alloc = export_allocation(ptr)
+            if alloc.base not in index:
+                index[alloc.base] = len(self.buffers)
+                self.buffers.append({"kind": "cuda_ipc", "handle": alloc.handle, "offset": 0,
+                                     "size": alloc.size, "device_uuid": alloc.device_uuid})
+            refs.append(L.TensorRef(index[alloc.base], ptr - alloc.base, tuple(t.shape),
+                                    tuple(t.strides), t.itemsize))
+        self.descriptor = L.describe(layout, refs, page_size)
+        self.tensors = tensors
+        self.device_index = 0
+        self.stream = stream or Stream(name="engine")
+
+    def stream_ptr(self) -> int:
+        """The engine's current stream (a ``cudaStream_t`` of the fake GPU)."""
+        return self.stream.ptr
