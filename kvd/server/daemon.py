@@ -254,7 +254,7 @@ class Daemon:
         if self.service is not None:
             for engine in self.service.engines.values():
                 engine.close()
-        self.host.close()
+        self.host.close(served=bool(self.sockets))
         self.lock.release()
 
     async def _serve(self, sock, ops: dict, handler) -> None:

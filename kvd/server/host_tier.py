@@ -22,8 +22,9 @@
 computed; ``close`` (after the loop) stops the hashing threads and, with
 ``warm_restart``, writes the LRU order, marks the index clean and keeps
 both files for the next start (one line with what it kept); without it,
-removes them. A start-up interrupted by a signal removes a new arena and
-leaves one being adopted as it was.
+removes them. A start-up interrupted by a signal removes an arena it made
+and keeps one it adopted. The index is marked clean only when no adopted
+chunk still waits for its verification.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class HostTierSetup:
                 self.journal.counters["bad_records"] = self.adoption.bad_records
             for number, offset, size in (self.adoption.unsealed if self.adoption else ()):
                 self.journal.seal(number, offset, size)
+            if self.adoption is not None and self.adoption.checks:
+                self.journal.verify = "waiting"
         return True
 
     async def _rebuild(self, index: ArenaIndex, crashed: bool) -> bool:
@@ -122,11 +125,13 @@ class HostTierSetup:
             return None
         if not self.cfg.warm_restart or self.cfg.cold_start:
             why = "cold_start (--cold)" if self.cfg.cold_start else "warm_restart is off"
-            return self._discard(f"{why}: deleted the host tier a previous daemon left")
+            self._discard(f"{why}: deleted the host tier a previous daemon left")
+            return None
         try:
             index = ArenaIndex.open(self.index_path)
         except IndexProblem as exc:
-            return self._discard(f"not adopted ({exc}): deleted it")
+            self._discard(f"not adopted ({exc}): deleted it")
+            return None
         try:
             problem = index.problem(self.path.stat(), self.cfg.host_capacity, self.align,
                                     self.cfg.chunk_tokens)
@@ -136,14 +141,14 @@ class HostTierSetup:
             problem = f"its previous owner (pid {index.head['pid']}) is still exiting"
         if problem is not None:
             index.close(clean=False)
-            return self._discard(f"not adopted ({problem}): deleted it")
+            self._discard(f"not adopted ({problem}): deleted it")
+            return None
         return index
 
     def _discard(self, why: str) -> None:
         log.warning("host tier at %s %s; starting empty", self.path, why)
         self.path.unlink(missing_ok=True)
         self.index_path.unlink(missing_ok=True)
-        return None
 
     async def _owner_gone(self, index: ArenaIndex) -> bool:
         pid, start = index.head["pid"], index.head["start"]
@@ -216,7 +221,13 @@ class HostTierSetup:
     async def _verify(self) -> None:
         checks = self.adoption.checks
         nbytes = sum(e.shard_bytes for e, _, _ in checks)
-        await verify(self.tier, self.journal, checks)
+        self.journal.verify = "running"
+        try:
+            await verify(self.tier, self.journal, checks)
+        except asyncio.CancelledError:
+            self.journal.verify = "stopped"
+            raise
+        self.journal.verify = "done"
         c = self.journal.counters
         secs = max(c["verify_seconds"], 1e-9)
         log.info("host tier verified: %d shards good, %d failed their checksum (dropped), %d "
@@ -235,15 +246,19 @@ class HostTierSetup:
         while self.journal is not None and self.journal.unsealed and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    def close(self) -> None:
-        """After the loop: keep the arena for the next daemon (warm_restart) or remove it."""
+    def close(self, served: bool) -> None:
+        """After the loop: keep the arena for the next daemon (warm_restart) or remove it;
+        one this start-up made and never served with is removed too (nothing left behind)."""
         if self.arena is None:
             return
-        keep = self.journal is not None
-        if keep:
+        keep = self.journal is not None and (served or self.started != "new")
+        if self.journal is not None:
             self.journal.hasher.stop()
-            self.journal.checkpoint(self.tier.entries.values())
-            self.journal.index.close(clean=True)
+            if keep:
+                self.journal.checkpoint(self.tier.entries.values())
+            # chunks adopted after a crash and not verified yet: the next start verifies
+            unverified = self.adoption is not None and bool(self.adoption.checks)
+            self.journal.index.close(clean=keep and not unverified)
         self.arena.close(keep=keep)
         if keep:
             log.info("host tier kept at %s for the next start: %d chunks, %s used (delete %s "

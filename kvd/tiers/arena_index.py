@@ -142,8 +142,8 @@ class ArenaIndex:
             return (f"made for host_capacity {h['capacity']} bytes (file of {arena_stat.st_size}), "
                     f"this daemon has {capacity}")
         if h["align"] != align:
-            return (f"made with slot alignment {h['align']}, this daemon uses {align} "
-                    "(the disk tier needs 4096: disk_dir was set or unset)")
+            return (f"made with slot alignment {h['align']}, this daemon uses {align}: "
+                    "disk_dir was set or unset")
         if h["chunk_tokens"] != chunk_tokens:
             return f"made for chunk_tokens {h['chunk_tokens']}, this daemon has {chunk_tokens}"
         if h["state"] not in (RUNNING, CLEAN):

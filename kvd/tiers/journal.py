@@ -116,6 +116,7 @@ class Journal:
         self.free = [i for i in range(n - 1, -1, -1) if self.owner[i] is None]  # low ones first
         self.unsealed = 0
         self.start = "new"  # how this daemon's tier began: new, clean (adopted) or crash
+        self.verify = "none"  # after a crash: waiting (to serve first), running, done, stopped
         self.counters: Counter = Counter()
 
     # ---- hooks (kvd/tiers/host.py) ------------------------------------------------------
@@ -213,7 +214,7 @@ class Journal:
 
     def stats(self) -> dict:
         c = self.counters
-        return {"start": self.start, "adopted_chunks": c["adopted_chunks"],
+        return {"start": self.start, "verify": self.verify, "adopted_chunks": c["adopted_chunks"],
                 "bad_records": c["bad_records"], "verify_pending": c["verify_pending"],
                 "verified_shards": c["verified_shards"], "checksum_failures": c["checksum_failures"],
                 "verify_seconds": c["verify_seconds"], "unsealed_shards": self.unsealed,
