@@ -11,7 +11,10 @@ that scans from the LRU end -- and then times, per request of ``--chunks`` keys:
   stand-in disk that accepts every write at once (the pass's own cost, no IO).
 
 Medians over ``--requests`` requests, in microseconds. Flat figures across N mean the
-per-request cost does not grow with the number of cached entries. Usage:
+per-request cost does not grow with the number of cached entries. ``--journal`` runs each
+size twice, without and with the warm-restart journal (kvd/tiers/journal.py: an index
+record per commit, checksums on hashing threads), alternating, so the second row is its
+cost on the event loop. Usage:
 ``.venv/bin/python tools/host_tier_bench.py [--sizes 1000,10000,100000] [--leased 0.5]``.
 """
 
@@ -21,11 +24,15 @@ import argparse
 import asyncio
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
+from kvd.tiers.arena_index import ArenaIndex
 from kvd.tiers.host import HostTier
+from kvd.tiers.journal import Hasher, Journal
 from kvd.tiers.tiering import Tiering
 
 ENTRY = 256  # bytes per entry: the bookkeeping is what is measured, not copies
@@ -69,13 +76,19 @@ def _timed(fn) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-async def measure(n: int, leased: float, chunks: int, requests: int) -> dict:
+async def measure(n: int, leased: float, chunks: int, requests: int, journal: str = "") -> dict:
     tier = HostTier(n * ENTRY, align=ENTRY)
+    view = np.zeros(n * ENTRY, np.uint8)
+    if journal:  # an index file beside a stand-in arena file, as the daemon keeps them
+        arena = Path(journal) / "arena"
+        arena.write_bytes(b"")
+        index = ArenaIndex.create(Path(journal) / "arena.index", arena.stat(), n * ENTRY, ENTRY, 16)
+        tier.journal = Journal(index, Hasher(view, 2, asyncio.get_running_loop()))
     for i in range(0, n, 1024):
         _store(tier, [_key(j) for j in range(i, min(i + 1024, n))])
     pinned = [tier.entries[_key(i)] for i in range(int(n * leased))]
     tier.pin(pinned)  # the coldest share is leased
-    tiering = Tiering(tier, InstantDisk(), np.zeros(n * ENTRY, np.uint8))
+    tiering = Tiering(tier, InstantDisk(), view)
     for _ in range(64):  # demote until the watermark is met, so passes start in a steady state
         tiering.demote_pass()
         await asyncio.sleep(0)
@@ -92,6 +105,9 @@ async def measure(n: int, leased: float, chunks: int, requests: int) -> dict:
         await asyncio.sleep(0)  # demotions complete
         hot = keys
     tier.unpin(pinned)
+    if journal:
+        tier.journal.hasher.stop()
+        tier.journal.index.close(clean=False)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
@@ -101,14 +117,17 @@ def main() -> None:
     ap.add_argument("--leased", type=float, default=0.5, help="share of entries leased (coldest)")
     ap.add_argument("--chunks", type=int, default=64, help="keys per lookup and store")
     ap.add_argument("--requests", type=int, default=50, help="requests timed per size")
+    ap.add_argument("--journal", action="store_true", help="also with the warm-restart journal")
     args = ap.parse_args()
     print(f"host tier bookkeeping, {args.chunks} keys per request, {args.leased:.0%} leased "
           f"(coldest), median of {args.requests} requests, us (pid {os.getpid()})")
     print(f"{'entries':>9}{'lookup':>10}{'store':>10}{'stats':>10}{'demote':>10}")
     for n in (int(s) for s in args.sizes.split(",")):
-        r = asyncio.run(measure(n, args.leased, args.chunks, args.requests))
-        print(f"{n:>9}{r['lookup']:>10.0f}{r['store']:>10.0f}{r['stats']:>10.0f}"
-              f"{r['demote']:>10.0f}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="kvd-htb-", dir="/dev/shm") as tmp:
+            for journal in ("", tmp) if args.journal else ("",):
+                r = asyncio.run(measure(n, args.leased, args.chunks, args.requests, journal))
+                print(f"{n:>9}{r['lookup']:>10.0f}{r['store']:>10.0f}{r['stats']:>10.0f}"
+                      f"{r['demote']:>10.0f}{'  journal' if journal else ''}", flush=True)
 
 
 if __name__ == "__main__":

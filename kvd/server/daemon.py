@@ -28,8 +28,8 @@ per frame), and a message whose frames together exceed it gets a
 background. SIGTERM/SIGINT: stop reading, end every request waiting on a
 client (``shutting_down``), let the others (and their copies) finish and
 finish disk IO within ``shutdown_grace_s`` in all, remove the sockets,
-keep the host tier for the next start (``warm_restart``), exit 0: bounded whatever the GPU or the clients do, since no copy
-waits on another process.
+keep the host tier for the next start (``warm_restart``), exit 0: bounded
+whatever the GPU or the clients do, since no copy waits on another process.
 """
 
 from __future__ import annotations

@@ -196,10 +196,11 @@ class ArenaIndex:
     def set_state(self, n: int, live: bool) -> None:
         _STATE.pack_into(self._map, HEADER + n * RECORD, LIVE if live else 0)
 
-    def seal(self, n: int, digest: int) -> None:
+    def seal(self, n: int, digest: int, flags: int) -> None:
+        """Write the digest, then ``flags`` (with ``SEALED``: after the digest)."""
         at = HEADER + n * RECORD
         _DIGEST.pack_into(self._map, at + 56, digest)
-        _FLAGS.pack_into(self._map, at + 4, _FLAGS.unpack_from(self._map, at + 4)[0] | SEALED)
+        _FLAGS.pack_into(self._map, at + 4, flags | SEALED)
 
     def set_flag(self, n: int, flag: int, on: bool) -> None:
         at = HEADER + n * RECORD + 4
@@ -214,6 +215,10 @@ class ArenaIndex:
         del table  # the mapping cannot be resized or closed while a view of it lives
 
     # ---- closing ----------------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self._map is not None
 
     def close(self, clean: bool) -> None:
         """Unmap; with ``clean`` the next daemon trusts every record without verifying."""
