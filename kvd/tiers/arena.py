@@ -3,23 +3,22 @@
 Named ``kvd-arena-<instance tag>`` under the shm directory (``arena_path``;
 the tag is the runtime dir's, not the pid: the next daemon of that dir
 finds it and adopts it, kvd/tiers/adopt.py). ``SharedArena(path, size)``
-makes a new one: the file is fully allocated up front (posix_fallocate: a
-full /dev/shm fails here with a clear message rather than SIGBUS later)
-and its pages are mapped in (MADV_POPULATE_WRITE, or a write per page on
-kernels before 5.14) so the request path never page-faults.
-``SharedArena(path, size, adopt=True)`` maps an existing file of exactly
-``size`` bytes and populates its page tables the same way (no zeroing:
-the pages exist).
+makes a new one and maps every page in (MADV_POPULATE_WRITE: the faults
+allocate and zero them, so the request path never page-faults; a full
+tmpfs is an error there, never a SIGBUS later; kernels before 5.14:
+posix_fallocate, then a write per page). ``SharedArena(path, size,
+adopt=True)`` maps an existing file of exactly ``size`` bytes and maps its
+pages in (MADV_POPULATE_READ: no zeroing, the pages exist).
 
-Speed: the work goes in pieces of ``PIECE`` bytes; the allocating thread
-fallocates them in order (tmpfs serialises fallocate per file) and hands
-each to ``threads`` threads that populate pieces in parallel (page
-faults of different pieces run concurrently in the kernel). The mapping
-is advised MADV_HUGEPAGE first: where the tmpfs allows huge pages on
-advice (``mount -o huge=advise``, or ``within_size``/``always``) its pages
-are 2 MiB, 512 times fewer faults and TLB entries (measured:
-docs/benchmarks.md); elsewhere the advice does nothing. ``huge_pages``
-says what the kernel did (``ShmemPmdMapped`` of the mapping).
+Speed (docs/benchmarks.md): the work goes in pieces of ``PIECE`` bytes,
+``threads`` pieces at once (page faults of different pieces run
+concurrently in the kernel; posix_fallocate, which takes the file's lock,
+is left out where populating reports a full tmpfs by itself). The mapping
+is advised MADV_HUGEPAGE first: where the tmpfs gives huge pages on advice
+(``mount -o remount,huge=advise /dev/shm``; ``within_size`` or ``always``
+without it) they are 2 MiB, 512 times fewer faults and TLB entries;
+elsewhere the advice does nothing. ``huge_pages`` says what the kernel did
+(``ShmemPmdMapped`` of the mapping).
 
 Between pieces the constructor reports progress (``on_progress(bytes
 done)``) and checks ``stop`` (a ``threading.Event``); when it is set it
@@ -45,7 +44,7 @@ import numpy as np
 
 PIECE = 64 * 2**20
 PAGE = mmap.PAGESIZE
-MADV_POPULATE_WRITE = 23  # Linux 5.14+; the mmap module names it only from Python 3.13
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+; named by mmap from Python 3.13
 MADV_HUGEPAGE = 14
 THREADS = max(1, min(8, os.cpu_count() or 1))
 
@@ -133,18 +132,15 @@ def _map_in(fd: int, size: int, allocate: bool, stop: threading.Event, on_progre
 
 
 def _populate(m, fd, size, allocate, stop, on_progress, pool, threads) -> None:
-    """Fallocate (when ``allocate``) piece by piece, populating up to ``threads`` pieces
-    at once behind it; progress counts populated bytes."""
+    """Populate ``threads`` pieces at once; progress counts populated bytes."""
     pending, done = [], 0
-    state = {"touch": False}  # set once MADV_POPULATE_WRITE is refused (kernel < 5.14)
+    state = {"old_kernel": False}  # set once MADV_POPULATE_* is refused (kernel < 5.14)
     try:
         for off in range(0, size, PIECE):
             if stop.is_set():
                 raise AllocationStopped(done, size)
-            n = min(PIECE, size - off)
-            if allocate:
-                os.posix_fallocate(fd, off, n)
-            pending.append(pool.submit(_populate_piece, m, off, n, state))
+            pending.append(pool.submit(_populate_piece, m, fd, off, min(PIECE, size - off),
+                                       allocate, state))
             while len(pending) >= threads:
                 done += pending.pop(0).result()
                 if on_progress is not None:
@@ -163,15 +159,25 @@ def _populate(m, fd, size, allocate, stop, on_progress, pool, threads) -> None:
                 pass
 
 
-def _populate_piece(m: mmap.mmap, off: int, n: int, state: dict) -> int:
-    if not state["touch"]:
+def _populate_piece(m: mmap.mmap, fd: int, off: int, n: int, allocate: bool, state: dict) -> int:
+    """Map in one piece: a new arena's pages are allocated and zeroed by the faults
+    (MADV_POPULATE_WRITE; a full tmpfs is an error here, never a SIGBUS later), an
+    adopted one's only mapped (MADV_POPULATE_READ: the mapping is writable, tmpfs has no
+    dirty tracking, and it measured two to three times faster than WRITE on existing
+    pages). Before Linux 5.14: posix_fallocate, then a write per page."""
+    if not state["old_kernel"]:
         try:
-            m.madvise(MADV_POPULATE_WRITE, off, n)
+            m.madvise(MADV_POPULATE_WRITE if allocate else MADV_POPULATE_READ, off, n)
             return n
         except OSError as exc:
+            if exc.errno in (errno.EFAULT, errno.ENOMEM):
+                raise OSError(errno.ENOSPC, "out of room (tmpfs full, or memory short) while "
+                              "populating it") from None
             if exc.errno != errno.EINVAL:
                 raise
-            state["touch"] = True  # kernel before 5.14
+            state["old_kernel"] = True
+    if allocate:
+        os.posix_fallocate(fd, off, n)  # a full tmpfs fails here rather than SIGBUS later
     m[off:off + n:PAGE] = m[off:off + n:PAGE]  # a write per page, of what it holds
     return n
 
