@@ -125,12 +125,12 @@ class HostTierSetup:
             return None
         if not self.cfg.warm_restart or self.cfg.cold_start:
             why = "cold_start (--cold)" if self.cfg.cold_start else "warm_restart is off"
-            self._discard(f"{why}: deleted the host tier a previous daemon left")
+            self._discard(f"{why}: deleted the host tier a previous daemon left at {self.path}")
             return None
         try:
             index = ArenaIndex.open(self.index_path)
         except IndexProblem as exc:
-            self._discard(f"not adopted ({exc}): deleted it")
+            self._discard(f"host tier at {self.path} not adopted ({exc}): deleted it")
             return None
         try:
             problem = index.problem(self.path.stat(), self.cfg.host_capacity, self.align,
@@ -141,12 +141,12 @@ class HostTierSetup:
             problem = f"its previous owner (pid {index.head['pid']}) is still exiting"
         if problem is not None:
             index.close(clean=False)
-            self._discard(f"not adopted ({problem}): deleted it")
+            self._discard(f"host tier at {self.path} not adopted ({problem}): deleted it")
             return None
         return index
 
-    def _discard(self, why: str) -> None:
-        log.warning("host tier at %s %s; starting empty", self.path, why)
+    def _discard(self, what: str) -> None:
+        log.warning("%s; starting empty", what)
         self.path.unlink(missing_ok=True)
         self.index_path.unlink(missing_ok=True)
 

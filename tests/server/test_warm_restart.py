@@ -285,8 +285,8 @@ def test_cold_starts_empty(start_daemon):
         checker.close()
     assert d.stop() == 0
     d = start_daemon(runtime_dir=rd, cold=None, **KNOBS)
-    assert ("cold_start (--cold): deleted the host tier a previous daemon left; starting empty"
-            in d.log()), d.log()
+    assert (f"cold_start (--cold): deleted the host tier a previous daemon left at "
+            f"{arena_files(rd)[0]}; starting empty" in d.log()), d.log()
     assert host(d)["warm"]["start"] == "new" and host(d)["chunks"] == 0
     checker = Checker(rd)
     try:
@@ -338,7 +338,7 @@ def test_warm_restart_off_keeps_nothing(start_daemon):
     assert d.stop() == 0
     assert len(arena_files(rd)) == 2
     d = start_daemon(runtime_dir=rd, warm_restart="false", **KNOBS)
-    assert "warm_restart is off: deleted the host tier a previous daemon left" in d.log()
+    assert "warm_restart is off: deleted the host tier a previous daemon left at" in d.log()
     assert "warm" not in host(d)
     assert d.stop() == 0
     assert arena_files(rd) == []
