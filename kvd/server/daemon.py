@@ -123,13 +123,12 @@ class Daemon:
         if not await self.host.open():
             return False
         arena = self.host.arena
-        engines = {"shm": HostCopyEngine(arena.view, shm_dir, self.cfg.copy_threads, arena.path)}
+        arena_id = (arena.stat.st_dev, arena.stat.st_ino)
+        engines = {"shm": HostCopyEngine(arena.view, shm_dir, self.cfg.copy_threads, arena_id)}
         cuda = startup.make_cuda_engine(self.cfg, arena.view)
         if cuda is not None:
             engines["cuda_ipc"] = cuda
-        st = os.stat(arena.path)
-        self.service = Service(self.cfg, self.host.tier, engines, (st.st_dev, st.st_ino),
-                               os.urandom(8).hex())
+        self.service = Service(self.cfg, self.host.tier, engines, arena_id, os.urandom(8).hex())
         if self.disk is not None:
             self.service.tiering = Tiering(self.service.tier, self.disk, arena.view,
                                            self.cfg.disk_high_watermark, self.cfg.disk_min_hits)

@@ -80,7 +80,7 @@ class HostTierSetup:
             if self.arena is None:
                 return False
             if self.cfg.warm_restart:
-                index = ArenaIndex.create(self.index_path, self.path.stat(), cap, self.align,
+                index = ArenaIndex.create(self.index_path, self.arena.stat, cap, self.align,
                                           self.cfg.chunk_tokens)
         if index is not None:
             hasher = Hasher(self.arena.view, self.cfg.verify_threads, asyncio.get_running_loop())

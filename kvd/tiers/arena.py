@@ -25,8 +25,9 @@ done)``) and checks ``stop`` (a ``threading.Event``); when it is set it
 raises ``AllocationStopped`` (a new file is removed first; an adopted one
 is left as it was), so a signal handler can abandon a minutes-long
 allocation at once (run the constructor on a thread). ``close(keep)``
-unmaps, and removes the file unless ``keep``. The CUDA backend registers
-``view`` with the driver as pinned.
+unmaps, and removes the file unless ``keep``. ``stat`` is the file's
+``os.stat_result`` (its identity: never a client's pool). The CUDA backend
+registers ``view`` with the driver as pinned.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class SharedArena:
                 raise RuntimeError(f"{self.path} is not {size} bytes long")
             self._map = _map_in(fd, size, not adopt, stop or threading.Event(), on_progress,
                                 threads)
+            self.stat = os.fstat(fd)  # the file's identity, whatever happens to its name
         except OSError as exc:
             self._abandon()
             what = "map" if adopt else "allocate"

@@ -74,9 +74,10 @@ class Hasher:
         while True:
             batch, nbytes = [], 0
             job = self.jobs.get()
-            while job is not None:
+            view = self.view  # None once stopped
+            while job is not None and view is not None:
                 callback, payload, offset, size = job
-                digest = xxhash.xxh3_64_intdigest(self.view[offset:offset + size])
+                digest = xxhash.xxh3_64_intdigest(view[offset:offset + size])
                 batch.append((callback, payload, digest))
                 nbytes += size
                 if nbytes >= BATCH_BYTES:
@@ -87,7 +88,7 @@ class Hasher:
                     break
             if batch:
                 self._deliver(batch)
-            if job is None or self.stopping:
+            if job is None or view is None or self.stopping:
                 return
 
     def _deliver(self, batch: list) -> None:
