@@ -6,7 +6,8 @@ arena of ``--gib`` GiB in ``--dir`` (MADV_POPULATE_WRITE: allocate and zero ever
 closes it keeping the file, maps it again as a restarted daemon adopts it
 (MADV_POPULATE_READ), and deletes it. The row ``before`` is the method this replaced, in
 the same rounds: posix_fallocate then MADV_POPULATE_WRITE per 64 MiB piece on one thread
-(and POPULATE_WRITE to map an existing file again). Prints the medians in seconds and GiB/s and how
+(and POPULATE_WRITE to map an existing file again). The order of the variants rotates
+from round to round. Prints the medians in seconds and GiB/s and how
 much of the mapping the kernel gave huge pages (a tmpfs mounted ``huge=advise`` or
 ``within_size``: ``mount -o remount,huge=advise /dev/shm``; compare with a run on a
 plain /dev/shm). Usage (the GPU machine: ``--gib 64 --threads 1,4,8,16``):
@@ -76,10 +77,10 @@ def main() -> None:
     runs: dict = {"before": [], **{t: [] for t in counts}}
     path = Path(args.dir) / f"alloc-bench-{os.getpid()}"  # not kvd-*: test suites sweep those
     try:
-        for _ in range(args.repeat):
-            runs["before"].append(before(path, size))
-            for t in counts:
-                runs[t].append(once(path, size, t))
+        variants = list(runs)
+        for r in range(args.repeat):  # the order rotates: memory just freed is reused faster
+            for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+                runs[v].append(before(path, size) if v == "before" else once(path, size, v))
     finally:
         path.unlink(missing_ok=True)
     print(f"arena of {args.gib:g} GiB in {args.dir}, median of {args.repeat} (cores: "

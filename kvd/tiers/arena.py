@@ -3,22 +3,23 @@
 Named ``kvd-arena-<instance tag>`` under the shm directory (``arena_path``;
 the tag is the runtime dir's, not the pid: the next daemon of that dir
 finds it and adopts it, kvd/tiers/adopt.py). ``SharedArena(path, size)``
-makes a new one and maps every page in (MADV_POPULATE_WRITE: the faults
-allocate and zero them, so the request path never page-faults; a full
-tmpfs is an error there, never a SIGBUS later; kernels before 5.14:
-posix_fallocate, then a write per page). ``SharedArena(path, size,
+makes a new one and maps every page in (posix_fallocate, then
+MADV_POPULATE_WRITE: the pages are allocated and zeroed up front, so the
+request path never page-faults, and a full tmpfs is an error here, never a
+SIGBUS later; kernels before 5.14: a write per page). ``SharedArena(path, size,
 adopt=True)`` maps an existing file of exactly ``size`` bytes and maps its
 pages in (MADV_POPULATE_READ: no zeroing, the pages exist).
 
-Speed (docs/benchmarks.md): the work goes in pieces of ``PIECE`` bytes,
-``threads`` pieces at once (page faults of different pieces run
-concurrently in the kernel; posix_fallocate, which takes the file's lock,
-is left out where populating reports a full tmpfs by itself). The mapping
-is advised MADV_HUGEPAGE first: where the tmpfs gives huge pages on advice
-(``mount -o remount,huge=advise /dev/shm``; ``within_size`` or ``always``
-without it) they are 2 MiB, 512 times fewer faults and TLB entries;
-elsewhere the advice does nothing. ``huge_pages`` says what the kernel did
-(``ShmemPmdMapped`` of the mapping).
+Speed (docs/benchmarks.md, tools/arena_alloc_bench.py): the work goes in
+pieces of ``PIECE`` bytes, ``threads`` pieces at once (page faults of
+different pieces run concurrently in the kernel; fallocate takes the
+file's lock). The mapping is advised MADV_HUGEPAGE first: where the tmpfs
+gives huge pages (``mount -o remount,huge=advise /dev/shm``, or
+``within_size``, ``always``) they are 2 MiB, 512 times fewer faults and TLB
+entries; elsewhere the advice does nothing. On a ``huge=advise`` tmpfs the
+fallocate is left out (it would allocate small pages before the faults
+that carry the advice; populating then reports a full tmpfs by itself).
+``huge_pages`` says what the kernel did (``ShmemPmdMapped``).
 
 Between pieces the constructor reports progress (``on_progress(bytes
 done)``) and checks ``stop`` (a ``threading.Event``); when it is set it
@@ -136,7 +137,8 @@ def _map_in(fd: int, size: int, allocate: bool, stop: threading.Event, on_progre
 def _populate(m, fd, size, allocate, stop, on_progress, pool, threads) -> None:
     """Populate ``threads`` pieces at once; progress counts populated bytes."""
     pending, done = [], 0
-    state = {"old_kernel": False}  # set once MADV_POPULATE_* is refused (kernel < 5.14)
+    state = {"old_kernel": False,  # set once MADV_POPULATE_* is refused (kernel < 5.14)
+             "fallocate": allocate and not huge_on_advice(Path(f"/proc/self/fd/{fd}"))}
     try:
         for off in range(0, size, PIECE):
             if stop.is_set():
@@ -167,6 +169,8 @@ def _populate_piece(m: mmap.mmap, fd: int, off: int, n: int, allocate: bool, sta
     adopted one's only mapped (MADV_POPULATE_READ: the mapping is writable, tmpfs has no
     dirty tracking, and it measured two to three times faster than WRITE on existing
     pages). Before Linux 5.14: posix_fallocate, then a write per page."""
+    if state["fallocate"]:
+        os.posix_fallocate(fd, off, n)
     if not state["old_kernel"]:
         try:
             m.madvise(MADV_POPULATE_WRITE if allocate else MADV_POPULATE_READ, off, n)
@@ -178,10 +182,28 @@ def _populate_piece(m: mmap.mmap, fd: int, off: int, n: int, allocate: bool, sta
             if exc.errno != errno.EINVAL:
                 raise
             state["old_kernel"] = True
-    if allocate:
+    if allocate and not state["fallocate"]:
         os.posix_fallocate(fd, off, n)  # a full tmpfs fails here rather than SIGBUS later
     m[off:off + n:PAGE] = m[off:off + n:PAGE]  # a write per page, of what it holds
     return n
+
+
+def huge_on_advice(path: Path) -> bool:
+    """Whether the tmpfs holding ``path`` gives huge pages only to mappings that ask
+    (``huge=advise``): posix_fallocate would give it small pages before the faults ask."""
+    try:
+        target = os.path.realpath(path)
+        best, options = "", ""
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                point = fields[1].encode().decode("unicode_escape")
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > len(best):
+                    best, options = point, fields[3]
+    except OSError:
+        return False
+    return "huge=advise" in options.split(",")
 
 
 def huge_mapped(address: int) -> int:
