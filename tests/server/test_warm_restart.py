@@ -26,6 +26,7 @@ import workers_warm as W
 from conftest import arena_files
 
 import kvd_client
+from kvd.cli.format import format_stats
 from kvd.tiers.arena_index import HEADER, LIVE, RECORD_DTYPE
 
 FULL = W.CHUNKS * W.CHUNK  # tokens of one prompt
@@ -237,6 +238,8 @@ def test_a_corrupted_chunk_is_dropped_and_counted_after_a_crash(start_daemon):
     assert warm["checksum_failures"] == 1 and warm["verified_shards"] == 4 * W.CHUNKS - 1, warm
     assert f"chunk {bad_key.hex()} (shard 0 at offset" in d.log(), d.log()
     assert "failed its checksum after the crash: dropped" in d.log()
+    assert ("host: adopted 64 chunks after a crash  verification done (63 shards good, 0 pending, "
+            "1 checksum failures)") in format_stats(d.stats())
     checker = Checker(rd)
     try:
         assert [checker.served_exactly(i) for i in range(4)] == [W.CHUNKS, 5, W.CHUNKS, W.CHUNKS]
