@@ -97,7 +97,7 @@ def _fill(KvdClient, pool, rundir: str, args, requests: int, ppc: int) -> list:
 
 def _after_restart(KvdClient, pool, rundir: str, prompts: list, t0: float):
     """(s to serving, s to first hit, hit share at serving, hit share when verified,
-    verification s, start kind)."""
+    verification s, how the host tier started: new, clean or crash)."""
     while True:
         try:
             control(rundir, "health", timeout=0.5)
@@ -125,14 +125,15 @@ def _after_restart(KvdClient, pool, rundir: str, prompts: list, t0: float):
         verified = sum(client.lookup(p) for p in prompts) / total
     finally:
         client.close()
-    return serving, first_hit, at_serving, verified, warm.get("verify_seconds", 0.0)
+    return (serving, first_hit, at_serving, verified, warm.get("verify_seconds", 0.0),
+            warm.get("start", "new"))
 
 
 def _report(rows: list, chunks: int) -> None:
     print(f"\n{chunks} chunks stored before each restart; seconds from the new process's start")
     print(f"{'restart':<16}{'serving s':>10}{'first hit s':>13}{'hits at serving':>17}"
-          f"{'hits verified':>15}{'verify s':>10}")
-    for mode, serving, first, at_serving, verified, secs in rows:
+          f"{'hits verified':>15}{'verify s':>10}{'host tier':>11}")
+    for mode, serving, first, at_serving, verified, secs, start in rows:
         first_text = "never" if first is None else f"{first:.2f}"
         print(f"{mode:<16}{serving:>10.2f}{first_text:>13}{at_serving:>17.0%}{verified:>15.0%}"
-              f"{secs:>10.2f}")
+              f"{secs:>10.2f}{start:>11}")
