@@ -14,7 +14,10 @@ Medians over ``--requests`` requests, in microseconds. Flat figures across N mea
 per-request cost does not grow with the number of cached entries. ``--journal`` runs each
 size twice, without and with the warm-restart journal (kvd/tiers/journal.py: an index
 record per commit, checksums on hashing threads), alternating, so the second row is its
-cost on the event loop. Usage:
+cost on the event loop. ``--rebuild`` instead times what a restarted daemon does before it
+serves, per size: reading the index file and rebuilding the entries
+(kvd/tiers/adopt.py ``rebuild``, on a thread in the daemon) and ``HostTier.adopt`` (on the
+loop). Usage:
 ``.venv/bin/python tools/host_tier_bench.py [--sizes 1000,10000,100000] [--leased 0.5]``.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import statistics
 import tempfile
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvd.tiers.adopt import rebuild
 from kvd.tiers.arena_index import ArenaIndex
 from kvd.tiers.host import HostTier
 from kvd.tiers.journal import Hasher, Journal
@@ -111,6 +116,31 @@ async def measure(n: int, leased: float, chunks: int, requests: int, journal: st
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+async def rebuild_seconds(n: int, tmp: str) -> tuple[float, float]:
+    """(rebuild s, adopt s) for a tier of ``n`` entries recorded by a journal."""
+    tier = HostTier(n * ENTRY, align=ENTRY)
+    arena = Path(tmp) / "arena"
+    arena.write_bytes(b"")
+    index = ArenaIndex.create(Path(tmp) / "arena.index", arena.stat(), n * ENTRY, ENTRY, 16)
+    hasher = Hasher(np.zeros(n * ENTRY, np.uint8), 2, asyncio.get_running_loop())
+    tier.journal = Journal(index, hasher)
+    for i in range(0, n, 1024):
+        _store(tier, [_key(j) for j in range(i, min(i + 1024, n))])
+    while hasher.pending:
+        await asyncio.sleep(0.01)
+    hasher.stop()
+    gc.disable()  # as the daemon does (kvd/server/host_tier.py)
+    t0 = time.perf_counter()
+    adoption = rebuild(index, n * ENTRY, ENTRY, crashed=False)
+    t1 = time.perf_counter()
+    HostTier(n * ENTRY, align=ENTRY).adopt(adoption.entries)
+    t2 = time.perf_counter()
+    gc.enable()
+    index.close(clean=False)
+    assert len(adoption.entries) == n
+    return t1 - t0, t2 - t1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1000,10000,100000", help="entry counts, comma-separated")
@@ -118,7 +148,15 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64, help="keys per lookup and store")
     ap.add_argument("--requests", type=int, default=50, help="requests timed per size")
     ap.add_argument("--journal", action="store_true", help="also with the warm-restart journal")
+    ap.add_argument("--rebuild", action="store_true", help="time a restart's index rebuild instead")
     args = ap.parse_args()
+    if args.rebuild:
+        print(f"{'entries':>9}{'rebuild s':>11}{'adopt s':>9}")
+        for n in (int(s) for s in args.sizes.split(",")):
+            with tempfile.TemporaryDirectory(prefix="kvd-htb-", dir="/dev/shm") as tmp:
+                built, adopted = asyncio.run(rebuild_seconds(n, tmp))
+            print(f"{n:>9}{built:>11.3f}{adopted:>9.3f}", flush=True)
+        return
     print(f"host tier bookkeeping, {args.chunks} keys per request, {args.leased:.0%} leased "
           f"(coldest), median of {args.requests} requests, us (pid {os.getpid()})")
     print(f"{'entries':>9}{'lookup':>10}{'store':>10}{'stats':>10}{'demote':>10}")

@@ -30,6 +30,7 @@ chunk still waits for its verification.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from pathlib import Path
@@ -102,6 +103,7 @@ class HostTierSetup:
         loop over a file we cannot read."""
         loop = asyncio.get_running_loop()
         cap = self.cfg.host_capacity
+        gc.disable()  # an object per entry, none garbage: collections would take 60% of it
         try:
             self.adoption = await loop.run_in_executor(None, rebuild, index, cap, self.align,
                                                        crashed)
@@ -114,6 +116,8 @@ class HostTierSetup:
             self.index_path.unlink(missing_ok=True)
             self.arena, self.adoption, self.tier = None, None, HostTier(cap, self.align)
             return False
+        finally:
+            gc.enable()
         self._log_adoption(index.head["pid"])
         index.adopted()
         self.started = "crash" if crashed else "clean"

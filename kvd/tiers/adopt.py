@@ -63,29 +63,36 @@ def rebuild(index: ArenaIndex, capacity: int, align: int, crashed: bool) -> Adop
             & (offsets % align == 0) & (offsets < capacity))
     slots = -(-(shard_bytes * shards) // align) * align
     sane &= offsets + slots <= capacity
-    keys, nss = _column_bytes(recs["key"]), _column_bytes(recs["ns"])
+    picked = np.flatnonzero(sane)
+    rows = zip(_column_bytes(recs["key"][picked]), _column_bytes(recs["ns"][picked]),
+               *(column[picked].tolist() for column in (
+                   numbers, recs["rank"], offsets, shard_bytes, shards, slots, recs["used"],
+                   recs["hits"], recs["flags"], recs["digest"])))
     by_key: dict[bytes, Entry] = {}
     spoiled: set[bytes] = set()
-    for i in np.flatnonzero(sane).tolist():
-        e = by_key.get(keys[i])
-        rank, number = int(recs["rank"][i]), int(numbers[i])
-        shape = (nss[i], int(offsets[i]), int(shard_bytes[i]), int(shards[i]))
-        if e is None:
-            e = by_key[keys[i]] = Entry(keys[i], *shape, int(slots[i]), on_disk=True)
-            e.recs = [-1] * e.shards
-        elif (e.ns, e.offset, e.shard_bytes, e.shards) != shape or e.recs[rank] >= 0:
-            spoiled.add(keys[i])
+    for key, ns, number, rank, offset, size, count, slot, used, hits, flags, digest in rows:
+        e = by_key.get(key)
+        if e is None:  # plain ints from tolist(): a numpy scalar per field costs 10x
+            e = by_key[key] = Entry(key, ns, offset, size, count, slot, on_disk=True)
+            e.recs = [-1] * count
+        elif (e.ns != ns or e.offset != offset or e.shard_bytes != size or e.shards != count
+              or e.recs[rank] >= 0):
+            spoiled.add(key)
             continue
         e.recs[rank] = number
-        e.used, e.hits = max(e.used, int(recs["used"][i])), max(e.hits, int(recs["hits"][i]))
-        e.on_disk &= bool(recs["flags"][i] & ON_DISK)
-        if crashed and recs["flags"][i] & SEALED:
+        if used > e.used:
+            e.used = used
+        if hits > e.hits:
+            e.hits = hits
+        if not flags & ON_DISK:
+            e.on_disk = False
+        if crashed and flags & SEALED:
             e.unverified |= 1 << rank
-            out.checks.append((e, rank, int(recs["digest"][i])))
+            out.checks.append((e, rank, digest))
         else:
             e.stored |= 1 << rank
-            if not recs["flags"][i] & SEALED:
-                out.unsealed.append((number, e.shard_offset(rank), e.shard_bytes))
+            if not flags & SEALED:
+                out.unsealed.append((number, offset + rank * size, size))
     for key in spoiled:
         del by_key[key]
     kept = _without_overlaps(sorted(by_key.values(), key=lambda e: e.offset))
