@@ -69,7 +69,7 @@ class SharedArena:
         self.path = Path(path)
         self.size = size
         self.adopted = adopt
-        self._stop = stop or threading.Event()
+        self._closing = threading.Event()  # stops the mapping-in behind an adoption
         self._populating = None
         if not adopt:
             problem = room_problem(self.path.parent, size)
@@ -81,7 +81,8 @@ class SharedArena:
         try:
             if adopt and os.fstat(fd).st_size != size:
                 raise RuntimeError(f"{self.path} is not {size} bytes long")
-            self._map = _map_in(fd, size, not adopt, self._stop, on_progress, threads)
+            self._map = _map_in(fd, size, not adopt, stop or threading.Event(), on_progress,
+                                threads)
             self.stat = os.fstat(fd)  # the file's identity, whatever happens to its name
         except OSError as exc:
             self._abandon()
@@ -105,7 +106,7 @@ class SharedArena:
         t0 = time.monotonic()
         try:
             with ThreadPoolExecutor(threads, thread_name_prefix="kvd-populate") as pool:
-                _populate(self._map, -1, self.size, False, self._stop, None, pool, threads)
+                _populate(self._map, -1, self.size, False, self._closing, None, pool, threads)
         except (AllocationStopped, OSError, ValueError):
             return  # stopped (or closed) first: the faults map what is used
         self.populated_seconds = time.monotonic() - t0
@@ -127,7 +128,7 @@ class SharedArena:
         return True
 
     def close(self, keep: bool = False) -> None:
-        self._stop.set()
+        self._closing.set()
         self.wait_populated()
         self.view = None
         try:

@@ -373,3 +373,27 @@ def test_on_disk_marks_survive_and_are_checked_against_the_disk_tier(start_daemo
     wait_for(lambda: host(d)["on_disk"] == 0, 10, "the on-disk marks to be cleared")
     assert "host chunks marked on disk are not there: unmarked" in d.log()
     assert host(d)["chunks"] == 2 * W.CHUNKS
+
+
+def test_a_bug_in_adopting_starts_empty_instead_of_failing_for_good(start_daemon):
+    """Never a crash loop over a file the daemon cannot read: a rebuild that raises (a bug
+    of ours, injected) is logged with its traceback, and the daemon starts empty."""
+    d = start_daemon(**KNOBS)
+    rd = d.runtime_dir
+    checker = Checker(rd)
+    try:
+        assert checker.store(0) == FULL
+    finally:
+        checker.close()
+    assert d.stop() == 0
+    d = start_daemon(runtime_dir=rd, faults="rebuild_bug", **KNOBS)
+    assert "could not be adopted (a bug in kvd, please report it); deleting it and starting " \
+        "empty" in d.log(), d.log()
+    assert "ValueError: a bug, injected" in d.log()
+    assert host(d)["warm"]["start"] == "new" and host(d)["chunks"] == 0
+    checker = Checker(rd)
+    try:
+        assert checker.hits(0) == 0 and checker.store(0) == FULL and checker.hits(0) == FULL
+    finally:
+        checker.close()
+    assert d.stop() == 0 and len(arena_files(rd)) == 2
