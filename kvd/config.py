@@ -134,6 +134,14 @@ KNOBS = (
          "buffers per GPU (a load reads as many chunks as fit, then the next batch).",
          minimum=2**20),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
+    Knob("warm_restart", "bool", True, "Keep the host tier across daemon restarts: it stays in "
+         "shm_dir when the daemon exits and the next daemon of this runtime dir adopts it "
+         "(after a crash, verifying every chunk's checksum while it serves). false: the host "
+         "tier is deleted at exit and made anew at start."),
+    Knob("cold_start", "bool", False, "Start with an empty host tier: delete the one a previous "
+         "daemon left instead of adopting it (kvd serve --cold)."),
+    Knob("verify_threads", "int", 2, "Threads computing the host tier's chunk checksums (for "
+         "warm restarts) and verifying them after a crash.", minimum=1),
     Knob("log_level", "str", "info", "Logging level.", choices=("debug", "info", "warning", "error")),
     Knob("metrics_port", "int", 0, "TCP port of the Prometheus /metrics endpoint (needs kvd[metrics]); "
          "0: off.", minimum=0),

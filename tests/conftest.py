@@ -49,8 +49,8 @@ class DaemonProc:
         entry = [str(FAULT_DAEMON), "--faults", self.faults] if self.faults else ["-m", "kvd"]
         cmd = [*self.wrapper, sys.executable, *entry, "serve", "--runtime-dir",
                str(self.runtime_dir)]
-        for key, value in self.knobs.items():
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        for key, value in self.knobs.items():  # a value of None: a flag of its own (--cold)
+            cmd += [f"--{key.replace('_', '-')}"] + ([] if value is None else [str(value)])
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         if wait:
@@ -106,8 +106,9 @@ def _kvd_shm_entries() -> set[str]:
 
 
 def _owner_alive(name: str) -> bool:
-    """Whether the process a ``kvd-*`` name carries (arena ``...-<pid>``, pool
-    ``kvd-pool-<pid>-...``) still runs: another test run's live files are no leak."""
+    """Whether the process a ``kvd-*`` name carries (pool ``kvd-pool-<pid>-...``, arena
+    ``...-<pid>`` of releases before warm restart) still runs: another test run's live files
+    are no leak. Arenas ``kvd-arena-<tag>[.index]`` carry no pid: see ``_ours``."""
     m = re.search(r"^kvd-arena-[0-9a-f]+-(\d+)$", name) or re.search(r"^kvd-\w+-(\d+)-", name)
     return bool(m) and pids_alive(int(m.group(1)))
 
@@ -118,7 +119,7 @@ SESSION_TAGS: set[str] = set()  # instance tags of the runtime dirs this session
 def _ours(name: str) -> bool:
     """An arena is this session's when its runtime dir was (other test runs on the same
     machine kill daemons too); pools and flag pages carry only a pid, so all count."""
-    m = re.match(r"^kvd-arena-([0-9a-f]+)-\d+$", name)
+    m = re.match(r"^kvd-arena-([0-9a-f]+)(-\d+|\.index)?$", name)
     return m is None or m.group(1) in SESSION_TAGS
 
 
@@ -154,8 +155,8 @@ def start_daemon():
         Path(keep).mkdir(parents=True, exist_ok=True)
         if d.log_path.exists():
             shutil.copy(d.log_path, Path(keep) / f"{base.name}-{d.log_path.name}")
-    for d in started:  # a daemon a test killed on purpose leaves its arena behind
-        for arena in SHM.glob(f"kvd-arena-{instance_tag(d.runtime_dir)}-*"):
+    for d in started:  # every daemon keeps its host tier for the next start (warm_restart)
+        for arena in SHM.glob(f"kvd-arena-{instance_tag(d.runtime_dir)}*"):
             arena.unlink(missing_ok=True)
     shutil.rmtree(base, ignore_errors=True)
 
@@ -174,6 +175,12 @@ def procs():
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(4) as pool:
         yield pool
+
+
+def arena_files(runtime_dir: Path) -> list[Path]:
+    """The host tier files of the daemons of ``runtime_dir``: ``kvd-arena-<tag>`` and its
+    ``.index`` (kept across restarts)."""
+    return sorted(SHM.glob(f"kvd-arena-{instance_tag(runtime_dir)}*"))
 
 
 def pids_alive(pid: int) -> bool:

@@ -9,6 +9,8 @@
 
 ``EioKvikio`` stands in for the ``kvikio`` module given to the GPU Direct
 Storage loader: every ``CuFile`` open fails with EIO (fault ``gds_eio``).
+Fault ``rebuild_bug`` stands for a bug of ours in adopting a host tier:
+the rebuild from its index raises (kvd.server.host_tier must start empty).
 ``install(faults)`` makes a process's daemon use them: the disk tier it
 builds gets a ``FaultyChunkFiles``, ``open_gds`` an ``EioKvikio``
 (tests/fault_daemon.py calls it before running ``kvd serve``).
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from kvd.tiers.chunk_file import ChunkFiles
 
-FAULTS = ("enospc", "eio_read", "slow_read", "gds_eio")
+FAULTS = ("enospc", "eio_read", "slow_read", "gds_eio", "rebuild_bug")
 SLOW_READ_S = 2.5
 
 
@@ -67,7 +69,13 @@ def install(faults) -> None:
     import kvd.tiers.disk as disk
 
     faults = set(faults)
-    files_faults = faults - {"gds_eio"}
+    files_faults = faults - {"gds_eio", "rebuild_bug"}
+    if "rebuild_bug" in faults:
+        import kvd.server.host_tier as host_tier
+
+        def rebuild(*args, **kwargs):
+            raise ValueError("a bug, injected by tests/disk_faults.py")
+        host_tier.rebuild = rebuild
     real_tier, real_open_gds = disk.DiskTier, gds.open_gds
 
     class FaultyDiskTier(real_tier):

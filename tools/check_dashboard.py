@@ -76,7 +76,8 @@ def main() -> int:
     kvd = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(base / "run"),
                             "--host-capacity", "64MiB", "--chunk-tokens", "16", "--metrics-port",
                             str(kvd_port), "--disk-dir", str(base / "disk"), "--disk-capacity", "32MiB",
-                            "--disk-high-watermark", "0.1", "--log-level", "warning"])
+                            "--disk-high-watermark", "0.1", "--log-level", "warning",
+                            "--warm-restart", "false"])  # keeps nothing in /dev/shm
     prom = subprocess.Popen(["prometheus", f"--config.file={base / 'prometheus.yml'}",
                              f"--storage.tsdb.path={base / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{prom_port}"],

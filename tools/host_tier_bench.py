@@ -11,7 +11,13 @@ that scans from the LRU end -- and then times, per request of ``--chunks`` keys:
   stand-in disk that accepts every write at once (the pass's own cost, no IO).
 
 Medians over ``--requests`` requests, in microseconds. Flat figures across N mean the
-per-request cost does not grow with the number of cached entries. Usage:
+per-request cost does not grow with the number of cached entries. ``--journal`` runs each
+size twice, without and with the warm-restart journal (kvd/tiers/journal.py: an index
+record per commit, checksums on hashing threads), alternating, so the second row is its
+cost on the event loop. ``--rebuild`` instead times what a restarted daemon does before it
+serves, per size: reading the index file and rebuilding the entries
+(kvd/tiers/adopt.py ``rebuild``, on a thread in the daemon) and ``HostTier.adopt`` (on the
+loop). Usage:
 ``.venv/bin/python tools/host_tier_bench.py [--sizes 1000,10000,100000] [--leased 0.5]``.
 """
 
@@ -19,13 +25,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
+from kvd.tiers.adopt import rebuild
+from kvd.tiers.arena_index import ArenaIndex
 from kvd.tiers.host import HostTier
+from kvd.tiers.journal import Hasher, Journal
 from kvd.tiers.tiering import Tiering
 
 ENTRY = 256  # bytes per entry: the bookkeeping is what is measured, not copies
@@ -69,13 +81,19 @@ def _timed(fn) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-async def measure(n: int, leased: float, chunks: int, requests: int) -> dict:
+async def measure(n: int, leased: float, chunks: int, requests: int, journal: str = "") -> dict:
     tier = HostTier(n * ENTRY, align=ENTRY)
+    view = np.zeros(n * ENTRY, np.uint8)
+    if journal:  # an index file beside a stand-in arena file, as the daemon keeps them
+        arena = Path(journal) / "arena"
+        arena.write_bytes(b"")
+        index = ArenaIndex.create(Path(journal) / "arena.index", arena.stat(), n * ENTRY, ENTRY, 16)
+        tier.journal = Journal(index, Hasher(view, 2, asyncio.get_running_loop()))
     for i in range(0, n, 1024):
         _store(tier, [_key(j) for j in range(i, min(i + 1024, n))])
     pinned = [tier.entries[_key(i)] for i in range(int(n * leased))]
     tier.pin(pinned)  # the coldest share is leased
-    tiering = Tiering(tier, InstantDisk(), np.zeros(n * ENTRY, np.uint8))
+    tiering = Tiering(tier, InstantDisk(), view)
     for _ in range(64):  # demote until the watermark is met, so passes start in a steady state
         tiering.demote_pass()
         await asyncio.sleep(0)
@@ -92,7 +110,35 @@ async def measure(n: int, leased: float, chunks: int, requests: int) -> dict:
         await asyncio.sleep(0)  # demotions complete
         hot = keys
     tier.unpin(pinned)
+    if journal:
+        tier.journal.hasher.stop()
+        tier.journal.index.close(clean=False)
     return {k: statistics.median(v) for k, v in out.items()}
+
+
+async def rebuild_seconds(n: int, tmp: str) -> tuple[float, float]:
+    """(rebuild s, adopt s) for a tier of ``n`` entries recorded by a journal."""
+    tier = HostTier(n * ENTRY, align=ENTRY)
+    arena = Path(tmp) / "arena"
+    arena.write_bytes(b"")
+    index = ArenaIndex.create(Path(tmp) / "arena.index", arena.stat(), n * ENTRY, ENTRY, 16)
+    hasher = Hasher(np.zeros(n * ENTRY, np.uint8), 2, asyncio.get_running_loop())
+    tier.journal = Journal(index, hasher)
+    for i in range(0, n, 1024):
+        _store(tier, [_key(j) for j in range(i, min(i + 1024, n))])
+    while hasher.pending:
+        await asyncio.sleep(0.01)
+    hasher.stop()
+    gc.disable()  # as the daemon does (kvd/server/host_tier.py)
+    t0 = time.perf_counter()
+    adoption = rebuild(index, n * ENTRY, ENTRY, crashed=False)
+    t1 = time.perf_counter()
+    HostTier(n * ENTRY, align=ENTRY).adopt(adoption.entries)
+    t2 = time.perf_counter()
+    gc.enable()
+    index.close(clean=False)
+    assert len(adoption.entries) == n
+    return t1 - t0, t2 - t1
 
 
 def main() -> None:
@@ -101,14 +147,25 @@ def main() -> None:
     ap.add_argument("--leased", type=float, default=0.5, help="share of entries leased (coldest)")
     ap.add_argument("--chunks", type=int, default=64, help="keys per lookup and store")
     ap.add_argument("--requests", type=int, default=50, help="requests timed per size")
+    ap.add_argument("--journal", action="store_true", help="also with the warm-restart journal")
+    ap.add_argument("--rebuild", action="store_true", help="time a restart's index rebuild instead")
     args = ap.parse_args()
+    if args.rebuild:
+        print(f"{'entries':>9}{'rebuild s':>11}{'adopt s':>9}")
+        for n in (int(s) for s in args.sizes.split(",")):
+            with tempfile.TemporaryDirectory(prefix="kvd-htb-", dir="/dev/shm") as tmp:
+                built, adopted = asyncio.run(rebuild_seconds(n, tmp))
+            print(f"{n:>9}{built:>11.3f}{adopted:>9.3f}", flush=True)
+        return
     print(f"host tier bookkeeping, {args.chunks} keys per request, {args.leased:.0%} leased "
           f"(coldest), median of {args.requests} requests, us (pid {os.getpid()})")
     print(f"{'entries':>9}{'lookup':>10}{'store':>10}{'stats':>10}{'demote':>10}")
     for n in (int(s) for s in args.sizes.split(",")):
-        r = asyncio.run(measure(n, args.leased, args.chunks, args.requests))
-        print(f"{n:>9}{r['lookup']:>10.0f}{r['store']:>10.0f}{r['stats']:>10.0f}"
-              f"{r['demote']:>10.0f}", flush=True)
+        with tempfile.TemporaryDirectory(prefix="kvd-htb-", dir="/dev/shm") as tmp:
+            for journal in ("", tmp) if args.journal else ("",):
+                r = asyncio.run(measure(n, args.leased, args.chunks, args.requests, journal))
+                print(f"{n:>9}{r['lookup']:>10.0f}{r['store']:>10.0f}{r['stats']:>10.0f}"
+                      f"{r['demote']:>10.0f}{'  journal' if journal else ''}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from kvd.bench.common import start_daemon
+from kvd.bench.common import start_daemon, stop_daemon
 from kvd_client import KvdClient, SharedKVPool
 from kvd_protocol import wire
 
@@ -80,8 +80,7 @@ def main() -> None:
         finally:
             if pool is not None:
                 pool.close()
-            daemon.terminate()
-            daemon.wait(30)
+            stop_daemon(daemon, rundir, 30)
 
 
 if __name__ == "__main__":

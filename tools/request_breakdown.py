@@ -34,7 +34,7 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from kvd.bench.common import control, request_bytes, start_daemon
+    from kvd.bench.common import control, request_bytes, start_daemon, stop_daemon
     from kvd.bench.gpu import SHAPES, make_pool, memcpy_s
     from kvd_client import KvdClient
     from kvd_client.torch_pool import CudaKVPool
@@ -80,8 +80,7 @@ def main() -> int:
             lat = control(rundir, "stats")["latency"]
             c.close()
         finally:
-            daemon.terminate()
-            daemon.wait(60)
+            stop_daemon(daemon, rundir, 60)
         memcpy = memcpy_s(torch, nbytes, 5)
         print(f"request: {args.chunks} chunks, {nbytes / 1e6:.0f} MB; memcpy d2h "
               f"{memcpy['d2h'] * 1e3:.3f} ms, h2d {memcpy['h2d'] * 1e3:.3f} ms")

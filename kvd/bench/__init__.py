@@ -4,7 +4,7 @@ One module per benchmark, each with ``run(args)`` (and ``add_arguments``
 where it has flags of its own): ``host`` (the default: store/load through
 the host backend vs a numpy copy), ``gpu`` (``--gpu``: the CUDA path vs
 pinned cudaMemcpy), ``disk`` (``--disk``), ``gds`` (``--gds``), ``policy``
-(``--disk-policy``). ``common`` holds what they share (starting the
+(``--disk-policy``), ``restart`` (``--restart``: cold vs warm restarts). ``common`` holds what they share (starting the
 private daemon, control requests, request geometry); ``plot`` draws a
 result table as a PNG (``--plot``). Benchmarks may import
 everything below them (kvd.server, kvd.tiers, kvd.config, kvd_client,
@@ -68,8 +68,10 @@ def add_arguments(p) -> None:
                    "torch, cupy, KvikIO, a GPU; uses --disk-dir, --disk-gib, --disk-threads, --chunks)")
     from .disk import add_arguments as add_disk_arguments
     from .policy import add_arguments as add_policy_arguments
+    from .restart import add_arguments as add_restart_arguments
     add_disk_arguments(p)
     add_policy_arguments(p)
+    add_restart_arguments(p)
 
 
 def run(args) -> int:
@@ -88,6 +90,9 @@ def run(args) -> int:
     if args.disk_policy:
         from .policy import run as run_policy
         return run_policy(args)
+    if args.restart:
+        from .restart import run as run_restart
+        return run_restart(args)
     if args.gds:
         from .gds import run as run_gds
         return run_gds(args)

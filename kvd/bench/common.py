@@ -1,7 +1,10 @@
 """What the benchmarks share: the private daemon, control requests, geometry.
 
 ``start_daemon`` runs ``kvd serve`` in a subprocess on a given runtime dir
-and returns once its control socket exists; ``control`` sends one control
+and returns once its control socket exists; ``stop_daemon`` stops it and
+removes the host tier it keeps for a next start (warm restart: the
+benchmarks run the default config, and leave nothing in /dev/shm);
+``control`` sends one control
 request to it; ``request_bytes`` is the size of one request of a shape;
 ``start_scraper`` polls a daemon's ``/metrics`` from another process, as
 Prometheus would.
@@ -43,6 +46,28 @@ def start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),
             raise RuntimeError("the benchmark daemon did not start")
         time.sleep(0.05)
     return proc
+
+
+def stop_daemon(proc: subprocess.Popen, rundir: str, timeout: float = 60.0,
+                shm_dir: str = "/dev/shm") -> None:
+    """SIGTERM the private daemon, wait for it, remove the host tier it kept."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout)
+    finally:
+        remove_host_tier(rundir, shm_dir)
+
+
+def remove_host_tier(rundir: str, shm_dir: str = "/dev/shm") -> None:
+    """Delete the host tier (arena and index) the daemons of ``rundir`` keep across restarts."""
+    from kvd.tiers.arena import arena_path
+    from kvd.tiers.arena_index import index_path
+    from kvd_protocol.runtime import instance_tag
+
+    arena = arena_path(Path(shm_dir), instance_tag(Path(rundir)))
+    for path in (arena, index_path(arena)):
+        path.unlink(missing_ok=True)
 
 
 def request_bytes(shape, chunks: int, chunk: int) -> int:

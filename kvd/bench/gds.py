@@ -31,7 +31,7 @@ PAGE = 16
 def run(args) -> int:
     import torch
 
-    from kvd.bench.common import control, request_bytes, start_daemon
+    from kvd.bench.common import control, request_bytes, start_daemon, stop_daemon
     from kvd_client import KvdClient
     from kvd_client.torch_pool import CudaKVPool
 
@@ -90,8 +90,7 @@ def run(args) -> int:
                 print(f"  {mode}: gds {stats['gds']}, promotions {stats['promotions']}", flush=True)
                 client.close()
             finally:
-                daemon.terminate()
-                daemon.wait(60)
+                stop_daemon(daemon, rundir, 60)
                 shutil.rmtree(rundir, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)

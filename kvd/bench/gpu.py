@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from . import pipeline
-from .common import request_bytes, start_daemon
+from .common import request_bytes, start_daemon, stop_daemon
 
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
     "llama3-8b": ("vllm_flash_attn", 32, 8, 128),
@@ -60,8 +60,7 @@ def run(args) -> int:
                                                       rundir, name, shape, page, args, memcpy))
             gemm = _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args)
         finally:
-            daemon.terminate()
-            daemon.wait(60)
+            stop_daemon(daemon, rundir, 60)
     _report(torch, rows, gemm, args)
     pipeline.report(piped)
     if args.plot:

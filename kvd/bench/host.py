@@ -18,7 +18,7 @@ import numpy as np
 
 from kvd_protocol.keys import DTYPE_SIZES
 
-from .common import free_port, start_daemon, start_scraper
+from .common import free_port, start_daemon, start_scraper, stop_daemon
 
 
 def run(args) -> int:
@@ -54,8 +54,7 @@ def run(args) -> int:
                 scraper.terminate()
                 print(f"scraper: {scraper.communicate(timeout=10)[0].strip()} scrapes of /metrics at "
                       f"{args.scrape_hz:g} Hz meanwhile")
-            daemon.terminate()
-            daemon.wait(30)
+            stop_daemon(daemon, rundir, 30)
     _report(results, nbytes)
     if args.plot:
         _plot(args, results, nbytes)

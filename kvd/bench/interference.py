@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from .common import request_bytes, start_daemon
+from .common import request_bytes, start_daemon, stop_daemon
 
 VARIANTS = {  # name -> (daemon flags, copier options)
     "staged, 32 blocks": (["--gpu-max-blocks", "32"], {}),
@@ -90,8 +90,7 @@ def _one(args, flags: list, copier_opts: dict, workload: str) -> dict:
             engine.join(60)
             copier.join(60)
         finally:
-            daemon.terminate()
-            daemon.wait(60)
+            stop_daemon(daemon, rundir, 60)
     return {"alone_ms": alone["ms"], "busy_ms": busy["ms"], "slowdown": busy["ms"] / alone["ms"] - 1,
             "copy_GBps": moved / seconds / 1e9 if seconds else 0.0,
             "copy_ratio": moved / seconds / memcpy_Bps if seconds else 0.0}

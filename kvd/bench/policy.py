@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from kvd.bench.common import control, start_daemon
+    from kvd.bench.common import control, start_daemon, stop_daemon
     from kvd_client import KvdClient, SharedKVPool
     
     base = Path(tempfile.mkdtemp(prefix="kvd-bench-policy-", dir=args.disk_dir))
@@ -69,8 +69,7 @@ def run(args) -> int:
             finally:
                 if pool is not None:
                     pool.close()
-                daemon.terminate()
-                daemon.wait(60)
+                stop_daemon(daemon, rundir, 60)
                 shutil.rmtree(rundir, ignore_errors=True)
             disk = st["disk"]
             print(f"{min_hits:>8}{served / (len(picks) * CHUNKS):>9.1%}"

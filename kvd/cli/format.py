@@ -39,6 +39,13 @@ def format_stats(s: dict) -> str:
     for name, t in s["tiers"].items():
         lines.append(f"{name:<8}{size(t['capacity_bytes']):>14}{size(t['used_bytes']):>14}"
                      f"{t['chunks']:>10}{t['evictions']:>11}")
+    warm = s["tiers"]["host"].get("warm")
+    if warm and warm["start"] != "new":
+        how = "a clean stop" if warm["start"] == "clean" else "a crash"
+        lines.append(f"host: adopted {warm['adopted_chunks']} chunks after {how}  verification "
+                     f"{warm['verify']} ({warm['verified_shards']} shards good, "
+                     f"{warm['verify_pending']} pending, {warm['checksum_failures']} checksum "
+                     f"failures)")
     disk = s["tiers"].get("disk")
     if disk:
         lines.append(f"disk: demotions {disk['demotions']} (dropped {disk['demotions_dropped']}, "

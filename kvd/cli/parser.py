@@ -48,6 +48,8 @@ def _add_serve(sub) -> argparse.ArgumentParser:
         text = f"{knob.help} (default: {display_value(knob, knob.default)})"
         serve.add_argument(f"--{knob.name.replace('_', '-')}", dest=knob.name, default=None,
                            metavar=_metavar(knob), help=text.replace("%", "%%"))
+    serve.add_argument("--cold", dest="cold_start", action="store_const", const="true",
+                       help="start with an empty host tier (the same as --cold-start true)")
     return serve
 
 

@@ -14,7 +14,6 @@ done word last, whatever happened.
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +38,10 @@ class HostPool:
 class HostCopyEngine:
     name = "host"
 
-    def __init__(self, arena: np.ndarray, shm_dir: Path, threads: int = 2, arena_path: Path | None = None):
+    def __init__(self, arena: np.ndarray, shm_dir: Path, threads: int = 2,
+                 arena_id: tuple[int, int] | None = None):
         self.arena = arena
-        st = os.stat(arena_path) if arena_path else None
-        self.arena_id = (st.st_dev, st.st_ino) if st else None
+        self.arena_id = arena_id  # (st_dev, st_ino) of the arena: never mapped as a pool
         self.shm_dir = Path(shm_dir).resolve()
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvd-copy")
 

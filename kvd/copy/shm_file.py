@@ -6,7 +6,9 @@ shared, read/write. The file must be a regular file directly inside
 ``shm_dir``, owned by ``owner_uid`` (the registering process's uid, from the
 kernel; the daemon's own uid when that is unknown), so one tenant can never
 make the daemon map another's file, at least ``size`` bytes long, and not
-the file ``forbid`` names (``(st_dev, st_ino)``: the daemon's own arena). Anything else is a
+the file ``forbid`` names (``(st_dev, st_ino)``: the daemon's own arena),
+nor any host tier file by its name (``kvd-arena-*``: another daemon's arena,
+or an arena's index, which a load would write into). Anything else is a
 ``BadRequest`` naming ``what`` (e.g. ``buffers[2]``, ``flags``). Used for
 host-backend pool buffers and for every registration's flag page.
 """
@@ -27,6 +29,8 @@ def map_shm_file(path: str, size: int, shm_dir: Path, what: str,
     p = Path(path)
     if not p.is_absolute() or p.parent.resolve() != shm_dir:
         raise BadRequest(f"{what}.path must be a file directly inside {shm_dir}")
+    if p.name.startswith("kvd-arena-"):
+        raise BadRequest(f"{what}: {path} is a kvd host tier file, not a pool")
     try:
         fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:

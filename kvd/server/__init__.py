@@ -2,7 +2,8 @@
 
 Owns the event loop (``daemon``: start-up, the two ROUTER sockets, the
 reaper, shutdown), the runtime directory on the daemon's side
-(``runtime_dir``), client sessions with their registrations and leases
+(``runtime_dir``), the host tier at start-up and exit (``host_tier``:
+adopt the arena a previous daemon left, or allocate one), client sessions with their registrations and leases
 (``sessions``), one method per engine op (``service``), operator ops
 (``control``) and counters (``stats``). All state lives on the one event
 loop: no locks.

@@ -4,8 +4,9 @@ Start-up, cheapest first: log the resolved config (each knob and its
 source), check every cheap thing (kvd.server.startup: runtime dir, shm_dir,
 disk_dir, room for the host tier; exit status 2 with one line for a bad
 value), lock the runtime dir, reclaim what a dead daemon left, open the
-disk tier, allocate the arena on a thread (progress in the log and in
-systemd's STATUS=), start the backends, bind ``kvd.sock`` (engines) and
+disk tier, adopt the host tier a previous daemon left or allocate a new
+one on threads (kvd.server.host_tier; progress in the log and in systemd's
+STATUS=), start the backends, bind ``kvd.sock`` (engines) and
 ``control.sock`` (operators) under umask 077, then tell systemd READY=1
 (kvd.server.notify; WATCHDOG=1 from the loop when systemd asks for it).
 With ``access_group`` the runtime dir and sockets are opened to that group
@@ -28,8 +29,9 @@ background. SIGTERM/SIGINT: stop reading, end every request waiting on a
 client (``shutting_down``), let the others (and their copies) finish and
 finish disk IO within ``shutdown_grace_s`` in all (copies still queued then
 are abandoned: the CUDA backend's close gives the GPU a bounded wait of its
-own), remove sockets and arena, exit 0: bounded whatever the GPU or the
-clients do, since no copy waits on another process.
+own), remove the sockets, keep the host tier for the next start
+(``warm_restart``), exit 0: bounded whatever the GPU or the clients do,
+since no copy waits on another process.
 """
 
 from __future__ import annotations
@@ -46,25 +48,21 @@ import zmq
 import zmq.asyncio
 
 from kvd import __version__
-from kvd.config import size_text
 from kvd.copy.host import HostCopyEngine
 from kvd.server import control, early_signals, logs, metrics, startup
+from kvd.server.host_tier import HostTierSetup
 from kvd.server.notify import Notifier
 from kvd.server.peers import AccessPolicy, ZapGate, credentials_available, recv_request, resolve_group
 from kvd.server.peers_alive import Intake, Liveness, reply
 from kvd.server.runtime_dir import InstanceLock, reclaim_stale, share_socket
 from kvd.server.service import Service
-from kvd.tiers.arena import AllocationStopped, SharedArena, arena_path
-from kvd.tiers.host import HostTier
-from kvd.tiers.progress import Progress
 from kvd.tiers.tiering import Tiering
 from kvd_protocol import wire
 from kvd_protocol.errors import ConfigError, ServerError, ShuttingDown, TooLarge
 from kvd_protocol.runtime import control_endpoint, engine_endpoint, instance_tag, resolve_runtime_dir
 
 log = logging.getLogger("kvd")
-EXTEND_S = 30.0
-REPLY_QUEUE = 65536  # a client pipelining hard gets its busy replies; one that never reads, not all  # each start-up STATUS moves systemd's start timeout this far out
+REPLY_QUEUE = 65536  # a client pipelining hard gets its busy replies; one that never reads, not all
 
 
 class Daemon:
@@ -77,7 +75,7 @@ class Daemon:
         self.abort = threading.Event()  # set with ``stopping``: work on threads checks it
         self.stop_signal = None
         self.tasks: set[asyncio.Task] = set()
-        self.arena = None
+        self.host = HostTierSetup(cfg, self.runtime_dir, self.notifier, self.abort)
         self.disk = None
         self.service = None
         self.ctx = None
@@ -90,7 +88,7 @@ class Daemon:
         self.deadline = None  # set at shutdown: when everything must be done
 
     def _on_signal(self, sig: signal.Signals) -> None:
-        self.stop_signal = self.stop_signal or sig.name
+        self.stop_signal = self.host.stop_signal = self.stop_signal or sig.name
         self.abort.set()
         self.stopping.set()
 
@@ -109,6 +107,7 @@ class Daemon:
             return True
         finally:
             await self._finish_disk_io()
+            await self.host.drain(self._left())
             if watchdog is not None:
                 watchdog.cancel()
                 await asyncio.gather(watchdog, return_exceptions=True)
@@ -125,20 +124,17 @@ class Daemon:
             log.info("reclaimed stale %s", path)
         if self.cfg.disk_dir:
             self.disk = startup.open_disk(self.cfg)
-        self.arena = await self._allocate(shm_dir)
-        if self.arena is None:
+        if not await self.host.open():
             return False
-        engines = {"shm": HostCopyEngine(self.arena.view, shm_dir, self.cfg.copy_threads,
-                                             self.arena.path)}
-        cuda = startup.make_cuda_engine(self.cfg, self.arena.view)
+        arena = self.host.arena
+        arena_id = (arena.stat.st_dev, arena.stat.st_ino)
+        engines = {"shm": HostCopyEngine(arena.view, shm_dir, self.cfg.copy_threads, arena_id)}
+        cuda = startup.make_cuda_engine(self.cfg, arena.view)
         if cuda is not None:
             engines["cuda_ipc"] = cuda
-        align = 4096 if self.cfg.disk_dir else 256  # 4096: disk IO straight to/from slots
-        st = os.stat(self.arena.path)
-        self.service = Service(self.cfg, HostTier(self.cfg.host_capacity, align), engines,
-                               (st.st_dev, st.st_ino), os.urandom(8).hex())
+        self.service = Service(self.cfg, self.host.tier, engines, arena_id, os.urandom(8).hex())
         if self.disk is not None:
-            self.service.tiering = Tiering(self.service.tier, self.disk, self.arena.view,
+            self.service.tiering = Tiering(self.service.tier, self.disk, arena.view,
                                            self.cfg.disk_high_watermark, self.cfg.disk_min_hits)
             self.disk.on_progress = self._disk_progress
         if self.cfg.disk_gds:
@@ -160,42 +156,6 @@ class Daemon:
                  self.runtime_dir, self.service.backends, self.cfg.chunk_tokens, time.monotonic() - t0, os.getpid())
         self.notifier.ready(self._serving())
         return True
-
-    async def _allocate(self, shm_dir: Path):
-        """The host tier, allocated on a thread (the loop keeps handling signals and the
-        watchdog), with progress in the log and in systemd's status; None when a signal
-        stopped it (its file is removed)."""
-        size, tag = self.cfg.host_capacity, instance_tag(self.runtime_dir)
-        where = f"{size_text(size)} at {arena_path(shm_dir, tag)}"
-        log.info("allocating the host tier: %s", where)
-        self.notifier.status(f"allocating the host tier: {where}", extend_s=EXTEND_S)
-        progress = Progress(size)
-
-        def on_progress(done: int) -> None:  # on the allocating thread
-            if done < size and progress.due():
-                text, fields = progress.report(done)
-                log.info("allocating the host tier: %s", text, extra={"progress": fields})
-                self.notifier.status(f"allocating the host tier: {text}", extend_s=EXTEND_S)
-
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(None, SharedArena, shm_dir, tag, size, self.abort, on_progress)
-        try:
-            arena = await asyncio.shield(job)
-        except asyncio.CancelledError:  # stop the thread and remove what it made, then go
-            self.abort.set()
-            made = (await asyncio.gather(job, return_exceptions=True))[0]
-            if isinstance(made, SharedArena):
-                made.close()
-            raise
-        except AllocationStopped as stop:
-            log.info("start-up interrupted by %s while allocating the host tier (%.0f%% of %s "
-                     "done): stopped, nothing left behind", self.stop_signal,
-                     100 * stop.done / stop.size, size_text(size))
-            return None
-        secs = max(arena.setup_seconds, 1e-9)
-        log.info("host tier: %s at %s, allocated in %.2f s (%.2f GiB/s)", size_text(size),
-                 arena.path, secs, size / secs / 2**30)
-        return arena
 
     def _serving(self, extra: str = "") -> str:
         return (f"serving {self.runtime_dir} (backends {self.service.backends})"
@@ -254,6 +214,7 @@ class Daemon:
             readers.append(asyncio.create_task(self.gate.serve()))
         if self.service.tiering is not None:
             self.service.tiering.start()  # recovery scan runs in the background
+        self.host.start_verify()  # after a crash: checksums, in the background
         await self.stopping.wait()
         self.deadline = time.monotonic() + self.cfg.shutdown_grace_s
         log.info("shutting down (%s): finishing %d requests in flight (at most %.1f s)",
@@ -272,9 +233,13 @@ class Daemon:
                         abandoned)
             await asyncio.wait(self.tasks, timeout=1.0)
 
+    def _left(self) -> float:
+        """Seconds left of the shutdown grace (60 when start-up did not get to serving)."""
+        return 60.0 if self.deadline is None else max(0.1, self.deadline - time.monotonic())
+
     async def _finish_disk_io(self) -> None:
         """Disk IO finishes before the arena goes, within what is left of the grace."""
-        left = 60.0 if self.deadline is None else max(0.1, self.deadline - time.monotonic())
+        left = self._left()
         try:
             if self.service is not None and self.service.tiering is not None:
                 await asyncio.wait_for(self.service.tiering.stop(), left)
@@ -300,8 +265,7 @@ class Daemon:
         if self.service is not None:
             for engine in self.service.engines.values():
                 engine.close()
-        if self.arena is not None:
-            self.arena.close()
+        self.host.close(served=bool(self.sockets))
         self.lock.release()
 
     async def _serve(self, sock, ops: dict, handler) -> None:

@@ -172,6 +172,12 @@ def _cache(scraped: dict, s):
     yield from (cap, used, chunks, evictions)
     yield _counter("kvd_host_evicted_not_on_disk_total", "Host chunks evicted with no copy on disk "
                    "(lost from the cache).", tier.evicted_not_on_disk)
+    if tier.journal is not None:  # warm restart (kvd/tiers/journal.py)
+        w = dict(tier.journal.counters)
+        yield _counter("kvd_host_checksum_failures_total", "Host chunks adopted after a crash whose "
+                       "checksum did not match (dropped).", w.get("checksum_failures", 0))
+        yield _gauge("kvd_host_verify_pending", "Host chunk shards adopted after a crash that wait "
+                     "for their checksum check (no hits until then).", w.get("verify_pending", 0))
 
 
 def _sessions(c: dict, sessions):

@@ -7,7 +7,8 @@ sockets 0660, both of that group, so its members (engines of other users)
 can connect; without it only the daemon's user (and root) can. The lock
 (flock) lets one daemon serve a directory;
 it is released by the kernel when the daemon dies, so a new daemon that
-gets it knows every leftover is stale. A directory that cannot be created
+gets it knows every leftover socket is stale (the host tier is not a
+leftover: kvd.server.host_tier adopts it). A directory that cannot be created
 or used raises ``ConfigError("runtime_dir", ...)``: one line, exit status 2.
 """
 
@@ -85,7 +86,9 @@ class InstanceLock:
 
 
 def reclaim_stale(runtime_dir: Path, shm_dir: Path, tag: str) -> list[str]:
-    """Remove sockets and arenas a dead daemon left. Call only under the lock."""
+    """Remove the sockets a dead daemon left, and arenas named by pid (``kvd-arena-<tag>-<pid>``,
+    made by releases before warm restart: kvd.server.host_tier adopts ``kvd-arena-<tag>``).
+    Call only under the lock."""
     removed = []
     for name in ("kvd.sock", "control.sock"):
         p = runtime_dir / name

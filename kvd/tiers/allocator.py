@@ -5,7 +5,9 @@ extent is large enough (the caller evicts and retries); ``free`` returns an
 extent and merges it with its free neighbours; ``claim(start, size)`` takes
 back one exact extent that is free (the host tier undoes evictions with it
 when a reservation fails after all; it scans the free extents, so it is for
-that rare path only). Freed extents are kept in
+that rare path only). ``around(capacity, align, used)`` starts with the
+given extents in use (a daemon adopting an arena; they must not overlap).
+Freed extents are kept in
 exact-size free lists, so with one chunk size per daemon — the usual case —
 allocation is O(1) slot reuse; mixed sizes fall back to the smallest free
 extent that fits. Never hands out a byte twice, never exceeds capacity.
@@ -24,6 +26,26 @@ class ExtentAllocator:
         self._by_size: dict[int, set[int]] = {}
         if self.capacity:
             self._add(0, self.capacity)
+
+    @classmethod
+    def around(cls, capacity: int, align: int, used) -> "ExtentAllocator":
+        """An allocator whose ``used`` extents ((start, size) pairs, sizes rounded to
+        ``align``, not overlapping) are taken and everything between them is free."""
+        a = cls(0, align)
+        a.capacity = capacity - capacity % align
+        at = 0
+        for start, size in sorted(used):
+            size = a.rounded(max(size, 1))
+            if start < at or start % align or start + size > a.capacity:
+                raise ValueError(f"extent [{start}, {start + size}) overlaps another, is not "
+                                 "aligned or lies past the capacity")
+            if start > at:
+                a._add(at, start - at)
+            a.used += size
+            at = start + size
+        if at < a.capacity:
+            a._add(at, a.capacity - at)
+        return a
 
     def rounded(self, size: int) -> int:
         return -(-size // self.align) * self.align

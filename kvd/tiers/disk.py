@@ -343,6 +343,11 @@ class DiskTier:
             self.recovery["chunks"] += 1
             self.recovery["bytes"] += entry.size
 
+    async def recovered(self) -> None:
+        """Wait for the recovery scan to end (done, failed or cancelled)."""
+        if self._scan is not None:
+            await asyncio.gather(asyncio.shield(self._scan), return_exceptions=True)
+
     async def close(self) -> None:
         self._closed = True
         if self._scan is not None:

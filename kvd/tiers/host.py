@@ -33,6 +33,13 @@ queue from its LRU end once; the queued prefix already examined and its
 ready bytes (``scanned_bytes``) are kept up to date as entries come and go,
 so a demotion pass resumes where the last one stopped instead of rescanning.
 
+Warm restart: a ``journal`` (kvd/tiers/journal.py) hears of every shard
+committed, entry dropped or put back and ``on_disk`` change, so the
+arena's index file describes the committed shards. ``adopt`` starts from
+the entries a previous daemon left; shards adopted after a crash stay
+``unverified`` until checked (``verified``): no hits, a store of one is a
+dedup (a miss at worst, never wrong bytes), a bad one is dropped.
+
 ``stats()`` reads counters kept up to date (O(1)). Runs on the event loop
 only: no locks.
 """
@@ -63,6 +70,8 @@ class Entry:
     used: int = 0          # the tier's use clock at its last use
     scan: int = 0          # the demotion scan generation that examined it
     scan_bytes: int = 0    # what it added to ``scanned_bytes`` then
+    unverified: int = 0    # shards adopted after a crash whose checksum is not checked yet
+    recs: list | None = field(default=None, repr=False)  # index record of each shard (journal)
     lru_prev: object = field(default=None, repr=False)
     lru_next: object = field(default=None, repr=False)
 
@@ -96,6 +105,7 @@ class HostTier:
         self.evictions = 0
         self.evicted_not_on_disk = 0
         self.dedup_hits = 0
+        self.journal = None  # kvd.tiers.journal.Journal: keeps the arena's index file
 
     @property
     def capacity(self) -> int:
@@ -173,7 +183,7 @@ class HostTier:
                 fresh.append((i, key))
             elif entry.ns != ns or entry.shard_bytes != shard_bytes or entry.shards != shards:
                 raise BadRequest("key already cached with a different namespace or size")
-            elif (entry.stored | entry.writing) & bit:
+            elif (entry.stored | entry.writing | entry.unverified) & bit:
                 dedups.append(entry)
             else:
                 joins.append((i, entry))
@@ -254,6 +264,8 @@ class HostTier:
             self.entries[e.key] = e
             self._count_ready(e, +1)
             self._enqueue(e, "front")
+            if self.journal is not None:
+                self.journal.restored(e)
             self.evictions -= 1
             self.evicted_not_on_disk -= not e.on_disk
 
@@ -263,6 +275,8 @@ class HostTier:
         del self.entries[e.key]
         self._count_ready(e, -1)
         self.alloc.free(e.offset, e.slot_bytes)
+        if self.journal is not None:
+            self.journal.dropped(e)  # before the slot can be written again
 
     def _count_ready(self, e: Entry, sign: int) -> None:
         if e.ready:
@@ -277,12 +291,14 @@ class HostTier:
             self._count_ready(entry, +1)
         self._use(entry)
         self._settle(entry)
+        if self.journal is not None and self.entries.get(entry.key) is entry:
+            self.journal.committed(entry, rank)
 
     def abort(self, entry: Entry, rank: int) -> None:
         entry.writing &= ~(1 << rank)
         if self.entries.get(entry.key) is not entry:
             return
-        if entry.stored == 0 and entry.writing == 0:
+        if entry.stored == 0 and entry.writing == 0 and entry.unverified == 0:
             self._drop(entry)
         else:
             self._settle(entry)
@@ -327,6 +343,8 @@ class HostTier:
         e.on_disk = on_disk
         if e.ready and self.entries.get(e.key) is e:
             self.on_disk_ready += 1 if on_disk else -1
+        if self.journal is not None and self.entries.get(e.key) is e:
+            self.journal.flag_on_disk(e)
         if not on_disk and e.scan == self.scan_gen:
             self.reset_scan()  # examined as on disk, no longer is: examine again
 
@@ -336,6 +354,42 @@ class HostTier:
         for e in victims:
             self._drop(e)
         return len(victims), len(self.entries)
+
+    # ---- warm restart -------------------------------------------------------------------
+
+    def adopt(self, entries: list) -> None:
+        """Start from ``entries`` a previous daemon left (offsets checked not to overlap),
+        queued by their last use. Only on a tier that holds nothing yet."""
+        if self.entries:
+            raise ValueError("adopt needs an empty host tier")
+        self.alloc = ExtentAllocator.around(self.capacity, self.alloc.align,
+                                            [(e.offset, e.slot_bytes) for e in entries])
+        for e in sorted(entries, key=lambda e: e.used):
+            self.entries[e.key] = e
+            self._count_ready(e, +1)
+            self._enqueue(e)
+            self.clock = max(self.clock, e.used)
+
+    def verified(self, e: Entry, rank: int, ok: bool) -> bool | None:
+        """Shard ``rank`` of adopted ``e`` was checked: ``ok`` stores it (the entry is a hit
+        once every shard is), else the entry is dropped. None when ``e`` is gone or that
+        shard was not waiting for its check; else ``ok``."""
+        bit = 1 << rank
+        if self.entries.get(e.key) is not e or not e.unverified & bit:
+            return None
+        e.unverified &= ~bit
+        if not ok:
+            if self.lru.queued(e):
+                self._drop(e)
+            elif self.journal is not None:  # another shard is being stored: drop this one
+                self.journal.dropped_shard(e, rank)
+            return False
+        e.stored |= bit
+        if e.ready:
+            self._count_ready(e, +1)
+            if e.scan == self.scan_gen:  # examined while not ready: examine it again
+                self.reset_scan()
+        return True
 
     # ---- the demotion scan ------------------------------------------------------------
 
@@ -361,4 +415,5 @@ class HostTier:
         return {"capacity_bytes": self.capacity, "used_bytes": self.alloc.used,
                 "chunks": self.ready_count, "entries": len(self.entries),
                 "evictions": self.evictions, "evicted_not_on_disk": self.evicted_not_on_disk,
-                "on_disk": self.on_disk_ready, "dedup_hits": self.dedup_hits}
+                "on_disk": self.on_disk_ready, "dedup_hits": self.dedup_hits,
+                **({} if self.journal is None else {"warm": self.journal.stats()})}

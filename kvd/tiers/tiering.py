@@ -26,6 +26,9 @@ Runs on the event loop; the disk tier does the IO on its threads.
   ready host entries, pinned. A promotion reserves every shard of the host
   entry (invisible until the verified bytes are in), reads on an IO thread,
   then commits; any failure aborts the reservation: a miss, never wrong bytes.
+- **After a warm restart** the host tier's ``on_disk`` marks come from the
+  arena's index; once the disk tier's recovery scan is done, a mark whose
+  file is no longer there is cleared (``_reconcile``).
 """
 
 from __future__ import annotations
@@ -56,19 +59,33 @@ class Tiering:
         self.promoting: dict[bytes, asyncio.Future] = {}
         self.counters: Counter = Counter()
         self.wake = asyncio.Event()
-        self._task = None
+        self._task = self._reconciling = None
         disk.on_evict = self._off_disk
 
     def start(self) -> None:
         self.disk.start()
         self._task = asyncio.ensure_future(self._demoter())
+        self._reconciling = asyncio.ensure_future(self._reconcile())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._reconciling):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*self.promoting.values(), return_exceptions=True)
         await self.disk.close()
+
+    async def _reconcile(self) -> None:
+        """Once the disk is scanned: clear ``on_disk`` of host entries it does not hold."""
+        await self.disk.recovered()
+        if self.disk.recovery["state"] != "done":
+            return
+        stale = [e for e in self.host.entries.values()
+                 if e.on_disk and self.disk.get(e.key, touch=False) is None]
+        for e in stale:
+            self.host.set_on_disk(e, False)
+        if stale:
+            log.info("disk tier: %d host chunks marked on disk are not there: unmarked", len(stale))
 
     def _off_disk(self, key: bytes) -> None:
         entry = self.host.entries.get(key)

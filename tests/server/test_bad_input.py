@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from conftest import arena_files
 from rawwire import OMIT, Raw, layout, namespace, pack, pages, register_fields
 
 import kvd_client
@@ -362,8 +363,12 @@ def test_register_rejects_bad_buffers(daemon, good, zctx, raw_pool, shm_junk, tm
     small = shm_junk("small")
     small.write_bytes(bytes(4096))
     bad_buffer("bad_request", path=str(small))                                  # file too small
-    arena = next(Path("/dev/shm").glob(f"kvd-arena-*-{daemon.proc.pid}"))
+    arena, index = arena_files(daemon.runtime_dir)
     bad_buffer("bad_request", path=str(arena))                                  # the daemon's own tier
+    bad_buffer("bad_request", path=str(index))                                  # its index
+    alias = shm_junk("alias")
+    os.link(arena, alias)
+    bad_buffer("bad_request", path=str(alias))                                  # the tier, renamed
     bad_buffer("bad_request", size=size + 1)                                    # size > file
     bad_buffer("bad_request", size=0)
     bad_buffer("bad_request", size=2**62)

@@ -4,7 +4,9 @@ kvd is a cache: it may lose entries but never takes an engine down. A client
 that dies is reaped after ``client_timeout_s`` (leases and mappings
 released); a live idle client is not. A daemon that stops or crashes turns
 client calls into quick misses, and a new daemon on the same runtime dir
-reclaims what the old one left and serves the same client objects again.
+reclaims the sockets the old one left, adopts its host tier (warm restart:
+tests/server/test_warm_restart.py has the details) and serves the same
+client objects again.
 A second daemon on a busy runtime dir and a bad config both refuse to
 start. Leased hits survive memory pressure; with everything leased a store
 gets ``no_space``; released or expired leases make eviction possible again.
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import workers_failures as W
+from conftest import arena_files
 
 import kvd_client
 from kvd_protocol.runtime import instance_tag
@@ -53,7 +56,7 @@ def same_pages(pool, src: slice, dst: slice) -> bool:
 
 
 def arenas(daemon) -> list[Path]:
-    return sorted(Path("/dev/shm").glob(f"kvd-arena-{instance_tag(daemon.runtime_dir)}-*"))
+    return arena_files(daemon.runtime_dir)
 
 
 def mapped(pid: int, needle: str) -> bool:
@@ -172,10 +175,11 @@ def test_daemon_restart_with_connected_client(start_daemon):
         client.register_kv(pool, model="restart")
         assert client.store(tokens, np.arange(16)) == 64
         arena = arenas(d1)
-        assert len(arena) == 1
+        assert [p.name for p in arena] == [f"kvd-arena-{instance_tag(rd)}",
+                                           f"kvd-arena-{instance_tag(rd)}.index"]
         assert d1.stop() == 0, d1.log()
         assert not (rd / "kvd.sock").exists() and not (rd / "control.sock").exists()
-        assert arenas(d1) == [], "the arena was left in /dev/shm"
+        assert arenas(d1) == arena, "the host tier is kept for the next start"
         # Daemon gone: misses within the timeout, never an exception.
         for call in [lambda: client.lookup(tokens), lambda: client.store(tokens, np.arange(16)),
                      lambda: client.load(tokens, np.arange(16, 32)),
@@ -192,20 +196,21 @@ def test_daemon_restart_with_connected_client(start_daemon):
         strict.close()
         # A new daemon on the same runtime dir: the same client object comes back by itself.
         d2 = start_daemon(runtime_dir=rd)
-        assert arenas(d2) != arena
-        wait_for(lambda: client.store(tokens, np.arange(16)) == 64, 10, "the client to re-register")
-        assert client.lookup(tokens) == 64
+        assert arenas(d2) == arena and "host tier adopted: 4 chunks" in d2.log(), d2.log()
+        wait_for(lambda: client.lookup(tokens) == 64, 10, "the client to re-register")
+        assert client.store(tokens, np.arange(16)) == 64
         assert client.load(tokens, np.arange(16, 32)) == 64
         assert same_pages(pool, slice(0, 16), slice(16, 32))
         stats = d2.stats()
         assert stats["clients"] == 1 and stats["registrations"] == 1
+        assert stats["store_dedup"] == 4 and stats["tiers"]["host"]["warm"]["start"] == "clean"
     finally:
         client.close()
         pool.close()
     assert d2.stop() == 0
 
 
-# ---- (d) daemon crash: stale sockets and arena are reclaimed --------------------
+# ---- (d) daemon crash: stale sockets are reclaimed, the host tier adopted ---------
 
 def test_crashed_daemon_leftovers_are_reclaimed(start_daemon, procs):
     d1 = start_daemon()
@@ -219,15 +224,19 @@ def test_crashed_daemon_leftovers_are_reclaimed(start_daemon, procs):
         old_pid = d1.proc.pid
         d1.kill()
         assert d1.proc.returncode == -signal.SIGKILL
-        stale = arenas(d1)
-        assert [p.name for p in stale] == [f"kvd-arena-{instance_tag(rd)}-{old_pid}"]
+        kept = arenas(d1)
+        assert [p.name for p in kept] == [f"kvd-arena-{instance_tag(rd)}",
+                                          f"kvd-arena-{instance_tag(rd)}.index"]
+        legacy = Path("/dev/shm") / f"kvd-arena-{instance_tag(rd)}-{old_pid}"
+        legacy.write_bytes(bytes(4096))  # what a release before warm restart left
         assert (rd / "kvd.sock").exists() and (rd / "control.sock").exists()
         assert client.lookup(tokens) == 0
         d2 = start_daemon(runtime_dir=rd)
-        assert [p.name for p in arenas(d2)] == [f"kvd-arena-{instance_tag(rd)}-{d2.proc.pid}"]
+        assert arenas(d2) == kept
         log = d2.log()
-        for leftover in (rd / "kvd.sock", rd / "control.sock", stale[0]):
+        for leftover in (rd / "kvd.sock", rd / "control.sock", legacy):
             assert f"reclaimed stale {leftover}" in log, log
+        assert f"host tier adopted: 4 chunks (8KiB) after a crash of pid {old_pid}" in log, log
         assert procs.apply(W.roundtrip, (str(rd), 7)) is True
         wait_for(lambda: client.store(tokens, np.arange(16)) == 64, 10, "the client to re-register")
         assert client.load(tokens, np.arange(16, 32)) == 64
@@ -236,7 +245,7 @@ def test_crashed_daemon_leftovers_are_reclaimed(start_daemon, procs):
         client.close()
         pool.close()
     assert d2.stop() == 0
-    assert arenas(d2) == []
+    assert arenas(d2) == kept
 
 
 # ---- (e) one daemon per runtime dir ----------------------------------------------

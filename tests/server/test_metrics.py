@@ -153,3 +153,24 @@ def test_the_grafana_dashboard_uses_only_metrics_the_daemon_exports(start_daemon
     assert len(exprs) > 20 and len(used) > 25
     assert used - exported == set(), "the dashboard queries metrics nobody exports"
     assert {"kvd_request_duration_seconds_bucket", "kvd_lookup_hit_chunks_total"} <= used
+
+
+def test_warm_restart_metrics_count_a_chunk_that_failed_its_checksum(start_daemon):
+    import test_warm_restart as WR
+    d = start_daemon(**WR.KNOBS)
+    rd = d.runtime_dir
+    checker = WR.Checker(rd)
+    try:
+        assert checker.store(0) == WR.FULL
+        bad = checker.client.keys(WR.W.tokens_of(0))[3]
+    finally:
+        checker.close()
+    WR.sealed(d, WR.W.CHUNKS)
+    d.kill()
+    WR.flip_byte(rd, WR.record_offset(rd, bad))
+    port = free_port()
+    d = start_daemon(runtime_dir=rd, metrics_port=port, **WR.KNOBS)
+    WR.verified(d)
+    samples = scrape(port)
+    assert value(samples, "kvd_host_checksum_failures_total") == 1
+    assert value(samples, "kvd_host_verify_pending") == 0
