@@ -26,6 +26,7 @@ import pytest
 
 from kvd_client.transport import Channel
 from kvd_protocol.runtime import control_endpoint, instance_tag
+from shm_files import SHM
 
 DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interval_s": 0.2,
                  "client_timeout_s": 2.0, "log_level": "info"}
@@ -98,7 +99,6 @@ class DaemonProc:
             return ""
 
 
-SHM = Path("/dev/shm")
 
 
 def _kvd_shm_entries() -> set[str]:
@@ -175,12 +175,6 @@ def procs():
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(4) as pool:
         yield pool
-
-
-def arena_files(runtime_dir: Path) -> list[Path]:
-    """The host tier files of the daemons of ``runtime_dir``: ``kvd-arena-<tag>`` and its
-    ``.index`` (kept across restarts)."""
-    return sorted(SHM.glob(f"kvd-arena-{instance_tag(runtime_dir)}*"))
 
 
 def pids_alive(pid: int) -> bool:

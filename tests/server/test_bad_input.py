@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import arena_files
+from shm_files import arena_files
 from rawwire import OMIT, Raw, layout, namespace, pack, pages, register_fields
 
 import kvd_client

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import workers_failures as W
-from conftest import arena_files
+from shm_files import arena_files
 
 import kvd_client
 from kvd_protocol.runtime import instance_tag

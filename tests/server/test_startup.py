@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import arena_files
+from shm_files import arena_files
 
 SHM = Path("/dev/shm")
 BIG = 8 * 2**30  # takes seconds to allocate here (about 1 GiB/s on the 2-core CI machine)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import workers_warm as W
-from conftest import arena_files
+from shm_files import arena_files
 
 import kvd_client
 from kvd.cli.format import format_stats
