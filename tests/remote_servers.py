@@ -56,11 +56,10 @@ class Server:
     def ready_port(self) -> int:
         raise NotImplementedError
 
-    def start(self) -> "Server":
-        log = open(self.dir / "server.log", "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     cwd=self.dir)
-        log.close()
+    def start(self) -> Server:
+        with open(self.dir / "server.log", "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.dir)
         wait_port(self.ready_port(), self.proc, self.what)
         return self
 
@@ -142,7 +141,8 @@ class MooncakeMaster(Server):
         if path is None:
             return ("mooncake_master is not installed (pip install 'kvd[mooncake]': the "
                     "mooncake-transfer-engine-non-cuda wheel, Linux x86_64)")
-        probe = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        probe = subprocess.run([path, "--version"], check=False, capture_output=True, text=True,
+                               timeout=30)
         if "error while loading shared libraries" in probe.stderr:
             return (f"mooncake_master cannot load its libraries ({probe.stderr.strip()}); "
                     "apt-get install libibverbs1 (tools/install_test_stores.sh)")

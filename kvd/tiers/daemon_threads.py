@@ -47,15 +47,21 @@ class DaemonThreads:
             if job is None:
                 return
             fut, fn, args = job
-            try:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args))
-                    except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                        fut.set_exception(exc)
-            finally:
-                with self._lock:
-                    self.busy -= 1
+            result, error = None, None
+            running = fut.set_running_or_notify_cancel()
+            if running:
+                try:
+                    result = fn(*args)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                    error = exc
+            with self._lock:  # not busy any more before the waiter hears of it
+                self.busy -= 1
+            if running:
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(error)
+                del result, error
 
     def close(self) -> None:
         self._closed = True

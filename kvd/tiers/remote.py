@@ -121,7 +121,7 @@ class RemoteTier:
             raise RemoteUnavailable("every remote thread is busy")
         try:
             result = await self._run(fn, self.timeout_s + nbytes / FLOOR_BYTES_S, *args)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.counters["timeouts"] += 1
             self._failed(TimeoutError(f"no answer within {self.timeout_s:g} s"), fn)
         except Exception as exc:  # noqa: BLE001 - a store client raises anything; all are failures

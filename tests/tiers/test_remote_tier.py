@@ -15,12 +15,15 @@ back, after which sharing works again.
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 import workers_disk as D
 import workers_remote as R
-from remote_servers import MooncakeMaster, RedisServer, mooncake_env
+from remote_servers import MooncakeMaster, RedisServer, free_port, mooncake_env
+
+from kvd.cli.format import format_stats
 
 CHUNK = D.CHUNK
 SPEC = {"layout": "vllm_flash_attn", "layers": 2, "page_size": 16, "dtype": "float16",
@@ -185,3 +188,46 @@ def test_a_dead_store_makes_kvd_local_only_and_the_breaker_recovers(store, start
     assert procs.apply(D.load_seqs, (rb, SPEC, 83, 2, 2, model)) == [(2 * CHUNK, 2 * CHUNK)] * 2
     for d in (a, b):
         assert d.stop() == 0
+
+
+def scrape(port: int) -> str:
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def test_down_at_start_then_cold_chunks_follow_the_disk_demoter(start_daemon, procs, tmp_path):
+    """kvd serves with its store down from the start; ``remote_publish = demote`` sends what
+    the disk demoter takes once the store is up; ``kvd stats`` and /metrics show it."""
+    why = RedisServer.missing()
+    if why:
+        pytest.skip(why)
+    server = RedisServer()  # its port is chosen, nothing listens yet
+    server.backend = "redis"
+    port, model = free_port(), "remote/demote"
+    try:
+        a = start_daemon(remote_backend="redis", remote_address=server.url, remote_prefix=PREFIX,
+                         remote_timeout_s=TIMEOUT_S, remote_breaker_retry_s=0.2,
+                         remote_publish="demote", disk_dir=str(tmp_path / "disk"),
+                         host_capacity="256KiB", disk_high_watermark=0.1, metrics_port=port)
+        ra = str(a.runtime_dir)
+        assert procs.apply(D.store_seqs, (ra, SPEC, 91, 2, 2, model, False)) == 4 * CHUNK
+        r = wait_remote(a, lambda r: r["publish_skipped"] >= 1, "demotions skipped while down")
+        assert r["breaker"] != "closed" and r["probe_failures"] >= 1 and r["puts"] == 0
+        text = format_stats(a.stats())
+        assert "remote: redis " + server.url in text and "breaker " in text
+        server.start()
+        wait_remote(a, lambda r: r["breaker"] == "closed", "the store to answer")
+        assert procs.apply(D.store_seqs, (ra, SPEC, 92, 2, 2, model, False)) == 4 * CHUNK
+        wait_remote(a, lambda r: r["puts"] == 4, "the demoted chunks' puts")
+        b = node(start_daemon, server)
+        got = procs.apply(D.load_seqs, (str(b.runtime_dir), SPEC, 92, 2, 2, model))
+        assert got == [(2 * CHUNK, 2 * CHUNK)] * 2
+        metrics = scrape(port)
+        puts = re.search(r"^kvd_remote_puts_total (\S+)$", metrics, re.M)
+        assert puts and float(puts.group(1)) == remote(a)["puts"] >= 4
+        assert 'kvd_remote_breaker_state{state="closed"} 1.0' in metrics
+        assert 'kvd_remote_failures_total{kind="error"}' in metrics
+        assert a.stop() == 0 and b.stop() == 0
+    finally:
+        server.stop()
