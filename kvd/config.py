@@ -140,8 +140,8 @@ KNOBS = (
     Knob("remote_timeout_s", "float", 0.1, "Longest wait for one store call (a value's transfer "
          "adds its size at 1 GB/s); past it the call counts as failed and the request goes on "
          "without it.", minimum=0.001),
-    Knob("remote_threads", "int", 8, "Threads calling the store (lookups, fetches; puts use at "
-         "most half of them).", minimum=2),
+    Knob("remote_threads", "int", 8, "Threads calling the store: at most half fetch chunks, a "
+         "quarter put them, the rest answer lookups.", minimum=2),
     Knob("remote_queue_chunks", "int", 256, "Chunks queued for the store or being put at most; "
          "more are dropped and counted, never waited for.", minimum=1),
     Knob("remote_publish", "str", "store", "When a chunk goes to the store: store (once a store "

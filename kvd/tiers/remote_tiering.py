@@ -11,18 +11,21 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   chunk goes when the disk tier's demoter takes it (host above
   ``disk_high_watermark``: cold chunks only, less traffic, later sharing).
   Queued or in flight at most ``queue_chunks`` (more are dropped and
-  counted; nothing is queued while the breaker is open). At most half the
-  remote threads put at once; each put pins its host entry only while a CPU
-  thread packs it into a private buffer (kvd/tiers/remote_value.py), never
-  during network IO. A chunk the store already holds is not sent again.
+  counted; nothing is queued while the breaker is open). At most a quarter
+  of the remote threads put at once (half fetch, the rest answer lookups);
+  each put pins its host entry only while a CPU thread packs it into a
+  private buffer (kvd/tiers/remote_value.py), never during network IO. A
+  chunk the store already holds is not sent again.
 - **Promotion**: ``lookup`` asks the store which keys past the local prefix
   it holds (one round trip) and starts fetching them; ``promote_prefix``
   (load) waits only for the fetches of its own keys and returns the ready
-  host entries, pinned. A fetch reads the value into private memory, checks
-  its header against the key, namespace and shard sizes, reserves the host
-  entry, verifies the payload digest while copying it in and commits; any
-  failure aborts the reservation (a miss, never wrong bytes), and a value
-  that fails verification is counted and deleted from the store.
+  host entries, pinned. Fetches queue on the loop for their threads, in
+  key order, so a long prefix is fetched whole, never refused for want of
+  a thread. A fetch reads the value into private memory, checks its header
+  against the key, namespace and shard sizes, reserves the host entry,
+  verifies the payload digest while copying it in and commits; any failure
+  aborts the reservation (a miss, never wrong bytes), and a value that
+  fails verification is counted and deleted from the store.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ class RemoteTiering:
         self.queue_chunks = queue_chunks
         self.promoting: dict[bytes, asyncio.Future] = {}
         self.publishing: dict[bytes, asyncio.Task] = {}
-        self.put_slots = asyncio.Semaphore(max(1, remote.net.size // 2))
+        # threads: at most a quarter put, half fetch, the rest answer lookups' exists calls
+        self.put_slots = asyncio.Semaphore(max(1, remote.net.size // 4))
+        self.fetch_slots = asyncio.Semaphore(max(1, remote.net.size // 2))
         self.counters: Counter = Counter()
 
     def start(self) -> None:
@@ -160,7 +165,8 @@ class RemoteTiering:
         entry = self.host.entries.get(key)
         if entry is not None:
             return entry.ready
-        value = await self.remote.get(ns, key, shards * (shard_bytes or 0))
+        async with self.fetch_slots:  # in key order: a load's first chunks come first
+            value = await self.remote.get(ns, key, shards * (shard_bytes or 0))
         if value is None:
             self.counters["promotions_failed"] += 1
             return False
