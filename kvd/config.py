@@ -160,8 +160,9 @@ KNOBS = (
          "Mooncake transfers. Empty: the address this host uses to reach the master."),
     Knob("remote_mooncake_segment_bytes", "size", 2**30, "Memory this daemon lends to the Mooncake "
          "cluster's pool (0: none; values then live in other clients' segments).", minimum=0),
-    Knob("remote_mooncake_buffer_bytes", "size", 64 * 2**20, "Mooncake client's transfer buffer; "
-         "must hold remote_threads chunks.", minimum=2**20),
+    Knob("remote_mooncake_buffer_bytes", "size", 256 * 2**20, "Mooncake client's transfer "
+         "buffer: values pass through it, so it must hold the chunks of remote_threads calls at "
+         "once.", minimum=2**20),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
     Knob("log_level", "str", "info", "Logging level.", choices=("debug", "info", "warning", "error")),
     Knob("metrics_port", "int", 0, "TCP port of the Prometheus /metrics endpoint (needs kvd[metrics]); "

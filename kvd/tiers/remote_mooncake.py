@@ -47,7 +47,7 @@ class MooncakeStore:
     name = "mooncake"
 
     def __init__(self, address: str, timeout_s: float, metadata: str = "", local_host: str = "",
-                 segment_bytes: int = 0, buffer_bytes: int = 64 << 20):
+                 segment_bytes: int = 0, buffer_bytes: int = 256 << 20):
         self.master = _host_port(address)
         self.address = address
         self.metadata = metadata or f"http://{self.master[0]}:{DEFAULT_METADATA_PORT}/metadata"

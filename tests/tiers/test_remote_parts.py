@@ -235,3 +235,26 @@ def test_a_long_prefix_is_fetched_whole_with_few_threads(redis_server):
     count, same, counters, stats = run(scenario())
     assert count == n and all(same), stats
     assert counters["busy"] == 0 and counters["puts"] == n and stats["promotions"] == n
+
+
+# ---- configuration ---------------------------------------------------------------------------
+
+def test_demote_publication_needs_a_disk_tier():
+    from kvd.config import load_config
+    from kvd_protocol.errors import ConfigError
+    with pytest.raises(ConfigError, match="remote_publish"):
+        load_config(env={}, overrides={"remote_backend": "redis", "remote_publish": "demote"})
+    cfg = load_config(env={}, overrides={"remote_backend": "redis", "remote_publish": "demote",
+                                         "disk_dir": "/tmp/x"})
+    assert cfg.remote_publish == "demote"
+
+
+@pytest.mark.parametrize("knobs, says", [
+    ({"remote_backend": "redis"}, "remote_address: remote_backend = redis needs the store's address"),
+    ({"remote_backend": "redis", "remote_address": "http://x:1"}, "a Valkey/Redis address is a URL"),
+    ({"remote_backend": "mooncake", "remote_address": "nohost"}, "expected host:port"),
+])
+def test_a_bad_remote_setting_stops_start_up_with_one_line(start_daemon, knobs, says):
+    d = start_daemon(wait=False, **knobs)
+    assert d.proc.wait(30) == 2
+    assert says in d.log()
