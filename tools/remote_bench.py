@@ -8,9 +8,14 @@ thread, exists + SET on ``--threads`` threads) against plain SETs of the
 same bytes on as many threads; then the tier's promotion of every chunk
 into fresh host slots (GET, header check, digest verified while copying
 in) against plain GETs into memory. Prints GB/s of each and tier/raw.
+``--lookups N`` instead times N lookups of chunks no tier holds (an
+attached registration, what a scheduler does) against two ``kvd serve``
+daemons, one with the remote tier on this server and one without,
+alternating in rounds: what the store's round trip adds to a miss.
 Nothing is timed against a fixed number: the ratio is what it reports.
 
-Usage: ``python tools/remote_bench.py [--chunks 64] [--chunk-mib 4] [--threads 8] [--repeat 3]``
+Usage: ``python tools/remote_bench.py [--chunks 64] [--chunk-mib 4] [--threads 4] [--repeat 3]
+[--lookups N]``
 """
 
 from __future__ import annotations
@@ -105,16 +110,63 @@ def raw_round(url: str, values: list, threads: int, round_: int) -> tuple:
     return put_s, get_s
 
 
+def lookup_round(rundir: str, n: int, seed: int) -> list:
+    import kvd_client
+    client = kvd_client.KvdClient(runtime_dir=rundir, timeout=20, raise_errors=True).connect()
+    client.attach("bench/lookups", "bfloat16", "mha", 32, 8, 128)
+    tokens = np.random.default_rng(seed).integers(0, 2**31, (n, 2 * 256))
+    out = []
+    for row in tokens:
+        t0 = time.perf_counter()
+        assert client.lookup(row) == 0
+        out.append(time.perf_counter() - t0)
+    client.close()
+    return out
+
+
+def lookups(url: str, tmp: str, n: int, repeat: int) -> None:
+    from kvd.bench.common import start_daemon
+    dirs = {"off": (f"{tmp}/off", []),
+            "remote": (f"{tmp}/remote", ["--remote-backend", "redis", "--remote-address", url])}
+    procs = [start_daemon(rd, 64 << 20, 256, extra) for rd, extra in dirs.values()]
+    try:
+        from kvd.bench.common import control
+        while control(dirs["remote"][0], "stats")["tiers"]["remote"]["breaker"] != "closed":
+            time.sleep(0.05)
+        secs = {name: [] for name in dirs}
+        for r in range(repeat):
+            for name in (("off", "remote") if r % 2 == 0 else ("remote", "off")):
+                secs[name] += lookup_round(dirs[name][0], n, r)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
+    print(f"lookups of 2 chunks that no tier holds, {n} x {repeat} each, alternating")
+    print(f"{'daemon':<10}{'p50 ms':>9}{'p99 ms':>9}")
+    for name, v in secs.items():
+        v.sort()
+        print(f"{name:<10}{1e3 * v[len(v) // 2]:>9.3f}{1e3 * v[int(0.99 * len(v))]:>9.3f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chunks", type=int, default=64)
     p.add_argument("--chunk-mib", type=float, default=4.0)
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--lookups", type=int, default=0)
     args = p.parse_args()
     size = int(args.chunk_mib * 2**20)
     tmp = tempfile.mkdtemp(prefix="kvd-remote-bench-")
     proc, url = start_redis(tmp)
+    if args.lookups:
+        try:
+            lookups(url, tmp, args.lookups, args.repeat)
+        finally:
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     runs = {"tier put": [], "tier get": [], "raw put": [], "raw get": []}
     try:
         view = np.zeros(2 * args.chunks * size, np.uint8)
