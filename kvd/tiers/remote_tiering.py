@@ -55,6 +55,7 @@ class RemoteTiering:
         self.publish = publish
         self.queue_chunks = queue_chunks
         self.promoting: dict[bytes, asyncio.Future] = {}
+        self.shard_bytes: dict[bytes, int] = {}  # per namespace, for fetches of lookups without a layout
         self.publishing: dict[bytes, asyncio.Task] = {}
         # threads: at most a quarter put, half fetch, the rest answer lookups' exists calls
         self.put_slots = asyncio.Semaphore(max(1, remote.net.size // 4))
@@ -95,6 +96,7 @@ class RemoteTiering:
         if len(self.publishing) >= self.queue_chunks:
             self.counters["publish_dropped"] += 1
             return
+        self.shard_bytes[entry.ns] = entry.shard_bytes
         task = asyncio.ensure_future(self._publish(entry, cold))
         self.publishing[entry.key] = task
         task.add_done_callback(lambda t, k=entry.key: self._published(k, t))
@@ -165,8 +167,9 @@ class RemoteTiering:
         entry = self.host.entries.get(key)
         if entry is not None:
             return entry.ready
+        expect = shard_bytes or self.shard_bytes.get(ns, 0)  # the fetch's timeout grows with it
         async with self.fetch_slots:  # in key order: a load's first chunks come first
-            value = await self.remote.get(ns, key, shards * (shard_bytes or 0))
+            value = await self.remote.get(ns, key, shards * expect)
         if value is None:
             self.counters["promotions_failed"] += 1
             return False
@@ -177,6 +180,7 @@ class RemoteTiering:
                                    f"namespace has {shards} of {shard_bytes}")
         except ChunkCorrupt:
             return self._corrupt(ns, key)
+        self.shard_bytes[ns] = head.shard_bytes
         entry = self.host.entries.get(key)  # a store of this node may have made it meanwhile
         if entry is not None:
             return entry.ready
