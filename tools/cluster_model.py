@@ -93,9 +93,9 @@ def simulate(requests: np.ndarray, nodes: int, per_node: int, shared: bool, seed
 def hit_rate_tables(requests: int, s: float) -> str:
     reqs = zipf_requests(requests, s, seed=7)
     prefix_gib = PREFIX_TOKENS * KV_BYTES_PER_TOKEN_LAYER * 32 / 2**30  # full 32-layer model
-    out = [f"Zipf exponent {s}, {PREFIXES:,} prefixes of {PREFIX_TOKENS} tokens "
+    out = [(f"Zipf exponent {s}, {PREFIXES:,} prefixes of {PREFIX_TOKENS} tokens "
            f"({prefix_gib:.2f} GiB of KV each for all 32 layers of Llama-3-8B), "
-           f"{requests:,} requests (the first half warms up), routed at random.", ""]
+           f"{requests:,} requests (the first half warms up), routed at random."), ""]
     out.append("| nodes | cache per node (prefixes) | local only: hit rate | with the remote tier: "
                "local + remote = hit rate | remote fetches per request |")
     out.append("|---|---|---|---|---|")
@@ -130,12 +130,12 @@ def break_even_table() -> str:
     per_token = KV_BYTES_PER_TOKEN_LAYER * LAYERS_MEASURED
     lengths = sorted(MEASURED_PREFILL_MS)
     saved = " / ".join(f"{MEASURED_PREFILL_MS[k] - MEASURED_SUFFIX_MS[k]:.1f}" for k in lengths)
-    out = [f"Saved by a cached prefix of n tokens (full prefill minus the suffix's): ms = "
+    out = [(f"Saved by a cached prefix of n tokens (full prefill minus the suffix's): ms = "
            f"{a:.2f} + {b * 1e3:.4f}e-3 n + {c * 1e6:.4f}e-6 n^2 through the measured "
            f"{saved} ms at {' / '.join(map(str, lengths))} tokens. Fetch: {RTT_MS} ms + n x "
-           f"{per_token // 1024} KiB / link rate.", "",
-           "| link | fetch 1k tokens | fetch 2k / 8k / 32k tokens | saved 2k / 8k / 32k | "
-           "fetching wins from |", "|---|---|---|---|---|"]
+           f"{per_token // 1024} KiB / link rate."), "",
+           ("| link | fetch 1k tokens | fetch 2k / 8k / 32k tokens | saved 2k / 8k / 32k | "
+           "fetching wins from |"), "|---|---|---|---|---|"]
     for gbps in LINKS_GBPS:
         fetch = fetch_ms(n, gbps)
         wins = n[fetch < saving]
