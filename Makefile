@@ -24,6 +24,7 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/kvd serve $(ARGS)
 
 test: $(VENV)/.installed-dev
+	bash tools/install_test_stores.sh
 	$(VENV)/bin/python -m pytest -q
 	bash tools/check_kernels.sh
 	bash tools/check_service.sh $(VENV)

@@ -133,6 +133,40 @@ KNOBS = (
     Knob("disk_gds_slot_bytes", "size", 128 * 2**20, "Bytes of each of the 2 GPU Direct Storage "
          "buffers per GPU (a load reads as many chunks as fit, then the next batch).",
          minimum=2**20),
+    Knob("remote_backend", "str", "off", "Remote tier on an existing distributed store the "
+         "cluster's nodes share (docs/cluster.md): off, redis (Valkey or Redis; needs kvd[redis]) "
+         "or mooncake (Mooncake Store over TCP; needs kvd[mooncake]).",
+         choices=("off", "redis", "mooncake")),
+    Knob("remote_address", "str", "", "Where the store is: for redis a URL (redis://host:6379/0, "
+         "rediss://..., unix:///path), for mooncake the master's RPC host:port."),
+    Knob("remote_prefix", "str", "kvd", "Name of this cluster or tenant in the store: every key "
+         "starts with it, so clusters sharing one store never read each other's chunks."),
+    Knob("remote_timeout_s", "float", 0.1, "Longest wait for one store call (a value's transfer "
+         "adds its size at 1 GB/s); past it the call counts as failed and the request goes on "
+         "without it.", minimum=0.001),
+    Knob("remote_threads", "int", 8, "Threads calling the store: at most half fetch chunks, a "
+         "quarter put them, the rest answer lookups.", minimum=2),
+    Knob("remote_queue_chunks", "int", 256, "Chunks queued for the store or being put at most; "
+         "more are dropped and counted, never waited for.", minimum=1),
+    Knob("remote_publish", "str", "store", "When a chunk goes to the store: store (once a store "
+         "committed it, so other nodes hit it at once) or demote (when the disk tier's demoter "
+         "takes it: cold chunks only; needs disk_dir).", choices=("store", "demote")),
+    Knob("remote_breaker_failures", "int", 3, "Consecutive failed or timed-out store calls that "
+         "open the circuit breaker: kvd serves from its local tiers only.", minimum=1),
+    Knob("remote_breaker_retry_s", "float", 2.0, "While the breaker is open, how often one probe "
+         "checks whether the store is back.", minimum=0.05),
+    Knob("remote_ttl_s", "int", 0, "Expiry of each value put in Valkey/Redis, in seconds (0: none; "
+         "the server's maxmemory policy evicts).", minimum=0),
+    Knob("remote_mooncake_metadata", "str", "", "Mooncake's transfer metadata service: a URL, "
+         "P2PHANDSHAKE or an etcd address. Empty: http://<master host>:8080/metadata (the "
+         "master's own, --enable_http_metadata_server)."),
+    Knob("remote_mooncake_local_host", "str", "", "Address other nodes reach this one on for "
+         "Mooncake transfers. Empty: the address this host uses to reach the master."),
+    Knob("remote_mooncake_segment_bytes", "size", 2**30, "Memory this daemon lends to the Mooncake "
+         "cluster's pool (0: none; values then live in other clients' segments).", minimum=0),
+    Knob("remote_mooncake_buffer_bytes", "size", 256 * 2**20, "Mooncake client's transfer "
+         "buffer: values pass through it, so it must hold the chunks of remote_threads calls at "
+         "once.", minimum=2**20),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
     Knob("warm_restart", "bool", True, "Keep the host tier across daemon restarts: it stays in "
          "shm_dir when the daemon exits and the next daemon of this runtime dir adopts it "
@@ -267,6 +301,10 @@ def load_config(path: str | None = None, env: dict | None = None,
         raise ConfigError("disk_high_watermark", "must be <= 1.0")
     if values["metrics_port"] > 65535:
         raise ConfigError("metrics_port", "must be <= 65535")
+    if values["remote_publish"] == "demote" and values["remote_backend"] != "off" \
+            and not values["disk_dir"]:
+        raise ConfigError("remote_publish", "demote follows the disk tier's demotions: set "
+                          "disk_dir, or use remote_publish = store")
     if values["client_timeout_s"] <= values["heartbeat_interval_s"]:
         raise ConfigError("client_timeout_s", "must be larger than heartbeat_interval_s")
     return Config(**values, sources=MappingProxyType(sources), file=path or None)

@@ -37,6 +37,8 @@ def _hex(b: bytes) -> str:
 def format_stats(s: dict) -> str:
     lines = [f"{'tier':<8}{'capacity':>14}{'used':>14}{'chunks':>10}{'evictions':>11}"]
     for name, t in s["tiers"].items():
+        if "capacity_bytes" not in t:  # the remote tier: a line of its own below
+            continue
         lines.append(f"{name:<8}{size(t['capacity_bytes']):>14}{size(t['used_bytes']):>14}"
                      f"{t['chunks']:>10}{t['evictions']:>11}")
     warm = s["tiers"]["host"].get("warm")
@@ -58,6 +60,9 @@ def format_stats(s: dict) -> str:
             lines.append(f"gds: {gds['mode']}  loads {gds['direct_loads']}  chunks "
                          f"{gds['direct_chunks']} ({size(gds['direct_bytes'])})  fallbacks "
                          f"{gds['fallbacks']}")
+    remote = s["tiers"].get("remote")
+    if remote:
+        lines.append(_remote(remote, s.get("remote_hits", 0)))
     lines.append("")
     lines.append(f"hits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
                  f"dedup {s['store_dedup']}")
@@ -74,6 +79,15 @@ def format_stats(s: dict) -> str:
         for op, lat in sorted(s["latency"].items()):
             lines.append(f"{op:<12}{lat['count']:>10}{lat['p50_ms']:>10.3f}{lat['p99_ms']:>10.3f}")
     return "\n".join(lines)
+
+
+def _remote(r: dict, hits: int) -> str:
+    return (f"remote: {r['backend']} {r['address']} prefix {r['prefix']}  breaker {r['breaker']} "
+            f"(opened {r['breaker_opened']})  hits {hits}  fetched {r['gets']} "
+            f"({size(r['get_bytes'])})  sent {r['puts']} ({size(r['put_bytes'])}, "
+            f"{r['puts_present']} already there)  queued {r['publish_queued']} (dropped "
+            f"{r['publish_dropped']})  corrupt {r['corrupt']}  errors {r['errors']}  timeouts "
+            f"{r['timeouts']}  skipped {r['skipped']}")
 
 
 def _recovery(rec: dict) -> str:

@@ -39,8 +39,11 @@ def snapshot(service) -> dict:
     if service.tiering is not None:
         tiers["disk"] = {**service.tiering.disk.stats(), **service.tiering.stats(),
                          "gds": None if service.gds is None else service.gds.stats()}
+    if service.remote is not None:
+        tiers["remote"] = service.remote.stats()
     sessions = service.sessions
     return {"tiers": tiers, "disk_hits": service.stats.counters["disk_hit_chunks"],
+            "remote_hits": service.stats.counters["remote_hit_chunks"],
             **service.stats.summary(),
             "latency": service.stats.latency_ms(), "latency_histogram": service.stats.latency_histogram(),
             "clients": len(sessions),

@@ -25,13 +25,15 @@ frame larger than ``max_message_bytes`` is dropped by ZeroMQ (its limit is
 per frame), and a message whose frames together exceed it gets a
 ``too_large`` reply and is not run. With ``disk_dir`` set, the disk tier
 (kvd.tiers.tiering) starts with the loop and scans its directory in the
-background. SIGTERM/SIGINT: stop reading, end every request waiting on a
-client (``shutting_down``), let the others (and their copies) finish and
-finish disk IO within ``shutdown_grace_s`` in all (copies still queued then
-are abandoned: the CUDA backend's close gives the GPU a bounded wait of its
-own), remove the sockets, keep the host tier for the next start
-(``warm_restart``), exit 0: bounded whatever the GPU or the clients do,
-since no copy waits on another process.
+background; with ``remote_backend`` set, the remote tier (kvd.tiers.remote)
+starts local-only and connects in the background. SIGTERM/SIGINT: stop
+reading, end every request waiting on a client (``shutting_down``), let the
+others (and their copies) finish and finish disk and remote tier IO within
+``shutdown_grace_s`` in all (copies still queued then are abandoned: the
+CUDA backend's close gives the GPU a bounded wait of its own), remove the
+sockets, keep the host tier for the next start (``warm_restart``), exit 0:
+bounded whatever the GPU or the clients do, since no copy waits on another
+process.
 """
 
 from __future__ import annotations
@@ -137,6 +139,10 @@ class Daemon:
             self.service.tiering = Tiering(self.service.tier, self.disk, arena.view,
                                            self.cfg.disk_high_watermark, self.cfg.disk_min_hits)
             self.disk.on_progress = self._disk_progress
+        if self.cfg.remote_backend != "off":
+            self.service.remote = startup.make_remote(self.cfg, self.service.tier, arena.view)
+            if self.service.tiering is not None:
+                self.service.tiering.on_demote = self.service.remote.demoting
         if self.cfg.disk_gds:
             self.service.gds = startup.make_gds(self.cfg, self.service.tiering, cuda)
         if self.stopping.is_set():
@@ -215,6 +221,8 @@ class Daemon:
         if self.service.tiering is not None:
             self.service.tiering.start()  # recovery scan runs in the background
         self.host.start_verify()  # after a crash: checksums, in the background
+        if self.service.remote is not None:
+            self.service.remote.start()  # connects in the background: local-only until then
         await self.stopping.wait()
         self.deadline = time.monotonic() + self.cfg.shutdown_grace_s
         log.info("shutting down (%s): finishing %d requests in flight (at most %.1f s)",
@@ -237,10 +245,17 @@ class Daemon:
         """Seconds left of the shutdown grace (60 when start-up did not get to serving)."""
         return 60.0 if self.deadline is None else max(0.1, self.deadline - time.monotonic())
 
+    def remote_left_open(self) -> bool:
+        remote = None if self.service is None else self.service.remote
+        return remote is not None and not remote.remote.closed
+
     async def _finish_disk_io(self) -> None:
-        """Disk IO finishes before the arena goes, within what is left of the grace."""
+        """Disk and remote tier IO finish before the arena goes, within what is left of the
+        grace (remote calls stuck in a dead store are abandoned: they hold no arena bytes)."""
         left = self._left()
         try:
+            if self.service is not None and self.service.remote is not None:
+                await asyncio.wait_for(self.service.remote.stop(), left)
             if self.service is not None and self.service.tiering is not None:
                 await asyncio.wait_for(self.service.tiering.stop(), left)
             elif self.disk is not None:
@@ -342,7 +357,19 @@ def serve(cfg) -> int:
         notifier.close()
     if served:
         log.info("stopped")
+    if daemon.remote_left_open():
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """End the process without running exit handlers and library destructors: a store client
+    that could not be closed (a call stuck in it, its server gone) aborts in them (Mooncake:
+    std::terminate on its joinable threads). Everything of ours is released by now."""
+    log.warning("exiting without the remote store client's exit handlers (it could not be "
+                "closed)")
+    logging.shutdown()
+    os._exit(code)
 
 
 def log_config(cfg) -> None:

@@ -41,6 +41,27 @@ TIERING_COUNTERS = (
     ("kvd_demotions_skipped_cold_total", "Chunks not demoted for too few hits (disk_min_hits).",
      "demotions_skipped_cold"),
 )
+REMOTE_COUNTERS = (  # (metric name, help, key of the remote tier's stats)
+    ("kvd_remote_gets_total", "Chunks fetched from the remote store.", "gets"),
+    ("kvd_remote_get_bytes_total", "Bytes fetched from the remote store.", "get_bytes"),
+    ("kvd_remote_puts_total", "Chunks sent to the remote store.", "puts"),
+    ("kvd_remote_put_bytes_total", "Bytes sent to the remote store.", "put_bytes"),
+    ("kvd_remote_puts_present_total", "Chunks not sent: the remote store had them already.",
+     "puts_present"),
+    ("kvd_remote_corrupt_total", "Remote values that failed verification (dropped, deleted).",
+     "corrupt"),
+    ("kvd_remote_promotions_total", "Chunks fetched from the remote store into the host tier.",
+     "promotions"),
+    ("kvd_remote_promotions_failed_total", "Remote fetches that brought nothing (missing, failed, "
+     "corrupt, no room).", "promotions_failed"),
+    ("kvd_remote_publish_dropped_total", "Chunks not queued for the remote store: queue full.",
+     "publish_dropped"),
+    ("kvd_remote_breaker_opened_total", "Times the remote store's circuit breaker opened.",
+     "breaker_opened"),
+)
+REMOTE_FAILURES = (("error", "errors"), ("timeout", "timeouts"), ("skipped", "skipped"),
+                   ("busy", "busy"))
+BREAKER_STATES = ("closed", "probing", "open")
 GDS_COUNTERS = (
     ("kvd_gds_loads_total", "Loads served by GPU Direct Storage.", "direct_loads"),
     ("kvd_gds_loaded_chunks_total", "Chunks read by GPU Direct Storage into GPU pages.", "direct_chunks"),
@@ -92,6 +113,8 @@ class KvdCollector:
             yield from _disk(s.tiering)
         if s.gds is not None:
             yield from _counters(GDS_COUNTERS, dict(s.gds.counters))
+        if s.remote is not None:
+            yield from _remote(s.remote.stats())
 
 
 def _version() -> str:
@@ -139,8 +162,11 @@ def _cache(scraped: dict, s):
     c = scraped["counters"]
     hits = _counter("kvd_lookup_hit_chunks_total", "Chunks lookups found, by the tier that held "
                     "them.", labels=["tier"])
-    hits.add_metric(["host"], c.get("hit_chunks", 0) - c.get("disk_hit_chunks", 0))
+    hits.add_metric(["host"], c.get("hit_chunks", 0) - c.get("disk_hit_chunks", 0)
+                    - c.get("remote_hit_chunks", 0))
     hits.add_metric(["disk"], c.get("disk_hit_chunks", 0))
+    if s.remote is not None:
+        hits.add_metric(["remote"], c.get("remote_hit_chunks", 0))
     yield hits
     yield _counter("kvd_lookup_miss_chunks_total", "Chunks lookups did not find.", c.get("miss_chunks", 0))
     yield _counter("kvd_store_dedup_chunks_total", "Chunks a store skipped: already cached.",
@@ -200,3 +226,20 @@ def _disk(tiering):
     yield _gauge("kvd_disk_queued_writes", "Demotions queued or being written.",
                  len(tiering.disk.writing))
     yield from _counters(TIERING_COUNTERS, dict(tiering.counters))
+
+
+def _remote(stats: dict):
+    yield from _counters(REMOTE_COUNTERS, stats)
+    failures = _counter("kvd_remote_failures_total", "Remote store calls that failed (error), "
+                        "timed out (timeout), were refused by the open breaker (skipped) or "
+                        "because every remote thread was busy (busy).", labels=["kind"])
+    for kind, key in REMOTE_FAILURES:
+        failures.add_metric([kind], stats[key])
+    yield failures
+    state = _gauge("kvd_remote_breaker_state", "The remote store's circuit breaker: 1 for its "
+                   "current state (closed: in use; open: local-only; probing).", labels=["state"])
+    for name in BREAKER_STATES:
+        state.add_metric([name], int(stats["breaker"] == name))
+    yield state
+    yield _gauge("kvd_remote_queued_puts", "Chunks queued for the remote store or being put.",
+                 stats["publish_queued"])

@@ -11,7 +11,10 @@ on the client, waits for the request that holds its turn and for its
 copies (bounded: no copy waits on another process), then unmaps.
 With a disk tier (``tiering``), lookup continues the host prefix with keys
 on disk (reported as ``disk_hits``, promotion started); for pools that GPU
-Direct Storage serves (``gds``) lookup only counts them.
+Direct Storage serves (``gds``) lookup only counts them. With a remote tier
+(``remote``), lookup then asks the remote store for the rest of the prefix
+(one round trip, bounded by ``remote_timeout_s``; none while its breaker
+is open), reports those as ``remote_hits`` and starts fetching them.
 """
 
 from __future__ import annotations
@@ -64,6 +67,14 @@ class Service:
     @tiering.setter
     def tiering(self, value) -> None:
         self.transfers.tiering = value
+
+    @property
+    def remote(self):
+        return self.transfers.remote
+
+    @remote.setter
+    def remote(self, value) -> None:
+        self.transfers.remote = value
 
     @property
     def gds(self):
@@ -285,18 +296,26 @@ class Service:
         if self.tiering is not None and len(hits) < len(keys):
             direct = self.gds is not None and reg.pool is not None and self.gds.eligible(reg)
             disk_hits = self.tiering.disk_prefix(keys[len(hits):], promote=not direct)
-        self.stats.add("hit_chunks", len(hits) + disk_hits)
+        remote_hits = 0  # then in the remote store; those start fetching into host
+        if self.remote is not None and len(hits) + disk_hits < len(keys):
+            remote_hits = await self.remote.lookup(reg.ns_digest, keys[len(hits) + disk_hits:],
+                                                   reg.ns.shards, _shard_bytes(reg))
+        found = len(hits) + disk_hits + remote_hits
+        self.stats.add("hit_chunks", found)
         self.stats.add("disk_hit_chunks", disk_hits)
-        self.stats.add("miss_chunks", len(keys) - len(hits) - disk_hits)
+        self.stats.add("remote_hit_chunks", remote_hits)
+        self.stats.add("miss_chunks", len(keys) - found)
         extra = {} if self.tiering is None else {"disk_hits": disk_hits}
+        if self.remote is not None:
+            extra["remote_hits"] = remote_hits
         lease_ms = min(req.fields.get("lease_ms", 0), self.cfg.lease_max_ms)
-        if not hits or lease_ms == 0:  # a lease pins host hits; disk hits are best effort
-            return {"hits": len(hits) + disk_hits, "lease": None, **extra}
+        if not hits or lease_ms == 0:  # a lease pins host hits; other hits are best effort
+            return {"hits": found, "lease": None, **extra}
         lease = Lease(self.sessions.next_id(), session, hits, time.monotonic() + lease_ms / 1e3)
         self.tier.pin(hits)
         session.leases[lease.id] = lease
         self.sessions.leases[lease.id] = lease
-        return {"hits": len(hits) + disk_hits, "lease": lease.id, **extra}
+        return {"hits": found, "lease": lease.id, **extra}
 
     async def op_store(self, session: Session, req):
         return await self.transfers.store(self._with_pool(session, req.fields["reg"]), req)
@@ -309,6 +328,11 @@ class Service:
         finally:
             if lease is not None:
                 self._drop_lease(lease)
+
+
+def _shard_bytes(reg: Registration) -> int | None:
+    """A shard's size, where the registration has a layout (attach has none)."""
+    return None if reg.layout is None else reg.shard_bytes
 
 
 def _check_layout_matches(ns, layout, tp_rank: int) -> None:

@@ -4,11 +4,14 @@
 allocation takes minutes at 100 GiB): the runtime dir is creatable, ours
 and short enough for a socket path; ``shm_dir`` is a writable directory
 with room for ``host_capacity``; ``disk_dir`` is a directory (created if
-missing) we can write; with ``gpu = "on"``, CuPy is installed. The room check counts the
-host tier a previous daemon left as room (it is adopted or replaced). A problem
+missing) we can write; with ``gpu = "on"``, CuPy is installed; with a ``remote_backend``, an
+address and the backend's client library. The room check counts the host tier a previous
+daemon left as room (it is adopted or replaced). A problem
 with a knob's value raises ``ConfigError`` (one line, exit status 2);
 anything else ``StartupError`` (one line, exit status 1).
 
+``make_remote`` builds the remote tier (a bad ``remote_address`` is a
+``ConfigError``; a missing client library was already a ``StartupError``).
 ``open_disk`` opens the disk tier (its directory lock: a second daemon on
 the same ``disk_dir`` fails here, still before the allocation).
 ``make_cuda_engine`` and ``make_gds`` start the optional backends: only the
@@ -57,6 +60,8 @@ def check(cfg, runtime_dir: Path, group: int | None = None) -> None:
         raise ConfigError("host_capacity", problem)
     if cfg.disk_dir:
         _writable_dir("disk_dir", Path(cfg.disk_dir), create=True)
+    if cfg.remote_backend != "off":
+        _check_remote(cfg)
     if cfg.gpu == "on" and importlib.util.find_spec("cupy") is None:
         raise StartupError("gpu = on but CuPy is not installed (pip install 'kvd[gpu]'), or "
                            "set gpu = auto or off")
@@ -86,6 +91,41 @@ def _writable_dir(key: str, path: Path, create: bool) -> None:
         raise ConfigError(key, f"{path} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(key, f"{path} is not writable by uid {os.geteuid()}")
+
+
+REMOTE_CLIENTS = {"redis": ("redis", "redis"), "mooncake": ("mooncake", "mooncake")}  # module, extra
+
+
+def _check_remote(cfg) -> None:
+    if not cfg.remote_address:
+        raise ConfigError("remote_address", f"remote_backend = {cfg.remote_backend} needs the "
+                          "store's address")
+    module, extra = REMOTE_CLIENTS[cfg.remote_backend]
+    if importlib.util.find_spec(module) is None:
+        raise StartupError(f"remote_backend = {cfg.remote_backend} but its client is not installed: "
+                           f"pip install 'kvd[{extra}]'")
+
+
+def make_remote(cfg, host, view):
+    """The remote tier (kvd.tiers.remote_tiering) over ``cfg.remote_backend``; it connects in
+    the background: a store that is down at start-up leaves kvd local-only until it answers."""
+    from kvd.tiers.remote import RemoteTier
+    from kvd.tiers.remote_mooncake import MooncakeStore
+    from kvd.tiers.remote_store import RedisStore
+    from kvd.tiers.remote_tiering import RemoteTiering
+    try:
+        if cfg.remote_backend == "redis":
+            store = RedisStore(cfg.remote_address, cfg.remote_timeout_s, cfg.remote_ttl_s)
+        else:
+            store = MooncakeStore(cfg.remote_address, cfg.remote_timeout_s,
+                                  cfg.remote_mooncake_metadata, cfg.remote_mooncake_local_host,
+                                  cfg.remote_mooncake_segment_bytes,
+                                  cfg.remote_mooncake_buffer_bytes)
+    except ValueError as exc:
+        raise ConfigError("remote_address", str(exc)) from None
+    remote = RemoteTier(store, cfg.remote_prefix, cfg.remote_timeout_s, cfg.remote_threads,
+                        cfg.remote_breaker_failures, cfg.remote_breaker_retry_s)
+    return RemoteTiering(host, remote, view, cfg.remote_publish, cfg.remote_queue_chunks)
 
 
 def open_disk(cfg):

@@ -13,7 +13,8 @@ shards only if it landed before the client's deadline (the client may have
 reused the pages after it). The reply means the pages may be reused.
 
 Load: pin the longest ready prefix (host entries, then disk: promotions
-into host slots, or GPU Direct Storage reads queued on the load stream),
+into host slots, or GPU Direct Storage reads queued on the load stream,
+then the remote store: fetches into host slots, kvd.tiers.remote_tiering),
 then queue the scatter with the load's ``LoadSignal``: layer words as
 layers land (layer-wise), the done word after the last copy, and kernels
 that skip the engine's pages once the client wrote the slot's cancel word.
@@ -59,6 +60,7 @@ class Transfers:
         self.stats = stats
         self.tiering = None  # kvd.tiers.tiering.Tiering when the disk tier is on
         self.gds = None      # kvd.cuda.gds.GdsLoader when disk_gds is on and available
+        self.remote = None   # kvd.tiers.remote_tiering.RemoteTiering when remote_backend is set
         self.stopping = False
         # a store may wait a whole forward pass for the engine: poll gently when idle
         self.flag_poller = EventPoller(idle_after_s=0.001, idle_sleep_s=0.0002)
@@ -94,6 +96,8 @@ class Transfers:
             raise
         for _, entry in todo:
             self.tier.commit(entry, reg.tp_rank)
+        if self.remote is not None:  # queued for the remote store, after the reply's path
+            self.remote.stored([e for _, e in todo])
         if self.tiering is not None:
             self.tiering.wake.set()  # the demoter looks at the watermark now
         _log_timing("store", len(todo), t0, waited)
@@ -168,19 +172,29 @@ class Transfers:
         return {"loaded": loaded}
 
     async def _pin_prefix(self, reg: Registration, req, keys: list, pages, signal: LoadSignal):
-        """(host entries, pinned; chunks GDS queued; the host entries' page ids)."""
+        """(host entries, pinned; chunks GDS queued; the host entries' page ids): the host
+        prefix, continued from disk, then from the remote store."""
         entries = self.tier.ready_prefix(keys)
         self.tier.pin(entries)
-        host_pages = pages[:len(entries) * reg.pages_per_chunk]
-        if self.tiering is None or len(entries) == len(keys):
-            return entries, 0, host_pages
+        ppc = reg.pages_per_chunk
+        host_pages, direct = pages[:len(entries) * ppc], 0
         try:
-            direct, promoted, promoted_pages = await self._from_disk(reg, req, keys, pages,
-                                                                     len(entries), signal)
+            if self.tiering is not None and len(entries) < len(keys):
+                direct, promoted, promoted_pages = await self._from_disk(reg, req, keys, pages,
+                                                                         len(entries), signal)
+                entries += promoted
+                host_pages = np.concatenate([host_pages, promoted_pages])
+            done = len(entries) + direct
+            if self.remote is not None and done < len(keys):
+                fetched = await self.remote.promote_prefix(reg.ns_digest, keys[done:],
+                                                           reg.ns.shards, reg.shard_bytes)
+                entries += fetched
+                host_pages = np.concatenate([host_pages,
+                                             pages[done * ppc:(done + len(fetched)) * ppc]])
         except BaseException:
             self.tier.unpin(entries)
             raise
-        return entries + promoted, direct, np.concatenate([host_pages, promoted_pages])
+        return entries, direct, host_pages
 
     async def _from_disk(self, reg: Registration, req, keys: list, pages, hits: int,
                          signal: LoadSignal):

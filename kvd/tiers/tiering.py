@@ -60,6 +60,7 @@ class Tiering:
         self.counters: Counter = Counter()
         self.wake = asyncio.Event()
         self._task = self._reconciling = None
+        self.on_demote = None  # callable(entry) for each demotion queued (remote_publish = demote)
         disk.on_evict = self._off_disk
 
     def start(self) -> None:
@@ -168,6 +169,8 @@ class Tiering:
                 return "on_disk"
             return "full"
         self.host.pin([entry])
+        if self.on_demote is not None:
+            self.on_demote(entry)
         self.demoting.add(entry.key)
         self.demoting_bytes += entry.size
         pinned_at = self.host.clock

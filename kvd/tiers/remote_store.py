@@ -1,0 +1,85 @@
+"""The interface of a remote chunk store, and its Valkey/Redis backend.
+
+A backend is a blocking client of an existing distributed store: the
+remote tier (kvd/tiers/remote.py) calls it only from its daemon threads,
+bounds every call with a timeout and puts a circuit breaker in front. Values
+are opaque bytes (kvd/tiers/remote_value.py makes and checks them); names
+are strings. Methods (any failure raises; ``RemoteError`` where the backend
+reports one itself):
+
+- ``connect()``: set up the client (called by the breaker's probe, again
+  after a failure, never at daemon start-up: a dead store must not stop kvd
+  from serving);
+- ``ping()``: raise unless the store answers now;
+- ``exists(names) -> list[bool]``: one round trip for all names;
+- ``get(name) -> bytes | None`` (None: not there);
+- ``put(name, value)``: store ``value`` (a buffer) under ``name``, replacing
+  any value there;
+- ``delete(name)``: best effort;
+- ``close()``.
+
+Backends: ``RedisStore`` here (Valkey or Redis; ``address`` a URL:
+redis://host:port/db, rediss://..., unix:///path) and ``MooncakeStore``
+(kvd/tiers/remote_mooncake.py; ``address`` the master's host:port); a bad
+address raises ``ValueError`` at construction. Client libraries are
+imported by ``connect`` only, so kvd without the extras still starts.
+"""
+
+from __future__ import annotations
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class RemoteError(Exception):
+    """The store answered with an error (or a backend's own error code)."""
+
+
+class RedisStore:
+    """Valkey or Redis through the ``redis`` client (``pip install 'kvd[redis]'``)."""
+
+    name = "redis"
+
+    def __init__(self, address: str, timeout_s: float, ttl_s: int = 0):
+        if not address.startswith(REDIS_SCHEMES):
+            raise ValueError(f"a Valkey/Redis address is a URL ({', '.join(REDIS_SCHEMES)}), "
+                             f"got {address!r}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s or None
+        self.client = None
+
+    def connect(self) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+        if self.client is not None:
+            self.client.close()
+        # no retries inside the client: a failure goes to the breaker at once
+        self.client = redis.Redis.from_url(
+            self.address, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+            retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
+            client_name="kvd")
+
+    def ping(self) -> None:
+        if not self.client.ping():
+            raise RemoteError("PING was not answered with PONG")
+
+    def exists(self, names: list) -> list:
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        return [bool(n) for n in pipe.execute()]
+
+    def get(self, name: str):
+        return self.client.get(name)
+
+    def put(self, name: str, value) -> None:
+        self.client.set(name, value, ex=self.ttl_s)
+
+    def delete(self, name: str) -> None:
+        self.client.delete(name)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+

@@ -1,0 +1,231 @@
+"""Policy between the host tier and a remote store: publication and promotion.
+
+Order of the tiers a lookup walks: host, then disk, then remote. The disk is
+this node's own and answers in tens of microseconds at several GB/s; the
+remote store is shared by the cluster and costs a network round trip and
+the link's bandwidth, so it is asked only for what no local tier holds.
+
+- **Publication** (``publish``): with "store", every chunk a store commits
+  (all its shards) is queued for the remote store at once, so the other
+  nodes hit a prefix as soon as one node computed it; with "demote", a
+  chunk goes when the disk tier's demoter takes it (host above
+  ``disk_high_watermark``: cold chunks only, less traffic, later sharing).
+  Queued or in flight at most ``queue_chunks`` (more are dropped and
+  counted; nothing is queued while the breaker is open). At most a quarter
+  of the remote threads put at once (half fetch, the rest answer lookups);
+  each put pins its host entry only while a CPU thread packs it into a
+  private buffer (kvd/tiers/remote_value.py), never during network IO. A
+  chunk the store already holds is not sent again.
+- **Promotion**: ``lookup`` asks the store which keys past the local prefix
+  it holds (one round trip) and starts fetching them; ``promote_prefix``
+  (load) waits only for the fetches of its own keys and returns the ready
+  host entries, pinned. Fetches queue on the loop for their threads, in
+  key order, so a long prefix is fetched whole, never refused for want of
+  a thread. A fetch reads the value into private memory, checks its header
+  against the key, namespace and shard sizes, reserves the host entry,
+  verifies the payload digest while copying it in and commits; any failure
+  aborts the reservation (a miss, never wrong bytes), and a value that
+  fails verification is counted and deleted from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+from kvd.tiers.chunk_file import ChunkCorrupt
+from kvd.tiers.host import HostTier
+from kvd.tiers.remote import RemoteTier
+from kvd.tiers.remote_value import copy_verified, pack, parse
+from kvd_protocol.errors import ServerError
+
+log = logging.getLogger("kvd")
+PUBLISH = ("store", "demote")
+
+
+class RemoteTiering:
+    def __init__(self, host: HostTier, remote: RemoteTier, view, publish: str = "store",
+                 queue_chunks: int = 256):
+        if publish not in PUBLISH:
+            raise ValueError(f"publish must be one of {PUBLISH}, got {publish!r}")
+        self.host = host
+        self.remote = remote
+        self.view = view  # the arena's bytes (numpy uint8)
+        self.publish = publish
+        self.queue_chunks = queue_chunks
+        self.promoting: dict[bytes, asyncio.Future] = {}
+        self.shard_bytes: dict[bytes, int] = {}  # per namespace, for fetches of lookups without a layout
+        self.publishing: dict[bytes, asyncio.Task] = {}
+        # threads: at most a quarter put, half fetch, the rest answer lookups' exists calls
+        self.put_slots = asyncio.Semaphore(max(1, remote.net.size // 4))
+        self.fetch_slots = asyncio.Semaphore(max(1, remote.net.size // 2))
+        self.counters: Counter = Counter()
+
+    def start(self) -> None:
+        self.remote.start()
+
+    async def stop(self) -> None:
+        for task in list(self.publishing.values()):
+            task.cancel()
+        await asyncio.gather(*self.publishing.values(), *self.promoting.values(),
+                             return_exceptions=True)
+        await self.remote.stop()
+
+    # ---- publication ---------------------------------------------------------------
+
+    def stored(self, entries) -> None:
+        """A store committed ``entries``: queue the ready ones (``publish = "store"``)."""
+        if self.publish == "store":
+            for entry in entries:
+                if entry.ready:
+                    self.offer(entry)
+
+    def demoting(self, entry) -> None:
+        """The disk tier's demoter took ``entry`` (``publish = "demote"``)."""
+        if self.publish == "demote":
+            self.offer(entry, cold=True)
+
+    def offer(self, entry, cold: bool = False) -> None:
+        """Queue a put of ``entry`` unless it is queued, known remote, or cannot be now."""
+        if entry.key in self.publishing or self.remote.name(entry.ns, entry.key) in self.remote.known:
+            return
+        if not self.remote.breaker.allow():
+            self.counters["publish_skipped"] += 1  # local-only while the store is away
+            return
+        if len(self.publishing) >= self.queue_chunks:
+            self.counters["publish_dropped"] += 1
+            return
+        self.shard_bytes[entry.ns] = entry.shard_bytes
+        task = asyncio.ensure_future(self._publish(entry, cold))
+        self.publishing[entry.key] = task
+        task.add_done_callback(lambda t, k=entry.key: self._published(k, t))
+
+    def _published(self, key: bytes, task: asyncio.Task) -> None:
+        if self.publishing.get(key) is task:
+            del self.publishing[key]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("remote publication failed", exc_info=task.exception())
+
+    async def _publish(self, entry, cold: bool) -> None:
+        async with self.put_slots:
+            if self.host.entries.get(entry.key) is not entry or not entry.ready:
+                self.counters["publish_lost"] += 1  # evicted while queued
+                return
+            self.host.pin([entry])
+            pinned_at = self.host.clock
+            try:
+                value = await self.remote.cpu(pack, entry.ns, entry.key,
+                                              self.view[entry.offset:entry.offset + entry.size],
+                                              entry.shards, entry.shard_bytes)
+            finally:  # a demoted entry nobody used meanwhile goes back to the cold end
+                self.host.unpin([entry], cold_since=pinned_at if cold else None)
+            if await self.remote.put(entry.ns, entry.key, value):
+                self.counters["published"] += 1
+
+    # ---- promotion -----------------------------------------------------------------
+
+    async def lookup(self, ns: bytes, keys: list, shards: int, shard_bytes: int | None) -> int:
+        """How many of ``keys`` (in order) the store holds; starts fetching them."""
+        n = await self.remote.exists_prefix(ns, keys)
+        for key in keys[:n]:
+            self._promotion(ns, key, shards, shard_bytes)
+        return n
+
+    async def promote_prefix(self, ns: bytes, keys: list, shards: int, shard_bytes: int) -> list:
+        """Host entries, pinned, for the longest prefix of ``keys`` fetched from the store."""
+        n = 0
+        for key in keys:  # fetches a lookup started, or chunks they already brought
+            entry = self.host.entries.get(key)
+            if key not in self.promoting and (entry is None or not entry.ready):
+                break
+            n += 1
+        if n < len(keys):
+            n += await self.lookup(ns, keys[n:], shards, shard_bytes)
+        futs = [self._promotion(ns, key, shards, shard_bytes) for key in keys[:n]]
+        # shielded: a cancelled load must not cancel fetches other requests wait for
+        await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
+        out = []
+        for key in keys[:n]:
+            entry = self.host.entries.get(key)
+            if entry is None or not entry.ready:
+                break
+            out.append(entry)
+        self.host.pin(out)
+        self.host.touch(out)
+        return out
+
+    def _promotion(self, ns: bytes, key: bytes, shards: int, shard_bytes) -> asyncio.Future:
+        fut = self.promoting.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._promote(ns, key, shards, shard_bytes))
+            self.promoting[key] = fut
+            fut.add_done_callback(lambda f, k=key: self.promoting.pop(k, None))
+        return fut
+
+    async def _promote(self, ns: bytes, key: bytes, shards: int, shard_bytes) -> bool:
+        entry = self.host.entries.get(key)
+        if entry is not None:
+            return entry.ready
+        expect = shard_bytes or self.shard_bytes.get(ns, 0)  # the fetch's timeout grows with it
+        async with self.fetch_slots:  # in key order: a load's first chunks come first
+            value = await self.remote.get(ns, key, shards * expect)
+        if value is None:
+            self.counters["promotions_failed"] += 1
+            return False
+        try:
+            head = parse(value, ns, key)
+            if head.shards != shards or (shard_bytes is not None and head.shard_bytes != shard_bytes):
+                raise ChunkCorrupt(f"{head.shards} shards of {head.shard_bytes} bytes, this "
+                                   f"namespace has {shards} of {shard_bytes}")
+        except ChunkCorrupt:
+            return self._corrupt(ns, key)
+        self.shard_bytes[ns] = head.shard_bytes
+        entry = self.host.entries.get(key)  # a store of this node may have made it meanwhile
+        if entry is not None:
+            return entry.ready
+        entry, ranks = self._reserve(key, ns, head.shard_bytes, head.shards)
+        if entry is None:
+            return False
+        ok = False
+        try:
+            await self.remote.cpu(copy_verified, value, head,
+                                  self.view[entry.offset:entry.offset + entry.size])
+            ok = True
+        except ChunkCorrupt:
+            self._corrupt(ns, key)
+        finally:
+            for rank in ranks:
+                (self.host.commit if ok else self.host.abort)(entry, rank)
+        if ok:
+            self.counters["promotions"] += 1
+        return ok
+
+    def _reserve(self, key: bytes, ns: bytes, shard_bytes: int, shards: int):
+        """Every shard of a new host entry, or (None, []) (no room, a clashing entry)."""
+        ranks, entry = [], None
+        try:
+            for rank in range(shards):
+                entry, _ = self.host.reserve(key, ns, shard_bytes, shards, rank)
+                ranks.append(rank)
+        except ServerError as exc:
+            for rank in ranks:
+                self.host.abort(entry, rank)
+            self.counters["promotions_failed"] += 1
+            log.debug("remote promotion of %s skipped: %s", key.hex(), exc)
+            return None, []
+        return entry, ranks
+
+    def _corrupt(self, ns: bytes, key: bytes) -> bool:
+        self.counters["promotions_failed"] += 1
+        self.remote.dropped_corrupt(ns, key)
+        return False
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {**self.remote.stats(), "publish": self.publish,
+                "publish_queued": len(self.publishing), "published": c["published"],
+                "publish_dropped": c["publish_dropped"], "publish_skipped": c["publish_skipped"],
+                "publish_lost": c["publish_lost"], "promotions": c["promotions"],
+                "promotions_failed": c["promotions_failed"],
+                "promotions_running": len(self.promoting)}

@@ -1,0 +1,47 @@
+"""Client-side halves of tests/tiers/test_remote_tier.py, run in spawned processes.
+
+Sequences, pools and the byte checks are those of tests/workers_disk.py
+(expected bytes regenerated from the storer's seed, read by the engine's own
+tensor indexing). Here: the store names of a sequence's chunks (what a
+test corrupts in the store), and lookups timed from the engine's side.
+"""
+
+from __future__ import annotations
+
+import time
+
+import workers_data as W
+import workers_disk as D
+
+from kvd_protocol.keys import namespace_digest
+
+
+def store_names(runtime_dir: str, spec: dict, seed: int, count: int, chunks: int, model: str,
+                prefix: str) -> list:
+    """The remote store's names of every chunk of the sequences (in order)."""
+    pool = W.make_pool(spec, seed)
+    try:
+        with W.client(runtime_dir) as c:
+            reg = c.register_kv(pool, model=model)
+            ns = namespace_digest(reg.namespace).hex()
+            return [f"{prefix}/{ns}/{k.hex()}" for tokens in D.seqs(seed, count, chunks)
+                    for k in c.keys(tokens)]
+    finally:
+        pool.close()
+
+
+def timed_lookups(runtime_dir: str, spec: dict, seed: int, count: int, chunks: int,
+                  model: str) -> list:
+    """(tokens hit, seconds) of a lookup of each sequence, as the engine waits for it."""
+    pool = W.make_pool(spec, seed)
+    out = []
+    try:
+        with W.client(runtime_dir) as c:
+            c.register_kv(pool, model=model)
+            for tokens in D.seqs(seed, count, chunks):
+                t0 = time.perf_counter()
+                hit = c.lookup(tokens)
+                out.append((hit, time.perf_counter() - t0))
+    finally:
+        pool.close()
+    return out
