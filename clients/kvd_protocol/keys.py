@@ -23,7 +23,7 @@ KEY_BYTES = 16
 NAMESPACE_VERSION = 1
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "int8": 1, "uint8": 1}
-ATTENTIONS = ("mha", "mla")
+ATTENTIONS = ("mha", "mla", "opaque")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,10 @@ class Namespace:
     ``kv_heads`` counts the heads of one tensor-parallel shard. For MLA the
     latent is identical on every rank, so ``kv_heads`` must be 1 and
     ``tp_size`` is encoded as 1: MLA engines of any TP size share chunks.
+    ``opaque`` pages (one plane) are whole engine pages whose inner order kvd
+    does not know (vLLM's CPU attention): they move only whole, ``kv_heads x
+    head_dim x dtype size`` is a page's bytes / page size, and ``model`` must
+    name the page format, which the attention kind keeps apart from real rows.
     """
 
     model: str
@@ -50,7 +54,7 @@ class Namespace:
         if self.kv_dtype not in DTYPE_SIZES:
             raise ValueError(f"kv_dtype must be one of {sorted(DTYPE_SIZES)}")
         if self.attention not in ATTENTIONS:
-            raise ValueError("attention must be 'mha' or 'mla'")
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}")
         for name in ("num_layers", "kv_heads", "head_dim", "chunk_tokens", "tp_size"):
             value = getattr(self, name)
             if not 1 <= value < 2**31:
@@ -65,7 +69,7 @@ class Namespace:
 
     @property
     def planes(self) -> int:
-        return 1 if self.attention == "mla" else 2
+        return 2 if self.attention == "mha" else 1
 
     @property
     def row_bytes(self) -> int:
