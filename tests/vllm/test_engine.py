@@ -28,7 +28,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]

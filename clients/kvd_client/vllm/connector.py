@@ -68,7 +68,7 @@ class KvdConnectorMetadata(KVConnectorMetadata):
 class KvdWorkerMetadata(KVConnectorWorkerMetadata):
     report: WorkerReport = field(default_factory=WorkerReport)
 
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         self.report.merge(other.report)
         return self
 

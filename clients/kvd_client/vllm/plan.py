@@ -57,6 +57,6 @@ class StepPlan:
 class WorkerReport:
     failed_keys: set[bytes] = field(default_factory=set)
 
-    def merge(self, other: "WorkerReport") -> "WorkerReport":
+    def merge(self, other: WorkerReport) -> WorkerReport:
         self.failed_keys |= other.failed_keys
         return self

@@ -63,7 +63,7 @@ def cuda_pool(geo: KVGeometry, tensors: list, num_blocks: int) -> CudaVllmKVPool
 
     buffers, refs, index = [], [], {}
     for t in tensors:
-        alloc = export_allocation(t.data_ptr())
+        alloc = export_allocation(t.data_ptr())  # says what to change if it cannot
         if alloc.base not in index:
             index[alloc.base] = len(buffers)
             buffers.append({"kind": "cuda_ipc", "handle": alloc.handle, "offset": 0,

@@ -23,8 +23,10 @@ tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
   stored again once recomputed (a worker never stores what a step computed
   on top of a failed load: that KV is wrong).
 
-Calls are duck-typed on vLLM's objects (``Request``, ``KVCacheBlocks``,
-``SchedulerOutput``); nothing here imports vLLM.
+Requests with images or prompt embeddings are neither looked up nor stored:
+their token ids do not say what their KV holds. Calls are duck-typed on
+vLLM's objects (``Request``, ``KVCacheBlocks``, ``SchedulerOutput``);
+nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class ReqState:
     loading: bool = False   # an async load was sent and has not been reported
     stored: int = 0         # chunks known to be in kvd (loaded or stored by this engine)
     stores_sent: bool = False
+    cacheable: bool = True  # token ids say it all (no images, no prompt embeddings)
 
 
 class SchedulerSide:
@@ -79,6 +82,8 @@ class SchedulerSide:
         st = self.reqs.get(request.request_id)
         if st is None:
             st = ReqState(request, self._salt(request))
+            st.cacheable = not getattr(request, "mm_features", None) \
+                and getattr(request, "prompt_embeds", None) is None
             self.reqs[request.request_id] = st
         return st
 
@@ -107,7 +112,7 @@ class SchedulerSide:
         self._release(st)
         c = self.chunk
         limit = (request.num_tokens - 1) // c  # whole chunks, and one token left to compute
-        if not self.loads or limit * c <= local or c % self.block_size:
+        if not self.loads or not st.cacheable or limit * c <= local or c % self.block_size:
             return 0, False
         usable = self._before_failed(self._keys(st, limit))
         if usable * c <= local:
@@ -136,7 +141,10 @@ class SchedulerSide:
 
     def allocated(self, request, blocks, external: int) -> None:
         st = self.reqs.get(request.request_id)
-        if st is None or external <= 0:
+        if st is None:
+            return
+        if external <= 0:  # no load (vLLM declined the hit), or an async load that ended
+            self._release(st)
             return
         if st.hit - st.local != external:
             log.warning("kvd: vLLM allocated %d external tokens for %s, kvd offered %d; not loading",
@@ -190,15 +198,15 @@ class SchedulerSide:
         computed.update(zip(cr.req_ids, cr.num_computed_tokens))
         for req_id, before in computed.items():
             st = self.reqs.get(req_id)
-            if st is None or not self._worth_storing(st.request):
+            if st is None or not self._worth_storing(st):
                 continue
             end = min(before + so.num_scheduled_tokens.get(req_id, 0), st.request.num_tokens)
             item = self._store_item(st, end // self.chunk, st.blocks, after_forward=True)
             if item is not None:
                 plan.stores.append(item)
 
-    def _worth_storing(self, request) -> bool:
-        return request.num_prompt_tokens >= max(self.s.store_min_tokens, self.chunk)
+    def _worth_storing(self, st: ReqState) -> bool:
+        return st.cacheable and st.request.num_prompt_tokens >= max(self.s.store_min_tokens, self.chunk)
 
     def _store_item(self, st: ReqState, upto: int, blocks: list[int], after_forward: bool):
         bpc = self.chunk // self.block_size
@@ -220,7 +228,7 @@ class SchedulerSide:
         self._release(st)
         if st.loading:
             return True  # the load lands in these blocks; finished_recving frees them
-        if self.stores and self.s.store_policy == "finish" and self._worth_storing(request):
+        if self.stores and self.s.store_policy == "finish" and self._worth_storing(st):
             computed = min(request.num_computed_tokens, request.num_tokens)
             item = self._store_item(st, computed // self.chunk, list(block_ids), after_forward=False)
             if item is not None:

@@ -74,7 +74,7 @@ class Settings:
     shm_dir: str = "/dev/shm"
 
     @classmethod
-    def from_extra(cls, extra: dict | None) -> "Settings":
+    def from_extra(cls, extra: dict | None) -> Settings:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(OPTIONS))
         if unknown:

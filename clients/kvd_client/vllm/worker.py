@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import logging
 
+from kvd_client.registration import ChunkKeys
 from kvd_protocol.errors import KvdError
 from kvd_protocol.keys import namespace_digest
 
-from kvd_client.registration import ChunkKeys
 from .counters import Counters
 from .geometry import KVGeometry
 from .plan import LoadItem, StepPlan, StoreItem, WorkerReport
