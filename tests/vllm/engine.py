@@ -45,6 +45,8 @@ def run(spec: dict) -> dict:
               skip_tokenizer_init=True, disable_log_stats=False, kv_cache_memory_bytes=64 << 20)
     if not spec.get("multiprocess"):
         kw["distributed_executor_backend"] = "uni"
+    if spec.get("tp", 1) > 1:
+        kw["tensor_parallel_size"] = spec["tp"]
     if spec.get("kvd") is not None:
         faulty = any(p.get("freeze_daemon") for p in spec["phases"])
         kw["kv_transfer_config"] = KVTransferConfig(

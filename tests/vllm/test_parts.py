@@ -264,6 +264,32 @@ def test_store_then_load_in_another_engine_including_a_local_hit(engines):
     assert b.counters.take()["loaded_tokens"] == 48
 
 
+def test_async_load_skips_the_chunks_vllm_holds(engines):
+    _, make = engines
+    a, b = make(), make()
+    tokens = list(range(300, 350))
+    store_prompt(a, "r1", tokens, list(range(1, 14)))
+    req = Request("r2", tokens)
+    assert b.sched.matched(req, 16) == (32, True)       # chunk 0 is vLLM's own: chunks 1, 2
+    ids = list(range(50, 62))
+    b.sched.allocated(req, Blocks(ids), 32)
+    before = b.kv[:, ids[:4]].copy()
+    plans = []
+    for _ in range(500):
+        plan, _, recving, errors = b.run_step(step_output())
+        plans.append(plan)
+        assert errors == set()
+        if recving:
+            break
+        time.sleep(0.01)
+    assert recving == {"r2"}
+    load = plans[0].loads[0]
+    assert len(load.keys) == 2 and load.pages == ids[4:12] and not load.layerwise
+    assert b.counters.take()["loaded_tokens"] == 32
+    assert np.array_equal(b.kv[:, ids[4:12]], a.kv[:, list(range(5, 13))])
+    assert np.array_equal(b.kv[:, ids[:4]], before)     # the local chunk is not written
+
+
 def frozen(daemon):
     """The daemon stops answering (SIGSTOP) until the block ends: loads miss their deadline."""
     class Frozen:
