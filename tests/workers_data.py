@@ -49,6 +49,8 @@ def expected_shapes(layout: str, layers: int, pages: int, ps: int, heads: int, d
         return [(pages * ps, 1, dim)] * layers
     if layout == "page_first":
         return [(pages, layers, 2, ps, heads, dim)]
+    if layout == "opaque":
+        return [(pages, heads, ps, dim)] * layers
     raise AssertionError(f"no reference for layout {layout!r}")
 
 
@@ -69,6 +71,9 @@ def token_row(layout: str, tensors: list, layer: int, plane: int, page: int, slo
         row = tensors[layer][page * page_size + slot]
     elif layout == "page_first":         # [pages, layers, 2, page_size, heads, dim]
         row = tensors[0][page, layer, plane, slot]
+    elif layout == "opaque":             # per layer [blocks, heads, block_size, dim]: whole pages
+        assert plane == 0                # move byte for byte; "row" t is the page's t-th slice
+        row = tensors[layer][page].reshape(page_size, -1)[slot]
     else:
         raise AssertionError(f"no reference for layout {layout!r}")
     out = row.view(np.uint8).reshape(-1)
@@ -77,7 +82,7 @@ def token_row(layout: str, tensors: list, layer: int, plane: int, page: int, slo
 
 
 def planes(spec: dict) -> int:
-    return 1 if spec["layout"].endswith("mla") else 2
+    return 1 if spec["layout"].endswith("mla") or spec["layout"] == "opaque" else 2
 
 
 def ppc(spec: dict) -> int:

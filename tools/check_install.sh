@@ -17,6 +17,7 @@ pid=$!
 for _ in $(seq 100); do "$tmp/venv/bin/kvd" health --timeout 0.5 >/dev/null 2>&1 && break; sleep 0.1; done
 "$tmp/venv/bin/kvd" health
 "$tmp/venv/bin/kvd" stats | head -2
+(cd "$tmp" && "$tmp/venv/bin/python" -c "import kvd_client.vllm.settings; print('vLLM connector shipped (imports without vLLM)')")
 (cd "$tmp" && "$tmp/venv/bin/python" -c "import kvd_client, kvd.kernels, importlib.resources as r; \
   print('kernels shipped:', sorted(p.name for p in r.files('kvd.kernels').iterdir() if p.name.endswith('.cu'))); \
   from kvd.cuda.kernels import kernel_source_path; print('kernel source found at', kernel_source_path())")

@@ -26,9 +26,10 @@ from kvd_protocol.errors import (
 
 from .client import KvdClient, KVRegistration, connect
 from .pool import SharedKVPool
+from .registration import ChunkKeys
 from .retry import Retry
 from .transfer import Transfer
 
-__all__ = ["KvdClient", "KVRegistration", "SharedKVPool", "Transfer", "Retry", "connect", "KvdError",
-           "TransportError", "DaemonUnavailable", "Timeout", "ServerError", "NoSpace", "Busy",
-           "Cancelled"]
+__all__ = ["KvdClient", "KVRegistration", "SharedKVPool", "ChunkKeys", "Transfer", "Retry", "connect",
+           "KvdError", "TransportError", "DaemonUnavailable", "Timeout", "ServerError", "NoSpace",
+           "Busy", "Cancelled"]

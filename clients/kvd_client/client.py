@@ -1,10 +1,9 @@
 """KvdClient: the engine-side stub. Hashes token chunks, names pages, asks kvd.
 
-Pipelined: ``submit_store`` and ``submit_load`` send a request and return
-a ``Transfer`` at once; many may be in flight; ``poll()`` returns those
-that ended and are fenced (kvd_client.transfer), ``Transfer.wait()`` waits
-for one. ``store``/``load`` are the blocking forms; ``lookup`` and
-``lookup_lease`` are blocking. A layer-wise load on a CUDA pool signals each
+Pipelined: ``submit_store`` and ``submit_load`` send a request and return a
+``Transfer`` at once (many may be in flight); ``poll()`` returns those that
+ended and are fenced (kvd_client.transfer), ``Transfer.wait()`` waits for one;
+``store``, ``load``, ``lookup``, ``lookup_lease`` block. A layer-wise load on a CUDA pool signals each
 layer in the registration's flag page (kvd_client.flags): ``wait_for_layer``
 makes the engine's current stream wait for it, no host round trip; a store
 on a CUDA pool marks the engine's stream in the flag page, and the daemon
@@ -53,7 +52,7 @@ from . import shm
 from .flags import ClientFlags
 from .liveness import DaemonProbe
 from .pump import Pump
-from .registration import Call, KVRegistration, engine_stream, next_seq, page_frame
+from .registration import Call, ChunkKeys, KVRegistration, engine_stream, next_seq, page_frame
 from .retry import Retry
 from .transfer import Transfer
 from .transport import Channel
@@ -310,7 +309,7 @@ class KvdClient:
 
     def submit_store(self, tokens, page_ids, salt: str | None = None,
                      reg: KVRegistration | None = None) -> Transfer:
-        """Offload the whole chunks of ``tokens`` from ``page_ids``, asynchronously."""
+        """Offload the whole chunks of ``tokens`` (or ``ChunkKeys``) from ``page_ids``, asynchronously."""
         reg = self._default(reg)
         keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
         t = Transfer(self, "store", reg, keys, pages, time.monotonic() + self.timeout)
@@ -321,7 +320,7 @@ class KvdClient:
 
     def submit_load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
                     reg: KVRegistration | None = None, layerwise: bool = False) -> Transfer:
-        """Copy the cached prefix of ``tokens`` into ``page_ids``, asynchronously. With
+        """Copy the cached prefix of ``tokens`` (or ``ChunkKeys``) into ``page_ids``, asynchronously. With
         ``layerwise``, ``wait_for_layer(i, transfer)`` orders the engine's work after
         layer i landed while later layers still copy."""
         reg = self._default(reg)
@@ -392,7 +391,7 @@ class KvdClient:
     def _keys_pages(self, tokens, page_ids, salt, reg):
         if reg.pool is None:
             raise ValueError("this registration was attached for lookups: it has no KV pool")
-        keys = self.keys(tokens, salt, reg)
+        keys = list(tokens) if isinstance(tokens, ChunkKeys) else self.keys(tokens, salt, reg)
         return keys, page_frame(reg, len(keys), page_ids)
 
     # ---- progress: the pump (kvd_client.pump) does the work ----------------------

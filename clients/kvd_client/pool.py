@@ -33,7 +33,8 @@ def _shapes(layout: str, n_layers: int, pages: int, ps: int, heads: int, dim: in
                  "vllm_flashinfer": [(pages, 2, ps, heads, dim)],
                  "vllm_mla": [(pages, ps, dim)],
                  "sglang_mha": [(pages * ps, heads, dim)] * 2,
-                 "sglang_mla": [(pages * ps, 1, dim)]}
+                 "sglang_mla": [(pages * ps, 1, dim)],
+                 "opaque": [(pages, heads, ps, dim)]}  # vLLM's CPU cache shape
     if layout == "page_first":
         return [(pages, n_layers, 2, ps, heads, dim)]
     if layout not in per_layer:
@@ -48,7 +49,7 @@ class SharedKVPool:
         if dtype not in STORAGE:
             raise ValueError(f"dtype must be one of {sorted(STORAGE)}")
         self.layout_name, self.kv_dtype = layout, dtype
-        self.attention = "mla" if layout.endswith("mla") else "mha"
+        self.attention = "mla" if layout.endswith("mla") else "opaque" if layout == "opaque" else "mha"
         if self.attention == "mla" and kv_heads != 1:
             raise ValueError("MLA pools have kv_heads == 1")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim

@@ -5,7 +5,8 @@
 the id the current daemon gave it (0: not registered with it), the load
 slots' last transfers (a slot is reused once its last transfer is done,
 i.e. fenced) and the mark and load sequence counters (uint32, never 0:
-every flag word starts at 0).
+every flag word starts at 0). ``ChunkKeys`` marks precomputed keys passed
+instead of token ids.
 """
 
 from __future__ import annotations
@@ -72,3 +73,10 @@ def page_frame(reg: KVRegistration, chunks: int, page_ids) -> bytes:
         raise ValueError(f"{chunks} chunks of {reg.namespace.chunk_tokens} tokens need "
                          f"{need} page ids (ceil(tokens / page_size) per chunk), got {pages.size}")
     return wire.pages_frame(pages[:need])
+
+
+class ChunkKeys(tuple):
+    """Chunk keys the caller computed (``KvdClient.keys``, or ``kvd_protocol.keys``),
+    passed where a store or load takes ``tokens``. Keys chain on the whole prefix, so
+    ``ChunkKeys(keys[i:])`` names chunks ``i..`` alone: a load that skips chunks the
+    engine holds already, page ids given for chunks ``i..`` only."""

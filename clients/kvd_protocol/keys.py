@@ -36,7 +36,7 @@ KEY_BYTES = 16
 NAMESPACE_VERSION = 2  # 2: first_layer and fingerprint
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "int8": 1, "uint8": 1}
-ATTENTIONS = ("mha", "mla")
+ATTENTIONS = ("mha", "mla", "opaque")
 FIELD_CAPS = {"num_layers": MAX_LAYERS, "kv_heads": MAX_KV_HEADS, "head_dim": MAX_HEAD_DIM,
               "chunk_tokens": MAX_CHUNK_TOKENS, "tp_size": MAX_TP_SIZE}
 
@@ -53,6 +53,10 @@ class Namespace:
     0 without pipeline parallelism). ``fingerprint`` identifies the weights
     beyond ``model`` (e.g. a hash of checkpoint id, revision and LoRA id);
     empty by default, compared as bytes, never interpreted.
+    ``opaque`` pages (one plane) are whole engine pages whose inner order kvd
+    does not know (vLLM's CPU attention): they move only whole, ``kv_heads x
+    head_dim x dtype size`` is a page's bytes / page size, and ``model`` must
+    name the page format, which the attention kind keeps apart from real rows.
     """
 
     model: str
@@ -74,7 +78,7 @@ class Namespace:
         if self.kv_dtype not in DTYPE_SIZES:
             raise ValueError(f"kv_dtype must be one of {sorted(DTYPE_SIZES)}")
         if self.attention not in ATTENTIONS:
-            raise ValueError("attention must be 'mha' or 'mla'")
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}")
         for name, cap in FIELD_CAPS.items():
             value = getattr(self, name)
             if not 1 <= value <= cap:
@@ -91,7 +95,7 @@ class Namespace:
 
     @property
     def planes(self) -> int:
-        return 1 if self.attention == "mla" else 2
+        return 2 if self.attention == "mha" else 1
 
     @property
     def row_bytes(self) -> int:

@@ -17,6 +17,10 @@ below turn the tensor shapes of known engines into descriptors; they take
 so they work for numpy arrays over shared memory and for CUDA tensors.
 Invalid shapes raise ``ValueError``; ``validate_extent`` checks that every
 byte a page id below ``num_pages`` can reach lies inside its buffer.
+``opaque_pages`` describes a pool whose pages are dense byte ranges of unknown
+inner order (namespace attention ``opaque``): one plane, and the "rows" of a
+page are its consecutive ``page bytes / page_size`` slices, so whole pages
+move byte for byte.
 """
 
 from __future__ import annotations
@@ -186,13 +190,47 @@ def page_first(pool: TensorRef) -> LayoutDescriptor:
                             pool.strides[0], pool.strides[3], bases)
 
 
-LAYOUTS = ("vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "sglang_mha", "sglang_mla", "page_first")
+def _dense_bytes(t: TensorRef, what: str) -> int:
+    """Bytes of dims 1.. of ``t``, which must fill one dense range (in any dim order)."""
+    dims = sorted((s, n) for n, s in zip(t.shape[1:], t.strides[1:]) if n > 1)
+    expect = t.itemsize
+    for stride, n in dims:
+        if stride != expect:
+            raise ValueError(f"{what}: a page (dims 1..) must be one dense byte range, got shape "
+                             f"{t.shape} with byte strides {t.strides}")
+        expect *= n
+    return expect
+
+
+def opaque_pages(layers: list[TensorRef], page_size: int) -> LayoutDescriptor:
+    """Per layer ``[num_blocks, ...]`` whose dims after the first fill one dense page of
+    ``page_size`` tokens, inner order unknown (vLLM's CPU attention packs K transposed)."""
+    _same_geometry(layers, "opaque")
+    t = layers[0]
+    if len(t.shape) < 2 or len(t.strides) != len(t.shape):
+        raise ValueError(f"opaque: expected a tensor of at least 2 dims, got shape {t.shape}")
+    page_bytes = _dense_bytes(t, "opaque")
+    if page_size < 1 or page_bytes % page_size:
+        raise ValueError(f"opaque: page_size {page_size} must divide the page's {page_bytes} bytes")
+    if t.shape[0] > 1 and t.strides[0] < page_bytes:
+        raise ValueError(f"opaque: pages overlap (stride {t.strides[0]} < {page_bytes} bytes)")
+    row = page_bytes // page_size
+    bases = tuple((x.buffer, x.offset) for x in layers)
+    return LayoutDescriptor(len(layers), 1, t.shape[0], page_size, row, t.strides[0], row, bases)
+
+
+LAYOUTS = ("vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "sglang_mha", "sglang_mla", "page_first",
+           "opaque")
 
 
 def describe(name: str, refs: list[TensorRef], page_size: int | None = None) -> LayoutDescriptor:
     """Descriptor of a layout by name. ``refs``: one per layer; for ``sglang_mha``
     K and V interleaved (k0, v0, k1, v1, ...); for ``page_first`` the one pool tensor.
-    Token pools (``sglang_*``) need ``page_size``."""
+    Token pools (``sglang_*``) and ``opaque`` pages need ``page_size``."""
+    if name == "opaque":
+        if not page_size:
+            raise ValueError("opaque needs page_size (tokens per page)")
+        return opaque_pages(refs, page_size)
     if name in ("sglang_mha", "sglang_mla"):
         if not page_size:
             raise ValueError(f"{name} needs page_size (token slots per page)")

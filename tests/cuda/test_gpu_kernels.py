@@ -76,6 +76,8 @@ def build(lay: str, num_pages: int, ps: int, heads: int, dim: int, it: int,
         desc = L.sglang_mla([a.tensor((num_pages * ps, 1, dim), it) for _ in range(n)], ps)
     elif lay == "page_first":
         desc = L.page_first(a.tensor((num_pages, n, 2, ps, heads, dim), it))
+    elif lay == "opaque":
+        desc = L.opaque_pages([a.tensor((num_pages, heads, ps, dim), it) for _ in range(n)], ps)
     else:
         raise AssertionError(lay)
     size = a.end + 512

@@ -204,7 +204,8 @@ def test_salt_isolation():
 
 @pytest.mark.parametrize("change", [
     {"model": "org/model-2"}, {"model": "org/Model"}, {"kv_dtype": "bfloat16"},
-    {"kv_dtype": "float8_e4m3fn"}, {"attention": "mla", "kv_heads": 1}, {"num_layers": 5},
+    {"kv_dtype": "float8_e4m3fn"}, {"attention": "mla", "kv_heads": 1}, {"attention": "opaque"},
+    {"num_layers": 5},
     {"kv_heads": 1}, {"kv_heads": 3}, {"head_dim": 16}, {"chunk_tokens": 16}, {"tp_size": 2},
     {"first_layer": 4}, {"first_layer": 1}, {"fingerprint": "lora:a"}, {"fingerprint": "\0"},
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
@@ -242,6 +243,15 @@ def test_mla_digest_ignores_tp_size():
     digests = {namespace_digest(replace(mla, tp_size=tp)) for tp in (1, 2, 4, 8, 16, 64)}
     assert len(digests) == 1
     assert replace(mla, tp_size=8).shards == 1 and replace(mla, tp_size=8).planes == 1
+
+
+def test_opaque_pages_one_plane_one_shard_per_rank():
+    opaque = replace(NS, attention="opaque", head_dim=16)  # K and V of a head in one row
+    assert opaque.planes == 1 and opaque.row_bytes == 2 * 16 * 2
+    assert replace(opaque, tp_size=4).shards == 4
+    assert len({namespace_digest(replace(opaque, tp_size=tp)) for tp in (1, 2, 4)}) == 3
+    with pytest.raises(ValueError, match="attention"):
+        replace(NS, attention="paged")
 
 
 def test_mha_digest_depends_on_tp_size():

@@ -102,6 +102,47 @@ def test_page_first():
     _check_every_row(pool, d, lambda l, p, g, t: pool.tensors[0][g, l, p, t])
 
 
+def test_opaque_pages_move_whole_pages():
+    # vLLM CPU: per layer [blocks, heads, block_size, 2 * head_dim]; the rows of a page are
+    # its consecutive page_bytes / page_size slices, so all rows of a page are the page
+    pool = Pool([(PAGES_N, HEADS, PS, 2 * DIM)] * LAYERS, seed=6)
+    d = L.opaque_pages(pool.refs, PS)
+    page = HEADS * PS * 2 * DIM * ITEM
+    assert (d.num_layers, d.planes, d.num_pages, d.page_size) == (LAYERS, 1, PAGES_N, PS)
+    assert (d.row_bytes, d.page_stride, d.token_stride) == (page // PS, page, page // PS)
+    for layer in range(LAYERS):
+        for g in range(PAGES_N):
+            rows = b"".join(pool.row(d, layer, 0, g, t) for t in range(PS))
+            assert rows == pool.tensors[layer][g].tobytes()
+    d.validate_extent([pool.raw.size])
+
+
+def test_opaque_pages_any_dense_inner_order_and_strided_blocks():
+    # HND viewed as [blocks, tokens, heads, dim] (permuted inner dims) is still one dense page
+    raw = np.empty((PAGES_N, HEADS, PS, DIM), dtype=np.float16).transpose(0, 2, 1, 3)
+    d = L.opaque_pages([L.TensorRef(0, 0, raw.shape, raw.strides, 2)], PS)
+    assert d.row_bytes == HEADS * DIM * 2 and d.page_stride == HEADS * PS * DIM * 2
+    # blocks of all layers interleaved (block-outer): the page stride spans the layers
+    outer = np.empty((PAGES_N, LAYERS, HEADS, PS, DIM), dtype=np.float16)
+    refs = [L.TensorRef(0, layer * outer.strides[1], outer[:, layer].shape, outer[:, layer].strides, 2)
+            for layer in range(LAYERS)]
+    d = L.opaque_pages(refs, PS)
+    assert d.page_stride == outer.strides[0] and d.bases[1] == (0, outer.strides[1])
+
+
+@pytest.mark.parametrize("build", [
+    lambda: L.opaque_pages([_ref((4, 2, 4, 16))], 3),                        # 3 does not divide
+    lambda: L.opaque_pages([_ref((4, 2, 4, 16))], 0),
+    lambda: L.opaque_pages([_ref((4,))], 4),                                 # no page dims
+    lambda: L.opaque_pages([L.TensorRef(0, 0, (4, 2, 4, 8), (512, 256, 32, 2), 2)], 4),  # gaps
+    lambda: L.opaque_pages([L.TensorRef(0, 0, (4, 2, 4, 16), (64, 128, 32, 2), 2)], 4),  # overlap
+    lambda: L.describe("opaque", [_ref((4, 2, 4, 16))]),                     # no page_size
+], ids=["indivisible", "zero", "rank", "gaps", "overlap", "describe-no-page-size"])
+def test_opaque_pages_invalid(build):
+    with pytest.raises(ValueError):
+        build()
+
+
 def test_tensor_in_other_buffer_and_offset():
     ref = L.TensorRef(3, 4096, (2, 4, 2, 1, 8), (64 * 2, 16 * 2, 8 * 2, 8 * 2, 2), 2)
     d = L.vllm_flash_attn([ref])
@@ -111,8 +152,9 @@ def test_tensor_in_other_buffer_and_offset():
 
 def test_layout_names():
     assert set(L.LAYOUTS) == {"vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "sglang_mha",
-                              "sglang_mla", "page_first"}
-    assert all(callable(getattr(L, name)) for name in L.LAYOUTS)
+                              "sglang_mla", "page_first", "opaque"}
+    assert all(callable(getattr(L, name)) for name in L.LAYOUTS if name != "opaque")
+    assert callable(L.opaque_pages)
 
 
 def test_describe_by_name():
@@ -128,6 +170,8 @@ def test_describe_by_name():
         L.describe("page_first", pf.refs * 2)
     with pytest.raises(ValueError, match="unknown layout"):
         L.describe("tensorrt_llm", pool.refs)
+    cpu = Pool([(PAGES_N, HEADS, PS, 2 * DIM)])
+    assert L.describe("opaque", cpu.refs, PS) == L.opaque_pages(cpu.refs, PS)
 
 
 def _ref(shape, buffer=0, offset=0):

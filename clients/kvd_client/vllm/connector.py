@@ -1,0 +1,216 @@
+"""``KvdConnector``: vLLM's ``KVConnectorBase_V1`` on kvd (vLLM 0.32; 0.26's API too).
+
+Loaded out of tree::
+
+    --kv-transfer-config '{"kv_connector": "KvdConnector",
+                           "kv_connector_module_path": "kvd_client.vllm",
+                           "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
+
+vLLM builds one instance per role. The SCHEDULER instance (engine core)
+attaches kvd's namespace and plans (kvd_client.vllm.scheduler); each WORKER
+instance (one per TP rank) registers its rank's KV tensors and moves KV
+(kvd_client.vllm.worker). This module only translates vLLM's calls; the
+namespace comes from vLLM's configs (kvd_client.vllm.spec), the options
+from ``kv_connector_extra_config`` (kvd_client.vllm.settings). ``kv_role``
+``kv_consumer`` only loads, ``kv_producer`` only stores. The connector sets
+vLLM's ``kv_load_failure_policy`` to its ``load_failure_policy`` option
+(``recompute``): a kvd failure costs a recompute, never a request.
+
+CPU engines: ``get_mem_pool_context`` places vLLM's KV cache in a /dev/shm
+file kvd maps (kvd_client.vllm.shm_alloc), so kvd copies blocks with no
+staging copy; GPU engines register vLLM's CUDA tensors through CUDA IPC
+(kvd_client.vllm.pool). Counters go out as vLLM connector stats
+(kvd_client.vllm.stats).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from kvd_client import shm
+from kvd_client.client import KvdClient
+
+from . import spec
+from .counters import Counters
+from .plan import StepPlan, WorkerReport
+from .pool import cuda_pool, host_pool
+from .scheduler import SchedulerSide
+from .settings import Settings
+from .stats import KvdConnectorStats, KvdPromMetrics
+from .worker import WorkerSide
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    HIT_SOURCE = CacheHitSource.HOST
+except ImportError:  # vLLM 0.26 does not label hits
+    HIT_SOURCE = None
+
+log = logging.getLogger("vllm.kvd")  # under vLLM's logger: its format and level
+LOAD_SLOTS = 256  # the most a flag page has: async loads in flight at once
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class KvdWorkerMetadata(KVConnectorWorkerMetadata):
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        self.report.merge(other.report)
+        return self
+
+
+class KvdConnector(KVConnectorBase_V1):
+    if HIT_SOURCE is not None:
+        _cache_hit_source = HIT_SOURCE  # vLLM's metrics label kvd's hits as host-tier hits
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("kvd's connector needs vLLM's KVCacheConfig (vLLM >= 0.26)")
+        cfg = self._kv_transfer_config
+        self.settings = Settings.from_extra(cfg.kv_connector_extra_config)
+        self.geometry = spec.geometry(vllm_config, kv_cache_config, self.settings.model_id)
+        self.counters = Counters()
+        self.client = KvdClient(runtime_dir=self.settings.runtime_dir or None,
+                                timeout=self.settings.timeout_s, load_slots=LOAD_SLOTS,
+                                name=f"vllm-{role.name.lower()}:{os.getpid()}",
+                                shm_dir=self.settings.shm_dir).connect()
+        self.sched = self.worker = self.alloc = None
+        if role == KVConnectorRole.SCHEDULER:
+            cfg.kv_load_failure_policy = self.settings.load_failure_policy
+            reg = self.client.attach(**self.geometry.attach_fields())
+            stores = cfg.is_kv_producer and self.settings.store_policy != "off"
+            self.sched = SchedulerSide(self.client, reg, self.settings, self.geometry.block_size,
+                                       loads=cfg.is_kv_consumer, stores=stores, counters=self.counters)
+        else:
+            self.worker = WorkerSide(self.client, self.geometry,
+                                     list(kv_cache_config.kv_cache_groups[0].layer_names),
+                                     _tp_rank(), self.counters)
+        log.info("kvd connector (%s): namespace %s, runtime dir %s", role.name,
+                 self.geometry.attach_fields(), self.client.runtime_dir)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store that never happened is a later miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
+        return True  # layer-wise loads are stream waits per layer: never inside a CUDA graph
+
+    # ==== worker side ==================================================================
+
+    def get_mem_pool_context(self):
+        if self._vllm_config.device_config.device_type != "cpu":
+            return None  # CUDA: the default allocator's memory exports through CUDA IPC
+        from .shm_alloc import ShmKVAllocation
+
+        sizes = {t.size for t in self._kv_cache_config.kv_cache_tensors}
+        if len(sizes) != 1:
+            raise ValueError(f"kvd: vLLM announced KV allocations of sizes {sorted(sizes)}; "
+                             "one backing allocation was expected")
+        self.alloc = ShmKVAllocation(sizes.pop(), self.settings.shm_dir,
+                                     shm.shared_group(self.client.runtime_dir))
+        return self.alloc
+
+    def register_kv_caches(self, kv_caches):
+        tensors = [kv_caches[name] for name in self.worker.layer_index]
+        blocks = self._kv_cache_config.num_blocks
+        if self._vllm_config.device_config.device_type == "cpu":
+            if self.alloc is None or self.alloc.tensor is None:
+                raise ValueError("kvd: on CPU, vLLM must allocate its KV cache inside the "
+                                 "connector's get_mem_pool_context (vLLM 0.32 does)")
+            pool = host_pool(self.geometry, tensors, str(self.alloc.path), self.alloc.base,
+                             self.alloc.size, blocks)
+        else:
+            pool = cuda_pool(self.geometry, tensors, blocks)
+        self.worker.register(pool)
+
+    def handle_preemptions(self, kv_connector_metadata):
+        self.worker.preempted(kv_connector_metadata.plan)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self.worker.start(self._get_connector_metadata().plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        """kvd stores every layer of a chunk in one request, after the forward
+        (``wait_for_save``); on a GPU the store is ordered after the forward's
+        kernels on the engine's stream, so nothing waits here."""
+
+    def wait_for_save(self):
+        self.worker.after_forward(self._get_connector_metadata().plan)
+
+    def get_finished(self, finished_req_ids):
+        return self.worker.finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors()
+
+    def build_connector_worker_meta(self):
+        report = self.worker.report()
+        return None if report is None else KvdWorkerMetadata(report)
+
+    # ==== scheduler side ===============================================================
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self.sched.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self.sched.allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return KvdConnectorMetadata(self.sched.step(scheduler_output))
+
+    def update_connector_output(self, connector_output):
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self.sched.update(connector_output.finished_recving,
+                          meta.report if isinstance(meta, KvdWorkerMetadata) else None)
+
+    def request_finished(self, request, block_ids):
+        return self.sched.finished(request, block_ids), None
+
+    # ==== both ========================================================================
+
+    def get_kv_connector_stats(self):
+        data = self.counters.take()
+        return KvdConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return KvdConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self):
+        worker, sched, self.worker, self.sched = self.worker, self.sched, None, None
+        if worker is not None:
+            worker.close(self.settings.timeout_s)
+        if sched is not None:
+            sched.close()
+            self.client.close()
+        if self.alloc is not None:
+            self.alloc.close()
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()

@@ -1,0 +1,43 @@
+"""The connector's counters: what each side did since vLLM last collected them.
+
+The scheduler counts lookups and hits, workers count loads and stores (their
+tokens, bytes and failures). ``take()`` returns the non-zero counts and
+resets them: vLLM collects connector stats every step and sums them
+(kvd_client.vllm.stats). With tensor parallelism every worker counts its own
+shard: tokens are counted once per rank, bytes are each rank's own.
+"""
+
+from __future__ import annotations
+
+import threading
+
+HELP = {
+    "lookups": "prompts looked up in kvd",
+    "lookup_tokens": "prompt tokens looked up (whole chunks past vLLM's own prefix-cache hit)",
+    "hit_tokens": "tokens kvd offered to vLLM (external prefix-cache hits)",
+    "loads": "loads from kvd that ended (ok or failed)",
+    "load_failures": "loads that failed or came back short (vLLM recomputes those blocks)",
+    "loaded_tokens": "tokens whose KV kvd copied into vLLM's blocks",
+    "loaded_bytes": "bytes kvd copied into vLLM's blocks (this rank's shard)",
+    "stores": "stores to kvd that ended (ok or failed)",
+    "store_failures": "stores that failed (nothing of them is cached)",
+    "stored_tokens": "tokens now cached in kvd by stores (new or already there)",
+    "stored_bytes": "bytes of KV offered to kvd by stores that succeeded (this rank's shard)",
+}
+
+
+class Counters:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._data = dict.fromkeys(HELP, 0)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._data[name] += n
+
+    def take(self) -> dict[str, int]:
+        with self._lock:
+            out = {k: v for k, v in self._data.items() if v}
+            self._data = dict.fromkeys(HELP, 0)
+        return out

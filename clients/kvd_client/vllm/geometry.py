@@ -1,0 +1,122 @@
+"""What kvd needs to know about a vLLM KV cache, and how its tensors map to kvd.
+
+``KVGeometry`` is derived from vLLM's configs alone (kvd_client.vllm.spec),
+identically in the scheduler (which only looks up) and in every worker
+(which registers its tensors), so both name the same kvd namespace. Two
+kinds of vLLM cache exist in the pinned versions (0.26 to 0.32):
+
+- **MLA**: per layer ``[num_blocks, block_size, C]`` (0.26) or
+  ``[num_blocks, 1, block_size, C]`` (0.32), a latent row per token: kvd's
+  ``vllm_mla`` layout, attention ``mla`` (chunks shared with any engine of
+  the same model and dtype).
+- **everything else** (flash-attn, FlashInfer, Triton, CPU attention): per
+  layer the logical ``[num_blocks, kv_heads, block_size, 2 * head_size]``
+  with K and V side by side inside each head, in a physical order the
+  attention backend picks (``HNC``: heads outer; ``NHC``: tokens outer), and
+  on CPU with K transposed inside a block, packed per CPU ISA. No kvd token
+  row layout matches these, so kvd moves whole blocks: attention
+  ``opaque`` with the page format in the model string (``page_format``).
+
+``describe(geometry, refs, num_blocks)`` turns the worker's tensors (as
+``TensorRef``) into a kvd layout descriptor and checks them against the
+geometry; a layout kvd cannot map raises ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvd_protocol import layout as L
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    model: str          # model identity, plus the page format for opaque pages
+    kv_dtype: str       # kvd dtype name
+    attention: str      # "mla" or "opaque"
+    num_layers: int
+    kv_heads: int       # per TP shard; 1 for MLA
+    head_dim: int       # MLA: latent width; opaque: 2 x head size (K and V of a head)
+    tp_size: int
+    block_size: int     # tokens per vLLM block (a kvd page)
+    interior: str = ""  # opaque: the physical order inside a block, "HNC" or "NHC"
+
+    @property
+    def layout(self) -> str:
+        return "vllm_mla" if self.attention == "mla" else "opaque"
+
+    def attach_fields(self) -> dict:
+        return {"model": self.model, "kv_dtype": self.kv_dtype, "attention": self.attention,
+                "num_layers": self.num_layers, "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim, "tp_size": self.tp_size}
+
+
+def page_format(engine: str, interior: str, block_size: int, isa: str = "") -> str:
+    """The opaque page format, appended to the model identity: chunks are
+    interchangeable only between pools whose pages are laid out alike."""
+    return f"{engine} {interior}{f' isa={isa}' if isa else ''} bs={block_size}"
+
+
+def interior_of(layout_name: str) -> str:
+    """Physical order inside a block from a vLLM layout name: 0.32's ``LBHNC`` family
+    (L and B outside the block) or 0.26's ``HND``/``NHD``."""
+    legacy = {"HND": "HNC", "NHD": "NHC"}
+    if layout_name in legacy:
+        return legacy[layout_name]
+    inner = layout_name.replace("L", "").replace("B", "")
+    if sorted(layout_name) != sorted("LBHNC") or layout_name[-1] != "C" \
+            or layout_name.index("L") > 1 or layout_name.index("B") > 1:
+        raise ValueError(f"kvd cannot move vLLM KV cache layout {layout_name!r} as whole blocks: a "
+                         "block must be one byte range (layer and block outermost). Set "
+                         "VLLM_KV_CACHE_LAYOUT to LBHNC or LBNHC")
+    return inner
+
+
+def describe(geo: KVGeometry, refs: list[L.TensorRef], num_blocks: int) -> L.LayoutDescriptor:
+    """kvd's descriptor of the worker's per-layer tensors (in layer order)."""
+    if len(refs) != geo.num_layers:
+        raise ValueError(f"kvd: vLLM registered {len(refs)} KV layers, its config says {geo.num_layers}")
+    t = refs[0]
+    if not t.shape or t.shape[0] != num_blocks:
+        raise ValueError(f"kvd: vLLM's KV cache tensors (shape {t.shape}) split its {num_blocks} "
+                         "blocks into smaller kernel blocks; kvd needs one page per block: use a "
+                         "block size the attention backend supports natively")
+    if geo.attention == "mla":
+        return _mla(geo, refs)
+    return _opaque(geo, refs)
+
+
+def _mla(geo: KVGeometry, refs: list[L.TensorRef]) -> L.LayoutDescriptor:
+    t = refs[0]
+    if len(t.shape) == 4 and t.shape[1] == 1:  # 0.32: [B, 1, N, C]
+        refs = [L.TensorRef(r.buffer, r.offset, (r.shape[0], *r.shape[2:]),
+                            (r.strides[0], *r.strides[2:]), r.itemsize) for r in refs]
+    try:
+        d = L.vllm_mla(refs)
+    except ValueError as exc:
+        raise ValueError(f"kvd cannot map this vLLM MLA KV cache (shape {t.shape}, byte strides "
+                         f"{t.strides}): {exc}") from None
+    _check(d.page_size == geo.block_size and d.row_bytes == geo.head_dim * t.itemsize,
+           "MLA", t, f"blocks of {geo.block_size} tokens of {geo.head_dim} elements")
+    return d
+
+
+def _opaque(geo: KVGeometry, refs: list[L.TensorRef]) -> L.LayoutDescriptor:
+    t = refs[0]
+    expect = (geo.kv_heads, geo.block_size, geo.head_dim)
+    _check(len(t.shape) == 4 and tuple(t.shape[1:]) == expect, geo.interior, t,
+           f"[blocks, {geo.kv_heads} heads, {geo.block_size} tokens, {geo.head_dim}]")
+    actual = "HNC" if t.strides[1] >= t.strides[2] else "NHC"
+    _check(actual == geo.interior or geo.kv_heads == 1, geo.interior, t,
+           f"the {geo.interior} order inside a block (it is {actual})")
+    try:
+        return L.opaque_pages(refs, geo.block_size)
+    except ValueError as exc:
+        raise ValueError(f"kvd cannot map this vLLM KV cache layout ({geo.interior}, shape "
+                         f"{t.shape}, byte strides {t.strides}): {exc}") from None
+
+
+def _check(ok: bool, layout: str, t: L.TensorRef, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"kvd: vLLM's KV cache ({layout} layout, shape {t.shape}, byte strides "
+                         f"{t.strides}) is not the {expected} its config implies")

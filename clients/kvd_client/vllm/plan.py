@@ -1,0 +1,62 @@
+"""What the scheduler tells the workers each step, and what they tell it back.
+
+Plain, picklable data (vLLM ships the step's metadata to worker processes):
+chunk keys are computed once, by the scheduler, with the same namespace the
+workers register, and travel as 16-byte strings with the block ids they go
+to or come from. A page list holds ``blocks_per_chunk`` block ids per key.
+
+- ``LoadItem``: copy ``keys`` into ``pages``. ``pages[:scratch]`` are writes
+  to throw away: the first chunk of a load that starts inside a local
+  prefix-cache hit covers blocks vLLM already holds (and shares with other
+  requests), so those pages point at the request's first block past the
+  hit, which the same step's forward overwrites. ``layerwise``: a sync load
+  inside the step (the forward waits per layer); otherwise asynchronous,
+  between steps.
+- ``StoreItem``: copy ``pages`` out under ``keys``; ``after_forward``: the
+  step's forward writes that KV (submitted at ``wait_for_save``), else it
+  is final already (submitted at ``start_load_kv``).
+- ``WorkerReport``: keys whose load failed, so the scheduler stops offering
+  them for a while (re-offering a failed hit loops: vLLM asks again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadItem:
+    req_id: str
+    keys: list[bytes]
+    pages: list[int]
+    scratch: int = 0
+    layerwise: bool = True
+
+    def real_pages(self, from_chunk: int, blocks_per_chunk: int) -> set[int]:
+        """The request's own blocks from chunk ``from_chunk`` of this load on."""
+        return set(self.pages[max(from_chunk * blocks_per_chunk, self.scratch):])
+
+
+@dataclass
+class StoreItem:
+    req_id: str
+    keys: list[bytes]
+    pages: list[int]
+    after_forward: bool = True
+
+
+@dataclass
+class StepPlan:
+    namespace: bytes = b""                      # the scheduler's namespace digest
+    loads: list[LoadItem] = field(default_factory=list)
+    stores: list[StoreItem] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReport:
+    failed_keys: set[bytes] = field(default_factory=set)
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        self.failed_keys |= other.failed_keys
+        return self

@@ -1,0 +1,262 @@
+"""The scheduler's half of the connector: lookups, load and store plans, frees.
+
+``SchedulerSide`` runs in vLLM's engine-core process, which holds no KV: it
+``attach``es kvd's namespace (kvd_client.vllm.geometry) and looks prompts
+up there. Per request it keeps the chunk keys (computed once, extended as
+tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
+
+- ``matched(request, local)``: tokens kvd can add past vLLM's own
+  prefix-cache hit ``local``, in whole chunks, never the whole request (at
+  least one token must be computed), cut at the first key whose load failed
+  recently. The hit is leased (pinned in kvd) until the request ends or the
+  lease runs out. Hits of ``async_load_min_tokens`` or more load
+  asynchronously, unless the load starts inside the local hit (its scratch
+  writes need a block of this step, see kvd_client.vllm.plan).
+- ``allocated``: turns the hit into a ``LoadItem`` once vLLM gave blocks.
+- ``step(scheduler_output)``: the ``StepPlan`` of the step: planned loads,
+  stores of chunks this step computes (``store_policy = all``), stores of
+  finished requests (``finish``), and preempted requests.
+- ``finished(request, block_ids)``: whether vLLM must keep the blocks until
+  the workers report the request (stores or an async load in flight).
+- ``update(finished_recving, report)``: async loads that ended; keys whose
+  load failed are not offered again for ``retry_failed_after_s``, and are
+  stored again once recomputed (a worker never stores what a step computed
+  on top of a failed load: that KV is wrong).
+
+Requests with images or prompt embeddings are neither looked up nor stored:
+their token ids do not say what their KV holds. Calls are duck-typed on
+vLLM's objects (``Request``, ``KVCacheBlocks``, ``SchedulerOutput``);
+nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvd_protocol.keys import chain_root, chunk_keys, namespace_digest
+
+from .counters import Counters
+from .plan import LoadItem, StepPlan, StoreItem, WorkerReport
+from .settings import Settings
+
+log = logging.getLogger("vllm.kvd")  # under vLLM's logger: its format and level
+MAX_FAILED_KEYS = 1 << 16
+
+
+@dataclass
+class ReqState:
+    request: object
+    salt: str | None
+    keys: list[bytes] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    lease: int | None = None
+    local: int = 0          # vLLM's own prefix-cache hit, tokens
+    hit: int = 0            # local + what kvd adds, tokens
+    asynchronous: bool = False
+    load: LoadItem | None = None
+    loading: bool = False   # an async load was sent and has not been reported
+    stored: int = 0         # chunks known to be in kvd (loaded or stored by this engine)
+    stores_sent: bool = False
+    cacheable: bool = True  # token ids say it all (no images, no prompt embeddings)
+
+
+class SchedulerSide:
+    def __init__(self, client, reg, settings: Settings, block_size: int, loads: bool, stores: bool,
+                 counters: Counters):
+        self.client, self.reg, self.s = client, reg, settings
+        self.block_size, self.loads, self.stores = block_size, loads, stores
+        self.counters = counters
+        self.reqs: dict[str, ReqState] = {}
+        self.failed: dict[bytes, float] = {}   # key -> until when it is not offered
+        self.finish_stores: list[StoreItem] = []
+
+    @property
+    def chunk(self) -> int:
+        return self.reg.namespace.chunk_tokens
+
+    # ---- keys -------------------------------------------------------------------
+
+    def _state(self, request) -> ReqState:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = ReqState(request, self._salt(request))
+            st.cacheable = not getattr(request, "mm_features", None) \
+                and getattr(request, "prompt_embeds", None) is None
+            self.reqs[request.request_id] = st
+        return st
+
+    def _salt(self, request) -> str | None:
+        parts = [self.s.salt] if self.s.salt else []
+        if self.s.salt_per_request and getattr(request, "cache_salt", None):
+            parts.append(f"request:{request.cache_salt}")
+        lora = getattr(request, "lora_request", None)
+        if self.s.salt_lora and lora is not None:
+            parts.append(f"lora:{lora.lora_name}")
+        return "\x1f".join(parts) or None
+
+    def _keys(self, st: ReqState, chunks: int) -> list[bytes]:
+        """The first ``chunks`` keys of the request (tokens only ever get appended)."""
+        have, c = len(st.keys), self.chunk
+        if chunks > have:
+            prev = st.keys[-1] if st.keys else chain_root(namespace_digest(self.reg.namespace), st.salt)
+            st.keys += chunk_keys(prev, list(st.request.all_token_ids[have * c:chunks * c]), c)
+        return st.keys[:chunks]
+
+    # ---- admission --------------------------------------------------------------
+
+    def matched(self, request, local: int) -> tuple[int, bool]:
+        st = self._state(request)
+        st.local, st.hit, st.load = local, local, None
+        self._release(st)
+        c = self.chunk
+        limit = (request.num_tokens - 1) // c  # whole chunks, and one token left to compute
+        if not self.loads or not st.cacheable or limit * c <= local or c % self.block_size:
+            return 0, False
+        usable = self._before_failed(self._keys(st, limit))
+        if usable * c <= local:
+            return 0, False
+        self.counters.add(lookups=1, lookup_tokens=usable * c - local)
+        tokens, lease = self.client.lookup_lease(list(request.all_token_ids[:usable * c]),
+                                                 self.s.lease_ms, st.salt, self.reg)
+        st.lease = lease
+        if tokens <= local:
+            self._release(st)
+            return 0, False
+        st.hit = tokens
+        st.asynchronous = tokens - local >= self.s.async_load_min_tokens and local % c == 0
+        self.counters.add(hit_tokens=tokens - local)
+        return tokens - local, st.asynchronous
+
+    def _before_failed(self, keys: list[bytes]) -> int:
+        now = time.monotonic()
+        for i, key in enumerate(keys):
+            until = self.failed.get(key)
+            if until is not None:
+                if until > now:
+                    return i
+                del self.failed[key]
+        return len(keys)
+
+    def allocated(self, request, blocks, external: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            return
+        if external <= 0:  # no load (vLLM declined the hit), or an async load that ended
+            self._release(st)
+            return
+        if st.hit - st.local != external:
+            log.warning("kvd: vLLM allocated %d external tokens for %s, kvd offered %d; not loading",
+                        external, request.request_id, st.hit - st.local)
+            return
+        ids = list(blocks.get_block_ids()[0])
+        bs, c = self.block_size, self.chunk
+        first, last = st.local // c, st.hit // c
+        own = st.local // bs                       # the first block this load really fills
+        scratch = own - first * (c // bs)          # pages of the first chunk vLLM already holds
+        if scratch and len(ids) <= st.hit // bs:
+            log.warning("kvd: no block past the hit of %s to take scratch writes; not loading",
+                        request.request_id)
+            st.hit = st.local
+            return
+        pages = ([ids[st.hit // bs]] * scratch if scratch else []) + ids[own:st.hit // bs]
+        st.load = LoadItem(request.request_id, self._keys(st, last)[first:], pages, scratch,
+                           layerwise=not st.asynchronous)
+        st.stored = max(st.stored, last)
+
+    # ---- each step ----------------------------------------------------------------
+
+    def step(self, so) -> StepPlan:
+        plan = StepPlan(namespace_digest(self.reg.namespace))
+        for st in self.reqs.values():
+            if st.load is not None:
+                plan.loads.append(st.load)
+                st.loading, st.load = not st.load.layerwise, None
+        self._track_blocks(so)
+        if self.stores and self.s.store_policy == "all":
+            self._store_computed(so, plan)
+        plan.stores += self.finish_stores
+        self.finish_stores = []
+        plan.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
+        return plan
+
+    def _track_blocks(self, so) -> None:
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id in self.reqs:
+                self.reqs[nr.req_id].blocks = list(nr.block_ids[0])
+        cr = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cr.req_ids):
+            st, new = self.reqs.get(req_id), cr.new_block_ids[i]
+            if st is None or new is None:
+                continue
+            st.blocks = list(new[0]) if req_id in cr.resumed_req_ids else st.blocks + list(new[0])
+
+    def _store_computed(self, so, plan: StepPlan) -> None:
+        computed = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
+        cr = so.scheduled_cached_reqs
+        computed.update(zip(cr.req_ids, cr.num_computed_tokens))
+        for req_id, before in computed.items():
+            st = self.reqs.get(req_id)
+            if st is None or not self._worth_storing(st):
+                continue
+            end = min(before + so.num_scheduled_tokens.get(req_id, 0), st.request.num_tokens)
+            item = self._store_item(st, end // self.chunk, st.blocks, after_forward=True)
+            if item is not None:
+                plan.stores.append(item)
+
+    def _worth_storing(self, st: ReqState) -> bool:
+        return st.cacheable and st.request.num_prompt_tokens >= max(self.s.store_min_tokens, self.chunk)
+
+    def _store_item(self, st: ReqState, upto: int, blocks: list[int], after_forward: bool):
+        bpc = self.chunk // self.block_size
+        upto = min(upto, len(blocks) // bpc)
+        if upto <= st.stored:
+            return None
+        item = StoreItem(st.request.request_id, self._keys(st, upto)[st.stored:],
+                         blocks[st.stored * bpc:upto * bpc], after_forward)
+        st.stored, st.stores_sent = upto, True
+        return item
+
+    # ---- the end of a request, and the workers' news -------------------------------
+
+    def finished(self, request, block_ids: list[int]) -> bool:
+        """True: keep the blocks until the workers report the request."""
+        st = self.reqs.pop(request.request_id, None)
+        if st is None:
+            return False
+        self._release(st)
+        if st.loading:
+            return True  # the load lands in these blocks; finished_recving frees them
+        if self.stores and self.s.store_policy == "finish" and self._worth_storing(st):
+            computed = min(request.num_computed_tokens, request.num_tokens)
+            item = self._store_item(st, computed // self.chunk, list(block_ids), after_forward=False)
+            if item is not None:
+                self.finish_stores.append(item)
+        return st.stores_sent
+
+    def update(self, finished_recving, report: WorkerReport | None) -> None:
+        for req_id in finished_recving or ():
+            st = self.reqs.get(req_id)
+            if st is not None:
+                st.loading = False
+                self._release(st)
+        if report is None or not report.failed_keys:
+            return
+        until = time.monotonic() + self.s.retry_failed_after_s
+        if len(self.failed) + len(report.failed_keys) > MAX_FAILED_KEYS:
+            self.failed.clear()
+        self.failed.update(dict.fromkeys(report.failed_keys, until))
+        for st in self.reqs.values():  # those chunks are not in kvd: store them once recomputed
+            bad = [i for i, key in enumerate(st.keys[:st.stored]) if key in report.failed_keys]
+            if bad:
+                st.stored = bad[0]
+
+    def _release(self, st: ReqState) -> None:
+        if st.lease is not None:
+            self.client.release(st.lease)
+            st.lease = None
+
+    def close(self) -> None:
+        for st in self.reqs.values():
+            self._release(st)

@@ -1,0 +1,100 @@
+"""The connector's options, read from vLLM's ``kv_connector_extra_config``.
+
+``Settings.from_extra(extra)`` validates the free-form dict vLLM passes
+through: every key must be one of ``OPTIONS`` (a typo raises ``ValueError``
+naming the known keys), every value must have the option's type. Each
+option has a type, a default and help text; ``Settings`` has one field per
+option and docs/vllm.md lists the same options (tests check both). No vLLM
+import: plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STORE_POLICIES = ("all", "finish", "off")
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class Option:
+    type: type
+    default: object
+    help: str
+    choices: tuple = ()
+
+
+OPTIONS = {
+    "runtime_dir": Option(str, "", "the kvd daemon's runtime directory; empty: kvd's own resolution "
+                          "($KVD_RUNTIME_DIR, $XDG_RUNTIME_DIR/kvd, /run/kvd, /tmp/kvd-<uid>)"),
+    "model_id": Option(str, "", "the model identity in chunk keys; empty: vLLM's model name or path, "
+                       "plus '@revision' when one is set. Engines that should share chunks must agree"),
+    "timeout_s": Option(float, 5.0, "deadline of each kvd call and transfer, seconds; a load that misses "
+                        "it fails and vLLM recomputes"),
+    "lease_ms": Option(int, 10000, "how long a lookup's hits stay pinned in kvd for the load that "
+                       "follows (the scheduler releases the lease earlier when it can)"),
+    "salt": Option(str, "", "a fixed salt in every key (a tenant or deployment): engines with other "
+                   "salts never share chunks"),
+    "salt_per_request": Option(bool, True, "add the request's cache_salt (vLLM's per-request salt) "
+                               "to its keys"),
+    "salt_lora": Option(bool, True, "add the LoRA adapter's name to the keys of its requests"),
+    "store_policy": Option(str, "all", "when KV goes to kvd: 'all' (every whole chunk in the step that "
+                           "computed it, prefill and decode), 'finish' (once, when the request ends; "
+                           "needs one more engine step) or 'off' (lookups and loads only)",
+                           STORE_POLICIES),
+    "store_min_tokens": Option(int, 0, "requests with fewer prompt tokens are not stored"),
+    "async_load_min_tokens": Option(int, 8192, "a hit of at least this many tokens loads "
+                                    "asynchronously, between steps (the request waits outside the "
+                                    "batch); smaller hits load layer by layer inside the step; "
+                                    "0: always asynchronous"),
+    "load_failure_policy": Option(str, "recompute", "vLLM's kv_load_failure_policy that the connector "
+                                  "sets: 'recompute' (a failed load is recomputed) or 'fail' (the "
+                                  "request ends with an error)", FAILURE_POLICIES),
+    "retry_failed_after_s": Option(float, 30.0, "keys whose load failed are not offered again for "
+                                   "this long (a failed hit offered again would loop)"),
+    "shm_dir": Option(str, "/dev/shm", "CPU engines: where the KV cache file goes (the daemon's "
+                      "shm_dir; must hold the whole KV cache)"),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    runtime_dir: str = ""
+    model_id: str = ""
+    timeout_s: float = 5.0
+    lease_ms: int = 10000
+    salt: str = ""
+    salt_per_request: bool = True
+    salt_lora: bool = True
+    store_policy: str = "all"
+    store_min_tokens: int = 0
+    async_load_min_tokens: int = 8192
+    load_failure_policy: str = "recompute"
+    retry_failed_after_s: float = 30.0
+    shm_dir: str = "/dev/shm"
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> Settings:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"kvd connector: unknown kv_connector_extra_config keys {unknown}; "
+                             f"known: {', '.join(OPTIONS)}")
+        values = {}
+        for name, opt in OPTIONS.items():
+            value = extra.get(name, opt.default)
+            values[name] = _check(name, opt, value)
+        return cls(**values)
+
+
+def _check(name: str, opt: Option, value):
+    if opt.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) != (opt.type is bool) or not isinstance(value, opt.type):
+        raise ValueError(f"kvd connector: {name} must be a {opt.type.__name__}, got {value!r}")
+    if opt.choices and value not in opt.choices:
+        raise ValueError(f"kvd connector: {name} must be one of {', '.join(opt.choices)}, got {value!r}")
+    if opt.type in (int, float) and value < 0:
+        raise ValueError(f"kvd connector: {name} must be >= 0, got {value!r}")
+    return value
+

@@ -1,0 +1,59 @@
+"""CPU engines: vLLM's KV cache allocated in a /dev/shm file that kvd maps.
+
+vLLM (0.32) allocates the whole KV cache as one
+``torch.zeros(size, dtype=torch.int8)`` inside the context a connector's
+``get_mem_pool_context()`` returns. ``ShmKVAllocation`` is that context: a
+``TorchFunctionMode`` that answers exactly that call (CPU, int8, the size
+vLLM's ``KVCacheConfig`` announced, once) with ``torch.from_file(...,
+shared=True)`` over a new file in the daemon's shm directory, created by
+kvd_client.shm (mode 0600, or 0660 of the daemon's group; a fresh file
+reads as zeros). Every other call passes through. ``close()`` unlinks the
+file (the mapping lives on until vLLM drops the tensor); files of processes
+that died are removed by the next pool kvd_client creates.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvd_client import shm
+
+PREFIX = "kvd-pool"  # kvd_client's pool files: same clean-up of dead processes' leftovers
+
+
+class ShmKVAllocation(TorchFunctionMode):
+    def __init__(self, size: int, shm_dir: str, group: int | None = None):
+        super().__init__()
+        self.size, self.shm_dir, self.group = size, shm_dir, group
+        self.path: Path | None = None
+        self.tensor = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.tensor is None and func is torch.zeros and self._is_the_kv_cache(args, kwargs):
+            self.path, mapping = shm.create(PREFIX, self.size, self.shm_dir, self.group)
+            mapping.close()  # torch maps the file itself
+            self.tensor = torch.from_file(str(self.path), shared=True, size=self.size,
+                                          dtype=torch.int8)
+            return self.tensor
+        return func(*args, **kwargs)
+
+    def _is_the_kv_cache(self, args, kwargs) -> bool:
+        if kwargs.get("dtype") is not torch.int8 or torch.device(kwargs.get("device", "cpu")).type != "cpu":
+            return False
+        shape = args[0] if len(args) == 1 else args
+        numel = math.prod(shape) if isinstance(shape, (tuple, list, torch.Size)) else shape
+        return int(numel) == self.size
+
+    @property
+    def base(self) -> int:
+        return self.tensor.data_ptr()
+
+    def close(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None

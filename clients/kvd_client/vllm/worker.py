@@ -1,0 +1,201 @@
+"""The worker's half of the connector: kvd transfers in and out of vLLM's blocks.
+
+``WorkerSide`` runs in each vLLM worker (one per TP rank), registers the
+rank's KV pool with kvd and carries out the scheduler's ``StepPlan``
+(kvd_client.vllm.plan), every transfer non-blocking (``submit_load`` /
+``submit_store``):
+
+- ``start(plan)`` (vLLM's ``start_load_kv``): submits the loads (layer-wise
+  when they feed this step's forward) and the stores of KV that is final
+  already (finished requests).
+- ``wait_layer(name)``: orders layer ``name``'s attention after that layer
+  of this step's loads landed (CUDA: a stream wait; host: this thread waits).
+- ``after_forward(plan)`` (``wait_for_save``): waits until this step's
+  loads ended, then submits the stores of KV this step computed, except for
+  a request whose load failed (what the step computed on top of it is
+  wrong, and is never stored).
+- ``finished(ids)`` (``get_finished``): requests whose transfers are all
+  done (ended and fenced: kvd never touches their blocks again) — stores of
+  finished requests, so vLLM frees the blocks, and async loads.
+- ``load_errors()``: the blocks of loads that failed or came back short, so
+  vLLM recomputes them; their keys go back in ``report()``.
+
+The scheduler's namespace digest rides in every plan: a worker whose own
+registration differs refuses to move anything (and says so once), instead
+of mixing chunks. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvd_client.registration import ChunkKeys
+from kvd_protocol.errors import KvdError
+from kvd_protocol.keys import namespace_digest
+
+from .counters import Counters
+from .geometry import KVGeometry
+from .plan import LoadItem, StepPlan, StoreItem, WorkerReport
+
+log = logging.getLogger("vllm.kvd")  # under vLLM's logger: its format and level
+
+
+class WorkerSide:
+    def __init__(self, client, geometry: KVGeometry, layer_names: list[str], tp_rank: int,
+                 counters: Counters):
+        self.client, self.geo, self.tp_rank, self.counters = client, geometry, tp_rank, counters
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.reg = None
+        self.token_bytes = 0   # bytes of one token's KV in this rank's pool (all layers)
+        self.sync: list[tuple[LoadItem, object]] = []      # this step's layer-wise loads
+        self.async_loads: dict[str, tuple[LoadItem, object]] = {}
+        self.open_stores: dict[str, list] = {}              # request -> stores not yet done
+        self.finishing: set[str] = set()
+        self.failed_sync: set[str] = set()
+        self.errors: set[int] = set()
+        self.failed_keys: set[bytes] = set()
+        self._mismatch_told = False
+
+    def register(self, pool) -> None:
+        self.reg = self.client.register_kv(pool, model=self.geo.model, tp_size=self.geo.tp_size,
+                                           tp_rank=self.tp_rank)
+        self.token_bytes = pool.descriptor.shard_bytes(1)
+
+    @property
+    def chunk(self) -> int:
+        return self.reg.namespace.chunk_tokens
+
+    def _usable(self, plan: StepPlan) -> bool:
+        if self.reg is None:
+            return False
+        if plan.namespace == namespace_digest(self.reg.namespace):
+            return True
+        if not self._mismatch_told:
+            self._mismatch_told = True
+            log.error("kvd: this worker's namespace differs from the scheduler's (%s): no loads "
+                      "or stores", self.reg.namespace)
+        return False
+
+    # ---- one step -------------------------------------------------------------------
+
+    def start(self, plan: StepPlan) -> None:
+        self.failed_sync.clear()
+        usable = self._usable(plan)
+        for item in plan.stores:
+            if not item.after_forward:
+                self._store(item, usable)
+        for item in plan.loads:
+            if not usable:
+                self._failed_load(item, 0)
+                continue
+            try:
+                t = self.client.submit_load(ChunkKeys(item.keys), item.pages, reg=self.reg,
+                                            layerwise=item.layerwise)
+            except (KvdError, ValueError) as exc:  # no free load slot in time; a page count
+                log.warning("kvd: load for %s not sent: %s", item.req_id, exc)
+                self._failed_load(item, 0)
+                continue
+            if item.layerwise:
+                self.sync.append((item, t))
+            else:
+                self.async_loads[item.req_id] = (item, t)
+
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        for _, t in self.sync:
+            self.client.wait_for_layer(layer, t)
+
+    def after_forward(self, plan: StepPlan) -> None:
+        self._end_sync_loads()
+        usable = self._usable(plan)
+        for item in plan.stores:
+            if item.after_forward:
+                self._store(item, usable and item.req_id not in self.failed_sync)
+
+    def _end_sync_loads(self) -> None:
+        for item, t in self.sync:
+            t.wait()  # ends by its deadline; a failed load is fenced within fence_quiet_s
+            if not self._check_load(item, t):
+                self.failed_sync.add(item.req_id)
+        self.sync = []
+
+    def _check_load(self, item: LoadItem, t) -> bool:
+        loaded = t.tokens // self.chunk if t.ok else 0
+        self.counters.add(loads=1, loaded_tokens=loaded * self.chunk,
+                          loaded_bytes=loaded * self.chunk * self.token_bytes)
+        if loaded >= len(item.keys):
+            return True
+        if t.error is not None:
+            log.warning("kvd: load for %s failed, vLLM recomputes: %s", item.req_id, t.error)
+        self._failed_load(item, loaded)
+        return False
+
+    def _failed_load(self, item: LoadItem, loaded: int) -> None:
+        self.counters.add(load_failures=1)
+        self.errors |= item.real_pages(loaded, self.chunk // self.geo.block_size if loaded else 0)
+        self.failed_keys |= set(item.keys[loaded:])
+
+    def _store(self, item: StoreItem, ok: bool) -> None:
+        stores = self.open_stores.setdefault(item.req_id, [])  # known, even if skipped
+        if not ok:
+            return
+        try:
+            stores.append(self.client.submit_store(ChunkKeys(item.keys), item.pages, reg=self.reg))
+        except (KvdError, ValueError) as exc:  # e.g. page count of another chunk size
+            log.warning("kvd: store for %s skipped: %s", item.req_id, exc)
+
+    def preempted(self, plan: StepPlan) -> None:
+        """Blocks of preempted requests go to other requests now: stores from them end first."""
+        for req_id in plan.preempted:
+            for t in self.open_stores.get(req_id, ()):
+                t.wait()
+
+    # ---- what vLLM collects after each step ----------------------------------------------
+
+    def finished(self, finished_req_ids) -> tuple[set[str] | None, set[str] | None]:
+        self.client.poll()  # drive replies; transfers are tracked here, not in its list
+        for req_id, stores in self.open_stores.items():
+            self._count_stores(stores)
+        self.finishing |= set(finished_req_ids or ()) & set(self.open_stores)
+        sending = {r for r in self.finishing if not self.open_stores[r]}
+        for req_id in sending:
+            del self.open_stores[req_id]
+        self.finishing -= sending
+        recving = set()
+        for req_id, (item, t) in list(self.async_loads.items()):
+            if t.done:
+                self._check_load(item, t)
+                recving.add(req_id)
+                del self.async_loads[req_id]
+        return sending or None, recving or None
+
+    def _count_stores(self, stores: list) -> None:
+        for t in [t for t in stores if t.done]:
+            stores.remove(t)
+            if t.ok:
+                self.counters.add(stores=1, stored_tokens=t.tokens,
+                                  stored_bytes=len(t.keys) * self.chunk * self.token_bytes)
+            else:
+                self.counters.add(stores=1, store_failures=1)
+
+    def load_errors(self) -> set[int]:
+        self._end_sync_loads()  # when wait_for_save comes later (vLLM's deferred finalize)
+        errors, self.errors = self.errors, set()
+        return errors
+
+    def report(self) -> WorkerReport | None:
+        if not self.failed_keys:
+            return None
+        keys, self.failed_keys = self.failed_keys, set()
+        return WorkerReport(keys)
+
+    def close(self, timeout: float) -> None:
+        """Let transfers in flight end (bounded), then leave kvd."""
+        for t in [t for stores in self.open_stores.values() for t in stores] + \
+                [t for _, t in self.sync] + [t for _, t in self.async_loads.values()]:
+            t.wait(timeout)
+        if self.reg is not None:
+            self.client.unregister(self.reg)
+        self.client.close()

