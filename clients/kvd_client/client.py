@@ -53,7 +53,7 @@ from . import shm
 from .flags import ClientFlags
 from .liveness import DaemonProbe
 from .pump import Pump
-from .registration import Call, KVRegistration, engine_stream, next_seq, page_frame
+from .registration import Call, ChunkKeys, KVRegistration, engine_stream, next_seq, page_frame
 from .retry import Retry
 from .transfer import Transfer
 from .transport import Channel
@@ -262,6 +262,9 @@ class KvdClient:
     # ---- lookups ----------------------------------------------------------------
 
     def keys(self, tokens, salt: str | None = None, reg: KVRegistration | None = None) -> list[bytes]:
+        """Chunk keys of ``tokens``; ``ChunkKeys`` (precomputed keys) pass through as they are."""
+        if isinstance(tokens, ChunkKeys):
+            return list(tokens)
         reg = self._default(reg)
         return chunk_keys(chain_root(namespace_digest(reg.namespace), salt), tokens,
                           reg.namespace.chunk_tokens)

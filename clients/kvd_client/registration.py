@@ -5,7 +5,8 @@
 the id the current daemon gave it (0: not registered with it), the load
 slots' last transfers (a slot is reused once its last transfer is done,
 i.e. fenced) and the mark and load sequence counters (uint32, never 0:
-every flag word starts at 0).
+every flag word starts at 0). ``ChunkKeys`` marks precomputed keys passed
+instead of token ids.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def engine_stream(pool) -> int | None:
 def next_seq(seq: int) -> int:
     seq = (seq + 1) & 0xFFFFFFFF
     return seq or 1  # 0 is every word's initial value
+
+
+class ChunkKeys(tuple):
+    """Chunk keys the caller computed (``KvdClient.keys``, or ``kvd_protocol.keys``),
+    passed where a lookup, store or load takes ``tokens``. Keys chain on the whole
+    prefix, so ``ChunkKeys(keys[i:])`` names chunks ``i..`` alone."""
 
 
 def page_frame(reg: KVRegistration, chunks: int, page_ids) -> bytes:
