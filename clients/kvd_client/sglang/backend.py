@@ -250,8 +250,9 @@ class KvdHiCacheStorage(HiCacheStorage):
         return False
 
     def kvd_stats(self) -> dict:
-        """This backend's counters, plus the key map's size in key_mode 'tokens'."""
-        out = dict(self.counters)
+        """This backend's counters, why kvd stays unused (if it does), and the key map's
+        size in key_mode 'tokens'."""
+        out = {**self.counters, "refused": self._refused}
         if self.chain is not None:
             out.update(key_map_pages=len(self.chain), key_map_forgotten=self.chain.forgotten)
         return out

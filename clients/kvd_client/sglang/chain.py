@@ -32,7 +32,7 @@ from kvd_protocol.keys import chain_root, chunk_keys
 
 
 class _Page:
-    __slots__ = ("parent", "salt", "tokens", "memo")
+    __slots__ = ("memo", "parent", "salt", "tokens")
 
     def __init__(self, parent: str | None, salt: str | None, tokens: bytes):
         self.parent, self.salt, self.tokens = parent, salt, tokens

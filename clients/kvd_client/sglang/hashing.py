@@ -53,7 +53,7 @@ def unlisten(recorder) -> None:
 
 def _hashed(token_ids, prior_hash=None, page_size=None):
     result = _original(token_ids, prior_hash, page_size=page_size)
-    for recorder in list(_recorders):
+    for recorder in _recorders:
         try:
             recorder(token_ids, prior_hash, page_size, result)
         except Exception:  # never let bookkeeping break SGLang's hashing

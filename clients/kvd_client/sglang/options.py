@@ -68,7 +68,7 @@ class Options:
     shm_dir: str = "/dev/shm"
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> "Options":
+    def from_extra_config(cls, extra: dict | None) -> Options:
         values = {}
         for key, value in (extra or {}).items():
             if not isinstance(key, str) or not key.startswith(PREFIX):
