@@ -4,9 +4,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 VLLM_VENV ?= .venv-vllm
+SGLANG_VENV ?= .venv-sglang
 ARGS ?=
 
-.PHONY: serve test setup setup-dev setup-vllm clean
+.PHONY: serve test setup setup-dev setup-vllm setup-sglang clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,19 +31,31 @@ $(VLLM_VENV)/.installed: tests/vllm/requirements.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# SGLang (0.5.23, its torch, --no-deps for the rest) for the HiCache backend's tests, apart
+# from the main venv; the page-hash extension SGLang compiles on first use is built here once.
+$(SGLANG_VENV)/.installed: tests/sglang/requirements.txt tests/sglang/requirements-nodeps.txt
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q -r tests/sglang/requirements.txt
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -r tests/sglang/requirements-nodeps.txt
+	TORCH_EXTENSIONS_DIR=$(SGLANG_VENV)/torch_extensions $(SGLANG_VENV)/bin/python -W ignore -c \
+	    "from sglang.srt.mem_cache.utils import get_hash_str; get_hash_str([1], None, page_size=1)"
+	touch $@
+
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
 setup-vllm: $(VLLM_VENV)/.installed
+setup-sglang: $(SGLANG_VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/kvd serve $(ARGS)
 
-test: $(VENV)/.installed-dev $(VLLM_VENV)/.installed
+test: $(VENV)/.installed-dev $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
 	bash tools/install_test_stores.sh
-	KVD_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/python -m pytest -q
+	KVD_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVD_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python \
+	  $(VENV)/bin/python -m pytest -q
 	bash tools/check_kernels.sh
 	bash tools/check_service.sh $(VENV)
 	bash tools/check_install.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info

@@ -261,6 +261,9 @@ class KvdClient:
     # ---- lookups ----------------------------------------------------------------
 
     def keys(self, tokens, salt: str | None = None, reg: KVRegistration | None = None) -> list[bytes]:
+        """Chunk keys of ``tokens``; ``ChunkKeys`` (precomputed keys) pass through as they are."""
+        if isinstance(tokens, ChunkKeys):
+            return list(tokens)
         reg = self._default(reg)
         return chunk_keys(chain_root(namespace_digest(reg.namespace), salt), tokens,
                           reg.namespace.chunk_tokens)
@@ -391,7 +394,7 @@ class KvdClient:
     def _keys_pages(self, tokens, page_ids, salt, reg):
         if reg.pool is None:
             raise ValueError("this registration was attached for lookups: it has no KV pool")
-        keys = list(tokens) if isinstance(tokens, ChunkKeys) else self.keys(tokens, salt, reg)
+        keys = self.keys(tokens, salt, reg)
         return keys, page_frame(reg, len(keys), page_ids)
 
     # ---- progress: the pump (kvd_client.pump) does the work ----------------------

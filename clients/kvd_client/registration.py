@@ -63,6 +63,13 @@ def next_seq(seq: int) -> int:
     return seq or 1  # 0 is every word's initial value
 
 
+class ChunkKeys(tuple):
+    """Chunk keys the caller computed (``KvdClient.keys``, or ``kvd_protocol.keys``),
+    passed where a lookup, store or load takes ``tokens``. Keys chain on the whole
+    prefix, so ``ChunkKeys(keys[i:])`` names chunks ``i..`` alone: a load that skips
+    chunks the engine holds already, page ids given for chunks ``i..`` only."""
+
+
 def page_frame(reg: KVRegistration, chunks: int, page_ids) -> bytes:
     """The page-id frame of ``chunks`` whole chunks (a ``ValueError`` naming what is
     missing when ``page_ids`` are too few: ceil(tokens / page_size) per chunk)."""
@@ -74,9 +81,3 @@ def page_frame(reg: KVRegistration, chunks: int, page_ids) -> bytes:
                          f"{need} page ids (ceil(tokens / page_size) per chunk), got {pages.size}")
     return wire.pages_frame(pages[:need])
 
-
-class ChunkKeys(tuple):
-    """Chunk keys the caller computed (``KvdClient.keys``, or ``kvd_protocol.keys``),
-    passed where a store or load takes ``tokens``. Keys chain on the whole prefix, so
-    ``ChunkKeys(keys[i:])`` names chunks ``i..`` alone: a load that skips chunks the
-    engine holds already, page ids given for chunks ``i..`` only."""

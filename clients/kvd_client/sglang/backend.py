@@ -1,0 +1,267 @@
+"""KvdHiCacheStorage: kvd as SGLang's HiCache storage tier (``HiCacheStorage``, SGLang 0.5.23).
+
+SGLang loads it with ``--hicache-storage-backend dynamic`` and the extra
+config ``{"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
+"class_name": "KvdHiCacheStorage", "interface_v1": 1, "kvd_...": ...}``
+(options: kvd_client.sglang.options). One instance per scheduler process
+(TP/PP rank); it registers the rank's staging pool (kvd_client.sglang.staging,
+laid out from the host pool, kvd_client.sglang.host_pages) with the daemon
+once SGLang registered its host pool and the daemon answered.
+
+Operations, each on a batch of SGLang pages (hashes + host slots):
+
+- ``batch_exists``: pages of the longest prefix kvd holds (one ``lookup``).
+- ``batch_get_v1`` / ``batch_set_v1`` (``interface_v1``: SGLang's zero-copy
+  path): kvd loads into / stores from the staging pool, one copy between
+  it and SGLang's host pool; per-page success, a prefix.
+- ``get``/``batch_get``/``set``/``batch_set``/``exists``: the generic
+  interface over SGLang's flat pages (SGLang copies each page once more).
+
+Keys: each SGLang page of ``P`` tokens is ``P / chunk_tokens`` kvd chunks.
+With ``key_mode`` 'tokens' their keys come from the page's token ids
+(kvd_client.sglang.hashing, .chain), the same keys any kvd client computes
+for the same prefix, model, dtype and TP size; a page whose tokens are
+unknown is a miss. With 'hashes' they come from SGLang's page hash.
+
+Failures are misses, never errors into SGLang: no daemon (yet, or any
+more), a timeout, no space: ``batch_exists`` says 0, loads and stores report
+the pages that did not move as failed, and SGLang recomputes or keeps them
+in host memory. The client reconnects and re-registers by itself. A
+configuration kvd cannot serve (an unsupported host layout, a chunk size
+that does not divide SGLang's page size) is a ``ValueError`` when SGLang
+attaches the backend, or, if the daemon is reached later, an error logged
+once, then misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from sglang.srt.environ import envs
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from kvd_protocol.errors import KvdError
+from kvd_protocol.keys import namespace_digest
+
+from .. import shm
+from ..client import KvdClient
+from ..registration import ChunkKeys
+from . import hashing
+from .chain import PageChain, hash_page_keys
+from .host_pages import HostPages
+from .options import Options
+from .staging import StagingPool
+
+log = logging.getLogger("kvd_client.sglang")
+RETRY_S = 1.0  # how often a backend without a daemon tries again
+
+
+class KvdHiCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config, kwargs=None):
+        self.config = storage_config
+        self.options = opts = Options.from_extra_config(storage_config.extra_config)
+        self.model = opts.model_id or storage_config.model_name or ""
+        if not self.model:
+            raise ValueError("kvd: SGLang gave no model name; set kvd_model_id")
+        if storage_config.attn_cp_size > 1 or storage_config.dcp_size > 1:
+            raise ValueError("kvd: context parallelism splits every page across ranks; "
+                             "not supported")
+        self.client = KvdClient(opts.runtime_dir or None, timeout=opts.timeout_s,
+                                name=f"sglang:tp{storage_config.tp_rank}:{os.getpid()}").connect()
+        self.chain = PageChain(opts.key_map_pages) if opts.key_mode == "tokens" else None
+        self._recorder = None
+        if self.chain is not None:
+            self._recorder = hashing.ChainRecorder(self.chain, opts.salt)
+            hashing.listen(self._recorder)
+            if envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.get() != "python":
+                log.warning("kvd: key_mode 'tokens' learns token ids from SGLang's Python hashing; "
+                            "the Rust radix tree hashes nodes natively, so their pages will miss. "
+                            "Set SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python, or kvd_key_mode "
+                            "'hashes' (shared by SGLang engines only)")
+        self.pages: HostPages | None = None
+        self.staging: StagingPool | None = None
+        self.reg = None
+        self._session_lock, self._load_lock, self._store_lock = (threading.Lock() for _ in range(3))
+        self._retry_at = 0.0
+        self._refused: str | None = None
+        self.counters = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "stored_pages": 0,
+                         "unkeyed_pages": 0, "failed_loads": 0, "failed_stores": 0}
+
+    # ---- set-up ----------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.pages = HostPages(mem_pool_host, self.options.kv_dtype)
+        self._session()
+
+    def _session(self):
+        """The registration, once the host pool is known and the daemon answered."""
+        if self.reg is not None or self.pages is None or self._refused:
+            return self.reg
+        with self._session_lock:
+            now = time.monotonic()
+            if self.reg is not None or now < self._retry_at:
+                return self.reg
+            self._retry_at = now + RETRY_S
+            try:
+                chunk = self.client.chunk_tokens
+            except KvdError as exc:
+                log.info("kvd not reachable (%s); storage ops are misses until it is", exc)
+                return None
+            try:
+                staging = StagingPool(self.pages, self.options.staging_pages, chunk,
+                                      self.options.shm_dir, shm.shared_group(self.client.runtime_dir))
+            except ValueError as exc:
+                self._refused = str(exc)
+                log.error("%s; kvd stays unused", exc)
+                return None
+            try:
+                self.reg = self.client.register_kv(
+                    staging, self.model, tp_size=self.config.tp_size, tp_rank=self.config.tp_rank,
+                    first_layer=self.pages.first_layer, fingerprint=self.options.fingerprint)
+            except (KvdError, ValueError) as exc:
+                staging.close()
+                self._refused = f"kvd refused the staging pool: {exc}"
+                log.error("%s; kvd stays unused", self._refused)
+                return None
+            self.staging = staging
+        return self.reg
+
+    def _page_keys(self, hashes, reg) -> list[tuple[bytes, ...]]:
+        ns = reg.namespace
+        digest = namespace_digest(ns)
+        if self.chain is not None:
+            keyed = self.chain.page_keys(hashes, digest, ns.chunk_tokens)
+        else:
+            keyed = hash_page_keys(hashes, digest, self.pages.page_size // ns.chunk_tokens)
+        if len(keyed) < len(hashes):
+            self.counters["unkeyed_pages"] += len(hashes) - len(keyed)
+        return keyed
+
+    # ---- the zero-copy interface (interface_v1) ----------------------------------------
+
+    def batch_exists(self, keys, extra_info=None) -> int:
+        reg = self._session()
+        if reg is None or not keys:
+            return 0
+        keyed = self._page_keys(keys, reg)
+        if not keyed:
+            return 0
+        self.counters["lookups"] += 1
+        hits = self.client.lookup(ChunkKeys(k for page in keyed for k in page), reg=reg)
+        pages = hits // self.pages.page_size
+        self.counters["hit_pages"] += pages
+        return pages
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        if self._session() is None or not keys:
+            return [False] * len(keys)
+        slots = self.pages.page_slots(host_indices, len(keys))
+        done = self._load(keys, lambda i, src: self.pages.page(slots[i]).copy_(src))
+        return [i < done for i in range(len(keys))]
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        if self._session() is None or not keys:
+            return [False] * len(keys)
+        slots = self.pages.page_slots(host_indices, len(keys))
+        done = self._store(keys, lambda i: self.pages.page(slots[i]))
+        return [i < done for i in range(len(keys))]
+
+    # ---- the generic interface (flat pages) ---------------------------------------------
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        if self._session() is None or not keys or target_locations is None:
+            return [None] * len(keys)
+        done = self._load(keys, lambda i, src: self.pages.flat_view(target_locations[i]).copy_(src))
+        return [target_locations[i] if i < done else None for i in range(len(keys))]
+
+    def get(self, key, target_location=None, target_sizes=None):
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+        if self._session() is None or not keys or values is None:
+            return False
+        return self._store(keys, lambda i: self.pages.flat_view(values[i].contiguous())) == len(keys)
+
+    def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def exists(self, key) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ---- transfers through the staging pool -----------------------------------------------
+
+    def _load(self, keys, deliver) -> int:
+        """Load the leading pages of ``keys`` kvd holds; ``deliver(i, staged_page)`` puts
+        page ``i`` where SGLang wants it. Returns how many pages were delivered."""
+        reg, per = self.reg, self.options.staging_pages
+        done = 0
+        with self._load_lock:
+            while done < len(keys):
+                group = keys[done:done + per]
+                keyed = self._page_keys(group, reg)
+                if not keyed:
+                    break
+                page_ids = [p for j in range(len(keyed)) for p in self.staging.kvd_pages(j)]
+                tokens = self.client.load(ChunkKeys(k for page in keyed for k in page), page_ids,
+                                          reg=reg)
+                got = tokens // self.pages.page_size
+                for j in range(got):
+                    deliver(done + j, self.staging.slot(j))
+                done += got
+                self.counters["loaded_pages"] += got
+                self.counters["failed_loads"] += got < len(keyed)
+                if got < len(group):
+                    break
+        return done
+
+    def _store(self, keys, source) -> int:
+        """Store the leading pages of ``keys``; ``source(i)`` is page ``i`` in page order.
+        Returns how many pages kvd now holds."""
+        reg, per = self.reg, self.options.staging_pages
+        done = 0
+        with self._store_lock:
+            while done < len(keys):
+                group = keys[done:done + per]
+                keyed = self._page_keys(group, reg)
+                if not keyed:
+                    break
+                for j in range(len(keyed)):
+                    self.staging.slot(per + j).copy_(source(done + j))
+                page_ids = [p for j in range(len(keyed)) for p in self.staging.kvd_pages(per + j)]
+                tokens = self.client.store(ChunkKeys(k for page in keyed for k in page), page_ids,
+                                           reg=reg)
+                got = tokens // self.pages.page_size
+                done += got
+                self.counters["stored_pages"] += got
+                self.counters["failed_stores"] += got < len(keyed)
+                if got < len(group):
+                    break
+        return done
+
+    # ---- the rest of HiCacheStorage ---------------------------------------------------------
+
+    def clear(self) -> bool:
+        log.warning("kvd: an engine does not clear the shared cache; an operator can "
+                    "(kvd ctl, docs/operations.md)")
+        return False
+
+    def kvd_stats(self) -> dict:
+        """This backend's counters, why kvd stays unused (if it does), and the key map's
+        size in key_mode 'tokens'."""
+        out = {**self.counters, "refused": self._refused}
+        if self.chain is not None:
+            out.update(key_map_pages=len(self.chain), key_map_forgotten=self.chain.forgotten)
+        return out
+
+    def close(self) -> None:
+        if self._recorder is not None:
+            hashing.unlisten(self._recorder)
+            self._recorder = None
+        self.client.close()
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None

@@ -1,0 +1,94 @@
+"""The backend's options, read from SGLang's ``--hicache-storage-backend-extra-config``.
+
+SGLang hands the whole extra-config dict to every backend: its own keys
+(``backend_name``, ``module_path``, ``class_name``, ``interface_v1``,
+``allocator``, ...) sit beside ours. Ours start with ``kvd_`` (``OPTIONS``
+names them without it); an unknown ``kvd_`` key or a value of the wrong type
+is a ``ValueError`` that stops SGLang at start-up, with the list of known
+options, never a silently ignored typo. Everything else is SGLang's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvd_protocol.keys import DTYPE_SIZES
+
+PREFIX = "kvd_"
+KEY_MODES = ("tokens", "hashes")
+
+
+@dataclass(frozen=True)
+class Option:
+    type: type
+    default: object
+    help: str
+    choices: tuple = ()
+
+
+OPTIONS = {
+    "runtime_dir": Option(str, "", "the kvd daemon's runtime directory; empty: kvd's own resolution "
+                          "($KVD_RUNTIME_DIR, $XDG_RUNTIME_DIR/kvd, /run/kvd, /tmp/kvd-<uid>)"),
+    "model_id": Option(str, "", "the model identity in chunk keys; empty: SGLang's model name "
+                       "(--served-model-name or the model path). Engines that share chunks, SGLang "
+                       "or vLLM, must agree on it"),
+    "fingerprint": Option(str, "", "the weights beyond model_id (checkpoint hash, revision): "
+                          "engines with other fingerprints never share chunks"),
+    "key_mode": Option(str, "tokens", "'tokens': chunk keys from token ids, the same entries vLLM "
+                       "and every kvd client use (needs SGLang's Python radix tree: "
+                       "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python); 'hashes': keys from "
+                       "SGLang's page hashes, shared by SGLang engines only", KEY_MODES),
+    "salt": Option(str, "", "a fixed salt in every key (a tenant or deployment)"),
+    "kv_dtype": Option(str, "", "the KV's logical dtype when SGLang stores it as uint8 (fp8 "
+                       "caches: float8_e4m3fn or float8_e5m2); empty: the host pool's dtype",
+                       ("",) + tuple(DTYPE_SIZES)),
+    "timeout_s": Option(float, 5.0, "deadline of each kvd call and transfer, seconds; a miss "
+                        "after it (SGLang recomputes, or keeps the page in host memory only)"),
+    "staging_pages": Option(int, 128, "SGLang pages per direction in the staging pool (the "
+                            "/dev/shm file kvd copies from and into): the most pages one kvd "
+                            "request moves; SGLang's batches are 128 pages"),
+    "key_map_pages": Option(int, 65536, "key_mode 'tokens': SGLang page hashes whose tokens "
+                            "are remembered (least recently used forgotten first); a page whose "
+                            "hash was forgotten is a miss"),
+    "shm_dir": Option(str, "/dev/shm", "where the staging pool's file goes (the daemon's shm_dir)"),
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    runtime_dir: str = ""
+    model_id: str = ""
+    fingerprint: str = ""
+    key_mode: str = "tokens"
+    salt: str = ""
+    kv_dtype: str = ""
+    timeout_s: float = 5.0
+    staging_pages: int = 128
+    key_map_pages: int = 65536
+    shm_dir: str = "/dev/shm"
+
+    @classmethod
+    def from_extra_config(cls, extra: dict | None) -> Options:
+        values = {}
+        for key, value in (extra or {}).items():
+            if not isinstance(key, str) or not key.startswith(PREFIX):
+                continue  # SGLang's own keys
+            name = key[len(PREFIX):]
+            if name not in OPTIONS:
+                known = ", ".join(PREFIX + n for n in OPTIONS)
+                raise ValueError(f"unknown kvd option {key!r} in the extra config; known: {known}")
+            values[name] = _checked(key, OPTIONS[name], value)
+        return cls(**values)
+
+
+def _checked(key: str, opt: Option, value):
+    if opt.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not opt.type:
+        raise ValueError(f"{key} must be a {opt.type.__name__}, got {value!r}")
+    if opt.choices and value not in opt.choices:
+        raise ValueError(f"{key} must be one of {', '.join(map(repr, opt.choices))}")
+    if opt.type in (int, float) and value <= 0:
+        raise ValueError(f"{key} must be positive, got {value!r}")
+    return value
+

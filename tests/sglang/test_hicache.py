@@ -1,0 +1,301 @@
+"""KvdHiCacheStorage inside SGLang's real HiCache classes, against a real daemon.
+
+An SGLang-side process (tests/sglang/sglang_worker.py, in the SGLang venv:
+``make setup-sglang``, found through ``KVD_SGLANG_PYTHON`` or
+``.venv-sglang``) builds SGLang 0.5.23's own device and host pools on the
+CPU, creates the backend through ``StorageBackendFactory`` the ``dynamic``
+way, and hashes pages with SGLang's ``get_storage_hash_str``. The test
+process drives it and, for the cross-engine tests, is itself a kvd client
+with a vLLM flash-attn layout of the same model, dtype and TP size: a chunk
+one engine stores is a hit, with exact bytes, for the other.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import SESSION_TAGS, DaemonProc
+
+from kvd_client import KvdClient, SharedKVPool
+from kvd_protocol.runtime import instance_tag
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "sglang_worker.py"
+LAYERS, HEADS, DIM = 3, 2, 8
+
+
+def _sglang_python() -> str | None:
+    path = os.environ.get("KVD_SGLANG_PYTHON") or str(ROOT / ".venv-sglang" / "bin" / "python")
+    return path if Path(path).exists() else None
+
+
+pytestmark = pytest.mark.skipif(_sglang_python() is None,
+                                reason="no SGLang venv (make setup-sglang, or KVD_SGLANG_PYTHON)")
+
+
+class WorkerError(Exception):
+    pass
+
+
+class Worker:
+    def __init__(self, python: str, log_path: Path):
+        venv = Path(python).absolute().parents[1]
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "clients"),
+               "TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions"),
+               "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self._reply()
+
+    def __call__(self, op: str, **fields):
+        self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def _reply(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the SGLang worker died:\n{Path(self.log.name).read_text()[-3000:]}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise WorkerError(reply["error"])
+        return reply["ok"]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def sgl(tmp_path_factory):
+    w = Worker(_sglang_python(), tmp_path_factory.mktemp("sglang") / "worker.log")
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    """One daemon for the tests that need nothing special of it (each uses its own tokens)."""
+    base = Path(tempfile.mkdtemp(prefix="kvd-t-", dir="/tmp"))
+    d = DaemonProc(base / "run", {})
+    SESSION_TAGS.add(instance_tag(d.runtime_dir))
+    d.start()
+    yield d
+    code = d.stop()
+    shutil.rmtree(base, ignore_errors=True)
+    assert code == 0, f"kvd exited with {code}:\n{d.log()}"
+
+
+_starts = itertools.count(1000, 10_000)
+
+
+def tokens(n: int) -> list[int]:
+    """``n`` token ids no other test of the module uses."""
+    start = next(_starts)
+    return list(range(start, start + n))
+
+
+class Engine:
+    """One SGLang rank in the worker; closed by the test's ``engines`` fixture."""
+
+    def __init__(self, sgl, daemon_dir, name, **kw):
+        extra = {"kvd_runtime_dir": str(daemon_dir), **kw.pop("extra", {})}
+        self.sgl, self.name, self.page_size = sgl, name, kw.get("page_size", 16)
+        sgl("engine", name=name, extra=extra, **kw)
+
+    def hash(self, tokens, **salts):
+        return self.sgl("hash", name=self.name, tokens=list(tokens), **salts)
+
+    def __getattr__(self, op):
+        return lambda **fields: self.sgl(op, name=self.name, **fields)
+
+
+@pytest.fixture
+def engines(sgl):
+    made = []
+
+    def make(daemon_dir, name, **kw):
+        made.append(Engine(sgl, daemon_dir, name, **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        try:
+            e.close()
+        except WorkerError:
+            pass
+
+
+def pages_bytes(pages: list[str]) -> list[bytes]:
+    return [base64.b64decode(p) for p in pages]
+
+
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+@pytest.mark.parametrize("mla, layout", [(False, x) for x in MHA_LAYOUTS] + [(True, x) for x in MLA_LAYOUTS])
+def test_pages_round_trip_between_layouts(daemon, engines, mla, layout):
+    """Store from one host layout, load into another: the same bytes in page order."""
+    a = engines(daemon.runtime_dir, "a", layout=layout, mla=mla)
+    b = engines(daemon.runtime_dir, "b", layout="page_first" if layout == "layer_first" else "layer_first",
+                mla=mla)
+    prompt = tokens(80)
+    keys = a.hash(prompt[:64])
+    assert len(keys) == 4 and a.exists(keys=keys) == 0
+    stored = a.fill_set(keys=keys, seed=1)
+    assert stored["results"] == [True] * 4
+    assert b.hash(prompt[:64]) == keys and b.exists(keys=keys) == 4
+    got = b.get(keys=keys)
+    assert got["results"] == [True] * 4
+    assert pages_bytes(got["pages"]) == pages_bytes(stored["pages"])
+    assert b.exists(keys=b.hash(prompt)) == 4  # a longer prompt: its first 4 pages
+
+
+def test_generic_flat_page_interface(daemon, engines):
+    a = engines(daemon.runtime_dir, "a", layout="page_head")
+    keys = a.hash(tokens(48))
+    stored = a.fill_set_flat(keys=keys, seed=2)
+    assert stored["ok"]
+    got = a.get_flat(keys=keys)
+    assert got["results"] == [True] * 3 and pages_bytes(got["pages"]) == pages_bytes(stored["pages"])
+    assert a.get_flat(keys=a.hash(tokens(48)))["results"] == [False] * 3
+
+
+def test_a_prefix_hit_stops_at_the_first_miss(daemon, engines):
+    a = engines(daemon.runtime_dir, "a")
+    keys = a.hash(tokens(64))
+    assert a.fill_set(keys=keys[:2], seed=3)["results"] == [True, True]
+    assert a.exists(keys=keys) == 2
+    got = a.get(keys=keys)
+    assert got["results"] == [True, True, False, False]
+
+
+def vllm_pool(num_pages=16):
+    return SharedKVPool("vllm_flash_attn", num_layers=LAYERS, num_pages=num_pages, page_size=16,
+                        kv_heads=HEADS, head_dim=DIM, dtype="bfloat16")
+
+
+def sglang_pages_to_canonical(pages: list[bytes], page_size: int) -> np.ndarray:
+    """SGLang pages (page order [L, 2, P, H, D]) as [chunks of 16, L, 2, 16, H, D] uint16."""
+    arr = np.stack([np.frombuffer(p, dtype=np.uint16).reshape(LAYERS, 2, page_size, HEADS, DIM)
+                    for p in pages])
+    per = page_size // 16
+    arr = arr.reshape(len(pages), LAYERS, 2, per, 16, HEADS, DIM).transpose(0, 3, 1, 2, 4, 5, 6)
+    return arr.reshape(len(pages) * per, LAYERS, 2, 16, HEADS, DIM)
+
+
+def vllm_blocks(pool, blocks: int) -> np.ndarray:
+    """The vLLM pool's first ``blocks`` blocks as [block, L, 2, 16, H, D]."""
+    return np.stack([pool.tensors[layer][:, :blocks] for layer in range(LAYERS)]).transpose(2, 0, 1, 3, 4, 5)
+
+
+def test_cross_engine_sglang_store_is_a_vllm_hit(daemon, engines):
+    """SGLang pages of 32 tokens (2 kvd chunks each); a vLLM flash-attn pool of 16-token blocks."""
+    a = engines(daemon.runtime_dir, "a", page_size=32, layout="page_first")
+    prompt = tokens(128)
+    stored = a.fill_set(keys=a.hash(prompt), seed=4)
+    assert stored["results"] == [True] * 4
+    pool = vllm_pool()
+    with KvdClient(str(daemon.runtime_dir), raise_errors=True) as client:
+        client.register_kv(pool, model="tiny")
+        assert client.lookup(prompt) == 128
+        assert client.load(prompt, list(range(8))) == 128
+        assert np.array_equal(vllm_blocks(pool, 8),
+                              sglang_pages_to_canonical(pages_bytes(stored["pages"]), 32))
+        assert client.lookup(prompt, salt="request:t1") == 0  # another salt: other entries
+    pool.close()
+
+
+def test_cross_engine_vllm_store_is_an_sglang_hit(daemon, engines):
+    a = engines(daemon.runtime_dir, "a", page_size=32, layout="layer_first")
+    prompt = tokens(96)
+    pool = vllm_pool()
+    rng = np.random.default_rng(5)
+    for t in pool.tensors:
+        t[...] = rng.integers(0, 2**16, size=t.shape, dtype=np.uint16)
+    with KvdClient(str(daemon.runtime_dir), raise_errors=True) as client:
+        client.register_kv(pool, model="tiny")
+        assert client.store(prompt, list(range(6))) == 96
+        salted = tokens(64)
+        assert client.store(salted, list(range(4)), salt="request:t1") == 64
+    keys = a.hash(prompt)
+    assert a.exists(keys=keys) == 3
+    got = a.get(keys=keys)
+    assert got["results"] == [True] * 3
+    assert np.array_equal(sglang_pages_to_canonical(pages_bytes(got["pages"]), 32), vllm_blocks(pool, 6))
+    # SGLang's per-request cache_salt and vLLM's are the same kvd salt
+    assert a.exists(keys=a.hash(salted, cache_salt="t1")) == 2
+    assert a.exists(keys=a.hash(salted)) == 0
+    pool.close()
+
+
+def test_pages_sglang_never_hashed_in_python_are_misses(daemon, engines):
+    """The Rust radix tree's hashes never pass through Python: kvd cannot key them."""
+    a = engines(daemon.runtime_dir, "a")
+    unknown = [f"{i:064x}" for i in range(3)]
+    assert a.fill_set(keys=unknown, seed=6)["results"] == [False] * 3
+    assert a.exists(keys=unknown) == 0 and a.stats()["unkeyed_pages"] >= 3
+    h = engines(daemon.runtime_dir, "h", extra={"kvd_key_mode": "hashes"})
+    assert h.fill_set(keys=unknown, seed=6)["results"] == [True] * 3
+    assert h.exists(keys=unknown) == 3
+    assert a.exists(keys=a.hash(tokens(48))) == 0  # hash-keyed entries are not token entries
+
+
+def test_tensor_parallel_entry_needs_every_rank(daemon, engines):
+    r0 = engines(daemon.runtime_dir, "r0", heads=1, tp_size=2, tp_rank=0)
+    r1 = engines(daemon.runtime_dir, "r1", heads=1, tp_size=2, tp_rank=1)
+    prompt = tokens(32)
+    keys = r0.hash(prompt)
+    s0 = r0.fill_set(keys=keys, seed=7)
+    assert s0["results"] == [True, True] and r0.exists(keys=keys) == 0  # rank 1's shards missing
+    s1 = r1.fill_set(keys=r1.hash(prompt), seed=8)
+    assert r0.exists(keys=keys) == 2 and r1.exists(keys=keys) == 2
+    assert pages_bytes(r0.get(keys=keys)["pages"]) == pages_bytes(s0["pages"])
+    assert pages_bytes(r1.get(keys=keys)["pages"]) == pages_bytes(s1["pages"])
+
+
+def test_without_a_daemon_everything_misses_until_it_comes(start_daemon, engines, tmp_path):
+    run = tmp_path / "run"
+    a = engines(run, "a", extra={"kvd_timeout_s": 1.0})
+    keys = a.hash(tokens(32))
+    assert a.exists(keys=keys) == 0
+    assert a.fill_set(keys=keys, seed=9)["results"] == [False, False]
+    assert a.get(keys=keys)["results"] == [False, False]
+    d = start_daemon(runtime_dir=run)
+    deadline = time.monotonic() + 10
+    while a.fill_set(keys=keys, seed=9)["results"] != [True, True]:
+        assert time.monotonic() < deadline, "the backend never used the daemon that came"
+        time.sleep(0.3)
+    assert a.exists(keys=keys) == 2
+    d.stop()
+    assert a.exists(keys=keys) == 0 and a.get(keys=keys)["results"] == [False, False]
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"kvd_staging": 4}, "unknown kvd option 'kvd_staging'"),
+    ({"kvd_timeout_s": "5"}, "must be a float"),
+])
+def test_configuration_errors_stop_sglang_at_attach(daemon, engines, extra, words):
+    with pytest.raises(WorkerError, match=words):
+        engines(daemon.runtime_dir, "bad", extra=extra)
+
+
+def test_a_chunk_that_does_not_divide_the_page_leaves_kvd_unused(start_daemon, engines):
+    d = start_daemon(chunk_tokens=32)
+    a = engines(d.runtime_dir, "a", page_size=16)
+    keys = a.hash(tokens(32))
+    assert a.fill_set(keys=keys, seed=10)["results"] == [False, False]
+    assert "chunk_tokens (32) must divide SGLang's page size (16)" in a.stats()["refused"]
