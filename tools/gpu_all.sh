@@ -2,8 +2,10 @@
 # Everything GPU in one go, on the GPU machine:
 #   bash .gpu/run.sh bash tools/gpu_all.sh            (logs under $OUT)
 # 1. every GPU test (kernels in-process; daemon + engines over CUDA IPC);
-# 2. `kvd bench --gpu` (end-to-end offload/load vs pinned cudaMemcpy, GEMM slowdown).
-# Set GPU_STEPS=tests or GPU_STEPS=bench to run one step.
+# 2. `kvd bench --gpu` (end-to-end offload/load vs pinned cudaMemcpy, GEMM slowdown;
+#    BENCH_ARGS adds flags, e.g. "--pipeline 4 --repeat 5 --plot $OUT/gpu.png");
+# 3. `kvd bench --restart` (cold vs warm restart of a RESTART_GIB host tier, default 64).
+# GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,restart).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -20,5 +22,11 @@ if [[ $steps == *bench* ]]; then
   echo "== kvd bench --gpu"
   timeout 400 python3 -m kvd bench --gpu ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_bench.log" | tail -n 20
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU BENCH FAILED"; rc=1; }
+fi
+if [[ $steps == *restart* ]]; then
+  echo "== kvd bench --restart"
+  timeout 500 python3 -m kvd bench --restart --restart-gib "${RESTART_GIB:-64}" 2>&1 \
+    | tee "$OUT/restart_bench.log" | tail -n 20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "RESTART BENCH FAILED"; rc=1; }
 fi
 exit $rc

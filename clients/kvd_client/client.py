@@ -36,6 +36,7 @@ from dataclasses import replace
 from kvd_protocol import wire
 from kvd_protocol.errors import (
     BadRequest,
+    DaemonUnavailable,
     Forbidden,
     KvdError,
     NoSession,
@@ -115,6 +116,8 @@ class KvdClient:
         with self._hello_lock:
             if self.connected and not self._need_hello:
                 return  # another thread said hello while this one waited for the lock
+            if self.probe.gone(None):  # no daemon holds the lock: waiting for a reply is futile
+                raise DaemonUnavailable(f"no kvd is running in {self.runtime_dir}")
             self._hello_thread = threading.get_ident()
             try:
                 limits = self._call("hello", {"client": self.name, "pid": os.getpid(),

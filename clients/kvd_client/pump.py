@@ -72,8 +72,10 @@ class Pump:
                            wait=min(c.timeout, SEND_WAIT_S), req_id=req_id)
         except BaseException:
             with c._lock:
-                c._pending.pop(req_id, None)
-            raise
+                ours = c._pending.pop(req_id, None) is not None
+            if ours:
+                raise
+            return  # the keeper failed it meanwhile (the daemon died): it is finished once
         with c._lock:
             t.req_id, t.sent = req_id, True
 

@@ -351,7 +351,9 @@ def test_killed_daemon_fails_transfers_at_once_and_the_client_comes_back(start_d
         assert all(t.done and t.status == "failed" for t in transfers)
         assert all(isinstance(t.error, kvd_client.DaemonUnavailable) for t in transfers)
         client.wait_for_layer(0, transfers[0])  # the CPU wait was released
+        t1 = time.monotonic()
         assert client.lookup(tokens) == 0  # no daemon: a miss, no exception
+        assert time.monotonic() - t1 < 2.0, "a lookup without a daemon waited for its timeout"
         d2 = start_daemon(runtime_dir=d.runtime_dir)
         wait_for(lambda: client.store(tokens, np.arange(16)) == 64, 10, "re-registration")
         assert client.load(tokens, np.arange(16, 32)) == 64

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SESSION_TAGS, DaemonProc
+from daemons import SESSION_TAGS, DaemonProc
 
 from kvd_client import KvdClient, SharedKVPool
 from kvd_protocol.runtime import instance_tag

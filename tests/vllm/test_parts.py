@@ -171,7 +171,8 @@ class Engine:
                                 num_layers=2, kv_heads=1, head_dim=8, tp_size=1, block_size=BS,
                                 interior="HNC")
         size = 2 * BLOCKS * BS * 8
-        self.path, self.map = shm.create("kvd-pool", size, "/dev/shm")
+        self.file = shm.ShmFile.create("kvd-pool", size, "/dev/shm")
+        self.path, self.map = self.file.path, self.file.map
         self.kv = np.frombuffer(self.map, dtype=np.uint8).reshape(2, BLOCKS, 1, BS, 8)
         refs_ = [L.TensorRef(0, l * BLOCKS * BS * 8, (BLOCKS, 1, BS, 8), (BS * 8, BS * 8, 8, 1), 1)
                  for l in range(2)]
@@ -200,9 +201,8 @@ class Engine:
         self.sched.close()
         self.worker.close(2.0)
         self.sc.close()
-        self.kv = None
-        self.map.close()
-        self.path.unlink(missing_ok=True)
+        self.kv = self.map = None
+        self.file.close()
 
 
 @pytest.fixture

@@ -7,9 +7,10 @@ vLLM (0.32) allocates the whole KV cache as one
 vLLM's ``KVCacheConfig`` announced, once) with ``torch.from_file(...,
 shared=True)`` over a new file in the daemon's shm directory, created by
 kvd_client.shm (mode 0600, or 0660 of the daemon's group; a fresh file
-reads as zeros). Every other call passes through. ``close()`` unlinks the
-file (the mapping lives on until vLLM drops the tensor); files of processes
-that died are removed by the next pool kvd_client creates.
+reads as zeros; flocked while this process lives). Every other call passes
+through. ``close()`` unlinks the file (the mapping lives on until vLLM drops
+the tensor); files of processes that died are removed by the next pool
+kvd_client creates.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ class ShmKVAllocation(TorchFunctionMode):
         super().__init__()
         self.size, self.shm_dir, self.group = size, shm_dir, group
         self.path: Path | None = None
+        self.file: shm.ShmFile | None = None
         self.tensor = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.tensor is None and func is torch.zeros and self._is_the_kv_cache(args, kwargs):
-            self.path, mapping = shm.create(PREFIX, self.size, self.shm_dir, self.group)
-            mapping.close()  # torch maps the file itself
+            self.file = shm.ShmFile.create(PREFIX, self.size, self.shm_dir, self.group)
+            self.path = self.file.path  # flocked while we live: no cleaner takes it
             self.tensor = torch.from_file(str(self.path), shared=True, size=self.size,
                                           dtype=torch.int8)
             return self.tensor
@@ -54,6 +56,6 @@ class ShmKVAllocation(TorchFunctionMode):
         return self.tensor.data_ptr()
 
     def close(self) -> None:
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-            self.path = None
+        if self.file is not None:
+            self.file.close()  # unlinks, then drops the lock
+            self.file = self.path = None

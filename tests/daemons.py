@@ -1,0 +1,87 @@
+"""A real ``kvd serve`` in a subprocess (``DaemonProc``), for the fixtures of conftest.py
+and for tests that start daemons themselves (a helper module: ``from conftest import`` is
+ambiguous once a test folder has a conftest of its own)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvd_client.transport import Channel
+from kvd_protocol.runtime import control_endpoint
+
+SESSION_TAGS: set[str] = set()  # instance tags of the runtime dirs this session's daemons used
+
+DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interval_s": 0.2,
+                 "client_timeout_s": 2.0, "log_level": "info"}
+
+
+FAULT_DAEMON = Path(__file__).resolve().parent / "fault_daemon.py"
+
+
+class DaemonProc:
+    def __init__(self, runtime_dir: Path, knobs: dict, wrapper: list | None = None,
+                 env: dict | None = None, faults: str = ""):
+        self.runtime_dir = runtime_dir
+        self.knobs = {**DEFAULT_KNOBS, **knobs}
+        self.wrapper = wrapper or []  # a command the daemon runs under (it must exec it)
+        self.env = {**os.environ, **env} if env else None  # added to the environment
+        self.faults = faults  # disk faults to inject (tests/disk_faults.py), comma-separated
+        self.proc = None
+        self.log_path = runtime_dir.parent / f"{runtime_dir.name}.log"
+
+    def start(self, wait: bool = True) -> "DaemonProc":
+        entry = [str(FAULT_DAEMON), "--faults", self.faults] if self.faults else ["-m", "kvd"]
+        cmd = [*self.wrapper, sys.executable, *entry, "serve", "--runtime-dir",
+               str(self.runtime_dir)]
+        for key, value in self.knobs.items():  # a value of None: a flag of its own (--cold)
+            cmd += [f"--{key.replace('_', '-')}"] + ([] if value is None else [str(value)])
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvd exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                self.control("health", timeout=0.5)
+                return
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError(f"kvd did not become healthy:\n{self.log()}")
+
+    def control(self, op: str, timeout: float = 5.0):
+        ch = Channel(control_endpoint(self.runtime_dir), timeout)
+        try:
+            return ch.request(op)
+        finally:
+            ch.close()
+
+    def stats(self) -> dict:
+        return self.control("stats")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
