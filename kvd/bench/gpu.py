@@ -64,18 +64,28 @@ def run(args) -> int:
     _report(torch, rows, gemm, args)
     pipeline.report(piped)
     if args.plot:
-        _plot(torch, rows, args)
+        _plot(torch, rows, piped, args)
     return 0
 
 
-def _plot(torch, rows, args) -> None:
-    """Each path's GB/s as a ratio of the pinned cudaMemcpy measured in the same run."""
+def _plot(torch, rows, piped, args) -> None:
+    """Each path's GB/s as a ratio of the pinned cudaMemcpy measured in the same run: the
+    pipelined figures when --pipeline ran (what engines that submit/poll get), else blocking."""
     from .plot import bars, command, machine
-    series = {"offload / d2h memcpy": [r["memcpy_d2h"] / r["store"] for r in rows],
-              "load / h2d memcpy": [r["memcpy_h2d"] / r["load"] for r in rows],
-              "both / both memcpy": [r["memcpy_both"] / r["both"] for r in rows]}
-    bars(args.plot, f"kvd bench --gpu: CUDA path end to end vs pinned cudaMemcpy, median of {args.repeat}",
-         [f"{r['shape']}\npage {r['page']}" for r in rows], series, "ratio to memcpy",
+    if piped:
+        series = {k: [r[f"{op}_Bps"] / r[f"memcpy_{m}_Bps"] for r in piped]
+                  for k, op, m in (("offload / d2h memcpy", "store", "d2h"),
+                                   ("load / h2d memcpy", "load", "h2d"),
+                                   ("both / both memcpy", "both", "both"))}
+        what = f"{piped[0]['clients']} clients x {piped[0]['depth']} in flight"
+    else:
+        series = {"offload / d2h memcpy": [r["memcpy_d2h"] / r["store"] for r in rows],
+                  "load / h2d memcpy": [r["memcpy_h2d"] / r["load"] for r in rows],
+                  "both / both memcpy": [r["memcpy_both"] / r["both"] for r in rows]}
+        what = "blocking requests"
+    shown = piped or rows
+    bars(args.plot, f"kvd bench --gpu: CUDA path vs pinned cudaMemcpy ({what}), median of {args.repeat}",
+         [f"{r['shape']}\npage {r['page']}" for r in shown], series, "ratio to memcpy",
          f"{machine(torch.cuda.get_device_name())}; {command()}", reference=1.0)
     print(f"plot: {args.plot}")
 
