@@ -78,8 +78,7 @@ def start_daemon():
         if d.log_path.exists():
             shutil.copy(d.log_path, Path(keep) / f"{base.name}-{d.log_path.name}")
     for d in started:  # every daemon keeps its host tier for the next start (warm_restart)
-        for arena in SHM.glob(f"kvd-arena-{instance_tag(d.runtime_dir)}*"):
-            arena.unlink(missing_ok=True)
+        d.remove_host_tier()
     shutil.rmtree(base, ignore_errors=True)
 
 

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from shm_files import arena_files
+
 from kvd_client.transport import Channel
 from kvd_protocol.runtime import control_endpoint
 
@@ -79,6 +81,11 @@ class DaemonProc:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+    def remove_host_tier(self) -> None:
+        """Delete the host tier the daemon keeps for its next start (``warm_restart``)."""
+        for path in arena_files(self.runtime_dir):
+            path.unlink(missing_ok=True)
 
     def log(self) -> str:
         try:

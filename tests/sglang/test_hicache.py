@@ -94,6 +94,7 @@ def daemon():
     d.start()
     yield d
     code = d.stop()
+    d.remove_host_tier()
     shutil.rmtree(base, ignore_errors=True)
     assert code == 0, f"kvd exited with {code}:\n{d.log()}"
 
