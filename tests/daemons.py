@@ -92,3 +92,14 @@ class DaemonProc:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
+    """``predicate()``'s first true value, polled every ``interval``; an AssertionError
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+    return value

@@ -38,6 +38,7 @@ from kvd.tiers.chunk_file import ChunkCorrupt
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
 from kvd.tiers.remote_value import copy_verified, pack, parse
+from kvd.tiers.tiering import hold_ready
 from kvd_protocol.errors import ServerError
 
 log = logging.getLogger("kvd")
@@ -145,15 +146,7 @@ class RemoteTiering:
         futs = [self._promotion(ns, key, shards, shard_bytes) for key in keys[:n]]
         # shielded: a cancelled load must not cancel fetches other requests wait for
         await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
-        out = []
-        for key in keys[:n]:
-            entry = self.host.entries.get(key)
-            if entry is None or not entry.ready:
-                break
-            out.append(entry)
-        self.host.pin(out)
-        self.host.touch(out)
-        return out
+        return hold_ready(self.host, keys[:n])
 
     def _promotion(self, ns: bytes, key: bytes, shards: int, shard_bytes) -> asyncio.Future:
         fut = self.promoting.get(key)

@@ -218,15 +218,7 @@ class Tiering:
             futs.append(self._promotion(key))
         # shielded: a cancelled load must not cancel promotions other requests wait for
         await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
-        out = []
-        for key in keys[:len(futs)]:
-            entry = self.host.entries.get(key)
-            if entry is None or not entry.ready:
-                break
-            out.append(entry)
-        self.host.pin(out)
-        self.host.touch(out)
-        return out
+        return hold_ready(self.host, keys[:len(futs)])
 
     def _promotion(self, key: bytes) -> asyncio.Future:
         fut = self.promoting.get(key)
@@ -273,3 +265,17 @@ class Tiering:
                 "promotions_failed": c["promotions_failed"],
                 "demotions_skipped_cold": c["demotions_skipped_cold"],
                 "demotions_queued": len(self.demoting)}
+
+
+def hold_ready(host: HostTier, keys) -> list:
+    """The host entries of ``keys`` up to the first that is not ready, pinned and touched:
+    what a load copies from once promotions (disk, remote) have landed."""
+    out = []
+    for key in keys:
+        entry = host.entries.get(key)
+        if entry is None or not entry.ready:
+            break
+        out.append(entry)
+    host.pin(out)
+    host.touch(out)
+    return out

@@ -9,10 +9,9 @@ ones; pages outside the load keep their poison. Skipped without torch, cupy or a
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
+from daemons import wait_for
 from gpu_env import require_gpu  # noqa: E402
 
 torch = require_gpu()
@@ -32,15 +31,6 @@ def tensors(fill=None, layers=4, pages=128, heads=4, dim=64):
             t.fill_(fill)
         return t.view(torch.bfloat16)
     return [one() for _ in range(layers)]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-    return value
 
 
 def engine(d, kv):

@@ -25,23 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import workers_failures as W
+from daemons import wait_for
 from shm_files import arena_files
 
 import kvd_client
 from kvd_protocol.runtime import instance_tag
 
 GEOMETRY = ("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")  # 2 KiB per 16-token chunk
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def random_pool(seed: int, *geometry) -> kvd_client.SharedKVPool:

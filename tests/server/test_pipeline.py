@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import workers_pipeline as WP
 import zmq
+from daemons import wait_for
 from rawwire import Raw, pages
 
 import kvd_client
@@ -40,15 +41,6 @@ def random_pool(seed: int, num_pages: int = 64) -> kvd_client.SharedKVPool:
 
 def page_bytes(pool, page_range) -> list:
     return [t.view(np.uint8)[:, page_range].copy() for t in pool.tensors]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-    return value
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import workers_warm as W
+from daemons import wait_for
 from shm_files import arena_files
 
 import kvd_client
@@ -35,17 +36,6 @@ KNOBS = {"chunk_tokens": W.CHUNK, "host_capacity": "64MiB"}
 
 def host(d) -> dict:
     return d.stats()["tiers"]["host"]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def verified(d) -> dict:
