@@ -92,3 +92,21 @@ def test_other_layouts_staged(fake_engine, fake_daemon, layout):
     d = fake_daemon(gpu_stage_slot_bytes="1MiB")
     store_then_load(fake_engine, d, layout, 16, seed=7)
     assert d.stop() == 0, d.log()
+
+
+def test_pinning_that_fails_midway_is_undone_and_the_next_registration_pins_it_all(
+        fake_engine, fake_daemon):
+    """The host tier is pinned in 1 GiB pieces at the first registration: when the second
+    piece fails, the first is unpinned again, the engine hears a daemon fault (``internal``,
+    not its own ``bad_request``), and the next registration pins the whole tier (no
+    "already registered") and copies bit-exact."""
+    d = fake_daemon(fail_host_register=2, host_capacity="1100MiB", gpu_stage_slot_bytes="1MiB")
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", LAYERS, 8, 16, 8, 128, seed=5)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        with pytest.raises(kvd_client.ServerError) as failed:
+            client.register_kv(fake_engine.pool("vllm_flash_attn", tensors), model="pinned")
+    assert failed.value.code == "internal", failed.value
+    assert "cudaErrorMemoryAllocation" in d.log() and "AlreadyRegistered" not in d.log()
+    store_then_load(fake_engine, d, "vllm_flash_attn", 16, seed=11)
+    assert "host tier pinned for the GPU" in d.log()
+    assert d.stop() == 0, d.log()

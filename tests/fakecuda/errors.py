@@ -16,6 +16,7 @@ import sys
 import threading
 
 INVALID_VALUE = 1
+MEMORY_ALLOCATION = 2
 ILLEGAL_ADDRESS = 700
 MISALIGNED_ADDRESS = 716
 HOST_MEMORY_ALREADY_REGISTERED = 712
@@ -23,7 +24,8 @@ HOST_MEMORY_NOT_REGISTERED = 713
 INVALID_HANDLE = 400
 NOT_SUPPORTED = 801
 
-NAMES = {INVALID_VALUE: "cudaErrorInvalidValue", ILLEGAL_ADDRESS: "cudaErrorIllegalAddress",
+NAMES = {INVALID_VALUE: "cudaErrorInvalidValue", MEMORY_ALLOCATION: "cudaErrorMemoryAllocation",
+         ILLEGAL_ADDRESS: "cudaErrorIllegalAddress",
          MISALIGNED_ADDRESS: "cudaErrorMisalignedAddress",
          HOST_MEMORY_ALREADY_REGISTERED: "cudaErrorHostMemoryAlreadyRegistered",
          HOST_MEMORY_NOT_REGISTERED: "cudaErrorHostMemoryNotRegistered",

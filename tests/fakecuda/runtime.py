@@ -16,13 +16,14 @@ Async calls queue on the stream whose handle they get (fakecuda.streams).
 
 from __future__ import annotations
 
+import itertools
 import os
 from types import SimpleNamespace
 
 import numpy as np
 
 from . import errors, streams
-from .errors import INVALID_VALUE, CudaError
+from .errors import INVALID_VALUE, MEMORY_ALLOCATION, CudaError
 from .memory import SPACE
 
 CUDARuntimeError = CudaError
@@ -71,8 +72,14 @@ def free(ptr: int) -> None:
     SPACE.free(ptr)
 
 
+_REGISTER_CALLS = itertools.count(1)
+_FAIL_REGISTER = int(os.environ.get("FAKECUDA_FAIL_HOST_REGISTER", "0") or 0)
+
+
 def hostRegister(ptr: int, size: int, flags: int) -> None:
     errors.check()
+    if next(_REGISTER_CALLS) == _FAIL_REGISTER:  # the test knob: this one call fails, once
+        raise CudaError(MEMORY_ALLOCATION, "hostRegister (FAKECUDA_FAIL_HOST_REGISTER)")
     SPACE.host_register(ptr, size)
 
 
