@@ -45,7 +45,7 @@ def test_settings_from_extra_config():
     assert (s.store_policy, s.timeout_s, s.salt) == ("finish", 2.0, "t1")
     assert Settings.from_extra(None) == Settings()
     for bad, match in [({"store_polcy": "all"}, "unknown.*store_polcy"),
-                       ({"store_policy": "sometimes"}, "one of all, finish, off"),
+                       ({"store_policy": "sometimes"}, "one of 'all', 'finish', 'off'"),
                        ({"lease_ms": "10"}, "lease_ms must be a int"),
                        ({"salt_lora": 1}, "salt_lora must be a bool"),
                        ({"timeout_s": True}, "timeout_s must be a float"),

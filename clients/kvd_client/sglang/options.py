@@ -12,18 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd_client.adapter_options import Option, checked
 from kvd_protocol.keys import DTYPE_SIZES
 
 PREFIX = "kvd_"
 KEY_MODES = ("tokens", "hashes")
-
-
-@dataclass(frozen=True)
-class Option:
-    type: type
-    default: object
-    help: str
-    choices: tuple = ()
 
 
 OPTIONS = {
@@ -43,13 +36,14 @@ OPTIONS = {
                        "caches: float8_e4m3fn or float8_e5m2); empty: the host pool's dtype",
                        ("",) + tuple(DTYPE_SIZES)),
     "timeout_s": Option(float, 5.0, "deadline of each kvd call and transfer, seconds; a miss "
-                        "after it (SGLang recomputes, or keeps the page in host memory only)"),
+                        "after it (SGLang recomputes, or keeps the page in host memory only)",
+                        positive=True),
     "staging_pages": Option(int, 128, "SGLang pages per direction in the staging pool (the "
                             "/dev/shm file kvd copies from and into): the most pages one kvd "
-                            "request moves; SGLang's batches are 128 pages"),
+                            "request moves; SGLang's batches are 128 pages", positive=True),
     "key_map_pages": Option(int, 65536, "key_mode 'tokens': SGLang page hashes whose tokens "
                             "are remembered (least recently used forgotten first); a page whose "
-                            "hash was forgotten is a miss"),
+                            "hash was forgotten is a miss", positive=True),
     "shm_dir": Option(str, "/dev/shm", "where the staging pool's file goes (the daemon's shm_dir)"),
 }
 
@@ -77,18 +71,5 @@ class Options:
             if name not in OPTIONS:
                 known = ", ".join(PREFIX + n for n in OPTIONS)
                 raise ValueError(f"unknown kvd option {key!r} in the extra config; known: {known}")
-            values[name] = _checked(key, OPTIONS[name], value)
+            values[name] = checked(key, OPTIONS[name], value)
         return cls(**values)
-
-
-def _checked(key: str, opt: Option, value):
-    if opt.type is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if type(value) is not opt.type:
-        raise ValueError(f"{key} must be a {opt.type.__name__}, got {value!r}")
-    if opt.choices and value not in opt.choices:
-        raise ValueError(f"{key} must be one of {', '.join(map(repr, opt.choices))}")
-    if opt.type in (int, float) and value <= 0:
-        raise ValueError(f"{key} must be positive, got {value!r}")
-    return value
-

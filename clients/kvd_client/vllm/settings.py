@@ -12,16 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd_client.adapter_options import Option, checked
+
 STORE_POLICIES = ("all", "finish", "off")
 FAILURE_POLICIES = ("recompute", "fail")
-
-
-@dataclass(frozen=True)
-class Option:
-    type: type
-    default: object
-    help: str
-    choices: tuple = ()
 
 
 OPTIONS = {
@@ -83,18 +77,5 @@ class Settings:
         values = {}
         for name, opt in OPTIONS.items():
             value = extra.get(name, opt.default)
-            values[name] = _check(name, opt, value)
+            values[name] = checked(f"kvd connector: {name}", opt, value)
         return cls(**values)
-
-
-def _check(name: str, opt: Option, value):
-    if opt.type is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if isinstance(value, bool) != (opt.type is bool) or not isinstance(value, opt.type):
-        raise ValueError(f"kvd connector: {name} must be a {opt.type.__name__}, got {value!r}")
-    if opt.choices and value not in opt.choices:
-        raise ValueError(f"kvd connector: {name} must be one of {', '.join(opt.choices)}, got {value!r}")
-    if opt.type in (int, float) and value < 0:
-        raise ValueError(f"kvd connector: {name} must be >= 0, got {value!r}")
-    return value
-
