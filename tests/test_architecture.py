@@ -26,6 +26,7 @@ ALLOWED = {
     "kvd_protocol": set(),
     "kvd_client": {"kvd_protocol"},
     "kvd_client.vllm": {"kvd_client", "kvd_protocol"},
+    "kvd_client.sglang": {"kvd_client", "kvd_protocol"},
     "kvd": set(),
     "kvd.config": {"kvd_protocol"},
     "kvd.tiers": {"kvd_protocol"},

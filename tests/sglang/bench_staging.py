@@ -2,7 +2,8 @@
 
 Run in the SGLang venv against a running daemon (docs/sglang.md, "Measured"):
 
-    .venv/bin/kvd serve --runtime-dir /tmp/kvd-bench --chunk-tokens 64 --host-capacity 4GiB &
+    .venv/bin/kvd serve --runtime-dir /tmp/kvd-bench --chunk-tokens 64 --host-capacity 4GiB \\
+        --warm-restart false &      # false: its host tier leaves /dev/shm when it stops
     PYTHONPATH=clients TORCH_EXTENSIONS_DIR=.venv-sglang/torch_extensions \\
         .venv-sglang/bin/python tests/sglang/bench_staging.py --runtime-dir /tmp/kvd-bench
 

@@ -252,6 +252,8 @@ def test_pages_sglang_never_hashed_in_python_are_misses(daemon, engines):
     h = engines(daemon.runtime_dir, "h", extra={"kvd_key_mode": "hashes"})
     assert h.fill_set(keys=unknown, seed=6)["results"] == [True] * 3
     assert h.exists(keys=unknown) == 3
+    s = engines(daemon.runtime_dir, "s", extra={"kvd_key_mode": "hashes", "kvd_salt": "tenant-b"})
+    assert s.exists(keys=unknown) == 0  # another fixed salt: other entries
     assert a.exists(keys=a.hash(tokens(48))) == 0  # hash-keyed entries are not token entries
 
 

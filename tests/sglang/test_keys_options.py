@@ -1,12 +1,16 @@
 """The SGLang backend's parts that need neither SGLang nor torch: options and key chains.
 
 ``PageChain`` must give a page exactly the kvd keys ``kvd_protocol.keys``
-gives the same tokens as one sequence (that is what makes SGLang's and
-vLLM's chunks one cache entry), forget nothing it was not asked to, and
-never key a page whose ancestry it does not know.
+gives the same tokens as one sequence (that is what makes SGLang's chunks and
+those of any kvd client of the same namespace one cache entry), forget nothing
+it was not asked to, and never key a page whose ancestry it does not know.
 """
 
 from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +18,7 @@ from kvd_client.sglang.chain import PageChain, hash_page_keys, request_salt
 from kvd_client.sglang.options import OPTIONS, Options
 from kvd_protocol.keys import Namespace, chain_root, chunk_keys, namespace_digest
 
+DOC = Path(__file__).resolve().parents[2] / "docs" / "sglang.md"
 NS = Namespace(model="tiny", kv_dtype="bfloat16", attention="mha", num_layers=3, kv_heads=2,
                head_dim=8, chunk_tokens=16)
 DIGEST = namespace_digest(NS)
@@ -35,6 +40,14 @@ def test_options_read_kvd_keys_and_leave_sglangs_alone():
         ("/run/kvd", 2.0, "hashes", 8)
     assert Options.from_extra_config(None) == Options()
     assert set(OPTIONS) == set(Options.__dataclass_fields__)
+
+
+def test_docs_list_every_option_with_its_type_and_default():
+    rows = {m[0]: (m[1], m[2]) for m in
+            re.findall(r"^\| `kvd_(\w+)` \| (\w+) \| `([^`]*)` \|", DOC.read_text(), re.M)}
+    assert set(rows) == set(OPTIONS), sorted(set(rows) ^ set(OPTIONS))
+    for name, opt in OPTIONS.items():
+        assert rows[name] == (opt.type.__name__, json.dumps(opt.default)), name
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -111,6 +124,14 @@ def test_hash_mode_keys_are_per_page_and_namespace():
     other = namespace_digest(Namespace(model="other", kv_dtype="bfloat16", attention="mha",
                                        num_layers=3, kv_heads=2, head_dim=8, chunk_tokens=16))
     assert hash_page_keys(["ab" * 32], other, 2)[0] != keys[0]
+
+
+def test_hash_mode_keys_carry_the_fixed_salt():
+    """kvd_salt separates deployments in key_mode 'hashes' too."""
+    plain = hash_page_keys(["ab" * 32], DIGEST, 2)
+    assert hash_page_keys(["ab" * 32], DIGEST, 2, salt="") == plain
+    a, b = (hash_page_keys(["ab" * 32], DIGEST, 2, salt=s) for s in ("tenant-a", "tenant-b"))
+    assert len({plain[0], a[0], b[0]}) == 3 and not set(a[0]) & set(plain[0])
 
 
 def test_request_salt_matches_the_vllm_connector():

@@ -136,7 +136,8 @@ class KvdHiCacheStorage(HiCacheStorage):
         if self.chain is not None:
             keyed = self.chain.page_keys(hashes, digest, ns.chunk_tokens)
         else:
-            keyed = hash_page_keys(hashes, digest, self.pages.page_size // ns.chunk_tokens)
+            keyed = hash_page_keys(hashes, digest, self.pages.page_size // ns.chunk_tokens,
+                                   self.options.salt)
         if len(keyed) < len(hashes):
             self.counters["unkeyed_pages"] += len(hashes) - len(keyed)
         return keyed

@@ -14,7 +14,7 @@ whose ancestors it forgot) gets no keys, which the backend treats as a
 miss, never as another page's keys. Thread-safe.
 
 ``hash_page_keys`` is the other key mode: keys derived from SGLang's hash
-itself (shared by SGLang engines only). ``request_salt`` assembles the
+itself and the fixed salt (shared by SGLang engines only). ``request_salt`` assembles the
 salt of a request as kvd's vLLM connector does, so that a prompt salted the
 same way in both engines has the same keys.
 """
@@ -111,16 +111,22 @@ class PageChain:
         return self._pages[page_hash].memo[1]
 
 
-def hash_page_keys(hashes, ns_digest: bytes, keys_per_page: int) -> list[tuple[bytes, ...]]:
-    """key_mode 'hashes': ``xxh3_128(digest || "sglang-page" || hash bytes || u32le(j))``
-    for chunk ``j`` of each page, up to the first hash that is not hex."""
+def hash_page_keys(hashes, ns_digest: bytes, keys_per_page: int,
+                   salt: str = "") -> list[tuple[bytes, ...]]:
+    """key_mode 'hashes': ``xxh3_128(digest || "sglang-page" [|| "\\0salt" || u32le(len)
+    || salt] || hash bytes || u32le(j))`` for chunk ``j`` of each page, up to the first
+    hash that is not hex. The fixed salt (``kvd_salt``) is in every key when set."""
+    head = ns_digest + b"sglang-page"
+    if salt:
+        raw_salt = salt.encode()
+        head += b"\0salt" + struct.pack("<I", len(raw_salt)) + raw_salt
     out = []
     for page_hash in hashes:
         try:
             raw = bytes.fromhex(page_hash)
         except (TypeError, ValueError):
             break
-        out.append(tuple(xxhash.xxh3_128_digest(ns_digest + b"sglang-page" + raw + struct.pack("<I", j))
+        out.append(tuple(xxhash.xxh3_128_digest(head + raw + struct.pack("<I", j))
                          for j in range(keys_per_page)))
     return out
 

@@ -27,11 +27,12 @@ OPTIONS = {
                        "or vLLM, must agree on it"),
     "fingerprint": Option(str, "", "the weights beyond model_id (checkpoint hash, revision): "
                           "engines with other fingerprints never share chunks"),
-    "key_mode": Option(str, "tokens", "'tokens': chunk keys from token ids, the same entries vLLM "
-                       "and every kvd client use (needs SGLang's Python radix tree: "
-                       "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python); 'hashes': keys from "
-                       "SGLang's page hashes, shared by SGLang engines only", KEY_MODES),
-    "salt": Option(str, "", "a fixed salt in every key (a tenant or deployment)"),
+    "key_mode": Option(str, "tokens", "'tokens': chunk keys from token ids, as every kvd client "
+                       "computes them: entries shared with any engine of the same namespace (needs "
+                       "SGLang's Python radix tree: SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python); "
+                       "'hashes': keys from SGLang's page hashes, shared by SGLang engines only",
+                       KEY_MODES),
+    "salt": Option(str, "", "a fixed salt in every key, both key modes (a tenant or deployment)"),
     "kv_dtype": Option(str, "", "the KV's logical dtype when SGLang stores it as uint8 (fp8 "
                        "caches: float8_e4m3fn or float8_e5m2); empty: the host pool's dtype",
                        ("",) + tuple(DTYPE_SIZES)),
