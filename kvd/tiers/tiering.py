@@ -268,14 +268,8 @@ class Tiering:
 
 
 def hold_ready(host: HostTier, keys) -> list:
-    """The host entries of ``keys`` up to the first that is not ready, pinned and touched:
+    """The host entries of ``keys`` up to the first that is not ready, used and pinned:
     what a load copies from once promotions (disk, remote) have landed."""
-    out = []
-    for key in keys:
-        entry = host.entries.get(key)
-        if entry is None or not entry.ready:
-            break
-        out.append(entry)
+    out = host.ready_prefix(keys)
     host.pin(out)
-    host.touch(out)
     return out
