@@ -198,50 +198,52 @@ class KvdHiCacheStorage(HiCacheStorage):
     def _load(self, keys, deliver) -> int:
         """Load the leading pages of ``keys`` kvd holds; ``deliver(i, staged_page)`` puts
         page ``i`` where SGLang wants it. Returns how many pages were delivered."""
-        reg, per = self.reg, self.options.staging_pages
         done = 0
         with self._load_lock:
-            while done < len(keys):
-                group = keys[done:done + per]
-                keyed = self._page_keys(group, reg)
-                if not keyed:
-                    break
-                page_ids = [p for j in range(len(keyed)) for p in self.staging.kvd_pages(j)]
-                tokens = self.client.load(ChunkKeys(k for page in keyed for k in page), page_ids,
-                                          reg=reg)
-                got = tokens // self.pages.page_size
+            for start, keyed, asked in self._batches(keys):
+                got = self._moved(self.client.load, keyed, 0)
                 for j in range(got):
-                    deliver(done + j, self.staging.slot(j))
-                done += got
+                    deliver(start + j, self.staging.slot(j))
+                done = start + got
                 self.counters["loaded_pages"] += got
                 self.counters["failed_loads"] += got < len(keyed)
-                if got < len(group):
+                if got < asked:
                     break
         return done
 
     def _store(self, keys, source) -> int:
         """Store the leading pages of ``keys``; ``source(i)`` is page ``i`` in page order.
         Returns how many pages kvd now holds."""
-        reg, per = self.reg, self.options.staging_pages
-        done = 0
+        per, done = self.options.staging_pages, 0
         with self._store_lock:
-            while done < len(keys):
-                group = keys[done:done + per]
-                keyed = self._page_keys(group, reg)
-                if not keyed:
-                    break
+            for start, keyed, asked in self._batches(keys):
                 for j in range(len(keyed)):
-                    self.staging.slot(per + j).copy_(source(done + j))
-                page_ids = [p for j in range(len(keyed)) for p in self.staging.kvd_pages(per + j)]
-                tokens = self.client.store(ChunkKeys(k for page in keyed for k in page), page_ids,
-                                           reg=reg)
-                got = tokens // self.pages.page_size
-                done += got
+                    self.staging.slot(per + j).copy_(source(start + j))
+                got = self._moved(self.client.store, keyed, per)
+                done = start + got
                 self.counters["stored_pages"] += got
                 self.counters["failed_stores"] += got < len(keyed)
-                if got < len(group):
+                if got < asked:
                     break
         return done
+
+    def _batches(self, keys):
+        """(first page, its pages' keys, pages asked) for each staging-pool batch of ``keys``,
+        until a page that has no keys (a miss)."""
+        per = self.options.staging_pages
+        for start in range(0, len(keys), per):
+            group = keys[start:start + per]
+            keyed = self._page_keys(group, self.reg)
+            if not keyed:
+                return
+            yield start, keyed, len(group)
+
+    def _moved(self, op, keyed, first_slot: int) -> int:
+        """Pages kvd loaded or stored (``op``) for ``keyed``, through the staging slots from
+        ``first_slot`` on."""
+        page_ids = [p for j in range(len(keyed)) for p in self.staging.kvd_pages(first_slot + j)]
+        tokens = op(ChunkKeys(k for page in keyed for k in page), page_ids, reg=self.reg)
+        return tokens // self.pages.page_size
 
     # ---- the rest of HiCacheStorage ---------------------------------------------------------
 
