@@ -96,7 +96,9 @@ class CudaCopyEngine:
         # 0: re-check copies every loop pass (lowest latency); > 0: sleep that long between
         # checks that found nothing done (less host CPU and fewer driver calls)
         self.poller = EventPoller(0.0, poll_interval_us / 1e6) if poll_interval_us > 0 else EventPoller()
-        self.uuid_to_ordinal = {bytes(self.rt.getDeviceProperties(i)["uuid"]).hex(): i
+        # the driver's 16 bytes, as the engine's side reads them (kvd_protocol.cuda_driver):
+        # the runtime's properties hand the UUID over as a C string, cut at its first 0 byte
+        self.uuid_to_ordinal = {cuda_driver.device_uuid(i): i
                                 for i in range(self.rt.getDeviceCount())}
 
     # ---- set-up -------------------------------------------------------------

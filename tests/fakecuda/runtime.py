@@ -52,7 +52,9 @@ def getDeviceProperties(ordinal: int) -> dict:
     errors.check()
     if not 0 <= ordinal < device_count():
         raise CudaError(INVALID_VALUE, f"no device {ordinal}")
-    return {"name": f"Fake GPU {ordinal}".encode(), "uuid": device_uuid(ordinal),
+    # CuPy hands cudaDeviceProp.uuid over as a C string: cut at its first 0 byte (seen on an
+    # H100 whose UUID has one), as the fake's UUIDs all do
+    return {"name": f"Fake GPU {ordinal}".encode(), "uuid": device_uuid(ordinal).split(b"\0")[0],
             "multiProcessorCount": MULTIPROCESSORS, "unifiedAddressing": 1}
 
 
