@@ -112,6 +112,20 @@ KNOBS = (
          minimum=0),
     Knob("gpu_stage_slot_bytes", "size", 32 * 2**20, "Bytes of one staging buffer; each GPU that "
          "registers a pool holds 2 x slots x this.", minimum=2**20),
+    Knob("gpu_copy_path", "str", "auto", "How GPU copies move pages: dma (the copy engines only, no "
+         "kernel of the daemon's; where each page of a layer is one byte range), kernels (SM "
+         "copy kernels; fastest on an idle GPU, but without CUDA MPS every kernel of the daemon's "
+         "costs the engines their GPU time slices), auto (dma for pages of at least "
+         "gpu_dma_min_piece bytes, kernels below).", choices=("auto", "dma", "kernels")),
+    Knob("gpu_dma_streams", "int", 8, "Streams (and so copy engines) one DMA copy is spread over, "
+         "per GPU and direction.", minimum=1),
+    Knob("gpu_dma_min_piece", "size", 32 * 2**10, "With gpu_copy_path = auto: the smallest page "
+         "(bytes of one layer and K or V) copied by DMA; smaller pages are slow on the copy "
+         "engines and go through kernels.", minimum=1),
+    Knob("gpu_dma_load_window", "size", 64 * 2**20, "Bytes of one GPU's loads queued on its copy "
+         "engines at most: a load is queued layer by layer, each after a check of its cancel word, "
+         "so after a cancel at most this much more lands (always before the done word).",
+         minimum=1),
     Knob("gpu_poll_interval_us", "float", 0.0, "How the daemon notices copies that landed: 0 "
          "re-checks every event-loop pass (lowest latency, one busy core while copies run); "
          "> 0 sleeps that many microseconds between checks that found nothing.", minimum=0.0),

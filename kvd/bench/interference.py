@@ -5,9 +5,11 @@ process that only computes (a bf16 8192³ GEMM, or a decode-like step: 32
 layers of a batch-64 4096×4096 matmul and an activation), and a **copier**
 process, a client that keeps stores and loads of the Llama-3-8B shape (page
 16) in flight through the daemon. The engine times its work with CUDA events
-alone, then while the copier runs; the copier counts the bytes that landed
-inside that window. Per daemon variant (copy kernels' block cap, staged or
-zero-copy): the engine's slowdown and the copies' GB/s meanwhile, next to
+alone, then while the copier runs, then alone again (the baseline is the
+mean of the two; their difference is the run's noise); the copier counts
+the bytes that landed inside the busy window. Per daemon variant (copy
+path: DMA on the copy engines, or SM kernels staged or zero-copy, and their
+knobs): the engine's slowdown and the copies' GB/s meanwhile, next to
 the copier's pinned cudaMemcpy rate measured alone in the same run. With
 ``--mps`` the whole run repeats under CUDA MPS when ``nvidia-cuda-mps-control``
 is there (started and stopped by the benchmark). A benchmark, not a test.
@@ -25,19 +27,23 @@ import time
 
 from .common import request_bytes, start_daemon, stop_daemon
 
+_K = ["--gpu-copy-path", "kernels"]
 VARIANTS = {  # name -> (daemon flags, copier options)
-    "staged, 32 blocks": (["--gpu-max-blocks", "32"], {}),
-    "staged, 8 blocks": (["--gpu-max-blocks", "8"], {}),
-    "staged, 128 blocks": (["--gpu-max-blocks", "128"], {}),
-    "staged, full width": (["--gpu-max-blocks", "1024"], {}),
-    "staged, 4 x 64 MiB slots": (["--gpu-max-blocks", "32", "--gpu-stage-slots", "4",
+    "dma (default)": ([], {}),
+    "dma, 4 streams": (["--gpu-dma-streams", "4"], {}),
+    "dma, 16 streams": (["--gpu-dma-streams", "16"], {}),
+    "staged, 32 blocks": ([*_K, "--gpu-max-blocks", "32"], {}),
+    "staged, 8 blocks": ([*_K, "--gpu-max-blocks", "8"], {}),
+    "staged, 128 blocks": ([*_K, "--gpu-max-blocks", "128"], {}),
+    "staged, full width": ([*_K, "--gpu-max-blocks", "1024"], {}),
+    "staged, 4 x 64 MiB slots": ([*_K, "--gpu-max-blocks", "32", "--gpu-stage-slots", "4",
                                   "--gpu-stage-slot-bytes", "64MiB"], {}),
-    "staged, 8 blocks, 4 x 64 MiB slots": (["--gpu-max-blocks", "8", "--gpu-stage-slots", "4",
+    "staged, 8 blocks, 4 x 64 MiB slots": ([*_K, "--gpu-max-blocks", "8", "--gpu-stage-slots", "4",
                                             "--gpu-stage-slot-bytes", "64MiB"], {}),
-    "staged, poll 200 us": (["--gpu-max-blocks", "32", "--gpu-poll-interval-us", "200"], {}),
-    "staged, no marks": (["--gpu-max-blocks", "32"], {"marks": False}),
-    "zero-copy, 32 blocks": (["--gpu-max-blocks", "32", "--gpu-stage-slots", "0"], {}),
-    "zero-copy, full width": (["--gpu-max-blocks", "1024", "--gpu-stage-slots", "0"], {}),
+    "staged, poll 200 us": ([*_K, "--gpu-max-blocks", "32", "--gpu-poll-interval-us", "200"], {}),
+    "staged, no marks": ([*_K, "--gpu-max-blocks", "32"], {"marks": False}),
+    "zero-copy, 32 blocks": ([*_K, "--gpu-max-blocks", "32", "--gpu-stage-slots", "0"], {}),
+    "zero-copy, full width": ([*_K, "--gpu-max-blocks", "1024", "--gpu-stage-slots", "0"], {}),
 }
 SHAPE = ("vllm_flash_attn", 32, 8, 128)
 SAMPLES = 15
@@ -87,11 +93,15 @@ def _one(args, flags: list, copier_opts: dict, workload: str) -> dict:
             busy = to_engine.recv()
             to_copier.send(busy["window"])        # count what landed inside the engine's window
             moved, seconds = to_copier.recv()
-            engine.join(60)
             copier.join(60)
+            to_engine.send("again")               # the engine alone once more: the noise
+            again = to_engine.recv()
+            engine.join(60)
         finally:
             stop_daemon(daemon, rundir, 60)
-    return {"alone_ms": alone["ms"], "busy_ms": busy["ms"], "slowdown": busy["ms"] / alone["ms"] - 1,
+    base = (alone["ms"] + again["ms"]) / 2
+    return {"alone_ms": base, "busy_ms": busy["ms"], "slowdown": busy["ms"] / base - 1,
+            "alone_spread": abs(alone["ms"] - again["ms"]) / base,
             "copy_GBps": moved / seconds / 1e9 if seconds else 0.0,
             "copy_ratio": moved / seconds / memcpy_Bps if seconds else 0.0}
 
@@ -107,6 +117,8 @@ def _engine(workload: str, pipe) -> None:
     t0 = time.monotonic()
     ms = statistics.median(_sample(torch, step) for _ in range(SAMPLES))
     pipe.send({"ms": ms, "window": (t0, time.monotonic())})
+    pipe.recv()
+    pipe.send({"ms": statistics.median(_sample(torch, step) for _ in range(SAMPLES))})
 
 
 def _sample(torch, step, iters: int = 10) -> float:
@@ -192,7 +204,8 @@ def _stop_mps() -> None:
 
 def _print_row(r: dict) -> None:
     print(f"  {r['variant']:<22}{' MPS' if r['mps'] else '':<5}{r['workload']:<8}"
-          f"alone {r['alone_ms']:.3f} ms, with copies {r['busy_ms']:.3f} ms ({r['slowdown']:+.1%}); "
+          f"alone {r['alone_ms']:.3f} ms (before/after differ {r['alone_spread']:.1%}), with "
+          f"copies {r['busy_ms']:.3f} ms ({r['slowdown']:+.1%}); "
           f"copies {r['copy_GBps']:.1f} GB/s = {r['copy_ratio']:.2f} of memcpy", flush=True)
 
 
@@ -200,9 +213,9 @@ def _report(rows: list) -> None:
     print("\ninterference: engine and copier in separate processes; slowdown of the engine's "
           "step while kvd copies; copy GB/s inside that window, ratio to the copier's memcpy")
     print(f"{'variant':<24}{'MPS':<5}{'workload':<9}{'alone ms':>9}{'busy ms':>9}{'slowdown':>10}"
-          f"{'copy GB/s':>10}{'ratio':>7}")
+          f"{'noise':>7}{'copy GB/s':>10}{'ratio':>7}")
     for r in rows:
         print(f"{r['variant']:<24}{'yes' if r['mps'] else 'no':<5}{r['workload']:<9}"
-              f"{r['alone_ms']:>9.3f}{r['busy_ms']:>9.3f}{r['slowdown']:>+10.1%}"
+              f"{r['alone_ms']:>9.3f}{r['busy_ms']:>9.3f}{r['slowdown']:>+10.1%}{r['alone_spread']:>7.1%}"
               f"{r['copy_GBps']:>10.1f}{r['copy_ratio']:>7.2f}")
     sys.stdout.flush()

@@ -9,7 +9,12 @@ context, streams, the compiled kernels and the staging rings exist only on
 devices some client registered memory on. The host arena is registered
 with the driver as pinned (portable, in pieces) on first use.
 
-Copies are staged (``kvd.cuda.staging``): per GPU and direction a ring of
+Copy paths (``copy_path``): ``dma`` moves pages between the pool and the
+arena with the copy engines only (``kvd.cuda.dma``), for pools whose pages
+are byte ranges of at least ``dma_min_piece`` bytes (``auto``; ``dma``: any
+size); no kernel of the daemon's runs, so the engine keeps its GPU time
+slices. Other pools (and every pool with ``kernels``) use SM kernels.
+Kernel copies are staged (``kvd.cuda.staging``): per GPU and direction a ring of
 ``stage_slots`` device buffers of ``stage_slot_bytes`` (2 x slots x bytes of
 the engine GPU's memory: 128 MiB by default), kernels between the pool and
 the ring, DMA between the ring and the arena. Where one layer of one chunk
@@ -45,6 +50,7 @@ import numpy as np
 from kvd.copy.flags import FlagPage
 from kvd.copy.plan import CopyPlan
 from kvd.copy.poll import EventPoller
+from kvd.cuda import dma
 from kvd.cuda.kernels import KernelCopier, desc_params, plane_bases
 from kvd.cuda.signal import GpuSignal
 from kvd.cuda.staging import StagingRing
@@ -57,6 +63,8 @@ REGISTER_PIECE = 1 << 30
 STAGE_SLOTS = 2
 STAGE_SLOT_BYTES = 32 << 20
 CLOSE_WAIT_S = 5.0
+COPY_PATHS = ("auto", "dma", "kernels")
+DMA_WINDOW = 64 << 20     # bytes of a load queued ahead of its cancel check
 _IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess
 _HOST_REGISTER = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
@@ -68,6 +76,7 @@ class _Device:
     streams: list              # [store kernels, store DMA, load kernels, load DMA]: stores and
     store: StagingRing | None  # loads have their own streams and slots, so both directions
     load: StagingRing | None   # of PCIe can be busy at once
+    dma: dma.DmaPath | None = None
 
 
 @dataclass
@@ -76,6 +85,7 @@ class CudaPool:
     ptrs: list
     bases: np.ndarray
     flags: FlagPage
+    by_dma: bool = False
     closed: bool = False
 
 
@@ -83,7 +93,9 @@ class CudaCopyEngine:
     name = "cuda"
 
     def __init__(self, arena: np.ndarray, max_blocks: int = 32, stage_slots: int = STAGE_SLOTS,
-                 stage_slot_bytes: int = STAGE_SLOT_BYTES, poll_interval_us: float = 0.0):
+                 stage_slot_bytes: int = STAGE_SLOT_BYTES, poll_interval_us: float = 0.0,
+                 copy_path: str = "auto", dma_streams: int = 8, dma_min_piece: int = 32 << 10,
+                 dma_load_window: int = DMA_WINDOW):
         import cupy
         self.cp = cupy
         self.rt = cupy.cuda.runtime
@@ -91,6 +103,10 @@ class CudaCopyEngine:
         self.arena_ptr = arena.ctypes.data
         self.max_blocks = max_blocks
         self.stage = (stage_slots, stage_slot_bytes)
+        if copy_path not in COPY_PATHS:
+            raise ValueError(f"copy_path must be one of {', '.join(COPY_PATHS)}")
+        self.copy_path, self.dma_streams, self.dma_window = copy_path, dma_streams, dma_load_window
+        self.dma_min_piece = dma_min_piece if copy_path == "auto" else 1
         self.devices: dict[int, _Device] = {}
         self.registered = False
         # 0: re-check copies every loop pass (lowest latency); > 0: sleep that long between
@@ -129,7 +145,14 @@ class CudaCopyEngine:
                                  pieces),
                      StagingRing(self.cp, "scatter", copier, streams[2], streams[3], slots, slot_bytes,
                                  pieces)]
-        return _Device(ordinal, copier, streams, rings[0], rings[1])
+        path = None
+        if self.copy_path != "kernels" and cuda_driver.has_memcpy_batch():
+            path = dma.DmaPath(self.cp, ordinal, self.dma_streams, self.dma_window,
+                               (self.arena_ptr, REGISTER_PIECE), self.poller)
+        elif self.copy_path != "kernels":
+            log.warning("the CUDA driver has no cuMemcpyBatchAsync_v2 (CUDA 13 drivers): "
+                        "copies use kernels")
+        return _Device(ordinal, copier, streams, rings[0], rings[1], path)
 
     def _register_arena(self) -> None:
         if self.registered:
@@ -182,7 +205,8 @@ class CudaCopyEngine:
             except BaseException:
                 self._close_ptrs(opened)
                 raise
-        return CudaPool(dev, opened, plane_bases(layout, ptrs), flags)
+        by_dma = dev.dma is not None and dma.eligible(layout, self.dma_min_piece)
+        return CudaPool(dev, opened, plane_bases(layout, ptrs), flags, by_dma)
 
     def _open_buffers(self, buffers: list[dict], opened: list) -> list[int]:
         ptrs = []
@@ -241,6 +265,11 @@ class CudaCopyEngine:
         pool, dev = plan.pool, plan.pool.device
         ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
         layers = range(plan.layout.num_layers)
+        if pool.by_dma:
+            with self.cp.cuda.Device(dev.ordinal):
+                stream = dev.dma.store(plan.layout, pool.bases, plan.page_ids, ptrs,
+                                       plan.chunk_tokens)
+                return self._completion(stream, "gather", plan, "DMA", t0)
         await self.table_slot(dev)
         with self.cp.cuda.Device(dev.ordinal):
             if (pieces := _plan(dev.store, plan, layers, False)) is not None:
@@ -257,6 +286,8 @@ class CudaCopyEngine:
         layers = range(plan.layout.num_layers)
         signal = GpuSignal.of(plan.signal)
         ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
+        if pool.by_dma and len(ptrs):
+            return await self._scatter_dma(plan, ptrs, signal, t0)
         await self.table_slot(dev)
         with self.cp.cuda.Device(dev.ordinal):
             stream = dev.streams[2]
@@ -276,6 +307,27 @@ class CudaCopyEngine:
                 if signal is not None:
                     signal.done(stream)
             return self._completion(stream, "scatter", plan, how, t0)
+
+    async def _scatter_dma(self, plan: CopyPlan, ptrs, signal: GpuSignal | None,
+                           t0: float) -> asyncio.Future:
+        """The load's layers are queued by a task of their own (each after a host check
+        of the cancel word): the returned future, tracked by the service as the copy in
+        flight, ends only after the last queued byte landed, so a pool is never closed
+        under its DMA."""
+        dev = plan.pool.device
+        stream = dev.dma.load_queue.stream
+
+        async def feed() -> None:
+            try:
+                await dev.dma.load(plan.layout, plan.pool.bases, plan.page_ids, ptrs,
+                                   plan.chunk_tokens, signal)
+            finally:  # whatever was queued, the done word follows it
+                with self.cp.cuda.Device(dev.ordinal):
+                    if signal is not None:
+                        signal.done(stream)
+                    landed = self._completion(stream, "scatter", plan, "DMA", t0)
+            await landed
+        return asyncio.ensure_future(feed())
 
     @staticmethod
     def _scatter_direct(dev: _Device, pool: CudaPool, plan: CopyPlan, ptrs, geometry: dict,
@@ -334,7 +386,7 @@ class CudaCopyEngine:
             return  # freeing memory a queued copy uses would be worse than leaking it
         for dev in self.devices.values():
             with self.cp.cuda.Device(dev.ordinal):
-                for ring in (dev.store, dev.load):
+                for ring in (dev.store, dev.load, dev.dma):
                     if ring is not None:
                         ring.close()
         if self.registered:
@@ -344,7 +396,8 @@ class CudaCopyEngine:
     def _drain(self, dev: _Device, deadline: float) -> bool:
         with self.cp.cuda.Device(dev.ordinal):
             events = []
-            for stream in dev.streams:
+            extra = [] if dev.dma is None else dev.dma.store_queue.streams + dev.dma.load_queue.streams
+            for stream in dev.streams + extra:
                 ev = self.cp.cuda.Event(block=False, disable_timing=True)
                 ev.record(stream)
                 events.append(ev)

@@ -5,8 +5,9 @@ A real ``kvd serve --gpu on`` runs kvd.cuda unchanged over the fake GPU
 tensors in fake device memory shared with the daemon through (fake) CUDA
 IPC. Each case stores chunks from some pages and loads them into others,
 through the staged path (kernels into 1 MiB device slots, DMA to the arena:
-several pieces per request) or the zero-copy path (``gpu_stage_slots = 0``:
-kernels on the pinned arena), and checks the target pages against the
+several pieces per request), the zero-copy path (``gpu_stage_slots = 0``:
+kernels on the pinned arena) or the DMA path (``gpu_copy_path = dma``: the
+copy engines between pages and arena, no kernel), and checks the target pages against the
 source pages read by the engine's own indexing (workers_data.token_row, not
 kvd's layout code), and that no other byte of the allocation moved. The
 daemon's debug log must name the path the case claims to take (staged:
@@ -26,8 +27,11 @@ import kvd_client
 CHUNK = 16          # the test daemons' chunk_tokens
 CHUNKS = 8          # per request
 LAYERS = 8
-PATHS = {"staged": ({"gpu_stage_slot_bytes": "1MiB"}, r"(gather|scatter) of 8 chunks.* [2-9] staged pieces"),
-         "zero_copy": ({"gpu_stage_slots": 0}, r"(gather|scatter) of 8 chunks.* zero-copy kernel")}
+PATHS = {"staged": ({"gpu_stage_slot_bytes": "1MiB", "gpu_copy_path": "kernels"},
+                    r"(gather|scatter) of 8 chunks.* [2-9] staged pieces"),
+         "zero_copy": ({"gpu_stage_slots": 0, "gpu_copy_path": "kernels"},
+                       r"(gather|scatter) of 8 chunks.* zero-copy kernel"),
+         "dma": ({"gpu_copy_path": "dma", "gpu_dma_streams": 3}, r"(gather|scatter) of 8 chunks.* DMA:")}
 POISON = 0xA5
 
 
@@ -87,10 +91,13 @@ def test_store_then_load_other_pages_bit_exact(fake_engine, fake_daemon, path, l
     assert d.stop() == 0, d.log()
 
 
+@pytest.mark.parametrize("path", ["staged", "dma"])
 @pytest.mark.parametrize("layout", ["vllm_flashinfer", "sglang_mha", "sglang_mla", "page_first"])
-def test_other_layouts_staged(fake_engine, fake_daemon, layout):
-    d = fake_daemon(gpu_stage_slot_bytes="1MiB")
+def test_other_layouts(fake_engine, fake_daemon, layout, path):
+    knobs, how = PATHS[path]
+    d = fake_daemon(log_level="debug", **knobs)
     store_then_load(fake_engine, d, layout, 16, seed=7)
+    assert [m.group(1) for m in re.finditer(how, d.log())] == ["gather", "scatter"], d.log()
     assert d.stop() == 0, d.log()
 
 

@@ -1,9 +1,10 @@
 """Engines dying and daemons stopping with copies in flight, on the fake GPU (tests/fakecuda).
 
 - An engine (a spawned process on the fake GPU) is SIGKILLed while its load's
-  kernels are held back on the daemon's streams: the daemon reaps it only
-  after those copies ran, then closes its pool (the IPC mapping goes last:
-  no kernel touches the engine's memory after it, which the fake would
+  kernels (or, on the DMA path, its layers' batched copies, one layer queued
+  at a time) are held back on the daemon's streams: the daemon reaps it
+  only after those copies ran, then closes its pool (the IPC mapping goes
+  last: no copy touches the engine's memory after it, which the fake would
   report as an illegal address and a broken context), and serves the next
   engine bit-exact.
 - The daemon gets SIGTERM while a fake stream is stuck (a kernel held for
@@ -19,6 +20,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 import kvd_client
 from kvd.cuda.backend import CLOSE_WAIT_S
@@ -36,19 +38,31 @@ def _dying_engine(runtime_dir: str, conn) -> None:
     client.register_kv(pool, model="dying")
     tokens = np.arange(16 * CHUNK)
     assert client.store(tokens, range(16)) == 16 * CHUNK
-    client.submit_load(tokens, range(16, 32))  # 4 staged pieces, each kernel held 0.4 s
+    client.submit_load(tokens, range(16, 32))  # 4 pieces (kernels) or layers (DMA), 0.4 s each
     conn.send((os.getpid(), region.name))
     time.sleep(120)
 
 
 def _scattered(events: list, region: str) -> int:
-    return sum(e["ev"] == "kernel" and e["name"] == "kv_scatter" and region in e["regions"]
-               for e in events)
+    return len(_writes(events, region))
 
 
-def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, fake_daemon):
-    d = fake_daemon(kernel_delay_s={"kv_scatter": 0.4}, trace=True, gpu_stage_slot_bytes="1MiB",
-                    client_timeout_s=1.0, heartbeat_interval_s=0.2)
+def _writes(events: list, region: str) -> list[int]:
+    """Indices of the copies (scatter kernels, DMA batches) that wrote into ``region``."""
+    return [i for i, e in enumerate(events) if region in e.get("regions", ())
+            and (e["ev"] == "dma" or (e["ev"] == "kernel" and e["name"] == "kv_scatter"))]
+
+
+PATHS = {"kernels": ({"kv_scatter": 0.4}, {"gpu_copy_path": "kernels", "gpu_stage_slot_bytes": "1MiB"}),
+         "dma": ({"memcpy_batch": 0.4}, {"gpu_copy_path": "dma", "gpu_dma_streams": 1,
+                                         "gpu_dma_load_window": 1})}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, fake_daemon, path):
+    delay, knobs = PATHS[path]
+    d = fake_daemon(kernel_delay_s=delay, trace=True, client_timeout_s=1.0,
+                    heartbeat_interval_s=0.2, **knobs)
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe(duplex=False)
     dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), child_conn))
@@ -71,8 +85,8 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     events = d.trace()
     closes = [i for i, e in enumerate(events) if e["ev"] == "ipc_close" and e["region"] == region]
     assert len(closes) == 1, f"the dead engine's pool was not closed once: {events}"
-    touching = [i for i, e in enumerate(events) if e["ev"] == "kernel" and region in e["regions"]]
-    assert touching and max(touching) < closes[0], "a kernel ran on the pool after it was closed"
+    touching = _writes(events, region)
+    assert touching and max(touching) < closes[0], "a copy wrote into the pool after it was closed"
     assert any(events[i]["t"] > killed for i in touching), "no copy was in flight when it died"
     assert _scattered(events, region) == 4, "the load's copies did not all run"
     tensors, _, _ = fake_engine.tensors("vllm_flash_attn", LAYERS, 8, 16, 8, 128, seed=2)

@@ -29,7 +29,8 @@ import kvd_client
 from kvd_protocol.flags import FlagLayout
 
 CHUNK = 16
-PATHS = {"staged": {"gpu_stage_slot_bytes": "1MiB"}, "zero_copy": {"gpu_stage_slots": 0}}
+PATHS = {"staged": {"gpu_stage_slot_bytes": "1MiB", "gpu_copy_path": "kernels"},
+         "zero_copy": {"gpu_stage_slots": 0, "gpu_copy_path": "kernels"}}
 
 
 def flag_writes(events: list, flags_path: str) -> list[tuple[int, int]]:

@@ -82,8 +82,19 @@ CASES = [(layout, ps, dt) for layout in ("vllm_flash_attn", "vllm_flashinfer", "
          for ps in (1, 16, 64) for dt in DTYPES]
 
 
+COPY_PATHS = ("kernels", "dma")  # gpu_copy_path: SM kernels, or the copy engines alone
+
+
+@pytest.fixture(params=COPY_PATHS)
+def path_daemon(start_daemon, request):
+    d = start_daemon(**GPU_KNOBS, gpu_copy_path=request.param)
+    yield d
+    assert d.stop() == 0, d.log()
+
+
 @pytest.mark.parametrize("layout,page_size,dtype", CASES)
-def test_store_then_load_other_pages_bit_exact(gpu_daemon, layout, page_size, dtype):
+def test_store_then_load_other_pages_bit_exact(path_daemon, layout, page_size, dtype):
+    gpu_daemon = path_daemon
     mla = layout.endswith("mla")
     heads, dim = (1, 576) if mla else (4, 64)
     ppc = CHUNK // page_size
@@ -153,7 +164,8 @@ def test_store_waits_for_the_engine_stream(gpu_daemon):
             assert torch.equal(page_rows("vllm_flash_attn", tensors, p, 16), want[i])
 
 
-def test_layerwise_load_on_the_engine_stream(gpu_daemon):
+def test_layerwise_load_on_the_engine_stream(path_daemon):
+    gpu_daemon = path_daemon
     layers = 6
     tensors = make_tensors("vllm_flash_attn", layers, 16, 16, 8, 128, torch.bfloat16)
     pool = CudaKVPool("vllm_flash_attn", tensors)
@@ -259,10 +271,11 @@ def test_one_daemon_serves_pools_on_two_gpus(gpu_daemon):
             assert torch.equal(src[:, 0:4].cpu().view(torch.uint8), dst[:, 4:8].cpu().view(torch.uint8))
 
 
-def test_chunks_across_host_registration_pieces(start_daemon):
+@pytest.mark.parametrize("path", COPY_PATHS)
+def test_chunks_across_host_registration_pieces(start_daemon, path):
     """A host tier over 1 GiB is pinned in pieces; chunks straddling a piece
     boundary must store and load bit-exact (one DMA cannot cross pieces)."""
-    d = start_daemon(**{**GPU_KNOBS, "host_capacity": "1200MiB"})
+    d = start_daemon(**{**GPU_KNOBS, "host_capacity": "1200MiB", "gpu_copy_path": path})
     tensors = make_tensors("vllm_flash_attn", 3, 64, 16, 8, 128, torch.bfloat16)  # 768 KiB shards
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True, timeout=60) as client:
         client.register_kv(CudaKVPool("vllm_flash_attn", tensors), model="pieces")

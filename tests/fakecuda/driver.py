@@ -17,8 +17,9 @@ the cupy shim (tests/fakecuda/shim); engines in tests call ``install``.
 from __future__ import annotations
 
 import ctypes
+import time
 
-from . import errors, runtime, streams
+from . import errors, runtime, streams, trace
 from .errors import INVALID_VALUE, CudaError
 from .memory import SPACE
 
@@ -115,6 +116,37 @@ class FakeLibcuda:
         if _value(flags) != 0:  # only GEQ, the one cuda_driver uses
             raise CudaError(INVALID_VALUE, f"wait flags {_value(flags)}")
         streams.stream_at(_value(stream)).wait_value32(_value(addr), _value(value))
+
+    @_status
+    def cuMemcpyBatchAsync_v2(self, dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):
+        """Copies in stream order, as one piece of queued work: each checked like a
+        cudaMemcpyDefault (any live memory, one allocation or registration per side) when
+        queued and when run; ``FAKECUDA_KERNEL_DELAY_S``'s ``memcpy_batch`` delays it; the
+        trace gets one ``dma`` event naming the regions written."""
+        n, st = _value(count), _value(stream)
+        if n == 0 or _value(num_attrs) != 1 or st == 0:  # the driver refuses the legacy stream
+            raise CudaError(INVALID_VALUE, f"memcpy batch count={n} attrs={_value(num_attrs)} "
+                                           f"stream={st:#x}")
+        pieces = [tuple(int(x) for x in (ctypes.c_uint64 * n).from_address(_value(p)))
+                  for p in (dsts, srcs, sizes)]
+        for d, s, z in zip(*pieces):
+            SPACE.resolve(s, z, what="memcpy batch source")
+            SPACE.resolve(d, z, what="memcpy batch destination")
+        streams.stream_at(st).enqueue(lambda: _run_batch(*pieces))
+
+
+def _run_batch(dsts, srcs, sizes) -> None:
+    t0 = time.monotonic()
+    delay = streams.kernel_delay("memcpy_batch")
+    if delay:
+        time.sleep(delay)
+    touched = set()
+    for d, s, z in zip(dsts, srcs, sizes):
+        s_reg, s_off = SPACE.resolve(s, z, what="memcpy batch source")
+        d_reg, d_off = SPACE.resolve(d, z, what="memcpy batch destination")
+        d_reg.array[d_off:d_off + z] = s_reg.array[s_off:s_off + z]
+        touched.add(d_reg.name)
+    trace.emit("dma", t0=t0, pieces=len(sizes), regions=sorted(touched))
 
 
 def install():

@@ -1,0 +1,124 @@
+"""The copy-engine-only path (``gpu_copy_path``, kvd.cuda.dma) on the fake GPU (tests/fakecuda).
+
+A real daemon runs kvd.cuda over the fake GPU; this process is the engine
+(tests/cuda/conftest.py). The fake's ``cuMemcpyBatchAsync_v2`` runs each
+batch as one piece of queued work (held ``memcpy_batch`` seconds when the
+test asks) and traces it. Bit-exact round trips for every layout are in
+test_fake_gpu_copies.py; here:
+
+- ``auto`` picks DMA for pages of at least ``gpu_dma_min_piece`` bytes and
+  kernels below, and no kernel runs on the DMA path.
+- A layer-wise load by DMA writes each layer's word after that layer
+  landed (the engine's stream, waiting on each word, reads landed bytes
+  while every batch is held back), then the done word, and nothing else.
+- A cancelled load: a DMA cannot check the cancel word as a kernel does, so
+  the daemon queues one layer at a time (``gpu_dma_load_window`` = 1 byte)
+  and checks the word on the host before each: after the cancel no further
+  layer is queued, the layers queued before it land, the done word follows.
+- Consecutive page ids become one copy per run (fewer, longer DMAs).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from test_fake_gpu_copies import store_then_load
+from test_fake_gpu_signals import flag_writes
+
+import kvd_client
+from kvd_protocol.flags import FlagLayout
+
+CHUNK = 16
+DMA = {"gpu_copy_path": "dma", "gpu_dma_streams": 2}
+
+
+@pytest.mark.parametrize("page_size, path", [(16, "DMA"), (1, "staged pieces")])
+def test_auto_takes_dma_for_large_pages_only(fake_engine, fake_daemon, page_size, path):
+    """Rows of 2 KiB: a page of 16 is 32 KiB (DMA under the default 32 KiB), a page of 1 is not."""
+    d = fake_daemon(log_level="debug", trace=True, gpu_stage_slot_bytes="1MiB")
+    store_then_load(fake_engine, d, "vllm_flash_attn", page_size, seed=3)
+    took = re.findall(r"(gather|scatter) of 8 chunks.* " + path, d.log())
+    assert took == ["gather", "scatter"], d.log()
+    kernels = [e for e in d.trace() if e["ev"] == "kernel"]
+    assert (not kernels) == (path == "DMA"), kernels
+    assert d.stop() == 0, d.log()
+
+
+def test_dma_layerwise_load_signals_each_layer_after_it_landed(fake_engine, fake_daemon):
+    layers, chunks = 5, 4
+    d = fake_daemon(kernel_delay_s={"memcpy_batch": 0.05}, trace=True, gpu_dma_load_window=1,
+                    **DMA)
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", layers, 2 * chunks, 16, 8, 128)
+    pool = fake_engine.pool("vllm_flash_attn", tensors)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        reg = client.register_kv(pool, model="dma-layerwise")
+        tokens = np.arange(chunks * CHUNK)
+        want = [t[:, :chunks].copy() for t in tensors]
+        assert client.store(tokens, range(chunks)) == chunks * CHUNK
+        for t in tensors:
+            t[:, chunks:] = 0x5A5A
+        t = client.submit_load(tokens, range(chunks, 2 * chunks), layerwise=True)
+        seen = {}
+        for layer in range(layers):
+            client.wait_for_layer(layer, t)
+            pool.stream.launch(lambda layer=layer: seen.__setitem__(layer, tensors[layer][:, chunks:].copy()))
+        assert t.wait(30).ok and t.tokens == chunks * CHUNK, t
+        assert pool.stream.synchronize(timeout=10)
+        for layer in range(layers):
+            assert np.array_equal(seen[layer], want[layer]), f"layer {layer} read before it landed"
+        flags = FlagLayout(layers, client.load_slots)
+        order = [flags.layer_word(t.slot, layer) for layer in range(layers)] + [flags.done_word(t.slot)]
+        assert flag_writes(d.trace(), reg.flags.spec["path"]) == [(w, t.seq) for w in order]
+    assert not [e for e in d.trace() if e["ev"] == "kernel"]
+    assert d.stop() == 0, d.log()
+
+
+def test_dma_cancelled_load_queues_no_layer_after_the_cancel(fake_engine, fake_daemon):
+    layers = 6
+    d = fake_daemon(kernel_delay_s={"memcpy_batch": 0.5}, trace=True, gpu_dma_load_window=1,
+                    gpu_copy_path="dma", gpu_dma_streams=1)
+    tensors, _, region = fake_engine.tensors("vllm_flash_attn", layers, 8, 16, 8, 128)
+    pool = fake_engine.pool("vllm_flash_attn", tensors)
+    tokens = np.arange(4 * CHUNK) + 5
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as storer:
+        storer.register_kv(pool, model="dma-cancel")
+        assert storer.store(tokens, range(4)) == 4 * CHUNK
+    for t in tensors:
+        t[:, 4:] = 0x5A5A
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), fence_quiet_s=20) as loader:
+        reg = loader.register_kv(pool, model="dma-cancel")
+        loader.timeout = 0.3  # cancelled while layer 0's copy is held back
+        t = loader.submit_load(tokens, range(4, 8))
+        assert t.wait(30).done and t.status == "failed", t  # fenced by the done word
+        assert reg.flags.done(t.slot, t.seq)
+    landed = [np.array_equal(x[:, 4:], x[:, :4]) for x in tensors]
+    untouched = [bool((x[:, 4:] == 0x5A5A).all()) for x in tensors]
+    assert landed[0] and all(untouched[1:]), (landed, untouched)
+    loads = [e for e in d.trace() if e["ev"] == "dma" and region.name in e["regions"]]
+    assert len(loads) == 1, loads
+    assert d.stop() == 0, d.log()
+
+
+def test_consecutive_pages_are_one_copy_each_run(fake_engine, fake_daemon):
+    """4 chunks of 1-token pages at consecutive ids: per (layer, plane) one copy of 4 x 16
+    rows on each side (the canonical shards of a request are adjacent in the arena only by
+    chance, so at least one copy per chunk), not 64."""
+    layers = 2
+    d = fake_daemon(trace=True, gpu_copy_path="dma", gpu_dma_streams=1)
+    tensors, _, region = fake_engine.tensors("vllm_flash_attn", layers, 64, 1, 8, 128, seed=9)
+    pool = fake_engine.pool("vllm_flash_attn", tensors, 1)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        client.register_kv(pool, model="runs")
+        tokens = np.arange(4 * CHUNK) + 11
+        want = [t[:, :64].copy() for t in tensors]
+        assert client.store(tokens, range(64)) == 4 * CHUNK
+        for t in tensors:
+            t[...] = 0x5A5A
+        assert client.load(tokens, range(64)) == 4 * CHUNK
+        assert all(np.array_equal(t[:, :64], w) for t, w in zip(tensors, want))
+    batches = [e for e in d.trace() if e["ev"] == "dma"]
+    store, load = batches[0], batches[-1]
+    assert store["pieces"] <= 4 * layers * 2 and load["pieces"] <= 2 * 4, (store, load)
+    assert d.stop() == 0, d.log()
