@@ -123,8 +123,9 @@ KNOBS = (
          "(bytes of one layer and K or V) copied by DMA; smaller pages are slow on the copy "
          "engines and go through kernels.", minimum=1),
     Knob("gpu_dma_load_window", "size", 64 * 2**20, "Bytes of one GPU's loads queued on its copy "
-         "engines at most: a load is queued layer by layer, each after a check of its cancel word, "
-         "so after a cancel at most this much more lands (always before the done word).",
+         "engines at most: a load is queued in steps of whole layers (about a quarter of this "
+         "each), each after a check of its cancel word, so after a cancel at most this much more "
+         "lands (always before the done word).",
          minimum=1),
     Knob("gpu_poll_interval_us", "float", 0.0, "How the daemon notices copies that landed: 0 "
          "re-checks every event-loop pass (lowest latency, one busy core while copies run); "

@@ -14,12 +14,13 @@ Contract:
   adjacent and whole) of at least ``min_piece`` bytes. Smaller pieces are
   slow on the copy engines (one 2 KiB page row: 0.05 of a memcpy), so they
   stay with the kernels.
-- ``pieces(layout, bases, page_ids, shard_ptrs, chunk_tokens, layers,
-  host_pieces)``: ``(pool, host, size)`` uint64 arrays, one entry per
-  (chunk, layer, plane, page) of ``layers``, with entries adjacent on both
-  sides merged into one (consecutive page ids make long runs), and split
-  where the host side crosses a separately registered piece of the arena
-  (``host_pieces = (base, bytes)``: one copy must stay in one registration).
+- ``pieces(layout, bases, page_ids, shard_ptrs, chunk_tokens, host_pieces)``:
+  a ``Pieces`` of uint64 arrays ``pool``, ``host``, ``size``, one entry per
+  (layer, chunk, plane, page), layer-major, with entries of one layer
+  adjacent on both sides merged into one (consecutive page ids make long
+  runs), and split where the host side crosses a separately registered
+  piece of the arena (``host_pieces = (base, bytes)``: one copy must stay in
+  one registration); ``span(a, b)`` are layers ``[a, b)``.
 - ``DmaQueue`` is one direction of one GPU: ``n`` streams. ``enqueue`` splits
   a batch into ``n`` parts of about equal bytes, one ``cuMemcpyBatchAsync``
   per stream (several copy engines at once: 32 KiB pieces reach 0.6 of a
@@ -29,9 +30,9 @@ Contract:
   only enqueues; it keeps each batch's arrays until the next ``enqueue``
   after the batch finished (the caller polls), and never blocks the host.
 - Unlike a kernel, a queued DMA cannot check a load's cancel word when it
-  starts: the backend therefore queues a load layer by layer, reads the
-  cancel word on the host before each layer, and keeps at most ``window``
-  bytes queued (kvd.cuda.backend).
+  starts: ``DmaPath.load`` therefore queues a load in steps of whole layers
+  (about a quarter of ``window`` each), reads the cancel word on the host
+  before each step, and keeps at most ``window`` bytes queued.
 """
 
 from __future__ import annotations
@@ -53,52 +54,76 @@ def eligible(layout: Any, min_piece: int) -> bool:
     return dense and layout.page_size * layout.row_bytes >= min_piece
 
 
+class Pieces:
+    """A copy's pieces, layer-major: ``pool``, ``host``, ``size`` (uint64 arrays) and
+    ``starts`` (entry ``starts[l]`` is layer ``l``'s first; ``starts[-1]`` the total)."""
+
+    def __init__(self, pool: np.ndarray, host: np.ndarray, size: np.ndarray, layer: np.ndarray,
+                 num_layers: int) -> None:
+        self.pool, self.host, self.size = pool, host, size
+        self.starts = np.searchsorted(layer, np.arange(num_layers + 1))
+        self.layer_bytes = np.add.reduceat(size, self.starts[:-1]) if size.size else \
+            np.zeros(num_layers, np.uint64)
+
+    def span(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(pool, host, size)`` of layers ``[a, b)``."""
+        i, j = self.starts[a], self.starts[b]
+        return self.pool[i:j], self.host[i:j], self.size[i:j]
+
+
 def pieces(layout: Any, bases: np.ndarray, page_ids: np.ndarray, shard_ptrs: np.ndarray,
-           chunk_tokens: int, layers: range, host_pieces: tuple[int, int]):
-    """``(pool, host, size)`` of every page piece of ``layers``, merged and split."""
+           chunk_tokens: int, host_pieces: tuple[int, int]) -> Pieces:
+    """Every page piece of every layer, merged (never across layers) and split."""
     planes, size = layout.planes, layout.page_size * layout.row_bytes
-    ppc = chunk_tokens // layout.page_size
-    n_chunks = len(shard_ptrs)
-    lp = np.arange(layers.start * planes, layers.stop * planes, dtype=np.uint64)  # layer*planes+k
-    ids = page_ids.astype(np.uint64).reshape(n_chunks, 1, ppc)
-    pool = bases[lp.astype(np.int64)].reshape(1, -1, 1) + ids * np.uint64(layout.page_stride)
-    host = (np.asarray(shard_ptrs, np.uint64).reshape(-1, 1, 1)
-            + (lp.reshape(1, -1, 1) * np.uint64(chunk_tokens)
-               + np.arange(ppc, dtype=np.uint64).reshape(1, 1, -1) * np.uint64(layout.page_size))
+    ppc, n_chunks, layers = chunk_tokens // layout.page_size, len(shard_ptrs), layout.num_layers
+    lp = np.arange(layers * planes, dtype=np.uint64).reshape(layers, 1, planes, 1)  # layer*planes+k
+    ids = page_ids.astype(np.uint64).reshape(1, n_chunks, 1, ppc)
+    pool = bases[lp.astype(np.int64)] + ids * np.uint64(layout.page_stride)
+    host = (np.asarray(shard_ptrs, np.uint64).reshape(1, -1, 1, 1)
+            + (lp * np.uint64(chunk_tokens)
+               + np.arange(ppc, dtype=np.uint64).reshape(1, 1, 1, -1) * np.uint64(layout.page_size))
             * np.uint64(layout.row_bytes))
-    return _split(*_merge(pool.reshape(-1), host.reshape(-1), size), *host_pieces)
+    layer = np.broadcast_to(np.arange(layers).reshape(-1, 1, 1, 1), pool.shape).reshape(-1)
+    merged = _merge(pool.reshape(-1), host.reshape(-1), layer, size)
+    return Pieces(*_split(*merged, *host_pieces), layers)
 
 
-def _merge(pool: np.ndarray, host: np.ndarray, size: int):
-    """Runs of entries adjacent on both sides, as one entry each."""
+def _merge(pool: np.ndarray, host: np.ndarray, layer: np.ndarray, size: int):
+    """Runs of entries of one layer adjacent on both sides, as one entry each."""
     if pool.size == 0:
-        return pool, host, np.zeros(0, np.uint64)
+        return pool, host, np.zeros(0, np.uint64), layer
     step = np.uint64(size)
-    joined = (pool[1:] == pool[:-1] + step) & (host[1:] == host[:-1] + step)
+    joined = ((pool[1:] == pool[:-1] + step) & (host[1:] == host[:-1] + step)
+              & (layer[1:] == layer[:-1]))
     starts = np.flatnonzero(np.concatenate(([True], ~joined)))
     lengths = np.diff(np.append(starts, pool.size)).astype(np.uint64)
-    return pool[starts], host[starts], lengths * step
+    return pool[starts], host[starts], lengths * step, layer[starts]
 
 
-def _split(pool: np.ndarray, host: np.ndarray, size: np.ndarray, base: int, piece: int):
+def _split(pool: np.ndarray, host: np.ndarray, size: np.ndarray, layer: np.ndarray, base: int,
+           piece: int):
     """Entries cut where the host side crosses from one registered piece to the next."""
     first = (host - np.uint64(base)) // np.uint64(piece)
     last = (host + size - np.uint64(1) - np.uint64(base)) // np.uint64(piece)
     crossing = np.flatnonzero(first != last)
     if crossing.size == 0:
-        return pool, host, size
-    out_p, out_h, out_s, prev = [], [], [], 0
+        return pool, host, size, layer
+    out: list[list] = [[], [], [], []]
+    prev = 0
     for i in crossing:
-        out_p.append(pool[prev:i]), out_h.append(host[prev:i]), out_s.append(size[prev:i])
+        for k, arr in enumerate((pool, host, size, layer)):
+            out[k].append(arr[prev:i])
         at, end = int(host[i]), int(host[i] + size[i])
         while at < end:
             cut = min(end, base + ((at - base) // piece + 1) * piece)
-            out_p.append(np.array([int(pool[i]) + at - int(host[i])], np.uint64))
-            out_h.append(np.array([at], np.uint64)), out_s.append(np.array([cut - at], np.uint64))
+            for k, v in enumerate((int(pool[i]) + at - int(host[i]), at, cut - at)):
+                out[k].append(np.array([v], np.uint64))
+            out[3].append(layer[i:i + 1])
             at = cut
         prev = i + 1
-    out_p.append(pool[prev:]), out_h.append(host[prev:]), out_s.append(size[prev:])
-    return np.concatenate(out_p), np.concatenate(out_h), np.concatenate(out_s)
+    for k, arr in enumerate((pool, host, size, layer)):
+        out[k].append(arr[prev:])
+    return tuple(np.concatenate(parts) for parts in out)
 
 
 class DmaQueue:
@@ -146,6 +171,18 @@ class DmaQueue:
         self.queued = []
 
 
+def _steps(layer_bytes: np.ndarray, most: int) -> list[int]:
+    """Ends of consecutive layer groups of at most ``most`` bytes (at least one layer each)."""
+    ends, acc = [], 0
+    for layer, n in enumerate(layer_bytes.tolist()):
+        if acc and acc + n > most:
+            ends.append(layer)
+            acc = 0
+        acc += n
+    ends.append(len(layer_bytes))
+    return ends
+
+
 class DmaPath:
     """Stores and loads of one GPU by DMA only; loads gated on their cancel word."""
 
@@ -158,29 +195,33 @@ class DmaPath:
     def store(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray, ptrs: np.ndarray,
               chunk_tokens: int) -> Any:
         """Queue a whole store (pool -> arena); returns the stream it ends on."""
-        pool, host, size = pieces(layout, bases, page_ids, ptrs, chunk_tokens,
-                                  range(layout.num_layers), self.host_pieces)
-        self.store_queue.enqueue(host, pool, size)
+        p = pieces(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces)
+        self.store_queue.enqueue(p.host, p.pool, p.size)
         return self.store_queue.stream
 
     async def load(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray, ptrs: np.ndarray,
                    chunk_tokens: int, signal: Any) -> Any:
-        """Queue a load (arena -> pool) layer by layer, each after the host found the load
-        not cancelled and fewer than ``window`` bytes queued; writes each layer's word
-        when ``signal`` is layer-wise. Returns the stream it ends on (the caller writes
-        the done word there, also after a cancel or an error)."""
-        q = self.load_queue
-        for layer in range(layout.num_layers):
+        """Queue a load (arena -> pool) in steps of whole layers of about ``window / 4``
+        bytes, each after the host found the load not cancelled and at most ``window``
+        bytes queued; a layer-wise ``signal`` gets each layer's word behind that layer.
+        Returns the stream it ends on (the caller writes the done word there, also
+        after a cancel or an error)."""
+        q, p = self.load_queue, pieces(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces)
+        ends = _steps(p.layer_bytes, max(1, self.window // 4))
+        a = 0
+        for b in ends:
             while q.queued_bytes() > self.window:
                 await self.poller.wait(q.queued[0][0])
             if signal is not None and signal.source.cancelled:
                 break  # what is queued runs; nothing more touches the pages
-            pool, host, size = pieces(layout, bases, page_ids, ptrs, chunk_tokens,
-                                      range(layer, layer + 1), self.host_pieces)
             with self.cp.cuda.Device(self.ordinal):  # not held across the await above
-                q.enqueue(pool, host, size)
                 if signal is not None and signal.layerwise:
-                    signal.layers_landed(q.stream, (layer,))
+                    for layer in range(a, b):
+                        q.enqueue(*p.span(layer, layer + 1))
+                        signal.layers_landed(q.stream, (layer,))
+                else:
+                    q.enqueue(*p.span(a, b))
+            a = b
         return q.stream
 
     def close(self) -> None:
