@@ -1,4 +1,4 @@
-"""vLLM's GPU KV blocks (0.27+) in a /dev/shm file, registered as the vLLM connector's worker would.
+"""vLLM's GPU KV blocks in a /dev/shm file, registered as the vLLM connector's worker would.
 
 ``VllmBlocksPool(order, ...)`` allocates, layer after layer in one shared
 memory file, per layer the logical ``[blocks, kv_heads, block_size, 2 *

@@ -10,7 +10,7 @@ engine's stream through the registration's flag page (kvd_client.flags).
 Tensors:
 
 - ``vllm_flash_attn``, ``vllm_flashinfer``, ``vllm_mla``: one tensor per layer
-- ``vllm_kv_blocks``: one tensor per layer, vLLM's GPU blocks (0.27+), the
+- ``vllm_kv_blocks``: one tensor per layer, vLLM's GPU blocks, the
   logical ``[blocks, kv_heads, block_size, 2 * head_size]`` in any order
 - ``sglang_mha``: one ``(k, v)`` pair per layer; ``sglang_mla``: one per layer
 - ``page_first``: a single tensor

@@ -168,7 +168,7 @@ def vllm_mla(layers: list[TensorRef]) -> LayoutDescriptor:
 
 
 def vllm_kv_blocks(layers: list[TensorRef], head_size: int) -> LayoutDescriptor:
-    """vLLM's GPU blocks (0.27+): per layer the logical ``[num_blocks, kv_heads, block_size,
+    """vLLM's GPU blocks: per layer the logical ``[num_blocks, kv_heads, block_size,
     2 * head_size]``, K and V side by side inside each head, dims in any physical order
     (``HNC``: heads outer, ``NHC``: tokens outer, blocks of all layers interleaved...)
     as long as the last one is contiguous. A token's K row is its heads' first halves."""
