@@ -43,6 +43,8 @@ def expected_shapes(layout: str, layers: int, pages: int, ps: int, heads: int, d
         return [(pages, 2, ps, heads, dim)] * layers
     if layout == "vllm_mla":
         return [(pages, ps, dim)] * layers
+    if layout == "vllm_kv_blocks":
+        return [(pages, heads, ps, 2 * dim)] * layers
     if layout == "sglang_mha":
         return [(pages * ps, heads, dim)] * (2 * layers)  # K0, V0, K1, V1, ...
     if layout == "sglang_mla":
@@ -56,7 +58,9 @@ def expected_shapes(layout: str, layers: int, pages: int, ps: int, heads: int, d
 
 def token_row(layout: str, tensors: list, layer: int, plane: int, page: int, slot: int,
               page_size: int) -> np.ndarray:
-    """uint8 view of the (heads x dim) row of token ``slot`` of page ``page``, (layer, plane)."""
+    """uint8 view of the (heads x dim) row of token ``slot`` of page ``page``, (layer, plane):
+    1-d, or ``[heads, dim bytes]`` where the heads of a row are apart (vLLM GPU blocks,
+    whose ``tensors`` are the logical ``[blocks, heads, block_size, 2 * dim]`` views)."""
     if layout == "vllm_flash_attn":      # per layer [2, blocks, block_size, heads, dim]
         row = tensors[layer][plane, page, slot]
     elif layout == "vllm_flashinfer":    # per layer [blocks, 2, block_size, heads, dim]
@@ -64,6 +68,12 @@ def token_row(layout: str, tensors: list, layer: int, plane: int, page: int, slo
     elif layout == "vllm_mla":           # per layer [blocks, block_size, latent]
         assert plane == 0
         row = tensors[layer][page, slot]
+    elif layout.startswith("vllm_kv_blocks"):  # per layer [blocks, heads, block_size, 2 * dim]
+        half = tensors[layer].shape[-1] // 2   # K: each head's first half, V: its second
+        row = tensors[layer][page, :, slot, plane * half:(plane + 1) * half]
+        out = row.view(np.uint8)
+        assert np.shares_memory(out, row)
+        return out
     elif layout == "sglang_mha":         # K and V per layer [tokens, heads, dim]
         row = tensors[2 * layer + plane][page * page_size + slot]
     elif layout == "sglang_mla":         # per layer [tokens, 1, latent]
@@ -117,7 +127,8 @@ def read_rows(spec: dict, tensors: list, pages, n_tokens: int) -> np.ndarray:
     for t in range(n_tokens):
         for layer in range(spec["layers"]):
             for plane in range(planes(spec)):
-                r = token_row(spec["layout"], tensors, layer, plane, int(pages[t // ps]), t % ps, ps)
+                r = token_row(spec["layout"], tensors, layer, plane, int(pages[t // ps]), t % ps,
+                              ps).reshape(-1)
                 if rows is None:
                     rows = np.empty((n_tokens, spec["layers"], planes(spec), r.size), np.uint8)
                 rows[t, layer, plane] = r
@@ -154,8 +165,9 @@ def expect_after_load(pool, spec: dict, before: np.ndarray, writes) -> np.ndarra
         for t in range(rows.shape[0]):
             for layer in range(spec["layers"]):
                 for plane in range(planes(spec)):
-                    token_row(spec["layout"], tensors, layer, plane, int(pages[t // ps]),
-                              t % ps, ps)[:] = rows[t, layer, plane]
+                    row = token_row(spec["layout"], tensors, layer, plane, int(pages[t // ps]),
+                                    t % ps, ps)
+                    row[...] = rows[t, layer, plane].reshape(row.shape)
     return exp
 
 

@@ -2,9 +2,11 @@
 """Throughput of kvd's gather/scatter kernels next to one pinned cudaMemcpy.
 
 Pools: Llama-3-8B shape (32 layers, 8 KV heads, head dim 128, bf16, vLLM
-flash-attn layout) at page sizes 1/16/64/256, and DeepSeek MLA (576-wide
-bf16 latent, vLLM MLA layout) at page sizes 1/16/64; 256-token chunks,
-random pages. Each kernel figure is the median of several runs timed with
+flash-attn layout) at page sizes 1/16/64/256, the same shape as vLLM's GPU
+blocks (K and V side by side in each head: rows of 8 head-strided pieces),
+heads outer ("hnc") and tokens outer ("nhc"), at page sizes 16/64, and
+DeepSeek MLA (576-wide bf16 latent, vLLM MLA layout) at page sizes 1/16/64;
+256-token chunks, random pages. Each kernel figure is the median of several runs timed with
 CUDA events, measured interleaved with one cudaMemcpyAsync of the same byte
 count between device memory and pinned host memory (device -> host for
 gather, host -> device for scatter). Modes: "zero-copy" is one call for all
@@ -41,16 +43,22 @@ def contiguous(shape, itemsize, offset):
 
 
 def make_pool(kind, layers, page_size, tokens):
-    """Tensors packed back to back (offsets stay multiples of the row size)."""
+    """Tensors packed back to back (offsets stay multiples of the row piece size)."""
     off, refs = 0, []
     pages = tokens // page_size
+    shape = {"llama": (2, pages, page_size, 8, 128), "mla": (pages, page_size, 576),
+             "hnc": (pages, 8, page_size, 256), "nhc": (pages, page_size, 8, 256)}[kind]
     for _ in range(layers):
-        shape = (2, pages, page_size, 8, 128) if kind == "llama" else (pages, page_size, 576)
         ref, nbytes = contiguous(shape, 2, off)
+        if kind == "nhc":  # logical [blocks, heads, block_size, 2 * head_size]
+            swap = (0, 2, 1, 3)
+            ref = L.TensorRef(0, off, tuple(ref.shape[i] for i in swap),
+                              tuple(ref.strides[i] for i in swap), 2)
         refs.append(ref)
         off += nbytes
-    desc = L.vllm_flash_attn(refs) if kind == "llama" else L.vllm_mla(refs)
-    return desc, off
+    if kind in ("hnc", "nhc"):
+        return L.vllm_kv_blocks(refs, 128), off
+    return (L.vllm_flash_attn(refs) if kind == "llama" else L.vllm_mla(refs)), off
 
 
 class Bench:
@@ -110,16 +118,20 @@ def run_pool(bench, kind, layers, page_size, n_chunks, caps, extra):
     dptrs = [staging.data.ptr + k * shard for k in range(n_chunks)]
     st = bench.stream.ptr
 
-    # spot check of one gather (chunk 0 and the last) against cupy fancy indexing
+    # spot check of one gather (chunk 0 and the last) against cupy fancy indexing, piece by
+    # piece (a piece is a whole row where rows are not head-strided)
     bench.copier(32, 512).gather(bases, pages, hptrs, **params)
     bench.stream.synchronize()
-    rows = pool.reshape(-1, desc.row_bytes)
+    piece = desc.piece_bytes
+    pieces = pool.reshape(-1, piece)
     for c in (0, n_chunks - 1):
         t = np.arange(CHUNK)
         pg = pages[c * ppc:(c + 1) * ppc][t // page_size]
-        base = np.array([o for _, o in desc.bases]).reshape(-1, 1)
-        off = base + pg * desc.page_stride + (t % page_size) * desc.token_stride
-        want = rows[cp.asarray((off // desc.row_bytes).reshape(-1))].reshape(-1)
+        base = np.array([o for _, o in desc.bases]).reshape(-1, 1, 1)
+        off = (base + (pg * desc.page_stride + (t % page_size) * desc.token_stride)[:, None]
+               + np.arange(desc.heads) * desc.head_stride)        # (layer-plane, token, head)
+        assert not (off % piece).any(), "pieces must be aligned to their size for this check"
+        want = pieces[cp.asarray((off // piece).reshape(-1))].reshape(-1)
         if not bool((want == cp.asarray(host[c * shard:(c + 1) * shard])).all()):
             raise SystemExit(f"gather spot check failed: {kind} page size {page_size} chunk {c}")
 
@@ -199,6 +211,9 @@ def main():
         extra = common + (variants if ps == 16 and not args.quick else [])
         run_pool(bench, "llama", 32, ps, args.chunks, caps, extra)
     run_pool(bench, "llama", 32, 16, 1, [16], [])
+    for kind in ("hnc", "nhc"):
+        for ps in (16, 64):
+            run_pool(bench, kind, 32, ps, args.chunks, caps, common)
     for ps in (1, 16, 64):
         run_pool(bench, "mla", args.mla_layers, ps, args.chunks, caps, common)
     if args.out:

@@ -32,6 +32,7 @@ def _shapes(layout: str, n_layers: int, pages: int, ps: int, heads: int, dim: in
     per_layer = {"vllm_flash_attn": [(2, pages, ps, heads, dim)],
                  "vllm_flashinfer": [(pages, 2, ps, heads, dim)],
                  "vllm_mla": [(pages, ps, dim)],
+                 "vllm_kv_blocks": [(pages, heads, ps, 2 * dim)],  # GPU blocks, HNC order
                  "sglang_mha": [(pages * ps, heads, dim)] * 2,
                  "sglang_mla": [(pages * ps, 1, dim)],
                  "opaque": [(pages, heads, ps, dim)]}  # vLLM's CPU cache shape

@@ -10,6 +10,8 @@ engine's stream through the registration's flag page (kvd_client.flags).
 Tensors:
 
 - ``vllm_flash_attn``, ``vllm_flashinfer``, ``vllm_mla``: one tensor per layer
+- ``vllm_kv_blocks``: one tensor per layer, vLLM's GPU blocks, the
+  logical ``[blocks, kv_heads, block_size, 2 * head_size]`` in any order
 - ``sglang_mha``: one ``(k, v)`` pair per layer; ``sglang_mla``: one per layer
 - ``page_first``: a single tensor
 """
@@ -37,6 +39,8 @@ class CudaKVPool:
             self.num_layers = first.shape[1]
         self.kv_heads = 1 if self.attention == "mla" else first.shape[-2]
         self.head_dim = first.shape[-1]
+        if layout == "vllm_kv_blocks":  # K and V side by side in each head
+            self.kv_heads, self.head_dim = first.shape[1], first.shape[-1] // 2
         self.buffers, refs, index = [], [], {}
         for t in flat:
             alloc = export_allocation(t.data_ptr())

@@ -5,18 +5,25 @@ engines need one gather and one scatter, never one kernel per layout pair.
 
 For every (layer, plane) — plane 0 is K, plane 1 is V, and MLA pools have
 the single latent plane 0 — the descriptor holds a base ``(buffer, offset)``
-into the registered buffers. Token ``t`` of page ``p`` of that plane starts
-at ``base + p * page_stride + t * token_stride`` and is ``row_bytes`` long
-(kv heads x head dim x dtype size, contiguous). Strides are shared by all
-layers and planes.
+into the registered buffers. The row of token ``t`` of page ``p`` of that
+plane is ``row_bytes`` long (kv heads x head dim x dtype size) and made of
+``heads`` pieces of ``row_bytes // heads`` bytes each: piece ``h`` lies at
+``base + p * page_stride + t * token_stride + h * head_stride``. With
+``heads == 1`` (the default; ``head_stride`` is then unused) a row is one
+contiguous range; ``heads > 1`` describes pools that keep something else
+between one head's bytes and the next head's of the same token (vLLM's GPU
+blocks hold K and V side by side inside each head). Strides are shared by
+all layers and planes; pieces of different tokens, heads or pages are not
+checked for overlap.
 
 Canonical chunk bytes (format version ``CANONICAL_VERSION``) of one shard
-are layer-major: ``[layer][plane][token][row_bytes]``. The constructors
-below turn the tensor shapes of known engines into descriptors; they take
-``TensorRef`` (buffer index, byte offset, shape, byte strides, item size)
-so they work for numpy arrays over shared memory and for CUDA tensors.
-Invalid shapes raise ``ValueError``; ``validate_extent`` checks that every
-byte a page id below ``num_pages`` can reach lies inside its buffer.
+are layer-major: ``[layer][plane][token][row_bytes]``, a row being its
+pieces in head order. The constructors below turn the tensor shapes of
+known engines into descriptors; they take ``TensorRef`` (buffer index, byte
+offset, shape, byte strides, item size) so they work for numpy arrays over
+shared memory and for CUDA tensors. Invalid shapes raise ``ValueError``;
+``validate_extent`` checks that every byte a page id below ``num_pages``
+can reach lies inside its buffer.
 ``opaque_pages`` describes a pool whose pages are dense byte ranges of unknown
 inner order (namespace attention ``opaque``): one plane, and the "rows" of a
 page are its consecutive ``page bytes / page_size`` slices, so whole pages
@@ -27,11 +34,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvd_protocol.limits import MAX_BYTES, MAX_CHUNK_TOKENS, MAX_LAYERS, MAX_PAGES
+from kvd_protocol.limits import MAX_BYTES, MAX_CHUNK_TOKENS, MAX_KV_HEADS, MAX_LAYERS, MAX_PAGES
 
 CANONICAL_VERSION = 1
 CAPS = {"num_layers": MAX_LAYERS, "num_pages": MAX_PAGES, "page_size": MAX_CHUNK_TOKENS,
-        "row_bytes": MAX_BYTES, "page_stride": MAX_BYTES, "token_stride": MAX_BYTES}
+        "row_bytes": MAX_BYTES, "page_stride": MAX_BYTES, "token_stride": MAX_BYTES,
+        "heads": MAX_KV_HEADS, "head_stride": MAX_BYTES}
 
 
 @dataclass(frozen=True)
@@ -55,12 +63,16 @@ class LayoutDescriptor:
     page_stride: int
     token_stride: int
     bases: tuple[tuple[int, int], ...]
+    heads: int = 1          # pieces of a row (1: one contiguous range)
+    head_stride: int = 0    # bytes from piece h to piece h+1 of one token row
 
     def __post_init__(self) -> None:
         for name, cap in CAPS.items():
             low = 0 if name.endswith("stride") else 1
             if not low <= getattr(self, name) <= cap:
                 raise ValueError(f"{name} must be between {low} and {cap} (kvd_protocol.limits)")
+        if self.row_bytes % self.heads:
+            raise ValueError(f"row_bytes {self.row_bytes} is not a multiple of heads {self.heads}")
         if self.planes not in (1, 2):
             raise ValueError("planes must be 1 (MLA latent) or 2 (K and V)")
         if len(self.bases) != self.num_layers * self.planes:
@@ -73,14 +85,19 @@ class LayoutDescriptor:
     def base(self, layer: int, plane: int) -> tuple[int, int]:
         return self.bases[layer * self.planes + plane]
 
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes of one piece (one head's share) of a row."""
+        return self.row_bytes // self.heads
+
     def shard_bytes(self, chunk_tokens: int) -> int:
         """Bytes of one chunk shard in canonical form."""
         return self.num_layers * self.planes * chunk_tokens * self.row_bytes
 
     def plane_span(self) -> int:
         """Bytes from a plane's base to one past the last byte a page id can reach."""
-        return ((self.num_pages - 1) * self.page_stride
-                + (self.page_size - 1) * self.token_stride + self.row_bytes)
+        return ((self.num_pages - 1) * self.page_stride + (self.page_size - 1) * self.token_stride
+                + (self.heads - 1) * self.head_stride + self.piece_bytes)
 
     def validate_extent(self, buffer_sizes: list[int]) -> None:
         span = self.plane_span()
@@ -148,6 +165,25 @@ def vllm_mla(layers: list[TensorRef]) -> LayoutDescriptor:
     bases = tuple((x.buffer, x.offset) for x in layers)
     return LayoutDescriptor(len(layers), 1, t.shape[0], t.shape[1], _row_bytes(t, 1),
                             t.strides[0], t.strides[1], bases)
+
+
+def vllm_kv_blocks(layers: list[TensorRef], head_size: int) -> LayoutDescriptor:
+    """vLLM's GPU blocks: per layer the logical ``[num_blocks, kv_heads, block_size,
+    2 * head_size]``, K and V side by side inside each head, dims in any physical order
+    (``HNC``: heads outer, ``NHC``: tokens outer, blocks of all layers interleaved...)
+    as long as the last one is contiguous. A token's K row is its heads' first halves."""
+    _same_geometry(layers, "vllm_kv_blocks")
+    t = layers[0]
+    _check_rank(t, 4, "vllm_kv_blocks")
+    if head_size < 1 or t.shape[3] != 2 * head_size:
+        raise ValueError(f"vllm_kv_blocks: dim 3 must be 2 x head_size ({head_size}), "
+                         f"got shape {t.shape}")
+    half = _row_bytes(t, 1) // 2          # one head's K (or V) bytes
+    kv_heads = t.shape[1]
+    heads, head_stride = (kv_heads, t.strides[1]) if kv_heads > 1 else (1, 0)
+    bases = tuple((x.buffer, x.offset + p * half) for x in layers for p in (0, 1))
+    return LayoutDescriptor(len(layers), 2, t.shape[0], t.shape[2], kv_heads * half,
+                            t.strides[0], t.strides[2], bases, heads, head_stride)
 
 
 def _token_pool(tensors: list[TensorRef], page_size: int, planes: int, what: str) -> LayoutDescriptor:
@@ -219,14 +255,15 @@ def opaque_pages(layers: list[TensorRef], page_size: int) -> LayoutDescriptor:
     return LayoutDescriptor(len(layers), 1, t.shape[0], page_size, row, t.strides[0], row, bases)
 
 
-LAYOUTS = ("vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "sglang_mha", "sglang_mla", "page_first",
-           "opaque")
+LAYOUTS = ("vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "vllm_kv_blocks", "sglang_mha",
+           "sglang_mla", "page_first", "opaque")
 
 
 def describe(name: str, refs: list[TensorRef], page_size: int | None = None) -> LayoutDescriptor:
     """Descriptor of a layout by name. ``refs``: one per layer; for ``sglang_mha``
     K and V interleaved (k0, v0, k1, v1, ...); for ``page_first`` the one pool tensor.
-    Token pools (``sglang_*``) and ``opaque`` pages need ``page_size``."""
+    Token pools (``sglang_*``) and ``opaque`` pages need ``page_size``; ``vllm_kv_blocks``
+    takes the head size from the last dim (half of it)."""
     if name == "opaque":
         if not page_size:
             raise ValueError("opaque needs page_size (tokens per page)")
@@ -237,6 +274,9 @@ def describe(name: str, refs: list[TensorRef], page_size: int | None = None) -> 
         if name == "sglang_mha":
             return sglang_mha(refs[0::2], refs[1::2], page_size)
         return sglang_mla(refs, page_size)
+    if name == "vllm_kv_blocks":
+        last = refs[0].shape[-1] if refs and refs[0].shape else 0
+        return vllm_kv_blocks(refs, last // 2)
     if name == "page_first":
         if len(refs) != 1:
             raise ValueError("page_first takes exactly one pool tensor")

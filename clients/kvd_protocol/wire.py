@@ -234,16 +234,21 @@ NAMESPACE_FIELDS = {"model": _str, "kv_dtype": _str, "attention": _str, "num_lay
                     "fingerprint": _str}
 LAYOUT_FIELDS = {"num_layers": _int, "planes": _int, "num_pages": _int, "page_size": _int,
                  "row_bytes": _int, "page_stride": _int, "token_stride": _int, "bases": _list}
+# Head-strided rows (kvd_protocol.layout): optional, absent means heads = 1. Sent only when
+# heads > 1, so a layout with contiguous rows still registers with a daemon that predates them.
+LAYOUT_OPTIONAL = {"heads": _int, "head_stride": _int}
 BUFFER_FIELDS = {"shm": {"kind": _str, "path": _str, "size": _size},
                  "cuda_ipc": {"kind": _str, "handle": lambda v: isinstance(v, bytes) and len(v) == 64,
                               "offset": _size, "size": _size, "device_uuid": _str}}
 
 
-def _strict_map(m, schema: dict, what: str) -> dict:
-    if not isinstance(m, dict) or set(m) != set(schema):
-        raise BadRequest(f"{what} must be a map with exactly the keys {sorted(schema)}")
-    for name, check in schema.items():
-        if not check(m[name]):
+def _strict_map(m, schema: dict, what: str, optional: dict | None = None) -> dict:
+    optional = optional or {}
+    if not isinstance(m, dict) or not set(schema) <= set(m) <= set(schema) | set(optional):
+        extra = f" (and optionally {sorted(optional)})" if optional else ""
+        raise BadRequest(f"{what} must be a map with exactly the keys {sorted(schema)}{extra}")
+    for name, check in {**schema, **optional}.items():
+        if name in m and not check(m[name]):
             raise BadRequest(f"{what}.{name} must be {_TYPE_NAMES.get(check, 'valid')}")
     return m
 
@@ -263,11 +268,13 @@ def namespace_from_wire(m, chunk_tokens: int) -> Namespace:
 def layout_to_wire(d: LayoutDescriptor) -> dict:
     wire = {name: getattr(d, name) for name in LAYOUT_FIELDS}
     wire["bases"] = [list(b) for b in d.bases]
+    if d.heads != 1:
+        wire.update(heads=d.heads, head_stride=d.head_stride)
     return wire
 
 
 def layout_from_wire(m) -> LayoutDescriptor:
-    _strict_map(m, LAYOUT_FIELDS, "layout")
+    _strict_map(m, LAYOUT_FIELDS, "layout", LAYOUT_OPTIONAL)
     bases = m["bases"]
     if len(bases) > 2 * MAX_LAYERS:
         raise BadRequest(f"layout.bases holds more than {2 * MAX_LAYERS} pairs")

@@ -25,7 +25,9 @@ there are fewer chunks than (layer, plane) pairs.
   one fancy-indexed write into the pages.
 
 ``np.take`` is never used on a strided pool view: it would copy the whole
-view first.
+view first. A row of ``heads > 1`` pieces (kvd_protocol.layout) is a
+``[heads, piece]`` pair of trailing view dims, ``[row_bytes]`` otherwise;
+canonical rows are the pieces back to back either way.
 """
 
 from __future__ import annotations
@@ -38,15 +40,23 @@ from kvd_protocol.layout import LayoutDescriptor
 BLOCK_BYTES = 1 << 20
 
 
+def row_dims(d: LayoutDescriptor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and byte strides of one token row: ``(row_bytes,)``, or ``(heads, piece)``."""
+    if d.heads == 1:
+        return (d.row_bytes,), (1,)
+    return (d.heads, d.piece_bytes), (d.head_stride, 1)
+
+
 def plane_view(buffers: list, d: LayoutDescriptor, layer: int, plane: int) -> np.ndarray:
-    """[num_pages, page_size, row_bytes] view of one (layer, plane)."""
+    """[num_pages, page_size, *row] view of one (layer, plane)."""
     buf, off = d.base(layer, plane)
-    return as_strided(buffers[buf][off:], shape=(d.num_pages, d.page_size, d.row_bytes),
-                      strides=(d.page_stride, d.token_stride, 1))
+    shape, strides = row_dims(d)
+    return as_strided(buffers[buf][off:], shape=(d.num_pages, d.page_size, *shape),
+                      strides=(d.page_stride, d.token_stride, *strides))
 
 
 def pool_view(buffers: list, d: LayoutDescriptor) -> np.ndarray | None:
-    """[layer, plane, num_pages, page_size, row_bytes] view of the whole pool, when every
+    """[layer, plane, num_pages, page_size, *row] view of the whole pool, when every
     (layer, plane) base lies in one buffer at ``first + layer * a + plane * b`` (a, b >= 0);
     else None."""
     buf, first = d.bases[0]
@@ -55,16 +65,18 @@ def pool_view(buffers: list, d: LayoutDescriptor) -> np.ndarray | None:
     if a < 0 or b < 0 or any(d.base(layer, plane) != (buf, first + layer * a + plane * b)
                              for layer in range(d.num_layers) for plane in range(d.planes)):
         return None
+    shape, strides = row_dims(d)
     return as_strided(buffers[buf][first:], shape=(d.num_layers, d.planes, d.num_pages,
-                                                   d.page_size, d.row_bytes),
-                      strides=(a, b, d.page_stride, d.token_stride, 1))
+                                                   d.page_size, *shape),
+                      strides=(a, b, d.page_stride, d.token_stride, *strides))
 
 
 def shard_view(arena: np.ndarray, offset: int, d: LayoutDescriptor, chunk_tokens: int) -> np.ndarray:
-    """[layer, plane, pages_per_chunk, page_size, row_bytes] view of a canonical shard."""
+    """[layer, plane, pages_per_chunk, page_size, *row] view of a canonical shard."""
     ppc = chunk_tokens // d.page_size
     size = d.shard_bytes(chunk_tokens)
-    return arena[offset:offset + size].reshape(d.num_layers, d.planes, ppc, d.page_size, d.row_bytes)
+    return arena[offset:offset + size].reshape(d.num_layers, d.planes, ppc, d.page_size,
+                                               *row_dims(d)[0])
 
 
 class _Segments:
@@ -126,4 +138,4 @@ def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, sh
                 part = staging[:rows.size]
                 np.take(segs.rows, rows, axis=0, out=part, mode="clip")
                 view[pages[c * ppc:(c + segs.per) * ppc]] = \
-                    part.reshape(-1, d.page_size, d.row_bytes)
+                    part.reshape(-1, d.page_size, *row_dims(d)[0])

@@ -21,9 +21,12 @@ Contract:
   none is given); the caller waits on that stream before it reads the
   destination. Page ids are checked against ``num_pages`` when given and
   must be >= 0; the pointers are not checked.
-- Bytes only: any dtype. The host picks 16-byte accesses when ``row_bytes``,
-  both strides and every base and chunk pointer are 16-aligned, else the
-  widest of 8, 4, 2, 1 bytes that fits.
+- Head-strided rows (``heads > 1``, kvd_protocol.layout): the kernels copy
+  each token row as ``heads`` pieces of ``row_bytes // heads`` bytes,
+  ``head_stride`` apart in the pool, back to back in the shard.
+- Bytes only: any dtype. The host picks 16-byte accesses when the piece
+  size, the three strides and every base and chunk pointer are 16-aligned,
+  else the widest of 8, 4, 2, 1 bytes that fits.
 - The grid is capped at ``max_blocks`` blocks of ``threads`` threads
   (grid-stride loop), so a copy leaves the engine the rest of the SMs.
 - ``batch(kind, ...)`` validates one request and uploads its small tables
@@ -53,7 +56,7 @@ from typing import Any, Sequence
 import numpy as np
 
 KERNEL_FILE = "kv_copy.cu"
-_MAX_ROWS = 2**31 - 1          # rows per launch (the kernel indexes rows in 32 bits)
+_MAX_ROWS = 2**31 - 1          # pieces per launch (the kernel indexes them in 32 bits)
 _H2D = 1                       # cudaMemcpyHostToDevice
 
 
@@ -83,9 +86,10 @@ def _import_cupy() -> Any:
 
 
 def vector_bytes(row_bytes: int, page_stride: int, token_stride: int,
-                 plane_bases: np.ndarray, chunk_ptrs: np.ndarray) -> int:
-    """The widest access (16, 8, 4, 2 or 1 bytes) that every row address allows."""
-    acc = int(row_bytes) | int(page_stride) | int(token_stride)
+                 plane_bases: np.ndarray, chunk_ptrs: np.ndarray, heads: int = 1,
+                 head_stride: int = 0) -> int:
+    """The widest access (16, 8, 4, 2 or 1 bytes) that every piece address allows."""
+    acc = int(row_bytes) // int(heads) | int(page_stride) | int(token_stride) | int(head_stride)
     if plane_bases.size:
         acc |= int(np.bitwise_or.reduce(plane_bases))
     if chunk_ptrs.size:
@@ -96,9 +100,9 @@ def vector_bytes(row_bytes: int, page_stride: int, token_stride: int,
     return 1
 
 
-def group_threads(row_bytes: int, vec: int) -> int:
-    """Threads that share one row: the kernel's rule, repeated for grid sizing."""
-    vecs, g = row_bytes // vec, 1
+def group_threads(piece_bytes: int, vec: int) -> int:
+    """Threads that share one piece: the kernel's rule, repeated for grid sizing."""
+    vecs, g = piece_bytes // vec, 1
     while g < vecs and g < 32:
         g <<= 1
     return g
@@ -114,7 +118,8 @@ def desc_params(desc: Any) -> dict[str, int]:
     """The keyword arguments of ``gather``/``scatter`` a ``LayoutDescriptor`` fixes."""
     return {"num_layers": desc.num_layers, "planes": desc.planes, "page_size": desc.page_size,
             "page_stride": desc.page_stride, "token_stride": desc.token_stride,
-            "row_bytes": desc.row_bytes, "num_pages": desc.num_pages}
+            "row_bytes": desc.row_bytes, "heads": desc.heads, "head_stride": desc.head_stride,
+            "num_pages": desc.num_pages}
 
 
 class _Slot:
@@ -166,7 +171,8 @@ class KernelCopier:
                layer_end: int | None = None, **geometry: Any) -> None:
         """Pool pages -> canonical shards at ``chunk_ptrs`` (asynchronous on ``stream``).
         ``geometry``: ``num_layers, planes, chunk_tokens, page_size, page_stride,
-        token_stride, row_bytes`` and optionally ``num_pages`` (see ``desc_params``)."""
+        token_stride, row_bytes`` and optionally ``heads, head_stride, num_pages`` (see
+        ``desc_params``)."""
         with self.batch("gather", plane_bases, page_ids, chunk_ptrs, stream=stream, **geometry) as b:
             b.launch_all(layer_begin, layer_end)
 
@@ -180,7 +186,8 @@ class KernelCopier:
     def batch(self, kind: str, plane_bases: Sequence[int], page_ids: Sequence[int],
               chunk_ptrs: Sequence[int], *, num_layers: int, planes: int, chunk_tokens: int,
               page_size: int, page_stride: int, token_stride: int, row_bytes: int,
-              stream: Any = None, num_pages: int | None = None,
+              heads: int = 1, head_stride: int = 0, stream: Any = None,
+              num_pages: int | None = None,
               cancel: tuple[int, int] | None = None) -> "CopyBatch":
         """Validate and upload the tables of one request once; launch its kernels
         through the returned ``CopyBatch`` (a context manager: leaving it marks the
@@ -196,15 +203,17 @@ class KernelCopier:
             raise ValueError(f"expected {num_layers * planes} plane bases, got {bases.size}")
         if chunk_tokens < 1 or page_size < 1 or chunk_tokens % page_size:
             raise ValueError("chunk_tokens must be a positive multiple of page_size")
-        if row_bytes < 1 or page_stride < 0 or token_stride < 0:
+        if row_bytes < 1 or page_stride < 0 or token_stride < 0 or head_stride < 0:
             raise ValueError("row_bytes must be >= 1 and strides >= 0")
+        if heads < 1 or row_bytes % heads:
+            raise ValueError(f"heads ({heads}) must be >= 1 and divide row_bytes ({row_bytes})")
         ppc = chunk_tokens // page_size
         if pids.size % ppc:
             raise ValueError(f"{pids.size} page ids are not whole chunks of {ppc} pages")
         if pids.size and (int(pids.min()) < 0 if num_pages is None  # one pass: -1 wraps high
                           else int(pids.view(np.uint64).max()) >= num_pages):
             raise ValueError("page id out of range")
-        vec = vector_bytes(row_bytes, page_stride, token_stride, bases, ptrs)
+        vec = vector_bytes(row_bytes, page_stride, token_stride, bases, ptrs, heads, head_stride)
         cp = self._cp
         if stream is None:
             stream = cp.cuda.get_current_stream()
@@ -212,7 +221,8 @@ class KernelCopier:
             slot = self._upload(stream, bases, pids, ptrs)
         return CopyBatch(self, self._kernels[kind], slot, stream, bases.size, pids.size,
                          ptrs.size, (num_layers, planes, chunk_tokens, page_size, page_stride,
-                                     token_stride, row_bytes, vec), cancel or (0, 0))
+                                     token_stride, row_bytes, heads, head_stride, vec),
+                         cancel or (0, 0))
 
     def busy_slot(self) -> Any:
         """The event the next ``batch`` would have to wait for, or None when its table
@@ -270,12 +280,15 @@ class CopyBatch:
         table = int(slot.dev.ptr)
         self._pids = table + 8 * n_bases
         self._ptrs = table + 8 * (n_bases + n_pids)
-        num_layers, planes, tokens, page_size, page_stride, token_stride, row_bytes, vec = geometry
+        (num_layers, planes, tokens, page_size, page_stride, token_stride, row_bytes, heads,
+         head_stride, vec) = geometry
+        self.heads = heads
         self._head = (np.uint64(table),)
         self._tail = (np.int32(tokens), np.int32(page_size), np.int64(page_stride),
-                      np.int64(token_stride), np.int64(row_bytes), np.int32(vec),
-                      np.uint64(cancel[0]), np.uint32(cancel[1]))
-        self.group = group_threads(row_bytes, vec)
+                      np.int64(token_stride), np.int64(row_bytes), np.int32(heads),
+                      np.int64(head_stride), np.int32(vec), np.uint64(cancel[0]),
+                      np.uint32(cancel[1]))
+        self.group = group_threads(row_bytes // heads, vec)
         self._device = copier._cp.cuda.Device(copier.device_id)
 
     def __enter__(self) -> "CopyBatch":
@@ -299,7 +312,7 @@ class CopyBatch:
             raise ValueError(f"expected {self.n_chunks} chunk pointers, got {self.n_ptrs}")
         if not 0 <= layer_begin <= layer_end <= num_layers:
             raise ValueError(f"bad layer range [{layer_begin}, {layer_end}) of {num_layers}")
-        rows_per_chunk = (layer_end - layer_begin) * planes * tokens
+        rows_per_chunk = (layer_end - layer_begin) * planes * tokens * self.heads
         if rows_per_chunk == 0:
             return
         per_launch = _MAX_ROWS // rows_per_chunk
@@ -318,7 +331,7 @@ class CopyBatch:
         if first < 0 or count < 0 or first + count > self.n_chunks \
                 or ptr_first < 0 or ptr_first + count > self.n_ptrs:
             raise ValueError("chunk range outside the uploaded tables")
-        rows = count * (layer_end - layer_begin) * planes * tokens
+        rows = count * (layer_end - layer_begin) * planes * tokens * self.heads
         if rows == 0:
             return
         if rows > _MAX_ROWS:

@@ -341,6 +341,9 @@ def _check_layout_matches(ns, layout, tp_rank: int) -> None:
                          f"namespace says {ns.num_layers} x {ns.planes}")
     if layout.row_bytes != ns.row_bytes:
         raise BadRequest(f"layout rows are {layout.row_bytes} bytes, the namespace needs {ns.row_bytes}")
+    if ns.kv_heads % layout.heads:  # a row's pieces are whole heads, or the bytes mix heads
+        raise BadRequest(f"layout rows come in {layout.heads} pieces, which must be whole heads "
+                         f"of the namespace's {ns.kv_heads}")
     if ns.chunk_tokens % layout.page_size:
         raise BadRequest(f"chunk_tokens {ns.chunk_tokens} is not a multiple of page_size {layout.page_size}")
     if tp_rank >= ns.tp_size:

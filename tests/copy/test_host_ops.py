@@ -1,5 +1,6 @@
 """kvd.copy.host_ops against a row-by-row reference: gather and scatter of many chunks at
-shard offsets of any alignment, with every engine layout, page order and layer range."""
+shard offsets of any alignment, with every engine layout (vLLM's GPU blocks, whose rows are
+head-strided, in both block orders), page order and layer range."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from vllm_blocks import VllmBlocksPool
 
 from kvd.copy import host_ops
 from kvd_client.pool import SharedKVPool
@@ -14,9 +16,11 @@ from kvd_protocol import layout as L
 
 
 def reference_row(buffers, d: L.LayoutDescriptor, layer, plane, page, token) -> np.ndarray:
+    """The row by the descriptor's rule: its pieces, head after head."""
     buf, off = d.base(layer, plane)
     start = off + page * d.page_stride + token * d.token_stride
-    return buffers[buf][start:start + d.row_bytes]
+    starts = [start + h * d.head_stride for h in range(d.heads)]
+    return np.concatenate([buffers[buf][at:at + d.piece_bytes] for at in starts])
 
 
 def canonical(d, chunk, layer, plane, token) -> int:
@@ -24,12 +28,15 @@ def canonical(d, chunk, layer, plane, token) -> int:
     return ((layer * d.planes + plane) * chunk + token) * d.row_bytes
 
 
-@pytest.fixture(params=["vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "sglang_mha",
-                        "sglang_mla", "page_first"])
+@pytest.fixture(params=["vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "vllm_kv_blocks",
+                        "vllm_kv_blocks-NHC", "sglang_mha", "sglang_mla", "page_first"])
 def pool(request, tmp_path):
     heads = 1 if request.param.endswith("mla") else 2
-    p = SharedKVPool(request.param, num_layers=3, num_pages=24, page_size=4, kv_heads=heads,
-                     head_dim=6, dtype="float16", shm_dir=str(tmp_path))
+    if request.param == "vllm_kv_blocks-NHC":  # tokens outer (SharedKVPool's blocks are HNC)
+        p = VllmBlocksPool("NHC", 3, 24, 4, heads, 6, dtype="float16", shm_dir=str(tmp_path))
+    else:
+        p = SharedKVPool(request.param, num_layers=3, num_pages=24, page_size=4, kv_heads=heads,
+                         head_dim=6, dtype="float16", shm_dir=str(tmp_path))
     p.raw[:] = np.random.default_rng(5).integers(0, 256, p.raw.size, dtype=np.uint8)
     yield p
     p.close()

@@ -80,7 +80,8 @@ def store_then_load(fake_engine, d, layout: str, page_size: int, seed: int) -> N
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
-@pytest.mark.parametrize("layout", ["vllm_flash_attn", "vllm_mla"])
+@pytest.mark.parametrize("layout", ["vllm_flash_attn", "vllm_mla", "vllm_kv_blocks",
+                                    "vllm_kv_blocks_nhc"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_store_then_load_other_pages_bit_exact(fake_engine, fake_daemon, path, layout, page_size):
     knobs, how = PATHS[path]
@@ -98,6 +99,38 @@ def test_other_layouts(fake_engine, fake_daemon, layout, path):
     d = fake_daemon(log_level="debug", **knobs)
     store_then_load(fake_engine, d, layout, 16, seed=7)
     assert [m.group(1) for m in re.finditer(how, d.log())] == ["gather", "scatter"], d.log()
+    assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("src, dst", [("vllm_kv_blocks", "vllm_kv_blocks_nhc"),
+                                      ("vllm_kv_blocks_nhc", "vllm_kv_blocks"),
+                                      ("vllm_kv_blocks_nhc", "vllm_flash_attn"),
+                                      ("vllm_flash_attn", "vllm_kv_blocks")])
+def test_vllm_gpu_blocks_share_chunks_with_other_layouts(fake_engine, fake_daemon, src, dst):
+    """vLLM's GPU blocks (head-strided rows, heads or tokens outer) and flash-attn pools of
+    one model: a chunk one stores is the other's hit, every token row byte for byte, and
+    the load writes nothing but the target pages."""
+    d = fake_daemon(gpu_stage_slot_bytes="1MiB")
+    heads, dim = geometry(src)
+    ps, pages = 16, 2 * CHUNKS + 3
+    a_tensors, a_flat, _ = fake_engine.tensors(src, LAYERS, pages, ps, heads, dim, seed=11)
+    b_tensors, b_flat, b_region = fake_engine.tensors(dst, LAYERS, pages, ps, heads, dim, seed=12)
+    rng = np.random.default_rng(13)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        a = client.register_kv(fake_engine.pool(src, a_tensors, ps), model="fake-shared-mha")
+        b = client.register_kv(fake_engine.pool(dst, b_tensors, ps), model="fake-shared-mha")
+        assert a.namespace == b.namespace
+        tokens = rng.integers(0, 50000, CHUNKS * CHUNK)
+        src_pages, dst_pages = rng.permutation(pages)[:CHUNKS], rng.permutation(pages)[:CHUNKS]
+        expect = [page_bytes(src, a_flat, int(p), ps) for p in src_pages]
+        assert client.store(tokens, src_pages, reg=a) == CHUNKS * CHUNK
+        poison(dst, b_flat, dst_pages, ps)
+        before = b_region.array.copy()
+        assert client.load(tokens, dst_pages, reg=b) == CHUNKS * CHUNK
+        for p, want in zip(dst_pages, expect):
+            assert page_bytes(dst, b_flat, int(p), ps) == want, f"page {p}"
+        poison(dst, b_flat, dst_pages, ps)
+        assert np.array_equal(b_region.array, before)
     assert d.stop() == 0, d.log()
 
 

@@ -34,10 +34,11 @@ def _launch(kind: str, desc, bases, pages, chunk_ptrs, layers: range, stream, ca
     dev.array[:] = tables.view(np.uint8)
     p = desc_params(desc)
     vec = vector_bytes(p["row_bytes"], p["page_stride"], p["token_stride"], bases,
-                       np.asarray(chunk_ptrs, np.uint64))
+                       np.asarray(chunk_ptrs, np.uint64), p["heads"], p["head_stride"])
     args = (dev.base, dev.base + 8 * bases.size, dev.base + 8 * (bases.size + len(pages)),
             len(chunk_ptrs), p["num_layers"], p["planes"], layers.start, layers.stop, CHUNK,
-            p["page_size"], p["page_stride"], p["token_stride"], p["row_bytes"], vec, *cancel)
+            p["page_size"], p["page_stride"], p["token_stride"], p["row_bytes"], p["heads"],
+            p["head_stride"], vec, *cancel)
     kernels.Kernel(f"kv_{kind}")((1,), (128,), args, stream=stream)
     return dev
 
@@ -103,7 +104,7 @@ def test_streams_order_work_through_events_and_flag_words():
 def test_a_kernel_on_unregistered_host_memory_breaks_the_context():
     s = streams.Stream()
     loose = np.zeros(4096, np.uint8)
-    args = (loose.ctypes.data, 0, 0, 1, 1, 1, 0, 1, 16, 16, 0, 0, 16, 16, 0, 0)
+    args = (loose.ctypes.data, 0, 0, 1, 1, 1, 0, 1, 16, 16, 0, 0, 16, 1, 0, 16, 0, 0)
     try:
         kernels.Kernel("kv_gather")((1,), (32,), args, stream=s)
         with pytest.raises(errors.CudaError, match="IllegalAddress"):

@@ -2,7 +2,9 @@
 
 The pytest process is an engine (torch tensors exported through CUDA IPC);
 ``kvd serve --gpu on`` runs in a subprocess; a second engine runs in a
-spawned process. Skipped without torch, cupy or a GPU.
+spawned process. vLLM's GPU blocks (``vllm_kv_blocks``: heads outer, or
+``vllm_kv_blocks_nhc``: tokens outer) are also registered through the vLLM
+connector's own pool code. Skipped without torch, cupy or a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ torch = require_gpu()
 
 import kvd_client  # noqa: E402
 from kvd_client.torch_pool import CudaKVPool  # noqa: E402
+from kvd_client.vllm import geometry as G  # noqa: E402
+from kvd_client.vllm.pool import cuda_pool  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CHUNK = 64
@@ -44,6 +48,10 @@ def make_tensors(layout: str, layers: int, pages: int, page_size: int, heads: in
         return [(rnd(pages * page_size, heads, dim), rnd(pages * page_size, heads, dim)) for _ in range(layers)]
     if layout == "sglang_mla":
         return [rnd(pages * page_size, 1, dim) for _ in range(layers)]
+    if layout == "vllm_kv_blocks":       # logical [blocks, heads, block_size, 2 * head_size]
+        return [rnd(pages, heads, page_size, 2 * dim) for _ in range(layers)]
+    if layout == "vllm_kv_blocks_nhc":   # the same, stored tokens outer
+        return [rnd(pages, page_size, heads, 2 * dim).transpose(1, 2) for _ in range(layers)]
     assert layout == "page_first"
     return rnd(pages, layers, 2, page_size, heads, dim)
 
@@ -57,6 +65,8 @@ def page_rows(layout: str, tensors, page: int, page_size: int) -> torch.Tensor:
         return torch.cat([u8(t[:, page]) for t in tensors])
     if layout in ("vllm_flashinfer", "vllm_mla"):
         return torch.cat([u8(t[page]) for t in tensors])
+    if layout.startswith("vllm_kv_blocks"):
+        return torch.cat([u8(_physical(layout, t)[page]) for t in tensors])
     if layout == "sglang_mha":
         return torch.cat([u8(x[tok]) for k, v in tensors for x in (k, v)])
     if layout == "sglang_mla":
@@ -70,6 +80,25 @@ def all_bytes(layout: str, tensors) -> torch.Tensor:
     return torch.cat([t.contiguous().view(torch.uint8).flatten() for t in flat])
 
 
+def _physical(layout: str, t: torch.Tensor) -> torch.Tensor:
+    """A vLLM block tensor in its stored (contiguous) dim order."""
+    return t.transpose(1, 2) if layout == "vllm_kv_blocks_nhc" else t
+
+
+def token_rows(layout: str, tensors, pages: list) -> torch.Tensor:
+    """[token, layer, plane, heads, head_dim] of the tokens kept in ``pages``, by the engines'
+    own indexing (vLLM blocks: K and V are each head's halves; flash-attn: [2, B, N, H, D])."""
+    rows = []
+    for t in tensors:
+        if layout == "vllm_flash_attn":
+            x = t[:, pages].permute(1, 2, 0, 3, 4)                  # [P, N, 2, H, D]
+        else:
+            b, h, n, c = t[pages].shape
+            x = t[pages].contiguous().view(b, h, n, 2, c // 2).permute(0, 2, 3, 1, 4)
+        rows.append(x.reshape(-1, *x.shape[2:]))
+    return torch.stack(rows, dim=1)
+
+
 @pytest.fixture
 def gpu_daemon(start_daemon):
     d = start_daemon(**GPU_KNOBS)
@@ -78,6 +107,7 @@ def gpu_daemon(start_daemon):
 
 
 CASES = [(layout, ps, dt) for layout in ("vllm_flash_attn", "vllm_flashinfer", "vllm_mla",
+                                          "vllm_kv_blocks", "vllm_kv_blocks_nhc",
                                           "sglang_mha", "sglang_mla", "page_first")
          for ps in (1, 16, 64) for dt in DTYPES]
 
@@ -100,7 +130,7 @@ def test_store_then_load_other_pages_bit_exact(path_daemon, layout, page_size, d
     ppc = CHUNK // page_size
     pages = 4 * ppc + 3
     tensors = make_tensors(layout, 3, pages, page_size, heads, dim, DTYPES[dtype])
-    pool = CudaKVPool(layout, tensors, page_size=page_size)
+    pool = CudaKVPool(layout.removesuffix("_nhc"), tensors, page_size=page_size)
     with kvd_client.KvdClient(runtime_dir=str(gpu_daemon.runtime_dir), raise_errors=True) as client:
         client.register_kv(pool, model=f"m-{layout}")
         tokens = np.random.default_rng().integers(0, 50000, 2 * CHUNK)
@@ -129,6 +159,9 @@ def _fill_page(layout, tensors, page, page_size, value):
     elif layout in ("vllm_flashinfer", "vllm_mla"):
         for t in tensors:
             t[page].view(torch.uint8).fill_(value)
+    elif layout.startswith("vllm_kv_blocks"):
+        for t in tensors:
+            _physical(layout, t)[page].view(torch.uint8).fill_(value)
     elif layout == "sglang_mha":
         for k, v in tensors:
             k[tok].view(torch.uint8).fill_(value)
@@ -138,6 +171,50 @@ def _fill_page(layout, tensors, page, page_size, value):
             t[tok].view(torch.uint8).fill_(value)
     else:
         tensors[page].view(torch.uint8).fill_(value)
+
+
+@pytest.mark.parametrize("src, dst", [("vllm_kv_blocks", "vllm_kv_blocks_nhc"),
+                                      ("vllm_kv_blocks_nhc", "vllm_flash_attn"),
+                                      ("vllm_flash_attn", "vllm_kv_blocks")])
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_vllm_gpu_blocks_share_chunks_through_the_connectors_pool(gpu_daemon, src, dst,
+                                                                  page_size):
+    """vLLM's blocks registered as the connector's worker registers them (attention mha, the
+    plain model id) and a flash-attn pool of the same model: one's store is the other's
+    hit, every token row exact, nothing but the target pages written."""
+    heads, dim, layers = 4, 64, 3
+    ppc = CHUNK // page_size
+    pages = 4 * ppc + 3
+    geo = G.KVGeometry(model="m-shared", kv_dtype="bfloat16", attention="mha", num_layers=layers,
+                       kv_heads=heads, head_dim=dim, tp_size=1, block_size=page_size)
+
+    def pool(layout, tensors):
+        if layout == "vllm_flash_attn":
+            return CudaKVPool(layout, tensors)
+        return cuda_pool(geo, tensors, pages)
+
+    a_t = make_tensors(src, layers, pages, page_size, heads, dim, torch.bfloat16)
+    b_t = make_tensors(dst, layers, pages, page_size, heads, dim, torch.bfloat16)
+    with kvd_client.KvdClient(runtime_dir=str(gpu_daemon.runtime_dir), raise_errors=True) as client:
+        a = client.register_kv(pool(src, a_t), model="m-shared")
+        b = client.register_kv(pool(dst, b_t), model="m-shared")
+        assert a.namespace == b.namespace
+        tokens = np.random.default_rng().integers(0, 50000, 2 * CHUNK)
+        perm = torch.randperm(pages).tolist()
+        src_pages, dst_pages = perm[:2 * ppc], perm[2 * ppc:4 * ppc]
+        want = token_rows(src, a_t, src_pages).clone()
+        torch.cuda.synchronize()
+        assert client.store(tokens, src_pages, reg=a) == 2 * CHUNK
+        for p in dst_pages:
+            _fill_page(dst, b_t, p, page_size, 0xA5)
+        before = all_bytes(dst, b_t).clone()
+        assert client.load(tokens, dst_pages, reg=b) == 2 * CHUNK
+        torch.cuda.synchronize()
+        got = token_rows(dst, b_t, dst_pages)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        for p in dst_pages:
+            _fill_page(dst, b_t, p, page_size, 0xA5)
+        assert torch.equal(all_bytes(dst, b_t), before)
 
 
 def test_store_waits_for_the_engine_stream(gpu_daemon):

@@ -6,6 +6,9 @@ it at 256-byte aligned offsets after a gap, as a caching allocator hands
 out tensors in the middle of a block; they are numpy arrays (2-byte
 elements stand for bfloat16), filled with random bytes, so the engine's
 CPU reads and writes "GPU" memory directly where a torch test would copy.
+``vllm_kv_blocks`` are vLLM's GPU blocks, per layer the logical ``[blocks,
+heads, block_size, 2 * dim]`` stored heads outer; ``vllm_kv_blocks_nhc``
+the same stored tokens outer (the tensors are the logical views).
 ``FakeCudaKVPool`` is ``kvd_client.torch_pool.CudaKVPool`` for such
 tensors: it exports each tensor's allocation through cuda_driver (the fake
 libcuda: fakecuda.driver), builds the same layout descriptor and buffer
@@ -34,6 +37,8 @@ def shapes(layout: str, layers: int, pages: int, ps: int, heads: int, dim: int) 
     per_layer = {"vllm_flash_attn": [(2, pages, ps, heads, dim)],
                  "vllm_flashinfer": [(pages, 2, ps, heads, dim)],
                  "vllm_mla": [(pages, ps, dim)],
+                 "vllm_kv_blocks": [(pages, heads, ps, 2 * dim)],
+                 "vllm_kv_blocks_nhc": [(pages, ps, heads, 2 * dim)],  # physical order
                  "sglang_mha": [(pages * ps, heads, dim)] * 2,
                  "sglang_mla": [(pages * ps, 1, dim)]}
     if layout == "page_first":
@@ -55,6 +60,8 @@ def kv_tensors(layout: str, layers: int, pages: int, page_size: int, heads: int,
             for o, s in zip(offsets, flat_shapes)]
     if layout == "sglang_mha":
         return list(zip(flat[0::2], flat[1::2])), flat, region
+    if layout == "vllm_kv_blocks_nhc":  # logical [blocks, heads, block_size, 2 * dim] views
+        flat = [t.transpose(0, 2, 1, 3) for t in flat]
     return (flat[0] if layout == "page_first" else flat), flat, region
 
 
@@ -71,6 +78,9 @@ class FakeCudaKVPool:
             len(flat) // (2 if layout == "sglang_mha" else 1)
         self.kv_heads = 1 if self.attention == "mla" else first.shape[-2]
         self.head_dim = first.shape[-1]
+        if layout.startswith("vllm_kv_blocks"):  # [blocks, heads, block_size, 2 * head_dim]
+            self.kv_heads, self.head_dim = first.shape[1], first.shape[-1] // 2
+            layout = "vllm_kv_blocks"
         self.buffers, refs, index = [], [], {}
         for t in flat:
             ptr = t.ctypes.data

@@ -12,11 +12,12 @@ what the CUDA kernel does (the .cu file's header is the contract): after
 ``streams.kernel_delay(name)``, it reads the cancel word (if the pointer is not
 null) and copies nothing when the word equals ``cancel_seq``; otherwise it
 reads its three tables from (fake) device memory *then*, not at launch,
-and copies every row of chunks ``[0, n_chunks)`` x layers
-``[layer_begin, layer_end)`` x planes, ``(row_bytes // vec_bytes) *
-vec_bytes`` bytes a row, between ``plane_bases[l*planes+k] +
-page*page_stride + t*token_stride`` and the canonical offset
-``chunk_ptrs[c] + ((l*planes+k)*chunk_tokens + i)*row_bytes``. A
+and copies every piece of chunks ``[0, n_chunks)`` x layers
+``[layer_begin, layer_end)`` x planes x tokens x heads, ``(piece //
+vec_bytes) * vec_bytes`` bytes a piece (``piece = row_bytes // heads``),
+between ``plane_bases[l*planes+k] + page*page_stride + t*token_stride +
+h*head_stride`` and the canonical offset ``chunk_ptrs[c] +
+(((l*planes+k)*chunk_tokens + i)*heads + h)*piece``. A
 ``vec_bytes`` other than 16/8/4/2/1 copies nothing; an address not a
 multiple of ``vec_bytes`` is a misaligned-address fault, an address no
 region holds an illegal-address fault (fakecuda.memory). The cancel word is
@@ -37,7 +38,7 @@ from .memory import SPACE
 
 PARAMS = ("plane_bases", "page_ids", "chunk_ptrs", "n_chunks", "num_layers", "planes",
           "layer_begin", "layer_end", "chunk_tokens", "page_size", "page_stride",
-          "token_stride", "row_bytes", "vec_bytes", "cancel", "cancel_seq")
+          "token_stride", "row_bytes", "heads", "head_stride", "vec_bytes", "cancel", "cancel_seq")
 KERNELS = ("kv_gather", "kv_scatter")
 
 
@@ -98,36 +99,39 @@ class Kernel:
 def _copy(a: SimpleNamespace, gather: bool, touched: set) -> None:
     ppc = a.chunk_tokens // a.page_size
     first, planes = a.layer_begin * a.planes, (a.layer_end - a.layer_begin) * a.planes
-    if a.n_chunks <= 0 or planes <= 0:
+    if a.n_chunks <= 0 or planes <= 0 or a.heads <= 0:  # the host never launches these
         return
     bases = SPACE.view(a.plane_bases + 8 * first, 8 * planes, what="plane_bases").view("<u8")
     pids = SPACE.view(a.page_ids, 8 * a.n_chunks * ppc, what="page_ids").view("<i8")
     ptrs = SPACE.view(a.chunk_ptrs, 8 * a.n_chunks, what="chunk_ptrs").view("<u8")
-    width = a.row_bytes // a.vec_bytes * a.vec_bytes
-    token = np.arange(a.chunk_tokens, dtype=np.int64)
-    in_page = token % a.page_size * a.token_stride
+    piece = a.row_bytes // a.heads
+    width = piece // a.vec_bytes * a.vec_bytes
+    # pieces in canonical order: token-major, then head
+    token = np.repeat(np.arange(a.chunk_tokens, dtype=np.int64), a.heads)
+    head = np.tile(np.arange(a.heads, dtype=np.int64), a.chunk_tokens)
+    in_page = token % a.page_size * a.token_stride + head * a.head_stride
     for c in range(a.n_chunks):
         pages = pids[c * ppc + token // a.page_size].astype(np.int64)
         for k in range(planes):
             pool = int(bases[k]) + pages * a.page_stride + in_page
             canon = int(ptrs[c]) + (first + k) * a.chunk_tokens * a.row_bytes
-            _rows(pool, canon, a, width, gather, touched)
+            _rows(pool, canon, a, piece, width, gather, touched)
 
 
-def _rows(pool: np.ndarray, canon: int, a: SimpleNamespace, width: int, gather: bool,
-          touched: set) -> None:
-    """Copy ``width`` bytes of each row between pool rows at ``pool`` and the canonical
-    rows from ``canon`` (stride ``row_bytes``)."""
+def _rows(pool: np.ndarray, canon: int, a: SimpleNamespace, piece: int, width: int,
+          gather: bool, touched: set) -> None:
+    """Copy ``width`` bytes of each piece between pool pieces at ``pool`` and the canonical
+    pieces from ``canon`` (stride ``piece``)."""
     if a.vec_bytes > 1 and (np.any(pool % a.vec_bytes) or canon % a.vec_bytes
-                            or a.row_bytes % a.vec_bytes):
-        raise CudaError(MISALIGNED_ADDRESS, f"a row is not {a.vec_bytes}-byte aligned")
+                            or piece % a.vec_bytes):
+        raise CudaError(MISALIGNED_ADDRESS, f"a piece is not {a.vec_bytes}-byte aligned")
     lo, hi = int(pool.min()), int(pool.max()) + width
     region, off = SPACE.resolve(lo, hi - lo, what="pool rows")
     index = (pool - lo + off)[:, None] + np.arange(width)
     n = len(pool)
-    c_region, c_off = SPACE.resolve(canon, (n - 1) * a.row_bytes + width, what="chunk rows")
+    c_region, c_off = SPACE.resolve(canon, (n - 1) * piece + width, what="chunk rows")
     rows = np.lib.stride_tricks.as_strided(c_region.array[c_off:], shape=(n, width),
-                                           strides=(a.row_bytes, 1))  # in bounds: resolved above
+                                           strides=(piece, 1))  # in bounds: resolved above
     touched.update((region.name, c_region.name))
     if gather:
         rows[:] = region.array[index]

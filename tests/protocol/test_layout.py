@@ -24,10 +24,12 @@ class Pool:
                      for o, s, t in zip(self.offsets, shapes, self.tensors)]
 
     def row(self, d: L.LayoutDescriptor, layer, plane, page, token) -> bytes:
+        """The row by the descriptor's rule: its ``heads`` pieces, in head order."""
         buf, off = d.base(layer, plane)
         assert buf == 0
         start = off + page * d.page_stride + token * d.token_stride
-        return self.raw[start:start + d.row_bytes].tobytes()
+        starts = [start + h * d.head_stride for h in range(d.heads)]
+        return b"".join(self.raw[at:at + d.piece_bytes].tobytes() for at in starts)
 
 
 def _check_every_row(pool: Pool, d: L.LayoutDescriptor, expect):
@@ -102,6 +104,71 @@ def test_page_first():
     _check_every_row(pool, d, lambda l, p, g, t: pool.tensors[0][g, l, p, t])
 
 
+def _blocks(order: str, layers=LAYERS, heads=HEADS, seed=7) -> tuple[Pool, list]:
+    """vLLM GPU blocks: per layer logical [blocks, heads, block_size, 2 * DIM], stored
+    heads outer (HNC) or tokens outer (NHC); (pool, logical views, refs of them)."""
+    hnc = order == "HNC"
+    phys = (PAGES_N, heads, PS, 2 * DIM) if hnc else (PAGES_N, PS, heads, 2 * DIM)
+    pool = Pool([phys] * layers, seed=seed)
+    views = [t if hnc else t.transpose(0, 2, 1, 3) for t in pool.tensors]
+    refs = [L.TensorRef(0, int(o), v.shape, v.strides, ITEM) for o, v in zip(pool.offsets, views)]
+    return pool, views, refs
+
+
+@pytest.mark.parametrize("order", ["HNC", "NHC"])
+def test_vllm_kv_blocks_rows_are_the_heads_halves(order):
+    pool, views, refs = _blocks(order)
+    d = L.vllm_kv_blocks(refs, DIM)
+    s = views[0].strides
+    assert (d.num_layers, d.planes, d.num_pages, d.page_size) == (LAYERS, 2, PAGES_N, PS)
+    assert (d.row_bytes, d.heads, d.piece_bytes) == (HEADS * DIM * ITEM, HEADS, DIM * ITEM)
+    assert (d.page_stride, d.head_stride, d.token_stride) == (s[0], s[1], s[2])
+    assert d.bases[:2] == ((0, pool.offsets[0]), (0, pool.offsets[0] + DIM * ITEM))
+    # K: every head's first DIM elements of the token, V: the second DIM, heads in order
+    _check_every_row(pool, d, lambda l, p, g, t: views[l][g, :, t, p * DIM:(p + 1) * DIM])
+    # the V plane of the last layer ends at the last byte of its tensor
+    end = pool.offsets[-1] + PAGES_N * HEADS * PS * 2 * DIM * ITEM
+    assert d.bases[-1][1] + d.plane_span() == end
+    with pytest.raises(ValueError):
+        d.validate_extent([end - 1])
+    assert L.describe("vllm_kv_blocks", refs) == d
+
+
+def test_vllm_kv_blocks_one_head_is_a_contiguous_row():
+    pool, views, refs = _blocks("NHC", heads=1)
+    d = L.vllm_kv_blocks(refs, DIM)
+    assert (d.heads, d.head_stride, d.row_bytes) == (1, 0, DIM * ITEM)
+    _check_every_row(pool, d, lambda l, p, g, t: views[l][g, 0, t, p * DIM:(p + 1) * DIM])
+
+
+def test_vllm_kv_blocks_of_interleaved_layers():
+    # BLHNC: blocks outermost, every layer's block inside: per-layer views stride past layers
+    pool = Pool([(PAGES_N, LAYERS, HEADS, PS, 2 * DIM)], seed=8)
+    whole = pool.tensors[0]
+    views = [whole[:, layer] for layer in range(LAYERS)]
+    refs = [L.TensorRef(0, layer * whole.strides[1], v.shape, v.strides, ITEM)
+            for layer, v in enumerate(views)]
+    d = L.vllm_kv_blocks(refs, DIM)
+    assert d.page_stride == whole.strides[0] and d.bases[2] == (0, whole.strides[1])
+    _check_every_row(pool, d, lambda l, p, g, t: views[l][g, :, t, p * DIM:(p + 1) * DIM])
+
+
+@pytest.mark.parametrize("build", [
+    lambda: L.vllm_kv_blocks([], DIM),
+    lambda: L.vllm_kv_blocks([_ref((4, 2, 4, 2, 16))], 8),                 # rank
+    lambda: L.vllm_kv_blocks([_ref((4, 2, 4, 16))], 4),                    # 16 != 2 x 4
+    lambda: L.vllm_kv_blocks([_ref((4, 2, 4, 16))], 0),
+    lambda: L.vllm_kv_blocks([L.TensorRef(0, 0, (4, 2, 4, 16), (512, 256, 64, 4), 2)], 8),
+    lambda: L.vllm_kv_blocks([_ref((4, 2, 4, 16)), _ref((4, 3, 4, 16))], 8),  # mixed
+    lambda: L.vllm_kv_blocks([_ref((4, 257, 1, 2))], 1),                  # heads over the cap
+    lambda: L.describe("vllm_kv_blocks", [_ref((4, 2, 4, 15))]),           # odd last dim
+], ids=["empty", "rank", "head-size", "zero-head-size", "strided-last-dim", "mixed",
+        "too-many-heads", "describe-odd"])
+def test_vllm_kv_blocks_invalid(build):
+    with pytest.raises(ValueError):
+        build()
+
+
 def test_opaque_pages_move_whole_pages():
     # vLLM CPU: per layer [blocks, heads, block_size, 2 * head_dim]; the rows of a page are
     # its consecutive page_bytes / page_size slices, so all rows of a page are the page
@@ -151,8 +218,8 @@ def test_tensor_in_other_buffer_and_offset():
 
 
 def test_layout_names():
-    assert set(L.LAYOUTS) == {"vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "sglang_mha",
-                              "sglang_mla", "page_first", "opaque"}
+    assert set(L.LAYOUTS) == {"vllm_flash_attn", "vllm_flashinfer", "vllm_mla", "vllm_kv_blocks",
+                              "sglang_mha", "sglang_mla", "page_first", "opaque"}
     assert all(callable(getattr(L, name)) for name in L.LAYOUTS if name != "opaque")
     assert callable(L.opaque_pages)
 
@@ -231,10 +298,12 @@ def test_non_contiguous_rows_raise_value_error():
     {"row_bytes": 0}, {"page_stride": -1}, {"token_stride": -1}, {"bases": ((0, 0),) * 3},
     {"bases": ((0, -1),) * 4}, {"bases": ((-1, 0),) * 4},
     {"num_layers": 1025, "bases": ((0, 0),) * 2050},
+    {"heads": 0}, {"heads": 257, "row_bytes": 257 * 16}, {"heads": 3}, {"heads": 32},
+    {"head_stride": -1}, {"head_stride": 2**48 + 1},
 ])
 def test_descriptor_validation(kw):
     base = dict(num_layers=2, planes=2, num_pages=4, page_size=4, row_bytes=16, page_stride=64,
-                token_stride=16, bases=((0, 0),) * 4)
+                token_stride=16, bases=((0, 0),) * 4, heads=2, head_stride=32)
     L.LayoutDescriptor(**base)
     with pytest.raises(ValueError):
         L.LayoutDescriptor(**{**base, **kw})
@@ -255,6 +324,17 @@ def test_validate_extent_and_shard_bytes():
     assert d.shard_bytes(8) == 2 * 2 * 8 * 16
     assert d.base(1, 1) == (1, 7)
     assert L.CANONICAL_VERSION == 1
+
+
+def test_plane_span_reaches_the_last_head_piece():
+    d = L.LayoutDescriptor(1, 2, num_pages=3, page_size=4, row_bytes=24, page_stride=1000,
+                           token_stride=10, bases=((0, 0), (0, 5)), heads=3, head_stride=100)
+    span = 2 * 1000 + 3 * 10 + 2 * 100 + 8  # the last piece of the last token of the last page
+    assert d.plane_span() == span and d.piece_bytes == 8
+    d.validate_extent([5 + span])
+    with pytest.raises(ValueError, match="base 1"):
+        d.validate_extent([5 + span - 1])
+    assert d.shard_bytes(8) == 2 * 8 * 24  # canonical rows stay whole: pieces back to back
 
 
 def test_constructed_layouts_fit_exactly():

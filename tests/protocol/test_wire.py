@@ -362,6 +362,31 @@ def test_layout_map_round_trip():
     assert P.layout_from_wire(again) == d
 
 
+def test_head_strided_layouts_carry_heads_and_head_stride():
+    """Sent only when heads > 1 (a daemon that predates them still takes the rest); an
+    old client's map, without them, means heads = 1."""
+    plain = P.layout_from_wire(dict(LAYOUT_WIRE))
+    assert (plain.heads, plain.head_stride) == (1, 0)
+    assert "heads" not in P.layout_to_wire(plain)
+    wire = {**LAYOUT_WIRE, "heads": 2, "head_stride": 32}
+    d = P.layout_from_wire(dict(wire))
+    assert (d.heads, d.head_stride, d.piece_bytes) == (2, 32, 8)
+    assert P.layout_to_wire(d) == wire
+    assert P.layout_from_wire(msgpack.unpackb(P.pack(P.layout_to_wire(d)))) == d
+    assert P.layout_from_wire({**LAYOUT_WIRE, "heads": 1, "head_stride": 0}) == plain
+
+
+@pytest.mark.parametrize("extra", [
+    {"heads": 0}, {"heads": 257, "row_bytes": 257 * 16}, {"heads": 3}, {"heads": True},
+    {"heads": "2"}, {"heads": -1}, {"heads": 2, "head_stride": -1},
+    {"heads": 2, "head_stride": 2**48 + 1}, {"heads": 2, "head_stride": 1.5},
+], ids=["zero", "over-cap", "indivisible", "bool", "str", "negative", "neg-stride",
+        "stride-over-cap", "float-stride"])
+def test_bad_heads_are_bad_requests(extra):
+    with pytest.raises(BadRequest, match="layout"):
+        P.layout_from_wire({**LAYOUT_WIRE, **extra})
+
+
 @pytest.mark.parametrize("mutate", [
     lambda m: m.pop("bases"), lambda m: m.pop("row_bytes"), lambda m: m.update(extra=1),
     lambda m: m.update(planes=3), lambda m: m.update(num_pages=0), lambda m: m.update(num_layers=0),

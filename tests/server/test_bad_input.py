@@ -18,8 +18,8 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from shm_files import arena_files
 from rawwire import OMIT, Raw, layout, namespace, pack, pages, register_fields
+from shm_files import arena_files
 
 import kvd_client
 from kvd_client.flags import ClientFlags
@@ -427,6 +427,16 @@ def test_register_rejects_bad_layouts_and_namespaces(daemon, good, zctx, raw_poo
     bad_layout(num_layers=10**6)
     raw.fails("bad_request", "register", **{**fields, "layout": {**layout(raw_pool), "x": 1}})
     raw.fails("bad_request", "register", **{**fields, "layout": [1, 2]})
+    # Head-strided rows (32-byte rows of 2 heads) that are malformed or reach past the buffer.
+    bad_layout(heads=0)
+    bad_layout(heads=True)
+    bad_layout(heads="2", head_stride=16)
+    bad_layout(heads=3, head_stride=8)                           # 32 bytes in 3 pieces
+    bad_layout(heads=257, row_bytes=257 * 32)                    # beyond MAX_KV_HEADS
+    bad_layout(heads=2, head_stride=-16)
+    bad_layout(heads=2, head_stride=2**60)
+    bad_layout(heads=2, head_stride=d.page_stride * d.num_pages)  # the last piece: past the end
+    bad_layout(heads=4, head_stride=8)                           # pieces of half a head
     # Layouts that fit the buffer but not the namespace.
     bad_layout(row_bytes=d.row_bytes // 2)                       # rows: heads x dim x dtype
     bad_ns(head_dim=16)

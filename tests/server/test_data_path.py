@@ -96,13 +96,17 @@ def test_every_layout_page_size_dtype_roundtrips_across_processes(daemon, procs,
 
 def test_layouts_of_one_namespace_share_chunks(daemon, procs, manager):
     """Engines with different GPU layouts and page sizes of the same model share chunks:
-    process i stores in its layout, process i+1 loads into another layout."""
+    process i stores in its layout, process i+1 loads into another layout (vLLM's GPU
+    blocks, head-strided rows, among them)."""
     mha = [spec("vllm_flash_attn", 16, "bfloat16"), spec("vllm_flashinfer", 4, "bfloat16"),
            spec("sglang_mha", 1, "bfloat16"), spec("page_first", 8, "bfloat16")]
     mla = [spec("vllm_mla", 16, "float8_e4m3fn"), spec("sglang_mla", 1, "float8_e4m3fn"),
            spec("vllm_mla", 2, "float8_e4m3fn"), spec("sglang_mla", 8, "float8_e4m3fn")]
+    blocks = [spec("vllm_kv_blocks", 16, "bfloat16"), spec("sglang_mha", 1, "bfloat16"),
+              spec("vllm_kv_blocks", 2, "bfloat16"), spec("vllm_flash_attn", 4, "bfloat16")]
     rounds = [{"specs": mha, "seed": 9001, "model": "shared/mha"},
-              {"specs": mla, "seed": 9002, "model": "shared/mla"}]
+              {"specs": mla, "seed": 9002, "model": "shared/mla"},
+              {"specs": blocks, "seed": 9003, "model": "shared/vllm-gpu-blocks"}]
     barrier = manager.Barrier(4)
     checked = run_all(procs, W.roundtrip, [(str(daemon.runtime_dir), i, rounds, barrier)
                                            for i in range(4)])

@@ -6,8 +6,10 @@ An SGLang-side process (tests/sglang/sglang_worker.py, in the SGLang venv:
 CPU, creates the backend through ``StorageBackendFactory`` the ``dynamic``
 way, and hashes pages with SGLang's ``get_storage_hash_str``. The test
 process drives it and, for the cross-engine tests, is itself a kvd client
-with a vLLM flash-attn layout of the same model, dtype and TP size: a chunk
-one engine stores is a hit, with exact bytes, for the other.
+with a vLLM flash-attn layout, or vLLM 0.32's GPU blocks (heads or tokens
+outer, registered by the vLLM connector's own worker code,
+tests/vllm_blocks.py), of the same model, dtype and TP size: a chunk one
+engine stores is a hit, with exact bytes, for the other.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from daemons import SESSION_TAGS, DaemonProc
+from vllm_blocks import VllmBlocksPool, over, put_rows, token_rows
 
 from kvd_client import KvdClient, SharedKVPool
+from kvd_client.vllm.counters import Counters
+from kvd_client.vllm.worker import WorkerSide
 from kvd_protocol.runtime import instance_tag
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -240,6 +245,64 @@ def test_cross_engine_vllm_store_is_an_sglang_hit(daemon, engines):
     # SGLang's per-request cache_salt and vLLM's are the same kvd salt
     assert a.exists(keys=a.hash(salted, cache_salt="t1")) == 2
     assert a.exists(keys=a.hash(salted)) == 0
+    pool.close()
+
+
+def sglang_token_rows(pages: list[bytes], page_size: int) -> np.ndarray:
+    """SGLang pages as [token, layer, plane, heads, head_dim bytes] (``token_rows``'s form)."""
+    per_chunk = sglang_pages_to_canonical(pages, page_size)         # [c, L, 2, 16, H, D]
+    rows = per_chunk.transpose(0, 3, 1, 2, 4, 5).reshape(-1, LAYERS, 2, HEADS, DIM)
+    return np.ascontiguousarray(rows).view(np.uint8)
+
+
+def vllm_gpu_worker(client, order: str, block_size: int, blocks: int):
+    """A vLLM 0.32 GPU worker's blocks (in /dev/shm), registered by the connector's worker
+    code: attention mha, model "tiny" as SGLang's, TP 1."""
+    pool = VllmBlocksPool(order, LAYERS, blocks, block_size, HEADS, DIM, dtype="bfloat16",
+                          model="tiny")
+    worker = WorkerSide(client, pool.geo, [f"model.layers.{i}" for i in range(LAYERS)], 0,
+                        Counters())
+    worker.register(pool)
+    return pool, worker.reg
+
+
+@pytest.mark.parametrize("order", ["HNC", "NHC"])
+def test_cross_engine_vllm_gpu_blocks_store_is_an_sglang_hit(daemon, engines, order):
+    a = engines(daemon.runtime_dir, "a", page_size=32, layout="page_first")
+    prompt = tokens(96)
+    with KvdClient(str(daemon.runtime_dir), raise_errors=True) as client:
+        pool, reg = vllm_gpu_worker(client, order, 16, 16)
+        pool.raw[:] = np.random.default_rng(11).integers(0, 256, pool.raw.size, dtype=np.uint8)
+        blocks = [9, 2, 14, 0, 5, 7]
+        assert client.store(prompt, blocks, reg=reg) == 96
+    keys = a.hash(prompt)
+    assert a.exists(keys=keys) == 3
+    got = a.get(keys=keys)
+    assert got["results"] == [True] * 3
+    assert np.array_equal(sglang_token_rows(pages_bytes(got["pages"]), 32), token_rows(pool, blocks))
+    pool.close()
+
+
+@pytest.mark.parametrize("order", ["HNC", "NHC"])
+def test_cross_engine_sglang_store_is_a_vllm_gpu_blocks_hit(daemon, engines, order):
+    """SGLang pages of 32 tokens; vLLM blocks of 4 tokens, loaded into poisoned blocks: every
+    row exact, no other byte of the vLLM pool changed."""
+    a = engines(daemon.runtime_dir, "a", page_size=32, layout="layer_first")
+    prompt = tokens(128)
+    stored = a.fill_set(keys=a.hash(prompt), seed=12)
+    assert stored["results"] == [True] * 4
+    want = sglang_token_rows(pages_bytes(stored["pages"]), 32)
+    with KvdClient(str(daemon.runtime_dir), raise_errors=True) as client:
+        pool, reg = vllm_gpu_worker(client, order, 4, 40)
+        pool.raw[:] = np.random.default_rng(13).integers(0, 256, pool.raw.size, dtype=np.uint8)
+        before = pool.raw.copy()
+        blocks = np.random.default_rng(14).permutation(40)[:32]
+        assert client.lookup(prompt, reg=reg) == 128
+        assert client.load(prompt, blocks, reg=reg) == 128
+        assert client.lookup(prompt, reg=reg, salt="request:t1") == 0
+    assert np.array_equal(token_rows(pool, blocks), want)
+    put_rows(pool, over(pool, before), blocks, want)
+    assert np.array_equal(pool.raw, before)
     pool.close()
 
 

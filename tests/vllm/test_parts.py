@@ -22,6 +22,7 @@ import pytest
 
 from kvd_client import KvdClient, shm
 from kvd_client.vllm import geometry as G
+from kvd_client.vllm import spec as spec_mod
 from kvd_client.vllm.counters import Counters
 from kvd_client.vllm.pool import VllmKVPool
 from kvd_client.vllm.scheduler import SchedulerSide
@@ -105,6 +106,55 @@ def test_mla_rows_in_both_vllm_shapes():
         d = G.describe(mla, refs(shape), 8)
         assert (d.planes, d.num_pages, d.page_size, d.row_bytes, d.token_stride) == \
             (1, 8, 4, 48, 48)
+
+
+# vLLM's config objects, as the connector reads them (vllm_config, kv_cache_config)
+def configs(device: str, layout: str = "LBNHC", tp: int = 2):
+    spec = SimpleNamespace(block_size=16, num_kv_heads=2, head_size=64, dtype="torch.bfloat16")
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=tp),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        model_config=SimpleNamespace(model="org/m", revision=None, use_mla=False),
+        device_config=SimpleNamespace(device_type=device))
+    kv_cache_config = SimpleNamespace(kv_cache_layout=layout, kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1", "l2"])])
+    return vllm_config, kv_cache_config
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "LHBNC", "BHLNC"])
+def test_gpu_blocks_are_mha_token_rows_under_the_plain_model_id(layout):
+    """Whatever order the attention backend picked (even layers inside blocks): the
+    namespace SGLang's MHA pools of the model register (attention mha, kv heads of the
+    shard, head size), so their chunks are one cache."""
+    geo = spec_mod.geometry(*configs("cuda", layout))
+    assert geo == G.KVGeometry(model="org/m", kv_dtype="bfloat16", attention="mha", num_layers=3,
+                               kv_heads=2, head_dim=64, tp_size=2, block_size=16)
+    assert geo.layout == "vllm_kv_blocks" and geo.layout in L.LAYOUTS
+    assert spec_mod.geometry(*configs("cuda"), model_id="tiny").model == "tiny"
+
+
+def test_cpu_blocks_stay_opaque_in_their_page_format(monkeypatch):
+    # vLLM's own answers, which need vLLM: its version and the ISA its CPU attention packs for
+    monkeypatch.setattr(spec_mod, "vllm_version", lambda: "0.32.0")
+    monkeypatch.setattr(spec_mod, "cpu_isa", lambda spec, config: "vec")
+    geo = spec_mod.geometry(*configs("cpu", "LBHNC"))
+    assert (geo.attention, geo.layout, geo.kv_heads, geo.head_dim, geo.interior) == \
+        ("opaque", "opaque", 2, 128, "HNC")
+    assert geo.model == "org/m|vllm-cpu 0.32.0 HNC isa=vec bs=16"
+
+
+@pytest.mark.parametrize("order", [None, (0, 2, 1, 3)], ids=["HNC", "NHC"])
+def test_gpu_blocks_describe_as_head_strided_rows(order):
+    geo = spec_mod.geometry(*configs("cuda"))
+    r = refs((8, 2, 16, 128), layers=3, order=order)
+    d = G.describe(geo, r, 8)
+    assert (d.planes, d.num_pages, d.page_size, d.row_bytes) == (2, 8, 16, 2 * 64 * 2)
+    assert (d.heads, d.head_stride, d.token_stride) == (2, r[0].strides[1], r[0].strides[2])
+    assert d.bases[:2] == ((0, 0), (0, 64 * 2))  # K, then V: each head's second half
+    for shape, match in [((8, 2, 16, 64), "not the"), ((8, 4, 16, 128), "not the"),
+                         ((16, 2, 16, 128), "kernel blocks")]:
+        with pytest.raises(ValueError, match=match):
+            G.describe(geo, refs(shape, layers=3), 8)
 
 
 @pytest.mark.parametrize("shape,blocks,match", [

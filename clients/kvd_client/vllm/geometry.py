@@ -9,13 +9,18 @@ kinds of vLLM cache exist in the pinned versions (0.26 to 0.32):
   ``[num_blocks, 1, block_size, C]`` (0.32), a latent row per token: kvd's
   ``vllm_mla`` layout, attention ``mla`` (chunks shared with any engine of
   the same model and dtype).
-- **everything else** (flash-attn, FlashInfer, Triton, CPU attention): per
-  layer the logical ``[num_blocks, kv_heads, block_size, 2 * head_size]``
-  with K and V side by side inside each head, in a physical order the
-  attention backend picks (``HNC``: heads outer; ``NHC``: tokens outer), and
-  on CPU with K transposed inside a block, packed per CPU ISA. No kvd token
-  row layout matches these, so kvd moves whole blocks: attention
-  ``opaque`` with the page format in the model string (``page_format``).
+- **GPU blocks** (flash-attn, FlashInfer, Triton, ...): per layer the
+  logical ``[num_blocks, kv_heads, block_size, 2 * head_size]`` with K and
+  V side by side inside each head, in a physical order the attention
+  backend picks (``HNC``: heads outer; ``NHC``: tokens outer; blocks of all
+  layers interleaved). A token's K (or V) row is ``kv_heads`` pieces, one
+  per head: kvd's ``vllm_kv_blocks`` layout (head-strided rows), attention
+  ``mha`` under the plain model identity, so a chunk is the same entry as
+  SGLang's (or any MHA engine's) of the same model, dtype and TP size.
+- **CPU attention**: the same logical shape, but K is transposed inside a
+  block and packed per CPU ISA: no token rows. kvd moves whole blocks:
+  attention ``opaque`` with the page format in the model string
+  (``page_format``), shared only with CPU engines of that format.
 
 ``describe(geometry, refs, num_blocks)`` turns the worker's tensors (as
 ``TensorRef``) into a kvd layout descriptor and checks them against the
@@ -33,17 +38,18 @@ from kvd_protocol import layout as L
 class KVGeometry:
     model: str          # model identity, plus the page format for opaque pages
     kv_dtype: str       # kvd dtype name
-    attention: str      # "mla" or "opaque"
+    attention: str      # "mla", "mha" (GPU blocks) or "opaque" (CPU blocks)
     num_layers: int
     kv_heads: int       # per TP shard; 1 for MLA
-    head_dim: int       # MLA: latent width; opaque: 2 x head size (K and V of a head)
+    head_dim: int       # MLA: latent width; mha: head size; opaque: 2 x head size (K and V)
     tp_size: int
     block_size: int     # tokens per vLLM block (a kvd page)
     interior: str = ""  # opaque: the physical order inside a block, "HNC" or "NHC"
 
     @property
     def layout(self) -> str:
-        return "vllm_mla" if self.attention == "mla" else "opaque"
+        """The kvd_protocol.layout name of the worker's tensors."""
+        return {"mla": "vllm_mla", "mha": "vllm_kv_blocks"}.get(self.attention, "opaque")
 
     def attach_fields(self) -> dict:
         return {"model": self.model, "kv_dtype": self.kv_dtype, "attention": self.attention,
@@ -83,6 +89,8 @@ def describe(geo: KVGeometry, refs: list[L.TensorRef], num_blocks: int) -> L.Lay
                          "block size the attention backend supports natively")
     if geo.attention == "mla":
         return _mla(geo, refs)
+    if geo.attention == "mha":
+        return _blocks(geo, refs)
     return _opaque(geo, refs)
 
 
@@ -99,6 +107,19 @@ def _mla(geo: KVGeometry, refs: list[L.TensorRef]) -> L.LayoutDescriptor:
     _check(d.page_size == geo.block_size and d.row_bytes == geo.head_dim * t.itemsize,
            "MLA", t, f"blocks of {geo.block_size} tokens of {geo.head_dim} elements")
     return d
+
+
+def _blocks(geo: KVGeometry, refs: list[L.TensorRef]) -> L.LayoutDescriptor:
+    """GPU blocks as head-strided token rows, in whatever order their strides say."""
+    t = refs[0]
+    expect = (geo.kv_heads, geo.block_size, 2 * geo.head_dim)
+    _check(len(t.shape) == 4 and tuple(t.shape[1:]) == expect, "GPU block", t,
+           f"[blocks, {geo.kv_heads} heads, {geo.block_size} tokens, {2 * geo.head_dim}]")
+    try:
+        return L.vllm_kv_blocks(refs, geo.head_dim)
+    except ValueError as exc:
+        raise ValueError(f"kvd cannot map this vLLM KV cache (shape {t.shape}, byte strides "
+                         f"{t.strides}): {exc}") from None
 
 
 def _opaque(geo: KVGeometry, refs: list[L.TensorRef]) -> L.LayoutDescriptor:

@@ -4,13 +4,17 @@ Reads ``VllmConfig`` and ``KVCacheConfig`` by attribute (vLLM 0.26 to 0.32):
 one KV cache group (hybrid models with several groups are refused), its
 spec's block size, KV heads of this TP shard, head size and dtype, the
 cache dtype (``auto``, ``fp8``/``fp8_e4m3``, ``fp8_e5m2``; quantized formats
-with scales are refused), the TP size (pipeline parallelism is refused:
-kvd's namespace here has no layer offset), and for block-opaque caches the
-physical order inside a block: ``kv_cache_config.kv_cache_layout`` (0.32),
-else vLLM's ``get_kv_cache_layout()`` (0.26). On CPU the page format also
-names the vLLM version and the attention ISA vLLM picks (``amx``, ``vec``,
-...), because CPU blocks are packed per ISA. Everything refused raises
-``ValueError`` with the reason.
+with scales are refused) and the TP size (pipeline parallelism is refused:
+kvd's namespace here has no layer offset). MLA caches are attention
+``mla``; other caches on a GPU are attention ``mha`` under the plain model
+identity (token rows, whatever order the attention backend picked: the
+descriptor follows the tensors' strides), so their chunks are SGLang's too.
+On CPU (``device_type == "cpu"``) blocks stay ``opaque``: the page format
+appended to the model names the physical order inside a block
+(``kv_cache_config.kv_cache_layout`` (0.32), else vLLM's
+``get_kv_cache_layout()`` (0.26)), the vLLM version and the attention ISA
+vLLM picks (``amx``, ``vec``, ...), because CPU blocks are packed per ISA.
+Everything refused raises ``ValueError`` with the reason.
 """
 
 from __future__ import annotations
@@ -36,12 +40,12 @@ def geometry(vllm_config, kv_cache_config, model_id: str = "") -> KVGeometry:
                   block_size=spec.block_size)
     if _is_mla(spec, vllm_config):
         return KVGeometry(model=model, attention="mla", kv_heads=1, head_dim=spec.head_size, **common)
+    if vllm_config.device_config.device_type != "cpu":
+        return KVGeometry(model=model, attention="mha", kv_heads=spec.num_kv_heads,
+                          head_dim=spec.head_size, **common)
+    # CPU attention packs K transposed inside a block, per ISA: whole blocks, own namespace
     interior = interior_of(kv_cache_layout(vllm_config, kv_cache_config))
-    device = vllm_config.device_config.device_type
-    if device == "cpu":
-        engine, isa = f"vllm-cpu {vllm_version()}", cpu_isa(spec, vllm_config)
-    else:
-        engine, isa = f"vllm-{device}", ""
+    engine, isa = f"vllm-cpu {vllm_version()}", cpu_isa(spec, vllm_config)
     fmt = page_format(engine, interior, spec.block_size, isa)
     return KVGeometry(model=f"{model}|{fmt}", attention="opaque", kv_heads=spec.num_kv_heads,
                       head_dim=2 * spec.head_size, interior=interior, **common)
