@@ -119,7 +119,7 @@ KNOBS = (
          "gpu_dma_min_piece bytes, kernels below).", choices=("auto", "dma", "kernels")),
     Knob("gpu_dma_streams", "int", 8, "Streams (and so copy engines) one DMA copy is spread over, "
          "per GPU and direction.", minimum=1),
-    Knob("gpu_dma_min_piece", "size", 32 * 2**10, "With gpu_copy_path = auto: the smallest page "
+    Knob("gpu_dma_min_piece", "size", 64 * 2**10, "With gpu_copy_path = auto: the smallest page "
          "(bytes of one layer and K or V) copied by DMA; smaller pages are slow on the copy "
          "engines and go through kernels.", minimum=1),
     Knob("gpu_dma_load_window", "size", 64 * 2**20, "Bytes of one GPU's loads queued on its copy "

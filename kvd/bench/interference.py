@@ -29,9 +29,9 @@ from .common import request_bytes, start_daemon, stop_daemon
 
 _K = ["--gpu-copy-path", "kernels"]
 VARIANTS = {  # name -> (daemon flags, copier options)
-    "dma (default)": ([], {}),
-    "dma, 4 streams": (["--gpu-dma-streams", "4"], {}),
-    "dma, 16 streams": (["--gpu-dma-streams", "16"], {}),
+    "dma": (["--gpu-copy-path", "dma"], {}),
+    "dma, 4 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "4"], {}),
+    "dma, 16 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "16"], {}),
     "staged, 32 blocks": ([*_K, "--gpu-max-blocks", "32"], {}),
     "staged, 8 blocks": ([*_K, "--gpu-max-blocks", "8"], {}),
     "staged, 128 blocks": ([*_K, "--gpu-max-blocks", "128"], {}),

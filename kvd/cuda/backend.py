@@ -94,7 +94,7 @@ class CudaCopyEngine:
 
     def __init__(self, arena: np.ndarray, max_blocks: int = 32, stage_slots: int = STAGE_SLOTS,
                  stage_slot_bytes: int = STAGE_SLOT_BYTES, poll_interval_us: float = 0.0,
-                 copy_path: str = "auto", dma_streams: int = 8, dma_min_piece: int = 32 << 10,
+                 copy_path: str = "auto", dma_streams: int = 8, dma_min_piece: int = 64 << 10,
                  dma_load_window: int = DMA_WINDOW):
         import cupy
         self.cp = cupy

@@ -7,7 +7,8 @@ test asks) and traces it. Bit-exact round trips for every layout are in
 test_fake_gpu_copies.py; here:
 
 - ``auto`` picks DMA for pages of at least ``gpu_dma_min_piece`` bytes and
-  kernels below, and no kernel runs on the DMA path.
+  kernels below, and no kernel runs on the DMA path; head-strided pages
+  (vLLM's GPU blocks, K and V side by side per head) always take kernels.
 - A layer-wise load by DMA writes each layer's word after that layer
   landed (the engine's stream, waiting on each word, reads landed bytes
   while every batch is held back), then the done word, and nothing else.
@@ -36,8 +37,9 @@ DMA = {"gpu_copy_path": "dma", "gpu_dma_streams": 2}
 
 @pytest.mark.parametrize("page_size, path", [(16, "DMA"), (1, "staged pieces")])
 def test_auto_takes_dma_for_large_pages_only(fake_engine, fake_daemon, page_size, path):
-    """Rows of 2 KiB: a page of 16 is 32 KiB (DMA under the default 32 KiB), a page of 1 is not."""
-    d = fake_daemon(log_level="debug", trace=True, gpu_stage_slot_bytes="1MiB")
+    """Rows of 2 KiB and a threshold of 32 KiB: a page of 16 goes by DMA, a page of 1 not."""
+    d = fake_daemon(log_level="debug", trace=True, gpu_stage_slot_bytes="1MiB",
+                    gpu_dma_min_piece="32KiB")
     store_then_load(fake_engine, d, "vllm_flash_attn", page_size, seed=3)
     took = re.findall(r"(gather|scatter) of 8 chunks.* " + path, d.log())
     assert took == ["gather", "scatter"], d.log()
