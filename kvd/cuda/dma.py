@@ -48,7 +48,7 @@ _EVENT_NO_TIMING = 0x2
 
 def eligible(layout: Any, min_piece: int) -> bool:
     """Whether every (layer, plane, page) of ``layout`` is one range of >= ``min_piece``."""
-    if getattr(layout, "heads", 1) != 1:
+    if layout.heads != 1:
         return False
     dense = layout.page_size == 1 or layout.token_stride == layout.row_bytes
     return dense and layout.page_size * layout.row_bytes >= min_piece

@@ -59,6 +59,12 @@ class Checker:
         self.pool = W.make_pool()
         self.client.register_kv(self.pool, model=W.MODEL)
 
+    def __enter__(self) -> "Checker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def store(self, i: int) -> int:
         return self.client.store(W.tokens_of(i), W.pages_of(i))
 
@@ -137,14 +143,11 @@ def test_sigkill_at_any_moment_loses_no_acknowledged_chunk(start_daemon):
     assert warm["start"] == "crash" and warm["checksum_failures"] == 0, warm
     assert warm["bad_records"] == 0, warm
     assert len(acked) >= 10 and mid_store >= 1, (len(acked), mid_store)
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         for i in sorted(acked):
             assert checker.served_exactly(i) == W.CHUNKS, f"acknowledged prompt {i} was lost"
         for i in sorted(unacked):  # stores the kill interrupted: absent or exact, never torn
             checker.served_exactly(i)
-    finally:
-        checker.close()
 
 
 def after_nth_start(k: int, rng: random.Random):
@@ -183,12 +186,9 @@ def test_sigkill_under_eviction_never_serves_wrong_bytes(start_daemon):
     warm = verified(d)
     assert warm["start"] == "crash" and warm["checksum_failures"] == 0, warm
     assert warm["adopted_chunks"] >= 5 * W.CHUNKS, warm
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         served = sum(checker.served_exactly(i) for i in range(first))
         assert served >= 5 * W.CHUNKS  # what survived is served, exactly
-    finally:
-        checker.close()
 
 
 def record_offset(rd: Path, key: bytes) -> int:
@@ -213,13 +213,10 @@ def flip_byte(rd: Path, offset: int) -> None:
 def test_a_corrupted_chunk_is_dropped_and_counted_after_a_crash(start_daemon):
     d = start_daemon(**KNOBS)
     rd = d.runtime_dir
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         for i in range(4):
             assert checker.store(i) == FULL
         bad_key = checker.client.keys(W.tokens_of(1))[5]
-    finally:
-        checker.close()
     sealed(d, 4 * W.CHUNKS)
     d.kill()
     flip_byte(rd, record_offset(rd, bad_key) + W.CHUNK_BYTES // 3)
@@ -230,12 +227,9 @@ def test_a_corrupted_chunk_is_dropped_and_counted_after_a_crash(start_daemon):
     assert "failed its checksum after the crash: dropped" in d.log()
     assert ("host: adopted 64 chunks after a crash  verification done (63 shards good, 0 pending, "
             "1 checksum failures)") in format_stats(d.stats())
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         assert [checker.served_exactly(i) for i in range(4)] == [W.CHUNKS, 5, W.CHUNKS, W.CHUNKS]
         assert host(d)["chunks"] == 4 * W.CHUNKS - 1
-    finally:
-        checker.close()
 
 
 def test_sigterm_trusts_the_index_and_keeps_the_lru_order(start_daemon):
@@ -244,19 +238,15 @@ def test_sigterm_trusts_the_index_and_keeps_the_lru_order(start_daemon):
     knobs = {**KNOBS, "host_capacity": f"{4 * W.CHUNKS * W.CHUNK_BYTES}"}  # 4 prompts exactly
     d = start_daemon(**knobs)
     rd = d.runtime_dir
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         for i in range(4):
             assert checker.store(i) == FULL
         assert checker.hits(0) == FULL  # prompt 0 is now the most recently used
-    finally:
-        checker.close()
     assert d.stop() == 0
     assert "host tier kept at" in d.log()
     d = start_daemon(runtime_dir=rd, **knobs)
     assert "host tier adopted: 64 chunks (8MiB) after a clean stop: every chunk trusted" in d.log()
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         warm = host(d)["warm"]
         assert warm["start"] == "clean" and warm["verify"] == "none", warm
         assert warm["verified_shards"] == 0 and warm["verify_pending"] == 0, warm
@@ -264,28 +254,20 @@ def test_sigterm_trusts_the_index_and_keeps_the_lru_order(start_daemon):
         assert checker.store(4) == FULL  # evicts the least recently used prompt: 1
         assert [checker.served_exactly(i) for i in range(5)] == [W.CHUNKS, 0, W.CHUNKS,
                                                                  W.CHUNKS, W.CHUNKS]
-    finally:
-        checker.close()
 
 
 def test_cold_starts_empty(start_daemon):
     d = start_daemon(**KNOBS)
     rd = d.runtime_dir
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         assert checker.store(0) == FULL
-    finally:
-        checker.close()
     assert d.stop() == 0
     d = start_daemon(runtime_dir=rd, cold=None, **KNOBS)
     assert (f"cold_start (--cold): deleted the host tier a previous daemon left at "
             f"{arena_files(rd)[0]}; starting empty" in d.log()), d.log()
     assert host(d)["warm"]["start"] == "new" and host(d)["chunks"] == 0
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         assert checker.hits(0) == 0
-    finally:
-        checker.close()
     assert len(arena_files(rd)) == 2  # a new host tier, kept in its turn
 
 
@@ -294,11 +276,8 @@ def test_cold_starts_empty(start_daemon):
 def test_an_arena_it_cannot_adopt_is_deleted_with_a_log_line(start_daemon, tmp_path, change):
     d = start_daemon(**KNOBS)
     rd = d.runtime_dir
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         assert checker.store(0) == FULL
-    finally:
-        checker.close()
     assert d.stop() == 0
     knobs, index = dict(KNOBS), arena_files(rd)[1]
     why = {"chunk_tokens": "made for chunk_tokens 16, this daemon has 32",
@@ -342,12 +321,9 @@ def test_on_disk_marks_survive_and_are_checked_against_the_disk_tier(start_daemo
     knobs = {**KNOBS, "disk_dir": str(disk), "disk_capacity": "64MiB"}
     d = start_daemon(**knobs)
     rd = d.runtime_dir
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         for i in range(2):
             assert checker.store(i) == FULL
-    finally:
-        checker.close()
     assert d.control("flush_disk")["written"] == 2 * W.CHUNKS
     assert host(d)["on_disk"] == 2 * W.CHUNKS
     assert d.stop() == 0
@@ -370,20 +346,14 @@ def test_a_bug_in_adopting_starts_empty_instead_of_failing_for_good(start_daemon
     of ours, injected) is logged with its traceback, and the daemon starts empty."""
     d = start_daemon(**KNOBS)
     rd = d.runtime_dir
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         assert checker.store(0) == FULL
-    finally:
-        checker.close()
     assert d.stop() == 0
     d = start_daemon(runtime_dir=rd, faults="rebuild_bug", **KNOBS)
     assert "could not be adopted (a bug in kvd, please report it); deleting it and starting " \
         "empty" in d.log(), d.log()
     assert "ValueError: a bug, injected" in d.log()
     assert host(d)["warm"]["start"] == "new" and host(d)["chunks"] == 0
-    checker = Checker(rd)
-    try:
+    with Checker(rd) as checker:
         assert checker.hits(0) == 0 and checker.store(0) == FULL and checker.hits(0) == FULL
-    finally:
-        checker.close()
     assert d.stop() == 0 and len(arena_files(rd)) == 2
