@@ -11,7 +11,7 @@ Memory from CUDA virtual-memory allocators (PyTorch expandable segments,
 vLLM sleep mode) cannot be exported with ``cuIpcGetMemHandle``: that is
 detected up front and raised as ``CudaExportError`` naming the cause.
 Only libcuda is needed: no cupy in the engine. The daemon also queues its
-copy-engine-only copies here (``memcpy_batch_async``, kvd.cuda.dma).
+copy-engine-only copies here (``memcpy3d_batch_async``, kvd.cuda.dma).
 """
 
 from __future__ import annotations
@@ -161,38 +161,22 @@ def stream_wait_u32(stream: int, dev_addr: int, value: int) -> None:
         ctypes.c_uint(CU_STREAM_WAIT_VALUE_GEQ)), "cuStreamWaitValue32")
 
 
-class _MemLoc(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes (CUDA 12.8+)
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLoc),
-                ("dstLocHint", _MemLoc), ("flags", ctypes.c_uint)]
-
-
-CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
-_STREAM_ORDER = _MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, _MemLoc(0, 0), _MemLoc(0, 0), 0)
-_FIRST = ctypes.c_size_t(0)
-
-
-def has_memcpy_batch() -> bool:
-    """Whether the driver has ``cuMemcpyBatchAsync_v2`` (CUDA 13 drivers)."""
+def has_memcpy3d_batch() -> bool:
+    """Whether the driver has ``cuMemcpy3DBatchAsync_v2`` (CUDA 13 drivers)."""
     try:
-        _fn("cuMemcpyBatchAsync_v2")
+        _fn("cuMemcpy3DBatchAsync_v2")
     except CudaExportError:
         return False
     return True
 
 
-def memcpy_batch_async(stream: int, dsts, srcs, sizes) -> None:
-    """Queue ``len(dsts)`` copies (uint64 numpy arrays of addresses and byte counts) on
-    ``stream`` as one batch, in stream order: each is done by the copy engines, with no
-    kernel. Any direction; host addresses must be pinned. ``stream`` must not be the
-    legacy default stream (the driver refuses it)."""
-    n = len(dsts)
-    if not n:
-        return
-    _check(_fn("cuMemcpyBatchAsync_v2")(
-        ctypes.c_void_p(dsts.ctypes.data), ctypes.c_void_p(srcs.ctypes.data),
-        ctypes.c_void_p(sizes.ctypes.data), ctypes.c_size_t(n), ctypes.byref(_STREAM_ORDER),
-        ctypes.byref(_FIRST), ctypes.c_size_t(1), ctypes.c_void_p(stream)), "cuMemcpyBatchAsync")
+def memcpy3d_batch_async(stream: int, ops_addr: int, count: int) -> None:
+    """Queue ``count`` pitched copies (an array of ``CUDA_MEMCPY3D_BATCH_OP`` at
+    ``ops_addr``, kvd.cuda.dma_plan.OP_DTYPE) on ``stream`` as one batch, in stream
+    order: each is done by the copy engines, with no kernel. Any direction; host
+    addresses must be pinned. ``stream`` must not be the legacy default stream (the
+    driver refuses it)."""
+    if count:
+        _check(_fn("cuMemcpy3DBatchAsync_v2")(
+            ctypes.c_size_t(count), ctypes.c_void_p(ops_addr), ctypes.c_ulonglong(0),
+            ctypes.c_void_p(stream)), "cuMemcpy3DBatchAsync")

@@ -146,11 +146,11 @@ class CudaCopyEngine:
                      StagingRing(self.cp, "scatter", copier, streams[2], streams[3], slots, slot_bytes,
                                  pieces)]
         path = None
-        if self.copy_path != "kernels" and cuda_driver.has_memcpy_batch():
+        if self.copy_path != "kernels" and cuda_driver.has_memcpy3d_batch():
             path = dma.DmaPath(self.cp, ordinal, self.dma_streams, self.dma_window,
                                (self.arena_ptr, REGISTER_PIECE), self.poller)
         elif self.copy_path != "kernels":
-            log.warning("the CUDA driver has no cuMemcpyBatchAsync_v2 (CUDA 13 drivers): "
+            log.warning("the CUDA driver has no cuMemcpy3DBatchAsync_v2 (CUDA 13 drivers): "
                         "copies use kernels")
         return _Device(ordinal, copier, streams, rings[0], rings[1], path)
 
@@ -206,7 +206,11 @@ class CudaCopyEngine:
                 self._close_ptrs(opened)
                 raise
         by_dma = dev.dma is not None and dma.eligible(layout, self.dma_min_piece)
-        return CudaPool(dev, opened, plane_bases(layout, ptrs), flags, by_dma)
+        bases = plane_bases(layout, ptrs)
+        if by_dma:
+            log.info("GPU %d pool: copies by DMA, %d planes in %d pitched groups", dev.ordinal,
+                     len(bases), len(dma.row_groups(bases, layout.num_layers, layout.planes)))
+        return CudaPool(dev, opened, bases, flags, by_dma)
 
     def _open_buffers(self, buffers: list[dict], opened: list) -> list[int]:
         ptrs = []

@@ -11,23 +11,17 @@ Contract:
 
 - ``eligible(layout, min_piece)``: a pool can be copied this way when each
   (layer, plane, page) of it is one byte range (a page's token rows are
-  adjacent and whole) of at least ``min_piece`` bytes. Smaller pieces are
-  slow on the copy engines (one 2 KiB page row: 0.05 of a memcpy), so they
-  stay with the kernels.
-- ``pieces(layout, bases, page_ids, shard_ptrs, chunk_tokens, host_pieces)``:
-  a ``Pieces`` of uint64 arrays ``pool``, ``host``, ``size``, one entry per
-  (layer, chunk, plane, page), layer-major, with entries of one layer
-  adjacent on both sides merged into one (consecutive page ids make long
-  runs), and split where the host side crosses a separately registered
-  piece of the arena (``host_pieces = (base, bytes)``: one copy must stay in
-  one registration); ``span(a, b)`` are layers ``[a, b)``.
+  adjacent and whole) of at least ``min_piece`` bytes. Narrower rows are
+  slow on the copy engines (2 KiB rows: 0.3 of a memcpy even pitched), so
+  they stay with the kernels.
+- What a copy queues is ``kvd.cuda.dma_plan.CopyOps``: pitched ops, one per
+  run of pages and group of planes at one pitch, cut by layers.
 - ``DmaQueue`` is one direction of one GPU: ``n`` streams. ``enqueue`` splits
-  a batch into ``n`` parts of about equal bytes, one ``cuMemcpyBatchAsync``
-  per stream (several copy engines at once: 32 KiB pieces reach 0.6 of a
-  memcpy on one stream, 0.7-0.9 on 4-8), then makes ``streams[0]`` wait for
-  the others (events), so work queued on ``streams[0]`` afterwards (a layer
+  an op array into ``n`` parts of about equal bytes, one
+  ``cuMemcpy3DBatchAsync`` per stream, then makes ``streams[0]`` wait for the
+  others (events), so work queued on ``streams[0]`` afterwards (a layer
   word, the done word, the completion event) follows the whole batch. It
-  only enqueues; it keeps each batch's arrays until the next ``enqueue``
+  only enqueues; it keeps each batch's array until the next ``enqueue``
   after the batch finished (the caller polls), and never blocks the host.
 - Unlike a kernel, a queued DMA cannot check a load's cancel word when it
   starts: ``DmaPath.load`` therefore queues a load in steps of whole layers
@@ -41,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kvd.cuda.dma_plan import CopyOps, row_groups  # noqa: F401  (row_groups: for the backend's log)
 from kvd_protocol import cuda_driver
 
 _EVENT_NO_TIMING = 0x2
@@ -52,78 +47,6 @@ def eligible(layout: Any, min_piece: int) -> bool:
         return False
     dense = layout.page_size == 1 or layout.token_stride == layout.row_bytes
     return dense and layout.page_size * layout.row_bytes >= min_piece
-
-
-class Pieces:
-    """A copy's pieces, layer-major: ``pool``, ``host``, ``size`` (uint64 arrays) and
-    ``starts`` (entry ``starts[l]`` is layer ``l``'s first; ``starts[-1]`` the total)."""
-
-    def __init__(self, pool: np.ndarray, host: np.ndarray, size: np.ndarray, layer: np.ndarray,
-                 num_layers: int) -> None:
-        self.pool, self.host, self.size = pool, host, size
-        self.starts = np.searchsorted(layer, np.arange(num_layers + 1))
-        self.layer_bytes = np.add.reduceat(size, self.starts[:-1]) if size.size else \
-            np.zeros(num_layers, np.uint64)
-
-    def span(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(pool, host, size)`` of layers ``[a, b)``."""
-        i, j = self.starts[a], self.starts[b]
-        return self.pool[i:j], self.host[i:j], self.size[i:j]
-
-
-def pieces(layout: Any, bases: np.ndarray, page_ids: np.ndarray, shard_ptrs: np.ndarray,
-           chunk_tokens: int, host_pieces: tuple[int, int]) -> Pieces:
-    """Every page piece of every layer, merged (never across layers) and split."""
-    planes, size = layout.planes, layout.page_size * layout.row_bytes
-    ppc, n_chunks, layers = chunk_tokens // layout.page_size, len(shard_ptrs), layout.num_layers
-    lp = np.arange(layers * planes, dtype=np.uint64).reshape(layers, 1, planes, 1)  # layer*planes+k
-    ids = page_ids.astype(np.uint64).reshape(1, n_chunks, 1, ppc)
-    pool = bases[lp.astype(np.int64)] + ids * np.uint64(layout.page_stride)
-    host = (np.asarray(shard_ptrs, np.uint64).reshape(1, -1, 1, 1)
-            + (lp * np.uint64(chunk_tokens)
-               + np.arange(ppc, dtype=np.uint64).reshape(1, 1, 1, -1) * np.uint64(layout.page_size))
-            * np.uint64(layout.row_bytes))
-    layer = np.broadcast_to(np.arange(layers).reshape(-1, 1, 1, 1), pool.shape).reshape(-1)
-    merged = _merge(pool.reshape(-1), host.reshape(-1), layer, size)
-    return Pieces(*_split(*merged, *host_pieces), layers)
-
-
-def _merge(pool: np.ndarray, host: np.ndarray, layer: np.ndarray, size: int):
-    """Runs of entries of one layer adjacent on both sides, as one entry each."""
-    if pool.size == 0:
-        return pool, host, np.zeros(0, np.uint64), layer
-    step = np.uint64(size)
-    joined = ((pool[1:] == pool[:-1] + step) & (host[1:] == host[:-1] + step)
-              & (layer[1:] == layer[:-1]))
-    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
-    lengths = np.diff(np.append(starts, pool.size)).astype(np.uint64)
-    return pool[starts], host[starts], lengths * step, layer[starts]
-
-
-def _split(pool: np.ndarray, host: np.ndarray, size: np.ndarray, layer: np.ndarray, base: int,
-           piece: int):
-    """Entries cut where the host side crosses from one registered piece to the next."""
-    first = (host - np.uint64(base)) // np.uint64(piece)
-    last = (host + size - np.uint64(1) - np.uint64(base)) // np.uint64(piece)
-    crossing = np.flatnonzero(first != last)
-    if crossing.size == 0:
-        return pool, host, size, layer
-    out: list[list] = [[], [], [], []]
-    prev = 0
-    for i in crossing:
-        for k, arr in enumerate((pool, host, size, layer)):
-            out[k].append(arr[prev:i])
-        at, end = int(host[i]), int(host[i] + size[i])
-        while at < end:
-            cut = min(end, base + ((at - base) // piece + 1) * piece)
-            for k, v in enumerate((int(pool[i]) + at - int(host[i]), at, cut - at)):
-                out[k].append(np.array([v], np.uint64))
-            out[3].append(layer[i:i + 1])
-            at = cut
-        prev = i + 1
-    for k, arr in enumerate((pool, host, size, layer)):
-        out[k].append(arr[prev:])
-    return tuple(np.concatenate(parts) for parts in out)
 
 
 class DmaQueue:
@@ -144,24 +67,25 @@ class DmaQueue:
         self.queued = [q for q in self.queued if not q[0].done]
         return sum(q[1] for q in self.queued)
 
-    def enqueue(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Any:
-        """Queue copies ``src[i] -> dst[i]`` of ``size[i]`` bytes; returns the event
-        recorded on ``stream`` after all of them."""
-        if size.size:
-            cuts = np.searchsorted(np.cumsum(size), np.linspace(0, int(size.sum()),
-                                                                len(self.streams) + 1)[1:-1])
-            bounds = [0, *cuts.tolist(), size.size]
+    def enqueue(self, ops: np.ndarray) -> Any:
+        """Queue ``ops`` (``dma_plan.OP_DTYPE``); returns the event recorded on ``stream``
+        after all of them."""
+        nbytes = ops["width"] * ops["height"]
+        if ops.size:
+            cuts = np.searchsorted(np.cumsum(nbytes), np.linspace(0, int(nbytes.sum()),
+                                                                  len(self.streams) + 1)[1:-1])
+            bounds = [0, *cuts.tolist(), ops.size]
             for k, s in enumerate(self.streams):
                 a, b = bounds[k], bounds[k + 1]
                 if b <= a:
                     continue
-                cuda_driver.memcpy_batch_async(s.ptr, dst[a:b], src[a:b], size[a:b])
+                cuda_driver.memcpy3d_batch_async(s.ptr, ops[a:].ctypes.data, b - a)
                 if k:
                     self.rt.eventRecord(self._joins[k - 1], s.ptr)
                     self.rt.streamWaitEvent(self.stream.ptr, self._joins[k - 1], 0)
         done = self.cp.cuda.Event(block=False, disable_timing=True)
         done.record(self.stream)
-        self.queued.append((done, int(size.sum()), (dst, src, size)))  # the driver's arrays
+        self.queued.append((done, int(nbytes.sum()), ops))  # the driver reads it when it runs
         return done
 
     def close(self) -> None:
@@ -171,16 +95,10 @@ class DmaQueue:
         self.queued = []
 
 
-def _steps(layer_bytes: np.ndarray, most: int) -> list[int]:
-    """Ends of consecutive layer groups of at most ``most`` bytes (at least one layer each)."""
-    ends, acc = [], 0
-    for layer, n in enumerate(layer_bytes.tolist()):
-        if acc and acc + n > most:
-            ends.append(layer)
-            acc = 0
-        acc += n
-    ends.append(len(layer_bytes))
-    return ends
+def _steps(num_layers: int, layer_bytes: int, most: int) -> list[int]:
+    """Ends of consecutive groups of whole layers of at most ``most`` bytes (at least one)."""
+    per = max(1, most // max(1, layer_bytes))
+    return [*range(per, num_layers, per), num_layers]
 
 
 class DmaPath:
@@ -195,8 +113,8 @@ class DmaPath:
     def store(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray, ptrs: np.ndarray,
               chunk_tokens: int) -> Any:
         """Queue a whole store (pool -> arena); returns the stream it ends on."""
-        p = pieces(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces)
-        self.store_queue.enqueue(p.host, p.pool, p.size)
+        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces)
+        self.store_queue.enqueue(c.ops(0, c.num_layers, to_host=True))
         return self.store_queue.stream
 
     async def load(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray, ptrs: np.ndarray,
@@ -206,10 +124,10 @@ class DmaPath:
         bytes queued; a layer-wise ``signal`` gets each layer's word behind that layer.
         Returns the stream it ends on (the caller writes the done word there, also
         after a cancel or an error)."""
-        q, p = self.load_queue, pieces(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces)
-        ends = _steps(p.layer_bytes, max(1, self.window // 4))
+        q = self.load_queue
+        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces)
         a = 0
-        for b in ends:
+        for b in _steps(c.num_layers, c.layer_bytes, max(1, self.window // 4)):
             while q.queued_bytes() > self.window:
                 await self.poller.wait(q.queued[0][0])
             if signal is not None and signal.source.cancelled:
@@ -217,10 +135,10 @@ class DmaPath:
             with self.cp.cuda.Device(self.ordinal):  # not held across the await above
                 if signal is not None and signal.layerwise:
                     for layer in range(a, b):
-                        q.enqueue(*p.span(layer, layer + 1))
+                        q.enqueue(c.ops(layer, layer + 1, to_host=False))
                         signal.layers_landed(q.stream, (layer,))
                 else:
-                    q.enqueue(*p.span(a, b))
+                    q.enqueue(c.ops(a, b, to_host=False))
             a = b
         return q.stream
 

@@ -1,8 +1,8 @@
 """The copy-engine-only path (``gpu_copy_path``, kvd.cuda.dma) on the fake GPU (tests/fakecuda).
 
 A real daemon runs kvd.cuda over the fake GPU; this process is the engine
-(tests/cuda/conftest.py). The fake's ``cuMemcpyBatchAsync_v2`` runs each
-batch as one piece of queued work (held ``memcpy_batch`` seconds when the
+(tests/cuda/conftest.py). The fake's ``cuMemcpy3DBatchAsync_v2`` runs each
+batch of pitched ops as one piece of queued work (held ``memcpy_batch`` seconds when the
 test asks) and traces it. Bit-exact round trips for every layout are in
 test_fake_gpu_copies.py; here:
 
@@ -16,7 +16,8 @@ test_fake_gpu_copies.py; here:
   the daemon queues one layer at a time (``gpu_dma_load_window`` = 1 byte)
   and checks the word on the host before each: after the cancel no further
   layer is queued, the layers queued before it land, the done word follows.
-- Consecutive page ids become one copy per run (fewer, longer DMAs).
+- Consecutive page ids become one op per run, and planes at one pitch
+  become that op's rows (fewer, longer DMAs).
 """
 
 from __future__ import annotations
@@ -104,9 +105,11 @@ def test_dma_cancelled_load_queues_no_layer_after_the_cancel(fake_engine, fake_d
 
 
 def test_consecutive_pages_are_one_copy_each_run(fake_engine, fake_daemon):
-    """4 chunks of 1-token pages at consecutive ids: one copy per (layer, chunk, plane) of 16
-    rows (the canonical shards of a request are adjacent in the arena only by chance), not
-    16 one-row copies; a load this small is one step, so one batch each way."""
+    """4 chunks of 1-token pages at consecutive ids: one op per chunk (the canonical shards
+    of a request are adjacent in the arena only by chance), its rows the chunk's 16 tokens
+    of every (layer, plane), as the fake allocates the layers' tensors back to back at one
+    pitch: not 16 one-row copies per plane; a load this small is one step, so one batch
+    each way."""
     layers = 2
     d = fake_daemon(trace=True, gpu_copy_path="dma", gpu_dma_streams=1)
     tensors, _, region = fake_engine.tensors("vllm_flash_attn", layers, 64, 1, 8, 128, seed=9)
@@ -122,5 +125,5 @@ def test_consecutive_pages_are_one_copy_each_run(fake_engine, fake_daemon):
         assert all(np.array_equal(t[:, :64], w) for t, w in zip(tensors, want))
     batches = [e for e in d.trace() if e["ev"] == "dma"]
     store, load = batches[0], batches[-1]
-    assert len(batches) == 2 and store["pieces"] == load["pieces"] == layers * 4 * 2, batches
+    assert len(batches) == 2 and store["pieces"] == load["pieces"] == 4, batches
     assert d.stop() == 0, d.log()

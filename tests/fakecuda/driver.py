@@ -19,6 +19,10 @@ from __future__ import annotations
 import ctypes
 import time
 
+import numpy as np
+
+from kvd.cuda.dma_plan import OP_DTYPE
+
 from . import errors, runtime, streams, trace
 from .errors import INVALID_VALUE, CudaError
 from .memory import SPACE
@@ -118,35 +122,56 @@ class FakeLibcuda:
         streams.stream_at(_value(stream)).wait_value32(_value(addr), _value(value))
 
     @_status
-    def cuMemcpyBatchAsync_v2(self, dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):
-        """Copies in stream order, as one piece of queued work: each checked like a
-        cudaMemcpyDefault (any live memory, one allocation or registration per side) when
-        queued and when run; ``FAKECUDA_KERNEL_DELAY_S``'s ``memcpy_batch`` delays it; the
-        trace gets one ``dma`` event naming the regions written."""
+    def cuMemcpy3DBatchAsync_v2(self, count, ops, flags, stream):
+        """Pitched copies (``kvd.cuda.dma_plan.OP_DTYPE``, pointer operands, depth 1) in
+        stream order, as one piece of queued work: each op's whole extent on each side
+        must lie in one live allocation or registration when queued and when run;
+        ``FAKECUDA_KERNEL_DELAY_S``'s ``memcpy_batch`` delays it; the trace gets one
+        ``dma`` event naming the regions written."""
         n, st = _value(count), _value(stream)
-        if n == 0 or _value(num_attrs) != 1 or st == 0:  # the driver refuses the legacy stream
-            raise CudaError(INVALID_VALUE, f"memcpy batch count={n} attrs={_value(num_attrs)} "
+        if n == 0 or _value(flags) != 0 or st == 0:  # the driver refuses the legacy stream
+            raise CudaError(INVALID_VALUE, f"3D memcpy batch count={n} flags={_value(flags)} "
                                            f"stream={st:#x}")
-        pieces = [tuple(int(x) for x in (ctypes.c_uint64 * n).from_address(_value(p)))
-                  for p in (dsts, srcs, sizes)]
-        for d, s, z in zip(*pieces):
-            SPACE.resolve(s, z, what="memcpy batch source")
-            SPACE.resolve(d, z, what="memcpy batch destination")
-        streams.stream_at(st).enqueue(lambda: _run_batch(*pieces))
+        raw = (ctypes.c_uint8 * (n * OP_DTYPE.itemsize)).from_address(_value(ops))
+        batch = np.frombuffer(bytes(raw), OP_DTYPE)  # the driver reads the list when queued
+        for op in batch:
+            for addr, span, what in _sides(op):
+                SPACE.resolve(addr, span, what=what)
+        streams.stream_at(st).enqueue(lambda: _run_batch(batch))
 
 
-def _run_batch(dsts, srcs, sizes) -> None:
+def _sides(op) -> list[tuple[int, int, str]]:
+    """``(address, span, what)`` of an op's source and destination; INVALID_VALUE for
+    what the real driver refuses or the fake does not model."""
+    w, h = int(op["width"]), int(op["height"])
+    if (op["src_type"] != 1 or op["dst_type"] != 1 or int(op["depth"]) != 1 or not w or not h
+            or op["order"] not in (1, 2, 3)):
+        raise CudaError(INVALID_VALUE, f"3D memcpy op {op}")
+    out = []
+    for side in ("src", "dst"):
+        pitch = int(op[f"{side}_pitch"]) or w
+        if pitch < w:
+            raise CudaError(INVALID_VALUE, f"3D memcpy {side} pitch {pitch} < width {w}")
+        out.append((int(op[side]), (h - 1) * pitch + w, f"3D memcpy {side}"))
+    return out
+
+
+def _run_batch(batch) -> None:
     t0 = time.monotonic()
     delay = streams.kernel_delay("memcpy_batch")
     if delay:
         time.sleep(delay)
     touched = set()
-    for d, s, z in zip(dsts, srcs, sizes):
-        s_reg, s_off = SPACE.resolve(s, z, what="memcpy batch source")
-        d_reg, d_off = SPACE.resolve(d, z, what="memcpy batch destination")
-        d_reg.array[d_off:d_off + z] = s_reg.array[s_off:s_off + z]
+    for op in batch:
+        (s, s_span, _), (d, d_span, _) = _sides(op)
+        s_reg, s_off = SPACE.resolve(s, s_span, what="3D memcpy source")
+        d_reg, d_off = SPACE.resolve(d, d_span, what="3D memcpy destination")
+        w = int(op["width"])
+        sp, dp = int(op["src_pitch"]) or w, int(op["dst_pitch"]) or w
+        for i in range(int(op["height"])):
+            d_reg.array[d_off + i * dp:d_off + i * dp + w] = s_reg.array[s_off + i * sp:s_off + i * sp + w]
         touched.add(d_reg.name)
-    trace.emit("dma", t0=t0, pieces=len(sizes), regions=sorted(touched))
+    trace.emit("dma", t0=t0, pieces=len(batch), regions=sorted(touched))
 
 
 def install():

@@ -1,0 +1,257 @@
+"""Which copy-engine-only way moves paged KV fastest: 1D batches or pitched (3D) batches.
+
+A measurement tool for issue 11, not part of kvd. On the GPU machine:
+
+    python3 tools/dma_probe.py [--reps 5] [--cases llama:16,mla:16,llama:64,mla:64,llama:1]
+
+A pool ``[layer*plane][page][page bytes]`` (one allocation, so the
+(layer, plane) planes sit at one pitch, as in vLLM >= 0.2x's single KV
+backing allocation) and a host buffer of 8 chunks of 256 tokens laid out
+``[chunk][layer*plane][token][row]`` as kvd's arena is. Random page ids.
+Ways, each over 1/2/4/8 streams:
+
+- ``1d``: ``cuMemcpyBatchAsync_v2``, one copy per (layer, plane, page) (kvd's
+  DMA path today); ``1d-any``: the same with source access order ANY;
+  ``1d-overlap``: with the PREFER_OVERLAP_WITH_COMPUTE flag.
+- ``3d-rows``: ``cuMemcpy3DBatchAsync_v2`` with the 1d copies as one-row ops.
+- ``3d``: ``cuMemcpy3DBatchAsync_v2``, one pitched op per page: width = page
+  bytes, height = layers x planes, the pool's plane pitch on one side and
+  the chunk's plane pitch on the other: 1/64 as many ops for Llama.
+
+Directions: device-to-host, host-to-device, and both at once (each with the
+streams given). Ratio = memcpy time of the same bytes / the way's time (both:
+two memcpys on two streams). Each way is checked byte for byte against a
+torch gather once per direction. Prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import time
+
+import numpy as np
+
+SHAPES = {"llama": (32, 2, 8 * 128 * 2), "mla": (61, 1, 1152)}  # layers, planes, row bytes
+CHUNK, CHUNKS = 256, 8
+OP_DTYPE = np.dtype({  # CUDA_MEMCPY3D_BATCH_OP with pointer operands (cuda.h, CUDA 12.8+)
+    "names": ["s_type", "s_ptr", "s_row", "s_layer", "s_loc", "s_locid",
+              "d_type", "d_ptr", "d_row", "d_layer", "d_loc", "d_locid",
+              "w", "h", "d", "order", "flags"],
+    "formats": ["<i4", "<u8", "<u8", "<u8", "<i4", "<i4"] * 2 + ["<u8"] * 3 + ["<i4", "<u4"],
+    "offsets": [0, 8, 16, 24, 32, 36, 40, 48, 56, 64, 72, 76, 80, 88, 96, 104, 108],
+    "itemsize": 112})
+
+
+class _Loc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _Loc), ("dstLocHint", _Loc),
+                ("flags", ctypes.c_uint)]
+
+
+_cuda = ctypes.CDLL("libcuda.so.1")
+
+
+def _batch1d(stream, dst, src, size, order=1, flags=0):
+    attr, at = _Attr(order, _Loc(0, 0), _Loc(0, 0), flags), ctypes.c_size_t(0)
+    rc = _cuda.cuMemcpyBatchAsync_v2(
+        ctypes.c_void_p(dst.ctypes.data), ctypes.c_void_p(src.ctypes.data),
+        ctypes.c_void_p(size.ctypes.data), ctypes.c_size_t(len(dst)), ctypes.byref(attr),
+        ctypes.byref(at), ctypes.c_size_t(1), ctypes.c_void_p(stream))
+    if rc:
+        raise RuntimeError(f"cuMemcpyBatchAsync_v2 -> {rc}")
+
+
+def _batch3d(stream, ops):
+    rc = _cuda.cuMemcpy3DBatchAsync_v2(ctypes.c_size_t(len(ops)), ctypes.c_void_p(ops.ctypes.data),
+                                       ctypes.c_ulonglong(0), ctypes.c_void_p(stream))
+    if rc:
+        raise RuntimeError(f"cuMemcpy3DBatchAsync_v2 -> {rc}")
+
+
+class Case:
+    """One pool, one host buffer, the page ids, and the piece / op lists both ways."""
+
+    def __init__(self, torch, name, page):
+        layers, planes, row = SHAPES[name]
+        self.name, self.page, self.lp = name, page, layers * planes
+        self.piece = page * row
+        pages = 8 * CHUNK * CHUNKS // page
+        self.pool = torch.randint(0, 256, (self.lp, pages, self.piece), dtype=torch.uint8,
+                                  device="cuda")
+        self.nbytes = self.lp * CHUNK * CHUNKS * row
+        self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self.ids = np.random.default_rng(page).choice(pages, CHUNK * CHUNKS // page, replace=False)
+        ppc = CHUNK // page
+        plane_pitch, chunk_plane = pages * self.piece, CHUNK * row
+        lp = np.arange(self.lp, dtype=np.uint64).reshape(1, -1, 1)
+        ids = self.ids.astype(np.uint64).reshape(CHUNKS, 1, ppc)
+        j = np.arange(ppc, dtype=np.uint64).reshape(1, 1, -1)
+        c = np.arange(CHUNKS, dtype=np.uint64).reshape(-1, 1, 1)
+        base, hbase = np.uint64(self.pool.data_ptr()), np.uint64(self.host.data_ptr())
+        self.dev1 = (base + lp * np.uint64(plane_pitch) + ids * np.uint64(self.piece)).reshape(-1)
+        self.host1 = (hbase + c * np.uint64(self.lp * chunk_plane) + lp * np.uint64(chunk_plane)
+                      + j * np.uint64(self.piece)).reshape(-1)
+        self.size1 = np.full(self.dev1.size, self.piece, np.uint64)
+        first_dev = (base + ids * np.uint64(self.piece)).reshape(-1)
+        first_host = (hbase + c * np.uint64(self.lp * chunk_plane) + j * np.uint64(self.piece)).reshape(-1)
+        self.dev3 = (first_dev, plane_pitch)
+        self.host3 = (first_host, chunk_plane)
+
+    def ops(self, to_host, order=1, rows=False):
+        if rows:  # the same copies as 1d, one op of one row each
+            ops = np.zeros(self.dev1.size, OP_DTYPE)
+            ops["s_ptr"], ops["d_ptr"] = (self.dev1, self.host1) if to_host else (self.host1, self.dev1)
+            ops["s_type"], ops["d_type"], ops["w"], ops["h"], ops["d"] = 1, 1, self.piece, 1, 1
+            ops["order"] = order
+            return ops
+        n = self.dev3[0].size
+        ops = np.zeros(n, OP_DTYPE)
+        (sp, sr), (dp, dr) = (self.dev3, self.host3) if to_host else (self.host3, self.dev3)
+        ops["s_type"], ops["d_type"] = 1, 1
+        ops["s_ptr"], ops["s_row"], ops["d_ptr"], ops["d_row"] = sp, sr, dp, dr
+        ops["w"], ops["h"], ops["d"], ops["order"] = self.piece, self.lp, 1, order
+        return ops
+
+    def reference(self, torch):
+        """The host buffer a perfect device-to-host copy gives, as a GPU tensor."""
+        idx = torch.as_tensor(self.ids.reshape(CHUNKS, -1), device="cuda")
+        return self.pool[:, idx].permute(1, 0, 2, 3).reshape(-1)
+
+
+def _split(n, k):
+    return [slice(int(a), int(b)) for a, b in zip(np.linspace(0, n, k + 1)[:-1],
+                                                   np.linspace(0, n, k + 1)[1:]) if b > a]
+
+
+def enqueue(case, way, to_host, streams):
+    if way in ("3d", "3d-rows"):
+        ops = case.ops(to_host, rows=way == "3d-rows")
+        for s, st in zip(_split(len(ops), len(streams)), streams):
+            _batch3d(st.cuda_stream, ops[s])
+        return
+    order, flags = {"1d": (1, 0), "1d-any": (3, 0), "1d-overlap": (1, 1)}[way]
+    dst, src = (case.host1, case.dev1) if to_host else (case.dev1, case.host1)
+    for s, st in zip(_split(len(dst), len(streams)), streams):
+        _batch1d(st.cuda_stream, dst[s], src[s], case.size1[s], order, flags)
+
+
+def timed(torch, fn, reps):
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def check(torch, case, way, streams):
+    """Poison, copy each way, compare with the gather; returns the wrong bytes."""
+    ref = case.reference(torch)
+    case.host.fill_(0xA5)
+    torch.cuda.synchronize()  # the legacy stream's work, before the copy streams start
+    enqueue(case, way, True, streams)
+    torch.cuda.synchronize()
+    wrong = int((case.host.cuda() != ref).sum())
+    saved = case.pool.clone()
+    case.pool.fill_(0x5A)
+    torch.cuda.synchronize()
+    enqueue(case, way, False, streams)
+    torch.cuda.synchronize()
+    idx = torch.as_tensor(case.ids, device="cuda")
+    wrong += int((case.pool[:, idx] != saved[:, idx]).sum())
+    untouched = torch.ones(case.pool.shape[1], dtype=torch.bool, device="cuda")
+    untouched[idx] = False
+    wrong += int((case.pool[:, untouched] != 0x5A).sum())
+    case.pool.copy_(saved)
+    return wrong
+
+
+def run_case(torch, spec, a, pools) -> None:
+    name, page = spec.split(":")
+    case, other = Case(torch, name, int(page)), Case(torch, name, int(page))
+    dev = torch.empty(case.nbytes, dtype=torch.uint8, device="cuda")
+    one = {"d2h": timed(torch, lambda: case.host.copy_(dev, non_blocking=True), a.reps),
+           "h2d": timed(torch, lambda: dev.copy_(case.host, non_blocking=True), a.reps)}
+
+    def both_memcpy():
+        with torch.cuda.stream(pools[0][0]):
+            case.host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(pools[1][0]):
+            other.pool.view(-1)[:case.nbytes].copy_(other.host, non_blocking=True)
+    one["both"] = timed(torch, both_memcpy, a.reps)
+    print(json.dumps({"case": spec, "piece": case.piece, "MB": round(case.nbytes / 1e6),
+                      "memcpy_GBps": {k: round(case.nbytes / v / 1e9 * (2 if k == "both" else 1), 1)
+                                      for k, v in one.items()}}), flush=True)
+    for way in a.ways.split(","):
+        row = {"case": spec, "way": way}
+        try:
+            row["wrong_bytes"] = check(torch, case, way, pools[0][:4])
+        except RuntimeError as e:
+            print(json.dumps({**row, "error": str(e)}), flush=True)
+            continue
+        for n in map(int, a.streams.split(",")):
+            s0, s1 = pools[0][:n], pools[1][:n]
+            t = {"d2h": timed(torch, lambda: enqueue(case, way, True, s0), a.reps),
+                 "h2d": timed(torch, lambda: enqueue(case, way, False, s0), a.reps),
+                 "both": timed(torch, lambda: (enqueue(case, way, True, s0),
+                                               enqueue(other, way, False, s1)), a.reps)}
+            t0 = time.perf_counter()
+            enqueue(case, way, True, s0)
+            host_ms = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize()
+            print(json.dumps({**row, "streams": n, "enqueue_ms": round(host_ms, 2),
+                              **{k: round(one[k] / v, 3) for k, v in t.items()}}), flush=True)
+
+
+def pitch_check(torch, gib):
+    """One 2-row op whose pool rows are ``gib`` GiB apart, both ways, checked."""
+    pitch, width = int(gib * 2**30) // 4096 * 4096, 1 << 20
+    pool = torch.zeros(pitch + width, dtype=torch.uint8, device="cuda")
+    host = torch.randint(0, 256, (2 * width,), dtype=torch.uint8).pin_memory()
+    ops = np.zeros(1, OP_DTYPE)
+    ops["s_type"] = ops["d_type"] = 1
+    ops["s_ptr"], ops["s_row"] = host.data_ptr(), width
+    ops["d_ptr"], ops["d_row"] = pool.data_ptr(), pitch
+    ops["w"], ops["h"], ops["d"], ops["order"] = width, 2, 1, 1
+    s = torch.cuda.Stream()
+    out = {"pitch_GiB": gib}
+    try:
+        _batch3d(s.cuda_stream, ops)
+        torch.cuda.synchronize()
+        rows = torch.stack([pool[:width], pool[pitch:pitch + width]]).cpu().reshape(-1)
+        out["wrong_bytes"] = int((rows != host).sum())
+    except RuntimeError as e:
+        out["error"] = str(e)
+    return out
+
+
+def main() -> None:
+    import torch
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cases", default="llama:16,mla:16,llama:64,mla:64,llama:1")
+    ap.add_argument("--streams", default="1,2,4,8")
+    ap.add_argument("--ways", default="1d,1d-any,1d-overlap,3d-rows,3d")
+    ap.add_argument("--pitch-check", default="", help="GiB pitches to try with a 2-row op, "
+                    "e.g. 1.5,2.5,4.5: is the op accepted, are the bytes right")
+    a = ap.parse_args()
+    for gib in filter(None, a.pitch_check.split(",")):
+        print(json.dumps(pitch_check(torch, float(gib))), flush=True)
+    torch.cuda.init()
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
+    pools = [[torch.cuda.Stream() for _ in range(8)] for _ in range(2)]
+    for spec in a.cases.split(","):
+        run_case(torch, spec, a, pools)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
