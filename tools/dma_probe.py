@@ -14,6 +14,7 @@ Ways, each over 1/2/4/8 streams:
   DMA path today); ``1d-any``: the same with source access order ANY;
   ``1d-overlap``: with the PREFER_OVERLAP_WITH_COMPUTE flag.
 - ``3d-rows``: ``cuMemcpy3DBatchAsync_v2`` with the 1d copies as one-row ops.
+- ``3d-hN``: ops of N planes each (N divides layers x planes).
 - ``3d``: ``cuMemcpy3DBatchAsync_v2``, one pitched op per page: width = page
   bytes, height = layers x planes, the pool's plane pitch on one side and
   the chunk's plane pitch on the other: 1/64 as many ops for Llama.
@@ -103,7 +104,7 @@ class Case:
         self.dev3 = (first_dev, plane_pitch)
         self.host3 = (first_host, chunk_plane)
 
-    def ops(self, to_host, order=1, rows=False):
+    def ops(self, to_host, order=1, rows=False, height=0):
         if rows:  # the same copies as 1d, one op of one row each
             ops = np.zeros(self.dev1.size, OP_DTYPE)
             ops["s_ptr"], ops["d_ptr"] = (self.dev1, self.host1) if to_host else (self.host1, self.dev1)
@@ -111,6 +112,16 @@ class Case:
             ops["order"] = order
             return ops
         n = self.dev3[0].size
+        if height:  # groups of ``height`` planes: one op per (group, page)
+            groups = np.arange(0, self.lp, height, dtype=np.uint64)[:, None]
+            dev = ((self.dev3[0][None, :] + groups * np.uint64(self.dev3[1])).reshape(-1), self.dev3[1])
+            host = ((self.host3[0][None, :] + groups * np.uint64(self.host3[1])).reshape(-1), self.host3[1])
+            ops = np.zeros(dev[0].size, OP_DTYPE)
+            (sp, sr), (dp, dr) = (dev, host) if to_host else (host, dev)
+            ops["s_type"], ops["d_type"] = 1, 1
+            ops["s_ptr"], ops["s_row"], ops["d_ptr"], ops["d_row"] = sp, sr, dp, dr
+            ops["w"], ops["h"], ops["d"], ops["order"] = self.piece, height, 1, order
+            return ops
         ops = np.zeros(n, OP_DTYPE)
         (sp, sr), (dp, dr) = (self.dev3, self.host3) if to_host else (self.host3, self.dev3)
         ops["s_type"], ops["d_type"] = 1, 1
@@ -130,8 +141,9 @@ def _split(n, k):
 
 
 def enqueue(case, way, to_host, streams):
-    if way in ("3d", "3d-rows"):
-        ops = case.ops(to_host, rows=way == "3d-rows")
+    if way.startswith("3d"):
+        height = int(way[4:]) if way.startswith("3d-h") else 0
+        ops = case.ops(to_host, rows=way == "3d-rows", height=height)
         for s, st in zip(_split(len(ops), len(streams)), streams):
             _batch3d(st.cuda_stream, ops[s])
         return

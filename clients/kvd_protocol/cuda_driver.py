@@ -161,6 +161,34 @@ def stream_wait_u32(stream: int, dev_addr: int, value: int) -> None:
         ctypes.c_uint(CU_STREAM_WAIT_VALUE_GEQ)), "cuStreamWaitValue32")
 
 
+class _MemLoc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):  # CUmemcpyAttributes (CUDA 12.8+)
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLoc),
+                ("dstLocHint", _MemLoc), ("flags", ctypes.c_uint)]
+
+
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1
+_STREAM_ORDER = _MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, _MemLoc(0, 0), _MemLoc(0, 0), 0)
+_FIRST = ctypes.c_size_t(0)
+
+
+def memcpy_batch_async(stream: int, dsts, srcs, sizes) -> None:
+    """Queue ``len(dsts)`` copies (uint64 numpy arrays of addresses and byte counts) on
+    ``stream`` as one batch, in stream order: each is done by the copy engines, with no
+    kernel. Any direction; host addresses must be pinned. ``stream`` must not be the
+    legacy default stream (the driver refuses it)."""
+    n = len(dsts)
+    if not n:
+        return
+    _check(_fn("cuMemcpyBatchAsync_v2")(
+        ctypes.c_void_p(dsts.ctypes.data), ctypes.c_void_p(srcs.ctypes.data),
+        ctypes.c_void_p(sizes.ctypes.data), ctypes.c_size_t(n), ctypes.byref(_STREAM_ORDER),
+        ctypes.byref(_FIRST), ctypes.c_size_t(1), ctypes.c_void_p(stream)), "cuMemcpyBatchAsync")
+
+
 def has_memcpy3d_batch() -> bool:
     """Whether the driver has ``cuMemcpy3DBatchAsync_v2`` (CUDA 13 drivers)."""
     try:

@@ -90,14 +90,16 @@ def _plot(torch, rows, piped, args) -> None:
     print(f"plot: {args.plot}")
 
 
-def make_pool(torch, CudaKVPool, shape, pages: int, page: int):
+def make_pool(torch, CudaKVPool, shape, pages: int, page: int, alloc: str = "per-layer"):
+    """A pool of random bf16 KV: each layer its own allocation (SGLang's, vLLM < 0.2x's), or
+    all layers in one (``alloc = "one"``: vLLM's single backing allocation)."""
     layout, layers, heads, dim = shape
-    if layout == "vllm_mla":
-        tensors = [torch.randn(pages, page, dim, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
-    else:
-        tensors = [torch.randn(2, pages, page, heads, dim, dtype=torch.bfloat16, device="cuda")
-                   for _ in range(layers)]
-    return CudaKVPool(layout, tensors)
+    per_layer = (pages, page, dim) if layout == "vllm_mla" else (2, pages, page, heads, dim)
+    if alloc == "one":
+        whole = torch.randn(layers, *per_layer, dtype=torch.bfloat16, device="cuda")
+        return CudaKVPool(layout, list(whole.unbind(0)))
+    return CudaKVPool(layout, [torch.randn(*per_layer, dtype=torch.bfloat16, device="cuda")
+                               for _ in range(layers)])
 
 
 def memcpy_s(torch, nbytes: int, repeat: int) -> dict:
@@ -132,8 +134,8 @@ def _measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape, page, args
     chunk, n = args.chunk_tokens, args.chunks
     ppc = chunk // page
     nbytes = request_bytes(shape, n, chunk)
-    store_pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page)
-    load_pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page)
+    store_pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page, args.gpu_pool)
+    load_pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page, args.gpu_pool)
     a = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
                   spin_s=args.spin_ms / 1e3).connect()
     b = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
@@ -192,7 +194,7 @@ def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
 
     gemm_ms(5)
     alone = statistics.median(gemm_ms() for _ in range(args.repeat))
-    pool = make_pool(torch, CudaKVPool, shape, 2 * n * (chunk // page), page)
+    pool = make_pool(torch, CudaKVPool, shape, 2 * n * (chunk // page), page, args.gpu_pool)
     client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
                        spin_s=args.spin_ms / 1e3).connect()
     client.register_kv(pool, model="bench-gemm")

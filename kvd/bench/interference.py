@@ -81,7 +81,8 @@ def _one(args, flags: list, copier_opts: dict, workload: str) -> dict:
             to_engine, engine_end = ctx.Pipe()
             to_copier, copier_end = ctx.Pipe()
             engine = ctx.Process(target=_engine, args=(workload, engine_end))
-            copier = ctx.Process(target=_copier, args=(rundir, args.chunks, chunk, copier_opts,
+            copier = ctx.Process(target=_copier, args=(rundir, args.chunks, chunk,
+                                                       {**copier_opts, "alloc": args.gpu_pool},
                                                        copier_end))
             copier.start()
             memcpy_Bps = to_copier.recv()         # the copier's memcpy, with the GPU to itself
@@ -160,7 +161,7 @@ def _copier(rundir: str, chunks: int, chunk: int, opts: dict, pipe) -> None:
     pipe.send(nbytes / statistics.median(memcpy_s(torch, nbytes, 3)[k] for k in ("d2h", "h2d")))
     pipe.recv()  # the engine measured itself alone meanwhile
     ppc = chunk // 16
-    pool = make_pool(torch, CudaKVPool, SHAPE, 2 * chunks * ppc, 16)
+    pool = make_pool(torch, CudaKVPool, SHAPE, 2 * chunks * ppc, 16, opts.get("alloc", "per-layer"))
     client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
     client.register_kv(pool, model="bench-interference")
     if not opts.get("marks", True):  # diagnosis: copies not ordered after this stream

@@ -33,7 +33,7 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
     for c in range(clients):
         client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
                            load_slots=max(64, 2 * depth)).connect()
-        pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page)
+        pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page, args.gpu_pool)
         client.register_kv(pool, model=f"bench-{name}")
         perm = np.random.default_rng(c).permutation(2 * n * ppc)
         engines.append((client, pool, perm[:n * ppc], perm[n * ppc:]))

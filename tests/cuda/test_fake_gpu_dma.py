@@ -127,3 +127,15 @@ def test_consecutive_pages_are_one_copy_each_run(fake_engine, fake_daemon):
     store, load = batches[0], batches[-1]
     assert len(batches) == 2 and store["pieces"] == load["pieces"] == 4, batches
     assert d.stop() == 0, d.log()
+
+
+def test_refused_pitched_ops_go_row_by_row(fake_engine, fake_daemon):
+    """A driver that refuses pitched ops of more than 2 rows (the fake's planes sit at one
+    pitch, so ops have 16): each op is tried alone, the refused ones go row by row in the
+    same stream order, a warning says so once per direction, and the bytes are exact."""
+    d = fake_daemon(max_3d_rows=2, trace=True, **DMA)
+    store_then_load(fake_engine, d, "vllm_flash_attn", 16, seed=5)
+    warned = d.log().count("the driver refused pitched copies")
+    assert warned == 2, d.log()
+    assert not [e for e in d.trace() if e["ev"] == "kernel"]
+    assert d.stop() == 0, d.log()

@@ -17,6 +17,7 @@ the cupy shim (tests/fakecuda/shim); engines in tests call ``install``.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 
 import numpy as np
@@ -29,6 +30,7 @@ from .memory import SPACE
 
 ATTR_DEVICE_ORDINAL, ATTR_IPC_CAPABLE, ATTR_RANGE_START, ATTR_RANGE_SIZE = 9, 10, 11, 12
 _CONTEXT = 0xC0A7E47
+_MAX_3D_ROWS = int(os.environ.get("FAKECUDA_MAX_3D_ROWS", "0") or 0)
 
 
 def _value(arg) -> int:
@@ -122,6 +124,23 @@ class FakeLibcuda:
         streams.stream_at(_value(stream)).wait_value32(_value(addr), _value(value))
 
     @_status
+    def cuMemcpyBatchAsync_v2(self, dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, stream):
+        """Copies in stream order, as one piece of queued work: each checked like a
+        cudaMemcpyDefault (any live memory, one allocation or registration per side) when
+        queued and when run; ``FAKECUDA_KERNEL_DELAY_S``'s ``memcpy_batch`` delays it; the
+        trace gets one ``dma`` event naming the regions written."""
+        n, st = _value(count), _value(stream)
+        if n == 0 or _value(num_attrs) != 1 or st == 0:  # the driver refuses the legacy stream
+            raise CudaError(INVALID_VALUE, f"memcpy batch count={n} attrs={_value(num_attrs)} "
+                                           f"stream={st:#x}")
+        pieces = [tuple(int(x) for x in (ctypes.c_uint64 * n).from_address(_value(p)))
+                  for p in (dsts, srcs, sizes)]
+        for d, s, z in zip(*pieces):
+            SPACE.resolve(s, z, what="memcpy batch source")
+            SPACE.resolve(d, z, what="memcpy batch destination")
+        streams.stream_at(st).enqueue(lambda: _run_rows(*pieces))
+
+    @_status
     def cuMemcpy3DBatchAsync_v2(self, count, ops, flags, stream):
         """Pitched copies (``kvd.cuda.dma_plan.OP_DTYPE``, pointer operands, depth 1) in
         stream order, as one piece of queued work: each op's whole extent on each side
@@ -134,9 +153,12 @@ class FakeLibcuda:
                                            f"stream={st:#x}")
         raw = (ctypes.c_uint8 * (n * OP_DTYPE.itemsize)).from_address(_value(ops))
         batch = np.frombuffer(bytes(raw), OP_DTYPE)  # the driver reads the list when queued
-        for op in batch:
-            for addr, span, what in _sides(op):
-                SPACE.resolve(addr, span, what=what)
+        for op in batch:  # the real driver answers INVALID_VALUE for an extent over two
+            for addr, span, what in _sides(op):  # allocations (seen on an H100)
+                try:
+                    SPACE.resolve(addr, span, what=what)
+                except CudaError as exc:
+                    raise CudaError(INVALID_VALUE, str(exc)) from None
         streams.stream_at(st).enqueue(lambda: _run_batch(batch))
 
 
@@ -144,6 +166,8 @@ def _sides(op) -> list[tuple[int, int, str]]:
     """``(address, span, what)`` of an op's source and destination; INVALID_VALUE for
     what the real driver refuses or the fake does not model."""
     w, h = int(op["width"]), int(op["height"])
+    if _MAX_3D_ROWS and h > _MAX_3D_ROWS:
+        raise CudaError(INVALID_VALUE, f"3D memcpy of {h} rows (FAKECUDA_MAX_3D_ROWS)")
     if (op["src_type"] != 1 or op["dst_type"] != 1 or int(op["depth"]) != 1 or not w or not h
             or op["order"] not in (1, 2, 3)):
         raise CudaError(INVALID_VALUE, f"3D memcpy op {op}")
@@ -172,6 +196,22 @@ def _run_batch(batch) -> None:
             d_reg.array[d_off + i * dp:d_off + i * dp + w] = s_reg.array[s_off + i * sp:s_off + i * sp + w]
         touched.add(d_reg.name)
     trace.emit("dma", t0=t0, pieces=len(batch), regions=sorted(touched))
+
+
+def _run_rows(dsts, srcs, sizes) -> None:
+    t0 = time.monotonic()
+    delay = streams.kernel_delay("memcpy_batch")
+    if delay:
+        time.sleep(delay)
+    touched = set()
+    for d, s, z in zip(dsts, srcs, sizes):
+        s_reg, s_off = SPACE.resolve(s, z, what="memcpy batch source")
+        d_reg, d_off = SPACE.resolve(d, z, what="memcpy batch destination")
+        d_reg.array[d_off:d_off + z] = s_reg.array[s_off:s_off + z]
+        touched.add(d_reg.name)
+    trace.emit("dma", t0=t0, pieces=len(sizes), regions=sorted(touched))
+
+
 
 
 def install():
