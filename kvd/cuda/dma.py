@@ -28,9 +28,10 @@ Contract:
   ``enqueue`` after the batch finished (the caller polls), and never blocks
   the host.
 - Unlike a kernel, a queued DMA cannot check a load's cancel word when it
-  starts: ``DmaPath.load`` therefore queues a load in steps of whole layers
-  (about a quarter of ``window`` each), reads the cancel word on the host
-  before each step, and keeps at most ``window`` bytes queued.
+  starts: ``DmaPath.load`` therefore queues a load in steps (runs of pages of
+  about a quarter of ``window`` over all layers; a layer-wise load layer by
+  layer), reads the cancel word on the host before each step, and keeps at
+  most ``window`` bytes queued.
 """
 
 from __future__ import annotations
@@ -133,12 +134,6 @@ class DmaQueue:
         self.queued = []
 
 
-def _steps(num_layers: int, layer_bytes: int, most: int) -> list[int]:
-    """Ends of consecutive groups of whole layers of at most ``most`` bytes (at least one)."""
-    per = max(1, most // max(1, layer_bytes))
-    return [*range(per, num_layers, per), num_layers]
-
-
 class DmaPath:
     """Stores and loads of one GPU by DMA only; loads gated on their cancel word."""
 
@@ -157,27 +152,25 @@ class DmaPath:
 
     async def load(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray, ptrs: np.ndarray,
                    chunk_tokens: int, signal: Any) -> Any:
-        """Queue a load (arena -> pool) in steps of whole layers of about ``window / 4``
-        bytes, each after the host found the load not cancelled and at most ``window``
-        bytes queued; a layer-wise ``signal`` gets each layer's word behind that layer.
-        Returns the stream it ends on (the caller writes the done word there, also
-        after a cancel or an error)."""
+        """Queue a load (arena -> pool) in steps, each after the host found the load not
+        cancelled and at most ``window`` bytes queued: runs of pages of about ``window /
+        4`` bytes over all layers (ops of many rows), or for a layer-wise ``signal`` one
+        layer at a time, each layer's word behind that layer. Returns the stream it ends
+        on (the caller writes the done word there, also after a cancel or an error)."""
         q = self.load_queue
         c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces)
-        a = 0
-        for b in _steps(c.num_layers, c.layer_bytes, max(1, self.window // 4)):
+        layerwise = signal is not None and signal.layerwise
+        steps = [(n, n + 1, slice(None)) for n in range(c.num_layers)] if layerwise else \
+            [(0, c.num_layers, runs) for runs in c.run_steps(max(1, self.window // 4))]
+        for a, b, runs in steps:
             while q.queued_bytes() > self.window:
                 await self.poller.wait(q.queued[0][0])
             if signal is not None and signal.source.cancelled:
                 break  # what is queued runs; nothing more touches the pages
             with self.cp.cuda.Device(self.ordinal):  # not held across the await above
-                if signal is not None and signal.layerwise:
-                    for layer in range(a, b):
-                        q.enqueue(c.ops(layer, layer + 1, to_host=False))
-                        signal.layers_landed(q.stream, (layer,))
-                else:
-                    q.enqueue(c.ops(a, b, to_host=False))
-            a = b
+                q.enqueue(c.ops(a, b, False, runs))
+                if layerwise:
+                    signal.layers_landed(q.stream, (a,))
         return q.stream
 
     def close(self) -> None:

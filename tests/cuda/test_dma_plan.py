@@ -69,11 +69,13 @@ def covered(ops, to_host, step=64):
     return out
 
 
+@pytest.mark.parametrize("min_rows", [2, dma_plan.MIN_ROWS])
 @pytest.mark.parametrize("kind", ["one allocation", "per plane", "descending"])
 @pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize("registration", [1 << 40, 3072])
-def test_ops_cover_the_reference_exactly(kind, consecutive, registration):
-    d, chunk_tokens, n = layout(), 16, 3
+def test_ops_cover_the_reference_exactly(kind, consecutive, registration, min_rows, monkeypatch):
+    monkeypatch.setattr(dma_plan, "MIN_ROWS", min_rows)
+    d, chunk_tokens, n = layout(layers=9), 16, 3
     ppc = chunk_tokens // d.page_size
     rng = np.random.default_rng(int(consecutive) + registration % 7)
     ids = np.arange(n * ppc) + 5 if consecutive else rng.permutation(d.num_pages)[:n * ppc]
@@ -82,11 +84,17 @@ def test_ops_cover_the_reference_exactly(kind, consecutive, registration):
     shard_ptrs = np.array([HOST0, HOST0 + shard, HOST0 + 3 * shard + 64], np.uint64)
     c = dma_plan.CopyOps(d, bases, ids, shard_ptrs, chunk_tokens, (HOST0, registration))
     assert c.layer_bytes * d.num_layers == n * shard
-    for a, b in [(0, d.num_layers), (0, 1), (1, 3), (2, 3)]:
+    every = slice(None)
+    for a, b, runs in [(0, d.num_layers, every), (0, 1, every), (1, 3, every), (8, 9, every),
+                       *[(0, d.num_layers, r) for r in c.run_steps(d.num_layers * d.planes * 2048)]]:
         for to_host in (True, False):
-            ops = c.ops(a, b, to_host)
-            assert covered(ops, to_host) == reference(d, bases, ids, shard_ptrs, chunk_tokens, a, b)
-            assert int((ops["width"] * ops["height"]).sum()) == (b - a) * c.layer_bytes
+            ops = c.ops(a, b, to_host, runs)
+            want = reference(d, bases, ids, shard_ptrs, chunk_tokens, a, b)
+            if runs != every:
+                want = {(h, p) for h, p in want if _in_run(c, runs, h, d)}
+            assert covered(ops, to_host) == want
+            if runs == every:
+                assert int((ops["width"] * ops["height"]).sum()) == (b - a) * c.layer_bytes
             for src, dst, w in rows(ops):
                 host = dst if to_host else src
                 assert (host - HOST0) // registration == (host + w - 1 - HOST0) // registration
@@ -98,9 +106,20 @@ def test_ops_cover_the_reference_exactly(kind, consecutive, registration):
                 assert (host - HOST0) // registration == (end - 1 - HOST0) // registration
     if registration > 1 << 30:
         runs = n if consecutive else n * ppc
-        want = {"one allocation": runs, "per plane": runs * d.planes,
-                "descending": runs * d.planes * d.num_layers}[kind]
-        assert len(c.ops(0, d.num_layers, True)) == want
+        lp = d.planes * d.num_layers
+        groups = {"one allocation": 1 if lp >= min_rows else lp,
+                  "per plane": d.planes if d.num_layers >= min_rows else lp,
+                  "descending": lp}[kind]
+        assert len(c.ops(0, d.num_layers, True)) == runs * groups
+        covered_runs = [r for step in c.run_steps(1) for r in range(step.start, step.stop)]
+        assert covered_runs == list(range(runs)) and len(c.run_steps(1)) == runs
+
+
+def _in_run(c, runs, host, d):
+    """Whether arena address ``host`` is in one of ``runs`` (any plane of its chunk)."""
+    planes = d.num_layers * d.planes
+    return any(start <= host < start + planes * c.plane_bytes and (host - start) % c.plane_bytes < width
+               for start, width in zip(c.run_host[runs].tolist(), c.run_width[runs].tolist()))
 
 
 def test_row_groups_pick_the_fewer():
@@ -112,13 +131,6 @@ def test_row_groups_pick_the_fewer():
     assert [n for _, _, n, _ in dma_plan.row_groups(plane_bases(d, "descending"), 4, 2)] == [1] * 8
     far = np.array([0, dma_plan.MAX_PITCH + 1], np.uint64)  # too far apart for one op
     assert dma_plan.row_groups(far, 2, 1) == [(0, 1, 1, 0), (1, 1, 1, 0)]
-
-
-def test_steps_group_whole_layers():
-    assert dma._steps(4, 10, 25) == [2, 4]
-    assert dma._steps(3, 30, 10) == [1, 2, 3]
-    assert dma._steps(2, 1, 1) == [1, 2]
-    assert dma._steps(5, 10, 1000) == [5]
 
 
 def test_eligible_only_for_pages_that_are_one_range():

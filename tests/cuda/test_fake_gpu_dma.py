@@ -13,9 +13,12 @@ test_fake_gpu_copies.py; here:
   landed (the engine's stream, waiting on each word, reads landed bytes
   while every batch is held back), then the done word, and nothing else.
 - A cancelled load: a DMA cannot check the cancel word as a kernel does, so
-  the daemon queues one layer at a time (``gpu_dma_load_window`` = 1 byte)
-  and checks the word on the host before each: after the cancel no further
-  layer is queued, the layers queued before it land, the done word follows.
+  the daemon queues a load in steps (``gpu_dma_load_window`` = 1 byte: one
+  run of pages, over all layers, per step) and checks the word on the host
+  before each: after the cancel no further step is queued, the step queued
+  before it lands, the done word follows.
+- A driver that refuses pitched ops: each op alone, the refused ones row by
+  row, the bytes exact.
 - Consecutive page ids become one op per run, and planes at one pitch
   become that op's rows (fewer, longer DMAs).
 """
@@ -78,7 +81,7 @@ def test_dma_layerwise_load_signals_each_layer_after_it_landed(fake_engine, fake
     assert d.stop() == 0, d.log()
 
 
-def test_dma_cancelled_load_queues_no_layer_after_the_cancel(fake_engine, fake_daemon):
+def test_dma_cancelled_load_queues_no_step_after_the_cancel(fake_engine, fake_daemon):
     layers = 6
     d = fake_daemon(kernel_delay_s={"memcpy_batch": 0.5}, trace=True, gpu_dma_load_window=1,
                     gpu_copy_path="dma", gpu_dma_streams=1)
@@ -92,25 +95,27 @@ def test_dma_cancelled_load_queues_no_layer_after_the_cancel(fake_engine, fake_d
         t[:, 4:] = 0x5A5A
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), fence_quiet_s=20) as loader:
         reg = loader.register_kv(pool, model="dma-cancel")
-        loader.timeout = 0.3  # cancelled while layer 0's copy is held back
+        loader.timeout = 0.3  # cancelled while the first step's copy is held back
         t = loader.submit_load(tokens, range(4, 8))
         assert t.wait(30).done and t.status == "failed", t  # fenced by the done word
         assert reg.flags.done(t.slot, t.seq)
-    landed = [np.array_equal(x[:, 4:], x[:, :4]) for x in tensors]
-    untouched = [bool((x[:, 4:] == 0x5A5A).all()) for x in tensors]
-    assert landed[0] and all(untouched[1:]), (landed, untouched)
+    # one page per chunk, so a step (a quarter of the 1-byte window: at least one run)
+    # is one page in every layer: page 4 landed everywhere, pages 5-7 nowhere
+    landed = [np.array_equal(x[:, 4], x[:, 0]) for x in tensors]
+    untouched = [bool((x[:, 5:] == 0x5A5A).all()) for x in tensors]
+    assert all(landed) and all(untouched), (landed, untouched)
     loads = [e for e in d.trace() if e["ev"] == "dma" and region.name in e["regions"]]
     assert len(loads) == 1, loads
     assert d.stop() == 0, d.log()
 
 
-def test_consecutive_pages_are_one_copy_each_run(fake_engine, fake_daemon):
-    """4 chunks of 1-token pages at consecutive ids: one op per chunk (the canonical shards
-    of a request are adjacent in the arena only by chance), its rows the chunk's 16 tokens
-    of every (layer, plane), as the fake allocates the layers' tensors back to back at one
-    pitch: not 16 one-row copies per plane; a load this small is one step, so one batch
-    each way."""
-    layers = 2
+@pytest.mark.parametrize("layers, copies", [(2, 4 * 4), (8, 4)])
+def test_consecutive_pages_are_one_copy_each_run(fake_engine, fake_daemon, layers, copies):
+    """4 chunks of 1-token pages at consecutive ids: one copy per chunk and plane of the
+    chunk's 16 tokens (the canonical shards of a request are adjacent in the arena only by
+    chance), not 16 one-token copies; with at least MIN_ROWS (16) planes at one pitch (the
+    fake allocates the layers' tensors back to back) one pitched op per chunk whose rows
+    are the planes. A load this small is one step, so one batch each way."""
     d = fake_daemon(trace=True, gpu_copy_path="dma", gpu_dma_streams=1)
     tensors, _, region = fake_engine.tensors("vllm_flash_attn", layers, 64, 1, 8, 128, seed=9)
     pool = fake_engine.pool("vllm_flash_attn", tensors, 1)
@@ -125,7 +130,7 @@ def test_consecutive_pages_are_one_copy_each_run(fake_engine, fake_daemon):
         assert all(np.array_equal(t[:, :64], w) for t, w in zip(tensors, want))
     batches = [e for e in d.trace() if e["ev"] == "dma"]
     store, load = batches[0], batches[-1]
-    assert len(batches) == 2 and store["pieces"] == load["pieces"] == 4, batches
+    assert len(batches) == 2 and store["pieces"] == load["pieces"] == copies, batches
     assert d.stop() == 0, d.log()
 
 
