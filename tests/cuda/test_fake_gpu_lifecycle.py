@@ -1,8 +1,8 @@
 """Engines dying and daemons stopping with copies in flight, on the fake GPU (tests/fakecuda).
 
 - An engine (a spawned process on the fake GPU) is SIGKILLed while its load's
-  kernels (or, on the DMA path, its layers' batched copies, one layer queued
-  at a time) are held back on the daemon's streams: the daemon reaps it
+  kernels (or, on the DMA path, its batched copies, queued in steps of 4
+  pages) are held back on the daemon's streams: the daemon reaps it
   only after those copies ran, then closes its pool (the IPC mapping goes
   last: no copy touches the engine's memory after it, which the fake would
   report as an illegal address and a broken context), and serves the next
@@ -38,7 +38,8 @@ def _dying_engine(runtime_dir: str, conn) -> None:
     client.register_kv(pool, model="dying")
     tokens = np.arange(16 * CHUNK)
     assert client.store(tokens, range(16)) == 16 * CHUNK
-    client.submit_load(tokens, range(16, 32))  # 4 pieces (kernels) or layers (DMA), 0.4 s each
+    # 4 pieces (kernels) or 4 steps of 4 pages = 1 MiB, a quarter of the window (DMA), 0.4 s each
+    client.submit_load(tokens, range(16, 32))
     conn.send((os.getpid(), region.name))
     time.sleep(120)
 
@@ -55,7 +56,7 @@ def _writes(events: list, region: str) -> list[int]:
 
 PATHS = {"kernels": ({"kv_scatter": 0.4}, {"gpu_copy_path": "kernels", "gpu_stage_slot_bytes": "1MiB"}),
          "dma": ({"memcpy_batch": 0.4}, {"gpu_copy_path": "dma", "gpu_dma_streams": 1,
-                                         "gpu_dma_load_window": 1})}
+                                         "gpu_dma_load_window": "4MiB"})}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
