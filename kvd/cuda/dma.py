@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.cuda.dma_plan import CopyOps, row_groups, rows  # noqa: F401  (row_groups: for the backend)
+from kvd.cuda.dma_plan import CopyOps, Step, row_groups, rows  # noqa: F401  (row_groups: for the backend)
 from kvd_protocol import cuda_driver
 
 _EVENT_NO_TIMING = 0x2
@@ -75,41 +75,31 @@ class DmaQueue:
         self.queued = [q for q in self.queued if not q[0].done]
         return sum(q[1] for q in self.queued)
 
-    def enqueue(self, ops: np.ndarray) -> Any:
-        """Queue ``ops`` (``dma_plan.OP_DTYPE``); returns the event recorded on ``stream``
-        after all of them."""
-        nbytes = ops["width"] * ops["height"]
-        keep = [ops]
-        if ops.size:
-            cuts = np.searchsorted(np.cumsum(nbytes), np.linspace(0, int(nbytes.sum()),
-                                                                  len(self.streams) + 1)[1:-1])
-            bounds = [0, *cuts.tolist(), ops.size]
-            for k, s in enumerate(self.streams):
-                a, b = bounds[k], bounds[k + 1]
-                if b <= a:
-                    continue
-                keep += self._queue(s.ptr, ops[a:b])
-                if k:
-                    self.rt.eventRecord(self._joins[k - 1], s.ptr)
-                    self.rt.streamWaitEvent(self.stream.ptr, self._joins[k - 1], 0)
+    def enqueue(self, step: Step) -> Any:
+        """Queue a ``dma_plan.Step``; returns the event recorded on ``stream`` after it."""
+        n = len(self.streams)
+        op_parts, row_parts = _parts(step.ops["width"] * step.ops["height"], n), _parts(step.size, n)
+        keep: list = [step]
+        for k, s in enumerate(self.streams):
+            ops, rows_at = step.ops[op_parts[k]], row_parts[k]
+            if not ops.size and rows_at.stop <= rows_at.start:
+                continue
+            dst, src, size = step.dst[rows_at], step.src[rows_at], step.size[rows_at]
+            if ops.size:
+                try:
+                    cuda_driver.memcpy3d_batch_async(s.ptr, ops.ctypes.data, ops.size)
+                except cuda_driver.CudaExportError as exc:
+                    dst, src, size = (np.concatenate(pair) for pair in zip(
+                        (dst, src, size), self._one_by_one(s.ptr, ops, exc)))
+                    keep.append((dst, src, size))
+            cuda_driver.memcpy_batch_async(s.ptr, dst, src, size)
+            if k:
+                self.rt.eventRecord(self._joins[k - 1], s.ptr)
+                self.rt.streamWaitEvent(self.stream.ptr, self._joins[k - 1], 0)
         done = self.cp.cuda.Event(block=False, disable_timing=True)
         done.record(self.stream)
-        self.queued.append((done, int(nbytes.sum()), keep))  # what the driver reads
+        self.queued.append((done, step.nbytes, keep))  # what the driver reads
         return done
-
-    def _queue(self, stream: int, ops: np.ndarray) -> list:
-        """Ops of several rows as one 3D batch, single rows as one plain batch: a
-        one-row 3D op is slow (0.2 of a memcpy at 32 KiB, against 0.4-0.7)."""
-        multi = ops[ops["height"] > 1]
-        single = [rows(ops[ops["height"] == 1])]
-        if multi.size:
-            try:
-                cuda_driver.memcpy3d_batch_async(stream, multi.ctypes.data, multi.size)
-            except cuda_driver.CudaExportError as exc:
-                single.append(self._one_by_one(stream, multi, exc))
-        dst, src, size = (np.concatenate(col) for col in zip(*single))
-        cuda_driver.memcpy_batch_async(stream, dst, src, size)
-        return [multi, dst, src, size]
 
     def _one_by_one(self, stream: int, multi: np.ndarray, exc: Exception) -> tuple:
         """After the driver refused a 3D batch: each op alone, and the refused ones as
@@ -134,6 +124,15 @@ class DmaQueue:
         self.queued = []
 
 
+def _parts(nbytes: np.ndarray, n: int) -> list[slice]:
+    """``n`` consecutive slices of about equal bytes."""
+    if not nbytes.size:
+        return [slice(0, 0)] * n
+    cuts = np.searchsorted(np.cumsum(nbytes), np.linspace(0, int(nbytes.sum()), n + 1)[1:-1])
+    bounds = [0, *cuts.tolist(), nbytes.size]
+    return [slice(bounds[k], bounds[k + 1]) for k in range(n)]
+
+
 class DmaPath:
     """Stores and loads of one GPU by DMA only; loads gated on their cancel word."""
 
@@ -146,8 +145,9 @@ class DmaPath:
     def store(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray, ptrs: np.ndarray,
               chunk_tokens: int) -> Any:
         """Queue a whole store (pool -> arena); returns the stream it ends on."""
-        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces)
-        self.store_queue.enqueue(c.ops(0, c.num_layers, to_host=True))
+        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=True)
+        for step in c.steps(1 << 62):
+            self.store_queue.enqueue(step)
         return self.store_queue.stream
 
     async def load(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray, ptrs: np.ndarray,
@@ -157,20 +157,18 @@ class DmaPath:
         4`` bytes over all layers (ops of many rows), or for a layer-wise ``signal`` one
         layer at a time, each layer's word behind that layer. Returns the stream it ends
         on (the caller writes the done word there, also after a cancel or an error)."""
-        q = self.load_queue
-        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces)
-        layerwise = signal is not None and signal.layerwise
-        steps = [(n, n + 1, slice(None)) for n in range(c.num_layers)] if layerwise else \
-            [(0, c.num_layers, runs) for runs in c.run_steps(max(1, self.window // 4))]
-        for a, b, runs in steps:
+        q, layerwise = self.load_queue, signal is not None and signal.layerwise
+        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=False,
+                    by_layer=layerwise)
+        for layer, step in enumerate(c.steps(max(1, self.window // 4))):
             while q.queued_bytes() > self.window:
                 await self.poller.wait(q.queued[0][0])
             if signal is not None and signal.source.cancelled:
                 break  # what is queued runs; nothing more touches the pages
             with self.cp.cuda.Device(self.ordinal):  # not held across the await above
-                q.enqueue(c.ops(a, b, False, runs))
+                q.enqueue(step)
                 if layerwise:
-                    signal.layers_landed(q.stream, (a,))
+                    signal.layers_landed(q.stream, (layer,))
         return q.stream
 
     def close(self) -> None:

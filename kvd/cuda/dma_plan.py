@@ -18,21 +18,25 @@ Contract:
   extent spans two). Planes in order (step 1: all layers in one allocation, as
   vLLM's; a layer's K and V, as SGLang's) or plane by plane (step ``planes``),
   whichever gives fewer groups.
-- ``CopyOps(layout, bases, page_ids, shard_ptrs, chunk_tokens, host_pieces)``:
-  one copy of whole pages. ``ops(a, b, to_host)`` is an ``OP_DTYPE`` array that
-  copies layers ``[a, b)`` and nothing else: one op per (row group, run of
-  pages), where a run is pages at consecutive ids (when the pool's pages are
-  adjacent) that are adjacent in the chunk too; its rows are the group's
-  planes. An op is cut into single rows where its rows would overlap in the
-  pool, its pitch is over ``MAX_PITCH``, or its host side would cross from one
-  separately registered piece of the arena to the next (``host_pieces =
-  (base, bytes)``: one copy must stay in one registration); a row that itself
-  crosses is split there. ``layer_bytes`` is every layer's byte count.
+- ``CopyOps(layout, bases, page_ids, shard_ptrs, chunk_tokens, host_pieces,
+  to_host, by_layer)``: one copy of whole pages, pool -> arena when
+  ``to_host``, planned once: one op per (row group, run of pages), where a run
+  is pages at consecutive ids (when the pool's pages are adjacent) that are
+  adjacent in the chunk too; its rows are the group's planes. Groups of fewer
+  than ``MIN_ROWS`` planes (and every group when ``by_layer``) go as single
+  rows instead. An op is cut into rows where its rows would overlap in the
+  pool or its host side would cross from one separately registered piece of
+  the arena to the next (``host_pieces = (base, bytes)``: one copy must stay
+  in one registration); a row that itself crosses is split there.
+  ``steps(most)`` are ``Step``s (pitched ops + single rows, ``dst``/``src``
+  sides already chosen) that cover the copy exactly once: by runs of at most
+  ``most`` bytes over all layers (ops keep all their rows), or with
+  ``by_layer`` one layer each, in layer order.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -77,33 +81,66 @@ def _runs(key: list[tuple[int, int]], seq: list[int], step: int) -> list[tuple[i
     return out
 
 
+class Step(NamedTuple):
+    """Part of a copy: ``ops`` (pitched, several rows each) and single rows."""
+    ops: np.ndarray
+    dst: np.ndarray
+    src: np.ndarray
+    size: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int((self.ops["width"] * self.ops["height"]).sum() + self.size.sum())
+
+
 class CopyOps:
-    """One copy's ops, by layers (module doc)."""
+    """One copy, planned once (module doc)."""
 
     def __init__(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray,
-                 shard_ptrs: np.ndarray, chunk_tokens: int, host_pieces: tuple[int, int]) -> None:
-        self.planes, self.num_layers = layout.planes, layout.num_layers
-        self.page_bytes = layout.page_size * layout.row_bytes
-        self.plane_bytes = chunk_tokens * layout.row_bytes  # one plane of a chunk in the arena
-        self.page_stride, self.bases, self.host_pieces = layout.page_stride, bases, host_pieces
-        self.groups = row_groups(bases, self.num_layers, self.planes,
-                                 [buf for buf, _ in layout.bases])
+                 shard_ptrs: np.ndarray, chunk_tokens: int, host_pieces: tuple[int, int],
+                 to_host: bool, by_layer: bool = False) -> None:
+        self.planes, self.num_layers, self.by_layer = layout.planes, layout.num_layers, by_layer
+        self.to_host, self.host_pieces = to_host, host_pieces
+        page_bytes, self.plane_bytes = layout.page_size * layout.row_bytes, chunk_tokens * layout.row_bytes
         ppc = chunk_tokens // layout.page_size
         ids = np.asarray(page_ids, np.int64).reshape(len(shard_ptrs), ppc)
         start = np.ones(ids.shape, bool)
-        if layout.page_stride == self.page_bytes:  # pages adjacent in the pool: runs merge
+        if layout.page_stride == page_bytes:  # pages adjacent in the pool: runs merge
             start[:, 1:] = ids[:, 1:] != ids[:, :-1] + 1
         c, j = np.nonzero(start)
-        pages = np.diff(np.append(np.flatnonzero(start), ids.size))
-        self.run_pool = ids[c, j].astype(np.uint64) * np.uint64(layout.page_stride)
-        self.run_host = (np.asarray(shard_ptrs, np.uint64)[c]
-                         + j.astype(np.uint64) * np.uint64(self.page_bytes))
-        self.run_width = pages.astype(np.uint64) * np.uint64(self.page_bytes)
-        self.layer_bytes = self.planes * ids.size * self.page_bytes
+        self.run_width = np.diff(np.append(np.flatnonzero(start), ids.size)).astype(np.uint64) \
+            * np.uint64(page_bytes)
+        self.run_host = np.asarray(shard_ptrs, np.uint64)[c] + j.astype(np.uint64) * np.uint64(page_bytes)
+        run_pool = ids[c, j].astype(np.uint64) * np.uint64(layout.page_stride)
+        groups = row_groups(bases, self.num_layers, self.planes, [buf for buf, _ in layout.bases])
+        cut = [(f + t * st, st, 1, 0) for f, st, n, p in groups for t in range(n)] if by_layer \
+            else _cut(groups)
+        first, step, count, pitch = (np.array(col, np.uint64)[:, None] for col in zip(*cut))
+        shape = (first.size, run_pool.size)
+        grid = {"pool": bases[first.astype(np.int64)] + run_pool[None, :],
+                "host": first * np.uint64(self.plane_bytes) + self.run_host[None, :],
+                "width": np.broadcast_to(self.run_width[None, :], shape),
+                "count": np.broadcast_to(count, shape), "pool_pitch": np.broadcast_to(pitch, shape),
+                "host_pitch": np.broadcast_to(step * np.uint64(self.plane_bytes), shape),
+                "run": np.broadcast_to(np.arange(shape[1], dtype=np.uint64)[None, :], shape),
+                "plane": np.broadcast_to(first, shape), "step": np.broadcast_to(step, shape)}
+        g = {k: v.reshape(-1) for k, v in grid.items()}
+        whole = ((g["count"] == 1) | (g["width"] <= g["pool_pitch"])) & ~_crosses(
+            g["host"], g["host_pitch"], g["count"], g["width"], host_pieces)
+        multi = whole & (g["count"] > 1)
+        self.ops = _ops(*(g[k][multi] for k in ("pool", "host", "width", "count", "pool_pitch",
+                                                "host_pitch")), to_host)
+        self.op_run = g["run"][multi]
+        single = {k: v[whole & (g["count"] == 1)] for k, v in g.items()}
+        rest = _split(_rows({k: v[~whole] for k, v in g.items()}), *host_pieces)
+        self.rows = {k: np.concatenate([single[k], rest[k]]) for k in ("pool", "host", "width",
+                                                                        "run", "plane")}
+        self.row_layer = self.rows["plane"] // np.uint64(self.planes)
+        self.layer_bytes = self.planes * ids.size * page_bytes
 
     def run_steps(self, most: int) -> list[slice]:
         """Consecutive groups of runs of at most ``most`` bytes over all layers (at least
-        one run each), in order: a load queued in these steps keeps the ops' rows whole."""
+        one run each), in order."""
         per_run = self.run_width * np.uint64(self.planes * self.num_layers)
         out, start, acc = [], 0, 0
         for r, n in enumerate(per_run.tolist()):
@@ -113,48 +150,35 @@ class CopyOps:
             acc += n
         return out + [slice(start, per_run.size)]
 
-    def ops(self, a: int, b: int, to_host: bool, runs: slice = slice(None)) -> np.ndarray:
-        """Ops copying layers ``[a, b)`` of ``runs``: pool -> arena when ``to_host``, else
-        back."""
-        cut = self._cut(a * self.planes, b * self.planes)
-        if not cut or not self.run_width[runs].size:
-            return np.zeros(0, OP_DTYPE)
-        first, step, count, pitch = (np.array(col, np.uint64)[:, None] for col in zip(*cut))
-        pool = self.bases[first.astype(np.int64)] + self.run_pool[None, runs]
-        host = first * np.uint64(self.plane_bytes) + self.run_host[None, runs]
-        width = np.broadcast_to(self.run_width[None, runs], pool.shape)
-        count = np.broadcast_to(count, pool.shape)
-        pool_pitch = np.broadcast_to(pitch, pool.shape)
-        host_pitch = np.broadcast_to(step * np.uint64(self.plane_bytes), pool.shape)
-        whole = ((count == 1) | (width <= pool_pitch)) & ~self._crosses(host, host_pitch, count,
-                                                                        width)
-        ops = _ops(pool[whole], host[whole], width[whole], count[whole], pool_pitch[whole],
-                   host_pitch[whole], to_host)
-        if whole.all():
-            return ops
-        rows = _rows(pool[~whole], host[~whole], width[~whole], count[~whole],
-                     pool_pitch[~whole], host_pitch[~whole])
-        pool1, host1, width1 = _split(*rows, *self.host_pieces)
-        one = np.ones(width1.size, np.uint64)
-        return np.concatenate([ops, _ops(pool1, host1, width1, one, 0 * one, 0 * one, to_host)])
+    def steps(self, most: int) -> list[Step]:
+        """The whole copy in steps (module doc)."""
+        if self.by_layer:
+            return [self._take(np.zeros(0, bool), self.row_layer == layer)
+                    for layer in range(self.num_layers)]
+        return [self._take((self.op_run >= r.start) & (self.op_run < r.stop),
+                           (self.rows["run"] >= r.start) & (self.rows["run"] < r.stop))
+                for r in self.run_steps(most)]
 
-    def _cut(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-        """The row groups restricted to planes ``[lo, hi)``; groups of fewer than
-        ``MIN_ROWS`` as one group per plane."""
-        out = []
-        for first, step, count, pitch in self.groups:
-            i = max(0, -(-(lo - first) // step))
-            k = min(count, -(-(hi - first) // step))
-            if k - i >= MIN_ROWS:
-                out.append((first + i * step, step, k - i, pitch))
-            else:
-                out += [(first + t * step, step, 1, 0) for t in range(i, k)]
-        return out
+    def _take(self, op_mask: np.ndarray, row_mask: np.ndarray) -> Step:
+        pool, host = self.rows["pool"][row_mask], self.rows["host"][row_mask]
+        dst, src = (host, pool) if self.to_host else (pool, host)
+        return Step(self.ops[op_mask] if op_mask.size else self.ops[:0], dst, src,
+                    self.rows["width"][row_mask])
 
-    def _crosses(self, host, host_pitch, count, width) -> np.ndarray:
-        base, piece = (np.uint64(v) for v in self.host_pieces)
-        end = host + (count - np.uint64(1)) * host_pitch + width - np.uint64(1)
-        return (host - base) // piece != (end - base) // piece
+
+def _cut(groups: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Groups of fewer than ``MIN_ROWS`` planes as one group per plane."""
+    out = []
+    for first, step, count, pitch in groups:
+        out += [(first, step, count, pitch)] if count >= MIN_ROWS else \
+            [(first + t * step, step, 1, 0) for t in range(count)]
+    return out
+
+
+def _crosses(host, host_pitch, count, width, host_pieces) -> np.ndarray:
+    base, piece = (np.uint64(v) for v in host_pieces)
+    end = host + (count - np.uint64(1)) * host_pitch + width - np.uint64(1)
+    return (host - base) // piece != (end - base) // piece
 
 
 def _ops(pool, host, width, height, pool_pitch, host_pitch, to_host: bool) -> np.ndarray:
@@ -170,31 +194,35 @@ def _ops(pool, host, width, height, pool_pitch, host_pitch, to_host: bool) -> np
 
 def rows(ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dst, src, size)`` of every row of ``ops``: the same copies one row each."""
-    return _rows(ops["dst"], ops["src"], ops["width"], ops["height"], ops["dst_pitch"],
-                 ops["src_pitch"])
+    r = _rows({"pool": ops["dst"], "host": ops["src"], "width": ops["width"],
+               "count": ops["height"], "pool_pitch": ops["dst_pitch"], "host_pitch": ops["src_pitch"],
+               "run": ops["width"], "plane": ops["width"], "step": ops["width"]})
+    return r["pool"], r["host"], r["width"]
 
 
-def _rows(pool, host, width, count, pool_pitch, host_pitch):
-    """Ops of several rows as one entry per row."""
-    n = count.astype(np.int64)
+def _rows(g: dict) -> dict:
+    """Entries of several rows as one entry per row (``plane`` per row)."""
+    n = g["count"].astype(np.int64)
     i = (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)).astype(np.uint64)
-    pool, host, width, pool_pitch, host_pitch = (np.repeat(x, n) for x in (
-        pool, host, width, pool_pitch, host_pitch))
-    return pool + i * pool_pitch, host + i * host_pitch, width
+    r = {k: np.repeat(v, n) for k, v in g.items()}
+    return {"pool": r["pool"] + i * r["pool_pitch"], "host": r["host"] + i * r["host_pitch"],
+            "width": r["width"], "run": r["run"], "plane": r["plane"] + i * r["step"]}
 
 
-def _split(pool: np.ndarray, host: np.ndarray, size: np.ndarray, base: int, piece: int):
+def _split(g: dict, base: int, piece: int) -> dict:
     """Rows cut where the host side crosses from one registered piece to the next."""
+    host, size = g["host"], g["width"]
     first = (host - np.uint64(base)) // np.uint64(piece)
     last = (host + size - np.uint64(1) - np.uint64(base)) // np.uint64(piece)
     crosses = first != last
-    out: list[list[int]] = [[], [], []]
-    for p, h, z in zip(pool[crosses].tolist(), host[crosses].tolist(), size[crosses].tolist()):
+    out: dict[str, list[int]] = {k: [] for k in g}
+    for p, h, z, run, plane in zip(*(g[k][crosses].tolist() for k in ("pool", "host", "width",
+                                                                      "run", "plane"))):
         at, end = h, h + z
         while at < end:
             cut = min(end, base + ((at - base) // piece + 1) * piece)
-            for k, v in enumerate((p + at - h, at, cut - at)):
+            for k, v in zip(("pool", "host", "width", "run", "plane"),
+                            (p + at - h, at, cut - at, run, plane)):
                 out[k].append(v)
             at = cut
-    return tuple(np.concatenate([x[~crosses], np.array(col, np.uint64)])
-                 for x, col in zip((pool, host, size), out))
+    return {k: np.concatenate([g[k][~crosses], np.array(out[k], np.uint64)]) for k in g}

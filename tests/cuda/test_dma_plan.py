@@ -52,20 +52,21 @@ def reference(d, bases, ids, shard_ptrs, chunk_tokens, a, b):
     return out
 
 
-def rows(ops):
-    """``(src, dst, width)`` of every row of every op."""
-    for op in ops:
+def step_rows(step):
+    """``(src, dst, width)`` of every row of a step: its pitched ops' rows, its single rows."""
+    for op in step.ops:
         w = int(op["width"])
         for i in range(int(op["height"])):
             yield int(op["src"]) + i * (int(op["src_pitch"]) or w), \
                 int(op["dst"]) + i * (int(op["dst_pitch"]) or w), w
+    yield from zip(step.src.tolist(), step.dst.tolist(), step.size.tolist())
 
 
-def covered(ops, to_host, step=64):
+def covered(step, to_host, step_bytes=64):
     out = set()
-    for src, dst, w in rows(ops):
+    for src, dst, w in step_rows(step):
         host, pool = (dst, src) if to_host else (src, dst)
-        out.update((host + off, pool + off) for off in range(0, w, step))
+        out.update((host + off, pool + off) for off in range(0, w, step_bytes))
     return out
 
 
@@ -73,7 +74,7 @@ def covered(ops, to_host, step=64):
 @pytest.mark.parametrize("kind", ["one allocation", "per plane", "descending"])
 @pytest.mark.parametrize("consecutive", [False, True])
 @pytest.mark.parametrize("registration", [1 << 40, 3072])
-def test_ops_cover_the_reference_exactly(kind, consecutive, registration, min_rows, monkeypatch):
+def test_steps_cover_the_reference_exactly(kind, consecutive, registration, min_rows, monkeypatch):
     monkeypatch.setattr(dma_plan, "MIN_ROWS", min_rows)
     d, chunk_tokens, n = layout(layers=9), 16, 3
     ppc = chunk_tokens // d.page_size
@@ -82,37 +83,39 @@ def test_ops_cover_the_reference_exactly(kind, consecutive, registration, min_ro
     bases = plane_bases(d, kind)
     shard = d.shard_bytes(chunk_tokens)
     shard_ptrs = np.array([HOST0, HOST0 + shard, HOST0 + 3 * shard + 64], np.uint64)
-    c = dma_plan.CopyOps(d, bases, ids, shard_ptrs, chunk_tokens, (HOST0, registration))
-    assert c.layer_bytes * d.num_layers == n * shard
-    every = slice(None)
-    for a, b, runs in [(0, d.num_layers, every), (0, 1, every), (1, 3, every), (8, 9, every),
-                       *[(0, d.num_layers, r) for r in c.run_steps(d.num_layers * d.planes * 2048)]]:
-        for to_host in (True, False):
-            ops = c.ops(a, b, to_host, runs)
-            want = reference(d, bases, ids, shard_ptrs, chunk_tokens, a, b)
-            if runs != every:
-                want = {(h, p) for h, p in want if _in_run(c, runs, h, d)}
-            assert covered(ops, to_host) == want
-            if runs == every:
-                assert int((ops["width"] * ops["height"]).sum()) == (b - a) * c.layer_bytes
-            for src, dst, w in rows(ops):
-                host = dst if to_host else src
-                assert (host - HOST0) // registration == (host + w - 1 - HOST0) // registration
-            for op in ops[ops["height"] > 1]:
-                assert op["src_pitch"] >= op["width"] and op["dst_pitch"] >= op["width"]
-                host = op["dst"] if to_host else op["src"]
-                pitch = op["dst_pitch"] if to_host else op["src_pitch"]
-                end = host + (op["height"] - 1) * pitch + op["width"]
-                assert (host - HOST0) // registration == (end - 1 - HOST0) // registration
+    args = (d, bases, ids, shard_ptrs, chunk_tokens, (HOST0, registration))
+    everything = reference(d, bases, ids, shard_ptrs, chunk_tokens, 0, d.num_layers)
+    for to_host in (True, False):
+        for by_layer in (False, True):
+            c = dma_plan.CopyOps(*args, to_host=to_host, by_layer=by_layer)
+            assert c.layer_bytes * d.num_layers == n * shard
+            steps = c.steps(d.num_layers * d.planes * 2048)  # 2 page runs of 1 KiB per step
+            assert sum(s.nbytes for s in steps) == n * shard  # nothing twice
+            seen = set()
+            for k, step in enumerate(steps):
+                got = covered(step, to_host)
+                if by_layer:
+                    assert got == reference(d, bases, ids, shard_ptrs, chunk_tokens, k, k + 1)
+                    assert not step.ops.size
+                else:
+                    runs = c.run_steps(d.num_layers * d.planes * 2048)[k]
+                    assert got == {(h, p) for h, p in everything if _in_run(c, runs, h, d)}
+                seen |= got
+                for src, dst, w in step_rows(step):
+                    host = dst if to_host else src
+                    assert (host - HOST0) // registration == (host + w - 1 - HOST0) // registration
+                for op in step.ops:
+                    assert op["src_pitch"] >= op["width"] and op["dst_pitch"] >= op["width"]
+            assert seen == everything
     if registration > 1 << 30:
         runs = n if consecutive else n * ppc
         lp = d.planes * d.num_layers
         groups = {"one allocation": 1 if lp >= min_rows else lp,
                   "per plane": d.planes if d.num_layers >= min_rows else lp,
                   "descending": lp}[kind]
-        assert len(c.ops(0, d.num_layers, True)) == runs * groups
-        covered_runs = [r for step in c.run_steps(1) for r in range(step.start, step.stop)]
-        assert covered_runs == list(range(runs)) and len(c.run_steps(1)) == runs
+        whole = dma_plan.CopyOps(*args, to_host=True).steps(1 << 62)
+        assert len(whole) == 1 and len(whole[0].ops) + len(whole[0].size) == runs * groups
+        assert len(c.run_steps(1)) == runs
 
 
 def _in_run(c, runs, host, d):
