@@ -205,8 +205,8 @@ class CudaCopyEngine:
             except BaseException:
                 self._close_ptrs(opened)
                 raise
-        by_dma = dev.dma is not None and dma.eligible(layout, self.dma_min_piece)
         bases = plane_bases(layout, ptrs)
+        by_dma = dev.dma is not None and dma.eligible(layout, self.dma_min_piece, bases)
         if by_dma:
             log.info("GPU %d pool: copies by DMA, %d planes in %d pitched groups", dev.ordinal,
                      len(bases), len(dma.row_groups(bases, layout.num_layers, layout.planes)))

@@ -9,11 +9,13 @@ docs/benchmarks.md). DMA runs on the copy engines, outside the time slices.
 
 Contract:
 
-- ``eligible(layout, min_piece)``: a pool can be copied this way when each
-  (layer, plane, page) of it is one byte range (a page's token rows are
-  adjacent and whole) of at least ``min_piece`` bytes. Narrower rows are
-  slow on the copy engines (2 KiB rows: 0.3 of a memcpy even pitched), so
-  they stay with the kernels.
+- ``eligible(layout, min_piece, bases)``: a pool can be copied this way when
+  each (layer, plane, page) of it is one byte range (a page's token rows are
+  adjacent and whole) and one copy moves at least ``min_piece`` bytes: a page
+  of that size, or pages of at least ``MIN_ROW_BYTES`` whose planes all sit
+  in pitched groups of at least ``MIN_ROWS`` (one allocation for all layers).
+  Smaller copies are slow on the copy engines (32 KiB one by one: 0.5-0.75 of
+  a memcpy; 2 KiB rows: 0.3 even pitched), so they stay with the kernels.
 - What a copy queues is ``kvd.cuda.dma_plan.CopyOps``: pitched ops, one per
   run of pages and group of planes at one pitch, cut by layers.
 - ``DmaQueue`` is one direction of one GPU: ``n`` streams. ``enqueue`` splits
@@ -41,19 +43,28 @@ from typing import Any
 
 import numpy as np
 
-from kvd.cuda.dma_plan import CopyOps, Step, row_groups, rows  # noqa: F401  (row_groups: for the backend)
+from kvd.cuda.dma_plan import MIN_ROWS, CopyOps, Step, row_groups, rows
 from kvd_protocol import cuda_driver
 
 _EVENT_NO_TIMING = 0x2
+MIN_ROW_BYTES = 16 << 10  # narrower rows are slow even pitched (2 KiB: 0.33 of a memcpy)
 log = logging.getLogger(__name__)
 
 
-def eligible(layout: Any, min_piece: int) -> bool:
-    """Whether every (layer, plane, page) of ``layout`` is one range of >= ``min_piece``."""
-    if layout.heads != 1:
+def eligible(layout: Any, min_piece: int, bases: np.ndarray | None = None) -> bool:
+    """Whether every (layer, plane, page) of ``layout`` is one byte range, and each copy
+    of a page moves at least ``min_piece`` bytes: a page, or with ``bases`` a page's
+    rows in pitched ops of at least MIN_ROWS planes at one pitch (rows >= 16 KiB)."""
+    page = layout.page_size * layout.row_bytes
+    if layout.heads != 1 or not (layout.page_size == 1 or layout.token_stride == layout.row_bytes):
         return False
-    dense = layout.page_size == 1 or layout.token_stride == layout.row_bytes
-    return dense and layout.page_size * layout.row_bytes >= min_piece
+    if page >= min_piece:
+        return True
+    if bases is None or page < MIN_ROW_BYTES:
+        return False
+    groups = row_groups(bases, layout.num_layers, layout.planes, [b for b, _ in layout.bases])
+    rows_per_op = min(n for _, _, n, _ in groups)
+    return rows_per_op >= MIN_ROWS and page * rows_per_op >= min_piece
 
 
 class DmaQueue:

@@ -141,3 +141,18 @@ def test_eligible_only_for_pages_that_are_one_range():
     assert dma.eligible(d, 32 << 10) and not dma.eligible(d, 64 << 10)
     strided = LayoutDescriptor(1, 1, 8, 16, 2048, 16 * 4096, 4096, ((0, 0),))
     assert not dma.eligible(strided, 1)
+
+
+def test_eligible_counts_the_rows_a_pitched_op_moves():
+    """32 KiB pages under a 64 KiB threshold: by DMA when every op has >= MIN_ROWS (16) planes
+    at one pitch (18 planes in one allocation), not when the groups are smaller (9 per plane)
+    or the planes are in separate allocations, nor for rows under 16 KiB."""
+    d = layout(layers=9, page_size=16, row=2048)
+    assert dma.eligible(d, 64 << 10, plane_bases(d, "one allocation"))
+    assert not dma.eligible(d, 64 << 10, plane_bases(d, "per plane"))
+    assert not dma.eligible(d, 64 << 10, plane_bases(d, "descending"))
+    apart = LayoutDescriptor(9, 2, 40, 16, 2048, 16 * 2048, 2048,
+                             tuple((i, 0) for i in range(18)))  # each plane its own buffer
+    assert not dma.eligible(apart, 64 << 10, plane_bases(d, "one allocation"))
+    small = layout(layers=9, page_size=4, row=2048)  # 8 KiB rows
+    assert not dma.eligible(small, 64 << 10, plane_bases(small, "one allocation"))
