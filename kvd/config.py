@@ -115,16 +115,19 @@ KNOBS = (
     Knob("gpu_copy_path", "str", "auto", "How GPU copies move pages: dma (the copy engines only, no "
          "kernel of the daemon's; where each page of a layer is one byte range), kernels (SM "
          "copy kernels; fastest on an idle GPU, but without CUDA MPS every kernel of the daemon's "
-         "costs the engines their GPU time slices), auto (dma for pages of at least "
+         "costs the engines their GPU time slices), auto (dma where one copy moves at least "
          "gpu_dma_min_piece bytes, kernels below).", choices=("auto", "dma", "kernels")),
     Knob("gpu_dma_streams", "int", 8, "Streams (and so copy engines) one DMA copy is spread over, "
          "per GPU and direction.", minimum=1),
-    Knob("gpu_dma_min_piece", "size", 64 * 2**10, "With gpu_copy_path = auto: the smallest page "
-         "(bytes of one layer and K or V) copied by DMA; smaller pages are slow on the copy "
-         "engines and go through kernels.", minimum=1),
+    Knob("gpu_dma_min_piece", "size", 64 * 2**10, "With gpu_copy_path = auto: the fewest bytes "
+         "one DMA copy must move for a pool to go by DMA: a page (one layer and K or V), or, "
+         "when a pool's layers share one allocation, a page's rows of all its planes in one "
+         "pitched copy (pages of 16 KiB or more, 16 planes or more). Smaller copies are slow "
+         "on the copy engines and go through kernels.", minimum=1),
     Knob("gpu_dma_load_window", "size", 64 * 2**20, "Bytes of one GPU's loads queued on its copy "
-         "engines at most: a load is queued in steps of whole layers (about a quarter of this "
-         "each), each after a check of its cancel word, so after a cancel at most this much more "
+         "engines at most: a load is queued in steps (runs of pages over all layers, about a "
+         "quarter of this each; a layer-wise load layer by layer), each after a check of its "
+         "cancel word, so after a cancel at most this much more "
          "lands (always before the done word).",
          minimum=1),
     Knob("gpu_poll_interval_us", "float", 0.0, "How the daemon notices copies that landed: 0 "

@@ -2,10 +2,11 @@
 
 Why pitched: the copy engines pay per copy, not per byte, below ~64 KiB: one
 ``cuMemcpyBatchAsync`` copy per (layer, plane, page) of 32 KiB pages moved
-0.55-0.9 of a memcpy, 2 KiB rows 0.03-0.09. One ``cuMemcpy3DBatchAsync`` op
-per page whose rows are all the (layer, plane) planes at one pitch moved the
-same bytes at 0.81-0.93 (2 KiB rows: 0.33) with 1/64 as many ops
-(``tools/dma_probe.py``, H100, docs/benchmarks.md).
+0.4-0.75 of a memcpy (8 streams), 2 KiB rows 0.02-0.09. One
+``cuMemcpy3DBatchAsync`` op per page whose rows are all 64 (layer, plane)
+planes at one pitch moved the same bytes at 0.82-1.04 (2 KiB rows: 0.3) with
+1/64 as many ops; ops of 2-8 rows were slower than single copies, one-row 3D
+ops much slower (``tools/dma_probe.py``, H100, docs/benchmarks.md).
 
 Contract:
 
