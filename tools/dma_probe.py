@@ -211,10 +211,10 @@ def run_case(torch, spec, a, pools) -> None:
             continue
         for n in map(int, a.streams.split(",")):
             s0, s1 = pools[0][:n], pools[1][:n]
-            t = {"d2h": timed(torch, lambda: enqueue(case, way, True, s0), a.reps),
-                 "h2d": timed(torch, lambda: enqueue(case, way, False, s0), a.reps),
-                 "both": timed(torch, lambda: (enqueue(case, way, True, s0),
-                                               enqueue(other, way, False, s1)), a.reps)}
+            t = {"d2h": timed(torch, lambda w=way, s=s0: enqueue(case, w, True, s), a.reps),
+                 "h2d": timed(torch, lambda w=way, s=s0: enqueue(case, w, False, s), a.reps),
+                 "both": timed(torch, lambda w=way, s=s0, o=s1: (enqueue(case, w, True, s),
+                                                               enqueue(other, w, False, o)), a.reps)}
             t0 = time.perf_counter()
             enqueue(case, way, True, s0)
             host_ms = (time.perf_counter() - t0) * 1e3

@@ -117,7 +117,7 @@ def test_consecutive_pages_are_one_copy_each_run(fake_engine, fake_daemon, layer
     fake allocates the layers' tensors back to back) one pitched op per chunk whose rows
     are the planes. A load this small is one step, so one batch each way."""
     d = fake_daemon(trace=True, gpu_copy_path="dma", gpu_dma_streams=1)
-    tensors, _, region = fake_engine.tensors("vllm_flash_attn", layers, 64, 1, 8, 128, seed=9)
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", layers, 64, 1, 8, 128, seed=9)
     pool = fake_engine.pool("vllm_flash_attn", tensors, 1)
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
         client.register_kv(pool, model="runs")
