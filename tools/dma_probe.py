@@ -11,7 +11,7 @@ backing allocation) and a host buffer of 8 chunks of 256 tokens laid out
 Ways, each over 1/2/4/8 streams:
 
 - ``1d``: ``cuMemcpyBatchAsync_v2``, one copy per (layer, plane, page) (kvd's
-  DMA path today); ``1d-any``: the same with source access order ANY;
+  plain DMA copies); ``1d-any``: the same with source access order ANY;
   ``1d-overlap``: with the PREFER_OVERLAP_WITH_COMPUTE flag.
 - ``3d-rows``: ``cuMemcpy3DBatchAsync_v2`` with the 1d copies as one-row ops.
 - ``3d-hN``: ops of N planes each (N divides layers x planes).
@@ -30,30 +30,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
 import time
 
 import numpy as np
+from interference_probe import _Attr, _Loc, timeit  # this tool's neighbour in tools/
+
+from kvd.cuda.dma_plan import OP_DTYPE, OPERAND_POINTER, ORDER_STREAM
 
 SHAPES = {"llama": (32, 2, 8 * 128 * 2), "mla": (61, 1, 1152)}  # layers, planes, row bytes
 CHUNK, CHUNKS = 256, 8
-OP_DTYPE = np.dtype({  # CUDA_MEMCPY3D_BATCH_OP with pointer operands (cuda.h, CUDA 12.8+)
-    "names": ["s_type", "s_ptr", "s_row", "s_layer", "s_loc", "s_locid",
-              "d_type", "d_ptr", "d_row", "d_layer", "d_loc", "d_locid",
-              "w", "h", "d", "order", "flags"],
-    "formats": ["<i4", "<u8", "<u8", "<u8", "<i4", "<i4"] * 2 + ["<u8"] * 3 + ["<i4", "<u4"],
-    "offsets": [0, 8, 16, 24, 32, 36, 40, 48, 56, 64, 72, 76, 80, 88, 96, 104, 108],
-    "itemsize": 112})
-
-
-class _Loc(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _Attr(ctypes.Structure):
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _Loc), ("dstLocHint", _Loc),
-                ("flags", ctypes.c_uint)]
-
 
 _cuda = ctypes.CDLL("libcuda.so.1")
 
@@ -104,35 +89,28 @@ class Case:
         self.dev3 = (first_dev, plane_pitch)
         self.host3 = (first_host, chunk_plane)
 
-    def ops(self, to_host, order=1, rows=False, height=0):
-        if rows:  # the same copies as 1d, one op of one row each
-            ops = np.zeros(self.dev1.size, OP_DTYPE)
-            ops["s_ptr"], ops["d_ptr"] = (self.dev1, self.host1) if to_host else (self.host1, self.dev1)
-            ops["s_type"], ops["d_type"], ops["w"], ops["h"], ops["d"] = 1, 1, self.piece, 1, 1
-            ops["order"] = order
-            return ops
-        n = self.dev3[0].size
-        if height:  # groups of ``height`` planes: one op per (group, page)
-            groups = np.arange(0, self.lp, height, dtype=np.uint64)[:, None]
-            dev = ((self.dev3[0][None, :] + groups * np.uint64(self.dev3[1])).reshape(-1), self.dev3[1])
-            host = ((self.host3[0][None, :] + groups * np.uint64(self.host3[1])).reshape(-1), self.host3[1])
-            ops = np.zeros(dev[0].size, OP_DTYPE)
-            (sp, sr), (dp, dr) = (dev, host) if to_host else (host, dev)
-            ops["s_type"], ops["d_type"] = 1, 1
-            ops["s_ptr"], ops["s_row"], ops["d_ptr"], ops["d_row"] = sp, sr, dp, dr
-            ops["w"], ops["h"], ops["d"], ops["order"] = self.piece, height, 1, order
-            return ops
-        ops = np.zeros(n, OP_DTYPE)
-        (sp, sr), (dp, dr) = (self.dev3, self.host3) if to_host else (self.host3, self.dev3)
-        ops["s_type"], ops["d_type"] = 1, 1
-        ops["s_ptr"], ops["s_row"], ops["d_ptr"], ops["d_row"] = sp, sr, dp, dr
-        ops["w"], ops["h"], ops["d"], ops["order"] = self.piece, self.lp, 1, order
-        return ops
+    def ops(self, to_host, height=0):
+        """One op per (group of ``height`` planes, page); all planes by default."""
+        height = height or self.lp
+        groups = np.arange(0, self.lp, height, dtype=np.uint64)[:, None]
+        dev = (self.dev3[0][None, :] + groups * np.uint64(self.dev3[1])).reshape(-1), self.dev3[1]
+        host = (self.host3[0][None, :] + groups * np.uint64(self.host3[1])).reshape(-1), self.host3[1]
+        (src, src_pitch), (dst, dst_pitch) = (dev, host) if to_host else (host, dev)
+        return make_ops(src, src_pitch, dst, dst_pitch, self.piece, height)
 
     def reference(self, torch):
         """The host buffer a perfect device-to-host copy gives, as a GPU tensor."""
         idx = torch.as_tensor(self.ids.reshape(CHUNKS, -1), device="cuda")
         return self.pool[:, idx].permute(1, 0, 2, 3).reshape(-1)
+
+
+def make_ops(src, src_pitch, dst, dst_pitch, width, height):
+    """Pointer-to-pointer ``CUDA_MEMCPY3D_BATCH_OP``s in stream order."""
+    ops = np.zeros(np.broadcast(src, dst).size, OP_DTYPE)
+    ops["src_type"] = ops["dst_type"] = OPERAND_POINTER
+    ops["src"], ops["src_pitch"], ops["dst"], ops["dst_pitch"] = src, src_pitch, dst, dst_pitch
+    ops["width"], ops["height"], ops["depth"], ops["order"] = width, height, 1, ORDER_STREAM
+    return ops
 
 
 def _split(n, k):
@@ -142,8 +120,8 @@ def _split(n, k):
 
 def enqueue(case, way, to_host, streams):
     if way.startswith("3d"):
-        height = int(way[4:]) if way.startswith("3d-h") else 0
-        ops = case.ops(to_host, rows=way == "3d-rows", height=height)
+        height = int(way[4:]) if way.startswith("3d-h") else 1 if way == "3d-rows" else 0
+        ops = case.ops(to_host, height)
         for s, st in zip(_split(len(ops), len(streams)), streams):
             _batch3d(st.cuda_stream, ops[s])
         return
@@ -151,17 +129,6 @@ def enqueue(case, way, to_host, streams):
     dst, src = (case.host1, case.dev1) if to_host else (case.dev1, case.host1)
     for s, st in zip(_split(len(dst), len(streams)), streams):
         _batch1d(st.cuda_stream, dst[s], src[s], case.size1[s], order, flags)
-
-
-def timed(torch, fn, reps):
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def check(torch, case, way, streams):
@@ -190,15 +157,15 @@ def run_case(torch, spec, a, pools) -> None:
     name, page = spec.split(":")
     case, other = Case(torch, name, int(page)), Case(torch, name, int(page))
     dev = torch.empty(case.nbytes, dtype=torch.uint8, device="cuda")
-    one = {"d2h": timed(torch, lambda: case.host.copy_(dev, non_blocking=True), a.reps),
-           "h2d": timed(torch, lambda: dev.copy_(case.host, non_blocking=True), a.reps)}
+    one = {"d2h": timeit(lambda: case.host.copy_(dev, non_blocking=True), a.reps),
+           "h2d": timeit(lambda: dev.copy_(case.host, non_blocking=True), a.reps)}
 
     def both_memcpy():
         with torch.cuda.stream(pools[0][0]):
             case.host.copy_(dev, non_blocking=True)
         with torch.cuda.stream(pools[1][0]):
             other.pool.view(-1)[:case.nbytes].copy_(other.host, non_blocking=True)
-    one["both"] = timed(torch, both_memcpy, a.reps)
+    one["both"] = timeit(both_memcpy, a.reps)
     print(json.dumps({"case": spec, "piece": case.piece, "MB": round(case.nbytes / 1e6),
                       "memcpy_GBps": {k: round(case.nbytes / v / 1e9 * (2 if k == "both" else 1), 1)
                                       for k, v in one.items()}}), flush=True)
@@ -211,9 +178,9 @@ def run_case(torch, spec, a, pools) -> None:
             continue
         for n in map(int, a.streams.split(",")):
             s0, s1 = pools[0][:n], pools[1][:n]
-            t = {"d2h": timed(torch, lambda w=way, s=s0: enqueue(case, w, True, s), a.reps),
-                 "h2d": timed(torch, lambda w=way, s=s0: enqueue(case, w, False, s), a.reps),
-                 "both": timed(torch, lambda w=way, s=s0, o=s1: (enqueue(case, w, True, s),
+            t = {"d2h": timeit(lambda w=way, s=s0: enqueue(case, w, True, s), a.reps),
+                 "h2d": timeit(lambda w=way, s=s0: enqueue(case, w, False, s), a.reps),
+                 "both": timeit(lambda w=way, s=s0, o=s1: (enqueue(case, w, True, s),
                                                                enqueue(other, w, False, o)), a.reps)}
             t0 = time.perf_counter()
             enqueue(case, way, True, s0)
@@ -228,11 +195,7 @@ def pitch_check(torch, gib):
     pitch, width = int(gib * 2**30) // 4096 * 4096, 1 << 20
     pool = torch.zeros(pitch + width, dtype=torch.uint8, device="cuda")
     host = torch.randint(0, 256, (2 * width,), dtype=torch.uint8).pin_memory()
-    ops = np.zeros(1, OP_DTYPE)
-    ops["s_type"] = ops["d_type"] = 1
-    ops["s_ptr"], ops["s_row"] = host.data_ptr(), width
-    ops["d_ptr"], ops["d_row"] = pool.data_ptr(), pitch
-    ops["w"], ops["h"], ops["d"], ops["order"] = width, 2, 1, 1
+    ops = make_ops(host.data_ptr(), width, pool.data_ptr(), pitch, width, 2)
     s = torch.cuda.Stream()
     out = {"pitch_GiB": gib}
     try:
