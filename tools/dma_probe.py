@@ -18,6 +18,13 @@ Ways, each over 1/2/4/8 streams:
 - ``3d``: ``cuMemcpy3DBatchAsync_v2``, one pitched op per page: width = page
   bytes, height = layers x planes, the pool's plane pitch on one side and
   the chunk's plane pitch on the other: 1/64 as many ops for Llama.
+- ``d2d-3d`` / ``d2d-1d``: the same ops (3d) or copies (1d) between the pool
+  and a GPU staging buffer laid out as the host buffer: how fast the copy
+  engines gather and scatter pages inside the GPU (no byte check).
+- ``staged-3d`` / ``staged-1d``: copy engines only, staged: per chunk, the
+  d2d gather into the staging buffer, then one contiguous memcpy of the
+  chunk to the host on a copy stream of its own, overlapped with the next
+  chunk's gather (loads: memcpy in, then the d2d scatter).
 
 Directions: device-to-host, host-to-device, and both at once (each with the
 streams given). Ratio = memcpy time of the same bytes / the way's time (both:
@@ -88,13 +95,19 @@ class Case:
         first_host = (hbase + c * np.uint64(self.lp * chunk_plane) + j * np.uint64(self.piece)).reshape(-1)
         self.dev3 = (first_dev, plane_pitch)
         self.host3 = (first_host, chunk_plane)
+        self.stage = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
+        self.to_stage = np.uint64(self.stage.data_ptr()) - hbase  # host address -> staging
+        self.copy_stream = torch.cuda.Stream()
+        self.chunk_bytes = self.nbytes // CHUNKS
 
-    def ops(self, to_host, height=0):
-        """One op per (group of ``height`` planes, page); all planes by default."""
+    def ops(self, to_host, height=0, stage=False):
+        """One op per (group of ``height`` planes, page); all planes by default. ``stage``:
+        the staging buffer in place of the host buffer."""
         height = height or self.lp
         groups = np.arange(0, self.lp, height, dtype=np.uint64)[:, None]
         dev = (self.dev3[0][None, :] + groups * np.uint64(self.dev3[1])).reshape(-1), self.dev3[1]
-        host = (self.host3[0][None, :] + groups * np.uint64(self.host3[1])).reshape(-1), self.host3[1]
+        host = (self.host3[0][None, :] + groups * np.uint64(self.host3[1])
+                + (self.to_stage if stage else np.uint64(0))).reshape(-1), self.host3[1]
         (src, src_pitch), (dst, dst_pitch) = (dev, host) if to_host else (host, dev)
         return make_ops(src, src_pitch, dst, dst_pitch, self.piece, height)
 
@@ -119,6 +132,10 @@ def _split(n, k):
 
 
 def enqueue(case, way, to_host, streams):
+    if way.startswith("staged"):
+        return staged(case, way[7:], to_host, streams)
+    if way.startswith("d2d"):
+        return d2d(case, way[4:], to_host, streams, slice(None))
     if way.startswith("3d"):
         height = int(way[4:]) if way.startswith("3d-h") else 1 if way == "3d-rows" else 0
         ops = case.ops(to_host, height)
@@ -129,6 +146,43 @@ def enqueue(case, way, to_host, streams):
     dst, src = (case.host1, case.dev1) if to_host else (case.dev1, case.host1)
     for s, st in zip(_split(len(dst), len(streams)), streams):
         _batch1d(st.cuda_stream, dst[s], src[s], case.size1[s], order, flags)
+
+
+def d2d(case, way, to_host, streams, part):
+    """The pages of ``part`` (a slice of chunks) between the pool and the staging buffer."""
+    if way == "3d":
+        ops = case.ops(to_host, stage=True).reshape(CHUNKS, -1)[part].reshape(-1)
+        for s, st in zip(_split(len(ops), len(streams)), streams):
+            if s.stop > s.start:  # fewer ops than streams
+                _batch3d(st.cuda_stream, ops[s])
+        return
+    stage, dev = (a.reshape(CHUNKS, -1)[part].reshape(-1) for a in (case.host1 + case.to_stage,
+                                                                     case.dev1))
+    dst, src = (stage, dev) if to_host else (dev, stage)
+    size = np.full(dst.size, case.piece, np.uint64)
+    for s, st in zip(_split(len(dst), len(streams)), streams):
+        _batch1d(st.cuda_stream, dst[s], src[s], size[s])
+
+
+def staged(case, way, to_host, streams):
+    """Chunk by chunk: d2d gather then memcpy out, or memcpy in then d2d scatter, the
+    memcpy on ``case.copy_stream`` so one chunk's memcpy overlaps the next one's d2d."""
+    import torch
+    cs, n = case.copy_stream, case.chunk_bytes
+    for c in range(CHUNKS):
+        if not to_host:
+            with torch.cuda.stream(cs):
+                case.stage[c * n:(c + 1) * n].copy_(case.host[c * n:(c + 1) * n], non_blocking=True)
+            for st in streams:
+                st.wait_stream(cs)
+        d2d(case, way, to_host, streams, slice(c, c + 1))
+        if to_host:
+            for st in streams:
+                cs.wait_stream(st)
+            with torch.cuda.stream(cs):
+                case.host[c * n:(c + 1) * n].copy_(case.stage[c * n:(c + 1) * n], non_blocking=True)
+    for st in streams:
+        st.wait_stream(cs)
 
 
 def check(torch, case, way, streams):
@@ -172,7 +226,8 @@ def run_case(torch, spec, a, pools) -> None:
     for way in a.ways.split(","):
         row = {"case": spec, "way": way}
         try:
-            row["wrong_bytes"] = check(torch, case, way, pools[0][:4])
+            if not way.startswith("d2d"):
+                row["wrong_bytes"] = check(torch, case, way, pools[0][:4])
         except RuntimeError as e:
             print(json.dumps({**row, "error": str(e)}), flush=True)
             continue

@@ -11,7 +11,7 @@ with the driver as pinned (portable, in pieces) on first use.
 
 Copy paths (``copy_path``): ``dma`` moves pages between the pool and the
 arena with the copy engines only (``kvd.cuda.dma``), for pools whose pages
-are byte ranges of at least ``dma_min_piece`` bytes (``auto``; ``dma``: any
+are byte ranges of at least ``dma_settings.min_piece`` bytes (``auto``; ``dma``: any
 size); no kernel of the daemon's runs, so the engine keeps its GPU time
 slices. Other pools (and every pool with ``kernels``) use SM kernels.
 Kernel copies are staged (``kvd.cuda.staging``): per GPU and direction a ring of
@@ -51,6 +51,7 @@ from kvd.copy.flags import FlagPage
 from kvd.copy.plan import CopyPlan
 from kvd.copy.poll import EventPoller
 from kvd.cuda import dma
+from kvd.cuda.dma_plan import pool_groups
 from kvd.cuda.kernels import KernelCopier, desc_params, plane_bases
 from kvd.cuda.signal import GpuSignal
 from kvd.cuda.staging import StagingRing
@@ -64,7 +65,6 @@ STAGE_SLOTS = 2
 STAGE_SLOT_BYTES = 32 << 20
 CLOSE_WAIT_S = 5.0
 COPY_PATHS = ("auto", "dma", "kernels")
-DMA_WINDOW = 64 << 20     # bytes of a load queued ahead of its cancel check
 _IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess
 _HOST_REGISTER = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
@@ -86,6 +86,7 @@ class CudaPool:
     bases: np.ndarray
     flags: FlagPage
     by_dma: bool = False
+    groups: list | None = None  # kvd.cuda.dma_plan.pool_groups, with by_dma
     closed: bool = False
 
 
@@ -94,19 +95,16 @@ class CudaCopyEngine:
 
     def __init__(self, arena: np.ndarray, max_blocks: int = 32, stage_slots: int = STAGE_SLOTS,
                  stage_slot_bytes: int = STAGE_SLOT_BYTES, poll_interval_us: float = 0.0,
-                 copy_path: str = "auto", dma_streams: int = 8, dma_min_piece: int = 64 << 10,
-                 dma_load_window: int = DMA_WINDOW):
+                 copy_path: str = "auto", dma_settings: dma.DmaSettings = dma.DmaSettings()):
         import cupy
-        self.cp = cupy
-        self.rt = cupy.cuda.runtime
-        self.arena = arena
-        self.arena_ptr = arena.ctypes.data
+        self.cp, self.rt = cupy, cupy.cuda.runtime
+        self.arena, self.arena_ptr = arena, arena.ctypes.data
         self.max_blocks = max_blocks
         self.stage = (stage_slots, stage_slot_bytes)
         if copy_path not in COPY_PATHS:
             raise ValueError(f"copy_path must be one of {', '.join(COPY_PATHS)}")
-        self.copy_path, self.dma_streams, self.dma_window = copy_path, dma_streams, dma_load_window
-        self.dma_min_piece = dma_min_piece if copy_path == "auto" else 1
+        self.copy_path = copy_path
+        self.dma = dma_settings if copy_path == "auto" else dma_settings._replace(min_piece=1)
         self.devices: dict[int, _Device] = {}
         self.registered = False
         # 0: re-check copies every loop pass (lowest latency); > 0: sleep that long between
@@ -147,8 +145,8 @@ class CudaCopyEngine:
                                  pieces)]
         path = None
         if self.copy_path != "kernels" and cuda_driver.has_memcpy3d_batch():
-            path = dma.DmaPath(self.cp, ordinal, self.dma_streams, self.dma_window,
-                               (self.arena_ptr, REGISTER_PIECE), self.poller)
+            path = dma.DmaPath(self.cp, ordinal, self.dma, (self.arena_ptr, REGISTER_PIECE),
+                               self.poller, rings)
         elif self.copy_path != "kernels":
             log.warning("the CUDA driver has no cuMemcpy3DBatchAsync_v2 (CUDA 13 drivers): "
                         "copies use kernels")
@@ -206,11 +204,12 @@ class CudaCopyEngine:
                 self._close_ptrs(opened)
                 raise
         bases = plane_bases(layout, ptrs)
-        by_dma = dev.dma is not None and dma.eligible(layout, self.dma_min_piece, bases)
+        groups = pool_groups(layout, bases)
+        by_dma = dev.dma is not None and dma.eligible(layout, self.dma.min_piece, groups)
         if by_dma:
             log.info("GPU %d pool: copies by DMA, %d planes in %d pitched groups", dev.ordinal,
-                     len(bases), len(dma.row_groups(bases, layout.num_layers, layout.planes)))
-        return CudaPool(dev, opened, bases, flags, by_dma)
+                     len(bases), len(groups))
+        return CudaPool(dev, opened, bases, flags, by_dma, groups)
 
     def _open_buffers(self, buffers: list[dict], opened: list) -> list[int]:
         ptrs = []
@@ -271,9 +270,9 @@ class CudaCopyEngine:
         layers = range(plan.layout.num_layers)
         if pool.by_dma:
             with self.cp.cuda.Device(dev.ordinal):
-                stream = dev.dma.store(plan.layout, pool.bases, plan.page_ids, ptrs,
-                                       plan.chunk_tokens)
-                return self._completion(stream, "gather", plan, "DMA", t0)
+                stream, how = dev.dma.store(plan.layout, pool.bases, pool.groups,
+                                            plan.page_ids, ptrs, plan.chunk_tokens)
+                return self._completion(stream, "gather", plan, how, t0)
         await self.table_slot(dev)
         with self.cp.cuda.Device(dev.ordinal):
             if (pieces := _plan(dev.store, plan, layers, False)) is not None:
@@ -322,14 +321,15 @@ class CudaCopyEngine:
         stream = dev.dma.load_queue.stream
 
         async def feed() -> None:
+            how = dma.DIRECT
             try:
-                await dev.dma.load(plan.layout, plan.pool.bases, plan.page_ids, ptrs,
-                                   plan.chunk_tokens, signal)
+                _, how = await dev.dma.load(plan.layout, plan.pool.bases, plan.pool.groups,
+                                            plan.page_ids, ptrs, plan.chunk_tokens, signal)
             finally:  # whatever was queued, the done word follows it
                 with self.cp.cuda.Device(dev.ordinal):
                     if signal is not None:
                         signal.done(stream)
-                    landed = self._completion(stream, "scatter", plan, "DMA", t0)
+                    landed = self._completion(stream, "scatter", plan, how, t0)
             await landed
         return asyncio.ensure_future(feed())
 

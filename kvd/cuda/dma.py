@@ -39,32 +39,39 @@ Contract:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvd.cuda.dma_plan import MIN_ROWS, CopyOps, Step, row_groups, rows
+from kvd.cuda.dma_plan import MIN_ROWS, CopyOps, Step, rows
+from kvd.cuda.dma_stage import CeFill, chunk_pieces
 from kvd_protocol import cuda_driver
 
 _EVENT_NO_TIMING = 0x2
+DIRECT, STAGED = "DMA", "staged DMA"  # how a copy went, for the debug log
 MIN_ROW_BYTES = 16 << 10  # narrower rows are slow even pitched (2 KiB: 0.33 of a memcpy)
 log = logging.getLogger(__name__)
 
 
-def eligible(layout: Any, min_piece: int, bases: np.ndarray | None = None) -> bool:
+def eligible(layout: Any, min_piece: int, groups: list | None = None) -> bool:
     """Whether every (layer, plane, page) of ``layout`` is one byte range, and each copy
-    of a page moves at least ``min_piece`` bytes: a page, or with ``bases`` a page's
-    rows in pitched ops of at least MIN_ROWS planes at one pitch (rows >= 16 KiB)."""
+    of a page moves at least ``min_piece`` bytes: a page, or with the pool's ``groups``
+    (``dma_plan.pool_groups``) a page's rows in pitched ops of at least MIN_ROWS planes
+    at one pitch (rows >= 16 KiB)."""
     page = layout.page_size * layout.row_bytes
     if layout.heads != 1 or not (layout.page_size == 1 or layout.token_stride == layout.row_bytes):
         return False
     if page >= min_piece:
         return True
-    if bases is None or page < MIN_ROW_BYTES:
+    if groups is None or page < MIN_ROW_BYTES:
         return False
-    groups = row_groups(bases, layout.num_layers, layout.planes, [b for b, _ in layout.bases])
-    rows_per_op = min(n for _, _, n, _ in groups)
-    return rows_per_op >= MIN_ROWS and page * rows_per_op >= min_piece
+    return pitched(groups) and page * min(n for _, _, n, _ in groups) >= min_piece
+
+
+def pitched(groups: list) -> bool:
+    """Whether every group of planes is copied as pitched ops (at least MIN_ROWS rows)."""
+    return min(n for _, _, n, _ in groups) >= MIN_ROWS
 
 
 class DmaQueue:
@@ -76,6 +83,7 @@ class DmaQueue:
         self._joins = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in self.streams[1:]]
         self.queued: list = []  # (event, bytes, arrays) of batches not known to be done
         self.warned = False
+        self._follow = self.rt.eventCreateWithFlags(_EVENT_NO_TIMING)
 
     @property
     def stream(self) -> Any:
@@ -85,6 +93,13 @@ class DmaQueue:
     def queued_bytes(self) -> int:
         self.queued = [q for q in self.queued if not q[0].done]
         return sum(q[1] for q in self.queued)
+
+    def follow(self, stream: Any) -> None:
+        """What is queued on these streams from now on runs after what ``stream`` has
+        queued so far (one event, re-recorded: a wait takes its state when queued)."""
+        self.rt.eventRecord(self._follow, stream.ptr)
+        for s in self.streams:
+            self.rt.streamWaitEvent(s.ptr, self._follow, 0)
 
     def enqueue(self, step: Step) -> Any:
         """Queue a ``dma_plan.Step``; returns the event recorded on ``stream`` after it."""
@@ -130,9 +145,14 @@ class DmaQueue:
 
     def close(self) -> None:
         """Free the events; the caller synchronized the streams."""
-        for ev in self._joins:
+        for ev in [*self._joins, self._follow]:
             self.rt.eventDestroy(ev)
         self.queued = []
+
+
+def _geometry(layout: Any, chunk_tokens: int) -> dict:
+    """What ``StagingRing.run`` reads of a copy's geometry."""
+    return {"planes": layout.planes, "row_bytes": layout.row_bytes, "chunk_tokens": chunk_tokens}
 
 
 def _parts(nbytes: np.ndarray, n: int) -> list[slice]:
@@ -144,43 +164,78 @@ def _parts(nbytes: np.ndarray, n: int) -> list[slice]:
     return [slice(bounds[k], bounds[k + 1]) for k in range(n)]
 
 
+class DmaSettings(NamedTuple):
+    """The ``gpu_dma_*`` knobs (kvd.config has their help)."""
+    streams: int = 8
+    min_piece: int = 64 << 10
+    load_window: int = 256 << 20
+    stage_below: int = 64 << 10
+
+
 class DmaPath:
     """Stores and loads of one GPU by DMA only; loads gated on their cancel word."""
 
-    def __init__(self, cp: Any, ordinal: int, n_streams: int, window: int,
-                 host_pieces: tuple[int, int], poller: Any) -> None:
+    def __init__(self, cp: Any, ordinal: int, settings: DmaSettings, host_pieces: tuple[int, int],
+                 poller: Any, rings: tuple = (None, None)) -> None:
         self.cp, self.ordinal = cp, ordinal
-        self.store_queue, self.load_queue = DmaQueue(cp, n_streams), DmaQueue(cp, n_streams)
-        self.window, self.host_pieces, self.poller = window, host_pieces, poller
+        self.store_queue, self.load_queue = (DmaQueue(cp, settings.streams) for _ in range(2))
+        self.window, self.host_pieces, self.poller = settings.load_window, host_pieces, poller
+        self.rings, self.stage_below = rings, settings.stage_below
 
-    def store(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray, ptrs: np.ndarray,
-              chunk_tokens: int) -> Any:
-        """Queue a whole store (pool -> arena); returns the stream it ends on."""
-        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=True)
+    def staged(self, ring: Any, layout: Any, groups: list, chunk_tokens: int,
+               n_chunks: int) -> list | None:
+        """The staging pieces of a copy that goes through ``ring`` (pitched pages under
+        ``stage_below`` bytes, whole chunks fit a slot), else None."""
+        if ring is None or layout.page_size * layout.row_bytes >= self.stage_below \
+                or not pitched(groups):
+            return None
+        return chunk_pieces(n_chunks, layout.shard_bytes(chunk_tokens), layout.num_layers,
+                            ring.slot_bytes)
+
+    def store(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
+              ptrs: np.ndarray, chunk_tokens: int) -> Any:
+        """Queue a whole store (pool -> arena); returns the stream it ends on and how."""
+        ring = self.rings[0]
+        pieces = self.staged(ring, layout, groups, chunk_tokens, len(ptrs))
+        if pieces is not None:
+            fill = CeFill(self.store_queue, layout, groups, chunk_tokens)
+            return ring.run(pieces, bases, page_ids, [int(p) for p in ptrs],
+                            _geometry(layout, chunk_tokens), copier=fill), STAGED
+        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=True,
+                    groups=groups)
         for step in c.steps(1 << 62):
             self.store_queue.enqueue(step)
-        return self.store_queue.stream
+        return self.store_queue.stream, DIRECT
 
-    async def load(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray, ptrs: np.ndarray,
-                   chunk_tokens: int, signal: Any) -> Any:
+    async def load(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
+                   ptrs: np.ndarray, chunk_tokens: int, signal: Any) -> Any:
         """Queue a load (arena -> pool) in steps, each after the host found the load not
-        cancelled and at most ``window`` bytes queued: runs of pages of about ``window /
-        4`` bytes over all layers (ops of many rows), or for a layer-wise ``signal`` one
-        layer at a time, each layer's word behind that layer. Returns the stream it ends
-        on (the caller writes the done word there, also after a cancel or an error)."""
-        q, layerwise = self.load_queue, signal is not None and signal.layerwise
-        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=False,
-                    by_layer=layerwise)
-        for layer, step in enumerate(c.steps(max(1, self.window // 4))):
+        cancelled and at most ``window`` bytes queued: staging pieces (``staged``), or
+        runs of pages of about ``window / 4`` bytes over all layers (ops of many rows),
+        or for a layer-wise ``signal`` one layer at a time, each layer's word behind that
+        layer. Returns the stream it ends on (the caller writes the done word there, also
+        after a cancel or an error) and how."""
+        q, layerwise, ring = self.load_queue, signal is not None and signal.layerwise, self.rings[1]
+        pieces = None if layerwise else self.staged(ring, layout, groups, chunk_tokens, len(ptrs))
+        if pieces is not None:
+            fill, geometry, host = CeFill(q, layout, groups, chunk_tokens), \
+                _geometry(layout, chunk_tokens), [int(p) for p in ptrs]
+            steps = [partial(ring.run, [p], bases, page_ids, host, geometry, copier=fill)
+                     for p in pieces]
+        else:
+            c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces,
+                        to_host=False, by_layer=layerwise, groups=groups)
+            steps = [partial(q.enqueue, step) for step in c.steps(max(1, self.window // 4))]
+        for layer, step in enumerate(steps):
             while q.queued_bytes() > self.window:
                 await self.poller.wait(q.queued[0][0])
             if signal is not None and signal.source.cancelled:
                 break  # what is queued runs; nothing more touches the pages
             with self.cp.cuda.Device(self.ordinal):  # not held across the await above
-                q.enqueue(step)
+                step()
                 if layerwise:
                     signal.layers_landed(q.stream, (layer,))
-        return q.stream
+        return q.stream, DIRECT if pieces is None else STAGED
 
     def close(self) -> None:
         self.store_queue.close()

@@ -19,8 +19,10 @@ Contract:
   extent spans two). Planes in order (step 1: all layers in one allocation, as
   vLLM's; a layer's K and V, as SGLang's) or plane by plane (step ``planes``),
   whichever gives fewer groups.
+- ``pool_groups(layout, bases)``: ``row_groups`` of a pool (computed once per
+  pool; ``CopyOps`` takes them as ``groups``, else computes them).
 - ``CopyOps(layout, bases, page_ids, shard_ptrs, chunk_tokens, host_pieces,
-  to_host, by_layer)``: one copy of whole pages, pool -> arena when
+  to_host, by_layer, groups)``: one copy of whole pages, pool -> arena when
   ``to_host``, planned once: one op per (row group, run of pages), where a run
   is pages at consecutive ids (when the pool's pages are adjacent) that are
   adjacent in the chunk too; its rows are the group's planes. Groups of fewer
@@ -52,6 +54,11 @@ OPERAND_POINTER, ORDER_STREAM = 1, 1
 MAX_PITCH = 4 << 30  # 1.5, 2.5 and 4.5 GiB pitches were checked on an H100
 MIN_ROWS = 16  # fewer rows go one by one: 32 KiB rows, 2/4/8 per op 0.35/0.5/0.73 of a
 # memcpy, one by one 0.75, 64 per op 0.95 (H100)
+
+
+def pool_groups(layout: Any, bases: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """``row_groups`` of a pool: its planes' ``bases`` in the layout's allocations."""
+    return row_groups(bases, layout.num_layers, layout.planes, [buf for buf, _ in layout.bases])
 
 
 def row_groups(bases: np.ndarray, layers: int, planes: int,
@@ -99,7 +106,7 @@ class CopyOps:
 
     def __init__(self, layout: Any, bases: np.ndarray, page_ids: np.ndarray,
                  shard_ptrs: np.ndarray, chunk_tokens: int, host_pieces: tuple[int, int],
-                 to_host: bool, by_layer: bool = False) -> None:
+                 to_host: bool, by_layer: bool = False, groups: list | None = None) -> None:
         self.planes, self.num_layers, self.by_layer = layout.planes, layout.num_layers, by_layer
         self.to_host, self.host_pieces = to_host, host_pieces
         page_bytes, self.plane_bytes = layout.page_size * layout.row_bytes, chunk_tokens * layout.row_bytes
@@ -113,7 +120,7 @@ class CopyOps:
             * np.uint64(page_bytes)
         self.run_host = np.asarray(shard_ptrs, np.uint64)[c] + j.astype(np.uint64) * np.uint64(page_bytes)
         run_pool = ids[c, j].astype(np.uint64) * np.uint64(layout.page_stride)
-        groups = row_groups(bases, self.num_layers, self.planes, [buf for buf, _ in layout.bases])
+        groups = pool_groups(layout, bases) if groups is None else groups
         cut = [(f + t * st, st, 1, 0) for f, st, n, p in groups for t in range(n)] if by_layer \
             else _cut(groups)
         first, step, count, pitch = (np.array(col, np.uint64)[:, None] for col in zip(*cut))
@@ -196,18 +203,20 @@ def _ops(pool, host, width, height, pool_pitch, host_pitch, to_host: bool) -> np
 def rows(ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dst, src, size)`` of every row of ``ops``: the same copies one row each."""
     r = _rows({"pool": ops["dst"], "host": ops["src"], "width": ops["width"],
-               "count": ops["height"], "pool_pitch": ops["dst_pitch"], "host_pitch": ops["src_pitch"],
-               "run": ops["width"], "plane": ops["width"], "step": ops["width"]})
+               "count": ops["height"], "pool_pitch": ops["dst_pitch"], "host_pitch": ops["src_pitch"]})
     return r["pool"], r["host"], r["width"]
 
 
 def _rows(g: dict) -> dict:
-    """Entries of several rows as one entry per row (``plane`` per row)."""
+    """Entries of several rows as one entry per row (``plane`` per row, where given)."""
     n = g["count"].astype(np.int64)
     i = (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)).astype(np.uint64)
     r = {k: np.repeat(v, n) for k, v in g.items()}
-    return {"pool": r["pool"] + i * r["pool_pitch"], "host": r["host"] + i * r["host_pitch"],
-            "width": r["width"], "run": r["run"], "plane": r["plane"] + i * r["step"]}
+    out = {"pool": r["pool"] + i * r["pool_pitch"], "host": r["host"] + i * r["host_pitch"],
+           "width": r["width"]}
+    if "plane" in r:
+        out.update(run=r["run"], plane=r["plane"] + i * r["step"])
+    return out
 
 
 def _split(g: dict, base: int, piece: int) -> dict:

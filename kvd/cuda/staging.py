@@ -118,8 +118,9 @@ class StagingRing:
         return plan_pieces(n_chunks, layer_begin, layer_end, layer_bytes, self.slot_bytes, per_layer)
 
     def run(self, pieces: list, bases: np.ndarray, page_ids: np.ndarray, shard_ptrs: Sequence[int],
-            geometry: dict, signal: Any = None) -> Any:
-        """Enqueue ``pieces`` (from ``plan``); returns the stream that finishes last."""
+            geometry: dict, signal: Any = None, copier: Any = None) -> Any:
+        """Enqueue ``pieces`` (from ``plan``); returns the stream that finishes last.
+        ``copier``: what fills and empties the slots instead of the ring's kernels."""
         rt, k_stream, d_stream = self.rt, self.kernel_stream.ptr, self.dma_stream.ptr
         shard_ptrs = [int(p) for p in shard_ptrs]
         layer_bytes = geometry["planes"] * geometry["chunk_tokens"] * geometry["row_bytes"]
@@ -133,7 +134,7 @@ class StagingRing:
         runs = {}
         gather = self.kind == "gather"
         cancel = None if signal is None else signal.cancel
-        with self.copier.batch(self.kind, bases, page_ids, kernel_ptrs, stream=self.kernel_stream,
+        with (copier or self.copier).batch(self.kind, bases, page_ids, kernel_ptrs, stream=self.kernel_stream,
                                cancel=cancel, **geometry) as batch:
             ptr_first = 0
             for j, ((c0, c1, a, b), s) in enumerate(zip(pieces, slots)):

@@ -148,11 +148,15 @@ def test_eligible_counts_the_rows_a_pitched_op_moves():
     at one pitch (18 planes in one allocation), not when the groups are smaller (9 per plane)
     or the planes are in separate allocations, nor for rows under 16 KiB."""
     d = layout(layers=9, page_size=16, row=2048)
-    assert dma.eligible(d, 64 << 10, plane_bases(d, "one allocation"))
-    assert not dma.eligible(d, 64 << 10, plane_bases(d, "per plane"))
-    assert not dma.eligible(d, 64 << 10, plane_bases(d, "descending"))
+    assert dma.eligible(d, 64 << 10, groups(d, "one allocation"))
+    assert not dma.eligible(d, 64 << 10, groups(d, "per plane"))
+    assert not dma.eligible(d, 64 << 10, groups(d, "descending"))
     apart = LayoutDescriptor(9, 2, 40, 16, 2048, 16 * 2048, 2048,
                              tuple((i, 0) for i in range(18)))  # each plane its own buffer
-    assert not dma.eligible(apart, 64 << 10, plane_bases(d, "one allocation"))
+    assert not dma.eligible(apart, 64 << 10, dma_plan.pool_groups(apart, plane_bases(d, "one allocation")))
     small = layout(layers=9, page_size=4, row=2048)  # 8 KiB rows
-    assert not dma.eligible(small, 64 << 10, plane_bases(small, "one allocation"))
+    assert not dma.eligible(small, 64 << 10, groups(small, "one allocation"))
+
+
+def groups(d, kind):
+    return dma_plan.pool_groups(d, plane_bases(d, kind))

@@ -19,6 +19,9 @@ test_fake_gpu_copies.py; here:
   before it lands, the done word follows.
 - A driver that refuses pitched ops: each op alone, the refused ones row by
   row, the bytes exact.
+- Pitched pages under ``gpu_dma_stage_below`` go through the staging slots
+  (copy engines inside the GPU, then whole chunks across), bit-exact, and a
+  cancelled staged load stops after the slot it had queued.
 - Consecutive page ids become one op per run, and planes at one pitch
   become that op's rows (fewer, longer DMAs).
 """
@@ -81,10 +84,15 @@ def test_dma_layerwise_load_signals_each_layer_after_it_landed(fake_engine, fake
     assert d.stop() == 0, d.log()
 
 
-def test_dma_cancelled_load_queues_no_step_after_the_cancel(fake_engine, fake_daemon):
-    layers = 6
+@pytest.mark.parametrize("layers, stage_below, step_pages", [(6, 0, 1), (8, "64KiB", 2)])
+def test_dma_cancelled_load_queues_no_step_after_the_cancel(fake_engine, fake_daemon, layers,
+                                                            stage_below, step_pages):
+    """Straight (12 planes: no pitched ops, so never staged) a step is one run of pages
+    over all layers; staged (16 planes of 32 KiB pages) a step is one slot of whole
+    chunks (2 chunks of 512 KiB in a 1 MiB slot)."""
     d = fake_daemon(kernel_delay_s={"memcpy_batch": 0.5}, trace=True, gpu_dma_load_window=1,
-                    gpu_copy_path="dma", gpu_dma_streams=1)
+                    gpu_copy_path="dma", gpu_dma_streams=1, gpu_stage_slot_bytes="1MiB",
+                    gpu_dma_stage_below=stage_below, log_level="debug")
     tensors, _, region = fake_engine.tensors("vllm_flash_attn", layers, 8, 16, 8, 128)
     pool = fake_engine.pool("vllm_flash_attn", tensors)
     tokens = np.arange(4 * CHUNK) + 5
@@ -100,12 +108,49 @@ def test_dma_cancelled_load_queues_no_step_after_the_cancel(fake_engine, fake_da
         assert t.wait(30).done and t.status == "failed", t  # fenced by the done word
         assert reg.flags.done(t.slot, t.seq)
     # one page per chunk, so a step (a quarter of the 1-byte window: at least one run)
-    # is one page in every layer: page 4 landed everywhere, pages 5-7 nowhere
-    landed = [np.array_equal(x[:, 4], x[:, 0]) for x in tensors]
-    untouched = [bool((x[:, 5:] == 0x5A5A).all()) for x in tensors]
+    # is one page in every layer, or a slot's chunks: those landed everywhere, the rest nowhere
+    k = step_pages
+    landed = [np.array_equal(x[:, 4:4 + k], x[:, :k]) for x in tensors]
+    untouched = [bool((x[:, 4 + k:] == 0x5A5A).all()) for x in tensors]
     assert all(landed) and all(untouched), (landed, untouched)
     loads = [e for e in d.trace() if e["ev"] == "dma" and region.name in e["regions"]]
     assert len(loads) == 1, loads
+    how = "staged DMA" if stage_below else "DMA"
+    assert re.findall(r"(gather|scatter) of 4 chunks, [\d.]+ MB, ([a-zA-Z ]+):", d.log()) == [
+        ("gather", how), ("scatter", how)], d.log()
+    assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("stage_below, how", [("64KiB", "staged DMA"), (0, "DMA")])
+def test_small_pitched_pages_go_through_the_staging_slots(fake_engine, fake_daemon, stage_below,
+                                                          how):
+    """32 KiB pages in ops of 16 planes (8 layers in one allocation), under
+    gpu_dma_stage_below: the copy engines gather them into staging slots by pitched
+    device-to-device ops and whole chunks cross to the arena by memcpy (2 chunks per 1 MiB
+    slot, so several pieces), and back the same way: bit-exact, nothing else in the pool
+    written, no kernel. 0 turns staging off: pitched ops straight to the arena."""
+    d = fake_daemon(log_level="debug", trace=True, gpu_copy_path="dma", gpu_dma_streams=2,
+                    gpu_stage_slot_bytes="1MiB", gpu_dma_stage_below=stage_below)
+    chunks, pages = 5, 13
+    tensors, _, region = fake_engine.tensors("vllm_flash_attn", 8, pages, 16, 8, 128, seed=4)
+    pool = fake_engine.pool("vllm_flash_attn", tensors)
+    src, dst = [5, 0, 9, 2, 11], [1, 10, 3, 7, 12]
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        client.register_kv(pool, model="staged")
+        tokens = np.arange(chunks * CHUNK) + 3
+        want = [t[:, src].copy() for t in tensors]
+        assert client.store(tokens, src) == chunks * CHUNK
+        for t in tensors:
+            t[:, dst] = 0x5A5A
+        before = region.array.copy()
+        assert client.load(tokens, dst) == chunks * CHUNK
+        assert all(np.array_equal(t[:, dst], w) for t, w in zip(tensors, want))
+        for t in tensors:
+            t[:, dst] = 0x5A5A
+        assert np.array_equal(region.array, before)
+    took = re.findall(r"(gather|scatter) of 5 chunks, [\d.]+ MB, ([a-zA-Z ]+):", d.log())
+    assert took == [("gather", how), ("scatter", how)], d.log()
+    assert not [e for e in d.trace() if e["ev"] == "kernel"]
     assert d.stop() == 0, d.log()
 
 

@@ -2,7 +2,7 @@
 
 - An engine (a spawned process on the fake GPU) is SIGKILLed while its load's
   kernels (or, on the DMA path, its batched copies, queued in steps of 4
-  pages) are held back on the daemon's streams: the daemon reaps it
+  pages, or staged: 4 slots of 4 chunks) are held back on the daemon's streams: the daemon reaps it
   only after those copies ran, then closes its pool (the IPC mapping goes
   last: no copy touches the engine's memory after it, which the fake would
   report as an illegal address and a broken context), and serves the next
@@ -29,16 +29,17 @@ CHUNK = 16
 LAYERS = 4
 
 
-def _dying_engine(runtime_dir: str, conn) -> None:
+def _dying_engine(runtime_dir: str, layers: int, conn) -> None:
     from fakecuda import driver, engine
     driver.install()
-    tensors, _, region = engine.kv_tensors("vllm_flash_attn", LAYERS, 64, 16, 8, 128, seed=1)
+    tensors, _, region = engine.kv_tensors("vllm_flash_attn", layers, 64, 16, 8, 128, seed=1)
     pool = engine.FakeCudaKVPool("vllm_flash_attn", tensors)
     client = kvd_client.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=60).connect()
     client.register_kv(pool, model="dying")
     tokens = np.arange(16 * CHUNK)
     assert client.store(tokens, range(16)) == 16 * CHUNK
-    # 4 pieces (kernels) or 4 steps of 4 pages = 1 MiB, a quarter of the window (DMA), 0.4 s each
+    # 4 pieces (kernels), 4 steps of 4 pages = 1 MiB, a quarter of the window (DMA), or 4
+    # slots of 4 chunks (staged DMA: 8 layers, 16 planes of 32 KiB pages), 0.4 s each
     client.submit_load(tokens, range(16, 32))
     conn.send((os.getpid(), region.name))
     time.sleep(120)
@@ -54,19 +55,21 @@ def _writes(events: list, region: str) -> list[int]:
             and (e["ev"] == "dma" or (e["ev"] == "kernel" and e["name"] == "kv_scatter"))]
 
 
-PATHS = {"kernels": ({"kv_scatter": 0.4}, {"gpu_copy_path": "kernels", "gpu_stage_slot_bytes": "1MiB"}),
-         "dma": ({"memcpy_batch": 0.4}, {"gpu_copy_path": "dma", "gpu_dma_streams": 1,
-                                         "gpu_dma_load_window": "4MiB"})}
+DMA = {"gpu_copy_path": "dma", "gpu_dma_streams": 1, "gpu_dma_load_window": "4MiB"}
+PATHS = {"kernels": (LAYERS, {"kv_scatter": 0.4}, {"gpu_copy_path": "kernels",
+                                                   "gpu_stage_slot_bytes": "1MiB"}),
+         "dma": (LAYERS, {"memcpy_batch": 0.4}, DMA),
+         "staged dma": (8, {"memcpy_batch": 0.4}, {**DMA, "gpu_stage_slot_bytes": "2MiB"})}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, fake_daemon, path):
-    delay, knobs = PATHS[path]
+    layers, delay, knobs = PATHS[path]
     d = fake_daemon(kernel_delay_s=delay, trace=True, client_timeout_s=1.0,
-                    heartbeat_interval_s=0.2, **knobs)
+                    heartbeat_interval_s=0.2, log_level="debug", **knobs)
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe(duplex=False)
-    dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), child_conn))
+    dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), layers, child_conn))
     dying.start()
     try:
         assert conn.poll(60), "the engine did not start"
@@ -90,6 +93,7 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     assert touching and max(touching) < closes[0], "a copy wrote into the pool after it was closed"
     assert any(events[i]["t"] > killed for i in touching), "no copy was in flight when it died"
     assert _scattered(events, region) == 4, "the load's copies did not all run"
+    assert ("staged DMA:" in d.log()) == (path == "staged dma"), d.log()
     tensors, _, _ = fake_engine.tensors("vllm_flash_attn", LAYERS, 8, 16, 8, 128, seed=2)
     pool = fake_engine.pool("vllm_flash_attn", tensors)
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:

@@ -34,7 +34,12 @@ KNOBS = {"chunk_tokens": CHUNK, "host_capacity": "1GiB", "gpu": "on", "client_ti
          "heartbeat_interval_s": 0.2, "shutdown_grace_s": 8.0}
 
 
-def tensors(layers=2, pages=64, page=16, heads=4, dim=64):
+def tensors(layers=2, pages=64, page=16, heads=4, dim=64, one_allocation=False):
+    """Per-layer KV tensors, each its own allocation or views of one (vLLM's)."""
+    if one_allocation:
+        whole = torch.randint(0, 256, (layers, 2, pages, page, heads, dim * 2), dtype=torch.uint8,
+                              device="cuda").view(torch.bfloat16)
+        return list(whole.unbind(0))
     return [torch.randint(0, 256, (2, pages, page, heads, dim * 2), dtype=torch.uint8,
                           device="cuda").view(torch.bfloat16) for _ in range(layers)]
 
@@ -95,16 +100,19 @@ def test_dead_engine_with_a_waiting_store_hangs_nobody(start_daemon, how):
     assert time.monotonic() - t1 < 10
 
 
-@pytest.mark.parametrize("when,layerwise", [("queued", True), ("queued", False),
-                                            ("copying", True), ("copying", False)])
-def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon, when, layerwise):
+@pytest.mark.parametrize("when,layerwise,pool", [
+    ("queued", True, "per-layer"), ("queued", False, "per-layer"), ("copying", True, "per-layer"),
+    ("copying", False, "per-layer"), ("queued", False, "one"), ("copying", False, "one")])
+def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon, when, layerwise,
+                                                                   pool):
     """``queued``: the daemon is stopped (SIGSTOP) when the load arrives and killed with the
     load unanswered; ``copying``: killed a few milliseconds into a 1 GiB load (it may have
-    finished: then its bytes must be right)."""
-    knobs = {**KNOBS, "host_capacity": "2GiB"}
+    finished: then its bytes must be right). ``per-layer`` pools take kernels; ``one``
+    allocation for all layers (32 planes of 32 KiB pages) takes staged DMA."""
+    knobs = {**KNOBS, "host_capacity": "2GiB", "log_level": "debug"}
     d = start_daemon(**knobs)
     layers, pages = 16, 512
-    kv = tensors(layers, pages, 16, 8, 128)  # 64 KiB per page and layer: 512 MiB a direction
+    kv = tensors(layers, pages, 16, 8, 128, pool == "one")  # 64 KiB a page and layer: 512 MiB
     client = kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), timeout=10,
                                   fence_quiet_s=0.5).connect()
     try:
@@ -151,5 +159,6 @@ def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon,
         assert all(torch.equal(x[:, 16:32].view(torch.uint8), w[:, 0:16].view(torch.uint8))
                    for x, w in zip(kv, want))
         assert d2.stats()["registrations"] == 1
+        assert ("scatter of 4 chunks, 16.8 MB, staged DMA:" in d2.log()) == (pool == "one")
     finally:
         client.close()
