@@ -94,19 +94,22 @@ class DmaQueue:
         self.queued = [q for q in self.queued if not q[0].done]
         return sum(q[1] for q in self.queued)
 
-    def follow(self, stream: Any) -> None:
-        """What is queued on these streams from now on runs after what ``stream`` has
-        queued so far (one event, re-recorded: a wait takes its state when queued)."""
+    def follow(self, stream: Any, n: int | None = None) -> None:
+        """What is queued on the first ``n`` (all) streams from now on runs after what
+        ``stream`` has queued so far (one event, re-recorded: a wait takes its state
+        when queued)."""
         self.rt.eventRecord(self._follow, stream.ptr)
-        for s in self.streams:
+        for s in self.streams[:n]:
             self.rt.streamWaitEvent(s.ptr, self._follow, 0)
 
-    def enqueue(self, step: Step) -> Any:
-        """Queue a ``dma_plan.Step``; returns the event recorded on ``stream`` after it."""
-        n = len(self.streams)
-        op_parts, row_parts = _parts(step.ops["width"] * step.ops["height"], n), _parts(step.size, n)
+    def enqueue(self, step: Step, n: int | None = None) -> Any:
+        """Queue a ``dma_plan.Step`` on the first ``n`` (all) streams; returns the event
+        recorded on ``stream`` after it."""
+        streams = self.streams[:n]
+        op_parts = _parts(step.ops["width"] * step.ops["height"], len(streams))
+        row_parts = _parts(step.size, len(streams))
         keep: list = [step]
-        for k, s in enumerate(self.streams):
+        for k, s in enumerate(streams):
             ops, rows_at = step.ops[op_parts[k]], row_parts[k]
             if not ops.size and rows_at.stop <= rows_at.start:
                 continue
@@ -186,7 +189,7 @@ class DmaPath:
                n_chunks: int) -> list | None:
         """The staging pieces of a copy that goes through ``ring`` (pitched pages under
         ``stage_below`` bytes, whole chunks fit a slot), else None."""
-        if ring is None or layout.page_size * layout.row_bytes >= self.stage_below \
+        if ring is None or not n_chunks or layout.page_size * layout.row_bytes >= self.stage_below \
                 or not pitched(groups):
             return None
         return chunk_pieces(n_chunks, layout.shard_bytes(chunk_tokens), layout.num_layers,
@@ -198,7 +201,8 @@ class DmaPath:
         ring = self.rings[0]
         pieces = self.staged(ring, layout, groups, chunk_tokens, len(ptrs))
         if pieces is not None:
-            fill = CeFill(self.store_queue, layout, groups, chunk_tokens)
+            fill = CeFill(self.store_queue, layout, bases, groups, page_ids, len(ptrs),
+                          chunk_tokens, True, pieces[0][1] - pieces[0][0])
             return ring.run(pieces, bases, page_ids, [int(p) for p in ptrs],
                             _geometry(layout, chunk_tokens), copier=fill), STAGED
         c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=True,
@@ -218,8 +222,9 @@ class DmaPath:
         q, layerwise, ring = self.load_queue, signal is not None and signal.layerwise, self.rings[1]
         pieces = None if layerwise else self.staged(ring, layout, groups, chunk_tokens, len(ptrs))
         if pieces is not None:
-            fill, geometry, host = CeFill(q, layout, groups, chunk_tokens), \
-                _geometry(layout, chunk_tokens), [int(p) for p in ptrs]
+            fill = CeFill(q, layout, bases, groups, page_ids, len(ptrs), chunk_tokens, False,
+                          pieces[0][1] - pieces[0][0])
+            geometry, host = _geometry(layout, chunk_tokens), [int(p) for p in ptrs]
             steps = [partial(ring.run, [p], bases, page_ids, host, geometry, copier=fill)
                      for p in pieces]
         else:

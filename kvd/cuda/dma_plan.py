@@ -116,6 +116,7 @@ class CopyOps:
         if layout.page_stride == page_bytes:  # pages adjacent in the pool: runs merge
             start[:, 1:] = ids[:, 1:] != ids[:, :-1] + 1
         c, j = np.nonzero(start)
+        self.run_chunk = c  # the chunk each run of pages is in
         self.run_width = np.diff(np.append(np.flatnonzero(start), ids.size)).astype(np.uint64) \
             * np.uint64(page_bytes)
         self.run_host = np.asarray(shard_ptrs, np.uint64)[c] + j.astype(np.uint64) * np.uint64(page_bytes)

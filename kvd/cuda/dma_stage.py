@@ -17,14 +17,17 @@ Contract:
 - ``chunk_pieces(n_chunks, chunk_bytes, layers, slot_bytes)``: the copy as
   ``kvd.cuda.staging`` pieces ``(c0, c1, 0, layers)`` of whole chunks, as
   many as one slot holds; None when one chunk does not fit a slot.
-- ``CeFill(queue, layout, groups, chunk_tokens)`` stands in for the ring's
-  kernel copier in ``StagingRing.run(..., copier=fill)``: ``batch(...)``
-  gives an object whose ``launch(first, count, a, b, ptr_first)`` queues the
-  pitched device-to-device ops (``kvd.cuda.dma_plan.CopyOps`` with slot
-  addresses for the chunks) on the ``DmaQueue``'s streams, after what the
-  ring's fill stream queued so far (the slot's last DMA), and makes the fill
-  stream wait for them. Whole chunks only (``a == 0``, ``b == layers``). It
-  cannot read a cancel word: the caller gates loads piece by piece
+- ``CeFill(queue, layout, bases, groups, page_ids, n_chunks, chunk_tokens,
+  to_slot, per_piece)`` stands in for the ring's kernel copier in
+  ``StagingRing.run(..., copier=fill)``. It plans the copy's pitched
+  device-to-device ops once (``kvd.cuda.dma_plan.CopyOps``, chunk ``c`` at
+  ``(c % per_piece)`` chunks from its slot's start); ``batch(...)`` gives an
+  object whose ``launch(first, count, a, b, ptr_first)`` queues the ops of
+  chunks ``[first, first + count)`` against the slot at ``ptrs[ptr_first]``
+  on ``FILL_STREAMS`` of the ``DmaQueue``'s streams, after what the ring's fill
+  stream queued so far (the slot's last DMA), and makes the fill stream wait
+  for them. Whole chunks only (``a == 0``, ``b == layers``). It cannot read a
+  cancel word: the caller gates loads piece by piece
   (``kvd.cuda.dma.DmaPath.load``).
 """
 
@@ -33,9 +36,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any
 
-from kvd.cuda.dma_plan import CopyOps
+import numpy as np
+
+from kvd.cuda.dma_plan import CopyOps, Step
 
 _NO_SPLIT = (0, 1 << 63)  # device memory: no registration pieces to respect
+FILL_STREAMS = 2  # a fill is 3-14x faster than PCIe: more streams only cost host time
 
 
 def chunk_pieces(n_chunks: int, chunk_bytes: int, layers: int,
@@ -50,29 +56,42 @@ def chunk_pieces(n_chunks: int, chunk_bytes: int, layers: int,
 class CeFill:
     """One copy's fills of staging slots by the copy engines (module doc)."""
 
-    def __init__(self, queue: Any, layout: Any, groups: list, chunk_tokens: int) -> None:
-        self.queue, self.layout, self.groups, self.chunk_tokens = queue, layout, groups, chunk_tokens
-        self.ppc = chunk_tokens // layout.page_size
+    def __init__(self, queue: Any, layout: Any, bases: np.ndarray, groups: list,
+                 page_ids: np.ndarray, n_chunks: int, chunk_tokens: int, to_slot: bool,
+                 per_piece: int) -> None:
+        at = (np.arange(n_chunks, dtype=np.uint64) % np.uint64(per_piece)) \
+            * np.uint64(layout.shard_bytes(chunk_tokens))
+        plan = CopyOps(layout, bases, page_ids, at, chunk_tokens, _NO_SPLIT, to_host=to_slot,
+                       groups=groups)
+        self.queue, self.layers, self.slot_side = queue, layout.num_layers, ("dst", "src")[not to_slot]
+        self.step = plan.steps(1 << 62)[0]
+        self.op_chunk = plan.run_chunk[plan.op_run.astype(np.int64)]
+        self.row_chunk = plan.run_chunk[plan.rows["run"].astype(np.int64)]
 
     @contextmanager
     def batch(self, kind: str, bases: Any, page_ids: Any, ptrs: list, stream: Any, **_: Any):
-        yield _Launcher(self, kind == "gather", bases, page_ids, ptrs, stream)
+        yield _Launcher(self, ptrs, stream)
+
+    def piece(self, first: int, count: int, slot: int) -> Step:
+        """The ops and rows of chunks ``[first, first + count)``, against ``slot``."""
+        s, side = self.step, self.slot_side
+        op_at = (self.op_chunk >= first) & (self.op_chunk < first + count)
+        row_at = (self.row_chunk >= first) & (self.row_chunk < first + count)
+        ops = s.ops[op_at]  # a copy: the slot's address goes in
+        ops[side] += np.uint64(slot)
+        rows = {"dst": s.dst[row_at], "src": s.src[row_at]}
+        rows[side] = rows[side] + np.uint64(slot)
+        return Step(ops, rows["dst"], rows["src"], s.size[row_at])
 
 
 class _Launcher:
-    def __init__(self, fill: CeFill, to_slot: bool, bases: Any, page_ids: Any, ptrs: list,
-                 stream: Any) -> None:
-        self.fill, self.to_slot, self.bases, self.stream = fill, to_slot, bases, stream
-        self.page_ids, self.ptrs = page_ids, ptrs
+    def __init__(self, fill: CeFill, ptrs: list, stream: Any) -> None:
+        self.fill, self.ptrs, self.stream = fill, ptrs, stream
 
     def launch(self, first: int, count: int, a: int, b: int, ptr_first: int) -> None:
         f = self.fill
-        if a != 0 or b != f.layout.num_layers:
+        if a != 0 or b != f.layers:
             raise ValueError("copy-engine fills move whole chunks")
-        ids = self.page_ids[first * f.ppc:(first + count) * f.ppc]
-        slots = self.ptrs[ptr_first:ptr_first + count]
-        ops = CopyOps(f.layout, self.bases, ids, slots, f.chunk_tokens, _NO_SPLIT,
-                      to_host=self.to_slot, groups=f.groups)
-        f.queue.follow(self.stream)
-        for step in ops.steps(1 << 62):
-            self.stream.wait_event(f.queue.enqueue(step))
+        step = f.piece(first, count, self.ptrs[ptr_first])
+        f.queue.follow(self.stream, FILL_STREAMS)
+        self.stream.wait_event(f.queue.enqueue(step, FILL_STREAMS))
