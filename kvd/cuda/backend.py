@@ -62,7 +62,7 @@ from kvd_protocol.layout import LayoutDescriptor
 log = logging.getLogger("kvd")
 REGISTER_PIECE = 1 << 30
 STAGE_SLOTS = 2
-STAGE_SLOT_BYTES = 32 << 20
+STAGE_SLOT_BYTES = 64 << 20
 CLOSE_WAIT_S = 5.0
 COPY_PATHS = ("auto", "dma", "kernels")
 _IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess

@@ -185,12 +185,13 @@ class DmaPath:
         self.window, self.host_pieces, self.poller = settings.load_window, host_pieces, poller
         self.rings, self.stage_below = rings, settings.stage_below
 
-    def staged(self, ring: Any, layout: Any, groups: list, chunk_tokens: int,
+    def staged(self, ring: Any, other: DmaQueue, layout: Any, groups: list, chunk_tokens: int,
                n_chunks: int) -> list | None:
         """The staging pieces of a copy that goes through ``ring`` (pitched pages under
-        ``stage_below`` bytes, whole chunks fit a slot), else None."""
+        ``stage_below`` bytes, whole chunks fit a slot, nothing queued the ``other`` way:
+        both ways at once, straight ops are faster), else None."""
         if ring is None or not n_chunks or layout.page_size * layout.row_bytes >= self.stage_below \
-                or not pitched(groups):
+                or not pitched(groups) or other.queued_bytes():
             return None
         return chunk_pieces(n_chunks, layout.shard_bytes(chunk_tokens), layout.num_layers,
                             ring.slot_bytes)
@@ -199,7 +200,7 @@ class DmaPath:
               ptrs: np.ndarray, chunk_tokens: int) -> Any:
         """Queue a whole store (pool -> arena); returns the stream it ends on and how."""
         ring = self.rings[0]
-        pieces = self.staged(ring, layout, groups, chunk_tokens, len(ptrs))
+        pieces = self.staged(ring, self.load_queue, layout, groups, chunk_tokens, len(ptrs))
         if pieces is not None:
             fill = CeFill(self.store_queue, layout, bases, groups, page_ids, len(ptrs),
                           chunk_tokens, True, pieces[0][1] - pieces[0][0])
@@ -220,7 +221,8 @@ class DmaPath:
         layer. Returns the stream it ends on (the caller writes the done word there, also
         after a cancel or an error) and how."""
         q, layerwise, ring = self.load_queue, signal is not None and signal.layerwise, self.rings[1]
-        pieces = None if layerwise else self.staged(ring, layout, groups, chunk_tokens, len(ptrs))
+        pieces = None if layerwise else self.staged(ring, self.store_queue, layout, groups,
+                                                    chunk_tokens, len(ptrs))
         if pieces is not None:
             fill = CeFill(q, layout, bases, groups, page_ids, len(ptrs), chunk_tokens, False,
                           pieces[0][1] - pieces[0][0])

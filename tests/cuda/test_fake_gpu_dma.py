@@ -21,7 +21,8 @@ test_fake_gpu_copies.py; here:
   row, the bytes exact.
 - Pitched pages under ``gpu_dma_stage_below`` go through the staging slots
   (copy engines inside the GPU, then whole chunks across), bit-exact, and a
-  cancelled staged load stops after the slot it had queued.
+  cancelled staged load stops after the slot it had queued; a copy while
+  the other direction has copies queued goes straight instead.
 - Consecutive page ids become one op per run, and planes at one pitch
   become that op's rows (fewer, longer DMAs).
 """
@@ -29,6 +30,7 @@ test_fake_gpu_copies.py; here:
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -188,4 +190,34 @@ def test_refused_pitched_ops_go_row_by_row(fake_engine, fake_daemon):
     warned = d.log().count("the driver refused pitched copies")
     assert warned == 2, d.log()
     assert not [e for e in d.trace() if e["ev"] == "kernel"]
+    assert d.stop() == 0, d.log()
+
+
+def test_a_store_while_a_load_is_queued_goes_straight(fake_engine, fake_daemon):
+    """Staging only pays one way at a time: a store that arrives while another engine's
+    staged load is still on the copy engines (held 0.5 s) goes by straight pitched ops;
+    the next store, with nothing queued the other way, is staged again. Bytes exact."""
+    d = fake_daemon(log_level="debug", kernel_delay_s={"memcpy_batch": 0.5}, gpu_copy_path="dma",
+                    gpu_dma_streams=1)
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 8, 12, 16, 8, 128, seed=6)
+    pool = fake_engine.pool("vllm_flash_attn", tensors)
+    runtime = str(d.runtime_dir)
+    with kvd_client.KvdClient(runtime_dir=runtime, raise_errors=True) as a, \
+            kvd_client.KvdClient(runtime_dir=runtime, raise_errors=True) as b:
+        a.register_kv(pool, model="both-ways")
+        b.register_kv(pool, model="both-ways")
+        first, second, third = (np.arange(2 * CHUNK) + k * 1000 for k in range(3))
+        want = [t[:, [0, 1]].copy() for t in tensors]
+        assert a.store(first, [0, 1]) == 2 * CHUNK
+        load = a.submit_load(first, [4, 5])
+        time.sleep(0.2)  # the load's fill is held on the copy engines
+        assert b.store(second, [2, 3]) == 2 * CHUNK
+        assert load.wait(30).ok and load.tokens == 2 * CHUNK, load
+        assert all(np.array_equal(t[:, [4, 5]], w) for t, w in zip(tensors, want))
+        assert b.store(third, [6, 7]) == 2 * CHUNK
+        assert b.load(second, [8, 9]) == 2 * CHUNK
+        assert all(np.array_equal(t[:, [8, 9]], t[:, [2, 3]]) for t in tensors)
+    took = re.findall(r"(gather|scatter) of 2 chunks, [\d.]+ MB, ([a-zA-Z ]+):", d.log())
+    assert took == [("gather", "staged DMA"), ("scatter", "staged DMA"), ("gather", "DMA"),
+                    ("gather", "staged DMA"), ("scatter", "staged DMA")], d.log()  # as they landed
     assert d.stop() == 0, d.log()
