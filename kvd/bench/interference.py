@@ -30,6 +30,7 @@ from .common import request_bytes, start_daemon, stop_daemon
 _K = ["--gpu-copy-path", "kernels"]
 VARIANTS = {  # name -> (daemon flags, copier options)
     "dma": (["--gpu-copy-path", "dma"], {}),
+    "dma, straight": (["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "0"], {}),
     "dma, 4 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "4"], {}),
     "dma, 16 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "16"], {}),
     "staged, 32 blocks": ([*_K, "--gpu-max-blocks", "32"], {}),
