@@ -39,6 +39,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import time
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -50,6 +51,7 @@ from kvd_protocol import cuda_driver
 
 _EVENT_NO_TIMING = 0x2
 DIRECT, STAGED = "DMA", "staged DMA"  # how a copy went, for the debug log
+STAGE_IDLE_S = 0.05  # the other direction idle this long: a copy may go staged
 MIN_ROW_BYTES = 16 << 10  # narrower rows are slow even pitched (2 KiB: 0.33 of a memcpy)
 log = logging.getLogger(__name__)
 
@@ -77,11 +79,12 @@ def pitched(groups: list) -> bool:
 class DmaQueue:
     """One direction of one GPU: batches of copies spread over ``n`` streams."""
 
-    def __init__(self, cp: Any, n_streams: int) -> None:
-        self.cp, self.rt = cp, cp.cuda.runtime
+    def __init__(self, cp: Any, n_streams: int, poller: Any = None) -> None:
+        self.cp, self.rt, self.poller = cp, cp.cuda.runtime, poller
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, n_streams))]
         self._joins = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in self.streams[1:]]
         self.queued: list = []  # (event, bytes, arrays) of batches not known to be done
+        self.busy_at = -1e9  # when a batch of this queue was last seen queued or landing
         self.warned = False
         self._follow = self.rt.eventCreateWithFlags(_EVENT_NO_TIMING)
 
@@ -93,6 +96,16 @@ class DmaQueue:
     def queued_bytes(self) -> int:
         self.queued = [q for q in self.queued if not q[0].done]
         return sum(q[1] for q in self.queued)
+
+    def idle_for(self) -> float:
+        """Seconds since this queue's last batch landed (0 while one is queued); with a
+        ``poller``, landing is seen within an event-loop pass."""
+        return 0.0 if self.queued_bytes() else time.monotonic() - self.busy_at
+
+    def _landed(self, fut: Any) -> None:
+        self.busy_at = time.monotonic()
+        if not fut.cancelled():
+            fut.exception()  # a failed copy is reported by its caller, not here
 
     def follow(self, stream: Any, n: int | None = None) -> None:
         """What is queued on the first ``n`` (all) streams from now on runs after what
@@ -128,6 +141,9 @@ class DmaQueue:
         done = self.cp.cuda.Event(block=False, disable_timing=True)
         done.record(self.stream)
         self.queued.append((done, step.nbytes, keep))  # what the driver reads
+        self.busy_at = time.monotonic()
+        if self.poller is not None:
+            self.poller.wait(done).add_done_callback(self._landed)
         return done
 
     def _one_by_one(self, stream: int, multi: np.ndarray, exc: Exception) -> tuple:
@@ -181,17 +197,19 @@ class DmaPath:
     def __init__(self, cp: Any, ordinal: int, settings: DmaSettings, host_pieces: tuple[int, int],
                  poller: Any, rings: tuple = (None, None)) -> None:
         self.cp, self.ordinal = cp, ordinal
-        self.store_queue, self.load_queue = (DmaQueue(cp, settings.streams) for _ in range(2))
+        self.store_queue, self.load_queue = (DmaQueue(cp, settings.streams, poller)
+                                             for _ in range(2))
         self.window, self.host_pieces, self.poller = settings.load_window, host_pieces, poller
         self.rings, self.stage_below = rings, settings.stage_below
 
     def staged(self, ring: Any, other: DmaQueue, layout: Any, groups: list, chunk_tokens: int,
                n_chunks: int) -> list | None:
         """The staging pieces of a copy that goes through ``ring`` (pitched pages under
-        ``stage_below`` bytes, whole chunks fit a slot, nothing queued the ``other`` way:
-        both ways at once, straight ops are faster), else None."""
+        ``stage_below`` bytes, whole chunks fit a slot, the ``other`` way idle for
+        ``STAGE_IDLE_S``: both ways at once, straight ops are faster, and a mix flip-flops),
+        else None."""
         if ring is None or not n_chunks or layout.page_size * layout.row_bytes >= self.stage_below \
-                or not pitched(groups) or other.queued_bytes():
+                or not pitched(groups) or other.idle_for() < STAGE_IDLE_S:
             return None
         return chunk_pieces(n_chunks, layout.shard_bytes(chunk_tokens), layout.num_layers,
                             ring.slot_bytes)

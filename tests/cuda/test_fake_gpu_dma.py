@@ -38,6 +38,7 @@ from test_fake_gpu_copies import store_then_load
 from test_fake_gpu_signals import flag_writes
 
 import kvd_client
+from kvd.cuda.dma import STAGE_IDLE_S
 from kvd_protocol.flags import FlagLayout
 
 CHUNK = 16
@@ -103,6 +104,7 @@ def test_dma_cancelled_load_queues_no_step_after_the_cancel(fake_engine, fake_da
         assert storer.store(tokens, range(4)) == 4 * CHUNK
     for t in tensors:
         t[:, 4:] = 0x5A5A
+    time.sleep(2 * STAGE_IDLE_S)  # right after a store, a load goes straight
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), fence_quiet_s=20) as loader:
         reg = loader.register_kv(pool, model="dma-cancel")
         loader.timeout = 0.3  # cancelled while the first step's copy is held back
@@ -145,6 +147,7 @@ def test_small_pitched_pages_go_through_the_staging_slots(fake_engine, fake_daem
         for t in tensors:
             t[:, dst] = 0x5A5A
         before = region.array.copy()
+        time.sleep(2 * STAGE_IDLE_S)  # right after a store, a load goes straight
         assert client.load(tokens, dst) == chunks * CHUNK
         assert all(np.array_equal(t[:, dst], w) for t, w in zip(tensors, want))
         for t in tensors:
@@ -195,8 +198,9 @@ def test_refused_pitched_ops_go_row_by_row(fake_engine, fake_daemon):
 
 def test_a_store_while_a_load_is_queued_goes_straight(fake_engine, fake_daemon):
     """Staging only pays one way at a time: a store that arrives while another engine's
-    staged load is still on the copy engines (held 0.5 s) goes by straight pitched ops;
-    the next store, with nothing queued the other way, is staged again. Bytes exact."""
+    staged load is still on the copy engines (held 0.5 s) goes by straight pitched ops, as
+    does a load right after a store; once the other way has been idle for STAGE_IDLE_S a
+    copy is staged again. Bytes exact."""
     d = fake_daemon(log_level="debug", kernel_delay_s={"memcpy_batch": 0.5}, gpu_copy_path="dma",
                     gpu_dma_streams=1)
     tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 8, 12, 16, 8, 128, seed=6)
@@ -209,15 +213,20 @@ def test_a_store_while_a_load_is_queued_goes_straight(fake_engine, fake_daemon):
         first, second, third = (np.arange(2 * CHUNK) + k * 1000 for k in range(3))
         want = [t[:, [0, 1]].copy() for t in tensors]
         assert a.store(first, [0, 1]) == 2 * CHUNK
+        time.sleep(2 * STAGE_IDLE_S)
         load = a.submit_load(first, [4, 5])
         time.sleep(0.2)  # the load's fill is held on the copy engines
         assert b.store(second, [2, 3]) == 2 * CHUNK
         assert load.wait(30).ok and load.tokens == 2 * CHUNK, load
         assert all(np.array_equal(t[:, [4, 5]], w) for t, w in zip(tensors, want))
         assert b.store(third, [6, 7]) == 2 * CHUNK
-        assert b.load(second, [8, 9]) == 2 * CHUNK
+        assert b.load(second, [8, 9]) == 2 * CHUNK  # right after a store: straight
+        time.sleep(2 * STAGE_IDLE_S)
+        assert b.load(third, [10, 11]) == 2 * CHUNK
         assert all(np.array_equal(t[:, [8, 9]], t[:, [2, 3]]) for t in tensors)
+        assert all(np.array_equal(t[:, [10, 11]], t[:, [6, 7]]) for t in tensors)
     took = re.findall(r"(gather|scatter) of 2 chunks, [\d.]+ MB, ([a-zA-Z ]+):", d.log())
     assert took == [("gather", "staged DMA"), ("scatter", "staged DMA"), ("gather", "DMA"),
-                    ("gather", "staged DMA"), ("scatter", "staged DMA")], d.log()  # as they landed
+                    ("gather", "staged DMA"), ("scatter", "DMA"), ("scatter", "staged DMA")], \
+        d.log()  # in the order they landed
     assert d.stop() == 0, d.log()

@@ -38,6 +38,7 @@ def _dying_engine(runtime_dir: str, layers: int, conn) -> None:
     client.register_kv(pool, model="dying")
     tokens = np.arange(16 * CHUNK)
     assert client.store(tokens, range(16)) == 16 * CHUNK
+    time.sleep(0.1)  # staged only once the other direction has been idle (STAGE_IDLE_S)
     # 4 pieces (kernels), 4 steps of 4 pages = 1 MiB, a quarter of the window (DMA), or 4
     # slots of 4 chunks (staged DMA: 8 layers, 16 planes of 32 KiB pages), 0.4 s each
     client.submit_load(tokens, range(16, 32))
