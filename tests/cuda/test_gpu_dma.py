@@ -2,7 +2,8 @@
 allocation), on a real GPU: real engines, a real daemon, every byte checked.
 
 - Pitched ops straight between the pool and the arena (``gpu_dma_stage_below``
-  = 0) and staged through the slots (the default: pages under 64 KiB), for a
+  = 0) and staged through the slots (the default: pages under 64 KiB, the
+  other direction idle), for a
   Llama-like and an MLA pool, pages of 1, 16 and 64 tokens, 20 layers:
   poisoned target pages hold exactly the stored pages afterwards, and no
   other byte of the allocation moved; the daemon's log names the path each
@@ -28,6 +29,7 @@ from gpu_env import require_gpu  # noqa: E402
 torch = require_gpu()
 
 import kvd_client  # noqa: E402
+from kvd.cuda.dma import STAGE_IDLE_S  # noqa: E402
 from kvd_client.torch_pool import CudaKVPool  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -74,6 +76,7 @@ def test_one_allocation_pool_round_trip_bit_exact(start_daemon, layout, page_siz
             for x in page_of(layout, views, p):
                 x.view(torch.uint8).fill_(0xA5)
         before = whole.clone()
+        time.sleep(2 * STAGE_IDLE_S)  # right after a store, a load goes straight
         assert client.load(tokens, dst) == chunks * CHUNK
         torch.cuda.synchronize()
         for p, want in zip(dst, expect):
@@ -101,6 +104,7 @@ def _dying_engine(runtime_dir: str, conn) -> None:
     tokens = np.arange(128 * CHUNK)  # 128 chunks of 4 pages, 5 MiB each: 640 MiB a direction
     t.cuda.synchronize()
     assert client.store(tokens, range(512)) == 128 * CHUNK
+    time.sleep(0.1)  # staged once the other direction has been idle (STAGE_IDLE_S)
     client.submit_load(tokens, range(512, 1024))
     conn.send(os.getpid())
     time.sleep(120)
@@ -133,5 +137,6 @@ def test_engine_killed_mid_staged_load_is_reaped_after_it(start_daemon):
         assert client.load(np.arange(4 * CHUNK) + 9, range(16, 32)) == 4 * CHUNK
         torch.cuda.synchronize()
         assert torch.equal(whole[:, :, 16:32].view(torch.uint8), want.view(torch.uint8))
-    assert "staged DMA" in d.log() and "CUDA error" not in d.log(), d.log()
+    assert "scatter of 128 chunks, 671.1 MB, staged DMA" in d.log(), d.log()
+    assert "CUDA error" not in d.log(), d.log()
     assert d.stop() == 0, d.log()

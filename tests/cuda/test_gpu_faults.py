@@ -121,6 +121,7 @@ def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon,
         want = [x[:, 0:256].clone() for x in kv]
         torch.cuda.synchronize()
         assert client.store(tokens, range(256)) == 64 * CHUNK
+        time.sleep(0.1)  # a "one" pool's load goes staged (the other direction idle)
         if when == "queued":
             d.proc.send_signal(signal.SIGSTOP)
         t = client.submit_load(tokens, range(256, 512), layerwise=layerwise)
@@ -154,6 +155,7 @@ def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon,
             time.sleep(0.1)
         for x in kv:
             x[:, 16:32].view(torch.uint8).fill_(0x5A)
+        time.sleep(0.1)  # staged once the other direction has been idle (STAGE_IDLE_S)
         assert client.load(tokens[:4 * CHUNK], range(16, 32)) == 4 * CHUNK
         torch.cuda.synchronize()
         assert all(torch.equal(x[:, 16:32].view(torch.uint8), w[:, 0:16].view(torch.uint8))
