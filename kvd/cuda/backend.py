@@ -9,14 +9,15 @@ context, streams, the compiled kernels and the staging rings exist only on
 devices some client registered memory on. The host arena is registered
 with the driver as pinned (portable, in pieces) on first use.
 
-Copy paths (``copy_path``): ``dma`` moves pages between the pool and the
-arena with the copy engines only (``kvd.cuda.dma``), for pools whose pages
-are byte ranges of at least ``dma_settings.min_piece`` bytes (``auto``; ``dma``: any
-size); no kernel of the daemon's runs, so the engine keeps its GPU time
-slices. Other pools (and every pool with ``kernels``) use SM kernels.
+Copy paths (``copy_path``): ``dma`` moves pages between the pool and the arena
+with the copy engines only (``kvd.cuda.dma``; small pitched pages staged through
+the slots below, ``kvd.cuda.dma_stage``), for pools whose pages are byte ranges
+of at least ``dma_settings.min_piece`` bytes (``auto``; ``dma``: any size); no
+kernel of the daemon's runs, so the engine keeps its GPU time slices. Other
+pools (and every pool with ``kernels``) use SM kernels.
 Kernel copies are staged (``kvd.cuda.staging``): per GPU and direction a ring of
 ``stage_slots`` device buffers of ``stage_slot_bytes`` (2 x slots x bytes of
-the engine GPU's memory: 128 MiB by default), kernels between the pool and
+the engine GPU's memory: 256 MiB by default), kernels between the pool and
 the ring, DMA between the ring and the arena. Where one layer of one chunk
 does not fit a slot (or ``stage_slots`` is 0), kernels read and write the
 arena directly through unified addressing instead (zero-copy).
@@ -99,8 +100,7 @@ class CudaCopyEngine:
         import cupy
         self.cp, self.rt = cupy, cupy.cuda.runtime
         self.arena, self.arena_ptr = arena, arena.ctypes.data
-        self.max_blocks = max_blocks
-        self.stage = (stage_slots, stage_slot_bytes)
+        self.max_blocks, self.stage = max_blocks, (stage_slots, stage_slot_bytes)
         if copy_path not in COPY_PATHS:
             raise ValueError(f"copy_path must be one of {', '.join(COPY_PATHS)}")
         self.copy_path = copy_path

@@ -9,17 +9,18 @@ docs/benchmarks.md). DMA runs on the copy engines, outside the time slices.
 
 Contract:
 
-- ``eligible(layout, min_piece, bases)``: a pool can be copied this way when
+- ``eligible(layout, min_piece, groups)``: a pool can be copied this way when
   each (layer, plane, page) of it is one byte range (a page's token rows are
   adjacent and whole) and one copy moves at least ``min_piece`` bytes: a page
   of that size, or pages of at least ``MIN_ROW_BYTES`` whose planes all sit
-  in pitched groups of at least ``MIN_ROWS`` (one allocation for all layers).
+  in pitched groups of at least ``MIN_ROWS`` (one allocation for all layers;
+  ``groups`` is ``dma_plan.pool_groups``, computed once per pool).
   Smaller copies are slow on the copy engines (32 KiB one by one: 0.5-0.75 of
   a memcpy; 2 KiB rows: 0.3 even pitched), so they stay with the kernels.
 - What a copy queues is ``kvd.cuda.dma_plan.CopyOps``: pitched ops, one per
   run of pages and group of planes at one pitch, cut by layers.
 - ``DmaQueue`` is one direction of one GPU: ``n`` streams. ``enqueue`` splits
-  an op array into ``n`` parts of about equal bytes; per stream, the ops of
+  an op array into ``n`` (or fewer, when asked) parts of about equal bytes; per stream, the ops of
   several rows go as one ``cuMemcpy3DBatchAsync`` and single rows as one
   ``cuMemcpyBatchAsync`` (a one-row 3D op is slow). Should the driver refuse
   a 3D batch, each op is queued alone and the refused ones row by row (a
@@ -28,12 +29,20 @@ Contract:
   (a layer word, the done word, the completion event) follows the whole
   batch. It only enqueues; it keeps each batch's arrays until the next
   ``enqueue`` after the batch finished (the caller polls), and never blocks
-  the host.
+  the host. ``follow(stream)`` orders what is queued next after ``stream``'s
+  work so far; ``idle_for()`` is how long ago its last batch landed.
+- ``DmaPath`` (one GPU; ``DmaSettings`` are the ``gpu_dma_*`` knobs): a copy
+  goes straight (the ops above) or, where ``staged`` says so (pitched pages
+  under ``stage_below`` bytes, whole chunks fit a slot, the other direction
+  idle for ``STAGE_IDLE_S``), through the staging ring with
+  ``kvd.cuda.dma_stage.CeFill`` in place of the kernels. ``store`` and
+  ``load`` return the stream the copy ends on and how it went (``DIRECT`` or
+  ``STAGED``).
 - Unlike a kernel, a queued DMA cannot check a load's cancel word when it
-  starts: ``DmaPath.load`` therefore queues a load in steps (runs of pages of
-  about a quarter of ``window`` over all layers; a layer-wise load layer by
-  layer), reads the cancel word on the host before each step, and keeps at
-  most ``window`` bytes queued.
+  starts: ``DmaPath.load`` therefore queues a load in steps (a staging slot's
+  chunks; runs of pages of about a quarter of ``window`` over all layers; a
+  layer-wise load layer by layer, never staged), reads the cancel word on
+  the host before each step, and keeps at most ``window`` bytes queued.
 """
 
 from __future__ import annotations

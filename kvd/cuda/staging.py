@@ -28,7 +28,10 @@ Contract:
   scatter). A scatter with a layer-wise ``signal`` (kvd.cuda.backend's
   ``GpuSignal``) writes the load's word of layer l on the kernel stream
   once every piece of layer l is scattered, and its kernels skip the
-  engine's pages once the load's cancel word is set. Reusing a slot waits
+  engine's pages once the load's cancel word is set. ``run(...,
+  copier=...)`` fills and empties the slots with another copier of the same
+  ``batch``/``launch`` shape (kvd.cuda.dma_stage's copy-engine fills, which
+  cannot read the cancel word: their caller gates them). Reusing a slot waits
   (on the GPU) for the piece that last used it, across requests; nothing
   here waits on another process and nothing blocks the host.
 """
