@@ -137,8 +137,8 @@ KNOBS = (
     Knob("gpu_dma_stage_below", "size", 64 * 2**10, "DMA copies of pages under this many bytes "
          "(in pitched ops of all layers) go through the staging slots: the copy engines gather "
          "the pages into a slot inside the GPU, then one DMA moves whole chunks across PCIe "
-         "(one way 0.92-0.98 of a memcpy instead of 0.80-0.94). Only while nothing is queued "
-         "the other way: both ways at once, straight pitched ops are faster. Needs "
+         "(one way 0.92-0.98 of a memcpy instead of 0.80-0.94). Only once the other direction "
+         "has been idle for 50 ms: both ways at once, straight pitched ops are faster. Needs "
          "gpu_stage_slots > 0 and a chunk that fits gpu_stage_slot_bytes; 0 = never.",
          minimum=0),
     Knob("gpu_poll_interval_us", "float", 0.0, "How the daemon notices copies that landed: 0 "

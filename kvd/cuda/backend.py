@@ -204,8 +204,8 @@ class CudaCopyEngine:
                 self._close_ptrs(opened)
                 raise
         bases = plane_bases(layout, ptrs)
-        groups = pool_groups(layout, bases)
-        by_dma = dev.dma is not None and dma.eligible(layout, self.dma.min_piece, groups)
+        groups = None if dev.dma is None else pool_groups(layout, bases)
+        by_dma = groups is not None and dma.eligible(layout, self.dma.min_piece, groups)
         if by_dma:
             log.info("GPU %d pool: copies by DMA, %d planes in %d pitched groups", dev.ordinal,
                      len(bases), len(groups))
@@ -323,7 +323,7 @@ class CudaCopyEngine:
         async def feed() -> None:
             how = dma.DIRECT
             try:
-                _, how = await dev.dma.load(plan.layout, plan.pool.bases, plan.pool.groups,
+                how = await dev.dma.load(plan.layout, plan.pool.bases, plan.pool.groups,
                                             plan.page_ids, ptrs, plan.chunk_tokens, signal)
             finally:  # whatever was queued, the done word follows it
                 with self.cp.cuda.Device(dev.ordinal):

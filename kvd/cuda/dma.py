@@ -223,16 +223,25 @@ class DmaPath:
         return chunk_pieces(n_chunks, layout.shard_bytes(chunk_tokens), layout.num_layers,
                             ring.slot_bytes)
 
+    def _through(self, ring: Any, queue: DmaQueue, pieces: list, layout: Any, bases: np.ndarray,
+                 groups: list, page_ids: np.ndarray, ptrs: np.ndarray, chunk_tokens: int) -> Any:
+        """``run(some_pieces)``: those pieces of a staged copy through ``ring``, its slots
+        filled or emptied by the copy engines on ``queue`` (``dma_stage.CeFill``)."""
+        fill = CeFill(queue, layout, bases, groups, page_ids, pieces, chunk_tokens,
+                      to_slot=ring.kind == "gather")
+        geometry, host = _geometry(layout, chunk_tokens), [int(p) for p in ptrs]
+        return partial(ring.run, bases=bases, page_ids=page_ids, shard_ptrs=host,
+                       geometry=geometry, copier=fill)
+
     def store(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
               ptrs: np.ndarray, chunk_tokens: int) -> Any:
         """Queue a whole store (pool -> arena); returns the stream it ends on and how."""
         ring = self.rings[0]
         pieces = self.staged(ring, self.load_queue, layout, groups, chunk_tokens, len(ptrs))
         if pieces is not None:
-            fill = CeFill(self.store_queue, layout, bases, groups, page_ids, len(ptrs),
-                          chunk_tokens, True, pieces[0][1] - pieces[0][0])
-            return ring.run(pieces, bases, page_ids, [int(p) for p in ptrs],
-                            _geometry(layout, chunk_tokens), copier=fill), STAGED
+            run = self._through(ring, self.store_queue, pieces, layout, bases, groups, page_ids,
+                                ptrs, chunk_tokens)
+            return run(pieces), STAGED
         c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=True,
                     groups=groups)
         for step in c.steps(1 << 62):
@@ -245,17 +254,15 @@ class DmaPath:
         cancelled and at most ``window`` bytes queued: staging pieces (``staged``), or
         runs of pages of about ``window / 4`` bytes over all layers (ops of many rows),
         or for a layer-wise ``signal`` one layer at a time, each layer's word behind that
-        layer. Returns the stream it ends on (the caller writes the done word there, also
-        after a cancel or an error) and how."""
+        layer. Everything it queues ends on ``load_queue.stream`` (the caller writes the
+        done word there, also after a cancel or an error). Returns how it went."""
         q, layerwise, ring = self.load_queue, signal is not None and signal.layerwise, self.rings[1]
         pieces = None if layerwise else self.staged(ring, self.store_queue, layout, groups,
                                                     chunk_tokens, len(ptrs))
         if pieces is not None:
-            fill = CeFill(q, layout, bases, groups, page_ids, len(ptrs), chunk_tokens, False,
-                          pieces[0][1] - pieces[0][0])
-            geometry, host = _geometry(layout, chunk_tokens), [int(p) for p in ptrs]
-            steps = [partial(ring.run, [p], bases, page_ids, host, geometry, copier=fill)
-                     for p in pieces]
+            run = self._through(ring, q, pieces, layout, bases, groups, page_ids, ptrs,
+                                chunk_tokens)
+            steps = [partial(run, [p]) for p in pieces]
         else:
             c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces,
                         to_host=False, by_layer=layerwise, groups=groups)
@@ -269,7 +276,7 @@ class DmaPath:
                 step()
                 if layerwise:
                     signal.layers_landed(q.stream, (layer,))
-        return q.stream, DIRECT if pieces is None else STAGED
+        return DIRECT if pieces is None else STAGED
 
     def close(self) -> None:
         self.store_queue.close()

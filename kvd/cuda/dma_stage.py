@@ -17,11 +17,11 @@ Contract:
 - ``chunk_pieces(n_chunks, chunk_bytes, layers, slot_bytes)``: the copy as
   ``kvd.cuda.staging`` pieces ``(c0, c1, 0, layers)`` of whole chunks, as
   many as one slot holds; None when one chunk does not fit a slot.
-- ``CeFill(queue, layout, bases, groups, page_ids, n_chunks, chunk_tokens,
-  to_slot, per_piece)`` stands in for the ring's kernel copier in
+- ``CeFill(queue, layout, bases, groups, page_ids, pieces, chunk_tokens,
+  to_slot)`` stands in for the ring's kernel copier in
   ``StagingRing.run(..., copier=fill)``. It plans the copy's pitched
-  device-to-device ops once (``kvd.cuda.dma_plan.CopyOps``, chunk ``c`` at
-  ``(c % per_piece)`` chunks from its slot's start); ``batch(...)`` gives an
+  device-to-device ops once (``kvd.cuda.dma_plan.CopyOps``; ``pieces`` from
+  ``chunk_pieces``, chunk ``c`` at ``c % per_piece`` chunks from its slot's start); ``batch(...)`` gives an
   object whose ``launch(first, count, a, b, ptr_first)`` queues the ops of
   chunks ``[first, first + count)`` against the slot at ``ptrs[ptr_first]``
   on ``FILL_STREAMS`` of the ``DmaQueue``'s streams, after what the ring's fill
@@ -57,8 +57,8 @@ class CeFill:
     """One copy's fills of staging slots by the copy engines (module doc)."""
 
     def __init__(self, queue: Any, layout: Any, bases: np.ndarray, groups: list,
-                 page_ids: np.ndarray, n_chunks: int, chunk_tokens: int, to_slot: bool,
-                 per_piece: int) -> None:
+                 page_ids: np.ndarray, pieces: list, chunk_tokens: int, to_slot: bool) -> None:
+        n_chunks, per_piece = pieces[-1][1], pieces[0][1] - pieces[0][0]
         at = (np.arange(n_chunks, dtype=np.uint64) % np.uint64(per_piece)) \
             * np.uint64(layout.shard_bytes(chunk_tokens))
         plan = CopyOps(layout, bases, page_ids, at, chunk_tokens, _NO_SPLIT, to_host=to_slot,
