@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
 ARGS ?=
 
-.PHONY: serve test setup setup-dev setup-vllm setup-sglang clean
+.PHONY: serve test setup setup-dev setup-vllm setup-sglang check-disk clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,9 +49,19 @@ setup-sglang: $(SGLANG_VENV)/.installed
 serve: $(VENV)/.installed
 	$(VENV)/bin/kvd serve $(ARGS)
 
+# The test venvs take about 10 GiB (SGLang's 6, vLLM's 3.4, kvd's 0.4) plus pip's
+# unpacking: say so up front rather than let pip fail half-way with ENOSPC.
+TEST_DISK_GIB ?= 12
+check-disk:
+	@if [ ! -e $(VLLM_VENV)/.installed ] || [ ! -e $(SGLANG_VENV)/.installed ]; then \
+	  free=$$(df -Pk . | awk 'NR == 2 { print int($$4 / 1048576) }'); \
+	  if [ "$$free" -lt $(TEST_DISK_GIB) ]; then \
+	    echo "make test: $$free GiB free on this disk; building the test venvs needs about" \
+	         "$(TEST_DISK_GIB) GiB (TEST_DISK_GIB=N to override)" >&2; exit 1; fi; fi
+
 # The three virtualenvs are independent: built side by side (about 6 minutes one after
 # another on a 2-core machine, most of it waiting on pip).
-test:
+test: check-disk
 	$(MAKE) --no-print-directory -j3 setup-dev setup-vllm setup-sglang
 	bash tools/install_test_stores.sh
 	KVD_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVD_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python \
