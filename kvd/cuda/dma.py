@@ -21,7 +21,8 @@ Contract:
   run of pages and group of planes at one pitch, cut by layers.
 - ``DmaQueue`` is one direction of one GPU: ``n`` streams. ``enqueue`` splits
   an op array into ``n`` (or fewer, when asked) parts of about equal bytes; per stream, the ops of
-  several rows go as one ``cuMemcpy3DBatchAsync`` and single rows as one
+  several rows go as one ``cuMemcpy3DBatchAsync`` (a range of the step's
+  one contiguous op array, passed by address) and single rows as one
   ``cuMemcpyBatchAsync`` (a one-row 3D op is slow). Should the driver refuse
   a 3D batch, each op is queued alone and the refused ones row by row (a
   refused call queues nothing; warned once per queue). Then ``streams[0]``
@@ -54,7 +55,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvd.cuda.dma_plan import MIN_ROWS, CopyOps, Step, rows
+from kvd.cuda.dma_plan import MIN_ROWS, OP_DTYPE, CopyOps, Step, rows
 from kvd.cuda.dma_stage import CeFill, chunk_pieces
 from kvd_protocol import cuda_driver
 
@@ -127,23 +128,22 @@ class DmaQueue:
     def enqueue(self, step: Step, n: int | None = None) -> Any:
         """Queue a ``dma_plan.Step`` on the first ``n`` (all) streams; returns the event
         recorded on ``stream`` after it."""
-        streams = self.streams[:n]
-        op_parts = _parts(step.ops["width"] * step.ops["height"], len(streams))
+        streams, ops = self.streams[:n], np.ascontiguousarray(step.ops)
+        op_parts = _parts(ops["width"] * ops["height"], len(streams))
         row_parts = _parts(step.size, len(streams))
-        keep: list = [step]
-        for k, s in enumerate(streams):
-            ops, rows_at = step.ops[op_parts[k]], row_parts[k]
-            if not ops.size and rows_at.stop <= rows_at.start:
+        keep: list = [step, ops]
+        at = ops.ctypes.data
+        for k, (s, o, r) in enumerate(zip(streams, op_parts, row_parts)):
+            if o.stop == o.start and r.stop == r.start:
                 continue
-            dst, src, size = step.dst[rows_at], step.src[rows_at], step.size[rows_at]
-            if ops.size:
+            if o.stop > o.start:  # ops o of the one array: its address + offset, no slice
                 try:
-                    cuda_driver.memcpy3d_batch_async(s.ptr, ops.ctypes.data, ops.size)
+                    cuda_driver.memcpy3d_batch_async(
+                        s.ptr, at + o.start * OP_DTYPE.itemsize, o.stop - o.start)
                 except cuda_driver.CudaExportError as exc:
-                    dst, src, size = (np.concatenate(pair) for pair in zip(
-                        (dst, src, size), self._one_by_one(s.ptr, ops, exc)))
-                    keep.append((dst, src, size))
-            cuda_driver.memcpy_batch_async(s.ptr, dst, src, size)
+                    keep.append(self._one_by_one(s.ptr, ops[o], exc))
+            if r.stop > r.start:
+                cuda_driver.memcpy_batch_async(s.ptr, step.dst[r], step.src[r], step.size[r])
             if k:
                 self.rt.eventRecord(self._joins[k - 1], s.ptr)
                 self.rt.streamWaitEvent(self.stream.ptr, self._joins[k - 1], 0)
@@ -157,7 +157,8 @@ class DmaQueue:
 
     def _one_by_one(self, stream: int, multi: np.ndarray, exc: Exception) -> tuple:
         """After the driver refused a 3D batch: each op alone, and the refused ones as
-        rows (a refused call queues nothing). Logged once per queue."""
+        rows (a refused call queues nothing); returns the rows' arrays. Logged once per
+        queue."""
         refused = []
         for i in range(multi.size):
             try:
@@ -169,7 +170,9 @@ class DmaQueue:
             log.warning("DMA: the driver refused pitched copies (%s), e.g. %s; %d of %d ops "
                         "go row by row", exc, multi[refused[0]] if refused else None,
                         len(refused), multi.size)
-        return rows(multi[refused])
+        dst, src, size = rows(multi[refused])
+        cuda_driver.memcpy_batch_async(stream, dst, src, size)
+        return dst, src, size
 
     def close(self) -> None:
         """Free the events; the caller synchronized the streams."""
@@ -185,10 +188,10 @@ def _geometry(layout: Any, chunk_tokens: int) -> dict:
 
 def _parts(nbytes: np.ndarray, n: int) -> list[slice]:
     """``n`` consecutive slices of about equal bytes."""
-    if not nbytes.size:
-        return [slice(0, 0)] * n
-    cuts = np.searchsorted(np.cumsum(nbytes), np.linspace(0, int(nbytes.sum()), n + 1)[1:-1])
-    bounds = [0, *cuts.tolist(), nbytes.size]
+    if nbytes.size <= 1:
+        return [slice(0, nbytes.size)] + [slice(nbytes.size, nbytes.size)] * (n - 1)
+    cum = np.cumsum(nbytes)
+    bounds = [0, *np.searchsorted(cum, np.arange(1, n) * (cum[-1] / n)).tolist(), nbytes.size]
     return [slice(bounds[k], bounds[k + 1]) for k in range(n)]
 
 

@@ -31,10 +31,16 @@ Contract:
   pool or its host side would cross from one separately registered piece of
   the arena to the next (``host_pieces = (base, bytes)``: one copy must stay
   in one registration); a row that itself crosses is split there.
-  ``steps(most)`` are ``Step``s (pitched ops + single rows, ``dst``/``src``
-  sides already chosen) that cover the copy exactly once: by runs of at most
-  ``most`` bytes over all layers (ops keep all their rows), or with
-  ``by_layer`` one layer each, in layer order.
+  Its ops come in run order (``op_run`` ascending), so the ops of a range of
+  runs are one slice of the array. ``steps(most)`` are ``Step``s (pitched
+  ops + single rows, ``dst``/``src`` sides already chosen) that cover the
+  copy exactly once: by runs of at most ``most`` bytes over all layers (ops
+  keep all their rows), or with ``by_layer`` one layer each, in layer order.
+
+Why so little NumPy per copy: the daemon plans every copy on its event loop,
+and a plan of a 268 MB copy took 0.4-0.7 ms of it (``tools/dma_host_cost.py``),
+a tenth of the copy's PCIe time; the usual copy (every group pitched, no
+row crossing a registration) is built in one pass without per-row arrays.
 """
 
 from __future__ import annotations
@@ -124,33 +130,47 @@ class CopyOps:
         groups = pool_groups(layout, bases) if groups is None else groups
         cut = [(f + t * st, st, 1, 0) for f, st, n, p in groups for t in range(n)] if by_layer \
             else _cut(groups)
-        first, step, count, pitch = (np.array(col, np.uint64)[:, None] for col in zip(*cut))
-        shape = (first.size, run_pool.size)
-        grid = {"pool": bases[first.astype(np.int64)] + run_pool[None, :],
-                "host": first * np.uint64(self.plane_bytes) + self.run_host[None, :],
-                "width": np.broadcast_to(self.run_width[None, :], shape),
-                "count": np.broadcast_to(count, shape), "pool_pitch": np.broadcast_to(pitch, shape),
-                "host_pitch": np.broadcast_to(step * np.uint64(self.plane_bytes), shape),
-                "run": np.broadcast_to(np.arange(shape[1], dtype=np.uint64)[None, :], shape),
-                "plane": np.broadcast_to(first, shape), "step": np.broadcast_to(step, shape)}
-        g = {k: v.reshape(-1) for k, v in grid.items()}
+        first, step, count, pitch = (np.array(col, np.uint64) for col in zip(*cut))
+        # entries (run, group), run-major: ops come out in run order
+        pool = run_pool[:, None] + bases[first.astype(np.int64)][None, :]
+        host = self.run_host[:, None] + (first * np.uint64(self.plane_bytes))[None, :]
+        host_pitch, width = step * np.uint64(self.plane_bytes), self.run_width[:, None]
+        self.layer_bytes = self.planes * ids.size * page_bytes
+        self.row_layer = None
+        if count.min() > 1 and self.run_width.max() <= pitch.min() and not _crosses(
+                host, host_pitch, count, width, host_pieces).any():
+            self.ops = _ops(pool, host, width, count, pitch, host_pitch, to_host).reshape(-1)
+            self.op_run = np.repeat(np.arange(pool.shape[0], dtype=np.uint64), pool.shape[1])
+            self.rows = {k: np.zeros(0, np.uint64) for k in ("pool", "host", "width", "run", "plane")}
+            return  # the usual case: every entry one pitched op, no single rows
+        self._entries(pool, host, width, count, pitch, host_pitch, first, step)
+
+    def _entries(self, pool, host, width, count, pitch, host_pitch, first, step) -> None:
+        """The general case: entries that make whole pitched ops, and single rows."""
+        shape = pool.shape
+        run = np.arange(shape[0], dtype=np.uint64)[:, None]
+        g = {k: np.broadcast_to(v, shape).reshape(-1) for k, v in (
+            ("pool", pool), ("host", host), ("width", width), ("count", count),
+            ("pool_pitch", pitch), ("host_pitch", host_pitch), ("run", run), ("plane", first),
+            ("step", step))}
         whole = ((g["count"] == 1) | (g["width"] <= g["pool_pitch"])) & ~_crosses(
-            g["host"], g["host_pitch"], g["count"], g["width"], host_pieces)
+            g["host"], g["host_pitch"], g["count"], g["width"], self.host_pieces)
         multi = whole & (g["count"] > 1)
         self.ops = _ops(*(g[k][multi] for k in ("pool", "host", "width", "count", "pool_pitch",
-                                                "host_pitch")), to_host)
+                                                "host_pitch")), self.to_host)
         self.op_run = g["run"][multi]
         single = {k: v[whole & (g["count"] == 1)] for k, v in g.items()}
-        rest = _split(_rows({k: v[~whole] for k, v in g.items()}), *host_pieces)
+        rest = _split(_rows({k: v[~whole] for k, v in g.items()}), *self.host_pieces)
         self.rows = {k: np.concatenate([single[k], rest[k]]) for k in ("pool", "host", "width",
                                                                         "run", "plane")}
         self.row_layer = self.rows["plane"] // np.uint64(self.planes)
-        self.layer_bytes = self.planes * ids.size * page_bytes
 
     def run_steps(self, most: int) -> list[slice]:
         """Consecutive groups of runs of at most ``most`` bytes over all layers (at least
         one run each), in order."""
         per_run = self.run_width * np.uint64(self.planes * self.num_layers)
+        if int(per_run.sum()) <= most:
+            return [slice(0, per_run.size)]
         out, start, acc = [], 0, 0
         for r, n in enumerate(per_run.tolist()):
             if acc and acc + n > most:
@@ -162,17 +182,22 @@ class CopyOps:
     def steps(self, most: int) -> list[Step]:
         """The whole copy in steps (module doc)."""
         if self.by_layer:
-            return [self._take(np.zeros(0, bool), self.row_layer == layer)
+            return [self._take(slice(0, 0), self.row_layer == layer)
                     for layer in range(self.num_layers)]
-        return [self._take((self.op_run >= r.start) & (self.op_run < r.stop),
+        runs = self.run_steps(most)
+        at = np.searchsorted(self.op_run, [r.start for r in runs] + [self.run_width.size]).tolist()
+        if not self.rows["run"].size:
+            return [self._take(slice(at[i], at[i + 1]), None) for i in range(len(runs))]
+        return [self._take(slice(at[i], at[i + 1]),
                            (self.rows["run"] >= r.start) & (self.rows["run"] < r.stop))
-                for r in self.run_steps(most)]
+                for i, r in enumerate(runs)]
 
-    def _take(self, op_mask: np.ndarray, row_mask: np.ndarray) -> Step:
-        pool, host = self.rows["pool"][row_mask], self.rows["host"][row_mask]
-        dst, src = (host, pool) if self.to_host else (pool, host)
-        return Step(self.ops[op_mask] if op_mask.size else self.ops[:0], dst, src,
-                    self.rows["width"][row_mask])
+    def _take(self, ops: slice, row_mask: np.ndarray | None) -> Step:
+        """Step of ``self.ops[ops]`` (ops are in run order) and the rows in ``row_mask``."""
+        rows = self.rows if row_mask is None else {k: self.rows[k][row_mask]
+                                                   for k in ("pool", "host", "width")}
+        dst, src = (rows["host"], rows["pool"]) if self.to_host else (rows["pool"], rows["host"])
+        return Step(self.ops[ops], dst, src, rows["width"])
 
 
 def _cut(groups: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
@@ -191,7 +216,8 @@ def _crosses(host, host_pitch, count, width, host_pieces) -> np.ndarray:
 
 
 def _ops(pool, host, width, height, pool_pitch, host_pitch, to_host: bool) -> np.ndarray:
-    ops = np.zeros(pool.size, OP_DTYPE)
+    """Ops of the given sides, their arrays broadcast against ``pool``'s shape."""
+    ops = np.zeros(pool.shape, OP_DTYPE)
     src, dst = ("host", "pool") if not to_host else ("pool", "host")
     side = {"pool": (pool, pool_pitch), "host": (host, host_pitch)}
     ops["src_type"] = ops["dst_type"] = OPERAND_POINTER

@@ -20,7 +20,8 @@ Contract:
 - ``CeFill(queue, layout, bases, groups, page_ids, pieces, chunk_tokens,
   to_slot)`` stands in for the ring's kernel copier in
   ``StagingRing.run(..., copier=fill)``. It plans the copy's pitched
-  device-to-device ops once (``kvd.cuda.dma_plan.CopyOps``; ``pieces`` from
+  device-to-device ops once (``kvd.cuda.dma_plan.CopyOps``, whose ops in run
+  order make a piece's ops one slice; ``pieces`` from
   ``chunk_pieces``, chunk ``c`` at ``c % per_piece`` chunks from its slot's start); ``batch(...)`` gives an
   object whose ``launch(first, count, a, b, ptr_first)`` queues the ops of
   chunks ``[first, first + count)`` against the slot at ``ptrs[ptr_first]``
@@ -75,10 +76,12 @@ class CeFill:
     def piece(self, first: int, count: int, slot: int) -> Step:
         """The ops and rows of chunks ``[first, first + count)``, against ``slot``."""
         s, side = self.step, self.slot_side
-        op_at = (self.op_chunk >= first) & (self.op_chunk < first + count)
-        row_at = (self.row_chunk >= first) & (self.row_chunk < first + count)
-        ops = s.ops[op_at]  # a copy: the slot's address goes in
+        a, b = np.searchsorted(self.op_chunk, (first, first + count)).tolist()  # ops in run order
+        ops = s.ops[a:b].copy()  # the slot's address goes in
         ops[side] += np.uint64(slot)
+        if not s.size.size:
+            return Step(ops, s.dst, s.src, s.size)
+        row_at = (self.row_chunk >= first) & (self.row_chunk < first + count)
         rows = {"dst": s.dst[row_at], "src": s.src[row_at]}
         rows[side] = rows[side] + np.uint64(slot)
         return Step(ops, rows["dst"], rows["src"], s.size[row_at])
