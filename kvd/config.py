@@ -100,6 +100,11 @@ KNOBS = (
          "once; its other requests wait their turn in the daemon, so a client with many requests "
          "in flight cannot delay another client's copy by more than this many of its own.",
          minimum=1),
+    Knob("max_queued_copies_alone", "int", 2, "Most copies of one client queued in one GPU "
+         "direction (a GPU's stores, or its loads) while no other client has a copy queued or "
+         "waiting there: its next copy is queued while one runs, so the copy engines do not idle "
+         "while the daemon queues it. Host-backend copies keep max_queued_copies; below "
+         "max_queued_copies it is max_queued_copies.", minimum=1),
     Knob("shutdown_grace_s", "float", 8.0, "On SIGTERM/SIGINT, how long requests in flight may take "
          "to finish (copies, disk writes) before the daemon exits anyway.", minimum=0.1),
     Knob("copy_threads", "int", 2, "Threads of the host copy backend.", minimum=1),

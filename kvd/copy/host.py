@@ -72,6 +72,9 @@ class HostCopyEngine:
             except BufferError:
                 pass  # a view is still alive somewhere; unmapped when collected
 
+    def queue_of(self, pool: HostPool, direction: str) -> None:
+        return None  # one thread pool for every client: queuing ahead only takes its threads
+
     def _submit(self, fn, *args) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 

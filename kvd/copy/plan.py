@@ -17,7 +17,9 @@ error. A scatter with a ``signal`` writes the load's layer words (when
 layer-wise) as layers land and its done word after its last copy, and
 skips the engine's pages once the client wrote the slot's cancel word; if
 it raises, nothing of the copy was queued. The caller keeps entries and
-pools alive until the future is done. Backends: ``host`` (numpy over shared
+pools alive until the future is done. ``queue_of(pool, direction)`` names the
+queue a copy joins (the CUDA backend: a GPU's stores, or its loads; the host
+backend: None), for kvd.server.copy_gate's fair shares. Backends: ``host`` (numpy over shared
 memory, kvd.copy.host) and ``cuda`` (CUDA IPC + kernels, kvd.cuda.backend).
 The service picks the engine per pool by buffer kind.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Hashable, Protocol
 
 import numpy as np
 
@@ -60,6 +62,12 @@ class CopyEngine(Protocol):
                   owner_uid: int | None = None) -> object: ...
 
     def close_pool(self, pool: object) -> None: ...
+
+    def queue_of(self, pool: object, direction: str) -> Hashable | None:
+        """The queue a copy of ``pool`` (``direction`` "store" or "load") joins, copies of
+        one queue running in the order queued (kvd.server.copy_gate); None: the backend
+        gains nothing from a client queuing ahead."""
+        ...
 
     async def gather(self, plan: CopyPlan) -> asyncio.Future: ...
 

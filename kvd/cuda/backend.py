@@ -22,20 +22,18 @@ the ring, DMA between the ring and the arena. Where one layer of one chunk
 does not fit a slot (or ``stage_slots`` is 0), kernels read and write the
 arena directly through unified addressing instead (zero-copy).
 
-Fault isolation: nothing of an engine's ever enters the daemon's streams.
-A store's ordering after the engine's forward pass is checked by the
-service on the host (the flag page's store word, kvd.copy.flags) before
-the gather is queued. A load signals through its flag-page slot
-(kvd.cuda.signal): the kernel stream writes each layer's word as the layer
-lands (layer-wise loads) and the done word after the last kernel; the copy
-kernels skip the engine's pages once the client wrote the slot's cancel
-word. The flag page is registered with the driver at ``open_pool`` and
-unregistered at ``close_pool``. Completion of every copy is an event that
-the event loop polls while copies are in flight (kvd.copy.poll), which
-resolves the asyncio future; the loop never blocks on the GPU (a busy
-table slot of the kernel copier is awaited the same way), and ``close``
-gives the GPU at most ``CLOSE_WAIT_S`` to finish before the process exits
-anyway. At debug level it logs how long the enqueue and the copy took.
+Fault isolation: nothing of an engine's ever enters the daemon's streams. A store's
+ordering after the engine's forward pass is checked by the service on the host (the
+flag page's store word, kvd.copy.flags) before the gather is queued. A load signals
+through its flag-page slot (kvd.cuda.signal): the kernel stream writes each layer's
+word as the layer lands (layer-wise loads) and the done word after the last kernel;
+the copy kernels skip the engine's pages once the client wrote the slot's cancel word.
+The flag page is registered with the driver at ``open_pool`` and unregistered at
+``close_pool``. Completion of every copy is an event that the event loop polls while
+copies are in flight (kvd.copy.poll), which resolves the asyncio future; the loop
+never blocks on the GPU (a busy table slot of the kernel copier is awaited the same
+way), and ``close`` gives the GPU at most ``CLOSE_WAIT_S`` to finish before the
+process exits anyway. At debug level it logs how long the enqueue and the copy took.
 """
 
 from __future__ import annotations
@@ -62,8 +60,7 @@ from kvd_protocol.layout import LayoutDescriptor
 
 log = logging.getLogger("kvd")
 REGISTER_PIECE = 1 << 30
-STAGE_SLOTS = 2
-STAGE_SLOT_BYTES = 64 << 20
+STAGE_SLOTS, STAGE_SLOT_BYTES = 2, 64 << 20
 CLOSE_WAIT_S = 5.0
 COPY_PATHS = ("auto", "dma", "kernels")
 _IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess
@@ -236,6 +233,9 @@ class CudaCopyEngine:
     def _close_ptrs(self, ptrs) -> None:
         for p in ptrs:
             self.rt.ipcCloseMemHandle(p)
+
+    def queue_of(self, pool: CudaPool, direction: str) -> tuple:
+        return pool.device.ordinal, direction  # a GPU's stores, or its loads: one queue each
 
     def close_pool(self, pool: CudaPool) -> None:
         """Unmap the pool. The service calls it once the pool's copies completed (their

@@ -19,7 +19,6 @@ is open), reports those as ``remote_hits`` and starts fetching them.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -117,8 +116,7 @@ class Service:
             await self.reap(old, "re-hello")
         elif len(self.sessions) >= self.cfg.max_clients:
             raise TooLarge(f"too many clients (max_clients={self.cfg.max_clients})")
-        self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"], cred,
-                                              copy_slots=asyncio.Semaphore(self.cfg.max_queued_copies))
+        self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"], cred)
         log.info("client %s (pid %d) connected%s", f["client"][:128], f["pid"],
                  "" if cred is None else f": uid {cred.uid} gid {cred.gid} pid {cred.pid} (kernel)")
         return {"version": wire.VERSION, "chunk_tokens": self.cfg.chunk_tokens,

@@ -77,9 +77,6 @@ class Session:
     registrations: dict = field(default_factory=dict)
     leases: dict = field(default_factory=dict)
     inflight: int = 0  # requests of this session being served now
-    # copies of this session queued in a backend at once (max_queued_copies): a client with
-    # many requests in flight cannot put more than this ahead of another client's copy
-    copy_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     closing: bool = False
 
 

@@ -37,6 +37,7 @@ import numpy as np
 from kvd.copy.flags import LoadSignal
 from kvd.copy.plan import CopyPlan
 from kvd.copy.poll import EventPoller
+from kvd.server.copy_gate import CopyGate
 from kvd.server.sessions import Registration
 from kvd_protocol import wire
 from kvd_protocol.errors import (
@@ -64,6 +65,7 @@ class Transfers:
         self.stopping = False
         # a store may wait a whole forward pass for the engine: poll gently when idle
         self.flag_poller = EventPoller(idle_after_s=0.001, idle_sleep_s=0.0002)
+        self.gate = CopyGate(cfg.max_queued_copies, cfg.max_queued_copies_alone)
 
     # ---- store ------------------------------------------------------------------
 
@@ -84,7 +86,7 @@ class Transfers:
                 plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
                                 pages.reshape(len(keys), -1)[chunks].reshape(-1),
                                 [e.shard_offset(reg.tp_rank) for _, e in todo])
-                landed = await self._start(reg, reg.engine.gather(plan))
+                landed = await self._start(reg, reg.engine.gather(plan), "store")
             except BaseException:
                 self._abort(reg, todo)
                 raise
@@ -225,7 +227,7 @@ class Transfers:
             _check_deadline(req.fields.get("deadline_us"))
         plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, host_pages,
                         [e.shard_offset(reg.tp_rank) for e in entries], signal=signal)
-        return await self._start(reg, reg.engine.scatter(plan))
+        return await self._start(reg, reg.engine.scatter(plan), "load")
 
     async def _release_unqueued(self, reg: Registration, signal: LoadSignal, direct: int) -> None:
         """A load that failed before its scatter was queued still releases every wait on
@@ -236,7 +238,7 @@ class Transfers:
         empty = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, np.zeros(0, np.int64), [],
                          signal=signal)
         try:
-            await self._start(reg, reg.engine.scatter(empty))
+            await self._start(reg, reg.engine.scatter(empty), "load")
         except Exception:  # noqa: BLE001 - a broken GPU: the client's fence times out instead
             log.exception("could not queue the signals of a failed load")
 
@@ -252,29 +254,33 @@ class Transfers:
             raise OutOfRange(f"page ids must lie in [0, {reg.layout.num_pages})")
         return keys, pages
 
-    async def _start(self, reg: Registration, start) -> asyncio.Future:
-        """Queue a copy (``start``: the backend's gather/scatter coroutine) once the session
-        has fewer than ``max_queued_copies`` queued (fair to other clients: backends run
-        copies in the order they were queued), and track it on the registration until it
-        lands."""
-        slots = reg.session.copy_slots
+    async def _start(self, reg: Registration, start, direction: str) -> asyncio.Future:
+        """Queue a copy (``start``: the backend's gather/scatter coroutine) once the
+        session may queue one more in that backend queue (kvd.server.copy_gate: fair to
+        other clients, as backends run a queue's copies in the order they were queued),
+        and track it on the registration until it lands."""
+        gate, session = self.gate, reg.session
+        queue = reg.engine.queue_of(reg.pool, direction)
         try:
-            await slots.acquire()
+            await gate.enter(session, queue)
         except BaseException:
             start.close()  # never awaited: no copy was queued
             raise
+
+        def leave(_=None) -> None:
+            gate.leave(session, queue)
         try:
             landed = await start
         except ServerError:
-            slots.release()
+            leave()
             raise
         except BaseException as exc:
-            slots.release()
+            leave()
             if not isinstance(exc, Exception):
                 raise
             log.exception("copy could not start")
             raise CopyFailed(f"copy could not start: {type(exc).__name__}: {exc}") from None
-        landed.add_done_callback(lambda _: slots.release())
+        landed.add_done_callback(leave)
         reg.inflight.add(landed)
         landed.add_done_callback(reg.inflight.discard)
         landed.add_done_callback(_log_failure)

@@ -1,0 +1,124 @@
+"""kvd.server.copy_gate: how many copies a client may queue, alone and next to others.
+
+The gate is the daemon's policy object, driven here on a real event loop
+with sessions as plain objects (it keys on identity). What must hold: a
+session alone in a queue gets ``alone`` copies queued; once another session
+queues or waits there, a session gets ``fair``; the other session is never
+held back by the first one's count; ``None`` queues (host backend) keep
+``fair`` per session across directions; a cancelled waiter leaves nothing
+behind and lets the others go on; every count returns to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvd.server.copy_gate import CopyGate
+
+
+class Session:
+    pass
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+async def entered(gate, session, queue, timeout=0.05) -> bool:
+    """Whether ``enter`` returns within ``timeout`` (if not, the waiter is cancelled)."""
+    try:
+        await asyncio.wait_for(gate.enter(session, queue), timeout)
+        return True
+    except asyncio.TimeoutError:
+        return False
+
+
+def test_alone_a_session_queues_two_then_waits():
+    async def body():
+        gate, a = CopyGate(1, 2), Session()
+        assert await entered(gate, a, (0, "store"))
+        assert await entered(gate, a, (0, "store"))
+        assert not await entered(gate, a, (0, "store"))
+        gate.leave(a, (0, "store"))
+        assert await entered(gate, a, (0, "store"))
+        assert await entered(gate, a, (0, "load"))  # the other direction is another queue
+        assert gate.queued_now() == 3
+        for q in ((0, "store"), (0, "store"), (0, "load")):
+            gate.leave(a, q)
+        assert gate.queued_now() == 0 and not gate.queued and not gate.waiting
+    run(body())
+
+
+def test_next_to_another_session_each_gets_the_fair_share():
+    async def body():
+        gate, a, b, q = CopyGate(1, 2), Session(), Session(), (0, "store")
+        assert await entered(gate, a, q)
+        assert await entered(gate, a, q)           # alone: two queued
+        assert await entered(gate, b, q)           # never held back by a's count
+        assert not await entered(gate, b, q)       # b: fair share (a has copies queued)
+        gate.leave(a, q)
+        assert not await entered(gate, a, q)       # a still has one, b is there: fair is 1
+        gate.leave(a, q)
+        waiter = asyncio.ensure_future(gate.enter(a, q))
+        await asyncio.sleep(0.01)
+        assert waiter.done()                       # a at zero: one copy, as b's fair share
+        gate.leave(b, q)                           # b gone: a alone again
+        assert await entered(gate, a, q)
+        gate.leave(a, q)
+        gate.leave(a, q)
+        assert gate.queued_now() == 0 and not gate.queued and not gate.waiting
+    run(body())
+
+
+def test_a_waiting_session_counts_as_present():
+    """When b's copy lands while b waits to queue its next, b is still there: a, woken
+    first, must not take a second slot meanwhile (b's next copy would queue behind two of
+    a's). A cancelled wait leaves no trace and lets a have its second slot."""
+    async def body():
+        gate, a, b, q = CopyGate(1, 2), Session(), Session(), (3, "load")
+        assert await entered(gate, a, q)
+        assert await entered(gate, b, q)
+        a_next = asyncio.ensure_future(gate.enter(a, q))  # woken first: it waited first
+        await asyncio.sleep(0.01)
+        b_next = asyncio.ensure_future(gate.enter(b, q))
+        await asyncio.sleep(0.01)
+        assert not a_next.done() and not b_next.done()
+        gate.leave(b, q)                           # b's copy landed; b still waits
+        await asyncio.sleep(0.01)
+        assert b_next.done() and not a_next.done()
+        b_next = asyncio.ensure_future(gate.enter(b, q))
+        await asyncio.sleep(0.01)
+        b_next.cancel()                            # b gives up: a is alone (b has one queued)
+        await asyncio.sleep(0.01)
+        assert not a_next.done()                   # b's queued copy still makes a fair
+        gate.leave(b, q)
+        await asyncio.sleep(0.01)
+        assert a_next.done()                       # alone: its second copy
+        gate.leave(a, q)
+        gate.leave(a, q)
+        assert gate.queued_now() == 0 and not gate.queued and not gate.waiting
+    run(body())
+
+
+def test_host_queue_is_the_fair_share_per_session_across_directions():
+    async def body():
+        gate, a, b = CopyGate(1, 4), Session(), Session()
+        assert await entered(gate, a, None)
+        assert not await entered(gate, a, None)    # no bonus without a named queue
+        assert await entered(gate, b, None)        # per session
+        gate.leave(a, None)
+        gate.leave(b, None)
+        assert gate.queued_now() == 0 and not gate.queued and not gate.waiting
+    run(body())
+
+
+@pytest.mark.parametrize("fair, alone", [(2, 1), (3, 3)])
+def test_alone_below_fair_is_fair(fair, alone):
+    async def body():
+        gate, a = CopyGate(fair, alone), Session()
+        for _ in range(fair):
+            assert await entered(gate, a, (0, "store"))
+        assert not await entered(gate, a, (0, "store"))
+    run(body())
