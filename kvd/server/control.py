@@ -47,14 +47,15 @@ def snapshot(service) -> dict:
             **service.stats.summary(),
             "latency": service.stats.latency_ms(), "latency_histogram": service.stats.latency_histogram(),
             "clients": len(sessions),
-            "sessions": [_session(s) for s in sessions.by_peer.values()],
+            "sessions": [_session(s, service.transfers.gate) for s in sessions.by_peer.values()],
+            "copies_queued": service.transfers.gate.total,
             "connections_refused": service.stats.counters["connections_refused"],
             "registrations": len(sessions.registrations), "leases": len(sessions.leases),
             "backend": service.backends, "chunk_tokens": service.cfg.chunk_tokens}
 
 
-def _session(s) -> dict:
+def _session(s, gate) -> dict:
     """A client as ``kvd stats`` shows it: its own name and pid, and what the kernel says."""
     cred = {} if s.cred is None else {"uid": s.cred.uid, "gid": s.cred.gid, "peer_pid": s.cred.pid}
     return {"name": s.name, "pid": s.pid, **cred, "registrations": len(s.registrations),
-            "leases": len(s.leases)}
+            "leases": len(s.leases), "copies_queued": gate.queued_by(s)}

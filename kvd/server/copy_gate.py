@@ -24,7 +24,9 @@ Contract:
   session queued before it arrived, and once it is waiting, the session
   queues no more than ``fair``.
 - Every ``leave`` and every cancelled waiter wakes the waiters, which
-  re-check their limit; nothing here blocks the event loop.
+  re-check their limit; nothing here blocks the event loop. ``total`` is
+  the copies queued now (``kvd stats`` ``copies_queued``, the
+  ``kvd_copies_queued`` gauge), ``queued_by(session)`` one client's.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class CopyGate:
         self.queued: defaultdict[Hashable, Counter] = defaultdict(Counter)
         self.waiting: defaultdict[Hashable, Counter] = defaultdict(Counter)
         self._wake: asyncio.Future | None = None
+        self.total = 0  # copies queued now, all sessions (an int: safe to read from any thread)
 
     def limit(self, session: Any, queue: Hashable | None) -> int:
         """How many copies ``session`` may have queued in ``queue`` now."""
@@ -65,14 +68,16 @@ class CopyGate:
             raise
         self._drop(self.waiting, key, session)
         self.queued[key][session] += 1
+        self.total += 1
 
     def leave(self, session: Any, queue: Hashable | None) -> None:
         self._drop(self.queued, self._key(session, queue), session)
+        self.total -= 1
         self._notify()
 
-    def queued_now(self) -> int:
-        """Copies queued in backends now, all sessions."""
-        return sum(sum(c.values()) for c in self.queued.values())
+    def queued_by(self, session: Any) -> int:
+        """Copies of ``session`` queued in backends now (event-loop thread only)."""
+        return sum(c.get(session, 0) for c in self.queued.values())
 
     @staticmethod
     def _key(session: Any, queue: Hashable | None) -> Hashable:

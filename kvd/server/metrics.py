@@ -109,6 +109,8 @@ class KvdCollector:
         yield from _requests(scraped)
         yield from _cache(scraped, s)
         yield from _sessions(scraped["counters"], s.sessions)
+        yield _gauge("kvd_copies_queued", "Copies queued in the copy backends (on the GPUs) now.",
+                     s.transfers.gate.total)
         if s.tiering is not None:
             yield from _disk(s.tiering)
         if s.gds is not None:

@@ -44,10 +44,10 @@ def test_alone_a_session_queues_two_then_waits():
         gate.leave(a, (0, "store"))
         assert await entered(gate, a, (0, "store"))
         assert await entered(gate, a, (0, "load"))  # the other direction is another queue
-        assert gate.queued_now() == 3
+        assert gate.total == 3
         for q in ((0, "store"), (0, "store"), (0, "load")):
             gate.leave(a, q)
-        assert gate.queued_now() == 0 and not gate.queued and not gate.waiting
+        assert gate.total == 0 and not gate.queued and not gate.waiting
     run(body())
 
 
@@ -68,7 +68,7 @@ def test_next_to_another_session_each_gets_the_fair_share():
         assert await entered(gate, a, q)
         gate.leave(a, q)
         gate.leave(a, q)
-        assert gate.queued_now() == 0 and not gate.queued and not gate.waiting
+        assert gate.total == 0 and not gate.queued and not gate.waiting
     run(body())
 
 
@@ -98,7 +98,7 @@ def test_a_waiting_session_counts_as_present():
         assert a_next.done()                       # alone: its second copy
         gate.leave(a, q)
         gate.leave(a, q)
-        assert gate.queued_now() == 0 and not gate.queued and not gate.waiting
+        assert gate.total == 0 and not gate.queued and not gate.waiting
     run(body())
 
 
@@ -110,7 +110,7 @@ def test_host_queue_is_the_fair_share_per_session_across_directions():
         assert await entered(gate, b, None)        # per session
         gate.leave(a, None)
         gate.leave(b, None)
-        assert gate.queued_now() == 0 and not gate.queued and not gate.waiting
+        assert gate.total == 0 and not gate.queued and not gate.waiting
     run(body())
 
 
