@@ -72,7 +72,8 @@ def format_stats(s: dict) -> str:
                  f"errors {s['errors']}  uptime {s['uptime_s']} s  backend {s['backend']}")
     for c in s.get("sessions", []):
         cred = f", uid {c['uid']} gid {c['gid']}" if "uid" in c else ""
-        lines.append(f"  {c['name']}: pid {c['pid']}{cred}")
+        queued = f", {c['copies_queued']} copies queued" if c.get("copies_queued") else ""
+        lines.append(f"  {c['name']}: pid {c['pid']}{cred}{queued}")
     if s["latency"]:
         lines.append("")
         lines.append(f"{'op':<12}{'count':>10}{'p50 ms':>10}{'p99 ms':>10}")
