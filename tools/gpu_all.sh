@@ -4,8 +4,13 @@
 # 1. every GPU test (kernels in-process; daemon + engines over CUDA IPC);
 # 2. `kvd bench --gpu` (end-to-end offload/load vs pinned cudaMemcpy, GEMM slowdown;
 #    BENCH_ARGS adds flags, e.g. "--pipeline 4 --repeat 5 --plot $OUT/gpu.png");
-# 3. `kvd bench --restart` (cold vs warm restart of a RESTART_GIB host tier, default 64).
-# GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,restart).
+# 3. `kvd bench --restart` (cold vs warm restart of a RESTART_GIB host tier, default 64);
+# 4. sweep: tools/dma_sweep.sh (the pipelined bench per daemon setting, with the
+#    daemon's phases; VARIANTS as there);
+# 5. interference: the engine's GEMM and decode steps next to kvd's copies in separate
+#    processes, staged vs straight DMA on one-allocation pools (INTERFERENCE_ARGS adds
+#    flags, e.g. --mps).
+# GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,sweep,interference).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -28,5 +33,17 @@ if [[ $steps == *restart* ]]; then
   timeout 500 python3 -m kvd bench --restart --restart-gib "${RESTART_GIB:-64}" 2>&1 \
     | tee "$OUT/restart_bench.log" | tail -n 20
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "RESTART BENCH FAILED"; rc=1; }
+fi
+if [[ $steps == *sweep* ]]; then
+  echo "== tools/dma_sweep.sh"
+  OUT="$OUT" timeout 400 bash tools/dma_sweep.sh 2>&1 | tee "$OUT/sweep.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "DMA SWEEP FAILED"; rc=1; }
+fi
+if [[ $steps == *interference* ]]; then
+  echo "== kvd bench --gpu --interference"
+  timeout 500 python3 -m kvd bench --gpu --interference --interference-workloads gemm,decode \
+    --interference-variants "dma;dma, straight" --gpu-pool one ${INTERFERENCE_ARGS:-} 2>&1 \
+    | tee "$OUT/interference.log" | tail -n 25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "INTERFERENCE BENCH FAILED"; rc=1; }
 fi
 exit $rc
