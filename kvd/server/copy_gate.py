@@ -58,7 +58,7 @@ class CopyGate:
         key = self._key(session, queue)
         self.waiting[key][session] += 1
         try:
-            while self.queued[key][session] >= self.limit(session, queue):
+            while self.queued.get(key, {}).get(session, 0) >= self.limit(session, queue):
                 if self._wake is None:
                     self._wake = asyncio.get_running_loop().create_future()
                 await asyncio.shield(self._wake)

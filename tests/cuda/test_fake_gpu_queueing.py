@@ -53,13 +53,18 @@ def test_an_engine_alone_has_its_next_store_queued(fake_engine, fake_daemon):
     assert d.stop() == 0, d.log()
 
 
-def queued(d, name: str) -> int:
-    return sum(s["copies_queued"] for s in d.stats()["sessions"] if s["name"] == name)
+def wait_queued(d, name: str) -> None:
+    """Until the client ``name`` has a copy queued (``kvd stats``)."""
+    deadline = time.monotonic() + 10
+    while not sum(s["copies_queued"] for s in d.stats()["sessions"] if s["name"] == name):
+        assert time.monotonic() < deadline, d.log()
+        time.sleep(0.01)
 
 
 def test_two_engines_storing_at_once_get_one_copy_each(fake_engine, fake_daemon):
-    """b has a store queued before a starts: from then on each gets the fair share, so no
-    store waits behind more than one other (about two holds; three if either had two)."""
+    """b has a store queued before a starts, a has one before b sends more: from then on
+    each gets the fair share, so no store waits behind more than one other (about two
+    holds; three if either had two)."""
     d = fake_daemon(**DMA)
     tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 4, 8, 16, 8, 128, seed=9)
     pool = fake_engine.pool("vllm_flash_attn", tensors)
@@ -69,11 +74,10 @@ def test_two_engines_storing_at_once_get_one_copy_each(fake_engine, fake_daemon)
         a.register_kv(pool, model="two")
         b.register_kv(pool, model="two")
         stores = [b.submit_store(np.arange(CHUNK) + 10**7, [7])]
-        deadline = time.monotonic() + 10
-        while queued(d, "b") < 1:
-            assert time.monotonic() < deadline, d.log()
-            time.sleep(0.01)
-        stores += store_pipelined(a, 0, 0) + store_pipelined(b, 4, 10**6, n=2)
+        wait_queued(d, "b")
+        stores += store_pipelined(a, 0, 0)
+        wait_queued(d, "a")
+        stores += store_pipelined(b, 4, 10**6, n=2)
         assert all(s.wait(60).ok for s in stores), stores
     took = landed_after(d.log())
     assert len(took) == 6, d.log()

@@ -122,3 +122,13 @@ def test_alone_below_fair_is_fair(fair, alone):
             assert await entered(gate, a, (0, "store"))
         assert not await entered(gate, a, (0, "store"))
     run(body())
+
+
+def test_a_cancelled_first_wait_leaves_no_entry():
+    async def body():
+        gate, a, q = CopyGate(1, 1), Session(), (0, "store")
+        assert await entered(gate, a, q)
+        assert not await entered(gate, a, q)       # cancelled while waiting
+        gate.leave(a, q)
+        assert gate.total == 0 and not gate.queued and not gate.waiting
+    run(body())
