@@ -103,3 +103,13 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
     return value
+
+
+def wait_reaped(d, timeout: float = 30.0) -> dict:
+    """``d.stats()`` once a dead client was reaped and no pool is registered; an
+    AssertionError with the daemon's log after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (stats := d.stats())["clients_reaped"] < 1 or stats["registrations"]:
+        assert time.monotonic() < deadline, f"the dead engine was not reaped:\n{d.log()}"
+        time.sleep(0.05)
+    return stats

@@ -36,9 +36,9 @@ Contract:
   goes straight (the ops above) or, where ``staged`` says so (pitched pages
   under ``stage_below`` bytes, whole chunks fit a slot, the other direction
   idle for ``STAGE_IDLE_S``), through the staging ring with
-  ``kvd.cuda.dma_stage.CeFill`` in place of the kernels. ``store`` and
-  ``load`` return the stream the copy ends on and how it went (``DIRECT`` or
-  ``STAGED``).
+  ``kvd.cuda.dma_stage.CeFill`` in place of the kernels. ``store`` returns
+  the stream the copy ends on and how it went (``DIRECT`` or ``STAGED``);
+  ``load`` returns how it went (it ends on ``load_queue.stream``).
 - Unlike a kernel, a queued DMA cannot check a load's cancel word when it
   starts: ``DmaPath.load`` therefore queues a load in steps (a staging slot's
   chunks; runs of pages of about a quarter of ``window`` over all layers; a

@@ -137,8 +137,9 @@ class StagingRing:
         runs = {}
         gather = self.kind == "gather"
         cancel = None if signal is None else signal.cancel
-        with (copier or self.copier).batch(self.kind, bases, page_ids, kernel_ptrs, stream=self.kernel_stream,
-                               cancel=cancel, **geometry) as batch:
+        with (copier or self.copier).batch(self.kind, bases, page_ids, kernel_ptrs,
+                                           stream=self.kernel_stream, cancel=cancel,
+                                           **geometry) as batch:
             ptr_first = 0
             for j, ((c0, c1, a, b), s) in enumerate(zip(pieces, slots)):
                 if (c0, c1) not in runs:

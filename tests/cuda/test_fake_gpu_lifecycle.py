@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import pytest
+from daemons import wait_reaped
 
 import kvd_client
 from kvd.cuda.backend import CLOSE_WAIT_S
@@ -83,10 +84,7 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
         os.kill(dying.pid, signal.SIGKILL)
         dying.join(10)
     killed = time.monotonic()
-    deadline = killed + 20
-    while (stats := d.stats())["clients_reaped"] < 1 or stats["registrations"]:
-        assert time.monotonic() < deadline, f"the dead engine was not reaped:\n{d.log()}"
-        time.sleep(0.05)
+    wait_reaped(d, 20)
     events = d.trace()
     closes = [i for i, e in enumerate(events) if e["ev"] == "ipc_close" and e["region"] == region]
     assert len(closes) == 1, f"the dead engine's pool was not closed once: {events}"

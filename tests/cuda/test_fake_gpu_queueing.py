@@ -19,6 +19,7 @@ import signal
 import time
 
 import numpy as np
+from daemons import wait_for, wait_reaped
 
 import kvd_client
 
@@ -55,10 +56,8 @@ def test_an_engine_alone_has_its_next_store_queued(fake_engine, fake_daemon):
 
 def wait_queued(d, name: str) -> None:
     """Until the client ``name`` has a copy queued (``kvd stats``)."""
-    deadline = time.monotonic() + 10
-    while not sum(s["copies_queued"] for s in d.stats()["sessions"] if s["name"] == name):
-        assert time.monotonic() < deadline, d.log()
-        time.sleep(0.01)
+    wait_for(lambda: sum(s["copies_queued"] for s in d.stats()["sessions"] if s["name"] == name),
+             10, f"a copy of {name} queued", interval=0.01)
 
 
 def test_two_engines_storing_at_once_get_one_copy_each(fake_engine, fake_daemon):
@@ -111,17 +110,12 @@ def test_engine_killed_with_two_copies_queued_and_one_at_the_gate(fake_engine, f
     try:
         assert conn.poll(60), "the engine did not start"
         region = conn.recv()
-        deadline = time.monotonic() + 30
-        while [s["copies_queued"] for s in d.stats()["sessions"]] != [2]:
-            assert time.monotonic() < deadline, f"two copies were never queued:\n{d.log()}"
-            time.sleep(0.02)
+        wait_for(lambda: [s["copies_queued"] for s in d.stats()["sessions"]] == [2], 30,
+                 "two copies queued")
     finally:
         os.kill(dying.pid, signal.SIGKILL)
         dying.join(10)
-    deadline = time.monotonic() + 30
-    while (stats := d.stats())["clients_reaped"] < 1 or stats["registrations"]:
-        assert time.monotonic() < deadline, f"the dead engine was not reaped:\n{d.log()}"
-        time.sleep(0.05)
+    stats = wait_reaped(d, 30)
     assert stats["copies_queued"] == 0 and not stats["sessions"], stats
     events = d.trace()
     closes = [i for i, e in enumerate(events) if e["ev"] == "ipc_close" and e["region"] == region]

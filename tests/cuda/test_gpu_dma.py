@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 import pytest
+from daemons import wait_reaped  # noqa: E402
 from gpu_env import require_gpu  # noqa: E402
 
 torch = require_gpu()
@@ -124,10 +125,7 @@ def test_engine_killed_mid_staged_load_is_reaped_after_it(start_daemon):
     finally:
         os.kill(dying.pid, signal.SIGKILL)
         dying.join(10)
-    deadline = time.monotonic() + 20
-    while (stats := d.stats())["clients_reaped"] < 1 or stats["registrations"]:
-        assert time.monotonic() < deadline, f"the dead engine was not reaped:\n{d.log()}"
-        time.sleep(0.05)
+    wait_reaped(d, 20)
     whole, views = one_allocation("vllm_flash_attn", 40, 16)
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
         client.register_kv(CudaKVPool("vllm_flash_attn", views), model="survivor")
