@@ -8,7 +8,8 @@
 # 4. sweep: tools/dma_sweep.sh (the pipelined bench per daemon setting, with the
 #    daemon's phases; VARIANTS as there);
 # 5. interference: the engine's GEMM and decode steps next to kvd's copies in separate
-#    processes, staged vs straight DMA on one-allocation pools (INTERFERENCE_ARGS adds
+#    processes: a no-copy control, staged and straight DMA (INTERFERENCE_VARIANTS), on
+#    one-allocation pools (INTERFERENCE_ARGS adds
 #    flags, e.g. --mps).
 # GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,sweep,interference).
 set -uo pipefail
@@ -42,7 +43,7 @@ fi
 if [[ $steps == *interference* ]]; then
   echo "== kvd bench --gpu --interference"
   timeout 500 python3 -m kvd bench --gpu --interference --interference-workloads gemm,decode \
-    --interference-variants "dma;dma, straight" --gpu-pool one ${INTERFERENCE_ARGS:-} 2>&1 \
+    --interference-variants "${INTERFERENCE_VARIANTS:-none (control);dma;dma, straight;dma, straight, no marks}" --gpu-pool one ${INTERFERENCE_ARGS:-} 2>&1 \
     | tee "$OUT/interference.log" | tail -n 25
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "INTERFERENCE BENCH FAILED"; rc=1; }
 fi

@@ -3,14 +3,18 @@
 Three processes, as in production: the private daemon, an **engine**
 process that only computes (a bf16 8192³ GEMM, or a decode-like step: 32
 layers of a batch-64 4096×4096 matmul and an activation), and a **copier**
-process, a client that keeps stores and loads of the Llama-3-8B shape (page
-16) in flight through the daemon. The engine times its work with CUDA events
-alone, then while the copier runs, then alone again (the baseline is the
-mean of the two; their difference is the run's noise); the copier counts
-the bytes that landed inside the busy window. Per daemon variant (copy
+process, a client that keeps stores and loads (or, per variant, only one of
+them) of the Llama-3-8B shape (page 16) in flight through the daemon.
+After computing for WARMUP_S (clocks up; the decode step as one CUDA graph,
+as engines replay it), the engine times its work with CUDA events alone and while the copier runs,
+in turns (ROUNDS busy windows between ROUNDS + 1 alone ones; the copier
+drains between them): the slowdown is median busy over median alone, the
+noise the spread of the alone medians. The copier counts
+the bytes that landed inside the busy windows. Per daemon variant (copy
 path: DMA on the copy engines, or SM kernels staged or zero-copy, and their
 knobs): the engine's slowdown and the copies' GB/s meanwhile, next to
-the copier's pinned cudaMemcpy rate measured alone in the same run. With
+the copier's pinned cudaMemcpy rate in the same direction(s) (both ways: two
+streams at once), measured alone in the same run. With
 ``--mps`` the whole run repeats under CUDA MPS when ``nvidia-cuda-mps-control``
 is there (started and stopped by the benchmark). A benchmark, not a test.
 """
@@ -31,6 +35,15 @@ _K = ["--gpu-copy-path", "kernels"]
 VARIANTS = {  # name -> (daemon flags, copier options)
     "dma": (["--gpu-copy-path", "dma"], {}),
     "dma, straight": (["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "0"], {}),
+    "none (control)": (["--gpu-copy-path", "dma"], {"idle": True}),
+    "dma, stores only": (["--gpu-copy-path", "dma"], {"direction": "d2h"}),
+    "dma, loads only": (["--gpu-copy-path", "dma"], {"direction": "h2d"}),
+    "dma, straight, stores only": (["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "0"],
+                                   {"direction": "d2h"}),
+    "dma, straight, loads only": (["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "0"],
+                                  {"direction": "h2d"}),
+    "dma, straight, no marks": (["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "0"],
+                                {"marks": False}),
     "dma, 4 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "4"], {}),
     "dma, 16 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "16"], {}),
     "staged, 32 blocks": ([*_K, "--gpu-max-blocks", "32"], {}),
@@ -48,6 +61,8 @@ VARIANTS = {  # name -> (daemon flags, copier options)
 }
 SHAPE = ("vllm_flash_attn", 32, 8, 128)
 SAMPLES = 15
+ROUNDS = 4     # alone / busy turns of the engine
+WARMUP_S = 2.0  # the engine computes this long first, so the GPU clocks are up
 
 
 def run(args) -> int:
@@ -86,41 +101,58 @@ def _one(args, flags: list, copier_opts: dict, workload: str) -> dict:
                                                        {**copier_opts, "alloc": args.gpu_pool},
                                                        copier_end))
             copier.start()
+            copier_end.close()                    # a dead child's pipe reads EOF, not a hang
             memcpy_Bps = to_copier.recv()         # the copier's memcpy, with the GPU to itself
             engine.start()
-            alone = to_engine.recv()              # the engine alone (the copier waits)
-            to_copier.send("go")
-            to_copier.recv()                      # "copying": warmed up
-            to_engine.send("measure")
-            busy = to_engine.recv()
-            to_copier.send(busy["window"])        # count what landed inside the engine's window
+            engine_end.close()
+            to_engine.recv()                      # warmed up: the GPU's clocks are up
+            alone, busy = _rounds(to_engine, to_copier)
+            to_copier.send(("stop", [b["window"] for b in busy]))
             moved, seconds = to_copier.recv()
+            to_engine.send("stop")
             copier.join(60)
-            to_engine.send("again")               # the engine alone once more: the noise
-            again = to_engine.recv()
             engine.join(60)
         finally:
             stop_daemon(daemon, rundir, 60)
-    base = (alone["ms"] + again["ms"]) / 2
-    return {"alone_ms": base, "busy_ms": busy["ms"], "slowdown": busy["ms"] / base - 1,
-            "alone_spread": abs(alone["ms"] - again["ms"]) / base,
+    base = statistics.median(alone)
+    busy_ms = statistics.median(b["ms"] for b in busy)
+    return {"alone_ms": base, "busy_ms": busy_ms, "slowdown": busy_ms / base - 1,
+            "alone_spread": (max(alone) - min(alone)) / base,
             "copy_GBps": moved / seconds / 1e9 if seconds else 0.0,
-            "copy_ratio": moved / seconds / memcpy_Bps if seconds else 0.0}
+            "copy_ratio": moved / seconds / memcpy_Bps if seconds else 0.0,
+            "memcpy_GBps": memcpy_Bps / 1e9}
+
+
+def _rounds(to_engine, to_copier) -> tuple:
+    """The engine alone and busy in turns, ROUNDS times, then alone once more:
+    clock drift and other tenants touch both sides alike."""
+    alone, busy = [], []
+    for _ in range(ROUNDS):
+        to_engine.send("measure")
+        alone.append(to_engine.recv()["ms"])
+        to_copier.send("go")
+        to_copier.recv()                          # "copying": copies in flight
+        to_engine.send("measure")
+        busy.append(to_engine.recv())
+        to_copier.send("pause")
+        to_copier.recv()                          # "paused": nothing in flight
+    to_engine.send("measure")
+    alone.append(to_engine.recv()["ms"])
+    return alone, busy
 
 
 def _engine(workload: str, pipe) -> None:
     import torch
     step = _gemm(torch) if workload == "gemm" else _decode(torch)
-    for _ in range(3):
+    t_end = time.monotonic() + WARMUP_S
+    while time.monotonic() < t_end:
         step()
-    torch.cuda.synchronize()
-    pipe.send({"ms": statistics.median(_sample(torch, step) for _ in range(SAMPLES))})
-    pipe.recv()
-    t0 = time.monotonic()
-    ms = statistics.median(_sample(torch, step) for _ in range(SAMPLES))
-    pipe.send({"ms": ms, "window": (t0, time.monotonic())})
-    pipe.recv()
-    pipe.send({"ms": statistics.median(_sample(torch, step) for _ in range(SAMPLES))})
+        torch.cuda.synchronize()
+    pipe.send("ready")
+    while pipe.recv() == "measure":
+        t0 = time.monotonic()
+        ms = statistics.median(_sample(torch, step) for _ in range(SAMPLES))
+        pipe.send({"ms": ms, "window": (t0, time.monotonic())})
 
 
 def _sample(torch, step, iters: int = 10) -> float:
@@ -140,6 +172,8 @@ def _gemm(torch):
 
 
 def _decode(torch):
+    """Replayed as one CUDA graph, as serving engines run decode steps: launched
+    kernel by kernel from Python the step timed the host, not the GPU."""
     w = [torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda") for _ in range(32)]
     x = torch.randn(64, 4096, dtype=torch.bfloat16, device="cuda")
 
@@ -148,7 +182,16 @@ def _decode(torch):
         for layer in w:
             h = torch.nn.functional.gelu(h @ layer)
         return h
-    return step
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def _copier(rundir: str, chunks: int, chunk: int, opts: dict, pipe) -> None:
@@ -159,8 +202,9 @@ def _copier(rundir: str, chunks: int, chunk: int, opts: dict, pipe) -> None:
     from kvd_client import KvdClient
     from kvd_client.torch_pool import CudaKVPool
     nbytes = request_bytes(SHAPE, chunks, chunk)
-    pipe.send(nbytes / statistics.median(memcpy_s(torch, nbytes, 3)[k] for k in ("d2h", "h2d")))
-    pipe.recv()  # the engine measured itself alone meanwhile
+    # Stores and loads in turns run both ways at once: then the baseline is both ways.
+    way = opts.get("direction", "both")
+    pipe.send((2 if way == "both" else 1) * nbytes / memcpy_s(torch, nbytes, 5)[way])
     ppc = chunk // 16
     pool = make_pool(torch, CudaKVPool, SHAPE, 2 * chunks * ppc, 16, opts.get("alloc", "per-layer"))
     client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
@@ -171,26 +215,38 @@ def _copier(rundir: str, chunks: int, chunk: int, opts: dict, pipe) -> None:
     cached = np.arange(chunks * chunk) + 10**8
     client.store(cached, src)
     torch.cuda.synchronize()
-    landed, fresh, inflight, sent = [], 10**9, [], 0
-    pipe.send("copying")
-    while not pipe.poll() or inflight:
-        if not pipe.poll() and len(inflight) < 4:
-            if sent % 2:
-                inflight.append(client.submit_load(cached, dst))
-            else:
-                inflight.append(client.submit_store(np.arange(chunks * chunk) + fresh, src))
-                fresh += chunks * chunk
-            sent += 1
-        for t in client.poll():
-            inflight.remove(t)
-            if not t.ok:
-                raise RuntimeError(f"a copy failed during the interference run: {t}")
-            landed.append((time.monotonic(), nbytes))
-        client.progress(None, 0.0005)
-    t0, t1 = pipe.recv()
-    inside = sum(b for at, b in landed if t0 <= at <= t1)
+    landed, fresh, sent = [], 10**9, 0
+    while (msg := pipe.recv()) == "go":
+        inflight, announced = [], False
+        if opts.get("idle"):                      # the control: turns, but no copies
+            pipe.send("copying")
+            announced = True
+        while not pipe.poll() or inflight:
+            if opts.get("idle"):
+                time.sleep(0.001)
+                continue
+            if not pipe.poll() and len(inflight) < 4:
+                if way == "h2d" or (way == "both" and sent % 2):
+                    inflight.append(client.submit_load(cached, dst))
+                else:
+                    inflight.append(client.submit_store(np.arange(chunks * chunk) + fresh, src))
+                    fresh += chunks * chunk
+                sent += 1
+            for t in client.poll():
+                inflight.remove(t)
+                if not t.ok:
+                    raise RuntimeError(f"a copy failed during the interference run: {t}")
+                landed.append((time.monotonic(), nbytes))
+                if not announced:                 # the pipeline is full: time the engine
+                    pipe.send("copying")
+                    announced = True
+            client.progress(None, 0.0005)
+        pipe.recv()                               # "pause"
+        pipe.send("paused")
+    windows = msg[1]
+    inside = sum(b for at, b in landed if any(t0 <= at <= t1 for t0, t1 in windows))
     client.close()
-    pipe.send((inside, t1 - t0))
+    pipe.send((inside, sum(t1 - t0 for t0, t1 in windows)))
 
 
 def _start_mps() -> bool:
@@ -206,18 +262,19 @@ def _stop_mps() -> None:
 
 def _print_row(r: dict) -> None:
     print(f"  {r['variant']:<22}{' MPS' if r['mps'] else '':<5}{r['workload']:<8}"
-          f"alone {r['alone_ms']:.3f} ms (before/after differ {r['alone_spread']:.1%}), with "
+          f"alone {r['alone_ms']:.3f} ms (alone spread {r['alone_spread']:.1%}), with "
           f"copies {r['busy_ms']:.3f} ms ({r['slowdown']:+.1%}); "
-          f"copies {r['copy_GBps']:.1f} GB/s = {r['copy_ratio']:.2f} of memcpy", flush=True)
+          f"copies {r['copy_GBps']:.1f} GB/s = {r['copy_ratio']:.2f} of memcpy "
+          f"({r['memcpy_GBps']:.1f} GB/s)", flush=True)
 
 
 def _report(rows: list) -> None:
     print("\ninterference: engine and copier in separate processes; slowdown of the engine's "
           "step while kvd copies; copy GB/s inside that window, ratio to the copier's memcpy")
     print(f"{'variant':<24}{'MPS':<5}{'workload':<9}{'alone ms':>9}{'busy ms':>9}{'slowdown':>10}"
-          f"{'noise':>7}{'copy GB/s':>10}{'ratio':>7}")
+          f"{'noise':>7}{'copy GB/s':>10}{'ratio':>7}{'memcpy':>8}")
     for r in rows:
         print(f"{r['variant']:<24}{'yes' if r['mps'] else 'no':<5}{r['workload']:<9}"
               f"{r['alone_ms']:>9.3f}{r['busy_ms']:>9.3f}{r['slowdown']:>+10.1%}{r['alone_spread']:>7.1%}"
-              f"{r['copy_GBps']:>10.1f}{r['copy_ratio']:>7.2f}")
+              f"{r['copy_GBps']:>10.1f}{r['copy_ratio']:>7.2f}{r['memcpy_GBps']:>8.1f}")
     sys.stdout.flush()

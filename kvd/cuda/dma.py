@@ -200,7 +200,7 @@ class DmaSettings(NamedTuple):
     streams: int = 8
     min_piece: int = 64 << 10
     load_window: int = 256 << 20
-    stage_below: int = 64 << 10
+    stage_below: int = 0
 
 
 class DmaPath:

@@ -125,16 +125,19 @@ def test_dma_cancelled_load_queues_no_step_after_the_cancel(fake_engine, fake_da
     assert d.stop() == 0, d.log()
 
 
-@pytest.mark.parametrize("stage_below, how", [("64KiB", "staged DMA"), (0, "DMA")])
+@pytest.mark.parametrize("stage_below, how", [("64KiB", "staged DMA"), (0, "DMA"),
+                                               (None, "DMA")])
 def test_small_pitched_pages_go_through_the_staging_slots(fake_engine, fake_daemon, stage_below,
                                                           how):
     """32 KiB pages in ops of 16 planes (8 layers in one allocation), under
     gpu_dma_stage_below: the copy engines gather them into staging slots by pitched
     device-to-device ops and whole chunks cross to the arena by memcpy (2 chunks per 1 MiB
     slot, so several pieces), and back the same way: bit-exact, nothing else in the pool
-    written, no kernel. 0 turns staging off: pitched ops straight to the arena."""
+    written, no kernel. 0 turns staging off: pitched ops straight to the arena; so does
+    the default (None: the knob unset), as staging costs the engines their GPU time."""
+    knob = {} if stage_below is None else {"gpu_dma_stage_below": stage_below}
     d = fake_daemon(log_level="debug", trace=True, gpu_copy_path="dma", gpu_dma_streams=2,
-                    gpu_stage_slot_bytes="1MiB", gpu_dma_stage_below=stage_below)
+                    gpu_stage_slot_bytes="1MiB", **knob)
     chunks, pages = 5, 13
     tensors, _, region = fake_engine.tensors("vllm_flash_attn", 8, pages, 16, 8, 128, seed=4)
     pool = fake_engine.pool("vllm_flash_attn", tensors)
@@ -202,7 +205,7 @@ def test_a_store_while_a_load_is_queued_goes_straight(fake_engine, fake_daemon):
     does a load right after a store; once the other way has been idle for STAGE_IDLE_S a
     copy is staged again. Bytes exact."""
     d = fake_daemon(log_level="debug", kernel_delay_s={"memcpy_batch": 0.5}, gpu_copy_path="dma",
-                    gpu_dma_streams=1)
+                    gpu_dma_streams=1, gpu_dma_stage_below="64KiB")
     tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 8, 12, 16, 8, 128, seed=6)
     pool = fake_engine.pool("vllm_flash_attn", tensors)
     runtime = str(d.runtime_dir)

@@ -1,9 +1,9 @@
 """DMA copies of pools whose layers share one allocation (vLLM's single KV backing
 allocation), on a real GPU: real engines, a real daemon, every byte checked.
 
-- Pitched ops straight between the pool and the arena (``gpu_dma_stage_below``
-  = 0) and staged through the slots (the default: pages under 64 KiB, the
-  other direction idle), for a
+- Pitched ops straight between the pool and the arena (the default,
+  ``gpu_dma_stage_below`` = 0) and staged through the slots (set to 64 KiB:
+  pages under it, the other direction idle), for a
   Llama-like and an MLA pool, pages of 1, 16 and 64 tokens, 20 layers:
   poisoned target pages hold exactly the stored pages afterwards, and no
   other byte of the allocation moved; the daemon's log names the path each
@@ -61,7 +61,7 @@ def path_taken(log: str, chunks: int) -> list:
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("layout", sorted(SHAPES))
 def test_one_allocation_pool_round_trip_bit_exact(start_daemon, layout, page_size, staging):
-    d = start_daemon(**KNOBS, **({} if staging == "staged" else {"gpu_dma_stage_below": 0}))
+    d = start_daemon(**KNOBS, gpu_dma_stage_below="64KiB" if staging == "staged" else 0)
     chunks, ppc = 4, CHUNK // page_size
     pages = 2 * chunks * ppc + 3
     whole, views = one_allocation(layout, pages, page_size)
@@ -112,7 +112,8 @@ def _dying_engine(runtime_dir: str, conn) -> None:
 
 
 def test_engine_killed_mid_staged_load_is_reaped_after_it(start_daemon):
-    d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto", "gpu_stage_slot_bytes": "32MiB"},
+    d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto", "gpu_stage_slot_bytes": "32MiB",
+                        "gpu_dma_stage_below": "64KiB"},
                      client_timeout_s=1.0, heartbeat_interval_s=0.2)
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe(duplex=False)

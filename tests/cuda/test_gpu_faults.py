@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import time
 
@@ -102,17 +103,20 @@ def test_dead_engine_with_a_waiting_store_hangs_nobody(start_daemon, how):
 
 @pytest.mark.parametrize("when,layerwise,pool", [
     ("queued", True, "per-layer"), ("queued", False, "per-layer"), ("copying", True, "per-layer"),
-    ("copying", False, "per-layer"), ("queued", False, "one"), ("copying", False, "one")])
+    ("copying", False, "per-layer"), ("queued", False, "one"), ("copying", False, "one"),
+    ("copying", False, "one, staged")])
 def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon, when, layerwise,
                                                                    pool):
     """``queued``: the daemon is stopped (SIGSTOP) when the load arrives and killed with the
     load unanswered; ``copying``: killed a few milliseconds into a 1 GiB load (it may have
     finished: then its bytes must be right). ``per-layer`` pools take kernels; ``one``
-    allocation for all layers (32 planes of 32 KiB pages) takes staged DMA."""
-    knobs = {**KNOBS, "host_capacity": "2GiB", "log_level": "debug"}
+    allocation for all layers (32 planes of 32 KiB pages) takes pitched DMA, and with
+    ``gpu_dma_stage_below`` above its pages, staged DMA."""
+    knobs = {**KNOBS, "host_capacity": "2GiB", "log_level": "debug",
+             **({"gpu_dma_stage_below": "64KiB"} if pool == "one, staged" else {})}
     d = start_daemon(**knobs)
     layers, pages = 16, 512
-    kv = tensors(layers, pages, 16, 8, 128, pool == "one")  # 64 KiB a page and layer: 512 MiB
+    kv = tensors(layers, pages, 16, 8, 128, pool != "per-layer")  # 64 KiB a page and layer: 512 MiB
     client = kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), timeout=10,
                                   fence_quiet_s=0.5).connect()
     try:
@@ -121,7 +125,7 @@ def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon,
         want = [x[:, 0:256].clone() for x in kv]
         torch.cuda.synchronize()
         assert client.store(tokens, range(256)) == 64 * CHUNK
-        time.sleep(0.1)  # a "one" pool's load goes staged (the other direction idle)
+        time.sleep(0.1)  # a staged pool's load goes staged (the other direction idle)
         if when == "queued":
             d.proc.send_signal(signal.SIGSTOP)
         t = client.submit_load(tokens, range(256, 512), layerwise=layerwise)
@@ -161,6 +165,7 @@ def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon,
         assert all(torch.equal(x[:, 16:32].view(torch.uint8), w[:, 0:16].view(torch.uint8))
                    for x, w in zip(kv, want))
         assert d2.stats()["registrations"] == 1
-        assert ("scatter of 4 chunks, 16.8 MB, staged DMA:" in d2.log()) == (pool == "one")
+        how = {"per-layer": r"\d+ staged pieces", "one": "DMA", "one, staged": "staged DMA"}[pool]
+        assert re.search(f"scatter of 4 chunks, 16.8 MB, {how}:", d2.log()), d2.log()
     finally:
         client.close()
