@@ -43,7 +43,7 @@ fi
 if [[ $steps == *interference* ]]; then
   echo "== kvd bench --gpu --interference"
   timeout 500 python3 -m kvd bench --gpu --interference --interference-workloads gemm,decode \
-    --interference-variants "${INTERFERENCE_VARIANTS:-none (control);dma;dma, straight;dma, straight, no marks}" --gpu-pool one ${INTERFERENCE_ARGS:-} 2>&1 \
+    --interference-variants "${INTERFERENCE_VARIANTS:-none (control);dma;dma, stores only;dma, loads only;dma, staged, stores only}" --gpu-pool one ${INTERFERENCE_ARGS:-} 2>&1 \
     | tee "$OUT/interference.log" | tail -n 25
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "INTERFERENCE BENCH FAILED"; rc=1; }
 fi

@@ -32,18 +32,16 @@ import time
 from .common import request_bytes, start_daemon, stop_daemon
 
 _K = ["--gpu-copy-path", "kernels"]
+_STAGED = ["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "64KiB"]  # DMA through the slots
 VARIANTS = {  # name -> (daemon flags, copier options)
-    "dma": (["--gpu-copy-path", "dma"], {}),
-    "dma, straight": (["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "0"], {}),
     "none (control)": (["--gpu-copy-path", "dma"], {"idle": True}),
+    "dma": (["--gpu-copy-path", "dma"], {}),
     "dma, stores only": (["--gpu-copy-path", "dma"], {"direction": "d2h"}),
     "dma, loads only": (["--gpu-copy-path", "dma"], {"direction": "h2d"}),
-    "dma, straight, stores only": (["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "0"],
-                                   {"direction": "d2h"}),
-    "dma, straight, loads only": (["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "0"],
-                                  {"direction": "h2d"}),
-    "dma, straight, no marks": (["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "0"],
-                                {"marks": False}),
+    "dma, no marks": (["--gpu-copy-path", "dma"], {"marks": False}),
+    "dma, staged": (_STAGED, {}),
+    "dma, staged, stores only": (_STAGED, {"direction": "d2h"}),
+    "dma, staged, loads only": (_STAGED, {"direction": "h2d"}),
     "dma, 4 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "4"], {}),
     "dma, 16 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "16"], {}),
     "staged, 32 blocks": ([*_K, "--gpu-max-blocks", "32"], {}),
@@ -66,6 +64,12 @@ WARMUP_S = 2.0  # the engine computes this long first, so the GPU clocks are up
 
 
 def run(args) -> int:
+    unknown = [v for v in args.interference_variants or [] if v not in VARIANTS]
+    unknown += [w for w in args.interference_workloads if w not in ("gemm", "decode")]
+    if unknown:
+        print(f"kvd bench --interference: unknown variant or workload {', '.join(map(repr, unknown))}"
+              f"; variants: {'; '.join(VARIANTS)}; workloads: gemm, decode", file=sys.stderr)
+        return 2
     rows = []
     modes = [False] + ([True] if args.mps else [])
     for mps in modes:

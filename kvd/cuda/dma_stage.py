@@ -1,4 +1,4 @@
-"""Staged DMA: pool pages <-> a staging slot by the copy engines inside the GPU, then
+"""Staged DMA: pool pages <-> a staging slot by device-to-device DMA ops, then
 whole chunks across PCIe; no kernel.
 
 Why: the copy engines pay about 80-100 ns per row. Pitched ops straight
@@ -10,7 +10,10 @@ one contiguous range, one direction reaches 0.93-0.99 (``tools/dma_probe.py``
 ``staged-3d``, H100). Both directions at once do worse staged (0.84-0.94
 against 0.91-1.06 straight), and 2 KiB rows stay slow inside the GPU too
 (0.46 of PCIe speed), so only pitched pages under ``gpu_dma_stage_below``
-bytes go this way.
+bytes go this way. Off by default (``gpu_dma_stage_below`` = 0): the driver
+runs these device-to-device ops like kernels of the daemon's context, and an
+engine's GEMM or decode step took +19-23% while staged copies ran without
+CUDA MPS (+1-4% straight; ``kvd bench --gpu --interference``, H100).
 
 Contract:
 

@@ -61,7 +61,8 @@ DMA = {"gpu_copy_path": "dma", "gpu_dma_streams": 1, "gpu_dma_load_window": "4Mi
 PATHS = {"kernels": (LAYERS, {"kv_scatter": 0.4}, {"gpu_copy_path": "kernels",
                                                    "gpu_stage_slot_bytes": "1MiB"}),
          "dma": (LAYERS, {"memcpy_batch": 0.4}, DMA),
-         "staged dma": (8, {"memcpy_batch": 0.4}, {**DMA, "gpu_stage_slot_bytes": "2MiB"})}
+         "staged dma": (8, {"memcpy_batch": 0.4}, {**DMA, "gpu_stage_slot_bytes": "2MiB",
+                                                   "gpu_dma_stage_below": "64KiB"})}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
