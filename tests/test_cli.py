@@ -156,3 +156,12 @@ def test_bench_disk_creates_its_dir_or_says_why(tmp_path):
         out = kvd("bench", "--disk", "--disk-dir", bad)
         assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr
         assert out.stderr.count("\n") == 1
+
+
+def test_bench_interference_refuses_unknown_variants_before_starting_anything():
+    """A typo in a variant list fails at once with the valid names, not minutes into a GPU run."""
+    out = kvd("bench", "--gpu", "--interference", "--interference-variants", "dma;dma, stagged",
+              "--interference-workloads", "gemm,prefill")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "'dma, stagged', 'prefill'" in out.stderr and "dma, staged, stores only" in out.stderr
+    assert out.stdout == ""
