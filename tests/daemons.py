@@ -4,11 +4,13 @@ ambiguous once a test folder has a conftest of its own)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from shm_files import arena_files
@@ -113,3 +115,20 @@ def wait_reaped(d, timeout: float = 30.0) -> dict:
         assert time.monotonic() < deadline, f"the dead engine was not reaped:\n{d.log()}"
         time.sleep(0.05)
     return stats
+
+
+@contextmanager
+def engine_killed_after(target, *args, timeout: float = 60.0):
+    """A spawned engine ``target(*args, conn)`` that sends one report once it is set up:
+    yields that report and SIGKILLs the engine as the block ends (the block waits for the
+    moment the test kills it at)."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe(duplex=False)
+    engine = ctx.Process(target=target, args=(*args, child))
+    engine.start()
+    try:
+        assert conn.poll(timeout), "the engine did not start"
+        yield conn.recv()
+    finally:
+        os.kill(engine.pid, signal.SIGKILL)
+        engine.join(10)

@@ -21,6 +21,7 @@ is there (started and stopped by the benchmark). A benchmark, not a test.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import shutil
 import statistics
@@ -219,38 +220,44 @@ def _copier(rundir: str, chunks: int, chunk: int, opts: dict, pipe) -> None:
     cached = np.arange(chunks * chunk) + 10**8
     client.store(cached, src)
     torch.cuda.synchronize()
-    landed, fresh, sent = [], 10**9, 0
+    turns, fresh = itertools.count(), itertools.count(10**9, chunks * chunk)
+
+    def submit():
+        if way == "h2d" or (way == "both" and next(turns) % 2):
+            return client.submit_load(cached, dst)
+        return client.submit_store(np.arange(chunks * chunk) + next(fresh), src)
+
+    landed = []
     while (msg := pipe.recv()) == "go":
-        inflight, announced = [], False
         if opts.get("idle"):                      # the control: turns, but no copies
             pipe.send("copying")
-            announced = True
-        while not pipe.poll() or inflight:
-            if opts.get("idle"):
-                time.sleep(0.001)
-                continue
-            if not pipe.poll() and len(inflight) < 4:
-                if way == "h2d" or (way == "both" and sent % 2):
-                    inflight.append(client.submit_load(cached, dst))
-                else:
-                    inflight.append(client.submit_store(np.arange(chunks * chunk) + fresh, src))
-                    fresh += chunks * chunk
-                sent += 1
-            for t in client.poll():
-                inflight.remove(t)
-                if not t.ok:
-                    raise RuntimeError(f"a copy failed during the interference run: {t}")
-                landed.append((time.monotonic(), nbytes))
-                if not announced:                 # the pipeline is full: time the engine
-                    pipe.send("copying")
-                    announced = True
-            client.progress(None, 0.0005)
+            pipe.poll(None)
+        else:
+            _copy_until_told(client, pipe, submit, landed, nbytes)
         pipe.recv()                               # "pause"
         pipe.send("paused")
     windows = msg[1]
     inside = sum(b for at, b in landed if any(t0 <= at <= t1 for t0, t1 in windows))
     client.close()
     pipe.send((inside, sum(t1 - t0 for t0, t1 in windows)))
+
+
+def _copy_until_told(client, pipe, submit, landed: list, nbytes: int) -> None:
+    """Keep 4 copies in flight until the parent speaks, then drain them; each landing
+    goes to ``landed`` as (time, bytes). Says "copying" once the first lands (the
+    pipeline is full: time the engine now)."""
+    inflight, first = [], len(landed)
+    while not pipe.poll() or inflight:
+        if not pipe.poll() and len(inflight) < 4:
+            inflight.append(submit())
+        for t in client.poll():
+            inflight.remove(t)
+            if not t.ok:
+                raise RuntimeError(f"a copy failed during the interference run: {t}")
+            landed.append((time.monotonic(), nbytes))
+            if len(landed) == first + 1:
+                pipe.send("copying")
+        client.progress(None, 0.0005)
 
 
 def _start_mps() -> bool:

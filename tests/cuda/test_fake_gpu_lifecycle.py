@@ -14,14 +14,13 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
 
 import numpy as np
 import pytest
-from daemons import wait_reaped
+from daemons import engine_killed_after, wait_reaped
 
 import kvd_client
 from kvd.cuda.backend import CLOSE_WAIT_S
@@ -70,20 +69,11 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     layers, delay, knobs = PATHS[path]
     d = fake_daemon(kernel_delay_s=delay, trace=True, client_timeout_s=1.0,
                     heartbeat_interval_s=0.2, log_level="debug", **knobs)
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe(duplex=False)
-    dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), layers, child_conn))
-    dying.start()
-    try:
-        assert conn.poll(60), "the engine did not start"
-        pid, region = conn.recv()
+    with engine_killed_after(_dying_engine, str(d.runtime_dir), layers) as (pid, region):
         deadline = time.monotonic() + 30
         while not _scattered(d.trace(), region):  # the first of four pieces landed: the load runs
             assert time.monotonic() < deadline, f"the load did not start:\n{d.log()}"
             time.sleep(0.02)
-    finally:
-        os.kill(dying.pid, signal.SIGKILL)
-        dying.join(10)
     killed = time.monotonic()
     wait_reaped(d, 20)
     events = d.trace()

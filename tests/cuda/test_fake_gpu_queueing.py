@@ -12,14 +12,11 @@ other (about two holds, never three or four). The bytes land exact.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import re
-import signal
 import time
 
 import numpy as np
-from daemons import wait_for, wait_reaped
+from daemons import engine_killed_after, wait_for, wait_reaped
 
 import kvd_client
 
@@ -103,18 +100,9 @@ def test_engine_killed_with_two_copies_queued_and_one_at_the_gate(fake_engine, f
     the engine only after all three landed, closes its pool after them, counts nothing
     queued afterwards, and serves the next engine bit-exact."""
     d = fake_daemon(**DMA, trace=True, client_timeout_s=1.0, heartbeat_interval_s=0.2)
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe(duplex=False)
-    dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), child_conn))
-    dying.start()
-    try:
-        assert conn.poll(60), "the engine did not start"
-        region = conn.recv()
+    with engine_killed_after(_dying_engine, str(d.runtime_dir)) as region:
         wait_for(lambda: [s["copies_queued"] for s in d.stats()["sessions"]] == [2], 30,
                  "two copies queued")
-    finally:
-        os.kill(dying.pid, signal.SIGKILL)
-        dying.join(10)
     stats = wait_reaped(d, 30)
     assert stats["copies_queued"] == 0 and not stats["sessions"], stats
     events = d.trace()

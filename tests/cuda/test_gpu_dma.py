@@ -16,15 +16,13 @@ Skipped without torch, cupy or a GPU.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
-import signal
 import time
 
 import numpy as np
 import pytest
-from daemons import wait_reaped  # noqa: E402
+from daemons import engine_killed_after, wait_reaped  # noqa: E402
 from gpu_env import require_gpu  # noqa: E402
 
 torch = require_gpu()
@@ -115,17 +113,8 @@ def test_engine_killed_mid_staged_load_is_reaped_after_it(start_daemon):
     d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto", "gpu_stage_slot_bytes": "32MiB",
                         "gpu_dma_stage_below": "64KiB"},
                      client_timeout_s=1.0, heartbeat_interval_s=0.2)
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe(duplex=False)
-    dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), child))
-    dying.start()
-    try:
-        assert conn.poll(120), "the engine did not start"
-        conn.recv()
+    with engine_killed_after(_dying_engine, str(d.runtime_dir), timeout=120):
         time.sleep(0.002)  # the load is on the copy engines (about 13 ms of PCIe)
-    finally:
-        os.kill(dying.pid, signal.SIGKILL)
-        dying.join(10)
     wait_reaped(d, 20)
     whole, views = one_allocation("vllm_flash_attn", 40, 16)
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
