@@ -14,7 +14,10 @@ Part 2, interference: an engine process runs samples of 10 bf16 8192^3
 GEMMs timed with CUDA events while a second process (its own CUDA context,
 as the daemon is) does one thing continuously: nothing; an empty kernel R
 times a second; batched DMA; or a staged gather (kernel into a device slot,
-then one DMA). The engine's slowdown (mean and median of the samples) and
+then one DMA); ``d2d1d:N`` the batched copies into a device buffer instead
+of the host (does a copy-engine device-to-device copy time-slice?),
+``staged1d:N`` those then one DMA of the buffer to the host, ``d2dbig`` one
+contiguous device-to-device memcpy. The engine's slowdown (mean and median of the samples) and
 the copier's rate show whether the cost is per kernel launch of the other
 context (time-slice switches) or per byte. Prints JSON lines.
 """
@@ -138,6 +141,9 @@ def dma_rates(reps, stream_counts, flags, cases):
         torch.cuda.empty_cache()
 
 
+_BATCHED = ("dma", "d2d1d", "staged1d")  # modes whose arg is a stream count
+
+
 def copier(mode, arg, flags, stop, ready, result):
     import torch
     shape = SHAPES["llama"]
@@ -145,8 +151,10 @@ def copier(mode, arg, flags, stop, ready, result):
     nbytes = shape[0] * shape[1] * 2048 * shape[2]
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     tid = torch.as_tensor(ids, device="cuda")
-    streams = [torch.cuda.Stream() for _ in range(max(1, int(arg) if mode == "dma" else 1))]
-    batch = Batch(*pieces(pool, ids, host.data_ptr(), True), streams, flags) if mode == "dma" else None
+    streams = [torch.cuda.Stream() for _ in range(max(1, int(arg) if mode in _BATCHED else 1))]
+    stage = torch.empty(nbytes, dtype=torch.uint8, device="cuda") if mode != "dma" else None
+    batch = (Batch(*pieces(pool, ids, (host if mode == "dma" else stage).data_ptr(), True),
+                   streams, flags) if mode in _BATCHED else None)
     tiny = torch.zeros(1, device="cuda")
     ready.set()
     moved, t0 = 0, time.perf_counter()
@@ -158,6 +166,19 @@ def copier(mode, arg, flags, stop, ready, result):
             torch.cuda.synchronize()
         elif mode == "dma":
             batch.run()
+            torch.cuda.synchronize()
+            moved += nbytes
+        elif mode in ("d2d1d", "staged1d"):  # copy-engine gather into a device buffer
+            batch.run()
+            if mode == "staged1d":  # then one contiguous DMA of it to the host
+                for st in streams[1:]:
+                    streams[0].wait_stream(st)
+                with torch.cuda.stream(streams[0]):
+                    host.copy_(stage, non_blocking=True)
+            torch.cuda.synchronize()
+            moved += nbytes
+        elif mode == "d2dbig":  # one contiguous device-to-device memcpy
+            stage.copy_(pool.view(-1)[:nbytes])
             torch.cuda.synchronize()
             moved += nbytes
         elif mode == "gather":  # layers per kernel = arg; a slot of 32 MiB per kernel at most

@@ -35,6 +35,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
     p.add_argument("--daemon-log", default=None, metavar="PATH", help="write the private daemon's "
                    "debug log (per-copy timings) to PATH; summarise it with tools/daemon_timings.py")
+    p.add_argument("--daemon-profile", default=None, metavar="PATH", help="host and --gpu "
+                   "benchmarks: run the private daemon under cProfile and write its stats to PATH "
+                   "when it stops (read them with python3 -m pstats PATH); slows the daemon")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the result table as a "
                    "bar chart (host, --gpu, --disk, --gds; needs kvd[plot]: matplotlib)")
     p.add_argument("--scrape-hz", type=float, default=0.0, help="host benchmark: the daemon serves "

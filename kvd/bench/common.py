@@ -33,10 +33,12 @@ def control(rundir: str, op: str, timeout: float = 300.0):
 
 
 def start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),
-                  log_path: str | None = None) -> subprocess.Popen:
-    """The private daemon; with ``log_path`` it logs at debug level into that file."""
+                  log_path: str | None = None, profile: str | None = None) -> subprocess.Popen:
+    """The private daemon; with ``log_path`` it logs at debug level into that file, with
+    ``profile`` it runs under cProfile, which writes its stats there when it stops."""
     level = "debug" if log_path else "warning"
-    cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", rundir, "--host-capacity",
+    prof = ["-m", "cProfile", "-o", profile] if profile else []
+    cmd = [sys.executable, *prof, "-m", "kvd", "serve", "--runtime-dir", rundir, "--host-capacity",
            str(capacity), "--chunk-tokens", str(chunk_tokens), "--log-level", level, *extra]
     log = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)

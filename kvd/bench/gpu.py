@@ -47,7 +47,7 @@ def run(args) -> int:
         in_flight = max(2, args.clients) * (args.pipeline + 1) + 2 if args.pipeline else 3
         cap = max(3, in_flight) * req + 2**24
         daemon = start_daemon(rundir, capacity=cap, chunk_tokens=chunk, extra=["--gpu", "on"],
-                               log_path=args.daemon_log)
+                               log_path=args.daemon_log, profile=args.daemon_profile)
         piped = []
         try:
             for name, shape in SHAPES.items():
@@ -145,6 +145,7 @@ def _measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape, page, args
     perm = np.random.default_rng(page).permutation(2 * n * ppc)  # engines' pages are scattered
     pages, other = perm[:n * ppc], perm[n * ppc:]
     times = {"store": [], "load": [], "both": []}
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())  # two engines: a stream each
     base = 10**6 * page
     for i in range(args.repeat + 1):
         tokens = np.arange(n * chunk) + base + 2 * i * n * chunk
@@ -155,10 +156,10 @@ def _measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape, page, args
         loaded = b.load(tokens, pages)
         t2 = time.perf_counter()
         fresh = tokens + n * chunk  # store new chunks while loading the ones just stored
-        worker = threading.Thread(target=a.store, args=(fresh, other))
+        worker = threading.Thread(target=_on_stream, args=(torch, streams[0], a.store, fresh, other))
         t3 = time.perf_counter()
         worker.start()
-        b.load(tokens, other)
+        _on_stream(torch, streams[1], b.load, tokens, other)
         worker.join()
         t4 = time.perf_counter()
         if stored != len(tokens) or loaded != len(tokens):
@@ -198,7 +199,7 @@ def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
     client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False,
                        spin_s=args.spin_ms / 1e3).connect()
     client.register_kv(pool, model="bench-gemm")
-    stop, window = threading.Event(), threading.Event()
+    stop, window, stream = threading.Event(), threading.Event(), torch.cuda.Stream()
     moved = [0, 0.0]  # bytes stored + loaded while the GEMMs were timed, and that time
 
     def copy_loop():
@@ -208,8 +209,8 @@ def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
         while not stop.is_set():
             tokens = np.arange(n * chunk) + 10**9 + i * n * chunk
             timed, t0 = window.is_set(), time.perf_counter()
-            client.store(tokens, pages)
-            client.load(tokens, other)
+            _on_stream(torch, stream, client.store, tokens, pages)  # not behind the GEMMs
+            _on_stream(torch, stream, client.load, tokens, other)
             if timed and window.is_set():
                 moved[0] += 2 * request_bytes(shape, n, chunk)
                 moved[1] += time.perf_counter() - t0
@@ -253,3 +254,12 @@ def _report(torch, rows, gemm, args) -> None:
     print(f"\nbf16 GEMM 8192^3: {gemm['alone_ms']:.3f} ms alone, {gemm['with_copies_ms']:.3f} ms while "
           f"kvd copies (llama3-8b, page 16): slowdown {gemm['slowdown']:+.1%}; the copies meanwhile "
           f"{gemm['copy_GBps']:.1f} GB/s (store + load, whole requests inside the timed GEMMs)")
+
+
+def _on_stream(torch, stream, call, *args):
+    """``call(*args)`` with ``stream`` as this thread's current stream, then wait for it:
+    two engines share no stream (a store's mark would wait behind the other's load)."""
+    with torch.cuda.stream(stream):
+        out = call(*args)
+    stream.synchronize()
+    return out

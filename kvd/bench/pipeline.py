@@ -1,8 +1,10 @@
 """``kvd bench --gpu --pipeline N``: the CUDA path with requests pipelined.
 
-``clients`` engines (threads of this process, one ``KvdClient`` and pools
-each) keep ``N`` requests of ``--chunks`` chunks in flight (``submit_store``
-/ ``submit_load``, collected with ``poll``) for ``N × rounds`` requests, and
+``clients`` engines (threads of this process, one ``KvdClient``, pools and
+CUDA stream each: engines are separate processes in production, and on one
+shared stream a store's mark would wait behind another engine's load) keep
+``N`` requests of ``--chunks`` chunks in flight (``submit_store`` /
+``submit_load``, collected with ``poll``) for ``N × rounds`` requests, and
 the phase's bytes over its wall time is compared with the pinned
 ``cudaMemcpy`` rate of one request's bytes measured in the same run:
 offload (every client stores fresh chunks), load (every client loads cached
@@ -36,7 +38,7 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
         pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page, args.gpu_pool)
         client.register_kv(pool, model=f"bench-{name}")
         perm = np.random.default_rng(c).permutation(2 * n * ppc)
-        engines.append((client, pool, perm[:n * ppc], perm[n * ppc:]))
+        engines.append((client, pool, perm[:n * ppc], perm[n * ppc:], torch.cuda.Stream()))
     cached = [np.arange(n * chunk) + 7 * 10**8 + c * n * chunk for c in range(clients)]
     torch.cuda.synchronize()
     fresh = itertools.count(10**9, n * chunk)  # next() on it is atomic: threads share it
@@ -82,7 +84,7 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
 
 def _restore(engines: list, cached: list) -> list:
     """Store each client's cached prompt again where the previous phase evicted it."""
-    for (client, _, src, _), tokens in zip(engines, cached):
+    for (client, _, src, *_), tokens in zip(engines, cached):
         client.store(tokens, src)
     return cached
 
@@ -95,15 +97,25 @@ def _catching(errors: list, body, *args) -> None:
 
 
 def _run(engine, op: str, depth: int, rounds: int, fresh, n: int, chunk: int, tokens=None) -> None:
-    """``depth × rounds`` requests of one engine with ``depth`` in flight."""
-    client, _, src, dst = engine
-    todo, inflight = depth * rounds, 0
+    """``depth × rounds`` requests of one engine with ``depth`` in flight, marked on and
+    waited for on the engine's own stream."""
+    import torch
+    client, _, src, dst, stream = engine
+    with torch.cuda.stream(stream):
+        _keep_in_flight(client, op, src if op == "store" else dst, depth * rounds, depth,
+                        fresh, n, chunk, tokens)
+    stream.synchronize()
+
+
+def _keep_in_flight(client, op: str, pages, todo: int, depth: int, fresh, n: int, chunk: int,
+                    tokens) -> None:
+    inflight = 0
     while todo or inflight:
         while todo and inflight < depth:
             if op == "store":
-                t = client.submit_store(np.arange(n * chunk) + next(fresh), src)
+                t = client.submit_store(np.arange(n * chunk) + next(fresh), pages)
             else:
-                t = client.submit_load(tokens, dst)
+                t = client.submit_load(tokens, pages)
             todo, inflight = todo - 1, inflight + 1
         for t in client.poll():
             inflight -= 1
