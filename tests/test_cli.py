@@ -165,3 +165,15 @@ def test_bench_interference_refuses_unknown_variants_before_starting_anything():
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "'dma, stagged', 'prefill'" in out.stderr and "dma, staged, stores only" in out.stderr
     assert out.stdout == ""
+
+
+def test_bench_daemon_profile_writes_the_daemons_stats(tmp_path):
+    """--daemon-profile: the private daemon's own request path is in the stats it leaves."""
+    import pstats
+    path = tmp_path / "daemon.prof"
+    out = kvd("bench", "--layers", "2", "--chunks", "2", "--repeat", "1", "--daemon-profile", path,
+              timeout=120)
+    assert out.returncode == 0, out.stderr
+    handled = [fn for (file, _, fn), row in pstats.Stats(str(path)).stats.items()
+               if file.endswith("kvd/server/service.py") and fn == "handle"]
+    assert handled, "the daemon's request handler is not in the profile"

@@ -272,7 +272,7 @@ def _stop_mps() -> None:
 
 
 def _print_row(r: dict) -> None:
-    print(f"  {r['variant']:<22}{' MPS' if r['mps'] else '':<5}{r['workload']:<8}"
+    print(f"  {r['variant']:<26}{' MPS' if r['mps'] else '':<5}{r['workload']:<8}"
           f"alone {r['alone_ms']:.3f} ms (alone spread {r['alone_spread']:.1%}), with "
           f"copies {r['busy_ms']:.3f} ms ({r['slowdown']:+.1%}); "
           f"copies {r['copy_GBps']:.1f} GB/s = {r['copy_ratio']:.2f} of memcpy "
@@ -282,10 +282,11 @@ def _print_row(r: dict) -> None:
 def _report(rows: list) -> None:
     print("\ninterference: engine and copier in separate processes; slowdown of the engine's "
           "step while kvd copies; copy GB/s inside that window, ratio to the copier's memcpy")
-    print(f"{'variant':<24}{'MPS':<5}{'workload':<9}{'alone ms':>9}{'busy ms':>9}{'slowdown':>10}"
+    width = max([24, *(len(r["variant"]) + 2 for r in rows)])
+    print(f"{'variant':<{width}}{'MPS':<5}{'workload':<9}{'alone ms':>9}{'busy ms':>9}{'slowdown':>10}"
           f"{'noise':>7}{'copy GB/s':>10}{'ratio':>7}{'memcpy':>8}")
     for r in rows:
-        print(f"{r['variant']:<24}{'yes' if r['mps'] else 'no':<5}{r['workload']:<9}"
+        print(f"{r['variant']:<{width}}{'yes' if r['mps'] else 'no':<5}{r['workload']:<9}"
               f"{r['alone_ms']:>9.3f}{r['busy_ms']:>9.3f}{r['slowdown']:>+10.1%}{r['alone_spread']:>7.1%}"
               f"{r['copy_GBps']:>10.1f}{r['copy_ratio']:>7.2f}{r['memcpy_GBps']:>8.1f}")
     sys.stdout.flush()
