@@ -56,6 +56,7 @@ VARIANTS = {  # name -> (daemon flags, copier options)
     "staged, poll 200 us": ([*_K, "--gpu-max-blocks", "32", "--gpu-poll-interval-us", "200"], {}),
     "staged, no marks": ([*_K, "--gpu-max-blocks", "32"], {"marks": False}),
     "zero-copy, 32 blocks": ([*_K, "--gpu-max-blocks", "32", "--gpu-stage-slots", "0"], {}),
+    "zero-copy, 8 blocks": ([*_K, "--gpu-max-blocks", "8", "--gpu-stage-slots", "0"], {}),
     "zero-copy, full width": ([*_K, "--gpu-max-blocks", "1024", "--gpu-stage-slots", "0"], {}),
 }
 SHAPE = ("vllm_flash_attn", 32, 8, 128)
