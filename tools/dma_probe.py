@@ -18,6 +18,9 @@ Ways, each over 1/2/4/8 streams:
 - ``3d``: ``cuMemcpy3DBatchAsync_v2``, one pitched op per page: width = page
   bytes, height = layers x planes, the pool's plane pitch on one side and
   the chunk's plane pitch on the other: 1/64 as many ops for Llama.
+- ``3d-pagemajor``: the same ops into a host buffer laid out page by page
+  (an op's host rows adjacent; not kvd's arena layout, no byte check): does
+  the host side's scatter cost the copy engines?
 - ``d2d-3d`` / ``d2d-1d``: the same ops (3d) or copies (1d) between the pool
   and a GPU staging buffer laid out as the host buffer: how fast the copy
   engines gather and scatter pages inside the GPU (no byte check).
@@ -100,14 +103,18 @@ class Case:
         self.copy_stream = torch.cuda.Stream()
         self.chunk_bytes = self.nbytes // CHUNKS
 
-    def ops(self, to_host, height=0, stage=False):
+    def ops(self, to_host, height=0, stage=False, page_major=False):
         """One op per (group of ``height`` planes, page); all planes by default. ``stage``:
-        the staging buffer in place of the host buffer."""
+        the staging buffer in place of the host buffer; ``page_major``: a host layout
+        ``[chunk][page][plane][rows]`` (not kvd's), so an op's host rows are adjacent."""
         height = height or self.lp
         groups = np.arange(0, self.lp, height, dtype=np.uint64)[:, None]
         dev = (self.dev3[0][None, :] + groups * np.uint64(self.dev3[1])).reshape(-1), self.dev3[1]
-        host = (self.host3[0][None, :] + groups * np.uint64(self.host3[1])
-                + (self.to_stage if stage else np.uint64(0))).reshape(-1), self.host3[1]
+        first = (np.uint64(self.host.data_ptr()) + np.arange(self.dev3[0].size, dtype=np.uint64)
+                 * np.uint64(self.lp * self.piece)) if page_major else self.host3[0]
+        pitch = self.piece if page_major else self.host3[1]
+        host = (first[None, :] + groups * np.uint64(pitch)
+                + (self.to_stage if stage else np.uint64(0))).reshape(-1), pitch
         (src, src_pitch), (dst, dst_pitch) = (dev, host) if to_host else (host, dev)
         return make_ops(src, src_pitch, dst, dst_pitch, self.piece, height)
 
@@ -138,7 +145,7 @@ def enqueue(case, way, to_host, streams):
         return d2d(case, way[4:], to_host, streams, slice(None))
     if way.startswith("3d"):
         height = int(way[4:]) if way.startswith("3d-h") else 1 if way == "3d-rows" else 0
-        ops = case.ops(to_host, height)
+        ops = case.ops(to_host, height, page_major=way == "3d-pagemajor")
         for s, st in zip(_split(len(ops), len(streams)), streams):
             _batch3d(st.cuda_stream, ops[s])
         return
@@ -226,7 +233,7 @@ def run_case(torch, spec, a, pools) -> None:
     for way in a.ways.split(","):
         row = {"case": spec, "way": way}
         try:
-            if not way.startswith("d2d"):
+            if not way.startswith("d2d") and way != "3d-pagemajor":  # other host layouts
                 row["wrong_bytes"] = check(torch, case, way, pools[0][:4])
         except RuntimeError as e:
             print(json.dumps({**row, "error": str(e)}), flush=True)
