@@ -36,7 +36,8 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="kvd-bench-") as rundir:
         port = free_port() if args.scrape_hz else 0
         daemon = start_daemon(rundir, capacity=int(nbytes * 2.5) + 2**20, chunk_tokens=args.chunk_tokens,
-                              log_path=args.daemon_log, profile=args.daemon_profile, extra=("--metrics-port", str(port)))
+                              log_path=args.daemon_log, profile=args.daemon_profile,
+                              extra=("--metrics-port", str(port)))
         scraper = start_scraper(port, args.scrape_hz) if port else None
         pool = None
         try:
