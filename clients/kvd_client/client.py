@@ -22,7 +22,9 @@ engine started before the daemon works (with misses) and registers its
 pools when the daemon appears. A background thread sends heartbeats, ends
 transfers past their deadline, fences failed loads and watches the
 daemon's instance lock; after a daemon restart the client says hello
-again, registers again and resends per its ``Retry`` policy.
+again, registers again and resends per its ``Retry`` policy (a
+``no_session`` answer to a request sent before the latest hello only
+resends: ``session_lost``).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class KvdClient:
         self._pending: dict[int, object] = {}  # request id -> Transfer | Call
         self._finished: list[Transfer] = []    # submitted transfers done since the last poll
         self._need_hello = False
+        self._hellos = 0  # hellos answered so far: which session a request was sent under
         self._last_ok = 0.0
         self._pump = Pump(self)
         self._closed = threading.Event()
@@ -124,6 +127,7 @@ class KvdClient:
                                               "versions": [wire.VERSION]})
                 with self._lock:
                     self.limits, self.connected, self._need_hello = limits, True, False
+                    self._hellos += 1
                 for reg in list(self.registrations):
                     self._register(reg)
                 self._last_ok = time.monotonic()
@@ -143,6 +147,7 @@ class KvdClient:
         with self._lock:  # registered before any thread can collect its reply
             req_id = self.channel.reserve_id()
             self._pending[req_id] = call
+            sent_under = self._hellos
         try:
             self.channel.send(op, fields, frames, wait=timeout, req_id=req_id)
         except BaseException:
@@ -160,10 +165,18 @@ class KvdClient:
             self.progress(None, left)
         if call.error is not None:
             if isinstance(call.error, NoSession):
-                self._need_hello = True
+                self.session_lost(sent_under)
             raise call.error
         self._last_ok = time.monotonic()
         return call.result
+
+    def session_lost(self, sent_under: int) -> None:
+        """A request sent under hello number ``sent_under`` was answered ``no_session``:
+        hello again, unless a hello was answered since (the answer is about the session
+        before it, and a needless hello would drop this one's registrations)."""
+        with self._lock:
+            if sent_under == self._hellos:
+                self._need_hello = True
 
     def _ensure_connected(self) -> None:
         if self._need_hello or not self.connected:
@@ -296,11 +309,10 @@ class KvdClient:
             self._ensure_connected()
             try:
                 return self._call(op, {**fields, "reg": reg.id}, frames)
-            except NoSession:
+            except NoSession:  # _call decided whether a hello is due
                 if attempt == self.retry.attempts:
                     raise
                 time.sleep(self.retry.delay(attempt))
-                self._need_hello = True
 
     def _guard(self, call, fallback):
         try:

@@ -67,6 +67,7 @@ class Pump:
         with c._lock:  # registered before any thread can collect its reply
             req_id = c.channel.reserve_id()
             c._pending[req_id] = t
+            t.sent_under = c._hellos
         try:  # a transfer never waits long to be sent: a daemon that cannot take it is a miss
             c.channel.send(t.op, fields, [wire.keys_frame(t.keys), t.pages],
                            wait=min(c.timeout, SEND_WAIT_S), req_id=req_id)
@@ -134,7 +135,7 @@ class Pump:
             item.succeed(chunks * item.reg.namespace.chunk_tokens)
             self._finished(item)
         elif isinstance(error, NoSession):  # the daemon restarted or reaped us: hello next
-            self.c._need_hello = True
+            self.c.session_lost(item.sent_under)
             if item.attempts < self.c.retry.attempts:
                 item.attempts += 1
                 self.resend.append(item)
@@ -250,6 +251,5 @@ class Pump:
         c._last_ok = time.monotonic()
         try:
             c._call("heartbeat", {}, timeout=min(c.timeout, self._interval()))
-        except NoSession:
-            c._need_hello = True
+        except NoSession:  # _call decided whether a hello is due
             c._hello()

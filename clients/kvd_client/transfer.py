@@ -42,6 +42,7 @@ class Transfer:
         self.tokens = 0
         self.error: Exception | None = None
         self.req_id: int | None = None
+        self.sent_under = 0  # the client's hello count when it was sent (KvdClient.session_lost)
         self.attempts = 0
         self.fence_at: float | None = None  # failed load: fenced by this time at the latest
         self._done = threading.Event()

@@ -155,6 +155,32 @@ def test_idle_client_with_heartbeats_is_not_reaped(start_daemon):
 
 # ---- (c) daemon restart under a connected client ---------------------------------
 
+def test_a_late_no_session_answer_does_not_cost_the_new_session_its_pools(daemon):
+    """A ``no_session`` answer to a request sent before the client's latest hello (e.g. a
+    heartbeat queued while the daemon restarted, read after the hello) must not make the
+    client hello again: that would reap the new session and its registrations under the
+    engine's feet. An answer about the current session does bring a hello."""
+    client = kvd_client.KvdClient(runtime_dir=str(daemon.runtime_dir), timeout=5.0,
+                                  raise_errors=True, heartbeat=False).connect()
+    pool = random_pool(32)
+    tokens = np.arange(64)
+    try:
+        client.register_kv(pool, model="late-answer")
+        hellos = daemon.log().count("connected")
+        client.session_lost(client._hellos - 1)  # about the session before this one
+        assert client.store(tokens, np.arange(16)) == 64
+        assert daemon.log().count("connected") == hellos, "a needless hello"
+        assert daemon.stats()["registrations"] == 1
+        client.session_lost(client._hellos)  # about this session: hello and register again
+        assert client.load(tokens, np.arange(16, 32)) == 64
+        wait_for(lambda: daemon.log().count("connected") == hellos + 1, 5, "the second hello")
+        stats = daemon.stats()
+        assert stats["clients"] == 1 and stats["registrations"] == 1
+    finally:
+        client.close()
+        pool.close()
+
+
 def test_daemon_restart_with_connected_client(start_daemon):
     d1 = start_daemon()
     rd = d1.runtime_dir
@@ -192,7 +218,7 @@ def test_daemon_restart_with_connected_client(start_daemon):
         assert client.load(tokens, np.arange(16, 32)) == 64
         assert same_pages(pool, slice(0, 16), slice(16, 32))
         stats = d2.stats()
-        assert stats["clients"] == 1 and stats["registrations"] == 1
+        assert stats["clients"] == 1 and stats["registrations"] == 1, (stats, d2.log())
         assert stats["store_dedup"] == 4 and stats["tiers"]["host"]["warm"]["start"] == "clean"
     finally:
         client.close()
