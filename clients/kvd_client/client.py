@@ -22,9 +22,7 @@ engine started before the daemon works (with misses) and registers its
 pools when the daemon appears. A background thread sends heartbeats, ends
 transfers past their deadline, fences failed loads and watches the
 daemon's instance lock; after a daemon restart the client says hello
-again, registers again and resends per its ``Retry`` policy (a
-``no_session`` answer to a request sent before the latest hello only
-resends: ``session_lost``).
+again, registers again and resends per its ``Retry`` policy.
 """
 
 from __future__ import annotations
@@ -145,9 +143,8 @@ class KvdClient:
         timeout = self.timeout if timeout is None else timeout
         call = Call()
         with self._lock:  # registered before any thread can collect its reply
-            req_id = self.channel.reserve_id()
+            req_id, sent_under = self.channel.reserve_id(), self._hellos
             self._pending[req_id] = call
-            sent_under = self._hellos
         try:
             self.channel.send(op, fields, frames, wait=timeout, req_id=req_id)
         except BaseException:
@@ -165,18 +162,10 @@ class KvdClient:
             self.progress(None, left)
         if call.error is not None:
             if isinstance(call.error, NoSession):
-                self.session_lost(sent_under)
+                self._pump.session_lost(sent_under)
             raise call.error
         self._last_ok = time.monotonic()
         return call.result
-
-    def session_lost(self, sent_under: int) -> None:
-        """A request sent under hello number ``sent_under`` was answered ``no_session``:
-        hello again, unless a hello was answered since (the answer is about the session
-        before it, and a needless hello would drop this one's registrations)."""
-        with self._lock:
-            if sent_under == self._hellos:
-                self._need_hello = True
 
     def _ensure_connected(self) -> None:
         if self._need_hello or not self.connected:

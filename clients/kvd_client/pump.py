@@ -11,7 +11,8 @@ fenced once the daemon's done word arrives, the daemon is gone, or
 the daemon's instance lock is probed (kvd_client.liveness) and a dead
 daemon fails everything in flight at once, instead of at the timeouts.
 Transfers answered ``no_session`` are resent after hello, as the client's
-``Retry`` allows. ``keep()`` is the body of the client's background thread:
+``Retry`` allows; ``session_lost`` skips the hello when the answer is about
+a session that an answered hello already replaced. ``keep()`` is the body of the client's background thread:
 the same housekeeping when no caller is waiting, heartbeats when idle, and
 hello when a daemon appears. State is under the client's lock; nobody
 sleeps holding it.
@@ -135,7 +136,7 @@ class Pump:
             item.succeed(chunks * item.reg.namespace.chunk_tokens)
             self._finished(item)
         elif isinstance(error, NoSession):  # the daemon restarted or reaped us: hello next
-            self.c.session_lost(item.sent_under)
+            self.session_lost(item.sent_under)
             if item.attempts < self.c.retry.attempts:
                 item.attempts += 1
                 self.resend.append(item)
@@ -183,6 +184,14 @@ class Pump:
             self.last_probe = now
             if c.probe.gone(c.limits.get("daemon_pid")):
                 self._daemon_gone()
+
+    def session_lost(self, sent_under: int) -> None:
+        """A request sent under hello number ``sent_under`` was answered ``no_session``:
+        hello again, unless a hello was answered since (the answer is about the session
+        before it, and a needless hello would drop this one's registrations)."""
+        with self.c._lock:
+            if sent_under == self.c._hellos:
+                self.c._need_hello = True
 
     def _daemon_gone(self) -> None:
         """The daemon's process ended: everything in flight failed; a load's pages are

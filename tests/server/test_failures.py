@@ -167,11 +167,11 @@ def test_a_late_no_session_answer_does_not_cost_the_new_session_its_pools(daemon
     try:
         client.register_kv(pool, model="late-answer")
         hellos = daemon.log().count("connected")
-        client.session_lost(client._hellos - 1)  # about the session before this one
+        client._pump.session_lost(client._hellos - 1)  # about the session before this one
         assert client.store(tokens, np.arange(16)) == 64
         assert daemon.log().count("connected") == hellos, "a needless hello"
         assert daemon.stats()["registrations"] == 1
-        client.session_lost(client._hellos)  # about this session: hello and register again
+        client._pump.session_lost(client._hellos)  # about this session: hello and register again
         assert client.load(tokens, np.arange(16, 32)) == 64
         wait_for(lambda: daemon.log().count("connected") == hellos + 1, 5, "the second hello")
         stats = daemon.stats()
