@@ -12,9 +12,9 @@ the daemon's instance lock is probed (kvd_client.liveness) and a dead
 daemon fails everything in flight at once, instead of at the timeouts.
 Transfers answered ``no_session`` are resent after hello, as the client's
 ``Retry`` allows; ``session_lost`` skips the hello when the answer is about
-a session that an answered hello already replaced. ``keep()`` is the body of the client's background thread:
-the same housekeeping when no caller is waiting, heartbeats when idle, and
-hello when a daemon appears. State is under the client's lock; nobody
+a session that an answered hello already replaced. ``keep()`` is the body
+of the client's background thread: the same housekeeping when no caller is
+waiting, heartbeats when idle, and hello when a daemon appears. State is under the client's lock; nobody
 sleeps holding it.
 """
 

@@ -7,7 +7,7 @@ benchmarks run the default config, and leave nothing in /dev/shm);
 ``control`` sends one control
 request to it; ``request_bytes`` is the size of one request of a shape;
 ``start_scraper`` polls a daemon's ``/metrics`` from another process, as
-Prometheus would.
+Prometheus would; ``on_stream`` runs one engine's calls on its own CUDA stream.
 """
 
 from __future__ import annotations
@@ -111,3 +111,14 @@ def start_scraper(port: int, hz: float) -> subprocess.Popen:
     prints how many scrapes succeeded."""
     return subprocess.Popen([sys.executable, "-c", SCRAPER, f"http://127.0.0.1:{port}/metrics",
                              str(hz)], stdout=subprocess.PIPE, text=True)
+
+
+def on_stream(torch, stream, call, *args):
+    """``call(*args)`` with ``stream`` as this thread's current CUDA stream, then wait for
+    it. The benchmarks' engines are threads of one process; engines in production are
+    processes with streams of their own, and on one shared stream a store's mark would
+    wait behind another engine's load."""
+    with torch.cuda.stream(stream):
+        out = call(*args)
+    stream.synchronize()
+    return out

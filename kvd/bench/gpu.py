@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from . import pipeline
-from .common import request_bytes, start_daemon, stop_daemon
+from .common import on_stream, request_bytes, start_daemon, stop_daemon
 
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
     "llama3-8b": ("vllm_flash_attn", 32, 8, 128),
@@ -156,10 +156,10 @@ def _measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape, page, args
         loaded = b.load(tokens, pages)
         t2 = time.perf_counter()
         fresh = tokens + n * chunk  # store new chunks while loading the ones just stored
-        worker = threading.Thread(target=_on_stream, args=(torch, streams[0], a.store, fresh, other))
+        worker = threading.Thread(target=on_stream, args=(torch, streams[0], a.store, fresh, other))
         t3 = time.perf_counter()
         worker.start()
-        _on_stream(torch, streams[1], b.load, tokens, other)
+        on_stream(torch, streams[1], b.load, tokens, other)
         worker.join()
         t4 = time.perf_counter()
         if stored != len(tokens) or loaded != len(tokens):
@@ -209,8 +209,8 @@ def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
         while not stop.is_set():
             tokens = np.arange(n * chunk) + 10**9 + i * n * chunk
             timed, t0 = window.is_set(), time.perf_counter()
-            _on_stream(torch, stream, client.store, tokens, pages)  # not behind the GEMMs
-            _on_stream(torch, stream, client.load, tokens, other)
+            on_stream(torch, stream, client.store, tokens, pages)  # not behind the GEMMs
+            on_stream(torch, stream, client.load, tokens, other)
             if timed and window.is_set():
                 moved[0] += 2 * request_bytes(shape, n, chunk)
                 moved[1] += time.perf_counter() - t0
@@ -254,12 +254,3 @@ def _report(torch, rows, gemm, args) -> None:
     print(f"\nbf16 GEMM 8192^3: {gemm['alone_ms']:.3f} ms alone, {gemm['with_copies_ms']:.3f} ms while "
           f"kvd copies (llama3-8b, page 16): slowdown {gemm['slowdown']:+.1%}; the copies meanwhile "
           f"{gemm['copy_GBps']:.1f} GB/s (store + load, whole requests inside the timed GEMMs)")
-
-
-def _on_stream(torch, stream, call, *args):
-    """``call(*args)`` with ``stream`` as this thread's current stream, then wait for it:
-    two engines share no stream (a store's mark would wait behind the other's load)."""
-    with torch.cuda.stream(stream):
-        out = call(*args)
-    stream.synchronize()
-    return out

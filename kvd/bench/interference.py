@@ -33,18 +33,19 @@ import time
 from .common import request_bytes, start_daemon, stop_daemon
 
 _K = ["--gpu-copy-path", "kernels"]
-_STAGED = ["--gpu-copy-path", "dma", "--gpu-dma-stage-below", "64KiB"]  # DMA through the slots
+_D = ["--gpu-copy-path", "dma"]
+_STAGED = [*_D, "--gpu-dma-stage-below", "64KiB"]  # DMA through the slots
 VARIANTS = {  # name -> (daemon flags, copier options)
-    "none (control)": (["--gpu-copy-path", "dma"], {"idle": True}),
-    "dma": (["--gpu-copy-path", "dma"], {}),
-    "dma, stores only": (["--gpu-copy-path", "dma"], {"direction": "d2h"}),
-    "dma, loads only": (["--gpu-copy-path", "dma"], {"direction": "h2d"}),
-    "dma, no marks": (["--gpu-copy-path", "dma"], {"marks": False}),
+    "none (control)": (_D, {"idle": True}),
+    "dma": (_D, {}),
+    "dma, stores only": (_D, {"direction": "d2h"}),
+    "dma, loads only": (_D, {"direction": "h2d"}),
+    "dma, no marks": (_D, {"marks": False}),
     "dma, staged": (_STAGED, {}),
     "dma, staged, stores only": (_STAGED, {"direction": "d2h"}),
     "dma, staged, loads only": (_STAGED, {"direction": "h2d"}),
-    "dma, 4 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "4"], {}),
-    "dma, 16 streams": (["--gpu-copy-path", "dma", "--gpu-dma-streams", "16"], {}),
+    "dma, 4 streams": ([*_D, "--gpu-dma-streams", "4"], {}),
+    "dma, 16 streams": ([*_D, "--gpu-dma-streams", "16"], {}),
     "staged, 32 blocks": ([*_K, "--gpu-max-blocks", "32"], {}),
     "staged, 8 blocks": ([*_K, "--gpu-max-blocks", "8"], {}),
     "staged, 128 blocks": ([*_K, "--gpu-max-blocks", "128"], {}),

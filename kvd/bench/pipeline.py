@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .common import request_bytes
+from .common import on_stream, request_bytes
 
 
 def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, args,
@@ -101,10 +101,8 @@ def _run(engine, op: str, depth: int, rounds: int, fresh, n: int, chunk: int, to
     waited for on the engine's own stream."""
     import torch
     client, _, src, dst, stream = engine
-    with torch.cuda.stream(stream):
-        _keep_in_flight(client, op, src if op == "store" else dst, depth * rounds, depth,
-                        fresh, n, chunk, tokens)
-    stream.synchronize()
+    on_stream(torch, stream, _keep_in_flight, client, op, src if op == "store" else dst,
+              depth * rounds, depth, fresh, n, chunk, tokens)
 
 
 def _keep_in_flight(client, op: str, pages, todo: int, depth: int, fresh, n: int, chunk: int,
