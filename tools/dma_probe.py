@@ -4,6 +4,9 @@ A measurement tool for issue 11, not part of kvd. On the GPU machine:
 
     python3 tools/dma_probe.py [--reps 5] [--cases llama:16,mla:16,llama:64,mla:64,llama:1]
 
+A case ``shape:page:bo`` uses a block-outer pool ``[page][layer*plane][page
+bytes]`` (vLLM 0.32's ``BLHNC``-family layouts: a page's planes adjacent).
+
 A pool ``[layer*plane][page][page bytes]`` (one allocation, so the
 (layer, plane) planes sit at one pitch, as in vLLM >= 0.2x's single KV
 backing allocation) and a host buffer of 8 chunks of 256 tokens laid out
@@ -21,6 +24,9 @@ Ways, each over 1/2/4/8 streams:
 - ``3d-pagemajor``: the same ops into a host buffer laid out page by page
   (an op's host rows adjacent; not kvd's arena layout, no byte check): does
   the host side's scatter cost the copy engines?
+- ``page1d`` (block-outer cases only): a page-major host buffer and one
+  contiguous ``cuMemcpyBatchAsync`` copy per page of all its planes: the best
+  a block-outer pool and a page-major arena could give (no byte check).
 - ``d2d-3d`` / ``d2d-1d``: the same ops (3d) or copies (1d) between the pool
   and a GPU staging buffer laid out as the host buffer: how fast the copy
   engines gather and scatter pages inside the GPU (no byte check).
@@ -31,7 +37,8 @@ Ways, each over 1/2/4/8 streams:
 
 Directions: device-to-host, host-to-device, and both at once (each with the
 streams given). Ratio = memcpy time of the same bytes / the way's time (both:
-two memcpys on two streams). Each way is checked byte for byte against a
+two memcpys on two streams), the memcpys timed right after the way's row (a
+baseline timed once per case drifted: 20-54 GB/s h2d in one run). Each way is checked byte for byte against a
 torch gather once per direction. Prints JSON lines.
 """
 
@@ -73,28 +80,30 @@ def _batch3d(stream, ops):
 class Case:
     """One pool, one host buffer, the page ids, and the piece / op lists both ways."""
 
-    def __init__(self, torch, name, page):
+    def __init__(self, torch, name, page, block_outer=False):
         layers, planes, row = SHAPES[name]
         self.name, self.page, self.lp = name, page, layers * planes
-        self.piece = page * row
+        self.piece, self.block_outer = page * row, block_outer
         pages = 8 * CHUNK * CHUNKS // page
-        self.pool = torch.randint(0, 256, (self.lp, pages, self.piece), dtype=torch.uint8,
-                                  device="cuda")
+        shape = (pages, self.lp, self.piece) if block_outer else (self.lp, pages, self.piece)
+        self.raw = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+        self.pool = self.raw.permute(1, 0, 2) if block_outer else self.raw  # [plane][page][bytes]
         self.nbytes = self.lp * CHUNK * CHUNKS * row
         self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self.ids = np.random.default_rng(page).choice(pages, CHUNK * CHUNKS // page, replace=False)
         ppc = CHUNK // page
-        plane_pitch, chunk_plane = pages * self.piece, CHUNK * row
+        plane_pitch, chunk_plane = (self.piece if block_outer else pages * self.piece), CHUNK * row
+        page_stride = self.lp * self.piece if block_outer else self.piece
         lp = np.arange(self.lp, dtype=np.uint64).reshape(1, -1, 1)
         ids = self.ids.astype(np.uint64).reshape(CHUNKS, 1, ppc)
         j = np.arange(ppc, dtype=np.uint64).reshape(1, 1, -1)
         c = np.arange(CHUNKS, dtype=np.uint64).reshape(-1, 1, 1)
         base, hbase = np.uint64(self.pool.data_ptr()), np.uint64(self.host.data_ptr())
-        self.dev1 = (base + lp * np.uint64(plane_pitch) + ids * np.uint64(self.piece)).reshape(-1)
+        self.dev1 = (base + lp * np.uint64(plane_pitch) + ids * np.uint64(page_stride)).reshape(-1)
         self.host1 = (hbase + c * np.uint64(self.lp * chunk_plane) + lp * np.uint64(chunk_plane)
                       + j * np.uint64(self.piece)).reshape(-1)
         self.size1 = np.full(self.dev1.size, self.piece, np.uint64)
-        first_dev = (base + ids * np.uint64(self.piece)).reshape(-1)
+        first_dev = (base + ids * np.uint64(page_stride)).reshape(-1)
         first_host = (hbase + c * np.uint64(self.lp * chunk_plane) + j * np.uint64(self.piece)).reshape(-1)
         self.dev3 = (first_dev, plane_pitch)
         self.host3 = (first_host, chunk_plane)
@@ -148,6 +157,14 @@ def enqueue(case, way, to_host, streams):
         ops = case.ops(to_host, height, page_major=way == "3d-pagemajor")
         for s, st in zip(_split(len(ops), len(streams)), streams):
             _batch3d(st.cuda_stream, ops[s])
+        return
+    if way == "page1d":  # block-outer pool, page-major host: one contiguous copy per page
+        dev, n = case.dev3[0], case.lp * case.piece
+        host = np.uint64(case.host.data_ptr()) + np.arange(dev.size, dtype=np.uint64) * np.uint64(n)
+        dst, src = (host, dev) if to_host else (dev, host)
+        size = np.full(dev.size, n, np.uint64)
+        for s, st in zip(_split(len(dst), len(streams)), streams):
+            _batch1d(st.cuda_stream, dst[s], src[s], size[s])
         return
     order, flags = {"1d": (1, 0), "1d-any": (3, 0), "1d-overlap": (1, 1)}[way]
     dst, src = (case.host1, case.dev1) if to_host else (case.dev1, case.host1)
@@ -215,25 +232,32 @@ def check(torch, case, way, streams):
 
 
 def run_case(torch, spec, a, pools) -> None:
-    name, page = spec.split(":")
-    case, other = Case(torch, name, int(page)), Case(torch, name, int(page))
+    name, page, *pool = spec.split(":")
+    bo = pool == ["bo"]
+    case, other = Case(torch, name, int(page), bo), Case(torch, name, int(page), bo)
     dev = torch.empty(case.nbytes, dtype=torch.uint8, device="cuda")
-    one = {"d2h": timeit(lambda: case.host.copy_(dev, non_blocking=True), a.reps),
-           "h2d": timeit(lambda: dev.copy_(case.host, non_blocking=True), a.reps)}
 
     def both_memcpy():
         with torch.cuda.stream(pools[0][0]):
             case.host.copy_(dev, non_blocking=True)
         with torch.cuda.stream(pools[1][0]):
-            other.pool.view(-1)[:case.nbytes].copy_(other.host, non_blocking=True)
-    one["both"] = timeit(both_memcpy, a.reps)
+            other.raw.view(-1)[:case.nbytes].copy_(other.host, non_blocking=True)
+
+    def memcpy_times():  # measured next to every row: the baseline drifts between rows
+        return {"d2h": timeit(lambda: case.host.copy_(dev, non_blocking=True), a.reps),
+                "h2d": timeit(lambda: dev.copy_(case.host, non_blocking=True), a.reps),
+                "both": timeit(both_memcpy, a.reps)}
+    def gbps(times):
+        return {k: round(case.nbytes / v / 1e9 * (2 if k == "both" else 1), 1)
+                for k, v in times.items()}
     print(json.dumps({"case": spec, "piece": case.piece, "MB": round(case.nbytes / 1e6),
-                      "memcpy_GBps": {k: round(case.nbytes / v / 1e9 * (2 if k == "both" else 1), 1)
-                                      for k, v in one.items()}}), flush=True)
+                      "memcpy_GBps": gbps(memcpy_times())}), flush=True)
     for way in a.ways.split(","):
         row = {"case": spec, "way": way}
         try:
-            if not way.startswith("d2d") and way != "3d-pagemajor":  # other host layouts
+            if way == "page1d" and not bo:
+                continue
+            if not way.startswith("d2d") and way not in ("3d-pagemajor", "page1d"):
                 row["wrong_bytes"] = check(torch, case, way, pools[0][:4])
         except RuntimeError as e:
             print(json.dumps({**row, "error": str(e)}), flush=True)
@@ -244,11 +268,13 @@ def run_case(torch, spec, a, pools) -> None:
                  "h2d": timeit(lambda w=way, s=s0: enqueue(case, w, False, s), a.reps),
                  "both": timeit(lambda w=way, s=s0, o=s1: (enqueue(case, w, True, s),
                                                                enqueue(other, w, False, o)), a.reps)}
+            one = memcpy_times()
             t0 = time.perf_counter()
             enqueue(case, way, True, s0)
             host_ms = (time.perf_counter() - t0) * 1e3
             torch.cuda.synchronize()
             print(json.dumps({**row, "streams": n, "enqueue_ms": round(host_ms, 2),
+                              "memcpy_GBps": gbps(one),
                               **{k: round(one[k] / v, 3) for k, v in t.items()}}), flush=True)
 
 

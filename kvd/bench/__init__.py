@@ -46,9 +46,10 @@ def add_arguments(p) -> None:
                    "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
     p.add_argument("--spin-ms", type=float, default=0.0, help="with --gpu: the clients busy-poll "
                    "this long for each reply before sleeping (KvdClient spin_s)")
-    p.add_argument("--gpu-pool", choices=("per-layer", "one"), default="per-layer",
-                   help="with --gpu: each layer's KV its own allocation (SGLang's, older vLLM's) "
-                   "or all layers in one (vLLM's single backing allocation)")
+    p.add_argument("--gpu-pool", choices=("per-layer", "one", "block-outer"), default="per-layer",
+                   help="with --gpu: each layer's KV its own allocation (SGLang's, older vLLM's), "
+                   "all layers in one (vLLM's single backing allocation), or one with a block's "
+                   "layers adjacent (vLLM 0.32's BLHNC-family layouts)")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
     p.add_argument("--flood", action="store_true", help="a well-behaved client's latency alone and "

@@ -91,10 +91,18 @@ def _plot(torch, rows, piped, args) -> None:
 
 
 def make_pool(torch, CudaKVPool, shape, pages: int, page: int, alloc: str = "per-layer"):
-    """A pool of random bf16 KV: each layer its own allocation (SGLang's, vLLM < 0.2x's), or
-    all layers in one (``alloc = "one"``: vLLM's single backing allocation)."""
+    """A pool of random bf16 KV: each layer its own allocation (SGLang's, vLLM < 0.2x's),
+    all layers in one (``alloc = "one"``: vLLM's single backing allocation), or one with
+    the blocks outermost (``"block-outer"``: a block's layers adjacent, as vLLM 0.32's
+    ``BLHNC`` family lays them out)."""
     layout, layers, heads, dim = shape
     per_layer = (pages, page, dim) if layout == "vllm_mla" else (2, pages, page, heads, dim)
+    if alloc == "block-outer":
+        inner = (page, dim) if layout == "vllm_mla" else (2, page, heads, dim)
+        whole = torch.randn(pages, layers, *inner, dtype=torch.bfloat16, device="cuda")
+        views = [whole[:, n] if layout == "vllm_mla" else whole[:, n].transpose(0, 1)
+                 for n in range(layers)]
+        return CudaKVPool(layout, views)
     if alloc == "one":
         whole = torch.randn(layers, *per_layer, dtype=torch.bfloat16, device="cuda")
         return CudaKVPool(layout, list(whole.unbind(0)))

@@ -118,6 +118,34 @@ def test_steps_cover_the_reference_exactly(kind, consecutive, registration, min_
         assert len(c.run_steps(1)) == runs
 
 
+@pytest.mark.parametrize("pages_per_chunk", [1, 2])
+def test_block_outer_pages_of_one_chunk_go_as_single_rows(pages_per_chunk):
+    """A block-outer pool (a page's planes adjacent) with chunks of one page: each page is
+    one range on both sides, so one single row per page and no pitched op; with two pages
+    a chunk, the arena's planes are two pages apart and the ops stay pitched."""
+    page, row, lp = 4, 256, 9 * 2  # at least MIN_ROWS planes: pitched, else one by one
+    d = LayoutDescriptor(9, 2, 40, page, row, lp * page * row, row,
+                         tuple((0, i * page * row) for i in range(lp)))
+    bases = np.uint64(1 << 30) + np.arange(lp, dtype=np.uint64) * np.uint64(page * row)
+    chunk_tokens, n = page * pages_per_chunk, 5
+    ids = np.random.default_rng(3).permutation(d.num_pages)[:n * pages_per_chunk]
+    shard_ptrs = HOST0 + np.arange(n, dtype=np.uint64) * np.uint64(d.shard_bytes(chunk_tokens))
+    want = reference(d, bases, ids, shard_ptrs, chunk_tokens, 0, d.num_layers)
+    for to_host in (True, False):
+        c = dma_plan.CopyOps(d, bases, ids, shard_ptrs, chunk_tokens, (HOST0, 1 << 40), to_host)
+        (step,) = c.steps(1 << 62)
+        assert covered(step, to_host) == want
+        if pages_per_chunk == 1:
+            assert not step.ops.size and step.size.tolist() == [lp * page * row] * n
+        else:
+            assert not step.size.size and len(step.ops) == n * pages_per_chunk
+        by_layer = dma_plan.CopyOps(d, bases, ids, shard_ptrs, chunk_tokens, (HOST0, 1 << 40),
+                                    to_host, by_layer=True)
+        for k, layer_step in enumerate(by_layer.steps(1 << 62)):
+            assert covered(layer_step, to_host) == reference(d, bases, ids, shard_ptrs,
+                                                             chunk_tokens, k, k + 1)
+
+
 def _in_run(c, runs, host, d):
     """Whether arena address ``host`` is in one of ``runs`` (any plane of its chunk)."""
     planes = d.num_layers * d.planes

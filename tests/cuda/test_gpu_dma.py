@@ -4,7 +4,8 @@ allocation), on a real GPU: real engines, a real daemon, every byte checked.
 - Pitched ops straight between the pool and the arena (the default,
   ``gpu_dma_stage_below`` = 0) and staged through the slots (set to 64 KiB:
   pages under it, the other direction idle), for a
-  Llama-like and an MLA pool, pages of 1, 16 and 64 tokens, 20 layers:
+  Llama-like and an MLA pool, pages of 1, 16 and 64 tokens, 20 layers, the
+  layers' blocks apart (plane-major) or a block's layers adjacent (block-outer):
   poisoned target pages hold exactly the stored pages afterwards, and no
   other byte of the allocation moved; the daemon's log names the path each
   copy took.
@@ -47,6 +48,17 @@ def one_allocation(layout: str, pages: int, page: int, layers: int = LAYERS):
     return whole, list(whole.unbind(0))
 
 
+def block_outer(layout: str, pages: int, page: int, layers: int = LAYERS):
+    """The same with the blocks outermost, a block's layers adjacent (vLLM 0.32's BLHNC
+    family): the (layer, plane) planes of a page sit one page apart."""
+    heads, dim = SHAPES[layout]
+    inner = (page, dim * 2) if layout == "vllm_mla" else (2, page, heads, dim * 2)
+    whole = torch.randint(0, 256, (pages, layers, *inner), dtype=torch.uint8,
+                          device="cuda").view(torch.bfloat16)
+    return whole, [whole[:, n] if layout == "vllm_mla" else whole[:, n].transpose(0, 1)
+                   for n in range(layers)]
+
+
 def page_of(layout: str, views: list, page: int) -> list:
     return [v[:, page] if layout == "vllm_flash_attn" else v[page] for v in views]
 
@@ -55,14 +67,15 @@ def path_taken(log: str, chunks: int) -> list:
     return re.findall(rf"(gather|scatter) of {chunks} chunks, [\d.]+ MB, ([a-zA-Z ]+):", log)
 
 
-@pytest.mark.parametrize("staging", ["staged", "straight"])
+@pytest.mark.parametrize("staging,alloc", [("staged", "one"), ("straight", "one"),
+                                           ("straight", "block-outer")])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("layout", sorted(SHAPES))
-def test_one_allocation_pool_round_trip_bit_exact(start_daemon, layout, page_size, staging):
+def test_one_allocation_pool_round_trip_bit_exact(start_daemon, layout, page_size, staging, alloc):
     d = start_daemon(**KNOBS, gpu_dma_stage_below="64KiB" if staging == "staged" else 0)
     chunks, ppc = 4, CHUNK // page_size
     pages = 2 * chunks * ppc + 3
-    whole, views = one_allocation(layout, pages, page_size)
+    whole, views = (one_allocation if alloc == "one" else block_outer)(layout, pages, page_size)
     perm = torch.randperm(pages).tolist()
     src, dst = perm[:chunks * ppc], perm[chunks * ppc:2 * chunks * ppc]
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
