@@ -38,8 +38,9 @@ Ways, each over 1/2/4/8 streams:
 Directions: device-to-host, host-to-device, and both at once (each with the
 streams given). Ratio = memcpy time of the same bytes / the way's time (both:
 two memcpys on two streams), the memcpys timed right after the way's row (a
-baseline timed once per case drifted: 20-54 GB/s h2d in one run). Each way is checked byte for byte against a
-torch gather once per direction. Prints JSON lines.
+baseline timed once per case drifted: 20-54 GB/s h2d in one run). Each way
+is checked byte for byte against a torch gather once per direction. Prints
+JSON lines.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Case:
     def __init__(self, torch, name, page, block_outer=False):
         layers, planes, row = SHAPES[name]
         self.name, self.page, self.lp = name, page, layers * planes
-        self.piece, self.block_outer = page * row, block_outer
+        self.piece = page * row
         pages = 8 * CHUNK * CHUNKS // page
         shape = (pages, self.lp, self.piece) if block_outer else (self.lp, pages, self.piece)
         self.raw = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
@@ -119,13 +120,17 @@ class Case:
         height = height or self.lp
         groups = np.arange(0, self.lp, height, dtype=np.uint64)[:, None]
         dev = (self.dev3[0][None, :] + groups * np.uint64(self.dev3[1])).reshape(-1), self.dev3[1]
-        first = (np.uint64(self.host.data_ptr()) + np.arange(self.dev3[0].size, dtype=np.uint64)
-                 * np.uint64(self.lp * self.piece)) if page_major else self.host3[0]
+        first = self.page_major_host() if page_major else self.host3[0]
         pitch = self.piece if page_major else self.host3[1]
         host = (first[None, :] + groups * np.uint64(pitch)
                 + (self.to_stage if stage else np.uint64(0))).reshape(-1), pitch
         (src, src_pitch), (dst, dst_pitch) = (dev, host) if to_host else (host, dev)
         return make_ops(src, src_pitch, dst, dst_pitch, self.piece, height)
+
+    def page_major_host(self):
+        """Where each page starts in a host buffer laid out page by page, all planes."""
+        return np.uint64(self.host.data_ptr()) + np.arange(
+            self.dev3[0].size, dtype=np.uint64) * np.uint64(self.lp * self.piece)
 
     def reference(self, torch):
         """The host buffer a perfect device-to-host copy gives, as a GPU tensor."""
@@ -159,10 +164,9 @@ def enqueue(case, way, to_host, streams):
             _batch3d(st.cuda_stream, ops[s])
         return
     if way == "page1d":  # block-outer pool, page-major host: one contiguous copy per page
-        dev, n = case.dev3[0], case.lp * case.piece
-        host = np.uint64(case.host.data_ptr()) + np.arange(dev.size, dtype=np.uint64) * np.uint64(n)
+        dev, host = case.dev3[0], case.page_major_host()
         dst, src = (host, dev) if to_host else (dev, host)
-        size = np.full(dev.size, n, np.uint64)
+        size = np.full(dev.size, case.lp * case.piece, np.uint64)
         for s, st in zip(_split(len(dst), len(streams)), streams):
             _batch1d(st.cuda_stream, dst[s], src[s], size[s])
         return
@@ -247,16 +251,17 @@ def run_case(torch, spec, a, pools) -> None:
         return {"d2h": timeit(lambda: case.host.copy_(dev, non_blocking=True), a.reps),
                 "h2d": timeit(lambda: dev.copy_(case.host, non_blocking=True), a.reps),
                 "both": timeit(both_memcpy, a.reps)}
+
     def gbps(times):
         return {k: round(case.nbytes / v / 1e9 * (2 if k == "both" else 1), 1)
                 for k, v in times.items()}
     print(json.dumps({"case": spec, "piece": case.piece, "MB": round(case.nbytes / 1e6),
                       "memcpy_GBps": gbps(memcpy_times())}), flush=True)
     for way in a.ways.split(","):
+        if way == "page1d" and not bo:
+            continue
         row = {"case": spec, "way": way}
         try:
-            if way == "page1d" and not bo:
-                continue
             if not way.startswith("d2d") and way not in ("3d-pagemajor", "page1d"):
                 row["wrong_bytes"] = check(torch, case, way, pools[0][:4])
         except RuntimeError as e:

@@ -98,11 +98,10 @@ def make_pool(torch, CudaKVPool, shape, pages: int, page: int, alloc: str = "per
     layout, layers, heads, dim = shape
     per_layer = (pages, page, dim) if layout == "vllm_mla" else (2, pages, page, heads, dim)
     if alloc == "block-outer":
-        inner = (page, dim) if layout == "vllm_mla" else (2, page, heads, dim)
-        whole = torch.randn(pages, layers, *inner, dtype=torch.bfloat16, device="cuda")
-        views = [whole[:, n] if layout == "vllm_mla" else whole[:, n].transpose(0, 1)
-                 for n in range(layers)]
-        return CudaKVPool(layout, views)
+        axis = 1 if layout == "vllm_mla" else 2  # the block axis of (layers, *per_layer)
+        inner = (layers, *per_layer[:axis - 1], *per_layer[axis:])
+        whole = torch.randn(pages, *inner, dtype=torch.bfloat16, device="cuda").movedim(0, axis)
+        return CudaKVPool(layout, list(whole.unbind(0)))
     if alloc == "one":
         whole = torch.randn(layers, *per_layer, dtype=torch.bfloat16, device="cuda")
         return CudaKVPool(layout, list(whole.unbind(0)))

@@ -39,24 +39,19 @@ KNOBS = {"chunk_tokens": CHUNK, "host_capacity": "1GiB", "gpu": "on", "gpu_copy_
 SHAPES = {"vllm_flash_attn": (8, 128), "vllm_mla": (1, 576)}  # heads, head dim (bf16)
 
 
-def one_allocation(layout: str, pages: int, page: int, layers: int = LAYERS):
-    """(the whole allocation, the per-layer views the engine registers), random bytes."""
+def one_allocation(layout: str, pages: int, page: int, layers: int = LAYERS,
+                   block_outer: bool = False):
+    """(the whole allocation, the per-layer views the engine registers), random bytes;
+    ``block_outer``: the blocks outermost, a block's layers adjacent (vLLM 0.32's BLHNC
+    family), so the (layer, plane) planes of a page sit one page apart."""
     heads, dim = SHAPES[layout]
-    per_layer = (pages, page, dim) if layout == "vllm_mla" else (2, pages, page, heads, dim)
-    raw = (layers, *per_layer[:-1], per_layer[-1] * 2)
-    whole = torch.randint(0, 256, raw, dtype=torch.uint8, device="cuda").view(torch.bfloat16)
+    per_layer = (pages, page, dim * 2) if layout == "vllm_mla" else (2, pages, page, heads, dim * 2)
+    axis, shape = (1 if layout == "vllm_mla" else 2), (layers, *per_layer)  # axis: the blocks'
+    if block_outer:  # allocated blocks first, viewed in the engine's per-layer order
+        shape = (pages, *shape[:axis], *shape[axis + 1:])
+    whole = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(torch.bfloat16)
+    whole = whole.movedim(0, axis) if block_outer else whole
     return whole, list(whole.unbind(0))
-
-
-def block_outer(layout: str, pages: int, page: int, layers: int = LAYERS):
-    """The same with the blocks outermost, a block's layers adjacent (vLLM 0.32's BLHNC
-    family): the (layer, plane) planes of a page sit one page apart."""
-    heads, dim = SHAPES[layout]
-    inner = (page, dim * 2) if layout == "vllm_mla" else (2, page, heads, dim * 2)
-    whole = torch.randint(0, 256, (pages, layers, *inner), dtype=torch.uint8,
-                          device="cuda").view(torch.bfloat16)
-    return whole, [whole[:, n] if layout == "vllm_mla" else whole[:, n].transpose(0, 1)
-                   for n in range(layers)]
 
 
 def page_of(layout: str, views: list, page: int) -> list:
@@ -75,7 +70,7 @@ def test_one_allocation_pool_round_trip_bit_exact(start_daemon, layout, page_siz
     d = start_daemon(**KNOBS, gpu_dma_stage_below="64KiB" if staging == "staged" else 0)
     chunks, ppc = 4, CHUNK // page_size
     pages = 2 * chunks * ppc + 3
-    whole, views = (one_allocation if alloc == "one" else block_outer)(layout, pages, page_size)
+    whole, views = one_allocation(layout, pages, page_size, block_outer=alloc == "block-outer")
     perm = torch.randperm(pages).tolist()
     src, dst = perm[:chunks * ppc], perm[chunks * ppc:2 * chunks * ppc]
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
