@@ -71,8 +71,11 @@ def _store(tier: HostTier, keys: list) -> None:
         entries = [e for _, e in todo]
     else:  # the API before the evictable-queue rewrite
         entries = [tier.reserve(k, NS, ENTRY, 1, 0)[0] for k in keys]
-    for e in entries:
-        tier.commit(e, 0)
+    if hasattr(tier, "commit_many"):
+        tier.commit_many(entries, 0)
+    else:  # the API before batched commits
+        for e in entries:
+            tier.commit(e, 0)
 
 
 def _timed(fn) -> float:

@@ -52,6 +52,9 @@ def add_arguments(p) -> None:
                    "layers adjacent (vLLM 0.32's BLHNC-family layouts)")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
+    p.add_argument("--gpu-shapes", type=lambda v: v.split(","), default=["llama3-8b", "deepseek-mla"],
+                   metavar="A,B", help="with --gpu: the model shapes to measure (llama3-8b, "
+                   "deepseek-mla)")
     p.add_argument("--flood", action="store_true", help="a well-behaved client's latency alone and "
                    "next to a client flooding the daemon with requests (kvd.bench.flood)")
     p.add_argument("--interference", action="store_true", help="with --gpu: the slowdown of an "

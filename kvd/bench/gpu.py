@@ -33,24 +33,28 @@ SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
 
 
 def run(args) -> int:
+    unknown = sorted(set(args.gpu_shapes) - set(SHAPES))
+    if unknown:
+        raise SystemExit(f"kvd bench: unknown --gpu-shapes {', '.join(unknown)} "
+                         f"(known: {', '.join(SHAPES)})")
+    shapes = {name: SHAPES[name] for name in args.gpu_shapes}
     import torch
 
     from kvd_client import KvdClient
     from kvd_client.torch_pool import CudaKVPool
 
-
     torch.cuda.init()
     rows = []
     chunk = args.chunk_tokens
     with tempfile.TemporaryDirectory(prefix="kvd-gbench-") as rundir:
-        req = max(request_bytes(s, args.chunks, chunk) for s in SHAPES.values())
+        req = max(request_bytes(s, args.chunks, chunk) for s in shapes.values())
         in_flight = max(2, args.clients) * (args.pipeline + 1) + 2 if args.pipeline else 3
         cap = max(3, in_flight) * req + 2**24
         daemon = start_daemon(rundir, capacity=cap, chunk_tokens=chunk, extra=["--gpu", "on"],
                                log_path=args.daemon_log, profile=args.daemon_profile)
         piped = []
         try:
-            for name, shape in SHAPES.items():
+            for name, shape in shapes.items():
                 for page in args.gpu_page_sizes:
                     rows.append(_measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape,
                                                page, args))

@@ -96,8 +96,7 @@ class Transfers:
         except BaseException:
             self._abort(reg, todo)
             raise
-        for _, entry in todo:
-            self.tier.commit(entry, reg.tp_rank)
+        self.tier.commit_many([e for _, e in todo], reg.tp_rank)
         if self.remote is not None:  # queued for the remote store, after the reply's path
             self.remote.stored([e for _, e in todo])
         if self.tiering is not None:

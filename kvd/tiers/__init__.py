@@ -2,10 +2,11 @@
 
 Owns the shared-memory arena (``arena``) and its extent allocator
 (``allocator``), the host tier's index with LRU eviction and pins
-(``host``), what lets the arena outlive the daemon (``arena_index``: the
-index file's format; ``journal``: keeping it in step, checksums;
-``adopt``: rebuilding the host tier from it, verification), the disk tier's chunk files (``chunk_file``: format, checksums,
-crash-safe writes; ``disk_scan``: recovery scan; ``digest``: the segmented
+(``host``, over ``entry`` records and the ``lru`` queue), what lets the
+arena outlive the daemon (``arena_index``: the index file's format;
+``journal``: keeping it in step, checksums; ``adopt``: rebuilding the host
+tier from it, verification), the disk tier's chunk files (``chunk_file``:
+format, checksums, crash-safe writes; ``disk_scan``: recovery scan; ``digest``: the segmented
 payload digest) and index (``disk``), and demotion/promotion between host
 and disk (``tiering``); the remote tier on an existing distributed store:
 its store clients (``remote_store``: the interface and Valkey/Redis;

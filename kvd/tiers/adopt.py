@@ -161,7 +161,8 @@ async def verify(tier: HostTier, journal, checks: list, progress=None) -> None:
             wake.clear()
             await wake.wait()
         inflight += e.shard_bytes
-        journal.hasher.submit(done, (e, rank, expected), e.shard_offset(rank), e.shard_bytes)
+        job = ((e, rank, expected), e.shard_offset(rank), e.shard_bytes)
+        journal.hasher.submit_many(done, [job])
         if progress is not None:
             progress(len(checks) - c["verify_pending"])
     while c["verify_pending"] > 0:

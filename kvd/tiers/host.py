@@ -46,49 +46,10 @@ only: no locks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from kvd.tiers.allocator import ExtentAllocator
+from kvd.tiers.entry import Entry
 from kvd.tiers.lru import LruQueue
 from kvd_protocol.errors import BadRequest, NoSpace
-
-
-@dataclass(eq=False, slots=True)
-class Entry:
-    key: bytes
-    ns: bytes
-    offset: int
-    shard_bytes: int
-    shards: int
-    slot_bytes: int = 0    # the arena bytes it holds (size rounded to the alignment)
-    stored: int = 0
-    writing: int = 0
-    refs: int = 0
-    on_disk: bool = False  # a verified copy is on the disk tier (set with HostTier.set_on_disk)
-    hits: int = 0          # lookups that found it (for disk_min_hits)
-    passed_cold: bool = False  # a demotion pass skipped it for too few hits (counted once)
-    used: int = 0          # the tier's use clock at its last use
-    scan: int = 0          # the demotion scan generation that examined it
-    scan_bytes: int = 0    # what it added to ``scanned_bytes`` then
-    unverified: int = 0    # shards adopted after a crash whose checksum is not checked yet
-    recs: list | None = field(default=None, repr=False)  # index record of each shard (journal)
-    lru_prev: object = field(default=None, repr=False)
-    lru_next: object = field(default=None, repr=False)
-
-    @property
-    def size(self) -> int:
-        return self.shard_bytes * self.shards
-
-    @property
-    def ready(self) -> bool:
-        return self.stored == (1 << self.shards) - 1
-
-    def shard_offset(self, rank: int) -> int:
-        return self.offset + rank * self.shard_bytes
-
-    @property
-    def evictable(self) -> bool:
-        return self.refs == 0 and self.writing == 0
 
 
 class HostTier:
@@ -230,19 +191,22 @@ class HostTier:
                           "evictable, everything else is in use")
 
     def _allocate(self, count: int, slot: int) -> list[int]:
-        """Offsets of ``count`` slots, evicting from the LRU end; all or nothing."""
-        offsets, evicted = [], []
+        """Offsets of ``count`` slots, evicting from the LRU end (a victim of the same slot
+        size hands its slot straight over); all or nothing."""
+        offsets, evicted, full = [], [], False  # full: no free extent fits (until one is freed)
         try:
             for _ in range(count):
-                offset = self.alloc.alloc(slot)
+                offset = None if full else self.alloc.alloc(slot)
                 while offset is None:
                     victim = self.lru.first()
                     if victim is None:
                         raise NoSpace(f"host tier full: no free extent of {slot} bytes even "
                                       "after evicting everything evictable (fragmented)")
-                    self._evict(victim)
+                    same = victim.slot_bytes == slot
+                    self._evict(victim, free=not same)
                     evicted.append(victim)
-                    offset = self.alloc.alloc(slot)
+                    offset = victim.offset if same else self.alloc.alloc(slot)
+                    full = same
                 offsets.append(offset)
         except NoSpace:
             for offset in offsets:
@@ -251,8 +215,8 @@ class HostTier:
             raise
         return offsets
 
-    def _evict(self, e: Entry) -> None:
-        self._drop(e)
+    def _evict(self, e: Entry, free: bool = True) -> None:
+        self._drop(e, free)
         self.evictions += 1
         self.evicted_not_on_disk += not e.on_disk
 
@@ -269,12 +233,15 @@ class HostTier:
             self.evictions -= 1
             self.evicted_not_on_disk -= not e.on_disk
 
-    def _drop(self, e: Entry) -> None:
+    def _drop(self, e: Entry, free: bool = True) -> None:
+        """Forget ``e``; its slot goes back to the allocator unless ``free`` is False (the
+        caller takes the slot over)."""
         if self.lru.queued(e):
             self._dequeue(e)
         del self.entries[e.key]
         self._count_ready(e, -1)
-        self.alloc.free(e.offset, e.slot_bytes)
+        if free:
+            self.alloc.free(e.offset, e.slot_bytes)
         if self.journal is not None:
             self.journal.dropped(e)  # before the slot can be written again
 
@@ -284,15 +251,24 @@ class HostTier:
             self.on_disk_ready += sign * e.on_disk
 
     def commit(self, entry: Entry, rank: int) -> None:
-        entry.writing &= ~(1 << rank)
-        was_ready = entry.ready
-        entry.stored |= 1 << rank
-        if not was_ready and entry.ready:
-            self._count_ready(entry, +1)
-        self._use(entry)
-        self._settle(entry)
-        if self.journal is not None and self.entries.get(entry.key) is entry:
-            self.journal.committed(entry, rank)
+        self.commit_many([entry], rank)
+
+    def commit_many(self, entries: list, rank: int) -> None:
+        """Shard ``rank`` of each of ``entries`` landed: stored, most recently used, and
+        recorded by the journal in one batch (a request's chunks commit together)."""
+        bit, recorded = 1 << rank, []
+        for e in entries:
+            e.writing &= ~bit
+            was_ready = e.ready
+            e.stored |= bit
+            if not was_ready and e.ready:
+                self._count_ready(e, +1)
+            self._use(e)
+            self._settle(e)
+            if self.entries.get(e.key) is e:
+                recorded.append(e)
+        if self.journal is not None and recorded:
+            self.journal.committed_many(recorded, rank)
 
     def abort(self, entry: Entry, rank: int) -> None:
         entry.writing &= ~(1 << rank)

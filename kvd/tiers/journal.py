@@ -1,7 +1,7 @@
 """Keeps the arena's index file (kvd/tiers/arena_index.py) in step with the host tier.
 
-The host tier calls the hooks on the event loop: ``committed(entry, rank)``
-writes the shard's record (after its bytes landed; about 1 µs), and queues
+The host tier calls the hooks on the event loop: ``committed_many(entries, rank)``
+writes each shard's record (after its bytes landed; about 1 µs), and queues
 its checksum; ``dropped(entry)`` frees the entry's records before its slot
 can be reused; ``restored(entry)`` takes them back (an eviction undone);
 ``flag_on_disk(entry)``. Record numbers come from a free list; the table
@@ -47,24 +47,27 @@ NICE = 10  # the hashing threads' niceness (the daemon's other threads keep thei
 class Hasher:
     """XXH3-64 of arena byte ranges on ``threads`` threads; results go back to the loop.
 
-    ``submit(callback, payload, offset, size)`` (on the loop); later, on the loop,
-    ``callback(payload, digest)``. ``stop`` ends the threads (jobs not done are dropped).
+    ``submit_many(callback, items)`` (on the loop; items: ``(payload, offset, size)``,
+    one job: a request's shards cost one queue operation); later, on the loop,
+    ``callback(payload, digest)`` for each. ``stop`` ends the threads (jobs not done are
+    dropped).
     """
 
     def __init__(self, view: np.ndarray, threads: int, loop):
         self.view = view
         self.loop = loop
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.pending = 0  # submitted, not yet called back (loop side)
+        self.pending = 0  # items submitted, not yet called back (loop side)
         self.stopping = False
         self._threads = [threading.Thread(target=self._work, name=f"kvd-hash-{i}", daemon=True)
                          for i in range(max(1, threads))]
         for t in self._threads:
             t.start()
 
-    def submit(self, callback, payload, offset: int, size: int) -> None:
-        self.pending += 1
-        self.jobs.put((callback, payload, offset, size))
+    def submit_many(self, callback, items: list) -> None:
+        if items:
+            self.pending += len(items)
+            self.jobs.put((callback, items))
 
     def _work(self) -> None:
         try:  # Linux schedules threads as tasks: copies get the cores first when they are short
@@ -72,24 +75,26 @@ class Hasher:
         except OSError:
             pass
         while True:
-            batch, nbytes = [], 0
             job = self.jobs.get()
-            view = self.view  # None once stopped
-            while job is not None and view is not None:
-                callback, payload, offset, size = job
-                digest = xxhash.xxh3_64_intdigest(view[offset:offset + size])
-                batch.append((callback, payload, digest))
-                nbytes += size
-                if nbytes >= BATCH_BYTES:
-                    break
-                try:
-                    job = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-            if batch:
-                self._deliver(batch)
-            if job is None or view is None or self.stopping:
+            if job is None or not self._hash(*job) or self.stopping:
                 return
+
+    def _hash(self, callback, items: list) -> bool:
+        """Hash one job's items, handing results back every ``BATCH_BYTES``; False once
+        stopped."""
+        batch, nbytes = [], 0
+        for payload, offset, size in items:
+            view = self.view  # None once stopped
+            if view is None:
+                return False
+            batch.append((callback, payload, xxhash.xxh3_64_intdigest(view[offset:offset + size])))
+            nbytes += size
+            if nbytes >= BATCH_BYTES:
+                self._deliver(batch)
+                batch, nbytes = [], 0
+        if batch:
+            self._deliver(batch)
+        return True
 
     def _deliver(self, batch: list) -> None:
         try:
@@ -130,22 +135,26 @@ class Journal:
 
     # ---- hooks (kvd/tiers/host.py) ------------------------------------------------------
 
-    def committed(self, e, rank: int) -> None:
-        """The shard's record, then its checksum queued (the hot path: about 2 µs)."""
-        number = self.free.pop() if self.free else self._grow()
-        if number is None:
-            self.counters["unrecorded_shards"] += 1
-            return
-        self.gen[number] += 1
-        if e.recs is None:
-            e.recs = [-1] * e.shards
-        e.recs[rank] = number
-        self.owner[number] = e
-        offset = e.offset + rank * e.shard_bytes
-        self.index.write(number, ON_DISK if e.on_disk else 0, rank, e.shards, e.key, e.ns,
-                         e.offset, e.shard_bytes, 0, e.used, e.hits)
-        self.unsealed += 1
-        self.hasher.submit(self._sealed, (number, self.gen[number]), offset, e.shard_bytes)
+    def committed_many(self, entries: list, rank: int) -> None:
+        """Each entry's shard record, then their checksums queued as one job (the hot
+        path: about 2 µs a shard)."""
+        jobs = []
+        for e in entries:
+            number = self.free.pop() if self.free else self._grow()
+            if number is None:
+                self.counters["unrecorded_shards"] += 1
+                continue
+            self.gen[number] += 1
+            if e.recs is None:
+                e.recs = [-1] * e.shards
+            e.recs[rank] = number
+            self.owner[number] = e
+            self.index.write(number, ON_DISK if e.on_disk else 0, rank, e.shards, e.key, e.ns,
+                             e.offset, e.shard_bytes, 0, e.used, e.hits)
+            jobs.append(((number, self.gen[number]), e.offset + rank * e.shard_bytes,
+                         e.shard_bytes))
+        self.unsealed += len(jobs)
+        self.hasher.submit_many(self._sealed, jobs)
 
     def dropped(self, e) -> None:
         for number in e.recs or ():
@@ -199,7 +208,7 @@ class Journal:
     def seal(self, number: int, offset: int, size: int) -> None:
         """Queue the checksum of record ``number``'s bytes."""
         self.unsealed += 1
-        self.hasher.submit(self._sealed, (number, self.gen[number]), offset, size)
+        self.hasher.submit_many(self._sealed, [((number, self.gen[number]), offset, size)])
 
     def _sealed(self, payload, digest: int) -> None:
         number, gen = payload

@@ -167,6 +167,37 @@ def test_no_space_from_fragmentation_undoes_its_evictions():
     check_invariants(tier)
 
 
+def test_a_store_evicts_only_what_it_needs_and_takes_over_the_victims_slots():
+    tier = HostTier(6 * SLOT, SLOT)
+    store(tier, [0], size=2 * SLOT)  # slots 0-1
+    store(tier, [1, 2, 3, 4])  # slots 2..5
+    offset_1 = tier.entries[key(1)].offset
+    todo, _ = tier.reserve_many([key(i) for i in (10, 11, 12)], NS, SLOT, 1, 0)
+    # 10 and 11 fill the two slots 0 (another size) freed; 12 takes over 1's slot
+    assert tier.stats()["evictions"] == 2
+    assert set(tier.entries) == {key(i) for i in (2, 3, 4, 10, 11, 12)}
+    assert {tier.entries[key(10)].offset, tier.entries[key(11)].offset} == {0, SLOT}
+    assert tier.entries[key(12)].offset == offset_1
+    tier.commit_many([e for _, e in todo], 0)
+    assert lru_ids(tier)[-3:] == [10, 11, 12]
+    check_invariants(tier)
+
+
+def test_no_space_undoes_slots_taken_over_and_slots_freed():
+    tier = HostTier(4 * SLOT, SLOT // 2)
+    half = SLOT // 2
+    store(tier, [0])  # [0, SLOT)
+    store(tier, [1, 2, 3, 4], size=half)  # half slots, 2 and 4 to be pinned
+    store(tier, [5])  # the last SLOT
+    tier.pin([tier.entries[key(2)], tier.entries[key(4)]])
+    before = [(e.key, e.offset) for e in tier.lru]
+    with pytest.raises(NoSpace, match="fragmented"):  # 0 and 5 hand over; 1 and 3 leave holes
+        store(tier, [10, 11, 12])
+    assert [(e.key, e.offset) for e in tier.lru] == before
+    assert tier.stats()["evictions"] == 0 and len(tier.entries) == 6
+    check_invariants(tier)
+
+
 def test_dedup_and_namespace_clash_change_nothing_on_error():
     tier = HostTier(4 * SLOT, SLOT)
     store(tier, [0, 1])
@@ -277,7 +308,10 @@ def test_random_operations_follow_the_model(seed):
         elif op < 0.55 and inflight:
             k, rank, e = inflight.pop(rng.randrange(len(inflight)))
             ok = rng.random() < 0.85
-            (tier.commit if ok else tier.abort)(e, rank)
+            if ok:
+                tier.commit_many([e], rank)
+            else:
+                tier.abort(e, rank)
             model.finish(k, rank, ok)
         elif op < 0.7:
             ks = [key(rng.randrange(40)) for _ in range(rng.randrange(1, 4))]

@@ -108,7 +108,7 @@ async def test_a_checksum_of_a_slot_reused_meanwhile_is_not_written(arena):
     stalled.stop()  # no thread: jobs wait in the queue
     (e,) = store(tier, [1])
     (number,) = e.recs
-    callback, payload, offset, size = stalled.jobs.get_nowait()
+    callback, [(payload, offset, size)] = stalled.jobs.get_nowait()
     tier.clear()
     store(tier, [2])  # the same slot and record number, another generation
     callback(payload, 12345)
