@@ -73,6 +73,9 @@ def add_arguments(p) -> None:
                    "(at least 2: for both directions half store while half load)")
     p.add_argument("--pipeline-rounds", type=int, default=4, metavar="R", help="with --pipeline: "
                    "each client sends N x R requests per timed run")
+    p.add_argument("--pipeline-phases", type=lambda v: v.split(","), default=["store", "load", "both"],
+                   metavar="P,Q", help="with --pipeline: the phases to run (store, load, both; "
+                   "the others print nan)")
     p.add_argument("--gds", action="store_true", help="benchmark loads of disk-only chunks into "
                    "GPU pages, GPU Direct Storage vs the host tier path vs raw O_DIRECT reads (needs "
                    "torch, cupy, KvikIO, a GPU; uses --disk-dir, --disk-gib, --disk-threads, --chunks)")

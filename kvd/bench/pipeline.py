@@ -49,8 +49,8 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
                                     if c % 2 == 0 else
                                     _run(e, "load", depth, args.pipeline_rounds, None, n, chunk,
                                          cached[c]))}
-    out = {}
-    for phase, body in phases.items():
+    out = {phase: float("nan") for phase in phases}
+    for phase, body in ((k, v) for k, v in phases.items() if k in args.pipeline_phases):
         times = []
         for i in range(args.repeat + 1):
             leases = [client.lookup_lease(tokens, 600_000)  # fresh stores must not evict them
