@@ -73,7 +73,9 @@ class Transfers:
         t0 = time.perf_counter()
         keys, pages = self._keys_and_pages(reg, req)
         deadline = req.fields.get("deadline_us")
+        stamps: dict = {}
         async with reg.turn:
+            stamps["turn"] = time.perf_counter()
             _check_open(reg)
             todo, deduped = self._reserve(reg, keys)
             self.stats.add("store_dedup", deduped)
@@ -82,11 +84,12 @@ class Transfers:
             try:
                 if "after" in req.fields:
                     await self._engine_reached(reg, req.fields["after"], deadline)
+                stamps["mark"] = time.perf_counter()
                 chunks = [i for i, _ in todo]
                 plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
                                 pages.reshape(len(keys), -1)[chunks].reshape(-1),
                                 [e.shard_offset(reg.tp_rank) for _, e in todo])
-                landed = await self._start(reg, reg.engine.gather(plan), "store")
+                landed = await self._start(reg, reg.engine.gather(plan), "store", stamps)
             except BaseException:
                 self._abort(reg, todo)
                 raise
@@ -101,7 +104,7 @@ class Transfers:
             self.remote.stored([e for _, e in todo])
         if self.tiering is not None:
             self.tiering.wake.set()  # the demoter looks at the watermark now
-        _log_timing("store", len(todo), t0, waited)
+        _log_timing("store", len(todo), t0, waited, stamps)
         self.stats.copied("stored", reg.engine.name, len(todo), len(todo) * reg.shard_bytes)
         return {"stored": len(todo), "deduped": deduped}
 
@@ -145,18 +148,20 @@ class Transfers:
         f = req.fields
         reg.flags.check_slot(f["slot"])
         signal = LoadSignal(reg.flags, f["slot"], f["seq"], bool(f.get("layerwise")))
-        entries, direct = [], 0
+        entries, direct, stamps = [], 0, {}
         try:
             async with reg.turn:
+                stamps["turn"] = time.perf_counter()
                 try:
                     _check_open(reg)
                     if "after" in f:  # the pages' last users on the engine's stream are done
                         await self._engine_reached(reg, f["after"], f.get("deadline_us"))
+                    stamps["mark"] = time.perf_counter()
                     entries, direct, host_pages = await self._pin_prefix(reg, req, keys, pages,
                                                                          signal)
                     _check_open(reg)  # reaped during the disk reads: its pool goes next
                     landed = await self._queue_scatter(reg, req, entries, direct, host_pages,
-                                                       signal)
+                                                       signal, stamps)
                 except BaseException:
                     await self._release_unqueued(reg, signal, direct)
                     raise
@@ -167,7 +172,7 @@ class Transfers:
             self.tier.unpin(entries)
         if signal.cancelled:
             raise Cancelled("the client cancelled the load; its pages hold undefined bytes")
-        _log_timing("load", len(entries), t0, waited)
+        _log_timing("load", len(entries), t0, waited, stamps)
         loaded = len(entries) + direct
         self.stats.copied("loaded", reg.engine.name, loaded, loaded * reg.shard_bytes)
         return {"loaded": loaded}
@@ -215,7 +220,7 @@ class Transfers:
         return direct, promoted, pages[first:first + len(promoted) * ppc]
 
     async def _queue_scatter(self, reg: Registration, req, entries: list, direct: int, host_pages,
-                             signal: LoadSignal):
+                             signal: LoadSignal, stamps: dict):
         """Queue the scatter (None when there is nothing to load: the slot is released)."""
         if not entries and not direct:
             signal.release()
@@ -226,7 +231,7 @@ class Transfers:
             _check_deadline(req.fields.get("deadline_us"))
         plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, host_pages,
                         [e.shard_offset(reg.tp_rank) for e in entries], signal=signal)
-        return await self._start(reg, reg.engine.scatter(plan), "load")
+        return await self._start(reg, reg.engine.scatter(plan), "load", stamps)
 
     async def _release_unqueued(self, reg: Registration, signal: LoadSignal, direct: int) -> None:
         """A load that failed before its scatter was queued still releases every wait on
@@ -253,7 +258,8 @@ class Transfers:
             raise OutOfRange(f"page ids must lie in [0, {reg.layout.num_pages})")
         return keys, pages
 
-    async def _start(self, reg: Registration, start, direction: str) -> asyncio.Future:
+    async def _start(self, reg: Registration, start, direction: str,
+                     stamps: dict | None = None) -> asyncio.Future:
         """Queue a copy (``start``: the backend's gather/scatter coroutine) once the
         session may queue one more in that backend queue (kvd.server.copy_gate: fair to
         other clients, as backends run a queue's copies in the order they were queued),
@@ -262,6 +268,8 @@ class Transfers:
         queue = reg.engine.queue_of(reg.pool, direction)
         try:
             await gate.enter(session, queue)
+            if stamps is not None:
+                stamps["gate"] = time.perf_counter()
         except BaseException:
             start.close()  # never awaited: no copy was queued
             raise
@@ -270,6 +278,8 @@ class Transfers:
             gate.leave(session, queue)
         try:
             landed = await start
+            if stamps is not None:
+                stamps["queued"] = time.perf_counter()
         except ServerError:
             leave()
             raise
@@ -314,10 +324,14 @@ def _check_deadline(deadline_us) -> None:
         raise DeadlineExceeded("past the client's deadline; nothing kept or written")
 
 
-def _log_timing(op: str, chunks: int, t0: float, waited: float) -> None:
+def _log_timing(op: str, chunks: int, t0: float, waited: float, stamps: dict) -> None:
+    """The service's time, the copy's, and when (ms after the request reached the service)
+    the request got its registration's turn, the engine's mark, the copy gate, and had
+    its copy queued."""
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("%s of %d chunks: %.3f ms in the service, %.3f ms of it in the copy", op, chunks,
-                  (time.perf_counter() - t0) * 1e3, waited * 1e3)
+        log.debug("%s of %d chunks: %.3f ms in the service, %.3f ms of it in the copy; %s", op,
+                  chunks, (time.perf_counter() - t0) * 1e3, waited * 1e3,
+                  ", ".join(f"{k} +{(v - t0) * 1e3:.3f}" for k, v in stamps.items()))
 
 
 def _log_failure(future: asyncio.Future) -> None:
