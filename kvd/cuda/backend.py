@@ -372,10 +372,9 @@ class CudaCopyEngine:
 
             def landed(_) -> None:
                 took = time.perf_counter() - t0
-                log.debug("%s of %d chunks, %.1f MB, %s: enqueued in %.3f ms, landed after "
-                          "%.3f ms (%.1f GB/s), began %.6f", what, len(plan.shard_offsets),
-                          nbytes / 1e6, how, (enqueued - t0) * 1e3, took * 1e3,
-                          nbytes / took / 1e9, t0)
+                log.debug("%s of %d chunks, %.1f MB, %s: enqueued in %.3f ms, landed after %.3f "
+                          "ms (%.1f GB/s), began %.6f", what, len(plan.shard_offsets), nbytes / 1e6,
+                          how, (enqueued - t0) * 1e3, took * 1e3, nbytes / took / 1e9, t0)
             future.add_done_callback(landed)
         return future
 
