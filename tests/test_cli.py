@@ -167,6 +167,15 @@ def test_bench_interference_refuses_unknown_variants_before_starting_anything():
     assert out.stdout == ""
 
 
+def test_bench_gpu_refuses_unknown_shapes_and_phases_before_starting_anything():
+    for flag, bad, known in (("--gpu-shapes", "llama3-8b,gpt2", "deepseek-mla"),
+                             ("--pipeline-phases", "both,loads", "store, load, both")):
+        out = kvd("bench", "--gpu", "--pipeline", "2", flag, bad)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"unknown {bad.split(',')[1]}" in out.stderr and known in out.stderr
+        assert out.stdout == ""
+
+
 def test_bench_daemon_profile_writes_the_daemons_stats(tmp_path):
     """--daemon-profile: the private daemon's own request path is in the stats it leaves."""
     import pstats

@@ -4,8 +4,10 @@ One module per benchmark, each with ``run(args)`` (and ``add_arguments``
 where it has flags of its own): ``host`` (the default: store/load through
 the host backend vs a numpy copy), ``gpu`` (``--gpu``: the CUDA path vs
 pinned cudaMemcpy), ``disk`` (``--disk``), ``gds`` (``--gds``), ``policy``
-(``--disk-policy``), ``restart`` (``--restart``: cold vs warm restarts). ``common`` holds what they share (starting the
-private daemon, control requests, request geometry); ``plot`` draws a
+(``--disk-policy``), ``restart`` (``--restart``: cold vs warm restarts).
+``common`` holds what they share (starting the private daemon, control
+requests, request geometry); ``names_of`` parses a flag's list of names;
+``plot`` draws a
 result table as a PNG (``--plot``). Benchmarks may import
 everything below them (kvd.server, kvd.tiers, kvd.config, kvd_client,
 kvd_protocol); nothing in the daemon imports kvd.bench. ``--disk-dir`` is created when
@@ -16,11 +18,15 @@ nothing about speed.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
 
 from kvd_protocol.keys import DTYPE_SIZES
+
+from .gpu import SHAPES
+from .pipeline import PHASES
 
 
 def add_arguments(p) -> None:
@@ -52,9 +58,8 @@ def add_arguments(p) -> None:
                    "layers adjacent (vLLM 0.32's BLHNC-family layouts)")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
-    p.add_argument("--gpu-shapes", type=lambda v: v.split(","), default=["llama3-8b", "deepseek-mla"],
-                   metavar="A,B", help="with --gpu: the model shapes to measure (llama3-8b, "
-                   "deepseek-mla)")
+    p.add_argument("--gpu-shapes", type=names_of(SHAPES), default=list(SHAPES), metavar="A,B",
+                   help=f"with --gpu: the model shapes to measure ({', '.join(SHAPES)})")
     p.add_argument("--flood", action="store_true", help="a well-behaved client's latency alone and "
                    "next to a client flooding the daemon with requests (kvd.bench.flood)")
     p.add_argument("--interference", action="store_true", help="with --gpu: the slowdown of an "
@@ -73,8 +78,8 @@ def add_arguments(p) -> None:
                    "(at least 2: for both directions half store while half load)")
     p.add_argument("--pipeline-rounds", type=int, default=4, metavar="R", help="with --pipeline: "
                    "each client sends N x R requests per timed run")
-    p.add_argument("--pipeline-phases", type=lambda v: v.split(","), default=["store", "load", "both"],
-                   metavar="P,Q", help="with --pipeline: the phases to run (store, load, both; "
+    p.add_argument("--pipeline-phases", type=names_of(PHASES), default=list(PHASES),
+                   metavar="P,Q", help=f"with --pipeline: the phases to run ({', '.join(PHASES)}; "
                    "the others print nan)")
     p.add_argument("--gds", action="store_true", help="benchmark loads of disk-only chunks into "
                    "GPU pages, GPU Direct Storage vs the host tier path vs raw O_DIRECT reads (needs "
@@ -85,6 +90,19 @@ def add_arguments(p) -> None:
     add_disk_arguments(p)
     add_policy_arguments(p)
     add_restart_arguments(p)
+
+
+def names_of(known):
+    """An argparse type: a comma-separated list of names from ``known``, else a usage
+    error (exit status 2) before anything starts."""
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)} "
+                                             f"(known: {', '.join(known)})")
+        return names
+    return parse
 
 
 def run(args) -> int:

@@ -24,6 +24,8 @@ import numpy as np
 
 from .common import on_stream, request_bytes
 
+PHASES = ("store", "load", "both")
+
 
 def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, args,
             memcpy: dict) -> dict:
