@@ -125,8 +125,14 @@ KNOBS = (
          "copy kernels; fastest on an idle GPU, but without CUDA MPS every kernel of the daemon's "
          "costs the engines their GPU time slices), auto (dma where one copy moves at least "
          "gpu_dma_min_piece bytes, kernels below).", choices=("auto", "dma", "kernels")),
-    Knob("gpu_dma_streams", "int", 8, "Streams (and so copy engines) one DMA copy is spread over, "
-         "per GPU and direction.", minimum=1),
+    Knob("gpu_dma_streams", "int", 8, "Streams (and so copy engines) one DMA copy of small "
+         "pieces (see gpu_dma_spread_below) is spread over, per GPU and direction.", minimum=1),
+    Knob("gpu_dma_spread_below", "size", 2**20, "DMA copies whose pieces (a page's byte range, "
+         "or a pitched op of a page's planes) average under this many bytes are spread over "
+         "gpu_dma_streams streams (small pieces: 0.67-0.75 of a memcpy on 8 streams, "
+         "0.38-0.44 on one); larger ones go on one stream, which keeps up with PCIe alone and "
+         "gave DeepSeek-MLA pages both ways 0.62-0.87 of a memcpy instead of 0.53-0.77 "
+         "(H100). 0 = never spread.", minimum=0),
     Knob("gpu_dma_min_piece", "size", 64 * 2**10, "With gpu_copy_path = auto: the fewest bytes "
          "one DMA copy must move for a pool to go by DMA: a page (one layer and K or V), or, "
          "when a pool's layers share one allocation, a page's rows of all its planes in one "

@@ -103,7 +103,7 @@ class KvdClient:
                 raise
             log.warning("kvd not reachable yet (%s); calls are misses until it is", exc)
         if self._keeper is None:
-            self._keeper = threading.Thread(target=self._keep, name="kvd-client", daemon=True)
+            self._keeper = threading.Thread(target=self._pump.keep, name="kvd-client", daemon=True)
             self._keeper.start()
         return self
 
@@ -346,9 +346,10 @@ class KvdClient:
 
     def _mark(self, t: Transfer) -> None:
         """CUDA pools: the daemon copies once the engine's stream got here (a store's KV
-        is written; the last kernels that used a load's pages are done)."""
+        is written; the last kernels that used a load's pages are done); at once if it
+        already ran everything queued on it."""
         stream = engine_stream(t.reg.pool)
-        if stream is not None and t.keys:
+        if stream is not None and t.keys and not t.reg.flags.stream_idle(stream):
             t.reg.mark_seq = next_seq(t.reg.mark_seq)
             t.reg.flags.mark(stream, t.reg.mark_seq)
             t.after = t.reg.mark_seq
@@ -410,9 +411,6 @@ class KvdClient:
 
     def _start(self, t: Transfer) -> None:
         self._pump.start(t)
-
-    def _keep(self) -> None:
-        self._pump.keep()
 
 
 def connect(runtime_dir: str | None = None, timeout: float = 5.0, raise_errors: bool = False,

@@ -10,6 +10,8 @@ it with the driver so the engine's streams can write and wait on its words.
   mark word once everything queued before it ran (the forward pass that
   wrote a store's KV, the kernels that last used a load's pages); the
   daemon starts a copy sent with ``after=value`` only then.
+- ``stream_idle(stream)``: the stream ran everything queued on it (a copy
+  needs no mark then).
 - ``wait_layer(stream, slot, layer, seq)``: the engine's stream waits until
   the daemon signalled layer ``layer`` of the load ``seq`` in ``slot``.
 - ``cancel(slot, seq)``: the daemon's kernels that have not started skip
@@ -60,6 +62,11 @@ class ClientFlags:
     def mark(self, stream: int, value: int) -> None:
         cuda_driver.ensure_context(self.device)  # the calling thread may never have used CUDA
         cuda_driver.stream_write_u32(stream, self._dev(MARK_WORD), value)
+
+    def stream_idle(self, stream: int) -> bool:
+        """True when ``stream`` has run everything queued on it so far."""
+        cuda_driver.ensure_context(self.device)
+        return cuda_driver.stream_idle(stream)
 
     def wait_layer(self, stream: int, slot: int, layer: int, seq: int) -> None:
         cuda_driver.ensure_context(self.device)

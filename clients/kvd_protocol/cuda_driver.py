@@ -153,6 +153,19 @@ def stream_write_u32(stream: int, dev_addr: int, value: int) -> None:
         ctypes.c_uint(CU_STREAM_WRITE_VALUE_DEFAULT)), "cuStreamWriteValue32")
 
 
+CUDA_ERROR_NOT_READY = 600
+
+
+def stream_idle(stream: int) -> bool:
+    """True when everything queued on ``stream`` so far has run (``cuStreamQuery``).
+    Needs a current context (``ensure_context``)."""
+    status = _cuda().cuStreamQuery(ctypes.c_void_p(stream))
+    if status == CUDA_ERROR_NOT_READY:
+        return False
+    _check(status, "cuStreamQuery")
+    return True
+
+
 def stream_wait_u32(stream: int, dev_addr: int, value: int) -> None:
     """Queue on ``stream``: later work waits until the word at ``dev_addr`` is at or past
     ``value`` (cyclic 32-bit compare). Whoever can write the word can release the wait."""

@@ -20,7 +20,10 @@ Contract:
 - What a copy queues is ``kvd.cuda.dma_plan.CopyOps``: pitched ops, one per
   run of pages and group of planes at one pitch, cut by layers.
 - ``DmaQueue`` is one direction of one GPU: ``n`` streams. ``enqueue`` splits
-  an op array into ``n`` (or fewer, when asked) parts of about equal bytes; per stream, the ops of
+  an op array into ``n`` (or fewer, when asked) parts of about equal bytes,
+  or queues it on one stream when its pieces (ops and single rows) average
+  ``spread_below`` bytes or more (large pieces keep up with PCIe on one
+  stream, and spread they lost both-ways throughput); per stream, the ops of
   several rows go as one ``cuMemcpy3DBatchAsync`` (a range of the step's
   one contiguous op array, passed by address) and single rows as one
   ``cuMemcpyBatchAsync`` (a one-row 3D op is slow). Should the driver refuse
@@ -89,8 +92,10 @@ def pitched(groups: list) -> bool:
 class DmaQueue:
     """One direction of one GPU: batches of copies spread over ``n`` streams."""
 
-    def __init__(self, cp: Any, n_streams: int, poller: Any = None) -> None:
+    def __init__(self, cp: Any, n_streams: int, poller: Any = None,
+                 spread_below: int = 1 << 20) -> None:
         self.cp, self.rt, self.poller = cp, cp.cuda.runtime, poller
+        self.spread_below = spread_below
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, n_streams))]
         self._joins = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in self.streams[1:]]
         self.queued: list = []  # (event, bytes, arrays) of batches not known to be done
@@ -126,8 +131,11 @@ class DmaQueue:
             self.rt.streamWaitEvent(s.ptr, self._follow, 0)
 
     def enqueue(self, step: Step, n: int | None = None) -> Any:
-        """Queue a ``dma_plan.Step`` on the first ``n`` (all) streams; returns the event
-        recorded on ``stream`` after it."""
+        """Queue a ``dma_plan.Step`` on the first ``n`` streams (by default all, or one
+        for pieces of ``spread_below`` bytes and more); returns the event recorded on
+        ``stream`` after it."""
+        if n is None and step.nbytes >= self.spread_below * max(1, step.ops.size + step.size.size):
+            n = 1
         streams, ops = self.streams[:n], np.ascontiguousarray(step.ops)
         op_parts = _parts(ops["width"] * ops["height"], len(streams))
         row_parts = _parts(step.size, len(streams))
@@ -201,6 +209,7 @@ class DmaSettings(NamedTuple):
     min_piece: int = 64 << 10
     load_window: int = 256 << 20
     stage_below: int = 0
+    spread_below: int = 1 << 20
 
 
 class DmaPath:
@@ -209,8 +218,8 @@ class DmaPath:
     def __init__(self, cp: Any, ordinal: int, settings: DmaSettings, host_pieces: tuple[int, int],
                  poller: Any, rings: tuple = (None, None)) -> None:
         self.cp, self.ordinal = cp, ordinal
-        self.store_queue, self.load_queue = (DmaQueue(cp, settings.streams, poller)
-                                             for _ in range(2))
+        self.store_queue, self.load_queue = (DmaQueue(cp, settings.streams, poller,
+                                                      settings.spread_below) for _ in range(2))
         self.window, self.host_pieces, self.poller = settings.load_window, host_pieces, poller
         self.rings, self.stage_below = rings, settings.stage_below
 

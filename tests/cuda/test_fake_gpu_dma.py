@@ -25,6 +25,8 @@ test_fake_gpu_copies.py; here:
   the other direction has copies queued goes straight instead.
 - Consecutive page ids become one op per run, and planes at one pitch
   become that op's rows (fewer, longer DMAs).
+- Copies of pieces under ``gpu_dma_spread_below`` are spread over
+  ``gpu_dma_streams`` streams, larger ones go on one.
 """
 
 from __future__ import annotations
@@ -232,4 +234,17 @@ def test_a_store_while_a_load_is_queued_goes_straight(fake_engine, fake_daemon):
     assert took == [("gather", "staged DMA"), ("scatter", "staged DMA"), ("gather", "DMA"),
                     ("gather", "staged DMA"), ("scatter", "DMA"), ("scatter", "staged DMA")], \
         d.log()  # in the order they landed
+    assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("spread_below, batches", [("1MiB", 2 * 3), ("1KiB", 2), ("0", 2)])
+def test_small_pieces_spread_over_the_streams_large_ones_take_one(fake_engine, fake_daemon,
+                                                                 spread_below, batches):
+    """Pages of a few KiB: under ``gpu_dma_spread_below`` each copy is spread over the 3
+    streams (one batch per stream, a store and a load), at or over it each copy is one
+    batch on one stream; bytes exact either way."""
+    d = fake_daemon(trace=True, gpu_copy_path="dma", gpu_dma_streams=3,
+                    gpu_dma_spread_below=spread_below)
+    store_then_load(fake_engine, d, "vllm_flash_attn", 16, seed=4)
+    assert len([e for e in d.trace() if e["ev"] == "dma"]) == batches, d.trace()
     assert d.stop() == 0, d.log()

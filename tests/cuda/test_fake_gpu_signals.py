@@ -17,7 +17,8 @@ every kernel and flag-word write of the daemon in the order they ran.
   the transfer is fenced, and not one byte of the engine's memory changed.
 - A store whose KV the engine's stream writes after a long busy period is
   copied only once the stream got past the store's mark: the stored bytes
-  are the new ones.
+  are the new ones. On an idle engine stream neither a store nor a load
+  queues a mark there: the stream ran everything before them already.
 """
 
 from __future__ import annotations
@@ -122,4 +123,23 @@ def test_store_waits_for_the_engine_stream(fake_engine, fake_daemon):
         assert client.load(tokens, range(4, 8)) == 4 * CHUNK
         for t, f in zip(tensors, fresh):
             assert np.array_equal(t[:, 4:8], f[:, 0:4]), "the store copied the KV before the engine wrote it"
+    assert d.stop() == 0, d.log()
+
+
+def test_an_idle_engine_stream_gets_no_mark(fake_engine, fake_daemon):
+    """Marks are only queued where the engine's stream still has work before the request."""
+    d = fake_daemon()
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 2, 8, 16, 4, 64)
+    pool = fake_engine.pool("vllm_flash_attn", tensors)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        client.register_kv(pool, model="idle")
+        tokens = np.arange(4 * CHUNK)
+        pool.stream.synchronize()
+        queued = pool.stream._queued
+        assert client.store(tokens, range(4)) == 4 * CHUNK
+        assert client.load(tokens, range(4, 8)) == 4 * CHUNK
+        assert pool.stream._queued == queued, "a mark was queued on an idle stream"
+        pool.stream.sleep(0.2)
+        assert client.store(np.arange(4 * CHUNK) + 1, range(4)) == 4 * CHUNK
+        assert pool.stream._queued == queued + 2, "a busy stream's store got no mark"
     assert d.stop() == 0, d.log()

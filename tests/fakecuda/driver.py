@@ -25,7 +25,7 @@ import numpy as np
 from kvd.cuda.dma_plan import OP_DTYPE
 
 from . import errors, runtime, streams, trace
-from .errors import INVALID_VALUE, CudaError
+from .errors import INVALID_VALUE, NOT_READY, CudaError
 from .memory import SPACE
 
 ATTR_DEVICE_ORDINAL, ATTR_IPC_CAPABLE, ATTR_RANGE_START, ATTR_RANGE_SIZE = 9, 10, 11, 12
@@ -116,6 +116,11 @@ class FakeLibcuda:
     @_status
     def cuStreamWriteValue32_v2(self, stream, addr, value, flags):
         streams.stream_at(_value(stream)).write_value32(_value(addr), _value(value))
+
+    @_status
+    def cuStreamQuery(self, stream):
+        if not streams.stream_at(_value(stream)).done:
+            raise CudaError(NOT_READY, "work queued on the stream has not run yet")
 
     @_status
     def cuStreamWaitValue32_v2(self, stream, addr, value, flags):

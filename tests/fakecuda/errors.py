@@ -23,13 +23,15 @@ HOST_MEMORY_ALREADY_REGISTERED = 712
 HOST_MEMORY_NOT_REGISTERED = 713
 INVALID_HANDLE = 400
 NOT_SUPPORTED = 801
+NOT_READY = 600
 
 NAMES = {INVALID_VALUE: "cudaErrorInvalidValue", MEMORY_ALLOCATION: "cudaErrorMemoryAllocation",
          ILLEGAL_ADDRESS: "cudaErrorIllegalAddress",
          MISALIGNED_ADDRESS: "cudaErrorMisalignedAddress",
          HOST_MEMORY_ALREADY_REGISTERED: "cudaErrorHostMemoryAlreadyRegistered",
          HOST_MEMORY_NOT_REGISTERED: "cudaErrorHostMemoryNotRegistered",
-         INVALID_HANDLE: "cudaErrorInvalidResourceHandle", NOT_SUPPORTED: "cudaErrorNotSupported"}
+         INVALID_HANDLE: "cudaErrorInvalidResourceHandle", NOT_SUPPORTED: "cudaErrorNotSupported",
+         NOT_READY: "cudaErrorNotReady"}
 
 
 class CudaError(RuntimeError):
