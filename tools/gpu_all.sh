@@ -20,7 +20,7 @@ steps=${GPU_STEPS:-tests,bench}
 rc=0
 if [[ $steps == *tests* ]]; then
   echo "== pytest -m gpu"
-  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/cuda/test_gpu_*.py \
+  timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/cuda/test_gpu_*.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU TESTS FAILED"; rc=1; }
 fi

@@ -44,8 +44,9 @@ VARIANTS = {  # name -> (daemon flags, copier options)
     "dma, staged": (_STAGED, {}),
     "dma, staged, stores only": (_STAGED, {"direction": "d2h"}),
     "dma, staged, loads only": (_STAGED, {"direction": "h2d"}),
-    "dma, 4 streams": ([*_D, "--gpu-dma-streams", "4"], {}),
-    "dma, 16 streams": ([*_D, "--gpu-dma-streams", "16"], {}),
+    "dma, spread": ([*_D, "--gpu-dma-spread-below", "1GiB"], {}),  # every copy over 8 streams
+    "dma, 4 streams": ([*_D, "--gpu-dma-streams", "4", "--gpu-dma-spread-below", "1GiB"], {}),
+    "dma, 16 streams": ([*_D, "--gpu-dma-streams", "16", "--gpu-dma-spread-below", "1GiB"], {}),
     "staged, 32 blocks": ([*_K, "--gpu-max-blocks", "32"], {}),
     "staged, 8 blocks": ([*_K, "--gpu-max-blocks", "8"], {}),
     "staged, 128 blocks": ([*_K, "--gpu-max-blocks", "128"], {}),
