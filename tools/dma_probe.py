@@ -4,7 +4,9 @@ A measurement tool for issue 11, not part of kvd. On the GPU machine:
 
     python3 tools/dma_probe.py [--reps 5] [--cases llama:16,mla:16,llama:64,mla:64,llama:1]
 
-A case ``shape:page:bo`` uses a block-outer pool ``[page][layer*plane][page
+A case ``shape:page:shm`` (or ``shape:page:bo:shm``) takes its host buffer
+from a registered /dev/shm file as kvd's arena is, in place of
+``cudaHostAlloc`` memory. A case ``shape:page:bo`` uses a block-outer pool ``[page][layer*plane][page
 bytes]`` (vLLM 0.32's ``BLHNC``-family layouts: a page's planes adjacent).
 
 A pool ``[layer*plane][page][page bytes]`` (one allocation, so the
@@ -81,7 +83,7 @@ def _batch3d(stream, ops):
 class Case:
     """One pool, one host buffer, the page ids, and the piece / op lists both ways."""
 
-    def __init__(self, torch, name, page, block_outer=False):
+    def __init__(self, torch, name, page, block_outer=False, host_kind="pinned"):
         layers, planes, row = SHAPES[name]
         self.name, self.page, self.lp = name, page, layers * planes
         self.piece = page * row
@@ -90,7 +92,10 @@ class Case:
         self.raw = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
         self.pool = self.raw.permute(1, 0, 2) if block_outer else self.raw  # [plane][page][bytes]
         self.nbytes = self.lp * CHUNK * CHUNKS * row
-        self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        if host_kind == "shm":  # as kvd's arena: a /dev/shm file, registered in 1 GiB pieces
+            self.host = torch.from_numpy(_registered_shm(self.nbytes))
+        else:
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self.ids = np.random.default_rng(page).choice(pages, CHUNK * CHUNKS // page, replace=False)
         ppc = CHUNK // page
         plane_pitch, chunk_plane = (self.piece if block_outer else pages * self.piece), CHUNK * row
@@ -235,10 +240,38 @@ def check(torch, case, way, streams):
     return wrong
 
 
+def _registered_shm(nbytes: int) -> np.ndarray:
+    """A shared-memory file mapped and registered with the driver as kvd's host arena is
+    (4 KiB pages, ``cuMemHostRegister`` portable + device-mapped in 1 GiB pieces); the
+    file is unlinked at once, and mapping and registration live as long as the process
+    (kept in ``_KEEP``: a mapping freed while registered would collide with the next)."""
+    import mmap
+    import os
+
+    from kvd_protocol import cuda_driver
+    size = -(-nbytes // (2 << 20)) * (2 << 20)
+    fd = os.open(f"/dev/shm/dma-probe-{os.getpid()}-{nbytes}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.unlink(f"/dev/shm/dma-probe-{os.getpid()}-{nbytes}")
+        os.ftruncate(fd, size)
+        buf = np.frombuffer(mmap.mmap(fd, size), np.uint8)
+    finally:
+        os.close(fd)
+    buf[::4096] = 0  # touch every page before registering
+    for at in range(0, size, 1 << 30):
+        cuda_driver.register_host(buf.ctypes.data + at, min(1 << 30, size - at), 0)
+    _KEEP.append(buf)
+    return buf[:nbytes]
+
+
+_KEEP: list = []
+
+
 def run_case(torch, spec, a, pools) -> None:
     name, page, *pool = spec.split(":")
-    bo = pool == ["bo"]
-    case, other = Case(torch, name, int(page), bo), Case(torch, name, int(page), bo)
+    bo = "bo" in pool
+    host = "shm" if "shm" in pool else "pinned"
+    case, other = (Case(torch, name, int(page), bo, host) for _ in range(2))
     dev = torch.empty(case.nbytes, dtype=torch.uint8, device="cuda")
 
     def both_memcpy():
