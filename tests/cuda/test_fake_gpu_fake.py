@@ -5,7 +5,8 @@
   and its ``RawModule`` accepts kernels/kv_copy.cu and refuses a kernel
   whose parameters changed.
 - Its streams order work: a stream waiting on another's event runs after
-  it; a ``wait_value32`` holds its stream until a CPU writes the word.
+  it; a ``wait_value32`` holds its stream until a CPU writes the word;
+  ``cuStreamQuery`` says whether a stream ran what was queued.
 - It faults where a GPU would: a kernel reading host memory nobody
   registered breaks the context, and every later call raises.
 - IPC: another process maps the same device memory through a handle.
@@ -99,6 +100,19 @@ def test_streams_order_work_through_events_and_flag_words():
     assert b.synchronize(timeout=0.2) is False and ran == ["a", "b"]
     flag[0] = 5  # a CPU releases the stream's wait
     assert b.synchronize(timeout=10) and ran == ["a", "b", "after the word"]
+
+
+def test_stream_idle_says_whether_queued_work_ran(fake_engine):
+    """``cuda_driver.stream_idle`` (the client's no-mark check): True on an idle stream,
+    False while queued work has not run, and an unknown stream is an error, not idle."""
+    from kvd_protocol import cuda_driver
+    s = streams.Stream()
+    assert cuda_driver.stream_idle(s.ptr)
+    s.sleep(0.3)
+    assert not cuda_driver.stream_idle(s.ptr)
+    assert s.synchronize(timeout=10) and cuda_driver.stream_idle(s.ptr)
+    with pytest.raises(cuda_driver.CudaExportError, match="cuStreamQuery"):
+        cuda_driver.stream_idle(0xDEAD0000)
 
 
 def test_a_kernel_on_unregistered_host_memory_breaks_the_context():
