@@ -242,12 +242,13 @@ def check(torch, case, way, streams):
 
 def _registered_shm(nbytes: int) -> np.ndarray:
     """A shared-memory file mapped and registered with the driver as kvd's host arena is
-    (4 KiB pages, ``cuMemHostRegister`` portable + device-mapped in 1 GiB pieces); the
+    (4 KiB pages, ``cuMemHostRegister`` portable + device-mapped in its pieces); the
     file is unlinked at once, and mapping and registration live as long as the process
     (kept in ``_KEEP``: a mapping freed while registered would collide with the next)."""
     import mmap
     import os
 
+    from kvd.cuda.backend import REGISTER_PIECE
     from kvd_protocol import cuda_driver
     size = -(-nbytes // (2 << 20)) * (2 << 20)
     fd = os.open(f"/dev/shm/dma-probe-{os.getpid()}-{nbytes}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -258,8 +259,8 @@ def _registered_shm(nbytes: int) -> np.ndarray:
     finally:
         os.close(fd)
     buf[::4096] = 0  # touch every page before registering
-    for at in range(0, size, 1 << 30):
-        cuda_driver.register_host(buf.ctypes.data + at, min(1 << 30, size - at), 0)
+    for at in range(0, size, REGISTER_PIECE):
+        cuda_driver.register_host(buf.ctypes.data + at, min(REGISTER_PIECE, size - at), 0)
     _KEEP.append(buf)
     return buf[:nbytes]
 

@@ -151,8 +151,7 @@ class Journal:
             self.owner[number] = e
             self.index.write(number, ON_DISK if e.on_disk else 0, rank, e.shards, e.key, e.ns,
                              e.offset, e.shard_bytes, 0, e.used, e.hits)
-            jobs.append(((number, self.gen[number]), e.offset + rank * e.shard_bytes,
-                         e.shard_bytes))
+            jobs.append(((number, self.gen[number]), e.shard_offset(rank), e.shard_bytes))
         self.unsealed += len(jobs)
         self.hasher.submit_many(self._sealed, jobs)
 
