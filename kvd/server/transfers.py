@@ -242,7 +242,7 @@ class Transfers:
         empty = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, np.zeros(0, np.int64), [],
                          signal=signal)
         try:
-            await self._start(reg, reg.engine.scatter(empty), "load", {})
+            await self._start(reg, reg.engine.scatter(empty), "load")
         except Exception:  # noqa: BLE001 - a broken GPU: the client's fence times out instead
             log.exception("could not queue the signals of a failed load")
 
@@ -259,17 +259,17 @@ class Transfers:
         return keys, pages
 
     async def _start(self, reg: Registration, start, direction: str,
-                     stamps: dict) -> asyncio.Future:
+                     stamps: dict | None = None) -> asyncio.Future:
         """Queue a copy (``start``: the backend's gather/scatter coroutine) once the
         session may queue one more in that backend queue (kvd.server.copy_gate: fair to
         other clients, as backends run a queue's copies in the order they were queued),
-        and track it on the registration until it lands; ``stamps`` gets when it passed the
-        gate and was queued (the debug log)."""
+        and track it on the registration until it lands."""
         gate, session = self.gate, reg.session
         queue = reg.engine.queue_of(reg.pool, direction)
         try:
             await gate.enter(session, queue)
-            stamps["gate"] = time.perf_counter()
+            if stamps is not None:
+                stamps["gate"] = time.perf_counter()
         except BaseException:
             start.close()  # never awaited: no copy was queued
             raise
@@ -278,7 +278,8 @@ class Transfers:
             gate.leave(session, queue)
         try:
             landed = await start
-            stamps["queued"] = time.perf_counter()
+            if stamps is not None:
+                stamps["queued"] = time.perf_counter()
         except ServerError:
             leave()
             raise
