@@ -55,9 +55,8 @@ def run(args) -> int:
                     rows.append(_measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape,
                                                page, args))
                     if args.pipeline:
-                        memcpy = {k: rows[-1][f"memcpy_{k}"] for k in ("d2h", "h2d", "both")}
                         piped.append(pipeline.measure(torch, KvdClient, CudaKVPool, make_pool,
-                                                      rundir, name, shape, page, args, memcpy))
+                                                      rundir, name, shape, page, args))
             gemm = _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args)
         finally:
             stop_daemon(daemon, rundir, 60)
@@ -73,10 +72,9 @@ def _plot(torch, rows, piped, args) -> None:
     pipelined figures when --pipeline ran (what engines that submit/poll get), else blocking."""
     from .plot import bars, command, machine
     if piped:
-        series = {k: [r[f"{op}_Bps"] / r[f"memcpy_{m}_Bps"] for r in piped]
-                  for k, op, m in (("offload / d2h memcpy", "store", "d2h"),
-                                   ("load / h2d memcpy", "load", "h2d"),
-                                   ("both / both memcpy", "both", "both"))}
+        series = {k: [r[f"{op}_ratio"] for r in piped]
+                  for k, op in (("offload / d2h memcpy", "store"), ("load / h2d memcpy", "load"),
+                                ("both / both memcpy", "both"))}
         what = f"{piped[0]['clients']} clients x {piped[0]['depth']} in flight"
     else:
         series = {"offload / d2h memcpy": [r["memcpy_d2h"] / r["store"] for r in rows],

@@ -5,12 +5,17 @@ CUDA stream each: engines are separate processes in production, and on one
 shared stream a store's mark would wait behind another engine's load) keep
 ``N`` requests of ``--chunks`` chunks in flight (``submit_store`` /
 ``submit_load``, collected with ``poll``) for ``N × rounds`` requests, and
-the phase's bytes over its wall time is compared with the pinned
-``cudaMemcpy`` rate of one request's bytes measured in the same run:
-offload (every client stores fresh chunks), load (every client loads cached
-chunks into other pages) and both directions at once (half the clients
-store while the other half load, against both memcpys on two streams).
-Medians of ``--repeat`` runs after one warm-up. A benchmark, not a test.
+the phase's bytes over its wall time is compared with pinned ``cudaMemcpy``
+of the same bytes, one request's bytes per copy, back to back: offload
+(every client stores fresh chunks), load (every client loads cached chunks
+into other pages) and both directions at once (half the clients store while
+the other half load, against both memcpys on two streams). The memcpys run
+right before each run of the phase, and the ratio is the median of each
+run's ratio to its own baseline: the PCIe rate of one machine drifts
+between runs (a both-ways memcpy of 144 MB from 44 to 90 GB/s within one
+call, docs/benchmarks.md), and a baseline minutes away from what it is
+compared with measured that drift instead of kvd. Medians of ``--repeat``
+runs after one warm-up. A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -27,8 +32,7 @@ from .common import on_stream, request_bytes
 PHASES = ("store", "load", "both")
 
 
-def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, args,
-            memcpy: dict) -> dict:
+def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, args) -> dict:
     chunk, n, depth = args.chunk_tokens, args.chunks, args.pipeline
     clients = max(2, args.clients)
     ppc = chunk // page
@@ -51,10 +55,13 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
                                     if c % 2 == 0 else
                                     _run(e, "load", depth, args.pipeline_rounds, None, n, chunk,
                                          cached[c]))}
-    out = {phase: float("nan") for phase in phases}
+    out = {f"{phase}_{k}": float("nan") for phase in phases for k in ("Bps", "memcpy_Bps", "ratio")}
+    total = clients * depth * args.pipeline_rounds * nbytes
+    memcpy = _Memcpy(torch, nbytes)
     for phase, body in ((k, v) for k, v in phases.items() if k in args.pipeline_phases):
-        times = []
+        rates = {"Bps": [], "memcpy_Bps": [], "ratio": []}
         for i in range(args.repeat + 1):
+            baseline = memcpy.rate(phase, clients * depth * args.pipeline_rounds)
             leases = [client.lookup_lease(tokens, 600_000)  # fresh stores must not evict them
                       for (client, *_), tokens in zip(engines, _restore(engines, cached))]
             errors = []
@@ -71,17 +78,45 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
             if errors:
                 raise errors[0]
             if i:
-                times.append(elapsed)
-        total = clients * depth * args.pipeline_rounds * nbytes
-        out[phase] = total / statistics.median(times)
+                for key, value in (("Bps", total / elapsed), ("memcpy_Bps", baseline),
+                                   ("ratio", total / elapsed / baseline)):
+                    rates[key].append(value)
+        out.update({f"{phase}_{k}": statistics.median(v) for k, v in rates.items()})
+        out[f"{phase}_ratios"] = rates["ratio"]
     for client, *_ in engines:
         client.close()
-    del engines
+    del engines, memcpy
     torch.cuda.empty_cache()
     return {"shape": name, "page": page, "bytes": nbytes, "clients": clients, "depth": depth,
-            "store_Bps": out["store"], "load_Bps": out["load"], "both_Bps": out["both"],
-            "memcpy_d2h_Bps": nbytes / memcpy["d2h"], "memcpy_h2d_Bps": nbytes / memcpy["h2d"],
-            "memcpy_both_Bps": 2 * nbytes / memcpy["both"]}
+            **out}
+
+
+class _Memcpy:
+    """The baseline of a phase: pinned ``cudaMemcpy`` of one request's bytes, back to
+    back, device to host (store), host to device (load), or both on two streams."""
+
+    def __init__(self, torch, nbytes: int) -> None:
+        self.torch = torch
+        self.dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+        self.host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream())
+
+    def rate(self, phase: str, copies: int) -> float:
+        """Bytes per second of ``copies`` copies (``both``: half of them each way, at once)."""
+        torch, each = self.torch, copies // 2 if phase == "both" else copies
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if phase in ("store", "both"):
+            with torch.cuda.stream(self.streams[0]):
+                for _ in range(each):
+                    self.host[0].copy_(self.dev[0], non_blocking=True)
+        if phase in ("load", "both"):
+            with torch.cuda.stream(self.streams[1]):
+                for _ in range(each):
+                    self.dev[1].copy_(self.host[1], non_blocking=True)
+        torch.cuda.synchronize()
+        moved = each * (2 if phase == "both" else 1) * self.dev[0].numel()
+        return moved / (time.perf_counter() - t0)
 
 
 def _restore(engines: list, cached: list) -> list:
@@ -130,11 +165,14 @@ def report(rows: list) -> None:
         return
     r0 = rows[0]
     print(f"\npipelined: {r0['clients']} clients x {r0['depth']} requests in flight "
-          f"(both: half store, half load); ratio = kvd GB/s / memcpy GB/s in the same run")
+          f"(both: half store, half load); GB/s = 1e9 B/s; ratio = median over runs of kvd "
+          f"GB/s / GB/s of back-to-back pinned memcpys of the same bytes right before the run")
     print(f"{'shape':<14}{'page':>5}{'offload':>9}{'ratio':>7}{'load':>8}{'ratio':>7}"
-          f"{'both':>8}{'ratio':>7}")
+          f"{'both':>8}{'ratio':>7}   memcpy d2h/h2d/both GB/s")
     for r in rows:
         print(f"{r['shape']:<14}{r['page']:>5}"
-              f"{r['store_Bps'] / 1e9:>9.1f}{r['store_Bps'] / r['memcpy_d2h_Bps']:>7.2f}"
-              f"{r['load_Bps'] / 1e9:>8.1f}{r['load_Bps'] / r['memcpy_h2d_Bps']:>7.2f}"
-              f"{r['both_Bps'] / 1e9:>8.1f}{r['both_Bps'] / r['memcpy_both_Bps']:>7.2f}")
+              + "".join(f"{r[f'{p}_Bps'] / 1e9:>{w}.1f}{r[f'{p}_ratio']:>7.2f}"
+                        for p, w in (("store", 9), ("load", 8), ("both", 8)))
+              + "   " + "/".join(f"{r[f'{p}_memcpy_Bps'] / 1e9:.1f}" for p in PHASES))
+        spread = [f"{p} {min(v):.2f}-{max(v):.2f}" for p in PHASES if (v := r.get(f"{p}_ratios"))]
+        print(f"{'':<19}ratio of each run: {', '.join(spread)}")

@@ -11,18 +11,22 @@ in its direction (daemon debug log, docs/benchmarks.md).
 
 Contract:
 
-- ``CopyGate(fair, alone)``. ``await enter(session, queue)`` returns once
-  ``session`` has fewer copies queued in ``queue`` than its limit, and
-  counts one more: the limit is ``alone`` while no other session has a copy
-  queued or waiting in that queue, else ``fair``. ``leave(session, queue)``
-  when the copy landed, failed, or was never queued. A waiter that is
-  cancelled leaves no trace.
+- ``CopyGate(fair, alone, alone_bytes)``. ``await enter(session, queue,
+  nbytes)`` returns once ``session`` may queue one more copy of ``nbytes``
+  in ``queue``, and counts it: while another session has a copy queued or
+  waiting in that queue, when it has fewer than ``fair`` queued there; while
+  alone, when it has fewer than ``alone`` queued, or when its queued bytes
+  plus ``nbytes`` are at most ``alone_bytes`` (small copies, 144 MB for 128
+  chunks of DeepSeek-MLA, take a few milliseconds of PCIe each: two of them
+  leave the daemon too little time to queue the next, docs/benchmarks.md).
+  ``leave(session, queue, nbytes)`` when the copy landed, failed, or was
+  never queued. A waiter that is cancelled leaves no trace.
 - ``queue`` None (the host backend: its copies run on a thread pool that
   every client shares, and queuing ahead gains nothing) is one queue per
   session across all its copies, limit ``fair``.
 - So another client's copy waits behind at most ``alone`` copies of a
-  session queued before it arrived, and once it is waiting, the session
-  queues no more than ``fair``.
+  session queued before it arrived, or more of at most ``alone_bytes`` in
+  all, and once it is waiting, the session queues no more than ``fair``.
 - Every ``leave`` and every cancelled waiter wakes the waiters, which
   re-check their limit; nothing here blocks the event loop. ``total`` is
   the copies queued now (``kvd stats`` ``copies_queued``, the
@@ -39,26 +43,30 @@ from typing import Any, Hashable
 class CopyGate:
     """Copies queued per (queue, session), with the limits of the module doc."""
 
-    def __init__(self, fair: int, alone: int) -> None:
-        self.fair, self.alone = fair, max(fair, alone)
+    def __init__(self, fair: int, alone: int, alone_bytes: int = 0) -> None:
+        self.fair, self.alone, self.alone_bytes = fair, max(fair, alone), alone_bytes
         self.queued: defaultdict[Hashable, Counter] = defaultdict(Counter)
+        self.queued_bytes: defaultdict[Hashable, Counter] = defaultdict(Counter)
         self.waiting: defaultdict[Hashable, Counter] = defaultdict(Counter)
         self._wake: asyncio.Future | None = None
         self.total = 0  # copies queued now, all sessions (an int: safe to read from any thread)
 
-    def limit(self, session: Any, queue: Hashable | None) -> int:
-        """How many copies ``session`` may have queued in ``queue`` now."""
-        if queue is None:
-            return self.fair
-        others = (s for table in (self.queued, self.waiting) for s in table.get(queue, ())
-                  if s is not session)
-        return self.fair if any(others) else self.alone
+    def may_queue(self, session: Any, queue: Hashable | None, nbytes: int) -> bool:
+        """Whether ``session`` may queue a copy of ``nbytes`` in ``queue`` now."""
+        key = self._key(session, queue)
+        count = self.queued.get(key, {}).get(session, 0)
+        others = queue is None or any(s is not session for table in (self.queued, self.waiting)
+                                      for s in table.get(queue, ()))
+        if others:
+            return count < self.fair
+        held = self.queued_bytes.get(key, {}).get(session, 0)
+        return count < self.alone or 0 < nbytes <= self.alone_bytes - held
 
-    async def enter(self, session: Any, queue: Hashable | None) -> None:
+    async def enter(self, session: Any, queue: Hashable | None, nbytes: int = 0) -> None:
         key = self._key(session, queue)
         self.waiting[key][session] += 1
         try:
-            while self.queued.get(key, {}).get(session, 0) >= self.limit(session, queue):
+            while not self.may_queue(session, queue, nbytes):
                 if self._wake is None:
                     self._wake = asyncio.get_running_loop().create_future()
                 await asyncio.shield(self._wake)
@@ -68,10 +76,18 @@ class CopyGate:
             raise
         self._drop(self.waiting, key, session)
         self.queued[key][session] += 1
+        self.queued_bytes[key][session] += nbytes
         self.total += 1
 
-    def leave(self, session: Any, queue: Hashable | None) -> None:
-        self._drop(self.queued, self._key(session, queue), session)
+    def leave(self, session: Any, queue: Hashable | None, nbytes: int = 0) -> None:
+        key = self._key(session, queue)
+        self._drop(self.queued, key, session)
+        held = self.queued_bytes[key]
+        held[session] -= nbytes
+        if session not in self.queued.get(key, ()):
+            del held[session]
+        if not held:
+            del self.queued_bytes[key]
         self.total -= 1
         self._notify()
 

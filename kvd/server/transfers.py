@@ -65,7 +65,8 @@ class Transfers:
         self.stopping = False
         # a store may wait a whole forward pass for the engine: poll gently when idle
         self.flag_poller = EventPoller(idle_after_s=0.001, idle_sleep_s=0.0002)
-        self.gate = CopyGate(cfg.max_queued_copies, cfg.max_queued_copies_alone)
+        self.gate = CopyGate(cfg.max_queued_copies, cfg.max_queued_copies_alone,
+                             cfg.max_queued_bytes_alone)
 
     # ---- store ------------------------------------------------------------------
 
@@ -89,7 +90,8 @@ class Transfers:
                 plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
                                 pages.reshape(len(keys), -1)[chunks].reshape(-1),
                                 [e.shard_offset(reg.tp_rank) for _, e in todo])
-                landed = await self._start(reg, reg.engine.gather(plan), "store", stamps)
+                landed = await self._start(reg, reg.engine.gather(plan), "store",
+                                           len(todo) * reg.shard_bytes, stamps)
             except BaseException:
                 self._abort(reg, todo)
                 raise
@@ -231,7 +233,8 @@ class Transfers:
             _check_deadline(req.fields.get("deadline_us"))
         plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, host_pages,
                         [e.shard_offset(reg.tp_rank) for e in entries], signal=signal)
-        return await self._start(reg, reg.engine.scatter(plan), "load", stamps)
+        return await self._start(reg, reg.engine.scatter(plan), "load",
+                                 len(entries) * reg.shard_bytes, stamps)
 
     async def _release_unqueued(self, reg: Registration, signal: LoadSignal, direct: int) -> None:
         """A load that failed before its scatter was queued still releases every wait on
@@ -242,7 +245,7 @@ class Transfers:
         empty = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, np.zeros(0, np.int64), [],
                          signal=signal)
         try:
-            await self._start(reg, reg.engine.scatter(empty), "load")
+            await self._start(reg, reg.engine.scatter(empty), "load", 0, {})
         except Exception:  # noqa: BLE001 - a broken GPU: the client's fence times out instead
             log.exception("could not queue the signals of a failed load")
 
@@ -258,28 +261,26 @@ class Transfers:
             raise OutOfRange(f"page ids must lie in [0, {reg.layout.num_pages})")
         return keys, pages
 
-    async def _start(self, reg: Registration, start, direction: str,
-                     stamps: dict | None = None) -> asyncio.Future:
-        """Queue a copy (``start``: the backend's gather/scatter coroutine) once the
-        session may queue one more in that backend queue (kvd.server.copy_gate: fair to
-        other clients, as backends run a queue's copies in the order they were queued),
-        and track it on the registration until it lands."""
+    async def _start(self, reg: Registration, start, direction: str, nbytes: int,
+                     stamps: dict) -> asyncio.Future:
+        """Queue a copy of ``nbytes`` (``start``: the backend's gather/scatter coroutine)
+        once the session may queue one more in that backend queue (kvd.server.copy_gate:
+        fair to other clients, as backends run a queue's copies in the order they were
+        queued), and track it on the registration until it lands."""
         gate, session = self.gate, reg.session
         queue = reg.engine.queue_of(reg.pool, direction)
         try:
-            await gate.enter(session, queue)
-            if stamps is not None:
-                stamps["gate"] = time.perf_counter()
+            await gate.enter(session, queue, nbytes)
+            stamps["gate"] = time.perf_counter()
         except BaseException:
             start.close()  # never awaited: no copy was queued
             raise
 
         def leave(_=None) -> None:
-            gate.leave(session, queue)
+            gate.leave(session, queue, nbytes)
         try:
             landed = await start
-            if stamps is not None:
-                stamps["queued"] = time.perf_counter()
+            stamps["queued"] = time.perf_counter()
         except ServerError:
             leave()
             raise

@@ -5,7 +5,8 @@ batch ``HOLD_S`` on its one stream per direction, so a copy's "landed after"
 (debug log: from the moment it was queued) says how many copies were queued
 ahead of it. An engine alone on the GPU gets its next store queued while one
 runs (``max_queued_copies_alone``, 2): some store waited behind another of
-its own, about two holds. Two engines storing at once each get the fair
+its own, about two holds; small stores beyond those two while they total at
+most ``max_queued_bytes_alone`` (0 here but in its own test). Two engines storing at once each get the fair
 share (``max_queued_copies``, 1): no store ever waits behind more than one
 other (about two holds, never three or four). The bytes land exact.
 """
@@ -23,7 +24,8 @@ import kvd_client
 CHUNK = 16
 HOLD_S = 0.5
 DMA = {"gpu_copy_path": "dma", "gpu_dma_streams": 1, "gpu_dma_stage_below": 0,
-       "kernel_delay_s": {"memcpy_batch": HOLD_S}, "log_level": "debug"}
+       "kernel_delay_s": {"memcpy_batch": HOLD_S}, "log_level": "debug",
+       "max_queued_bytes_alone": 0}
 
 
 def landed_after(log: str) -> list[float]:
@@ -47,7 +49,25 @@ def test_an_engine_alone_has_its_next_store_queued(fake_engine, fake_daemon):
         assert all(t.wait(30).ok and t.tokens == CHUNK for t in back), back
     assert all(np.array_equal(t[:, 4 + k], t[:, k]) for t in tensors for k in range(3))
     took = landed_after(d.log())
-    assert len(took) == 3 and max(took) > 1.6 * HOLD_S, (took, d.log())
+    assert len(took) == 3 and 1.6 * HOLD_S < max(took) < 2.6 * HOLD_S, (took, d.log())
+    assert d.stop() == 0, d.log()
+
+
+def test_an_engine_alone_queues_small_stores_up_to_the_byte_limit(fake_engine, fake_daemon):
+    """Three stores of 256 KiB under a 1 MiB ``max_queued_bytes_alone``: all three are
+    queued at once, so the last waits behind two of its own (about three holds)."""
+    d = fake_daemon(**{**DMA, "max_queued_bytes_alone": "1MiB"})
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 4, 8, 16, 8, 128, seed=10)
+    pool = fake_engine.pool("vllm_flash_attn", tensors)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as c:
+        c.register_kv(pool, model="bytes")
+        stores = store_pipelined(c, 0, 0)
+        assert all(s.wait(30).ok for s in stores), stores
+        back = [c.submit_load(np.arange(CHUNK) + k * 1000, [4 + k]) for k in range(3)]
+        assert all(t.wait(30).ok and t.tokens == CHUNK for t in back), back
+    assert all(np.array_equal(t[:, 4 + k], t[:, k]) for t in tensors for k in range(3))
+    took = landed_after(d.log())
+    assert len(took) == 3 and max(took) > 2.6 * HOLD_S, (took, d.log())
     assert d.stop() == 0, d.log()
 
 

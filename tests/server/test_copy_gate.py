@@ -2,7 +2,8 @@
 
 The gate is the daemon's policy object, driven here on a real event loop
 with sessions as plain objects (it keys on identity). What must hold: a
-session alone in a queue gets ``alone`` copies queued; once another session
+session alone in a queue gets ``alone`` copies queued, or more while they
+total at most ``alone_bytes``; once another session
 queues or waits there, a session gets ``fair``; the other session is never
 held back by the first one's count; ``None`` queues (host backend) keep
 ``fair`` per session across directions; a cancelled waiter leaves nothing
@@ -26,10 +27,10 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
-async def entered(gate, session, queue, timeout=0.05) -> bool:
+async def entered(gate, session, queue, timeout=0.05, nbytes=0) -> bool:
     """Whether ``enter`` returns within ``timeout`` (if not, the waiter is cancelled)."""
     try:
-        await asyncio.wait_for(gate.enter(session, queue), timeout)
+        await asyncio.wait_for(gate.enter(session, queue, nbytes), timeout)
         return True
     except asyncio.TimeoutError:
         return False
@@ -131,4 +132,34 @@ def test_a_cancelled_first_wait_leaves_no_entry():
         assert not await entered(gate, a, q)       # cancelled while waiting
         gate.leave(a, q)
         assert gate.total == 0 and not gate.queued and not gate.waiting
+    run(body())
+
+
+def test_alone_small_copies_queue_up_to_the_byte_limit():
+    async def body():
+        gate, a, q = CopyGate(1, 2, 500), Session(), (0, "load")
+        for _ in range(5):                          # two by count, three more within 500 B
+            assert await entered(gate, a, q, nbytes=100)
+        assert not await entered(gate, a, q, nbytes=100)
+        gate.leave(a, q, 100)
+        assert not await entered(gate, a, q, nbytes=200)  # 400 + 200 > 500
+        assert await entered(gate, a, q, nbytes=100)
+        for _ in range(5):
+            gate.leave(a, q, 100)
+        assert gate.total == 0 and not gate.queued and not gate.queued_bytes
+    run(body())
+
+
+def test_large_copies_keep_the_count_and_others_keep_the_fair_share():
+    async def body():
+        gate, a, b, q = CopyGate(1, 2, 500), Session(), Session(), (0, "store")
+        assert await entered(gate, a, q, nbytes=300)
+        assert await entered(gate, a, q, nbytes=300)  # by count
+        assert not await entered(gate, a, q, nbytes=1)  # 601 > 500
+        assert not await entered(gate, a, q)            # a copy of no bytes: by count only
+        assert await entered(gate, b, q, nbytes=10)
+        assert not await entered(gate, b, q, nbytes=10)  # a is there: fair, bytes or not
+        for s, n in ((a, 300), (a, 300), (b, 10)):
+            gate.leave(s, q, n)
+        assert gate.total == 0 and not gate.queued and not gate.queued_bytes
     run(body())
