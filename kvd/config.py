@@ -105,13 +105,13 @@ KNOBS = (
          "waiting there: its next copy is queued while one runs, so the copy engines do not idle "
          "while the daemon queues it. Host-backend copies keep max_queued_copies; below "
          "max_queued_copies it is max_queued_copies.", minimum=1),
-    Knob("max_queued_bytes_alone", "size", 512 * 2**20, "While alone in a GPU direction, a client "
-         "may also queue more than max_queued_copies_alone copies as long as its copies queued "
-         "there, the next one included, total at most this many bytes: small copies (144 MB "
-         "for 128 chunks of DeepSeek-MLA) take a few milliseconds of PCIe each, too little for "
-         "the daemon to queue the next behind two of them. A client arriving later waits behind "
-         "at most max_queued_copies_alone copies of any size, or this many bytes. 0: by count "
-         "only.", minimum=0),
+    Knob("max_queued_bytes_alone", "size", 0, "While alone in a GPU direction, a client may also "
+         "queue more than max_queued_copies_alone copies as long as its copies queued there, the "
+         "next one included, total at most this many bytes (for small copies, e.g. 144 MB for 128 "
+         "chunks of DeepSeek-MLA, whose next copy the daemon may queue too late behind two). A "
+         "client arriving later then waits behind at most max_queued_copies_alone copies of any "
+         "size, or this many bytes. 0 (default): by count only; 512MiB kept loads queued but did "
+         "not raise throughput (docs/benchmarks.md).", minimum=0),
     Knob("shutdown_grace_s", "float", 8.0, "On SIGTERM/SIGINT, how long requests in flight may take "
          "to finish (copies, disk writes) before the daemon exits anyway.", minimum=0.1),
     Knob("copy_threads", "int", 2, "Threads of the host copy backend.", minimum=1),

@@ -16,9 +16,9 @@ Contract:
   in ``queue``, and counts it: while another session has a copy queued or
   waiting in that queue, when it has fewer than ``fair`` queued there; while
   alone, when it has fewer than ``alone`` queued, or when its queued bytes
-  plus ``nbytes`` are at most ``alone_bytes`` (small copies, 144 MB for 128
-  chunks of DeepSeek-MLA, take a few milliseconds of PCIe each: two of them
-  leave the daemon too little time to queue the next, docs/benchmarks.md).
+  plus ``nbytes`` (not 0) are at most ``alone_bytes`` (0, the default: never;
+  meant for small copies, 144 MB for 128 chunks of DeepSeek-MLA, of which two
+  leave the daemon little time to queue the next, docs/benchmarks.md).
   ``leave(session, queue, nbytes)`` when the copy landed, failed, or was
   never queued. A waiter that is cancelled leaves no trace.
 - ``queue`` None (the host backend: its copies run on a thread pool that
