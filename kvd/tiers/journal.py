@@ -15,7 +15,13 @@ cores are short the copies get them first) and hands the digests back to
 the loop in batches, where ``_sealed`` writes the digest and the ``SEALED`` flag into
 the record -- if the record still belongs to the shard it was queued for
 (per-record generation, bumped on each reuse; the bytes may have been
-evicted meanwhile and the digest then describes nothing). The store's
+evicted meanwhile and the digest then describes nothing). A thread skips
+a shard whose record was freed or reused before its turn came, without
+reading its bytes: under a stream of stores the queue runs behind, its
+oldest shards are evicted first, and hashing them read host memory at
+10-20 GB/s for nothing while the copy engines needed it (DeepSeek-MLA
+pages both ways: 0.73-0.93 of a memcpy with the journal, 0.94-0.98
+without, H100, docs/benchmarks.md). The store's
 reply does not wait for it: a shard committed in the last milliseconds
 before a crash has a record without a digest, which a new daemon trusts on
 the order of writes alone (the record is written after the bytes landed
@@ -47,10 +53,11 @@ NICE = 10  # the hashing threads' niceness (the daemon's other threads keep thei
 class Hasher:
     """XXH3-64 of arena byte ranges on ``threads`` threads; results go back to the loop.
 
-    ``submit_many(callback, items)`` (on the loop; items: ``(payload, offset, size)``,
-    one job: a request's shards cost one queue operation); later, on the loop,
-    ``callback(payload, digest)`` for each. ``stop`` ends the threads (jobs not done are
-    dropped).
+    ``submit_many(callback, items, current)`` (on the loop; items: ``(payload, offset,
+    size)``, one job: a request's shards cost one queue operation); later, on the loop,
+    ``callback(payload, digest)`` for each, with digest None for an item that
+    ``current(payload)`` (called on a hashing thread right before the item's turn)
+    found stale. ``stop`` ends the threads (jobs not done are dropped).
     """
 
     def __init__(self, view: np.ndarray, threads: int, loop):
@@ -64,10 +71,10 @@ class Hasher:
         for t in self._threads:
             t.start()
 
-    def submit_many(self, callback, items: list) -> None:
+    def submit_many(self, callback, items: list, current=None) -> None:
         if items:
             self.pending += len(items)
-            self.jobs.put((callback, items))
+            self.jobs.put((callback, items, current))
 
     def _work(self) -> None:
         try:  # Linux schedules threads as tasks: copies get the cores first when they are short
@@ -79,7 +86,7 @@ class Hasher:
             if job is None or not self._hash(*job) or self.stopping:
                 return
 
-    def _hash(self, callback, items: list) -> bool:
+    def _hash(self, callback, items: list, current) -> bool:
         """Hash one job's items, handing results back every ``BATCH_BYTES``; False once
         stopped."""
         batch, nbytes = [], 0
@@ -87,6 +94,9 @@ class Hasher:
             view = self.view  # None once stopped
             if view is None:
                 return False
+            if current is not None and not current(payload):
+                batch.append((callback, payload, None))
+                continue
             batch.append((callback, payload, xxhash.xxh3_64_intdigest(view[offset:offset + size])))
             nbytes += size
             if nbytes >= BATCH_BYTES:
@@ -153,7 +163,7 @@ class Journal:
                              e.offset, e.shard_bytes, 0, e.used, e.hits)
             jobs.append(((number, self.gen[number]), e.shard_offset(rank), e.shard_bytes))
         self.unsealed += len(jobs)
-        self.hasher.submit_many(self._sealed, jobs)
+        self.hasher.submit_many(self._sealed, jobs, self._current)
 
     def dropped(self, e) -> None:
         for number in e.recs or ():
@@ -207,11 +217,22 @@ class Journal:
     def seal(self, number: int, offset: int, size: int) -> None:
         """Queue the checksum of record ``number``'s bytes."""
         self.unsealed += 1
-        self.hasher.submit_many(self._sealed, [((number, self.gen[number]), offset, size)])
+        self.hasher.submit_many(self._sealed, [((number, self.gen[number]), offset, size)],
+                                self._current)
 
-    def _sealed(self, payload, digest: int) -> None:
+    def _current(self, payload) -> bool:
+        """Whether record ``number`` still describes the shard of generation ``gen`` (read
+        from a hashing thread: list reads are atomic; a drop right after is caught again
+        in ``_sealed``)."""
+        number, gen = payload
+        return self.gen[number] == gen and self.owner[number] is not None
+
+    def _sealed(self, payload, digest: int | None) -> None:
         number, gen = payload
         self.unsealed -= 1
+        if digest is None:  # freed or reused before its turn: nothing to seal
+            self.counters["checksums_skipped"] += 1
+            return
         e = self.owner[number]
         if self.gen[number] == gen and e is not None and self.index.is_open:
             self.index.seal(number, digest, ON_DISK if e.on_disk else 0)
@@ -238,5 +259,6 @@ class Journal:
                 "bad_records": c["bad_records"], "verify_pending": c["verify_pending"],
                 "verified_shards": c["verified_shards"], "checksum_failures": c["checksum_failures"],
                 "verify_seconds": c["verify_seconds"], "unsealed_shards": self.unsealed,
-                "sealed_shards": self.sealed, "unrecorded_shards": c["unrecorded_shards"],
+                "sealed_shards": self.sealed, "checksums_skipped": c["checksums_skipped"],
+                "unrecorded_shards": c["unrecorded_shards"],
                 "index_records": self.index.records}

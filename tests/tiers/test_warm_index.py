@@ -108,11 +108,49 @@ async def test_a_checksum_of_a_slot_reused_meanwhile_is_not_written(arena):
     stalled.stop()  # no thread: jobs wait in the queue
     (e,) = store(tier, [1])
     (number,) = e.recs
-    callback, [(payload, offset, size)] = stalled.jobs.get_nowait()
+    callback, [(payload, offset, size)], current = stalled.jobs.get_nowait()
+    assert current(payload)
     tier.clear()
     store(tier, [2])  # the same slot and record number, another generation
-    callback(payload, 12345)
+    assert not current(payload)  # a hashing thread would skip it now
+    callback(payload, 12345)     # one that read it just before the reuse
     assert not tier.journal.index.live_records()[1]["flags"][0] & SEALED
+
+
+class Unreadable:
+    """An arena view that fails the hashing thread which reads it."""
+
+    def __getitem__(self, _):
+        raise AssertionError("a stale shard's bytes were read")
+
+
+@on_loop
+async def test_shards_evicted_before_their_turn_are_skipped_unread(arena):
+    """A queue of checksums behind a stream of stores: the shards evicted meanwhile are
+    never read (their bytes are another store's by then), are counted, and leave
+    nothing unsealed; a live one queued behind them is still sealed."""
+    tier = make_tier(arena)
+    tier.journal.hasher.stop()
+    tier.journal.hasher = stalled = Hasher(arena[1], 1, asyncio.get_running_loop())
+    stalled.stop()  # no thread: jobs wait in the queue
+    store(tier, range(3))
+    jobs = [stalled.jobs.get_nowait() for _ in range(3)]  # one per commit here
+    assert stalled.jobs.empty()
+    tier.clear()
+    assert tier.journal.stats()["unsealed_shards"] == 3
+    tier.journal.hasher = Hasher(Unreadable(), 1, asyncio.get_running_loop())
+    for callback, items, current in jobs:
+        tier.journal.hasher.submit_many(callback, items, current)
+    await asyncio.wait_for(settle(tier.journal), 10)
+    stats = tier.journal.stats()
+    assert stats["checksums_skipped"] == 3 and stats["unsealed_shards"] == 0, stats
+    assert stats["sealed_shards"] == 0
+    tier.journal.hasher.stop()
+    tier.journal.hasher = Hasher(arena[1], 1, asyncio.get_running_loop())
+    (e,) = store(tier, [7])
+    await settle(tier.journal)
+    assert tier.journal.stats()["sealed_shards"] == 1
+    tier.journal.hasher.stop()
 
 
 @on_loop
