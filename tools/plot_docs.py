@@ -63,6 +63,18 @@ def gpu_path(doc: str, out: Path) -> None:
          "python3 -m kvd bench --gpu --pipeline 4 --clients 2 (docs/benchmarks.md)", reference=1.0)
 
 
+def gpu_path_steady(doc: str, out: Path) -> None:
+    rows = table(doc, "And every page size with each layer in its own allocation")
+    bars(out / "gpu_path_steady.png", "CUDA path, 2 clients x 4 requests in flight, against back-to-back "
+         "pinned memcpy timed before each run", [f"{r['shape']}\npage {r['page']}" for r in rows],
+         {"offload (store)": [number(r["offload"]) for r in rows],
+          "load": [number(r["load"]) for r in rows],
+          "both at once": [number(r["both"]) for r in rows]},
+         "ratio to memcpy", "NVIDIA H100 80GB HBM3, 2026-11-26; per-layer pools, 8 chunks of 256 tokens "
+         "per request, median of 5; python3 -m kvd bench --gpu --pipeline 4 --clients 2 "
+         "(docs/benchmarks.md)", reference=1.0)
+
+
 def host(doc: str, out: Path) -> None:
     rows = table(doc, "## Host backend (`kvd bench`)")
     bars(out / "host_bench.png", "Host backend: 268 MB per request through a private daemon",
@@ -86,7 +98,7 @@ def main(argv: list) -> int:
     out = Path(argv[0]) if argv else OUT
     out.mkdir(exist_ok=True)
     doc = DOC.read_text()
-    for draw in (ttft, gpu_path, host, disk):
+    for draw in (ttft, gpu_path, gpu_path_steady, host, disk):
         draw(doc, out)
     print("\n".join(sorted(str(p) for p in out.glob("*.png"))))
     return 0
