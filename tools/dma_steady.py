@@ -35,21 +35,9 @@ from collections import deque
 import numpy as np
 from dma_probe import Case, _batch1d, _registered_shm, _split  # this tool's neighbours in tools/
 
+from kvd_protocol import cuda_driver
+
 _cuda = ctypes.CDLL("libcuda.so.1")
-
-
-def _write_word(stream, addr: int, value: int) -> None:
-    rc = _cuda.cuStreamWriteValue32_v2(ctypes.c_void_p(stream), ctypes.c_uint64(addr),
-                                       ctypes.c_uint32(value), ctypes.c_uint(0))
-    if rc:
-        raise RuntimeError(f"cuStreamWriteValue32 -> {rc}")
-
-
-def _wait_word(stream, addr: int, value: int) -> None:
-    rc = _cuda.cuStreamWaitValue32_v2(ctypes.c_void_p(stream), ctypes.c_uint64(addr),
-                                      ctypes.c_uint32(value), ctypes.c_uint(0))  # GEQ
-    if rc:
-        raise RuntimeError(f"cuStreamWaitValue32 -> {rc}")
 
 
 class Direction:
@@ -69,9 +57,9 @@ class Direction:
             ev.record(st)
             self.streams[0].wait_event(ev)
         if self.word is not None:
-            _write_word(self.streams[0].cuda_stream, self.word, self.queued + 1)
+            cuda_driver.stream_write_u32(self.streams[0].cuda_stream, self.word, self.queued + 1)
             if self.engine is not None:
-                _wait_word(self.engine.cuda_stream, self.word, self.queued + 1)
+                cuda_driver.stream_wait_u32(self.engine.cuda_stream, self.word, self.queued + 1)
         ev = self.torch.cuda.Event()
         ev.record(self.streams[0])
         self.pending.append(ev)

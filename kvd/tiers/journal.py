@@ -229,14 +229,13 @@ class Journal:
         return self.gen[number] == gen and self.owner[number] is not None
 
     def _sealed(self, payload, digest: int | None) -> None:
-        number, gen = payload
+        number = payload[0]
         self.unsealed -= 1
         if digest is None:  # freed or reused before its turn: nothing to seal
             self.counters["checksums_skipped"] += 1
             return
-        e = self.owner[number]
-        if self.gen[number] == gen and e is not None and self.index.is_open:
-            self.index.seal(number, digest, ON_DISK if e.on_disk else 0)
+        if self._current(payload) and self.index.is_open:
+            self.index.seal(number, digest, ON_DISK if self.owner[number].on_disk else 0)
             self.sealed += 1
 
     # ---- a clean stop ---------------------------------------------------------------------

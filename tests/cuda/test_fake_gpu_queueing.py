@@ -37,18 +37,24 @@ def store_pipelined(client, first_page: int, token_base: int, n: int = 3) -> lis
             for k in range(n)]
 
 
-def test_an_engine_alone_has_its_next_store_queued(fake_engine, fake_daemon):
-    d = fake_daemon(**DMA)
-    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 4, 8, 16, 8, 128, seed=8)
+def store_three_alone(fake_engine, d, seed: int) -> list[float]:
+    """One engine stores three chunks pipelined and loads them back bit-exact; returns each
+    store's "landed after" (seconds)."""
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 4, 8, 16, 8, 128, seed=seed)
     pool = fake_engine.pool("vllm_flash_attn", tensors)
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as c:
-        c.register_kv(pool, model="alone")
+        c.register_kv(pool, model=f"alone-{seed}")
         stores = store_pipelined(c, 0, 0)
         assert all(s.wait(30).ok for s in stores), stores
         back = [c.submit_load(np.arange(CHUNK) + k * 1000, [4 + k]) for k in range(3)]
         assert all(t.wait(30).ok and t.tokens == CHUNK for t in back), back
     assert all(np.array_equal(t[:, 4 + k], t[:, k]) for t in tensors for k in range(3))
-    took = landed_after(d.log())
+    return landed_after(d.log())
+
+
+def test_an_engine_alone_has_its_next_store_queued(fake_engine, fake_daemon):
+    d = fake_daemon(**DMA)
+    took = store_three_alone(fake_engine, d, seed=8)
     assert len(took) == 3 and 1.6 * HOLD_S < max(took) < 2.6 * HOLD_S, (took, d.log())
     assert d.stop() == 0, d.log()
 
@@ -57,16 +63,7 @@ def test_an_engine_alone_queues_small_stores_up_to_the_byte_limit(fake_engine, f
     """Three stores of 256 KiB under a 1 MiB ``max_queued_bytes_alone``: all three are
     queued at once, so the last waits behind two of its own (about three holds)."""
     d = fake_daemon(**{**DMA, "max_queued_bytes_alone": "1MiB"})
-    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 4, 8, 16, 8, 128, seed=10)
-    pool = fake_engine.pool("vllm_flash_attn", tensors)
-    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as c:
-        c.register_kv(pool, model="bytes")
-        stores = store_pipelined(c, 0, 0)
-        assert all(s.wait(30).ok for s in stores), stores
-        back = [c.submit_load(np.arange(CHUNK) + k * 1000, [4 + k]) for k in range(3)]
-        assert all(t.wait(30).ok and t.tokens == CHUNK for t in back), back
-    assert all(np.array_equal(t[:, 4 + k], t[:, k]) for t in tensors for k in range(3))
-    took = landed_after(d.log())
+    took = store_three_alone(fake_engine, d, seed=10)
     assert len(took) == 3 and max(took) > 2.6 * HOLD_S, (took, d.log())
     assert d.stop() == 0, d.log()
 
