@@ -36,6 +36,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter, defaultdict
 from typing import Any, Hashable
 
@@ -50,6 +51,8 @@ class CopyGate:
         self.waiting: defaultdict[Hashable, Counter] = defaultdict(Counter)
         self._wake: asyncio.Future | None = None
         self.total = 0  # copies queued now, all sessions (an int: safe to read from any thread)
+        self.idle = threading.Event()  # set while total is 0
+        self.idle.set()
 
     def may_queue(self, session: Any, queue: Hashable | None, nbytes: int) -> bool:
         """Whether ``session`` may queue a copy of ``nbytes`` in ``queue`` now."""
@@ -78,6 +81,8 @@ class CopyGate:
         self.queued[key][session] += 1
         self.queued_bytes[key][session] += nbytes
         self.total += 1
+        if self.total == 1:
+            self.idle.clear()
 
     def leave(self, session: Any, queue: Hashable | None, nbytes: int = 0) -> None:
         key = self._key(session, queue)
@@ -89,6 +94,8 @@ class CopyGate:
         if not held:
             del self.queued_bytes[key]
         self.total -= 1
+        if not self.total:
+            self.idle.set()
         self._notify()
 
     def queued_by(self, session: Any) -> int:

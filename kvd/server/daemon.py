@@ -135,6 +135,8 @@ class Daemon:
         if cuda is not None:
             engines["cuda_ipc"] = cuda
         self.service = Service(self.cfg, self.host.tier, engines, arena_id, os.urandom(8).hex())
+        if self.host.journal is not None:  # checksums wait while copies are queued
+            self.host.journal.hasher.idle = self.service.transfers.gate.idle
         if self.disk is not None:
             self.service.tiering = Tiering(self.service.tier, self.disk, arena.view,
                                            self.cfg.disk_high_watermark, self.cfg.disk_min_hits)

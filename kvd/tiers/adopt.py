@@ -135,9 +135,10 @@ async def verify(tier: HostTier, journal, checks: list, progress=None) -> None:
     inflight = 0
     wake = asyncio.Event()
 
-    def done(payload, digest: int) -> None:
+    def done(payload, digests: np.ndarray, _hashed) -> None:
         nonlocal inflight
         e, rank, expected = payload
+        digest = int(digests[0])
         inflight -= e.shard_bytes
         c["verify_pending"] -= 1
         result = tier.verified(e, rank, digest == expected)
@@ -161,8 +162,7 @@ async def verify(tier: HostTier, journal, checks: list, progress=None) -> None:
             wake.clear()
             await wake.wait()
         inflight += e.shard_bytes
-        job = ((e, rank, expected), e.shard_offset(rank), e.shard_bytes)
-        journal.hasher.submit_many(done, [job])
+        journal.hasher.submit(done, (e, rank, expected), [e.shard_offset(rank)], [e.shard_bytes])
         if progress is not None:
             progress(len(checks) - c["verify_pending"])
     while c["verify_pending"] > 0:

@@ -9,21 +9,32 @@ doubles when it is full (a full shm_dir: the shard goes unrecorded,
 counted in ``unrecorded_shards``, and is simply not adopted next time).
 
 Checksums are computed off the event loop and off the store's path: a
-``Hasher`` thread pool takes (offset, size) jobs, XXH3-64s the arena bytes
-(xxhash releases the GIL; the threads run at niceness ``NICE``, so where
-cores are short the copies get them first) and hands the digests back to
-the loop in batches, where ``_sealed`` writes the digest and the ``SEALED`` flag into
-the record -- if the record still belongs to the shard it was queued for
-(per-record generation, bumped on each reuse; the bytes may have been
-evicted meanwhile and the digest then describes nothing). A thread skips
-a shard whose record was freed or reused before its turn came, without
-reading its bytes: under a stream of stores the queue runs behind, its
-oldest shards are evicted first, and hashing them read host memory for
-nothing next to the copy engines (with the journal off, DeepSeek-MLA pages
-moved both ways at 0.94-0.98 of a memcpy instead of 0.73-0.93, H100;
-host-backend stores on a 2-core VM 3.59 GB/s with the skip, 3.35 without;
-docs/benchmarks.md). The store's
-reply does not wait for it: a shard committed in the last milliseconds
+``Hasher`` thread pool takes jobs (a commit's shards: their offsets and
+sizes), XXH3-64s the arena bytes (xxhash releases the GIL; the threads run
+at niceness ``NICE``, so where cores are short the copies get them first)
+and hands each job's digests back to the loop, where ``_sealed`` writes
+the digest and the ``SEALED`` flag into each record that still belongs to
+the shard it was queued for (per-record generation, bumped when a record
+is handed out and when it is freed; the bytes may have been evicted
+meanwhile and the digest then describes nothing).
+
+Hashing gives way to copies, as a stream of stores outruns it and hashing
+next to the copy engines slowed them (DeepSeek-MLA pages both ways: 0.73-0.93
+of a memcpy with the journal, 0.94-0.98 without, H100; docs/benchmarks.md):
+- a shard whose record was freed or reused before its turn is skipped
+  unread (``checksums_skipped``): under a stream of stores the queue runs
+  behind and its oldest shards are evicted first. Staleness is one numpy
+  comparison per job (generations), and the loop's callback counts the
+  skipped ones in bulk: no Python per skipped shard on either side;
+- while the daemon has copies queued (``Hasher.idle`` clear: the copy
+  gate's event), a thread sleeps up to ``YIELD_S`` before each shard it would read,
+  so a steady stream of copies sees a few shards hashed a second, and the
+  rest skipped as they are evicted (MLA both ways, median of 25 runs: 0.80
+  of a memcpy with it, 0.76 without, 0.88 with the journal off; H100,
+  docs/benchmarks.md). Verification after a crash does not wait: unverified
+  chunks are no hits until it is done.
+
+The store's reply does not wait for any of it: a shard committed in the last milliseconds
 before a crash has a record without a digest, which a new daemon trusts on
 the order of writes alone (the record is written after the bytes landed
 and freed before the slot is reused) and seals then.
@@ -40,6 +51,7 @@ import os
 import queue
 import threading
 from collections import Counter
+from functools import partial
 
 import numpy as np
 import xxhash
@@ -47,23 +59,28 @@ import xxhash
 from kvd.tiers.arena_index import ON_DISK, ArenaIndex
 
 log = logging.getLogger("kvd")
-BATCH_BYTES = 64 * 2**20  # a hashing thread hands results back at least this often
 NICE = 10  # the hashing threads' niceness (the daemon's other threads keep theirs)
+YIELD_S = 0.02  # a patient job's shard waits at most this long for the copies to pause
 
 
 class Hasher:
     """XXH3-64 of arena byte ranges on ``threads`` threads; results go back to the loop.
 
-    ``submit_many(callback, items, current)`` (on the loop; items: ``(payload, offset,
-    size)``, one job: a request's shards cost one queue operation); later, on the loop,
-    ``callback(payload, digest)`` for each, with digest None for an item that
-    ``current(payload)`` (called on a hashing thread right before the item's turn)
-    found stale. ``stop`` ends the threads (jobs not done are dropped).
+    ``submit(callback, payload, offsets, sizes, stale, patient)`` (on the loop; one job:
+    a request's shards cost one queue operation); later, on the loop, ``callback(payload,
+    digests, hashed)``: uint64 digests and a bool mask, False where the item was skipped
+    unread as stale. ``stale()`` (None: never) returns a bool mask over the job's items;
+    a hashing thread calls it before the job and again while an item waits, so skipping
+    costs a few numpy operations per job, not Python per item. A ``patient`` job's items
+    wait, each up to ``YIELD_S``, while ``idle`` (a ``threading.Event``; None: always
+    idle) is clear: copies are queued. ``stop`` ends the threads (jobs not done are
+    dropped; a waiting thread ends within ``YIELD_S``).
     """
 
-    def __init__(self, view: np.ndarray, threads: int, loop):
+    def __init__(self, view: np.ndarray, threads: int, loop, idle=None):
         self.view = view
         self.loop = loop
+        self.idle = idle
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0  # items submitted, not yet called back (loop side)
         self.stopping = False
@@ -72,10 +89,10 @@ class Hasher:
         for t in self._threads:
             t.start()
 
-    def submit_many(self, callback, items: list, current=None) -> None:
-        if items:
-            self.pending += len(items)
-            self.jobs.put((callback, items, current))
+    def submit(self, callback, payload, offsets, sizes, stale=None, patient: bool = False):
+        if len(offsets):
+            self.pending += len(offsets)
+            self.jobs.put((callback, payload, offsets, sizes, stale, patient))
 
     def _work(self) -> None:
         try:  # Linux schedules threads as tasks: copies get the cores first when they are short
@@ -87,36 +104,38 @@ class Hasher:
             if job is None or not self._hash(*job) or self.stopping:
                 return
 
-    def _hash(self, callback, items: list, current) -> bool:
-        """Hash one job's items, handing results back every ``BATCH_BYTES``; False once
-        stopped."""
-        batch, nbytes = [], 0
-        for payload, offset, size in items:
+    def _hash(self, callback, payload, offsets, sizes, stale, patient: bool) -> bool:
+        """Hash one job's current items and hand the results back; False once stopped."""
+        n = len(offsets)
+        digests, hashed = np.zeros(n, np.uint64), np.zeros(n, bool)
+        todo = range(n) if stale is None else np.flatnonzero(~stale()).tolist()
+        for i in todo:
+            if patient and not self._waited(stale, i):
+                continue  # went stale while it waited
             view = self.view  # None once stopped
             if view is None:
                 return False
-            if current is not None and not current(payload):
-                batch.append((callback, payload, None))
-                continue
-            batch.append((callback, payload, xxhash.xxh3_64_intdigest(view[offset:offset + size])))
-            nbytes += size
-            if nbytes >= BATCH_BYTES:
-                self._deliver(batch)
-                batch, nbytes = [], 0
-        if batch:
-            self._deliver(batch)
-        return True
-
-    def _deliver(self, batch: list) -> None:
+            digests[i] = xxhash.xxh3_64_intdigest(view[offsets[i]:offsets[i] + sizes[i]])
+            hashed[i] = True
         try:
-            self.loop.call_soon_threadsafe(self._call_back, batch)
+            self.loop.call_soon_threadsafe(self._call_back, callback, payload, digests, hashed)
         except RuntimeError:  # the loop is closed: the daemon is stopping
             pass
+        return True
 
-    def _call_back(self, batch: list) -> None:
-        self.pending -= len(batch)
-        for callback, payload, digest in batch:
-            callback(payload, digest)
+    def _waited(self, stale, i: int) -> bool:
+        """Wait while copies are queued, at most ``YIELD_S``, asleep off the GIL (a thread
+        that polled would take the GIL from the loop each time); False once item ``i``
+        went stale meanwhile."""
+        idle = self.idle
+        if idle is None or idle.is_set():
+            return True
+        idle.wait(YIELD_S)
+        return stale is None or not stale()[i]
+
+    def _call_back(self, callback, payload, digests, hashed) -> None:
+        self.pending -= len(digests)
+        callback(payload, digests, hashed)
 
     def stop(self, timeout: float = 5.0) -> None:
         self.stopping = True
@@ -134,7 +153,7 @@ class Journal:
         self.hasher = hasher
         n = index.records
         self.owner: list = [None] * n  # record number -> the entry it describes, or None
-        self.gen = [0] * n              # bumped each time a record number is handed out
+        self.gen = np.zeros(n, np.int64)  # bumped when a record is handed out and freed
         for number, entry in (live or {}).items():
             self.owner[number] = entry
         self.free = [i for i in range(n - 1, -1, -1) if self.owner[i] is None]  # low ones first
@@ -149,7 +168,7 @@ class Journal:
     def committed_many(self, entries: list, rank: int) -> None:
         """Each entry's shard record, then their checksums queued as one job (the hot
         path: about 2 µs a shard)."""
-        jobs = []
+        numbers, offsets, sizes = [], [], []
         for e in entries:
             number = self.free.pop() if self.free else self._grow()
             if number is None:
@@ -162,9 +181,10 @@ class Journal:
             self.owner[number] = e
             self.index.write(number, ON_DISK if e.on_disk else 0, rank, e.shards, e.key, e.ns,
                              e.offset, e.shard_bytes, 0, e.used, e.hits)
-            jobs.append(((number, self.gen[number]), e.shard_offset(rank), e.shard_bytes))
-        self.unsealed += len(jobs)
-        self.hasher.submit_many(self._sealed, jobs, self._current)
+            numbers.append(number)
+            offsets.append(e.shard_offset(rank))
+            sizes.append(e.shard_bytes)
+        self._queue(numbers, offsets, sizes)
 
     def dropped(self, e) -> None:
         for number in e.recs or ():
@@ -181,6 +201,7 @@ class Journal:
         for number in e.recs or ():
             if number >= 0:
                 self._unfree(number)
+                self.gen[number] -= 1  # as it was: a checksum queued for it is current again
                 self.owner[number] = e
                 self.index.set_state(number, True)
 
@@ -198,12 +219,13 @@ class Journal:
             return None
         new = self.index.records
         self.owner.extend([None] * (new - old))
-        self.gen.extend([0] * (new - old))
+        self.gen = np.concatenate([self.gen, np.zeros(new - old, np.int64)])
         self.free.extend(range(new - 1, old - 1, -1))
         return self.free.pop()
 
     def _release(self, number: int) -> None:
         self.index.set_state(number, False)
+        self.gen[number] += 1  # a checksum queued for it is stale now
         self.owner[number] = None
         self.free.append(number)
 
@@ -217,26 +239,34 @@ class Journal:
 
     def seal(self, number: int, offset: int, size: int) -> None:
         """Queue the checksum of record ``number``'s bytes."""
-        self.unsealed += 1
-        self.hasher.submit_many(self._sealed, [((number, self.gen[number]), offset, size)],
-                                self._current)
+        self._queue([number], [offset], [size])
 
-    def _current(self, payload) -> bool:
-        """Whether record ``number`` still describes the shard of generation ``gen`` (read
-        from a hashing thread: list reads are atomic; a drop right after is caught again
-        in ``_sealed``)."""
-        number, gen = payload
-        return self.gen[number] == gen and self.owner[number] is not None
+    def _queue(self, numbers: list, offsets: list, sizes: list) -> None:
+        """One hashing job for these records as they are now (their generations)."""
+        if numbers:
+            numbers = np.array(numbers, np.int64)
+            gens = self.gen[numbers]
+            self.unsealed += len(numbers)
+            self.hasher.submit(self._sealed, (numbers, gens), offsets, sizes,
+                               partial(self._stale, numbers, gens), patient=True)
 
-    def _sealed(self, payload, digest: int | None) -> None:
-        number = payload[0]
-        self.unsealed -= 1
-        if digest is None:  # freed or reused before its turn: nothing to seal
-            self.counters["checksums_skipped"] += 1
+    def _stale(self, numbers: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """Which of the records were freed or reused since (from a hashing thread: numpy
+        reads under the GIL; a change right after is caught again in ``_sealed``)."""
+        return self.gen[numbers] != gens
+
+    def _sealed(self, payload, digests: np.ndarray, hashed: np.ndarray) -> None:
+        numbers, gens = payload
+        self.unsealed -= len(numbers)
+        self.counters["checksums_skipped"] += len(numbers) - int(np.count_nonzero(hashed))
+        if not self.index.is_open:
             return
-        if self._current(payload) and self.index.is_open:
-            self.index.seal(number, digest, ON_DISK if self.owner[number].on_disk else 0)
-            self.sealed += 1
+        for i in np.flatnonzero(hashed).tolist():
+            number = int(numbers[i])
+            e = self.owner[number]
+            if e is not None and self.gen[number] == gens[i]:
+                self.index.seal(number, int(digests[i]), ON_DISK if e.on_disk else 0)
+                self.sealed += 1
 
     # ---- a clean stop ---------------------------------------------------------------------
 

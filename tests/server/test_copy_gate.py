@@ -39,7 +39,9 @@ async def entered(gate, session, queue, timeout=0.05, nbytes=0) -> bool:
 def test_alone_a_session_queues_two_then_waits():
     async def body():
         gate, a = CopyGate(1, 2), Session()
+        assert gate.idle.is_set()
         assert await entered(gate, a, (0, "store"))
+        assert not gate.idle.is_set()  # the journal's hashing waits meanwhile
         assert await entered(gate, a, (0, "store"))
         assert not await entered(gate, a, (0, "store"))
         gate.leave(a, (0, "store"))
@@ -47,7 +49,9 @@ def test_alone_a_session_queues_two_then_waits():
         assert await entered(gate, a, (0, "load"))  # the other direction is another queue
         assert gate.total == 3
         for q in ((0, "store"), (0, "store"), (0, "load")):
+            assert not gate.idle.is_set()
             gate.leave(a, q)
+        assert gate.idle.is_set()
         assert gate.total == 0 and not gate.queued and not gate.waiting
     run(body())
 

@@ -13,11 +13,13 @@ import functools
 import mmap
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
 import xxhash
 
+from kvd.tiers import journal as journal_module
 from kvd.tiers.adopt import rebuild, verify
 from kvd.tiers.allocator import ExtentAllocator
 from kvd.tiers.arena_index import HEADER, LIVE, RECORD, SEALED, ArenaIndex, IndexProblem
@@ -108,12 +110,19 @@ async def test_a_checksum_of_a_slot_reused_meanwhile_is_not_written(arena):
     stalled.stop()  # no thread: jobs wait in the queue
     (e,) = store(tier, [1])
     (number,) = e.recs
-    callback, [(payload, offset, size)], current = stalled.jobs.get_nowait()
-    assert current(payload)
+    callback, payload, offsets, sizes, stale, patient = stalled.jobs.get_nowait()
+    assert patient  # the journal's checksums yield to copies
+    assert offsets == [e.offset] and sizes == [SLOT] and not stale().any()
+    tier.journal.dropped(e)  # an eviction, undone (a reservation that failed): same bytes
+    assert stale().all()
+    tier.journal.restored(e)
+    assert not stale().any()
     tier.clear()
+    assert stale().all()  # freed: a hashing thread would skip it now
     store(tier, [2])  # the same slot and record number, another generation
-    assert not current(payload)  # a hashing thread would skip it now
-    callback(payload, 12345)     # one that read it just before the reuse
+    assert tier.journal.index.live_records()[0].tolist() == [number]
+    assert stale().all()
+    callback(payload, np.array([12345], np.uint64), np.array([True]))  # read before the reuse
     assert not tier.journal.index.live_records()[1]["flags"][0] & SEALED
 
 
@@ -139,8 +148,8 @@ async def test_shards_evicted_before_their_turn_are_skipped_unread(arena):
     tier.clear()
     assert tier.journal.stats()["unsealed_shards"] == 3
     tier.journal.hasher = Hasher(Unreadable(), 1, asyncio.get_running_loop())
-    for callback, items, current in jobs:
-        tier.journal.hasher.submit_many(callback, items, current)
+    for job in jobs:
+        tier.journal.hasher.submit(*job)
     await asyncio.wait_for(settle(tier.journal), 10)
     stats = tier.journal.stats()
     assert stats["checksums_skipped"] == 3 and stats["unsealed_shards"] == 0, stats
@@ -150,6 +159,38 @@ async def test_shards_evicted_before_their_turn_are_skipped_unread(arena):
     (e,) = store(tier, [7])
     await settle(tier.journal)
     assert tier.journal.stats()["sealed_shards"] == 1
+    tier.journal.hasher.stop()
+
+
+@on_loop
+async def test_checksums_wait_while_copies_are_queued(arena, monkeypatch):
+    """The journal's hashing yields to copies: a shard is not read while ``idle`` is
+    clear (copies queued; up to ``YIELD_S``), is read once they paused, is skipped
+    unread if it was evicted while it waited, and never waits longer than ``YIELD_S``."""
+    idle = threading.Event()  # clear: copies are queued
+    tier = make_tier(arena)
+    tier.journal.hasher.idle = idle
+    monkeypatch.setattr(journal_module, "YIELD_S", 60.0)
+    store(tier, [1])
+    await asyncio.sleep(0.3)
+    stats = tier.journal.stats()
+    assert stats["sealed_shards"] == 0 and stats["unsealed_shards"] == 1, stats
+    idle.set()
+    await asyncio.wait_for(settle(tier.journal), 10)
+    assert tier.journal.stats()["sealed_shards"] == 1
+    idle.clear()
+    store(tier, [2])
+    await asyncio.sleep(0.1)
+    tier.clear()  # evicted while its checksum waits: never read, not sealed
+    idle.set()
+    await asyncio.wait_for(settle(tier.journal), 10)
+    idle.clear()
+    stats = tier.journal.stats()
+    assert stats["checksums_skipped"] == 1 and stats["sealed_shards"] == 1, stats
+    monkeypatch.setattr(journal_module, "YIELD_S", 0.05)
+    store(tier, [3])  # copies never pause: hashed after YIELD_S all the same
+    await asyncio.wait_for(settle(tier.journal), 10)
+    assert tier.journal.stats()["sealed_shards"] == 2
     tier.journal.hasher.stop()
 
 
