@@ -1,4 +1,5 @@
-"""kvd.bench.pipeline.report: the pipelined table as engines' users read it (no GPU).
+"""kvd.bench.pipeline.report: the pipelined table as engines' users read it (no GPU);
+``--json`` and tools/ratio_runs.py, which pools every run's ratio over rounds.
 
 Rows as ``measure`` returns them: a phase that ran has its GB/s, its
 memcpy baseline's GB/s, the median of the runs' ratios and each run's ratio;
@@ -9,7 +10,18 @@ the medians) and the spread of the runs of every phase that ran.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kvd.bench.common import write_json
 from kvd.bench.pipeline import report
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
 def row(shape: str, **phases) -> dict:
@@ -41,3 +53,60 @@ def test_each_ratio_is_the_median_of_the_runs_and_their_spread_is_shown(capsys):
 def test_no_rows_print_nothing(capsys):
     report([])
     assert capsys.readouterr().out == ""
+
+
+def write_rows(path, monkeypatch, rows) -> None:
+    monkeypatch.setattr(sys, "argv", ["kvd", "bench", "--gpu", "--pipeline", "4"])
+    write_json(str(path), gpu="NVIDIA H100 80GB HBM3", blocking=[], pipelined=rows,
+               gemm={"slowdown": np.float64(0.01)})
+
+
+def test_json_rows_pool_into_each_variants_runs(tmp_path, monkeypatch):
+    """``--json`` files of alternating rounds (tools/ab_runs.sh names them label-round):
+    tools/ratio_runs.py pools each variant's runs, in round order, numpy numbers and all."""
+    write_rows(tmp_path / "new-1.json", monkeypatch,
+               [row("deepseek-mla", both=(70.0, 88.0, [np.float64(0.70), 0.80, 0.90]))])
+    write_rows(tmp_path / "new-2.json", monkeypatch,
+               [row("deepseek-mla", both=(70.0, 88.0, [0.60, 0.75, 1.00]))])
+    write_rows(tmp_path / "off-1.json", monkeypatch,
+               [row("deepseek-mla", both=(80.0, 88.0, [0.85, 0.90, 0.95]),
+                    store=(50.0, 55.0, [0.95, 0.96, 0.97]))])
+    doc = json.loads((tmp_path / "new-1.json").read_text())
+    assert doc["command"] == "kvd bench --gpu --pipeline 4" and doc["gemm"]["slowdown"] == 0.01
+    out = subprocess.run([sys.executable, str(TOOLS / "ratio_runs.py"), str(tmp_path)],
+                         capture_output=True, text=True, check=True).stdout
+    lines = {tuple(line.split()[:4]): line for line in out.splitlines()[1:]}
+    assert set(lines) == {("deepseek-mla", "16", "both", "new"), ("deepseek-mla", "16", "both", "off"),
+                          ("deepseek-mla", "16", "store", "off")}
+    new = lines[("deepseek-mla", "16", "both", "new")]
+    assert "n=6" in new and "median 0.78" in new and "mean 0.79" in new
+    assert new.endswith("rounds: 0.80, 0.75")
+    assert "median 0.90" in lines[("deepseek-mla", "16", "both", "off")]
+    assert "NVIDIA H100" in out.splitlines()[0]
+
+
+def test_ratio_runs_without_runs_says_why(tmp_path, monkeypatch):
+    write_rows(tmp_path / "a-1.json", monkeypatch, [])
+    done = subprocess.run([sys.executable, str(TOOLS / "ratio_runs.py"), str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "--pipeline" in done.stderr
+    (tmp_path / "b-1.json").write_text("{not json")
+    done = subprocess.run([sys.executable, str(TOOLS / "ratio_runs.py"), str(tmp_path / "b-1.json")],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "ratio_runs:" in done.stderr
+
+
+def test_json_is_refused_before_any_benchmark_runs(tmp_path):
+    """A bad --json is an exit 2 with its reason at once (no GPU needed to find out)."""
+    for extra, why in ((["--json", str(tmp_path / "x.json")], "is for --gpu"),
+                       (["--gpu", "--json", str(tmp_path / "no" / "x.json")], "no directory")):
+        done = subprocess.run([sys.executable, "-m", "kvd", "bench", *extra],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and why in done.stderr, done.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_ab_runs_refuses_bad_labels():
+    done = subprocess.run(["bash", str(TOOLS / "ab_runs.sh")], capture_output=True, text=True,
+                          env={**os.environ, "VARIANTS": "ok|;bad/label|X=1"}, timeout=30)
+    assert done.returncode == 2 and "bad label 'bad/label'" in done.stderr

@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
     p.add_argument("--daemon-profile", default=None, metavar="PATH", help="host and --gpu "
                    "benchmarks: run the private daemon under cProfile and write its stats to PATH "
                    "when it stops (read them with python3 -m pstats PATH); slows the daemon")
+    p.add_argument("--json", default=None, metavar="PATH", help="with --gpu: also write every "
+                   "result row as JSON to PATH (the pipelined rows with each run's ratio); "
+                   "tools/ratio_runs.py summarises several")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the result table as a "
                    "bar chart (host, --gpu, --disk, --gds; needs kvd[plot]: matplotlib)")
     p.add_argument("--scrape-hz", type=float, default=0.0, help="host benchmark: the daemon serves "
@@ -113,6 +116,14 @@ def run(args) -> int:
         except PlotUnavailable as exc:
             print(f"kvd bench: {exc}")
             return 2
+    if args.json and not (args.gpu and not args.interference):
+        print("kvd bench: --json is for --gpu (without --interference)", file=sys.stderr)
+        return 2
+    if args.json:
+        problem = _writable_file(args.json)
+        if problem:  # before minutes of benchmark, not after
+            print(f"kvd bench: --json {args.json}: {problem}", file=sys.stderr)
+            return 2
     if args.disk_policy or args.gds or args.disk:
         problem = _usable_dir(args.disk_dir)
         if problem:
@@ -154,5 +165,15 @@ def _usable_dir(path: str) -> str | None:
     except OSError as exc:
         return f"cannot create it: {exc.strerror}"
     if not os.access(p, os.W_OK | os.X_OK):
+        return f"not writable by uid {os.geteuid()}"
+    return None
+
+
+def _writable_file(path: str) -> str | None:
+    """Why ``path`` cannot be written (its directory missing or not writable), or None."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"no directory {parent}"
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         return f"not writable by uid {os.geteuid()}"
     return None

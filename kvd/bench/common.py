@@ -122,3 +122,20 @@ def on_stream(torch, stream, call, *args):
         out = call(*args)
     stream.synchronize()
     return out
+
+
+def write_json(path: str, **parts) -> None:
+    """The benchmark's results as JSON at ``path`` (numpy numbers as plain ones), with the
+    command that produced them; ``tools/ratio_runs.py`` summarises several such files."""
+    import json
+    import shlex
+
+    def plain(value):
+        if hasattr(value, "tolist"):
+            return value.tolist()
+        raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+    doc = {"command": "kvd " + " ".join(shlex.quote(a) for a in sys.argv[1:]), **parts}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=plain)
+        f.write("\n")

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from . import pipeline
-from .common import on_stream, request_bytes, start_daemon, stop_daemon
+from .common import on_stream, request_bytes, start_daemon, stop_daemon, write_json
 
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
     "llama3-8b": ("vllm_flash_attn", 32, 8, 128),
@@ -62,6 +62,10 @@ def run(args) -> int:
             stop_daemon(daemon, rundir, 60)
     _report(torch, rows, gemm, args)
     pipeline.report(piped)
+    if args.json:
+        write_json(args.json, gpu=torch.cuda.get_device_name(), blocking=rows, pipelined=piped,
+                   gemm=gemm)
+        print(f"json: {args.json}")
     if args.plot:
         _plot(torch, rows, piped, args)
     return 0

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Daemon settings compared through the pipelined GPU bench, every run's ratio kept:
+#
+#   VARIANTS='new|;off|KVD_WARM_RESTART=0' ROUNDS=5 OUT=/tmp/ab bash tools/ab_runs.sh \
+#     --pipeline 4 --clients 2 --repeat 5 --gpu-page-sizes 16 --gpu-pool block-outer ...
+#
+# VARIANTS: "label|ENV=V ENV2=V2" entries separated by ';' (an empty env: the defaults;
+# labels of letters, digits, '_' and '.'). Each of ROUNDS (default 5) rounds runs every
+# variant once, in turn, as `python3 -m kvd bench --gpu <the flags> --json
+# $OUT/<label>-<round>.json` with that variant's environment (the daemon's knobs:
+# KVD_<KNOB>), so a machine's slow spells fall on every variant alike. Then
+# tools/ratio_runs.py pools each variant's runs. Runs on the GPU machine:
+#   bash .gpu/run.sh env VARIANTS=... bash tools/ab_runs.sh <flags>
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${VARIANTS:?set VARIANTS, e.g. VARIANTS='new|;off|KVD_WARM_RESTART=0'}"
+ROUNDS=${ROUNDS:-5}
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT" || exit 2
+IFS=';' read -ra variants <<< "$VARIANTS"
+for v in "${variants[@]}"; do
+  label=${v%%|*}
+  if ! [[ $label =~ ^[A-Za-z0-9_.]+$ ]]; then
+    echo "ab_runs: bad label '$label' in VARIANTS" >&2
+    exit 2
+  fi
+done
+rc=0
+for r in $(seq 1 "$ROUNDS"); do
+  for v in "${variants[@]}"; do
+    label=${v%%|*}
+    envs=""
+    [[ $v == *"|"* ]] && envs=${v#*|}
+    echo "== round $r/$ROUNDS: $label ${envs:-(defaults)}"
+    # shellcheck disable=SC2086  # envs is a list of ENV=V words
+    if ! env $envs python3 -m kvd bench --gpu "$@" --json "$OUT/$label-$r.json" \
+        > "$OUT/$label-$r.log" 2>&1; then
+      echo "failed (log: $OUT/$label-$r.log):"
+      tail -n 5 "$OUT/$label-$r.log"
+      rc=1
+    fi
+  done
+done
+python3 tools/ratio_runs.py "$OUT" || rc=1
+exit $rc
