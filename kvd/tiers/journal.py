@@ -18,9 +18,9 @@ the shard it was queued for (per-record generation, bumped when a record
 is handed out and when it is freed; the bytes may have been evicted
 meanwhile and the digest then describes nothing).
 
-Hashing gives way to copies, as a stream of stores outruns it and hashing
-next to the copy engines slowed them (DeepSeek-MLA pages both ways: 0.73-0.93
-of a memcpy with the journal, 0.94-0.98 without, H100; docs/benchmarks.md):
+Hashing gives way to copies: a stream of stores outruns it, and reading
+host memory next to the copy engines is a suspect in MLA's both-ways
+figure (measured below):
 - a shard whose record was freed or reused before its turn is skipped
   unread (``checksums_skipped``): under a stream of stores the queue runs
   behind and its oldest shards are evicted first. Staleness is one numpy
@@ -29,10 +29,12 @@ of a memcpy with the journal, 0.94-0.98 without, H100; docs/benchmarks.md):
 - while the daemon has copies queued (``Hasher.idle`` clear: the copy
   gate's event), a thread sleeps up to ``YIELD_S`` before each shard it would read,
   so a steady stream of copies sees a few shards hashed a second, and the
-  rest skipped as they are evicted (MLA both ways, median of 25 runs: 0.80
-  of a memcpy with it, 0.76 without, 0.88 with the journal off; H100,
-  docs/benchmarks.md). Verification after a crash does not wait: unverified
-  chunks are no hits until it is done.
+  rest skipped as they are evicted. Verification after a crash does not
+  wait: unverified chunks are no hits until it is done.
+
+Measured (H100, MLA pages both ways, 25 runs a variant, five calls): 0.72-0.81
+of a memcpy with the journal, 0.85-0.92 without; which part of it costs
+differs between machines (docs/benchmarks.md).
 
 The store's reply does not wait for any of it: a shard committed in the last milliseconds
 before a crash has a record without a digest, which a new daemon trusts on
