@@ -30,7 +30,10 @@ figure (measured below):
   gate's event), a thread sleeps up to ``YIELD_S`` before each shard it would read,
   so a steady stream of copies sees a few shards hashed a second, and the
   rest skipped as they are evicted. Verification after a crash does not
-  wait: unverified chunks are no hits until it is done.
+  wait: unverified chunks are no hits until it is done. The queue stays
+  bounded under endless copies: a job's shards go stale as the tier turns
+  over, and a stale job is one comparison, so it holds about as many
+  shards as the tier does.
 
 Measured (H100, MLA pages both ways, 25 runs a variant, five calls): 0.72-0.81
 of a memcpy with the journal, 0.85-0.92 without; which part of it costs
