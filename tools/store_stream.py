@@ -8,7 +8,8 @@ then one client stores fresh Llama-3-8B-shaped chunks (256 tokens, 32 MiB
 each) back to back for ``--seconds``: every store evicts older chunks, as
 under a sustained offload. Prints the store rate and the warm-restart
 journal's checksum counters (``sealed_shards``, ``checksums_skipped``:
-shards evicted before their checksum's turn, never read). Run it with
+shards evicted before their checksum's turn, never read; ``checksums_stale``:
+read, then evicted before the digest was written). Run it with
 ``PYTHONPATH`` on another checkout (from outside the repository, so that
 ``python -m kvd`` does not pick up the current directory) to compare
 versions. A measurement tool, not a test.
@@ -57,6 +58,7 @@ def main() -> None:
             print(f"{n} stores of {a.request_chunks} chunks, {gb:.1f} GB in {elapsed:.1f} s: "
                   f"{gb / elapsed:.2f} GB/s; shards sealed {warm.get('sealed_shards')}, "
                   f"skipped {warm.get('checksums_skipped', 'n/a')}, "
+                  f"read then evicted {warm.get('checksums_stale', 'n/a')}, "
                   f"unsealed {warm.get('unsealed_shards')}")
             client.close()
             pool.close()

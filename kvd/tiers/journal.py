@@ -22,7 +22,8 @@ Hashing gives way to copies: a stream of stores outruns it, and reading
 host memory next to the copy engines is a suspect in MLA's both-ways
 figure (measured below):
 - a shard whose record was freed or reused before its turn is skipped
-  unread (``checksums_skipped``): under a stream of stores the queue runs
+  unread (``checksums_skipped``; one freed while it was being read is
+  counted in ``checksums_stale``): under a stream of stores the queue runs
   behind and its oldest shards are evicted first. Staleness is one numpy
   comparison per job (generations), and the loop's callback counts the
   skipped ones in bulk: no Python per skipped shard on either side;
@@ -272,6 +273,8 @@ class Journal:
             if e is not None and self.gen[number] == gens[i]:
                 self.index.seal(number, int(digests[i]), ON_DISK if e.on_disk else 0)
                 self.sealed += 1
+            else:  # read, but evicted before its digest came back: read for nothing
+                self.counters["checksums_stale"] += 1
 
     # ---- a clean stop ---------------------------------------------------------------------
 
@@ -295,5 +298,5 @@ class Journal:
                 "verified_shards": c["verified_shards"], "checksum_failures": c["checksum_failures"],
                 "verify_seconds": c["verify_seconds"], "unsealed_shards": self.unsealed,
                 "sealed_shards": self.sealed, "checksums_skipped": c["checksums_skipped"],
-                "unrecorded_shards": c["unrecorded_shards"],
+                "checksums_stale": c["checksums_stale"], "unrecorded_shards": c["unrecorded_shards"],
                 "index_records": self.index.records}

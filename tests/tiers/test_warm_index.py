@@ -123,6 +123,7 @@ async def test_a_checksum_of_a_slot_reused_meanwhile_is_not_written(arena):
     assert tier.journal.index.live_records()[0].tolist() == [number]
     assert stale().all()
     callback(payload, np.array([12345], np.uint64), np.array([True]))  # read before the reuse
+    assert tier.journal.stats()["checksums_stale"] == 1  # read for nothing, and counted
     assert not tier.journal.index.live_records()[1]["flags"][0] & SEALED
 
 
@@ -190,7 +191,9 @@ async def test_checksums_wait_while_copies_are_queued(arena, monkeypatch):
     monkeypatch.setattr(journal_module, "YIELD_S", 0.05)
     store(tier, [3])  # copies never pause: hashed after YIELD_S all the same
     await asyncio.wait_for(settle(tier.journal), 10)
-    assert tier.journal.stats()["sealed_shards"] == 2
+    stats = tier.journal.stats()
+    assert stats["sealed_shards"] == 2
+    assert stats["sealed_shards"] + stats["checksums_skipped"] + stats["checksums_stale"] == 3
     tier.journal.hasher.stop()
 
 
