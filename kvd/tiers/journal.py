@@ -119,7 +119,7 @@ class Hasher:
             if patient and not self._waited(stale, i):
                 continue  # went stale while it waited
             view = self.view  # None once stopped
-            if view is None:
+            if view is None or self.stopping:
                 return False
             digests[i] = xxhash.xxh3_64_intdigest(view[offsets[i]:offsets[i] + sizes[i]])
             hashed[i] = True
