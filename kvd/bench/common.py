@@ -128,14 +128,15 @@ def write_json(path: str, **parts) -> None:
     """The benchmark's results as JSON at ``path`` (numpy numbers as plain ones), with the
     command that produced them; ``tools/ratio_runs.py`` summarises several such files."""
     import json
-    import shlex
+
+    from .plot import command  # no matplotlib needed for it
 
     def plain(value):
         if hasattr(value, "tolist"):
             return value.tolist()
         raise TypeError(f"cannot write {type(value).__name__} as JSON")
 
-    doc = {"command": "kvd " + " ".join(shlex.quote(a) for a in sys.argv[1:]), **parts}
+    doc = {"command": command(), **parts}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=plain)
         f.write("\n")
