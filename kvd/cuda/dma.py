@@ -31,9 +31,10 @@ Contract:
   refused call queues nothing; warned once per queue). Then ``streams[0]``
   waits for the others (events), so work queued on ``streams[0]`` afterwards
   (a layer word, the done word, the completion event) follows the whole
-  batch. It only enqueues; it keeps each batch's arrays until the next
-  ``enqueue`` after the batch finished (the caller polls), and never blocks
-  the host. ``follow(stream)`` orders what is queued next after ``stream``'s
+  batch. It only enqueues, and never blocks the host; it keeps each batch's
+  arrays (what the driver reads) until the next ``enqueue`` or
+  ``queued_bytes`` after the batch landed. Batches land in order, so
+  ``queued_bytes`` queries the oldest only. ``follow(stream)`` orders what is queued next after ``stream``'s
   work so far; ``idle_for()`` is how long ago its last batch landed.
 - ``DmaPath`` (one GPU; ``DmaSettings`` are the ``gpu_dma_*`` knobs): a copy
   goes straight (the ops above) or, where ``staged`` says so (pitched pages
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -98,7 +100,8 @@ class DmaQueue:
         self.spread_below = spread_below
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, n_streams))]
         self._joins = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in self.streams[1:]]
-        self.queued: list = []  # (event, bytes, arrays) of batches not known to be done
+        self.queued: deque = deque()  # (event, bytes, arrays) of batches not known done
+        self._bytes = 0  # theirs
         self.busy_at = -1e9  # when a batch of this queue was last seen queued or landing
         self.warned = False
         self._follow = self.rt.eventCreateWithFlags(_EVENT_NO_TIMING)
@@ -109,8 +112,13 @@ class DmaQueue:
         return self.streams[0]
 
     def queued_bytes(self) -> int:
-        self.queued = [q for q in self.queued if not q[0].done]
-        return sum(q[1] for q in self.queued)
+        """Bytes of the batches not known to have landed. Each batch's event is recorded
+        on ``stream`` after the one before, so they land in order: only the oldest are
+        queried."""
+        q = self.queued
+        while q and q[0][0].done:
+            self._bytes -= q.popleft()[1]
+        return self._bytes
 
     def idle_for(self) -> float:
         """Seconds since this queue's last batch landed (0 while one is queued); with a
@@ -134,6 +142,7 @@ class DmaQueue:
         """Queue a ``dma_plan.Step`` on the first ``n`` streams (by default all, or one
         for pieces of ``spread_below`` bytes and more); returns the event recorded on
         ``stream`` after it."""
+        self.queued_bytes()  # lets go of the batches that landed (a store's are never waited on)
         if n is None and step.nbytes >= self.spread_below * max(1, step.ops.size + step.size.size):
             n = 1
         streams, ops = self.streams[:n], np.ascontiguousarray(step.ops)
@@ -158,6 +167,7 @@ class DmaQueue:
         done = self.cp.cuda.Event(block=False, disable_timing=True)
         done.record(self.stream)
         self.queued.append((done, step.nbytes, keep))  # what the driver reads
+        self._bytes += step.nbytes
         self.busy_at = time.monotonic()
         if self.poller is not None:
             self.poller.wait(done).add_done_callback(self._landed)
@@ -186,7 +196,7 @@ class DmaQueue:
         """Free the events; the caller synchronized the streams."""
         for ev in [*self._joins, self._follow]:
             self.rt.eventDestroy(ev)
-        self.queued = []
+        self.queued, self._bytes = deque(), 0
 
 
 def _geometry(layout: Any, chunk_tokens: int) -> dict:
