@@ -9,12 +9,17 @@
 # variant once, in turn, as `python3 -m kvd bench --gpu <the flags> --json
 # $OUT/<label>-<round>.json` with that variant's environment (the daemon's knobs:
 # KVD_<KNOB>), so a machine's slow spells fall on every variant alike. Then
-# tools/ratio_runs.py pools each variant's runs. Runs on the GPU machine:
+# tools/ratio_runs.py pools each variant's runs. DAEMON_LOG=1 also keeps each run's
+# daemon debug log ($OUT/<label>-<round>.daemon.log) and prints the run's pipelined
+# table and the daemon's per-copy timings and phases (tools/daemon_timings.py
+# --phases): where a setting's copies wait. RUN_TIMEOUT (default 590 s) bounds each
+# run. Runs on the GPU machine:
 #   bash .gpu/run.sh env VARIANTS=... bash tools/ab_runs.sh <flags>
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${VARIANTS:?set VARIANTS, e.g. VARIANTS='new|;off|KVD_WARM_RESTART=0'}"
 ROUNDS=${ROUNDS:-5}
+RUN_TIMEOUT=${RUN_TIMEOUT:-590}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT" || exit 2
 IFS=';' read -ra variants <<< "$VARIANTS"
@@ -31,13 +36,19 @@ for r in $(seq 1 "$ROUNDS"); do
     label=${v%%|*}
     envs=""
     [[ $v == *"|"* ]] && envs=${v#*|}
+    run="$OUT/$label-$r"
+    log_args=()
+    [ "${DAEMON_LOG:-0}" = 1 ] && log_args=(--daemon-log "$run.daemon.log")
     echo "== round $r/$ROUNDS: $label ${envs:-(defaults)}"
     # shellcheck disable=SC2086  # envs is a list of ENV=V words
-    if ! env $envs python3 -m kvd bench --gpu "$@" --json "$OUT/$label-$r.json" \
-        > "$OUT/$label-$r.log" 2>&1; then
-      echo "failed (log: $OUT/$label-$r.log):"
-      tail -n 5 "$OUT/$label-$r.log"
+    if ! env $envs timeout "$RUN_TIMEOUT" python3 -m kvd bench --gpu "$@" ${log_args[@]+"${log_args[@]}"} \
+        --json "$run.json" > "$run.log" 2>&1; then
+      echo "failed (log: $run.log):"
+      tail -n 5 "$run.log"
       rc=1
+    elif [ "${DAEMON_LOG:-0}" = 1 ]; then
+      sed -n '/^pipelined/,$p' "$run.log"
+      python3 tools/daemon_timings.py "$run.daemon.log" --phases | sed -n '/^daemon-side/,$p'
     fi
   done
 done

@@ -5,8 +5,9 @@
 # 2. `kvd bench --gpu` (end-to-end offload/load vs pinned cudaMemcpy, GEMM slowdown;
 #    BENCH_ARGS adds flags, e.g. "--pipeline 4 --repeat 5 --plot $OUT/gpu.png");
 # 3. `kvd bench --restart` (cold vs warm restart of a RESTART_GIB host tier, default 64);
-# 4. sweep: tools/dma_sweep.sh (the pipelined bench per daemon setting, with the
-#    daemon's phases; VARIANTS as there);
+# 4. sweep: tools/ab_runs.sh with DAEMON_LOG=1, one round (the pipelined bench per
+#    daemon setting, with the daemon's phases; SWEEP_VARIANTS as ab_runs.sh's VARIANTS,
+#    SWEEP_ARGS its bench flags);
 # 5. interference: the engine's GEMM and decode steps next to kvd's copies in separate
 #    processes: a no-copy control, staged and straight DMA (INTERFERENCE_VARIANTS), on
 #    one-allocation pools (INTERFERENCE_ARGS adds
@@ -36,8 +37,12 @@ if [[ $steps == *restart* ]]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "RESTART BENCH FAILED"; rc=1; }
 fi
 if [[ $steps == *sweep* ]]; then
-  echo "== tools/dma_sweep.sh"
-  OUT="$OUT" timeout 400 bash tools/dma_sweep.sh 2>&1 | tee "$OUT/sweep.log"
+  echo "== tools/ab_runs.sh (sweep)"
+  # shellcheck disable=SC2086  # SWEEP_ARGS is a list of flags
+  OUT="$OUT/sweep" ROUNDS=1 DAEMON_LOG=1 RUN_TIMEOUT=300 \
+    VARIANTS=${SWEEP_VARIANTS:-"default|;alone1|KVD_MAX_QUEUED_COPIES_ALONE=1"} \
+    timeout 400 bash tools/ab_runs.sh ${SWEEP_ARGS:---pipeline 4 --clients 2 \
+    --gpu-page-sizes 16 --repeat 3 --gpu-pool one} 2>&1 | tee "$OUT/sweep.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "DMA SWEEP FAILED"; rc=1; }
 fi
 if [[ $steps == *interference* ]]; then
