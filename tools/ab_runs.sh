@@ -6,7 +6,8 @@
 #
 # VARIANTS: "label|ENV=V ENV2=V2" entries separated by ';' (an empty env: the defaults;
 # labels of letters, digits, '_' and '.'). Each of ROUNDS (default 5) rounds runs every
-# variant once, in turn, as `python3 -m kvd bench --gpu <the flags> --json
+# variant once, in turn (each round starting with the next variant, so none always runs
+# first or last), as `python3 -m kvd bench --gpu <the flags> --json
 # $OUT/<label>-<round>.json` with that variant's environment (the daemon's knobs:
 # KVD_<KNOB>), so a machine's slow spells fall on every variant alike. Then
 # tools/ratio_runs.py pools each variant's runs. DAEMON_LOG=1 also keeps each run's
@@ -31,8 +32,10 @@ for v in "${variants[@]}"; do
   fi
 done
 rc=0
+n=${#variants[@]}
 for r in $(seq 1 "$ROUNDS"); do
-  for v in "${variants[@]}"; do
+  for k in $(seq 0 $((n - 1))); do
+    v=${variants[$(((k + r - 1) % n))]}  # each round starts one variant later
     label=${v%%|*}
     envs=""
     [[ $v == *"|"* ]] && envs=${v#*|}
