@@ -30,15 +30,30 @@ Contract:
 - Every ``leave`` and every cancelled waiter wakes the waiters, which
   re-check their limit; nothing here blocks the event loop. ``total`` is
   the copies queued now (``kvd stats`` ``copies_queued``, the
-  ``kvd_copies_queued`` gauge), ``queued_by(session)`` one client's.
+  ``kvd_copies_queued`` gauge), ``queued_by(session)`` one client's;
+  ``idle`` (an ``Idle`` event, for other threads: the journal's hashing) is
+  set while ``total`` is 0, with the time it was last set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter, defaultdict
 from typing import Any, Hashable
+
+
+class Idle(threading.Event):
+    """Set while no copy is queued; ``since``: when it was last set (``time.monotonic``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set()
+
+    def set(self) -> None:
+        self.since = time.monotonic()  # before the flag: a reader that sees it set sees this
+        super().set()
 
 
 class CopyGate:
@@ -51,8 +66,7 @@ class CopyGate:
         self.waiting: defaultdict[Hashable, Counter] = defaultdict(Counter)
         self._wake: asyncio.Future | None = None
         self.total = 0  # copies queued now, all sessions (an int: safe to read from any thread)
-        self.idle = threading.Event()  # set while total is 0
-        self.idle.set()
+        self.idle = Idle()  # set while total is 0
 
     def may_queue(self, session: Any, queue: Hashable | None, nbytes: int) -> bool:
         """Whether ``session`` may queue a copy of ``nbytes`` in ``queue`` now."""

@@ -27,18 +27,23 @@ figure (measured below):
   behind and its oldest shards are evicted first. Staleness is one numpy
   comparison per job (generations), and the loop's callback counts the
   skipped ones in bulk: no Python per skipped shard on either side;
-- while the daemon has copies queued (``Hasher.idle`` clear: the copy
-  gate's event), a thread sleeps up to ``YIELD_S`` before each shard it would read,
-  so a steady stream of copies sees a few shards hashed a second, and the
-  rest skipped as they are evicted. Verification after a crash does not
-  wait: unverified chunks are no hits until it is done. The queue stays
-  bounded under endless copies: a job's shards go stale as the tier turns
-  over, and a stale job is one comparison, so it holds about as many
-  shards as the tier does.
+- a shard is read only once the daemon's copies have been idle for
+  ``QUIET_S`` (``Hasher.idle``: the copy gate's ``Idle`` event, set while
+  no copy is queued, with the time it was set); until then its thread
+  sleeps off the GIL, waking on the event or every ``CHECK_S`` to see
+  whether the shard went stale. So a busy daemon hashes nothing, not even
+  in the short gaps between its copies, and catches up when traffic
+  pauses; under endless copies its records stay unsealed, which a new
+  daemon trusts on the order of writes (below). Verification after a
+  crash does not wait: unverified chunks are no hits until it is done. The
+  queue stays bounded under endless copies: a job's shards go stale as the
+  tier turns over, and a stale job is one comparison, so it holds about as
+  many shards as the tier does.
 
-Measured (H100, MLA pages both ways, 25 runs a variant, five calls): 0.72-0.81
-of a memcpy with the journal, 0.85-0.92 without; which part of it costs
-differs between machines (docs/benchmarks.md).
+Measured (H100, the pipelined GPU bench, variants in rotating order): with
+reading allowed up to 20 ms into a busy spell the journal cost a long-lived
+daemon's both-ways copies 0.14 (MLA) and 0.08 (Llama); MLA-only runs showed
+no cost (docs/benchmarks.md).
 
 The store's reply does not wait for any of it: a shard committed in the last milliseconds
 before a crash has a record without a digest, which a new daemon trusts on
@@ -56,7 +61,8 @@ import logging
 import os
 import queue
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from functools import partial
 
 import numpy as np
@@ -66,7 +72,8 @@ from kvd.tiers.arena_index import ON_DISK, ArenaIndex
 
 log = logging.getLogger("kvd")
 NICE = 10  # the hashing threads' niceness (the daemon's other threads keep theirs)
-YIELD_S = 0.02  # a patient job's shard waits at most this long for the copies to pause
+QUIET_S = 0.05  # a patient job's shard is read once copies have been idle this long
+CHECK_S = 0.1  # while it waits, it checks this often whether it went stale
 
 
 class Hasher:
@@ -78,9 +85,9 @@ class Hasher:
     unread as stale. ``stale()`` (None: never) returns a bool mask over the job's items;
     a hashing thread calls it before the job and again while an item waits, so skipping
     costs a few numpy operations per job, not Python per item. A ``patient`` job's items
-    wait, each up to ``YIELD_S``, while ``idle`` (a ``threading.Event``; None: always
-    idle) is clear: copies are queued. ``stop`` ends the threads (jobs not done are
-    dropped; a waiting thread ends within ``YIELD_S``).
+    are read only once ``idle`` (``kvd.server.copy_gate.Idle``: an event with ``since``;
+    None: always idle) has been set for ``QUIET_S``. ``stop`` ends the threads (jobs not
+    done are dropped; a waiting thread ends within ``CHECK_S``).
     """
 
     def __init__(self, view: np.ndarray, threads: int, loop, idle=None):
@@ -114,10 +121,15 @@ class Hasher:
         """Hash one job's current items and hand the results back; False once stopped."""
         n = len(offsets)
         digests, hashed = np.zeros(n, np.uint64), np.zeros(n, bool)
-        todo = range(n) if stale is None else np.flatnonzero(~stale()).tolist()
-        for i in todo:
+        todo = deque(range(n) if stale is None else np.flatnonzero(~stale()).tolist())
+        while todo:
+            i = todo.popleft()
             if patient and not self._waited(stale, i):
-                continue  # went stale while it waited
+                if self.stopping:
+                    return False
+                fresh = ~stale()  # went stale while it waited, as others evicted with it
+                todo = deque(j for j in todo if fresh[j])
+                continue
             view = self.view  # None once stopped
             if view is None or self.stopping:
                 return False
@@ -130,14 +142,21 @@ class Hasher:
         return True
 
     def _waited(self, stale, i: int) -> bool:
-        """Wait while copies are queued, at most ``YIELD_S``, asleep off the GIL (a thread
-        that polled would take the GIL from the loop each time); False once item ``i``
-        went stale meanwhile."""
+        """Sleep off the GIL until copies have been idle for ``QUIET_S`` (a thread that
+        polled would take the GIL from the loop each time); False once item ``i`` went
+        stale meanwhile or the hasher stops."""
         idle = self.idle
-        if idle is None or idle.is_set():
-            return True
-        idle.wait(YIELD_S)
-        return stale is None or not stale()[i]
+        while idle is not None:
+            if not idle.is_set():
+                idle.wait(CHECK_S)
+            else:
+                left = QUIET_S - (time.monotonic() - idle.since)
+                if left <= 0:
+                    return True
+                time.sleep(min(left, CHECK_S))
+            if self.stopping or (stale is not None and stale()[i]):
+                return False
+        return True
 
     def _call_back(self, callback, payload, digests, hashed) -> None:
         self.pending -= len(digests)

@@ -40,6 +40,7 @@ def test_alone_a_session_queues_two_then_waits():
     async def body():
         gate, a = CopyGate(1, 2), Session()
         assert gate.idle.is_set()
+        was_idle_since = gate.idle.since
         assert await entered(gate, a, (0, "store"))
         assert not gate.idle.is_set()  # the journal's hashing waits meanwhile
         assert await entered(gate, a, (0, "store"))
@@ -51,7 +52,7 @@ def test_alone_a_session_queues_two_then_waits():
         for q in ((0, "store"), (0, "store"), (0, "load")):
             assert not gate.idle.is_set()
             gate.leave(a, q)
-        assert gate.idle.is_set()
+        assert gate.idle.is_set() and gate.idle.since > was_idle_since  # idle from now on
         assert gate.total == 0 and not gate.queued and not gate.waiting
     run(body())
 

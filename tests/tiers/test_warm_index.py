@@ -13,12 +13,12 @@ import functools
 import mmap
 import os
 import sys
-import threading
 
 import numpy as np
 import pytest
 import xxhash
 
+from kvd.server.copy_gate import Idle
 from kvd.tiers import journal as journal_module
 from kvd.tiers.adopt import rebuild, verify
 from kvd.tiers.allocator import ExtentAllocator
@@ -164,37 +164,45 @@ async def test_shards_evicted_before_their_turn_are_skipped_unread(arena):
 
 
 @on_loop
-async def test_checksums_wait_while_copies_are_queued(arena, monkeypatch):
-    """The journal's hashing yields to copies: a shard is not read while ``idle`` is
-    clear (copies queued; up to ``YIELD_S``), is read once they paused, is skipped
-    unread if it was evicted while it waited, and never waits longer than ``YIELD_S``."""
-    idle = threading.Event()  # clear: copies are queued
+async def test_checksums_wait_for_the_copies_to_stay_idle(arena, monkeypatch):
+    """The journal's hashing gives way to copies: a shard is not read while copies are
+    queued (the gate's ``Idle`` clear) nor in a pause shorter than ``QUIET_S``; it is
+    read once they stayed idle that long; one evicted while it waits is skipped unread
+    with the rest of its job, copies queued or not; under endless copies nothing is read,
+    and stopping does not wait for them."""
+    monkeypatch.setattr(journal_module, "QUIET_S", 0.5)
+    monkeypatch.setattr(journal_module, "CHECK_S", 0.02)
+    idle = Idle()
+    idle.clear()  # copies are queued
     tier = make_tier(arena)
     tier.journal.hasher.idle = idle
-    monkeypatch.setattr(journal_module, "YIELD_S", 60.0)
     store(tier, [1])
     await asyncio.sleep(0.3)
-    stats = tier.journal.stats()
-    assert stats["sealed_shards"] == 0 and stats["unsealed_shards"] == 1, stats
+    assert tier.journal.stats()["unsealed_shards"] == 1
+    idle.set()  # a pause shorter than QUIET_S
+    await asyncio.sleep(0.05)
+    idle.clear()
+    await asyncio.sleep(0.7)
+    assert tier.journal.stats()["sealed_shards"] == 0
     idle.set()
+    t0 = asyncio.get_running_loop().time()
     await asyncio.wait_for(settle(tier.journal), 10)
+    assert asyncio.get_running_loop().time() - t0 >= 0.4
     assert tier.journal.stats()["sealed_shards"] == 1
     idle.clear()
-    store(tier, [2])
+    store(tier, [2, 3, 4])
     await asyncio.sleep(0.1)
-    tier.clear()  # evicted while its checksum waits: never read, not sealed
-    idle.set()
-    await asyncio.wait_for(settle(tier.journal), 10)
-    idle.clear()
+    tier.clear()  # evicted while their checksums wait: skipped unread, copies still queued
+    await asyncio.wait_for(settle(tier.journal), 2)
     stats = tier.journal.stats()
-    assert stats["checksums_skipped"] == 1 and stats["sealed_shards"] == 1, stats
-    monkeypatch.setattr(journal_module, "YIELD_S", 0.05)
-    store(tier, [3])  # copies never pause: hashed after YIELD_S all the same
-    await asyncio.wait_for(settle(tier.journal), 10)
-    stats = tier.journal.stats()
-    assert stats["sealed_shards"] == 2
-    assert stats["sealed_shards"] + stats["checksums_skipped"] + stats["checksums_stale"] == 3
+    assert stats["checksums_skipped"] == 3 and stats["sealed_shards"] == 1, stats
+    store(tier, [5])  # copies never pause: never read
+    await asyncio.sleep(0.3)
+    assert tier.journal.stats()["unsealed_shards"] == 1
+    t0 = asyncio.get_running_loop().time()
     tier.journal.hasher.stop()
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+    assert not any(t.is_alive() for t in tier.journal.hasher._threads)
 
 
 @on_loop
