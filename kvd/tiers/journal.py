@@ -40,10 +40,10 @@ figure (measured below):
   tier turns over, and a stale job is one comparison, so it holds about as
   many shards as the tier does.
 
-Measured (H100, the pipelined GPU bench, variants in rotating order): with
-reading allowed up to 20 ms into a busy spell the journal cost a long-lived
-daemon's both-ways copies 0.14 (MLA) and 0.08 (Llama); MLA-only runs showed
-no cost (docs/benchmarks.md).
+Measured (H100, the pipelined GPU bench, variants in rotating order): MLA
+pages both ways alone, the same with the journal as without (0.88, 40 runs
+each); in the whole bench 0.75-0.85 with it, 0.84-0.91 without, over three
+calls of 10-20 runs a variant: unresolved (docs/benchmarks.md).
 
 The store's reply does not wait for any of it: a shard committed in the last milliseconds
 before a crash has a record without a digest, which a new daemon trusts on
