@@ -110,3 +110,32 @@ def test_ab_runs_refuses_bad_labels():
     done = subprocess.run(["bash", str(TOOLS / "ab_runs.sh")], capture_output=True, text=True,
                           env={**os.environ, "VARIANTS": "ok|;bad/label|X=1"}, timeout=30)
     assert done.returncode == 2 and "bad label 'bad/label'" in done.stderr
+
+
+def test_ab_runs_rotates_the_variants_and_keeps_daemon_logs(tmp_path):
+    """Each round starts one variant later (none always runs first), each run gets its
+    variant's environment, and DAEMON_LOG=1 adds the daemon's log and its timings. The
+    ``python3`` on PATH is a stand-in that records what it was asked to run (the bench
+    needs a GPU; what is tested here is the script's order and arguments)."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(f'#!/bin/sh\necho "${{X:-none}} $*" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ROUNDS": "3",
+           "VARIANTS": "a|;b|X=1;c|X=2", "OUT": str(tmp_path / "out")}
+    for log in ("0", "1"):
+        calls.unlink(missing_ok=True)
+        done = subprocess.run(["bash", str(TOOLS / "ab_runs.sh"), "--flag"], capture_output=True,
+                              text=True, env={**env, "DAEMON_LOG": log}, timeout=60)
+        assert done.returncode == 0, done.stderr
+        lines = calls.read_text().splitlines()
+        runs = [line.split() for line in lines if " bench " in line]
+        order = [r[-1].rsplit("/", 1)[1] for r in runs]
+        assert order == ["a-1.json", "b-1.json", "c-1.json", "b-2.json", "c-2.json",
+                         "a-2.json", "c-3.json", "a-3.json", "b-3.json"], order
+        assert all(r[0] == {"a": "none", "b": "1", "c": "2"}[o[0]] for r, o in zip(runs, order))
+        with_log = [r for r in runs if "--daemon-log" in r]
+        assert len(with_log) == (9 if log == "1" else 0)
+        assert sum("daemon_timings.py" in line for line in lines) == len(with_log)
+        assert lines[-1].split()[1:] == ["tools/ratio_runs.py", str(tmp_path / "out")]

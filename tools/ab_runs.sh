@@ -44,8 +44,8 @@ for r in $(seq 1 "$ROUNDS"); do
     [ "${DAEMON_LOG:-0}" = 1 ] && log_args=(--daemon-log "$run.daemon.log")
     echo "== round $r/$ROUNDS: $label ${envs:-(defaults)}"
     # shellcheck disable=SC2086  # envs is a list of ENV=V words
-    if ! env $envs timeout "$RUN_TIMEOUT" python3 -m kvd bench --gpu "$@" ${log_args[@]+"${log_args[@]}"} \
-        --json "$run.json" > "$run.log" 2>&1; then
+    if ! env $envs timeout "$RUN_TIMEOUT" python3 -m kvd bench --gpu "$@" \
+        ${log_args[@]+"${log_args[@]}"} --json "$run.json" > "$run.log" 2>&1; then
       echo "failed (log: $run.log):"
       tail -n 5 "$run.log"
       rc=1

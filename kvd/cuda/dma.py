@@ -34,8 +34,9 @@ Contract:
   batch. It only enqueues, and never blocks the host; it keeps each batch's
   arrays (what the driver reads) until the next ``enqueue`` or
   ``queued_bytes`` after the batch landed. Batches land in order, so
-  ``queued_bytes`` queries the oldest only. ``follow(stream)`` orders what is queued next after ``stream``'s
-  work so far; ``idle_for()`` is how long ago its last batch landed.
+  ``queued_bytes`` queries the oldest only. ``follow(stream)`` orders what
+  is queued next after ``stream``'s work so far; ``idle_for()`` is how long
+  ago its last batch landed.
 - ``DmaPath`` (one GPU; ``DmaSettings`` are the ``gpu_dma_*`` knobs): a copy
   goes straight (the ops above) or, where ``staged`` says so (pitched pages
   under ``stage_below`` bytes, whole chunks fit a slot, the other direction
