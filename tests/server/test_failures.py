@@ -365,6 +365,9 @@ def test_leases_hold_under_pressure_then_release_and_expire(start_daemon):
         _, lease1 = a.lookup_lease(a1, 60_000)
         assert a.store(a2, np.arange(16)) == 64
         _, lease2 = a.lookup_lease(a2, 60_000)
+        # the journal seals the stored shards once copies have been idle a while
+        wait_for(lambda: daemon.stats()["tiers"]["host"]["warm"]["unsealed_shards"] == 0, 10,
+                 "the checksums of the stores")
         before = daemon.stats()
         assert before["tiers"]["host"]["entries"] == 8 and before["leases"] == 2
         t = next(b_tokens)
