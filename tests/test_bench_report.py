@@ -83,6 +83,15 @@ def test_json_rows_pool_into_each_variants_runs(tmp_path, monkeypatch):
     assert new.endswith("rounds: 0.80, 0.75")
     assert "median 0.90" in lines[("deepseek-mla", "16", "both", "off")]
     assert "NVIDIA H100" in out.splitlines()[0]
+    out = subprocess.run([sys.executable, str(TOOLS / "ratio_runs.py"), str(tmp_path),
+                          "--base", "off"], capture_output=True, text=True, check=True).stdout
+    (diff,) = [line.split() for line in out.splitlines() if "new - off" in line]
+    assert diff[3] == "-0.12"  # medians 0.78 and 0.90; store ran for off only: no line
+    lo, hi = float(diff[6]), float(diff[8].rstrip(")"))
+    assert lo <= -0.12 <= hi and lo < hi < 0.1
+    done = subprocess.run([sys.executable, str(TOOLS / "ratio_runs.py"), str(tmp_path),
+                           "--base", "nope"], capture_output=True, text=True)
+    assert done.returncode == 2 and "no variant 'nope'" in done.stderr
 
 
 def test_ratio_runs_without_runs_says_why(tmp_path, monkeypatch):
@@ -138,4 +147,5 @@ def test_ab_runs_rotates_the_variants_and_keeps_daemon_logs(tmp_path):
         with_log = [r for r in runs if "--daemon-log" in r]
         assert len(with_log) == (9 if log == "1" else 0)
         assert sum("daemon_timings.py" in line for line in lines) == len(with_log)
-        assert lines[-1].split()[1:] == ["tools/ratio_runs.py", str(tmp_path / "out")]
+        assert lines[-1].split()[1:] == ["tools/ratio_runs.py", str(tmp_path / "out"), "--base",
+                                         "a"]

@@ -10,7 +10,8 @@
 # first or last), as `python3 -m kvd bench --gpu <the flags> --json
 # $OUT/<label>-<round>.json` with that variant's environment (the daemon's knobs:
 # KVD_<KNOB>), so a machine's slow spells fall on every variant alike. Then
-# tools/ratio_runs.py pools each variant's runs. DAEMON_LOG=1 also keeps each run's
+# tools/ratio_runs.py pools each variant's runs and compares the others with the first
+# (median difference, 90% bootstrap interval). DAEMON_LOG=1 also keeps each run's
 # daemon debug log ($OUT/<label>-<round>.daemon.log) and prints the run's pipelined
 # table and the daemon's per-copy timings and phases (tools/daemon_timings.py
 # --phases): where a setting's copies wait. RUN_TIMEOUT (default 590 s) bounds each
@@ -55,5 +56,5 @@ for r in $(seq 1 "$ROUNDS"); do
     fi
   done
 done
-python3 tools/ratio_runs.py "$OUT" || rc=1
+python3 tools/ratio_runs.py "$OUT" --base "${variants[0]%%|*}" || rc=1
 exit $rc
