@@ -22,6 +22,7 @@ cd "$(dirname "$0")/.."
 : "${VARIANTS:?set VARIANTS, e.g. VARIANTS='new|;off|KVD_WARM_RESTART=0'}"
 ROUNDS=${ROUNDS:-5}
 RUN_TIMEOUT=${RUN_TIMEOUT:-590}
+DAEMON_LOG=${DAEMON_LOG:-0}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT" || exit 2
 IFS=';' read -ra variants <<< "$VARIANTS"
@@ -42,7 +43,7 @@ for r in $(seq 1 "$ROUNDS"); do
     [[ $v == *"|"* ]] && envs=${v#*|}
     run="$OUT/$label-$r"
     log_args=()
-    [ "${DAEMON_LOG:-0}" = 1 ] && log_args=(--daemon-log "$run.daemon.log")
+    [ "$DAEMON_LOG" = 1 ] && log_args=(--daemon-log "$run.daemon.log")
     echo "== round $r/$ROUNDS: $label ${envs:-(defaults)}"
     # shellcheck disable=SC2086  # envs is a list of ENV=V words
     if ! env $envs timeout "$RUN_TIMEOUT" python3 -m kvd bench --gpu "$@" \
@@ -50,7 +51,7 @@ for r in $(seq 1 "$ROUNDS"); do
       echo "failed (log: $run.log):"
       tail -n 5 "$run.log"
       rc=1
-    elif [ "${DAEMON_LOG:-0}" = 1 ]; then
+    elif [ "$DAEMON_LOG" = 1 ]; then
       sed -n '/^pipelined/,$p' "$run.log"
       python3 tools/daemon_timings.py "$run.daemon.log" --phases | sed -n '/^daemon-side/,$p'
     fi

@@ -90,10 +90,10 @@ class Hasher:
     done are dropped; a waiting thread ends within ``CHECK_S``).
     """
 
-    def __init__(self, view: np.ndarray, threads: int, loop, idle=None):
+    def __init__(self, view: np.ndarray, threads: int, loop):
         self.view = view
         self.loop = loop
-        self.idle = idle
+        self.idle = None  # the copy gate's Idle, set by the daemon once the gate exists
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0  # items submitted, not yet called back (loop side)
         self.stopping = False
