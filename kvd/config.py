@@ -221,6 +221,11 @@ KNOBS = (
          "shm_dir when the daemon exits and the next daemon of this runtime dir adopts it "
          "(after a crash, verifying every chunk's checksum while it serves). false: the host "
          "tier is deleted at exit and made anew at start."),
+    Knob("warm_record_delay_s", "float", 0.5, "With warm_restart: seconds a stored chunk waits "
+         "before its record in the arena's index is written. A chunk evicted meanwhile costs no "
+         "record at all, so a tier that turns over fast under a stream of stores costs the "
+         "request loop nothing; a crash within this of a store loses that chunk for the next "
+         "start (a miss, never wrong bytes). 0: record at every store.", minimum=0.0),
     Knob("cold_start", "bool", False, "Start with an empty host tier: delete the one a previous "
          "daemon left instead of adopting it (kvd serve --cold)."),
     Knob("verify_threads", "int", 2, "Threads computing the host tier's chunk checksums (for "

@@ -132,7 +132,7 @@ def test_ab_runs_rotates_the_variants_and_keeps_daemon_logs(tmp_path):
     fake.write_text(f'#!/bin/sh\necho "${{X:-none}} $*" >> {calls}\n')
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ROUNDS": "3",
-           "VARIANTS": "a|;b|X=1;c|X=2", "OUT": str(tmp_path / "out")}
+           "VARIANTS": "a|;b|X=1;c|X=2|--more 3", "OUT": str(tmp_path / "out")}
     for log in ("0", "1"):
         calls.unlink(missing_ok=True)
         done = subprocess.run(["bash", str(TOOLS / "ab_runs.sh"), "--flag"], capture_output=True,
@@ -144,6 +144,8 @@ def test_ab_runs_rotates_the_variants_and_keeps_daemon_logs(tmp_path):
         assert order == ["a-1.json", "b-1.json", "c-1.json", "b-2.json", "c-2.json",
                          "a-2.json", "c-3.json", "a-3.json", "b-3.json"], order
         assert all(r[0] == {"a": "none", "b": "1", "c": "2"}[o[0]] for r, o in zip(runs, order))
+        # a variant's own flags follow the common ones, for that variant alone
+        assert all((r[6:8] == ["--more", "3"]) == (o[0] == "c") for r, o in zip(runs, order))
         with_log = [r for r in runs if "--daemon-log" in r]
         assert len(with_log) == (9 if log == "1" else 0)
         assert sum("daemon_timings.py" in line for line in lines) == len(with_log)

@@ -176,6 +176,16 @@ def test_bench_gpu_refuses_unknown_shapes_and_phases_before_starting_anything():
         assert out.stdout == ""
 
 
+def test_bench_gpu_refuses_a_host_capacity_too_small_or_unreadable_before_starting_anything():
+    """--gpu-host-capacity below the requests in flight, or not a size: one line, exit 2,
+    before torch is imported (so this runs without a GPU)."""
+    for size, why in (("3GB", "under the"), ("3 parsecs", "--gpu-host-capacity")):
+        out = kvd("bench", "--gpu", "--pipeline", "4", "--chunks", "128", "--chunk-tokens", "16",
+                  "--gpu-host-capacity", size)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert why in out.stderr and out.stdout == "", out.stderr
+
+
 def test_bench_daemon_profile_writes_the_daemons_stats(tmp_path):
     """--daemon-profile: the private daemon's own request path is in the stats it leaves."""
     import pstats

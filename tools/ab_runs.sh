@@ -5,7 +5,9 @@
 #     --pipeline 4 --clients 2 --repeat 5 --gpu-page-sizes 16 --gpu-pool block-outer ...
 #
 # VARIANTS: "label|ENV=V ENV2=V2" entries separated by ';' (an empty env: the defaults;
-# labels of letters, digits, '_' and '.'). Each of ROUNDS (default 5) rounds runs every
+# labels of letters, digits, '_' and '.'), optionally "label|ENVS|--more --flags": bench
+# flags of that variant alone, after the common ones (e.g. a bigger
+# --gpu-host-capacity). Each of ROUNDS (default 5) rounds runs every
 # variant once, in turn (each round starting with the next variant, so none always runs
 # first or last), as `python3 -m kvd bench --gpu <the flags> --json
 # $OUT/<label>-<round>.json` with that variant's environment (the daemon's knobs:
@@ -39,14 +41,15 @@ for r in $(seq 1 "$ROUNDS"); do
   for k in $(seq 0 $((n - 1))); do
     v=${variants[$(((k + r - 1) % n))]}  # each round starts one variant later
     label=${v%%|*}
-    envs=""
+    envs="" flags=""
     [[ $v == *"|"* ]] && envs=${v#*|}
+    [[ $envs == *"|"* ]] && { flags=${envs#*|}; envs=${envs%%|*}; }
     run="$OUT/$label-$r"
     log_args=()
     [ "$DAEMON_LOG" = 1 ] && log_args=(--daemon-log "$run.daemon.log")
-    echo "== round $r/$ROUNDS: $label ${envs:-(defaults)}"
-    # shellcheck disable=SC2086  # envs is a list of ENV=V words
-    if ! env $envs timeout "$RUN_TIMEOUT" python3 -m kvd bench --gpu "$@" \
+    echo "== round $r/$ROUNDS: $label ${envs:-(defaults)} $flags"
+    # shellcheck disable=SC2086  # envs is a list of ENV=V words, flags of bench flags
+    if ! env $envs timeout "$RUN_TIMEOUT" python3 -m kvd bench --gpu "$@" $flags \
         ${log_args[@]+"${log_args[@]}"} --json "$run.json" > "$run.log" 2>&1; then
       echo "failed (log: $run.log):"
       tail -n 5 "$run.log"

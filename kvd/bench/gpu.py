@@ -17,6 +17,7 @@ benchmark, not a test.
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -34,6 +35,9 @@ SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
 
 def run(args) -> int:
     shapes = {name: SHAPES[name] for name in args.gpu_shapes}
+    cap = host_capacity(args, shapes)
+    if cap is None:
+        return 2
     import torch
 
     from kvd_client import KvdClient
@@ -43,9 +47,6 @@ def run(args) -> int:
     rows = []
     chunk = args.chunk_tokens
     with tempfile.TemporaryDirectory(prefix="kvd-gbench-") as rundir:
-        req = max(request_bytes(s, args.chunks, chunk) for s in shapes.values())
-        in_flight = max(2, args.clients) * (args.pipeline + 1) + 2 if args.pipeline else 3
-        cap = max(3, in_flight) * req + 2**24
         daemon = start_daemon(rundir, capacity=cap, chunk_tokens=chunk, extra=["--gpu", "on"],
                                log_path=args.daemon_log, profile=args.daemon_profile)
         piped = []
@@ -69,6 +70,22 @@ def run(args) -> int:
     if args.plot:
         _plot(torch, rows, piped, args)
     return 0
+
+
+def host_capacity(args, shapes) -> int | None:
+    """The private daemon's host tier: room for every request in flight of the largest
+    shape, or ``--gpu-host-capacity`` when given and not smaller (else one line on stderr
+    and None)."""
+    req = max(request_bytes(s, args.chunks, args.chunk_tokens) for s in shapes.values())
+    in_flight = max(2, args.clients) * (args.pipeline + 1) + 2 if args.pipeline else 3
+    need = max(3, in_flight) * req + 2**24
+    if args.gpu_host_capacity is None:
+        return need
+    if args.gpu_host_capacity < need:
+        print(f"kvd bench: --gpu-host-capacity {args.gpu_host_capacity}: under the {need} bytes "
+              "of the requests in flight", file=sys.stderr)
+        return None
+    return args.gpu_host_capacity
 
 
 def _plot(torch, rows, piped, args) -> None:

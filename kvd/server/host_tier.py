@@ -86,7 +86,8 @@ class HostTierSetup:
         if index is not None:
             hasher = Hasher(self.arena.view, self.cfg.verify_threads, asyncio.get_running_loop())
             live = self.adoption.live if self.adoption else None
-            self.journal = self.tier.journal = Journal(index, hasher, live)
+            self.journal = self.tier.journal = Journal(index, hasher, live,
+                                                       self.cfg.warm_record_delay_s, self.tier.holds)
             self.journal.start = self.started
             if self.adoption is not None:
                 self.journal.counters["adopted_chunks"] = len(self.adoption.entries)
@@ -246,6 +247,8 @@ class HostTierSetup:
         if self._verifying is not None:
             self._verifying.cancel()
             await asyncio.gather(self._verifying, return_exceptions=True)
+        if self.journal is not None:
+            self.journal.flush()  # the records still waiting for their delay, then their sums
         deadline = time.monotonic() + timeout
         while self.journal is not None and self.journal.unsealed and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -259,6 +262,7 @@ class HostTierSetup:
         if self.journal is not None:
             self.journal.hasher.stop()
             if keep:
+                self.journal.flush()  # when drain did not run (records unsealed, trusted)
                 self.journal.checkpoint(self.tier.entries.values())
             # chunks adopted after a crash and not verified yet: the next start verifies
             unverified = self.adoption is not None and bool(self.adoption.checks)

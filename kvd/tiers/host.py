@@ -270,6 +270,10 @@ class HostTier:
         if self.journal is not None and recorded:
             self.journal.committed_many(recorded, rank)
 
+    def holds(self, e: Entry, rank: int) -> bool:
+        """Shard ``rank`` of ``e`` is stored here now (not evicted, not replaced)."""
+        return self.entries.get(e.key) is e and bool(e.stored >> rank & 1)
+
     def abort(self, entry: Entry, rank: int) -> None:
         entry.writing &= ~(1 << rank)
         if self.entries.get(entry.key) is not entry:

@@ -172,10 +172,18 @@ class Hasher:
 
 
 class Journal:
-    def __init__(self, index: ArenaIndex, hasher: Hasher, live: dict | None = None):
-        """``live``: record number -> entry, for the records an adopted tier already uses."""
+    def __init__(self, index: ArenaIndex, hasher: Hasher, live: dict | None = None,
+                 delay: float = 0.0, holds=None):
+        """``live``: record number -> entry, for the records an adopted tier already uses.
+        ``delay`` > 0: commits wait that long (then in one batch, on ``hasher.loop``) and
+        only shards the tier still ``holds(entry, rank)`` get a record; 0: at once."""
         self.index = index
         self.hasher = hasher
+        self.delay = delay
+        self.holds = holds
+        self.later: list = []  # (entries, rank) committed, their records not written yet
+        self.later_shards = 0
+        self._flush_timer = None
         n = index.records
         self.owner: list = [None] * n  # record number -> the entry it describes, or None
         self.gen = np.zeros(n, np.int64)  # bumped when a record is handed out and freed
@@ -191,8 +199,33 @@ class Journal:
     # ---- hooks (kvd/tiers/host.py) ------------------------------------------------------
 
     def committed_many(self, entries: list, rank: int) -> None:
-        """Each entry's shard record, then their checksums queued as one job (the hot
-        path: about 2 µs a shard)."""
+        """Each entry's shard record, then their checksums queued as one job (about 2 µs
+        a shard); with a ``delay``, later (``flush``): one list append now."""
+        if self.delay <= 0:
+            self._record(entries, rank)
+            return
+        if not self.later:
+            self._flush_timer = self.hasher.loop.call_later(self.delay, self.flush)
+        self.later.append((entries, rank))
+        self.later_shards += len(entries)
+        self.unsealed += len(entries)  # unsealed until recorded and summed, or found gone
+
+    def flush(self) -> None:
+        """Record the shards committed since the last flush that the tier still holds
+        (one evicted meanwhile, even if restored since, is recorded only if it holds them)."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+        later, self.later, self.later_shards, self._flush_timer = self.later, [], 0, None
+        if not self.index.is_open:
+            self.unsealed -= sum(len(entries) for entries, _ in later)
+            return
+        for entries, rank in later:
+            self.unsealed -= len(entries)
+            held = [e for e in entries if self.holds(e, rank)]
+            self.counters["records_skipped"] += len(entries) - len(held)
+            self._record(held, rank)
+
+    def _record(self, entries: list, rank: int) -> None:
         numbers, offsets, sizes = [], [], []
         for e in entries:
             number = self.free.pop() if self.free else self._grow()
@@ -318,4 +351,5 @@ class Journal:
                 "verify_seconds": c["verify_seconds"], "unsealed_shards": self.unsealed,
                 "sealed_shards": self.sealed, "checksums_skipped": c["checksums_skipped"],
                 "checksums_stale": c["checksums_stale"], "unrecorded_shards": c["unrecorded_shards"],
+                "records_pending": self.later_shards, "records_skipped": c["records_skipped"],
                 "index_records": self.index.records}

@@ -237,6 +237,8 @@ def test_crashed_daemon_leftovers_are_reclaimed(start_daemon, procs):
     try:
         client.register_kv(pool, model="crash")
         assert client.store(tokens, np.arange(16)) == 64
+        wait_for(lambda: d1.stats()["tiers"]["host"]["warm"]["records_pending"] == 0, 10,
+                 "the chunks' records (warm_record_delay_s)")
         old_pid = d1.proc.pid
         d1.kill()
         assert d1.proc.returncode == -signal.SIGKILL

@@ -120,8 +120,11 @@ def run_writer(rd: Path, first: int, most: int, kill_at, d) -> tuple[set, set, b
 
 
 def test_sigkill_at_any_moment_loses_no_acknowledged_chunk(start_daemon):
+    """With ``warm_record_delay_s = 0`` (records at every store; the default's delay is
+    tested below)."""
     rng = random.Random(13)
-    knobs = {**KNOBS, "host_capacity": "384MiB"}  # room for every prompt: nothing is evicted
+    # room for every prompt: nothing is evicted
+    knobs = {**KNOBS, "host_capacity": "384MiB", "warm_record_delay_s": 0}
     d = start_daemon(**knobs)
     rd = d.runtime_dir
     acked, unacked, first, mid_store = set(), set(), 0, 0
@@ -171,12 +174,15 @@ def after_seconds(seconds: float):
     return kill_at
 
 
-def test_sigkill_under_eviction_never_serves_wrong_bytes(start_daemon):
+@pytest.mark.parametrize("delay", [0, 0.05])
+def test_sigkill_under_eviction_never_serves_wrong_bytes(start_daemon, delay):
     """A tier that holds a quarter of what is stored: slots are reused all the time, so a
     record left on a reused slot, or written before its bytes landed, would serve another
-    prompt's bytes after the crash."""
+    prompt's bytes after the crash. With a record delay, some chunks are evicted before
+    their records are due (none written) and some after (written, then freed)."""
     rng = random.Random(7)
-    knobs = {**KNOBS, "host_capacity": f"{10 * W.CHUNKS * W.CHUNK_BYTES}"}  # 10 prompts
+    knobs = {**KNOBS, "host_capacity": f"{10 * W.CHUNKS * W.CHUNK_BYTES}",  # 10 prompts
+             "warm_record_delay_s": delay}
     d = start_daemon(**knobs)
     rd, first = d.runtime_dir, 0
     for _ in range(3):
@@ -189,6 +195,29 @@ def test_sigkill_under_eviction_never_serves_wrong_bytes(start_daemon):
     with Checker(rd) as checker:
         served = sum(checker.served_exactly(i) for i in range(first))
         assert served >= 5 * W.CHUNKS  # what survived is served, exactly
+
+
+def test_sigkill_with_records_waiting_loses_only_the_stores_of_the_delay(start_daemon):
+    """The worst moment for the record delay: killed while the last stores' records wait.
+    What was recorded before is served exactly; what waited is not adopted (a miss), and
+    nothing else is served."""
+    knobs = {**KNOBS, "warm_record_delay_s": 2}
+    d = start_daemon(**knobs)
+    rd = d.runtime_dir
+    with Checker(rd) as checker:
+        for i in range(3):
+            assert checker.store(i) == FULL
+        sealed(d, 3 * W.CHUNKS)  # the delay passed: recorded and summed
+        for i in range(3, 5):
+            assert checker.store(i) == FULL
+        warm = host(d)["warm"]
+        assert warm["records_pending"] == 2 * W.CHUNKS, warm
+        d.kill()
+    d = start_daemon(runtime_dir=rd, **knobs)
+    warm = verified(d)
+    assert warm["adopted_chunks"] == 3 * W.CHUNKS and warm["checksum_failures"] == 0, warm
+    with Checker(rd) as checker:
+        assert [checker.served_exactly(i) for i in range(5)] == [W.CHUNKS] * 3 + [0, 0]
 
 
 def record_offset(rd: Path, key: bytes) -> int:
@@ -235,13 +264,15 @@ def test_a_corrupted_chunk_is_dropped_and_counted_after_a_crash(start_daemon):
 def test_sigterm_trusts_the_index_and_keeps_the_lru_order(start_daemon):
     """After a clean stop nothing is verified and every chunk is a hit at once; the LRU
     order is the one at the stop (a crash would fall back to the order of the stores)."""
-    knobs = {**KNOBS, "host_capacity": f"{4 * W.CHUNKS * W.CHUNK_BYTES}"}  # 4 prompts exactly
+    knobs = {**KNOBS, "host_capacity": f"{4 * W.CHUNKS * W.CHUNK_BYTES}",  # 4 prompts exactly
+             "warm_record_delay_s": 30}  # still waiting at the stop, which records them
     d = start_daemon(**knobs)
     rd = d.runtime_dir
     with Checker(rd) as checker:
         for i in range(4):
             assert checker.store(i) == FULL
         assert checker.hits(0) == FULL  # prompt 0 is now the most recently used
+    assert host(d)["warm"]["records_pending"] == 4 * W.CHUNKS
     assert d.stop() == 0
     assert "host tier kept at" in d.log()
     d = start_daemon(runtime_dir=rd, **knobs)

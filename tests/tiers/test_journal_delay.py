@@ -1,0 +1,97 @@
+"""The journal's record delay (``warm_record_delay_s``): a commit's records are written
+``delay`` seconds later, in one batch, and only for the shards the tier still holds.
+
+Real ``HostTier``, ``ArenaIndex`` and ``Hasher`` threads as in test_warm_index.py; the
+daemon-level kill with records waiting is in tests/server/test_warm_restart.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from test_warm_index import CAP, SLOT, arena, key, make_tier, on_loop, settle, store  # noqa: F401
+
+DELAY = 0.2
+
+
+def delayed(arena, delay: float = DELAY):
+    tier = make_tier(arena, capacity=CAP)
+    tier.journal.delay, tier.journal.holds = delay, tier.holds
+    return tier
+
+
+def recorded_keys(journal) -> set:
+    _, recs = journal.index.live_records()
+    raw = recs["key"].tobytes()
+    return {raw[i * 16:(i + 1) * 16] for i in range(len(recs))}
+
+
+def close(tier) -> None:
+    tier.journal.hasher.stop()
+    tier.journal.index.close(clean=False)
+
+
+@on_loop
+async def test_records_wait_for_the_delay_and_skip_what_was_evicted_meanwhile(arena):
+    tier = delayed(arena)
+    j = tier.journal
+    store(tier, range(CAP // SLOT))  # a full tier
+    store(tier, range(100, 104))  # evicts the four least recently used: 0-3
+    stats = j.stats()
+    assert recorded_keys(j) == set() and stats["records_pending"] == 68, stats
+    assert stats["unsealed_shards"] == 68  # committed, not summed yet: counted as unsealed
+    await asyncio.sleep(DELAY / 2)
+    assert recorded_keys(j) == set()  # not before the delay
+    await asyncio.sleep(DELAY)
+    assert recorded_keys(j) == {key(i) for i in [*range(4, 64), *range(100, 104)]}
+    stats = j.stats()
+    assert stats["records_pending"] == 0 and stats["records_skipped"] == 4, stats
+    await settle(j)
+    stats = j.stats()
+    assert stats["unsealed_shards"] == 0 and stats["sealed_shards"] == 64, stats
+    close(tier)
+
+
+@on_loop
+async def test_each_batch_starts_its_own_delay_and_flush_writes_at_once(arena):
+    tier = delayed(arena)
+    j = tier.journal
+    store(tier, [1])
+    await asyncio.sleep(DELAY * 1.5)
+    assert recorded_keys(j) == {key(1)}
+    store(tier, [2])  # a new batch: a new timer, from now
+    await asyncio.sleep(DELAY / 2)
+    assert recorded_keys(j) == {key(1)}
+    j.flush()  # a stopping daemon's drain: now, and the timer is cancelled
+    assert recorded_keys(j) == {key(1), key(2)} and j.stats()["records_pending"] == 0
+    tier.clear()
+    await asyncio.sleep(DELAY)  # the cancelled timer writes nothing back
+    assert recorded_keys(j) == set()
+    await settle(j)
+    assert j.stats()["unsealed_shards"] == 0
+    close(tier)
+
+
+@on_loop
+async def test_only_the_shards_committed_are_recorded(arena):
+    """An entry of two shards with one stored: the other gets no record."""
+    tier = delayed(arena)
+    j = tier.journal
+    (e,) = store(tier, [7], shards=2, rank=0)
+    j.flush()
+    assert e.recs[0] >= 0 and e.recs[1] == -1
+    assert len(j.index.live_records()[0]) == 1
+    await settle(j)
+    close(tier)
+
+
+@on_loop
+async def test_records_waiting_at_a_closed_index_are_dropped_not_written(arena):
+    tier = delayed(arena)
+    j = tier.journal
+    store(tier, range(3))
+    j.hasher.stop()
+    j.index.close(clean=False)
+    j.flush()  # after the index closed: nothing written, nothing counted as unsealed
+    stats = j.stats()
+    assert stats["records_pending"] == 0 and stats["unsealed_shards"] == 0, stats
