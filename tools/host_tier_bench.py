@@ -14,7 +14,9 @@ Medians over ``--requests`` requests, in microseconds. Flat figures across N mea
 per-request cost does not grow with the number of cached entries. ``--journal`` runs each
 size twice, without and with the warm-restart journal (kvd/tiers/journal.py: an index
 record per commit, checksums on hashing threads), alternating, so the second row is its
-cost on the event loop. ``--rebuild`` instead times what a restarted daemon does before it
+cost on the event loop; ``--journal-delay S`` gives that journal a record delay
+(``warm_record_delay_s``; default 0: a record per commit), and the ``flush`` column is the
+time its delayed flushes took on the loop, per request. ``--rebuild`` instead times what a restarted daemon does before it
 serves, per size: reading the index file and rebuilding the entries
 (kvd/tiers/adopt.py ``rebuild``, on a thread in the daemon) and ``HostTier.adopt`` (on the
 loop). Usage:
@@ -84,14 +86,16 @@ def _timed(fn) -> float:
 
 
 async def measure(n: int, leased: float, chunks: int, requests: int, journal: str = "",
-                  percentile: float = 50) -> dict:
+                  percentile: float = 50, delay: float = 0.0) -> dict:
     tier = HostTier(n * ENTRY, align=ENTRY)
     view = np.zeros(n * ENTRY, np.uint8)
     if journal:  # an index file beside a stand-in arena file, as the daemon keeps them
         arena = Path(journal) / "arena"
         arena.write_bytes(b"")
         index = ArenaIndex.create(Path(journal) / "arena.index", arena.stat(), n * ENTRY, ENTRY, 16)
-        tier.journal = Journal(index, Hasher(view, 2, asyncio.get_running_loop()))
+        tier.journal = Journal(index, Hasher(view, 2, asyncio.get_running_loop()), None, delay,
+                               tier.holds)
+    flushes = _time_flushes(tier.journal) if journal else []
     for i in range(0, n, 1024):
         _store(tier, [_key(j) for j in range(i, min(i + 1024, n))])
     pinned = [tier.entries[_key(i)] for i in range(int(n * leased))]
@@ -102,6 +106,7 @@ async def measure(n: int, leased: float, chunks: int, requests: int, journal: st
         await asyncio.sleep(0)
     hot = [_key(j) for j in range(n - chunks, n)]
     out = {"lookup": [], "store": [], "stats": [], "demote": []}
+    flushes.clear()  # the fill's flushes are not the requests'
     fresh = n
     for _ in range(requests):
         out["lookup"].append(_timed(lambda: tier.ready_prefix(hot)))
@@ -113,10 +118,21 @@ async def measure(n: int, leased: float, chunks: int, requests: int, journal: st
         await asyncio.sleep(0)  # demotions complete
         hot = keys
     tier.unpin(pinned)
+    flushed = sum(flushes) / requests
     if journal:
         tier.journal.hasher.stop()
         tier.journal.index.close(clean=False)
-    return {k: float(np.percentile(v, percentile)) for k, v in out.items()}
+    return {**{k: float(np.percentile(v, percentile)) for k, v in out.items()}, "flush": flushed}
+
+
+def _time_flushes(journal) -> list:
+    """Time each delayed batch ``journal`` records (µs) into the list returned."""
+    times, record = [], journal._record_later
+
+    def timed(*args) -> None:
+        times.append(_timed(lambda: record(*args)))
+    journal._record_later = timed
+    return times
 
 
 async def rebuild_seconds(n: int, tmp: str) -> tuple[float, float]:
@@ -151,6 +167,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64, help="keys per lookup and store")
     ap.add_argument("--requests", type=int, default=50, help="requests timed per size")
     ap.add_argument("--journal", action="store_true", help="also with the warm-restart journal")
+    ap.add_argument("--journal-delay", type=float, default=0.0, help="with --journal: its record "
+                    "delay in seconds (warm_record_delay_s; 0: a record per commit)")
     ap.add_argument("--percentile", type=float, default=50, help="the percentile of the requests "
                     "printed (50: the median; 10 on a noisy VM: the cost with the least steal)")
     ap.add_argument("--rebuild", action="store_true", help="time a restart's index rebuild instead")
@@ -165,14 +183,15 @@ def main() -> None:
     print(f"host tier bookkeeping, {args.chunks} keys per request, {args.leased:.0%} leased "
           f"(coldest), percentile {args.percentile:g} of {args.requests} requests, us "
           f"(pid {os.getpid()})")
-    print(f"{'entries':>9}{'lookup':>10}{'store':>10}{'stats':>10}{'demote':>10}")
+    print(f"{'entries':>9}{'lookup':>10}{'store':>10}{'stats':>10}{'demote':>10}{'flush':>10}")
     for n in (int(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix="kvd-htb-", dir="/dev/shm") as tmp:
             for journal in ("", tmp) if args.journal else ("",):
                 r = asyncio.run(measure(n, args.leased, args.chunks, args.requests, journal,
-                                        args.percentile))
+                                        args.percentile, args.journal_delay))
                 print(f"{n:>9}{r['lookup']:>10.0f}{r['store']:>10.0f}{r['stats']:>10.0f}"
-                      f"{r['demote']:>10.0f}{'  journal' if journal else ''}", flush=True)
+                      f"{r['demote']:>10.0f}{r['flush']:>10.0f}{'  journal' if journal else ''}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -181,7 +181,7 @@ class Journal:
         self.hasher = hasher
         self.delay = delay
         self.holds = holds
-        self.later: list = []  # (entries, rank) committed, their records not written yet
+        self.later: deque = deque()  # (due, entries, rank): committed, records not written
         self.later_shards = 0
         self._flush_timer = None
         n = index.records
@@ -200,30 +200,50 @@ class Journal:
 
     def committed_many(self, entries: list, rank: int) -> None:
         """Each entry's shard record, then their checksums queued as one job (about 2 µs
-        a shard); with a ``delay``, later (``flush``): one list append now."""
+        a shard); with a ``delay``, that much later (``_due``): one append now."""
         if self.delay <= 0:
             self._record(entries, rank)
             return
-        if not self.later:
-            self._flush_timer = self.hasher.loop.call_later(self.delay, self.flush)
-        self.later.append((entries, rank))
+        loop = self.hasher.loop
+        self.later.append((loop.time() + self.delay, entries, rank))
         self.later_shards += len(entries)
         self.unsealed += len(entries)  # unsealed until recorded and summed, or found gone
+        if self._flush_timer is None:
+            self._flush_timer = loop.call_later(self.delay, self._due)
+
+    def _due(self) -> None:
+        """Record the oldest batch once its delay is over, one batch per turn of the loop
+        (a backlog never holds the loop for long), then wait for the next one."""
+        self._flush_timer = None
+        if not self.later:
+            return
+        loop = self.hasher.loop
+        if self.later[0][0] <= loop.time():
+            self._record_later(*self.later.popleft()[1:])
+        if self.later:
+            wait = self.later[0][0] - loop.time()
+            self._flush_timer = (loop.call_soon(self._due) if wait <= 0 else
+                                 loop.call_later(wait, self._due))
 
     def flush(self) -> None:
-        """Record the shards committed since the last flush that the tier still holds
-        (one evicted meanwhile, even if restored since, is recorded only if it holds them)."""
+        """Record every batch still waiting, now (a stopping daemon's drain)."""
         if self._flush_timer is not None:
             self._flush_timer.cancel()
-        later, self.later, self.later_shards, self._flush_timer = self.later, [], 0, None
+            self._flush_timer = None
+        while self.later:
+            self._record_later(*self.later.popleft()[1:])
+
+    def _record_later(self, entries: list, rank: int) -> None:
+        """The shards of a batch the tier still holds (one evicted meanwhile, even if
+        restored since, is recorded only if it holds them)."""
+        self.later_shards -= len(entries)
+        self.unsealed -= len(entries)
         if not self.index.is_open:
-            self.unsealed -= sum(len(entries) for entries, _ in later)
             return
-        for entries, rank in later:
-            self.unsealed -= len(entries)
-            held = [e for e in entries if self.holds(e, rank)]
-            self.counters["records_skipped"] += len(entries) - len(held)
-            self._record(held, rank)
+        holds = self.holds
+        held = [e for e in entries if holds(e, rank)]
+        self.counters["records_skipped"] += len(entries) - len(held)
+        self._record(held, rank)
 
     def _record(self, entries: list, rank: int) -> None:
         numbers, offsets, sizes = [], [], []

@@ -95,3 +95,20 @@ async def test_records_waiting_at_a_closed_index_are_dropped_not_written(arena):
     j.flush()  # after the index closed: nothing written, nothing counted as unsealed
     stats = j.stats()
     assert stats["records_pending"] == 0 and stats["unsealed_shards"] == 0, stats
+
+
+@on_loop
+async def test_a_backlog_of_due_batches_is_recorded_one_batch_per_turn_of_the_loop(arena):
+    """The loop is never held by a long flush: one request's batch per callback."""
+    import time
+    tier = delayed(arena)
+    j = tier.journal
+    store(tier, range(6))  # six commits of one entry each: six batches
+    time.sleep(DELAY * 1.2)  # the loop is busy: all of them fall due meanwhile
+    counts = []
+    for _ in range(12):
+        await asyncio.sleep(0)
+        counts.append(len(recorded_keys(j)))
+    assert counts[-1] == 6 and all(b - a in (0, 1) for a, b in zip([0, *counts], counts)), counts
+    await settle(j)
+    close(tier)
