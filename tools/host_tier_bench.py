@@ -16,11 +16,14 @@ size twice, without and with the warm-restart journal (kvd/tiers/journal.py: an 
 record per commit, checksums on hashing threads), alternating, so the second row is its
 cost on the event loop; ``--journal-delay S`` gives that journal a record delay
 (``warm_record_delay_s``; default 0: a record per commit), and the ``flush`` column is the
-time its delayed flushes took on the loop, per request. ``--rebuild`` instead times what a restarted daemon does before it
+time its delayed records took on the loop, per request. ``--rebuild`` instead times what a
+restarted daemon does before it
 serves, per size: reading the index file and rebuilding the entries
 (kvd/tiers/adopt.py ``rebuild``, on a thread in the daemon) and ``HostTier.adopt`` (on the
 loop). Usage:
-``.venv/bin/python tools/host_tier_bench.py [--sizes 1000,10000,100000] [--leased 0.5]``.
+``.venv/bin/python tools/host_tier_bench.py [--sizes 1000,10000,100000] [--leased 0.5]``
+(the record delay's figures: ``--sizes 1500 --leased 0 --chunks 128 --requests 1000
+--journal --journal-delay 0.1 --percentile 10``, docs/benchmarks.md).
 """
 
 from __future__ import annotations

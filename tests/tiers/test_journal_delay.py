@@ -4,6 +4,7 @@
 Real ``HostTier``, ``ArenaIndex`` and ``Hasher`` threads as in test_warm_index.py; the
 daemon-level kill with records waiting is in tests/server/test_warm_restart.py.
 """
+# ruff: noqa: F811  (``arena`` is test_warm_index's fixture, imported so that pytest finds it)
 
 from __future__ import annotations
 
