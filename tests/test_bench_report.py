@@ -151,3 +151,19 @@ def test_ab_runs_rotates_the_variants_and_keeps_daemon_logs(tmp_path):
         assert sum("daemon_timings.py" in line for line in lines) == len(with_log)
         assert lines[-1].split()[1:] == ["tools/ratio_runs.py", str(tmp_path / "out"), "--base",
                                          "a"]
+
+
+def test_host_tier_bench_times_the_journals_delayed_records():
+    """--journal --journal-delay: a row without the journal, one with it, and the delayed
+    records' time on the loop in the journal row's flush column (none without a delay)."""
+    rows = {}
+    for delay in ("0", "0.01"):
+        done = subprocess.run([sys.executable, str(TOOLS / "host_tier_bench.py"), "--sizes", "300",
+                               "--leased", "0", "--chunks", "32", "--requests", "300",
+                               "--journal", "--journal-delay", delay],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        rows[delay] = [line.split() for line in done.stdout.splitlines()[2:]]
+    for delay, (plain, journal) in rows.items():
+        assert plain[0] == journal[0] == "300" and journal[-1] == "journal" and len(plain) == 6
+        assert float(plain[5]) == 0 and (float(journal[5]) > 0) == (delay != "0"), rows
