@@ -185,6 +185,8 @@ class Journal:
         """``live``: record number -> entry, for the records an adopted tier already uses.
         ``delay`` > 0: commits wait that long (then in one batch, on ``hasher.loop``) and
         only shards the tier still ``holds(entry, rank)`` get a record; 0: at once."""
+        if delay > 0 and holds is None:
+            raise ValueError("a record delay needs holds(entry, rank): what the tier still holds")
         self.index = index
         self.hasher = hasher
         self.delay = delay

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from test_warm_index import CAP, SLOT, arena, key, make_tier, on_loop, settle, store  # noqa: F401
+
+from kvd.tiers.journal import Journal
 
 DELAY = 0.2
 
 
 def delayed(arena, delay: float = DELAY):
     tier = make_tier(arena, capacity=CAP)
-    tier.journal.delay, tier.journal.holds = delay, tier.holds
+    j = tier.journal
+    tier.journal = Journal(j.index, j.hasher, None, delay, tier.holds)
     return tier
 
 
@@ -112,4 +116,12 @@ async def test_a_backlog_of_due_batches_is_recorded_one_batch_per_turn_of_the_lo
         counts.append(len(recorded_keys(j)))
     assert counts[-1] == 6 and all(b - a in (0, 1) for a, b in zip([0, *counts], counts)), counts
     await settle(j)
+    close(tier)
+
+
+@on_loop
+async def test_a_delay_without_holds_is_refused(arena):
+    tier = make_tier(arena)
+    with pytest.raises(ValueError, match="holds"):
+        Journal(tier.journal.index, tier.journal.hasher, None, DELAY)
     close(tier)
