@@ -10,6 +10,8 @@ bytes.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 import kvd_client
@@ -39,9 +41,10 @@ def pages_of(i: int) -> np.ndarray:
     return (np.arange(CHUNKS) + 7 * i) % (PAGES // 2)
 
 
-def writer(runtime_dir: str, first: int, most: int, report) -> None:
+def writer(runtime_dir: str, first: int, most: int, report, pause: float = 0.0) -> None:
     """Store prompts ``first``, ``first + 1``, ... (at most ``most``), sending ("start", i)
-    before each store and ("done", i, tokens) after it, until a store fails."""
+    before each store and ("done", i, tokens) after it, until a store fails; ``pause``
+    seconds between stores."""
     client = kvd_client.KvdClient(runtime_dir=runtime_dir, timeout=2.0, raise_errors=False)
     pool = make_pool()
     try:
@@ -54,6 +57,7 @@ def writer(runtime_dir: str, first: int, most: int, report) -> None:
             report.send(("done", i, n))
             if n != CHUNKS * CHUNK:
                 break
+            time.sleep(pause)
     finally:
         report.send(("exit",))
         client.close()

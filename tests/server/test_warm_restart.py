@@ -88,13 +88,15 @@ class Checker:
         self.pool.close()
 
 
-def run_writer(rd: Path, first: int, most: int, kill_at, d) -> tuple[set, set, bool]:
-    """Run a writer process; ``kill_at(events)`` says when to SIGKILL the daemon. Returns
+def run_writer(rd: Path, first: int, most: int, kill_at, d,
+               pause: float = 0.0) -> tuple[set, set, bool]:
+    """Run a writer process (``pause`` seconds between its stores); ``kill_at(events)``
+    says when to SIGKILL the daemon. Returns
     (prompts acknowledged, prompts whose store was in flight, whether the kill came while
     a store was in flight)."""
     ctx = multiprocessing.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=W.writer, args=(str(rd), first, most, send), daemon=True)
+    proc = ctx.Process(target=W.writer, args=(str(rd), first, most, send, pause), daemon=True)
     proc.start()
     send.close()
     events, killed = [], False
@@ -178,15 +180,17 @@ def after_seconds(seconds: float):
 def test_sigkill_under_eviction_never_serves_wrong_bytes(start_daemon, delay):
     """A tier that holds a quarter of what is stored: slots are reused all the time, so a
     record left on a reused slot, or written before its bytes landed, would serve another
-    prompt's bytes after the crash. With a record delay, some chunks are evicted before
-    their records are due (none written) and some after (written, then freed)."""
+    prompt's bytes after the crash. With a record delay the writer pauses twice the delay
+    between stores, so that prompts are recorded a store or two later, while older ones
+    are evicted and their records freed (a burst too short for the delay adopts nothing:
+    tests/tiers/test_journal_delay.py has the records skipped)."""
     rng = random.Random(7)
     knobs = {**KNOBS, "host_capacity": f"{10 * W.CHUNKS * W.CHUNK_BYTES}",  # 10 prompts
              "warm_record_delay_s": delay}
     d = start_daemon(**knobs)
     rd, first = d.runtime_dir, 0
     for _ in range(3):
-        run_writer(rd, first, 40, after_nth_start(rng.randint(15, 35), rng), d)
+        run_writer(rd, first, 40, after_nth_start(rng.randint(15, 35), rng), d, 2 * delay)
         first += 40
         d = start_daemon(runtime_dir=rd, **knobs)
     warm = verified(d)

@@ -15,7 +15,8 @@ from test_warm_index import CAP, SLOT, arena, key, make_tier, on_loop, settle, s
 
 from kvd.tiers.journal import Journal
 
-DELAY = 0.2
+DELAY = 0.4
+EARLY = 0.02  # a look well before the delay is over (a stall of 0.38 s would spoil it)
 
 
 def delayed(arena, delay: float = DELAY):
@@ -29,6 +30,14 @@ def recorded_keys(journal) -> set:
     _, recs = journal.index.live_records()
     raw = recs["key"].tobytes()
     return {raw[i * 16:(i + 1) * 16] for i in range(len(recs))}
+
+
+async def until_recorded(journal, timeout: float = 10.0) -> None:
+    """Until no batch waits (each is recorded on its own turn of the loop, after DELAY)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while journal.stats()["records_pending"] and loop.time() < deadline:
+        await asyncio.sleep(0.01)
 
 
 def close(tier) -> None:
@@ -45,9 +54,9 @@ async def test_records_wait_for_the_delay_and_skip_what_was_evicted_meanwhile(ar
     stats = j.stats()
     assert recorded_keys(j) == set() and stats["records_pending"] == 68, stats
     assert stats["unsealed_shards"] == 68  # committed, not summed yet: counted as unsealed
-    await asyncio.sleep(DELAY / 2)
+    await asyncio.sleep(EARLY)
     assert recorded_keys(j) == set()  # not before the delay
-    await asyncio.sleep(DELAY)
+    await until_recorded(j)
     assert recorded_keys(j) == {key(i) for i in [*range(4, 64), *range(100, 104)]}
     stats = j.stats()
     assert stats["records_pending"] == 0 and stats["records_skipped"] == 4, stats
@@ -62,10 +71,10 @@ async def test_each_batch_starts_its_own_delay_and_flush_writes_at_once(arena):
     tier = delayed(arena)
     j = tier.journal
     store(tier, [1])
-    await asyncio.sleep(DELAY * 1.5)
+    await until_recorded(j)
     assert recorded_keys(j) == {key(1)}
     store(tier, [2])  # a new batch: a new timer, from now
-    await asyncio.sleep(DELAY / 2)
+    await asyncio.sleep(EARLY)
     assert recorded_keys(j) == {key(1)}
     j.flush()  # a stopping daemon's drain: now, and the timer is cancelled
     assert recorded_keys(j) == {key(1), key(2)} and j.stats()["records_pending"] == 0
