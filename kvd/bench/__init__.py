@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvd_protocol.keys import DTYPE_SIZES
 
+from .common import size_arg
 from .gpu import SHAPES
 from .pipeline import PHASES
 
@@ -61,7 +62,7 @@ def add_arguments(p) -> None:
                    "layers adjacent (vLLM 0.32's BLHNC-family layouts)")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
-    p.add_argument("--gpu-host-capacity", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--gpu-host-capacity", type=size_arg, default=None, metavar="SIZE",
                    help="with --gpu: the private daemon's host tier (e.g. 4GiB; default: room "
                    "for every request in flight of the largest shape measured)")
     p.add_argument("--gpu-shapes", type=names_of(SHAPES), default=list(SHAPES), metavar="A,B",
@@ -109,15 +110,6 @@ def names_of(known):
                                              f"(known: {', '.join(known)})")
         return names
     return parse
-
-
-def _size(text: str) -> int:
-    """An argparse type: a size such as '4GiB' (a usage error, exit status 2, if not)."""
-    from kvd.config import parse_size
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args) -> int:

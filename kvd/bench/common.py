@@ -12,6 +12,7 @@ Prometheus would; ``on_stream`` runs one engine's calls on its own CUDA stream.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
@@ -30,6 +31,16 @@ def control(rundir: str, op: str, timeout: float = 300.0):
         return ch.request(op)
     finally:
         ch.close()
+
+
+def size_arg(text: str) -> int:
+    """An argparse type: a size such as '4GiB', else a usage error (exit status 2) that
+    says why (kvd.config.parse_size's message)."""
+    from kvd.config import parse_size
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),

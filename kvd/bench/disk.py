@@ -29,9 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.config import parse_size
 from kvd.tiers.chunk_file import file_size, probe_direct
 from kvd.tiers.disk import DiskTier
+
+from .common import size_arg
 
 NS = bytes(16)
 ROUNDS = 16  # rounds per direction (at least 4 files per thread each)
@@ -42,7 +43,7 @@ def add_arguments(p) -> None:
                    "O_DIRECT IO of the same bytes (see --disk-*)")
     p.add_argument("--disk-dir", default="/tmp", help="with --disk: directory to benchmark in")
     p.add_argument("--disk-gib", type=float, default=1.0, help="with --disk: GiB written and read")
-    p.add_argument("--disk-chunk", type=parse_size, default=4 * 2**20,
+    p.add_argument("--disk-chunk", type=size_arg, default=4 * 2**20,
                    help="with --disk: bytes of one chunk (one file)")
     p.add_argument("--disk-threads", type=int, default=4, help="with --disk: IO threads")
 

@@ -2,17 +2,19 @@
 
 The host tier calls the hooks on the event loop: ``committed_many(entries, rank)``
 writes each shard's record (after its bytes landed; about 1 µs), and queues
-its checksum -- with a ``delay`` (``warm_record_delay_s``, 0.5 s by default) it
-only notes the batch, and each batch is recorded that long after its commit,
-one batch per turn of the loop, for the shards the tier still ``holds``: under
-a stream of stores through a full tier most shards are evicted before their
-record is due and cost no record, no release and no checksum (a crash loses
-the stores of its last ``delay``: misses, never wrong bytes; ``flush`` records
-every waiting batch at once, for a clean stop); ``dropped(entry)`` frees the entry's records before its slot
+its checksum; ``dropped(entry)`` frees the entry's records before its slot
 can be reused; ``restored(entry)`` takes them back (an eviction undone);
 ``flag_on_disk(entry)``. Record numbers come from a free list; the table
 doubles when it is full (a full shm_dir: the shard goes unrecorded,
 counted in ``unrecorded_shards``, and is simply not adopted next time).
+
+With a ``delay`` (``warm_record_delay_s``, 0.5 s by default) ``committed_many``
+only notes the batch; each batch is recorded that long after its commit, one
+batch per turn of the loop, for the shards the tier still ``holds``. Under a
+stream of stores through a full tier most shards are evicted before their
+record is due and cost no record, no release and no checksum. A crash loses
+the stores of its last ``delay`` (misses, never wrong bytes); ``flush``
+records every waiting batch at once, for a clean stop.
 
 Checksums are computed off the event loop and off the store's path: a
 ``Hasher`` thread pool takes jobs (a commit's shards: their offsets and
