@@ -167,3 +167,26 @@ def test_host_tier_bench_times_the_journals_delayed_records():
     for delay, (plain, journal) in rows.items():
         assert plain[0] == journal[0] == "300" and journal[-1] == "journal" and len(plain) == 6
         assert float(plain[5]) == 0 and (float(journal[5]) > 0) == (delay != "0"), rows
+
+
+def test_daemon_timings_report_each_phases_time_on_the_gpu(tmp_path):
+    """tools/daemon_timings.py --phases: copy lines that carry their time on the GPU
+    (kvd.cuda.backend, DMA copies with debug logging) give each direction of a phase the
+    median copy's GPU time and its GB/s; lines without it (older logs, kernel paths) give
+    none, and the rest of the line stays as it was."""
+    def line(what: str, began: float, gpu_ms: float | None) -> str:
+        tail = "" if gpu_ms is None else f", on the GPU {gpu_ms:.3f} ms"
+        return (f"2026-11-27 03:47:56,180 kvd DEBUG {what} of 128 chunks, 144.0 MB, DMA: enqueued "
+                f"in 0.500 ms, landed after 4.000 ms (36.0 GB/s), began {began:.6f}{tail}")
+    copies = [line("gather", 10 + 0.004 * k, 2.0 + k % 2) for k in range(6)]
+    copies += [line("scatter", 10.001 + 0.004 * k, None) for k in range(6)]
+    log = tmp_path / "daemon.log"
+    log.write_text("\n".join(copies) + "\n")
+    done = subprocess.run([sys.executable, str(TOOLS / "daemon_timings.py"), str(log), "--phases"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    phase = [x for x in done.stdout.splitlines() if "gather n=6" in x]
+    assert len(phase) == 1, done.stdout
+    gather, scatter = phase[0].split("; ")
+    assert "on the GPU 2.50 ms (57.6 GB/s)" in gather  # median of 2, 3, 2, 3, 2, 3
+    assert scatter.startswith("scatter n=") and "on the GPU" not in scatter

@@ -20,7 +20,11 @@ Where the copy lines carry ``began`` (monotonic, as the request lines), the
 gaps are exact and split by how many requests of that direction were in
 the daemon meanwhile (``in daemon N: ms``): gaps with none are the
 clients', gaps with some are the daemon's (waiting for the engine's mark,
-its turn, the copy gate or the load window, or queuing).
+its turn, the copy gate or the load window, or queuing). Where they carry
+``on the GPU`` (DMA copies), the phase line adds the median copy's time on
+the GPU, from when its stream reached it to its end, and the GB/s of that:
+a copy slow on the GPU is the copy engines' (for a load queued in steps,
+with the host's waits between its steps), not a wait in the queue.
 """
 
 import re
@@ -31,6 +35,7 @@ from datetime import datetime
 
 COPY_RE = re.compile(r"^(\S+ \S+) \S+ DEBUG (gather|scatter) of \d+ chunks, ([\d.]+) MB, (.*?): "
                      r"enqueued in ([\d.]+) ms, landed after ([\d.]+) ms(?:.*began ([\d.]+))?")
+GPU_RE = re.compile(r"on the GPU ([\d.]+) ms")
 STAMP_RE = re.compile(r"(turn|mark|gate|queued) \+([\d.]+)")
 REQUEST_RE = re.compile(r"DEBUG request (store|load): received ([\d.]+), started [\d.]+, "
                         r"replied ([\d.]+)")
@@ -76,8 +81,10 @@ def copies(path):
             if m[7]:
                 land = float(m[7]) + float(m[6]) / 1e3
             start = land - float(m[6]) / 1e3
+            gpu = GPU_RE.search(line)
             out.append({"dir": m[2], "mb": float(m[3]), "start": start,
-                        "queued": start + float(m[5]) / 1e3, "land": land})
+                        "queued": start + float(m[5]) / 1e3, "land": land,
+                        "gpu_ms": float(gpu[1]) if gpu else None})
     return sorted(out, key=lambda c: c["start"])
 
 
@@ -117,6 +124,15 @@ def _waits(gaps: list, reqs: list, op: str) -> str:
     return " in daemon " + " ".join(f"{n}: {ms * 1e3:.1f} ms" for n, ms in sorted(by.items()))
 
 
+def _on_gpu(xs: list) -> str:
+    """The median copy's time on the GPU and the GB/s of that (where the log has it)."""
+    ms = [c["gpu_ms"] for c in xs if c["gpu_ms"] is not None]
+    if not ms:
+        return ""
+    mid = statistics.median(ms)
+    return f" on the GPU {mid:.2f} ms ({statistics.median(c['mb'] for c in xs) / mid:.1f} GB/s)"
+
+
 def occupancy(path):
     print("phases (per direction: GB/s, fraction of the phase with a copy queued, idle gaps, "
           "copies queued at once):")
@@ -143,6 +159,7 @@ def occupancy(path):
             parts.append(f"{d} n={len(xs)} {sum(c['mb'] for c in xs) / span / 1e3:.1f} GB/s "
                          f"queued {busy / span:.2f} gaps {len(gaps)} x "
                          f"{statistics.median(lengths) * 1e3 if gaps else 0:.2f} ms at once {at_once:g}"
+                         + _on_gpu(xs)
                          + (_waits(gaps, reqs, "store" if d == "gather" else "load") if reqs else ""))
         print(f"  {ph[0]['mb']:.0f} MB, {span * 1e3:.0f} ms: " + "; ".join(parts))
 

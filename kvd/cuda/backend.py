@@ -43,6 +43,7 @@ import logging
 import resource
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -270,9 +271,10 @@ class CudaCopyEngine:
         layers = range(plan.layout.num_layers)
         if pool.by_dma:
             with self.cp.cuda.Device(dev.ordinal):
+                start = self._gpu_start(dev.dma.store_queue.stream)
                 stream, how = dev.dma.store(plan.layout, pool.bases, pool.groups,
                                             plan.page_ids, ptrs, plan.chunk_tokens)
-                return self._completion(stream, "gather", plan, how, t0)
+                return self._completion(stream, "gather", plan, how, t0, start)
         await self.table_slot(dev)
         with self.cp.cuda.Device(dev.ordinal):
             if (pieces := _plan(dev.store, plan, layers, False)) is not None:
@@ -322,6 +324,8 @@ class CudaCopyEngine:
 
         async def feed() -> None:
             how = dma.DIRECT
+            with self.cp.cuda.Device(dev.ordinal):
+                start = self._gpu_start(stream)
             try:
                 how = await dev.dma.load(plan.layout, plan.pool.bases, plan.pool.groups,
                                             plan.page_ids, ptrs, plan.chunk_tokens, signal)
@@ -329,7 +333,7 @@ class CudaCopyEngine:
                 with self.cp.cuda.Device(dev.ordinal):
                     if signal is not None:
                         signal.done(stream)
-                    landed = self._completion(stream, "scatter", plan, how, t0)
+                    landed = self._completion(stream, "scatter", plan, how, t0, start)
             await landed
         return asyncio.ensure_future(feed())
 
@@ -362,8 +366,19 @@ class CudaCopyEngine:
                                **geometry)
         return dev.streams[2]
 
-    def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float) -> asyncio.Future:
-        done = self.cp.cuda.Event(block=False, disable_timing=True)
+    def _gpu_start(self, stream) -> Any:
+        """With debug logging: a timing event on ``stream`` before a copy is queued there, so
+        the copy's log line tells its time on the GPU (from when ``stream`` reached it, past
+        what was queued before, to its end) apart from its wait in the queue; else None."""
+        if not log.isEnabledFor(logging.DEBUG):
+            return None
+        start = self.cp.cuda.Event(block=False, disable_timing=False)
+        start.record(stream)
+        return start
+
+    def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float,
+                    start: Any = None) -> asyncio.Future:
+        done = self.cp.cuda.Event(block=False, disable_timing=start is None)
         done.record(stream)
         enqueued = time.perf_counter()
         future = self.poller.wait(done)
@@ -372,9 +387,12 @@ class CudaCopyEngine:
 
             def landed(_) -> None:
                 took = time.perf_counter() - t0
+                on_gpu = ("" if start is None else
+                          f", on the GPU {self.cp.cuda.get_elapsed_time(start, done):.3f} ms")
                 log.debug("%s of %d chunks, %.1f MB, %s: enqueued in %.3f ms, landed after %.3f "
-                          "ms (%.1f GB/s), began %.6f", what, len(plan.shard_offsets), nbytes / 1e6,
-                          how, (enqueued - t0) * 1e3, took * 1e3, nbytes / took / 1e9, t0)
+                          "ms (%.1f GB/s), began %.6f%s", what, len(plan.shard_offsets),
+                          nbytes / 1e6, how, (enqueued - t0) * 1e3, took * 1e3, nbytes / took / 1e9,
+                          t0, on_gpu)
             future.add_done_callback(landed)
         return future
 

@@ -7,7 +7,8 @@ freed when the returned ``MemoryPointer`` is collected, as CuPy returns it
 to its pool; queued work that still uses it then faults, which is what a
 use-after-free should do in a test), ``alloc_pinned_memory(n)`` (pinned
 host memory as a buffer, kept until the process exits), and the
-``runtime`` and ``driver`` modules. Only what kvd.cuda calls is here.
+``runtime`` and ``driver`` modules, and ``get_elapsed_time`` (ms between two
+completed events). Only what kvd.cuda calls is here.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from types import SimpleNamespace
 from . import errors, runtime
 from .errors import INVALID_VALUE, CudaError
 from .memory import SPACE
-from .streams import Event, Stream, current_stream
+from .streams import Event, Stream, current_stream, get_elapsed_time
 
 driver = SimpleNamespace(CUDADriverError=CudaError)
 __all__ = ["Device", "Event", "MemoryPointer", "Stream", "alloc", "alloc_pinned_memory", "driver",
-           "get_current_stream", "runtime"]
+           "get_current_stream", "get_elapsed_time", "runtime"]
 _local = threading.local()
 
 

@@ -33,6 +33,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from . import errors, trace
@@ -132,6 +133,7 @@ class Event:
                  interprocess: bool = False) -> None:
         self.recorded = 0     # records queued so far
         self.completed = 0    # the highest record a stream reached
+        self.when = None      # time.monotonic() when it last completed (get_elapsed_time)
         self.handle = next(_ids)
 
     def record(self, stream: Stream | None = None) -> None:
@@ -141,6 +143,7 @@ class Event:
         stream.enqueue(lambda: self._complete(target), touches_memory=False)
 
     def _complete(self, target: int) -> None:
+        self.when = time.monotonic()
         self.completed = max(self.completed, target)
 
     def wait_for(self, target: int) -> None:
@@ -155,6 +158,13 @@ class Event:
     def synchronize(self) -> None:
         self.wait_for(self.recorded)
         errors.check()
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two completed events (``cupy.cuda.get_elapsed_time``)."""
+    if start.when is None or end.when is None or not (start.done and end.done):
+        raise CudaError(errors.NOT_READY, "get_elapsed_time of an event not completed")
+    return (end.when - start.when) * 1e3
 
 
 # ---- the delay knob -----------------------------------------------------------------
