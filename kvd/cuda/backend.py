@@ -33,7 +33,8 @@ The flag page is registered with the driver at ``open_pool`` and unregistered at
 copies are in flight (kvd.copy.poll), which resolves the asyncio future; the loop
 never blocks on the GPU (a busy table slot of the kernel copier is awaited the same
 way), and ``close`` gives the GPU at most ``CLOSE_WAIT_S`` to finish before the
-process exits anyway. At debug level it logs how long the enqueue and the copy took.
+process exits anyway. At debug level it logs how long the enqueue and the copy took
+(kvd.cuda.completion).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from kvd.copy.flags import FlagPage
 from kvd.copy.plan import CopyPlan
 from kvd.copy.poll import EventPoller
 from kvd.cuda import dma
+from kvd.cuda.completion import completion, gpu_start
 from kvd.cuda.dma_plan import pool_groups
 from kvd.cuda.kernels import KernelCopier, desc_params, plane_bases
 from kvd.cuda.signal import GpuSignal
@@ -271,7 +273,7 @@ class CudaCopyEngine:
         layers = range(plan.layout.num_layers)
         if pool.by_dma:
             with self.cp.cuda.Device(dev.ordinal):
-                start = self._gpu_start(dev.dma.store_queue.stream)
+                start = gpu_start(self.cp, dev.dma.store_queue.stream)
                 stream, how = dev.dma.store(plan.layout, pool.bases, pool.groups,
                                             plan.page_ids, ptrs, plan.chunk_tokens)
                 return self._completion(stream, "gather", plan, how, t0, start)
@@ -325,7 +327,7 @@ class CudaCopyEngine:
         async def feed() -> None:
             how = dma.DIRECT
             with self.cp.cuda.Device(dev.ordinal):
-                start = self._gpu_start(stream)
+                start = gpu_start(self.cp, stream)
             try:
                 how = await dev.dma.load(plan.layout, plan.pool.bases, plan.pool.groups,
                                             plan.page_ids, ptrs, plan.chunk_tokens, signal)
@@ -366,35 +368,9 @@ class CudaCopyEngine:
                                **geometry)
         return dev.streams[2]
 
-    def _gpu_start(self, stream) -> Any:
-        """With debug logging: a timing event on ``stream`` before a copy is queued there, so
-        the copy's log line tells its time on the GPU (from when ``stream`` reached it, past
-        what was queued before, to its end) apart from its wait in the queue; else None."""
-        if not log.isEnabledFor(logging.DEBUG):
-            return None
-        start = self.cp.cuda.Event(block=False, disable_timing=False)
-        start.record(stream)
-        return start
-
     def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float,
                     start: Any = None) -> asyncio.Future:
-        done = self.cp.cuda.Event(block=False, disable_timing=start is None)
-        done.record(stream)
-        enqueued = time.perf_counter()
-        future = self.poller.wait(done)
-        if log.isEnabledFor(logging.DEBUG):
-            nbytes = len(plan.shard_offsets) * plan.layout.shard_bytes(plan.chunk_tokens)
-
-            def landed(_) -> None:
-                took = time.perf_counter() - t0
-                on_gpu = ("" if start is None else
-                          f", on the GPU {self.cp.cuda.get_elapsed_time(start, done):.3f} ms")
-                log.debug("%s of %d chunks, %.1f MB, %s: enqueued in %.3f ms, landed after %.3f "
-                          "ms (%.1f GB/s), began %.6f%s", what, len(plan.shard_offsets),
-                          nbytes / 1e6, how, (enqueued - t0) * 1e3, took * 1e3, nbytes / took / 1e9,
-                          t0, on_gpu)
-            future.add_done_callback(landed)
-        return future
+        return completion(self.cp, self.poller, stream, what, plan, how, t0, start)
 
     def close(self) -> None:
         """Free every GPU resource; gives queued copies ``CLOSE_WAIT_S`` to finish. The
