@@ -109,6 +109,9 @@ class KvdCollector:
         yield from _requests(scraped)
         yield from _cache(scraped, s)
         yield from _sessions(scraped["counters"], s.sessions)
+        yield _counter("kvd_event_loop_cpu_seconds_total", "CPU time of the daemon's event loop "
+                       "thread; a rate near 1 means requests and copies wait for the loop.",
+                       scraped["loop_cpu_s"])
         yield _gauge("kvd_copies_queued", "Copies queued in the copy backends (on the GPUs) now.",
                      s.transfers.gate.total)
         if s.tiering is not None:

@@ -8,10 +8,17 @@ additions. ``scrape()`` may be called from another thread (the metrics
 server): it only copies (``dict(...)``, ``list(...)``: single C calls that
 hold the GIL throughout, so they cannot see a dict change size mid-copy)
 and reads ints; it never iterates what the loop mutates.
+
+``loop_cpu_s()`` is the CPU time of the thread that made the ``Stats`` (the
+event loop's: the service is made on it) since that thread started, read
+from its per-thread clock, so from any thread. Its rate is how busy the
+loop is: every request, copy plan and completion check runs there, and a
+loop near one CPU second per second queues copies late (docs/operations.md).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from bisect import bisect_left
 from collections import Counter, defaultdict, deque
@@ -45,6 +52,16 @@ class Stats:
         self.histograms: dict[str, Histogram] = {}
         self._latency = defaultdict(lambda: deque(maxlen=window))
         self.started = time.monotonic()
+        self._loop_clock = _thread_cpu_clock()
+
+    def loop_cpu_s(self) -> float:
+        """CPU seconds of the event loop's thread so far (0.0 where the OS cannot tell)."""
+        if self._loop_clock is None:
+            return 0.0
+        try:
+            return time.clock_gettime(self._loop_clock)
+        except OSError:  # the thread is gone: the daemon is stopping
+            return 0.0
 
     def add(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -72,7 +89,7 @@ class Stats:
         """Copies of every counter and histogram; safe from another thread (see the docstring)."""
         hists = dict(self.histograms)
         return {"counters": dict(self.counters), "errors": dict(self.errors),
-                "moved": dict(self.moved),
+                "moved": dict(self.moved), "loop_cpu_s": self.loop_cpu_s(),
                 "histograms": {op: (list(h.counts), h.sum) for op, h in hists.items()}}
 
     def latency_ms(self) -> dict:
@@ -97,4 +114,13 @@ class Stats:
                 "chunks_stored": c["chunks_stored"], "chunks_loaded": c["chunks_loaded"],
                 "store_dedup": c["store_dedup"], "errors": c["errors"], "busy": c["busy"],
                 "replies_dropped": c["replies_dropped"],
-                "clients_reaped": c["clients_reaped"], "uptime_s": round(time.monotonic() - self.started, 1)}
+                "clients_reaped": c["clients_reaped"], "uptime_s": round(time.monotonic() - self.started, 1),
+                "loop_cpu_s": round(self.loop_cpu_s(), 3)}
+
+
+def _thread_cpu_clock() -> int | None:
+    """The calling thread's CPU-time clock (Linux and most Unixes), else None."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None

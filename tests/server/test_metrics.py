@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import urllib.request
 
 import pytest
 import workers_data as W
 import workers_ops
+from daemons import wait_for
 
 from kvd_protocol import wire
 
@@ -95,6 +97,9 @@ def test_counters_move_by_exactly_what_the_engine_did(start_daemon, procs):
     assert value(after, "kvd_clients") == 0 and value(after, "kvd_registrations") == 0
     assert value(after, "kvd_build_info", version=_version(), protocol=str(wire.VERSION), backends="host") == 1
     assert value(after, "process_resident_memory_bytes") > 0
+    assert delta("kvd_event_loop_cpu_seconds_total") > 0
+    loop_cpu = [value(s, "kvd_event_loop_cpu_seconds_total") for s in scrapes]
+    assert loop_cpu == sorted(loop_cpu), "the loop's CPU time went backwards between scrapes"
     stored = [value(s, "kvd_stored_chunks_total", backend="host") for s in scrapes]
     assert scrapes and stored == sorted(stored), "a counter went backwards between scrapes"
     buckets = sorted((float(dict(k[1])["le"]), v) for k, v in after.items()
@@ -106,6 +111,28 @@ def test_counters_move_by_exactly_what_the_engine_did(start_daemon, procs):
 def _version() -> str:
     import kvd
     return kvd.__version__
+
+
+def test_loop_cpu_counts_the_event_loops_work_not_the_wall_clock(start_daemon, procs):
+    """``loop_cpu_s`` in ``kvd stats`` is the event loop thread's CPU time: an idle second
+    adds almost nothing (the loop sleeps in epoll), a client sending requests back to back
+    adds its share of the loop's work, and never more than the wall time that passed."""
+    import multiprocessing
+    d = start_daemon()
+    first = d.stats()["loop_cpu_s"]
+    time.sleep(1.0)
+    idle = d.stats()["loop_cpu_s"] - first
+    assert 0 <= idle < 0.3, idle
+    with multiprocessing.get_context("spawn").Manager() as m:
+        stop = m.Event()
+        job = procs.apply_async(workers_ops.busy_engine, (str(d.runtime_dir), SPEC, 5, stop))
+        wait_for(lambda: d.stats()["chunks_stored"] >= 20, 60, "the busy engine's stores")
+        t0, before = time.monotonic(), d.stats()["loop_cpu_s"]
+        time.sleep(2.0)
+        busy, wall = d.stats()["loop_cpu_s"] - before, time.monotonic() - t0
+        stop.set()
+        assert job.get(60)["rounds"] > 0
+    assert max(0.1, 2 * idle) < busy <= wall + 0.05, (idle, busy, wall)
 
 
 def test_metrics_are_off_by_default(daemon):
