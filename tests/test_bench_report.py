@@ -38,7 +38,8 @@ def row(shape: str, **phases) -> dict:
 def test_each_ratio_is_the_median_of_the_runs_and_their_spread_is_shown(capsys):
     report([row("llama3-8b", store=(54.5, 55.1, [0.97, 0.99, 0.98]),
                 load=(53.0, 53.5, [0.99, 1.00, 0.98]), both=(83.8, 85.5, [0.95, 0.98, 1.02])),
-            row("deepseek-mla", both=(59.3, 86.5, [0.66, 0.78, 0.69]))])
+            {**row("deepseek-mla", both=(59.3, 86.5, [0.66, 0.78, 0.69])),
+             "both_loop_busy": [0.71, 0.93, 0.85]}])
     out = capsys.readouterr().out
     lines = out.splitlines()
     llama = next(line for line in lines if line.startswith("llama3-8b"))
@@ -48,6 +49,8 @@ def test_each_ratio_is_the_median_of_the_runs_and_their_spread_is_shown(capsys):
     assert "both 0.66-0.78" in mla and "store" not in mla  # only the phase that ran
     assert "ratio of each run: store 0.97-0.99, load 0.98-1.00, both 0.95-1.02" in out
     assert "right before the run" in out
+    busy = [line for line in lines if "event loop busy" in line]
+    assert busy == [f"{'':<19}daemon's event loop busy (median of the runs): both 0.85"], busy
 
 
 def test_no_rows_print_nothing(capsys):
@@ -65,9 +68,11 @@ def test_json_rows_pool_into_each_variants_runs(tmp_path, monkeypatch):
     """``--json`` files of alternating rounds (tools/ab_runs.sh names them label-round):
     tools/ratio_runs.py pools each variant's runs, in round order, numpy numbers and all."""
     write_rows(tmp_path / "new-1.json", monkeypatch,
-               [row("deepseek-mla", both=(70.0, 88.0, [np.float64(0.70), 0.80, 0.90]))])
+               [{**row("deepseek-mla", both=(70.0, 88.0, [np.float64(0.70), 0.80, 0.90])),
+                 "both_loop_busy": [0.5, 0.6, 0.7]}])
     write_rows(tmp_path / "new-2.json", monkeypatch,
-               [row("deepseek-mla", both=(70.0, 88.0, [0.60, 0.75, 1.00]))])
+               [{**row("deepseek-mla", both=(70.0, 88.0, [0.60, 0.75, 1.00])),
+                 "both_loop_busy": [0.8, 0.9, 0.4]}])
     write_rows(tmp_path / "off-1.json", monkeypatch,
                [row("deepseek-mla", both=(80.0, 88.0, [0.85, 0.90, 0.95]),
                     store=(50.0, 55.0, [0.95, 0.96, 0.97]))])
@@ -81,7 +86,9 @@ def test_json_rows_pool_into_each_variants_runs(tmp_path, monkeypatch):
     new = lines[("deepseek-mla", "16", "both", "new")]
     assert "n=6" in new and "median 0.78" in new and "mean 0.79" in new
     assert new.endswith("rounds: 0.80, 0.75")
+    assert "loop busy 0.65" in new  # the median of the six runs' shares
     assert "median 0.90" in lines[("deepseek-mla", "16", "both", "off")]
+    assert "loop busy" not in lines[("deepseek-mla", "16", "both", "off")]  # older files
     assert "NVIDIA H100" in out.splitlines()[0]
     out = subprocess.run([sys.executable, str(TOOLS / "ratio_runs.py"), str(tmp_path),
                           "--base", "off"], capture_output=True, text=True, check=True).stdout

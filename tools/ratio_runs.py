@@ -9,7 +9,8 @@ A file's variant is its name less a trailing ``-<round>`` (``new-3.json``:
 ``new``), as tools/ab_runs.sh writes them. For each shape, page size,
 pipelined phase and variant: how many runs, the median and mean of the
 runs' ratios (each run against the memcpys timed right before it), the
-quartiles, and the median of each file (round) in round order. With
+quartiles, the median share of the runs its daemon's event loop was busy
+(where the files have it), and the median of each file (round) in round order. With
 ``--base LABEL``, each other variant's median minus the base's, and a 90%
 bootstrap interval of that difference (each variant's runs resampled,
 ``BOOTSTRAP`` times, a fixed seed): an interval that spans 0 is no
@@ -44,7 +45,8 @@ def round_of(path: Path) -> int:
 
 
 def pooled(paths: list[Path]) -> tuple[dict, set]:
-    """(shape, page, phase, variant) -> [(round, [ratios of that file])], and the GPUs."""
+    """(shape, page, phase, variant) -> [(round, [ratios of that file], [the daemon's loop
+    busy share of each run, where the file has it])], and the GPUs."""
     runs, gpus = defaultdict(list), set()
     for path in sorted(paths, key=lambda p: (variant_of(p), round_of(p))):
         doc = json.loads(path.read_text())
@@ -54,7 +56,8 @@ def pooled(paths: list[Path]) -> tuple[dict, set]:
                 ratios = row.get(f"{phase}_ratios")
                 if ratios:
                     key = (row["shape"], row["page"], phase, variant_of(path))
-                    runs[key].append((round_of(path), ratios))
+                    runs[key].append((round_of(path), ratios,
+                                      row.get(f"{phase}_loop_busy") or []))
     return runs, gpus
 
 
@@ -102,8 +105,10 @@ def main(argv: list[str]) -> int:
     order = sorted(runs, key=lambda k: (k[0], k[1], PHASES.index(k[2]), k[3]))
     for n, (shape, page, phase, variant) in enumerate(order):
         files = runs[(shape, page, phase, variant)]
-        rounds = ", ".join(f"{statistics.median(r):.2f}" for _, r in files)
-        print(f"{shape:<13} {page:>4} {phase:<5} {variant:<12} {summary(every(files))}  "
+        rounds = ", ".join(f"{statistics.median(r):.2f}" for _, r, _ in files)
+        busy = [x for *_, b in files for x in b]
+        loop = f"  loop busy {statistics.median(busy):.2f}" if busy else ""
+        print(f"{shape:<13} {page:>4} {phase:<5} {variant:<12} {summary(every(files))}{loop}  "
               f"rounds: {rounds}")
         if n + 1 == len(order) or order[n + 1][:3] != (shape, page, phase):
             compare(runs, (shape, page, phase), args.base)
@@ -111,7 +116,7 @@ def main(argv: list[str]) -> int:
 
 
 def every(files: list) -> list[float]:
-    return [x for _, ratios in files for x in ratios]
+    return [x for _, ratios, _ in files for x in ratios]
 
 
 def compare(runs: dict, where: tuple, base: str | None) -> None:

@@ -15,7 +15,11 @@ run's ratio to its own baseline: the PCIe rate of one machine drifts
 between runs (a both-ways memcpy of 144 MB from 44 to 90 GB/s within one
 call, docs/benchmarks.md), and a baseline minutes away from what it is
 compared with measured that drift instead of kvd. Medians of ``--repeat``
-runs after one warm-up. A benchmark, not a test.
+runs after one warm-up. Each run also reads the daemon's ``loop_cpu_s``
+(``kvd stats``) before and after: the share of the run its event loop was on
+a CPU (``<phase>_loop_busy`` per run in ``--json``; the report prints the
+median), where a loop near 1.0 means the daemon, not PCIe, set the rate.
+A benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 
 import numpy as np
 
-from .common import on_stream, request_bytes
+from .common import control, on_stream, request_bytes
 
 PHASES = ("store", "load", "both")
 
@@ -59,7 +63,7 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
     total = clients * depth * args.pipeline_rounds * nbytes
     memcpy = _Memcpy(torch, nbytes)
     for phase, body in ((k, v) for k, v in phases.items() if k in args.pipeline_phases):
-        rates = {"Bps": [], "memcpy_Bps": [], "ratio": []}
+        rates = {"Bps": [], "memcpy_Bps": [], "ratio": [], "loop_busy": []}
         for i in range(args.repeat + 1):
             baseline = memcpy.rate(phase, clients * depth * args.pipeline_rounds)
             leases = [client.lookup_lease(tokens, 600_000)  # fresh stores must not evict them
@@ -67,22 +71,26 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
             errors = []
             threads = [threading.Thread(target=_catching, args=(errors, body, c, e))
                        for c, e in enumerate(engines)]
+            loop_cpu = control(rundir, "stats")["loop_cpu_s"]
             t0 = time.perf_counter()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             elapsed = time.perf_counter() - t0
+            loop_busy = (control(rundir, "stats")["loop_cpu_s"] - loop_cpu) / elapsed
             for (client, *_), (_, lease) in zip(engines, leases):
                 client.release(lease)
             if errors:
                 raise errors[0]
             if i:
                 for key, value in (("Bps", total / elapsed), ("memcpy_Bps", baseline),
-                                   ("ratio", total / elapsed / baseline)):
+                                   ("ratio", total / elapsed / baseline),
+                                   ("loop_busy", loop_busy)):
                     rates[key].append(value)
-        out.update({f"{phase}_{k}": statistics.median(v) for k, v in rates.items()})
-        out[f"{phase}_ratios"] = rates["ratio"]
+        out.update({f"{phase}_{k}": statistics.median(v) for k, v in rates.items()
+                    if k != "loop_busy"})
+        out[f"{phase}_ratios"], out[f"{phase}_loop_busy"] = rates["ratio"], rates["loop_busy"]
     for client, *_ in engines:
         client.close()
     del engines, memcpy
@@ -176,3 +184,6 @@ def report(rows: list) -> None:
               + "   " + "/".join(f"{r[f'{p}_memcpy_Bps'] / 1e9:.1f}" for p in PHASES))
         spread = [f"{p} {min(v):.2f}-{max(v):.2f}" for p in PHASES if (v := r.get(f"{p}_ratios"))]
         print(f"{'':<19}ratio of each run: {', '.join(spread)}")
+        busy = [f"{p} {statistics.median(v):.2f}" for p in PHASES if (v := r.get(f"{p}_loop_busy"))]
+        if busy:
+            print(f"{'':<19}daemon's event loop busy (median of the runs): {', '.join(busy)}")
