@@ -12,8 +12,10 @@ and reads ints; it never iterates what the loop mutates.
 ``loop_cpu_s()`` is the CPU time of the thread that made the ``Stats`` (the
 event loop's: the service is made on it) since that thread started, read
 from its per-thread clock, so from any thread. Its rate is how busy the
-loop is: every request, copy plan and completion check runs there, and a
-loop near one CPU second per second queues copies late (docs/operations.md).
+loop is: every request, copy plan and completion check runs there (with
+``gpu_poll_interval_us`` 0 it checks every pass while GPU copies run, so
+that time counts too), and a loop near one CPU second per second queues
+copies late (docs/operations.md).
 """
 
 from __future__ import annotations
