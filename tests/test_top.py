@@ -15,7 +15,7 @@ import time
 
 import workers_ops
 
-from kvd.cli.top import quantile
+from kvd.cli.top import compute, quantile, render_text
 
 SPEC = {"layout": "vllm_flash_attn", "layers": 2, "page_size": 16, "dtype": "float16",
         "num_pages": 16, "heads": 2, "dim": 8}
@@ -47,6 +47,21 @@ def test_renders_once_as_plain_text_while_an_engine_works(daemon, procs):
         assert float(rate) > 0 and 0 < float(p50) <= float(p99), text
     assert re.search(r"^host\s+[\d.]+ [KM]iB / 64\.0 MiB\s+[\d.]+%\s+\d+$", text, re.M), text
     assert re.search(r"^kvd_client:\d+\s+\d+\s+0\s+0\s+1\s+0$", text, re.M), text  # root's engine
+    busy = int(re.search(r"  loop (\d+)%$", text, re.M).group(1))
+    assert 0 < busy <= 105, text  # the loop served the engine; its CPU over ~1 s of wall time
+
+
+def test_loop_busy_is_the_loop_cpu_over_the_interval():
+    """The summary's ``loop``: the daemon's ``loop_cpu_s`` delta over the interval; ``-``
+    from a daemon that does not report it."""
+    def stats(loop_cpu=None):
+        out = {"hits": 0, "misses": 0, "uptime_s": 9.0, "backend": "shm", "bytes_stored": 0,
+               "bytes_loaded": 0, "errors": 0, "tiers": {}, "clients": 0}
+        return out if loop_cpu is None else {**out, "loop_cpu_s": loop_cpu}
+    view = compute(stats(1.0), stats(1.75), 2.0, {"pid": 7})
+    assert view["loop_busy"] == 0.375
+    assert render_text(view).splitlines()[1].endswith("clients 0  loop 38%")
+    assert render_text(compute(stats(), stats(), 2.0, {})).splitlines()[1].endswith("loop -")
 
 
 def test_quantile_interpolates_within_the_bucket_like_prometheus():

@@ -4,7 +4,9 @@ Polls ``stats`` on the control socket and shows what changed between two
 polls: hit rate, GB/s stored into kvd (in) and loaded out of it (out),
 requests per second and latency percentiles per op (from the deltas of the
 daemon's latency histogram, interpolated within a bucket as Prometheus'
-``histogram_quantile`` does), errors per second, tier fill, and the
+``histogram_quantile`` does), errors per second, how busy the daemon's
+event loop was (its thread's CPU time over the interval: near 100% the
+daemon, not PCIe, limits copies; docs/operations.md), tier fill, and the
 connected clients with their kernel-reported uid/gid. With ``rich``
 installed (``kvd[top]``) and stdout a terminal it redraws one screen in
 place; otherwise, and with ``--once``, it prints plain text: one block per
@@ -105,6 +107,8 @@ def compute(prev: dict, cur: dict, dt: float, health: dict) -> dict:
             "bytes_in_per_s": (cur["bytes_stored"] - prev["bytes_stored"]) / dt,
             "bytes_out_per_s": (cur["bytes_loaded"] - prev["bytes_loaded"]) / dt,
             "errors_per_s": (cur["errors"] - prev["errors"]) / dt, "ops": ops,
+            "loop_busy": (cur["loop_cpu_s"] - prev["loop_cpu_s"]) / dt
+            if "loop_cpu_s" in cur and "loop_cpu_s" in prev else None,  # older daemons: -
             "tiers": {name: (t["used_bytes"], t["capacity_bytes"], t["chunks"])
                       for name, t in cur["tiers"].items()},
             "sessions": cur.get("sessions", []), "clients": cur["clients"]}
@@ -141,7 +145,8 @@ def _rows(view: dict) -> dict:
             f"interval {view['interval_s']:.1f} s")
     summary = (f"hit rate {rate} ({view['hits']} hits, {view['misses']} misses)  "
                f"in {_throughput(view['bytes_in_per_s'])}  out {_throughput(view['bytes_out_per_s'])}  "
-               f"errors {view['errors_per_s']:.1f}/s  clients {view['clients']}")
+               f"errors {view['errors_per_s']:.1f}/s  clients {view['clients']}  "
+               f"loop {'-' if view['loop_busy'] is None else format(view['loop_busy'], '.0%')}")
     return {"head": head, "summary": summary, "ops": ops, "tiers": tiers, "clients": clients}
 
 
