@@ -194,18 +194,19 @@ class HostTier:
         """Offsets of ``count`` slots, evicting from the LRU end (a victim of the same slot
         size hands its slot straight over); all or nothing."""
         offsets, evicted, full = [], [], False  # full: no free extent fits (until one is freed)
+        lru, alloc = self.lru, self.alloc
         try:
             for _ in range(count):
-                offset = None if full else self.alloc.alloc(slot)
+                offset = None if full else alloc.alloc(slot)
                 while offset is None:
-                    victim = self.lru.first()
+                    victim = lru.first()
                     if victim is None:
                         raise NoSpace(f"host tier full: no free extent of {slot} bytes even "
                                       "after evicting everything evictable (fragmented)")
                     same = victim.slot_bytes == slot
                     self._evict(victim, free=not same)
                     evicted.append(victim)
-                    offset = victim.offset if same else self.alloc.alloc(slot)
+                    offset = victim.offset if same else alloc.alloc(slot)
                     full = same
                 offsets.append(offset)
         except NoSpace:
@@ -215,8 +216,20 @@ class HostTier:
             raise
         return offsets
 
-    def _evict(self, e: Entry, free: bool = True) -> None:
-        self._drop(e, free)
+    def _evict(self, e: Entry, free: bool) -> None:
+        """``_drop`` of a queued ``e``, counted, its calls inlined (a store of 128 chunks
+        into a full tier evicts 128: the calls were a third of its time)."""
+        self._leave_front(e)
+        self.lru.remove(e)
+        self.evictable_bytes -= e.slot_bytes
+        del self.entries[e.key]
+        if e.stored == (1 << e.shards) - 1:
+            self.ready_count -= 1
+            self.on_disk_ready -= e.on_disk
+        if free:
+            self.alloc.free(e.offset, e.slot_bytes)
+        if self.journal is not None:
+            self.journal.dropped(e)  # before the slot can be written again
         self.evictions += 1
         self.evicted_not_on_disk += not e.on_disk
 
@@ -256,16 +269,24 @@ class HostTier:
     def commit_many(self, entries: list, rank: int) -> None:
         """Shard ``rank`` of each of ``entries`` landed: stored, most recently used, and
         recorded by the journal in one batch (a request's chunks commit together)."""
-        bit, recorded = 1 << rank, []
-        for e in entries:
+        bit, recorded, lru, live = 1 << rank, [], self.lru, self.entries
+        for e in entries:  # _count_ready, _use and _settle inlined: a request commits 100s
+            full = (1 << e.shards) - 1
+            was_ready = e.stored == full
             e.writing &= ~bit
-            was_ready = e.ready
             e.stored |= bit
-            if not was_ready and e.ready:
-                self._count_ready(e, +1)
-            self._use(e)
-            self._settle(e)
-            if self.entries.get(e.key) is e:
+            if not was_ready and e.stored == full:
+                self.ready_count += 1
+                self.on_disk_ready += e.on_disk
+            self.clock += 1
+            e.used = self.clock
+            if e.lru_next is not None:  # queued: to the most recently used end
+                self._leave_front(e)
+                lru.move_to_end(e)
+            elif e.refs == 0 and e.writing == 0:  # became evictable
+                lru.append(e)
+                self.evictable_bytes += e.slot_bytes
+            if live.get(e.key) is e:
                 recorded.append(e)
         if self.journal is not None and recorded:
             self.journal.committed_many(recorded, rank)
