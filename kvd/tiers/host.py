@@ -171,7 +171,8 @@ class HostTier:
             entry = Entry(key, ns, offset, shard_bytes, shards, slot, writing=bit)
             self.entries[key] = entry
             todo.append((i, entry))
-        todo.sort(key=lambda item: item[0])
+        if joins:  # fresh keys alone are in key order already
+            todo.sort(key=lambda item: item[0])
         return todo, len(keys) - len(todo)
 
     def reserve(self, key: bytes, ns: bytes, shard_bytes: int, shards: int, rank: int):
@@ -217,8 +218,7 @@ class HostTier:
         return offsets
 
     def _evict(self, e: Entry, free: bool) -> None:
-        """``_drop`` of a queued ``e``, counted, its calls inlined (a store of 128 chunks
-        into a full tier evicts 128: the calls were a third of its time)."""
+        """``_drop`` of a queued ``e``, counted; inlined: a store may evict 100s."""
         self._leave_front(e)
         self.lru.remove(e)
         self.evictable_bytes -= e.slot_bytes
