@@ -63,7 +63,7 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
     total = clients * depth * args.pipeline_rounds * nbytes
     memcpy = _Memcpy(torch, nbytes)
     for phase, body in ((k, v) for k, v in phases.items() if k in args.pipeline_phases):
-        rates = {"Bps": [], "memcpy_Bps": [], "ratio": [], "loop_busy": []}
+        rates, loop_busy = {"Bps": [], "memcpy_Bps": [], "ratio": []}, []
         for i in range(args.repeat + 1):
             baseline = memcpy.rate(phase, clients * depth * args.pipeline_rounds)
             leases = [client.lookup_lease(tokens, 600_000)  # fresh stores must not evict them
@@ -71,26 +71,25 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
             errors = []
             threads = [threading.Thread(target=_catching, args=(errors, body, c, e))
                        for c, e in enumerate(engines)]
-            loop_cpu = control(rundir, "stats")["loop_cpu_s"]
+            cpu_before = control(rundir, "stats")["loop_cpu_s"]
             t0 = time.perf_counter()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             elapsed = time.perf_counter() - t0
-            loop_busy = (control(rundir, "stats")["loop_cpu_s"] - loop_cpu) / elapsed
+            loop_cpu = control(rundir, "stats")["loop_cpu_s"] - cpu_before
             for (client, *_), (_, lease) in zip(engines, leases):
                 client.release(lease)
             if errors:
                 raise errors[0]
             if i:
                 for key, value in (("Bps", total / elapsed), ("memcpy_Bps", baseline),
-                                   ("ratio", total / elapsed / baseline),
-                                   ("loop_busy", loop_busy)):
+                                   ("ratio", total / elapsed / baseline)):
                     rates[key].append(value)
-        out.update({f"{phase}_{k}": statistics.median(v) for k, v in rates.items()
-                    if k != "loop_busy"})
-        out[f"{phase}_ratios"], out[f"{phase}_loop_busy"] = rates["ratio"], rates["loop_busy"]
+                loop_busy.append(loop_cpu / elapsed)
+        out.update({f"{phase}_{k}": statistics.median(v) for k, v in rates.items()})
+        out[f"{phase}_ratios"], out[f"{phase}_loop_busy"] = rates["ratio"], loop_busy
     for client, *_ in engines:
         client.close()
     del engines, memcpy

@@ -218,18 +218,7 @@ class HostTier:
         return offsets
 
     def _evict(self, e: Entry, free: bool) -> None:
-        """``_drop`` of a queued ``e``, counted; inlined: a store may evict 100s."""
-        self._leave_front(e)
-        self.lru.remove(e)
-        self.evictable_bytes -= e.slot_bytes
-        del self.entries[e.key]
-        if e.stored == (1 << e.shards) - 1:
-            self.ready_count -= 1
-            self.on_disk_ready -= e.on_disk
-        if free:
-            self.alloc.free(e.offset, e.slot_bytes)
-        if self.journal is not None:
-            self.journal.dropped(e)  # before the slot can be written again
+        self._drop(e, free)
         self.evictions += 1
         self.evicted_not_on_disk += not e.on_disk
 
@@ -248,11 +237,13 @@ class HostTier:
 
     def _drop(self, e: Entry, free: bool = True) -> None:
         """Forget ``e``; its slot goes back to the allocator unless ``free`` is False (the
-        caller takes the slot over)."""
-        if self.lru.queued(e):
+        caller takes the slot over). Few calls: a store into a full tier evicts 100s."""
+        if e.lru_next is not None:  # queued
             self._dequeue(e)
         del self.entries[e.key]
-        self._count_ready(e, -1)
+        if e.stored == (1 << e.shards) - 1:  # ready: _count_ready(e, -1)
+            self.ready_count -= 1
+            self.on_disk_ready -= e.on_disk
         if free:
             self.alloc.free(e.offset, e.slot_bytes)
         if self.journal is not None:
