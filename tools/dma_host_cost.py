@@ -14,8 +14,8 @@ own time per call and per op comes on top on a real GPU.
 
 Shapes as ``kvd bench --gpu``: llama3-8b (32 layers, K and V, 2 KiB rows)
 and deepseek-mla (61 layers, one 1152-byte plane), every layer in one
-allocation (vLLM's pools), pages at random ids, defaults of the
-``gpu_dma_*`` knobs and 64 MiB staging slots. Per shape, page size, path
+allocation (vLLM's pools; ``--pool block-outer``: a page's layers adjacent),
+pages at random ids, defaults of the ``gpu_dma_*`` knobs and 64 MiB staging slots. Per shape, page size, path
 and direction: the median of ``--repeat`` copies in microseconds, and its
 share of the copy's time at ``--pcie-gbs``. Usage:
 ``.venv/bin/python tools/dma_host_cost.py [--chunks 8] [--page-sizes 16,64]``.
@@ -105,13 +105,16 @@ def stub_driver() -> None:
     cuda_driver.memcpy_batch_async = lambda stream, dsts, srcs, sizes: None
 
 
-def pool(layers: int, planes: int, row: int, page_size: int) -> tuple:
-    """A layout with every (layer, plane) in one allocation, and its plane bases."""
-    stride = page_size * row
-    plane = POOL_PAGES * stride
-    bases = tuple((0, i * plane) for i in range(layers * planes))
+def pool(layers: int, planes: int, row: int, page_size: int, block_outer: bool = False) -> tuple:
+    """A layout with every (layer, plane) in one allocation, and its plane bases: plane
+    after plane (vLLM's single allocation), or with ``block_outer`` page after page (a
+    page's planes adjacent, vLLM 0.32's ``BLHNC`` family)."""
+    plane_page = page_size * row
+    stride = plane_page * layers * planes if block_outer else plane_page
+    apart = plane_page if block_outer else POOL_PAGES * plane_page
+    bases = tuple((0, i * apart) for i in range(layers * planes))
     d = LayoutDescriptor(layers, planes, POOL_PAGES, page_size, row, stride, row, bases)
-    return d, np.uint64(1 << 30) + np.arange(layers * planes, dtype=np.uint64) * np.uint64(plane)
+    return d, np.uint64(1 << 30) + np.arange(layers * planes, dtype=np.uint64) * np.uint64(apart)
 
 
 def make_path(stage_below: int, poller: EventPoller) -> dma.DmaPath:
@@ -146,7 +149,7 @@ async def run(args: argparse.Namespace) -> None:
           f"{'share of PCIe':>13}")
     for name, (layers, planes, row) in SHAPES.items():
         for page in (int(s) for s in args.page_sizes.split(",")):
-            d, bases = pool(layers, planes, row, page)
+            d, bases = pool(layers, planes, row, page, args.pool == "block-outer")
             groups = dma_plan.pool_groups(d, bases)
             nbytes = args.chunks * d.shard_bytes(args.chunk_tokens)
             for label, stage_below in (("straight", 0), ("staged", 1 << 62)):
@@ -166,6 +169,8 @@ def main() -> int:
     p.add_argument("--chunks", type=int, default=8, help="chunks per copy (kvd bench's default)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk")
     p.add_argument("--page-sizes", default="16,64", help="comma-separated tokens per page")
+    p.add_argument("--pool", choices=("one", "block-outer"), default="one",
+                   help="the pool's allocation, as kvd bench --gpu-pool")
     p.add_argument("--repeat", type=int, default=100, help="copies per figure (median)")
     p.add_argument("--pcie-gbs", type=float, default=50.0, help="PCIe rate for the share column")
     args = p.parse_args()

@@ -144,7 +144,8 @@ class DmaQueue:
         for pieces of ``spread_below`` bytes and more); returns the event recorded on
         ``stream`` after it."""
         self.queued_bytes()  # lets go of the batches that landed (a store's are never waited on)
-        if n is None and step.nbytes >= self.spread_below * max(1, step.ops.size + step.size.size):
+        nbytes = step.nbytes
+        if n is None and nbytes >= self.spread_below * max(1, step.ops.size + step.size.size):
             n = 1
         streams, ops = self.streams[:n], np.ascontiguousarray(step.ops)
         op_parts = _parts(ops["width"] * ops["height"], len(streams))
@@ -167,8 +168,8 @@ class DmaQueue:
                 self.rt.streamWaitEvent(self.stream.ptr, self._joins[k - 1], 0)
         done = self.cp.cuda.Event(block=False, disable_timing=True)
         done.record(self.stream)
-        self.queued.append((done, step.nbytes, keep))  # what the driver reads
-        self._bytes += step.nbytes
+        self.queued.append((done, nbytes, keep))  # what the driver reads
+        self._bytes += nbytes
         self.busy_at = time.monotonic()
         if self.poller is not None:
             self.poller.wait(done).add_done_callback(self._landed)
@@ -207,7 +208,7 @@ def _geometry(layout: Any, chunk_tokens: int) -> dict:
 
 def _parts(nbytes: np.ndarray, n: int) -> list[slice]:
     """``n`` consecutive slices of about equal bytes."""
-    if nbytes.size <= 1:
+    if nbytes.size <= 1 or n == 1:
         return [slice(0, nbytes.size)] + [slice(nbytes.size, nbytes.size)] * (n - 1)
     cum = np.cumsum(nbytes)
     bounds = [0, *np.searchsorted(cum, np.arange(1, n) * (cum[-1] / n)).tolist(), nbytes.size]

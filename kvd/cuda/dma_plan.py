@@ -133,6 +133,9 @@ class CopyOps:
         self.run_host = np.asarray(shard_ptrs, np.uint64)[c] + j.astype(np.uint64) * np.uint64(page_bytes)
         run_pool = ids[c, j].astype(np.uint64) * np.uint64(layout.page_stride)
         groups = pool_groups(layout, bases) if groups is None else groups
+        self.rows_per_run = 0  # > 0: rows run-major, this many per run (steps slice them)
+        if not by_layer and self._chunk_per_row(layout, bases, ids, shard_ptrs, groups):
+            return
         cut = [(f + t * st, st, 1, 0) for f, st, n, p in groups for t in range(n)] if by_layer \
             else _cut(groups)
         first, step, count, pitch = (np.array(col, np.uint64) for col in zip(*cut))
@@ -153,11 +156,36 @@ class CopyOps:
             return  # the usual case: every entry one pitched op, no single rows
         self._entries(pool, host, width, count, pitch, host_pitch, first, step)
 
+    def _chunk_per_row(self, layout, bases, ids, shard_ptrs, groups) -> bool:
+        """The plan ``_contiguous`` makes of a block-outer copy whose chunk is one page, at
+        a fraction of the NumPy calls (the daemon's event loop plans every copy): each
+        chunk one row, when the pool's planes are one group adjacent at a page's pitch and
+        no chunk's host side crosses a registration. False (nothing set) otherwise."""
+        n_planes, page_bytes = self.planes * self.num_layers, self.plane_bytes
+        if ids.shape[1] != 1 or n_planes < MIN_ROWS or len(groups) != 1 \
+                or tuple(groups[0]) != (0, 1, n_planes, page_bytes):
+            return False
+        host, size = np.asarray(shard_ptrs, np.uint64), np.uint64(n_planes * page_bytes)
+        base, piece = (np.uint64(v) for v in self.host_pieces)
+        if ((host - base) // piece != (host + size - np.uint64(1) - base) // piece).any():
+            return False
+        n = host.size
+        self.run_chunk, self.run_host = np.arange(n), host
+        self.run_width = np.full(n, page_bytes, np.uint64)
+        self.layer_bytes = self.planes * n * page_bytes
+        self.ops, self.op_run, self.rows_per_run = np.zeros(0, OP_DTYPE), np.zeros(0, np.uint64), 1
+        self.rows = {"pool": ids[:, 0].astype(np.uint64) * np.uint64(layout.page_stride) + bases[0],
+                     "host": host, "width": np.full(n, size), "run": np.arange(n, dtype=np.uint64),
+                     "plane": np.zeros(n, np.uint64)}
+        self.row_layer = self.rows["plane"]
+        return True
+
     def _contiguous(self, pool, host, size, first) -> None:
         """Every entry's rows adjacent on both sides (a block-outer pool whose page is a
         chunk): each entry one single row, no pitched op."""
         shape = pool.shape
         self.ops, self.op_run = np.zeros(0, OP_DTYPE), np.zeros(0, np.uint64)
+        self.rows_per_run = shape[1]
         self.rows = {"pool": pool.reshape(-1), "host": host.reshape(-1),
                      "width": np.broadcast_to(size, shape).reshape(-1),
                      "run": np.repeat(np.arange(shape[0], dtype=np.uint64), shape[1]),
@@ -207,11 +235,14 @@ class CopyOps:
         at = np.searchsorted(self.op_run, [r.start for r in runs] + [self.run_width.size]).tolist()
         if not self.rows["run"].size:
             return [self._take(slice(at[i], at[i + 1]), None) for i in range(len(runs))]
+        if k := self.rows_per_run:
+            return [self._take(slice(at[i], at[i + 1]), slice(r.start * k, r.stop * k))
+                    for i, r in enumerate(runs)]
         return [self._take(slice(at[i], at[i + 1]),
                            (self.rows["run"] >= r.start) & (self.rows["run"] < r.stop))
                 for i, r in enumerate(runs)]
 
-    def _take(self, ops: slice, row_mask: np.ndarray | None) -> Step:
+    def _take(self, ops: slice, row_mask: np.ndarray | slice | None) -> Step:
         """Step of ``self.ops[ops]`` (ops are in run order) and the rows in ``row_mask``."""
         rows = self.rows if row_mask is None else {k: self.rows[k][row_mask]
                                                    for k in ("pool", "host", "width")}

@@ -146,6 +146,37 @@ def test_block_outer_pages_of_one_chunk_go_as_single_rows(pages_per_chunk):
                                                              chunk_tokens, k, k + 1)
 
 
+@pytest.mark.parametrize("registration", [1 << 40, 3 * 9 * 2 * 4 * 256 + 512])
+@pytest.mark.parametrize("to_host", [True, False])
+def test_block_outer_fast_plan_is_the_general_plan(registration, to_host, monkeypatch):
+    """The planning shortcut for a block-outer chunk of one page gives the same steps, runs
+    and rows as the general pass, in steps of a few runs, and where chunks cross a
+    registration (the shortcut steps aside) covers the reference exactly."""
+    page, row, lp = 4, 256, 9 * 2
+    d = LayoutDescriptor(9, 2, 40, page, row, lp * page * row, row,
+                         tuple((0, i * page * row) for i in range(lp)))
+    bases = np.uint64(1 << 30) + np.arange(lp, dtype=np.uint64) * np.uint64(page * row)
+    ids = np.random.default_rng(5).permutation(d.num_pages)[:7]
+    shard_ptrs = HOST0 + np.arange(7, dtype=np.uint64) * np.uint64(d.shard_bytes(page) + 256)
+    args = (d, bases, ids, shard_ptrs, page, (HOST0, registration), to_host)
+    most = 2 * lp * page * row  # two runs a step
+    fast = dma_plan.CopyOps(*args)
+    monkeypatch.setattr(dma_plan.CopyOps, "_chunk_per_row", lambda *a: False)
+    general = dma_plan.CopyOps(*args)
+    assert (fast.rows_per_run == 1) == (registration > 1 << 30)
+    for name in ("run_chunk", "run_width", "run_host", "op_run"):
+        assert getattr(fast, name).tolist() == getattr(general, name).tolist(), name
+    assert fast.layer_bytes == general.layer_bytes
+    steps = fast.steps(most)
+    assert len(steps) == 4
+    for a, b in zip(steps, general.steps(most)):
+        assert a.ops.tobytes() == b.ops.tobytes()
+        for x, y in ((a.dst, b.dst), (a.src, b.src), (a.size, b.size)):
+            assert x.tolist() == y.tolist()
+    want = reference(d, bases, ids, shard_ptrs, page, 0, d.num_layers)
+    assert set().union(*(covered(s, to_host) for s in steps)) == want
+
+
 def _in_run(c, runs, host, d):
     """Whether arena address ``host`` is in one of ``runs`` (any plane of its chunk)."""
     planes = d.num_layers * d.planes
