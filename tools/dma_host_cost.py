@@ -14,7 +14,8 @@ own time per call and per op comes on top on a real GPU.
 
 Shapes as ``kvd bench --gpu``: llama3-8b (32 layers, K and V, 2 KiB rows)
 and deepseek-mla (61 layers, one 1152-byte plane), every layer in one
-allocation (vLLM's pools; ``--pool block-outer``: a page's layers adjacent),
+allocation (vLLM's pools; ``--pool block-outer``: a page's layers adjacent;
+``--pool per-layer``: each layer its own allocation),
 pages at random ids, defaults of the ``gpu_dma_*`` knobs and 64 MiB staging slots. Per shape, page size, path
 and direction: the median of ``--repeat`` copies in microseconds, and its
 share of the copy's time at ``--pcie-gbs``. Usage:
@@ -105,14 +106,19 @@ def stub_driver() -> None:
     cuda_driver.memcpy_batch_async = lambda stream, dsts, srcs, sizes: None
 
 
-def pool(layers: int, planes: int, row: int, page_size: int, block_outer: bool = False) -> tuple:
-    """A layout with every (layer, plane) in one allocation, and its plane bases: plane
-    after plane (vLLM's single allocation), or with ``block_outer`` page after page (a
-    page's planes adjacent, vLLM 0.32's ``BLHNC`` family)."""
+def pool(layers: int, planes: int, row: int, page_size: int, kind: str = "one") -> tuple:
+    """A layout and its plane bases: every (layer, plane) in one allocation, plane after
+    plane (``one``: vLLM's single allocation) or page after page (``block-outer``: a
+    page's planes adjacent, vLLM 0.32's ``BLHNC`` family); or each layer its own
+    allocation (``per-layer``: SGLang's)."""
     plane_page = page_size * row
-    stride = plane_page * layers * planes if block_outer else plane_page
-    apart = plane_page if block_outer else POOL_PAGES * plane_page
-    bases = tuple((0, i * apart) for i in range(layers * planes))
+    stride = plane_page * layers * planes if kind == "block-outer" else plane_page
+    apart = plane_page if kind == "block-outer" else POOL_PAGES * plane_page
+    if kind == "per-layer":
+        bases = tuple((i // planes, (i % planes) * apart) for i in range(layers * planes))
+        apart += 1 << 21  # the allocations lie apart: no pitch spans two
+    else:
+        bases = tuple((0, i * apart) for i in range(layers * planes))
     d = LayoutDescriptor(layers, planes, POOL_PAGES, page_size, row, stride, row, bases)
     return d, np.uint64(1 << 30) + np.arange(layers * planes, dtype=np.uint64) * np.uint64(apart)
 
@@ -149,7 +155,7 @@ async def run(args: argparse.Namespace) -> None:
           f"{'share of PCIe':>13}")
     for name, (layers, planes, row) in SHAPES.items():
         for page in (int(s) for s in args.page_sizes.split(",")):
-            d, bases = pool(layers, planes, row, page, args.pool == "block-outer")
+            d, bases = pool(layers, planes, row, page, args.pool)
             groups = dma_plan.pool_groups(d, bases)
             nbytes = args.chunks * d.shard_bytes(args.chunk_tokens)
             for label, stage_below in (("straight", 0), ("staged", 1 << 62)):
@@ -169,7 +175,7 @@ def main() -> int:
     p.add_argument("--chunks", type=int, default=8, help="chunks per copy (kvd bench's default)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk")
     p.add_argument("--page-sizes", default="16,64", help="comma-separated tokens per page")
-    p.add_argument("--pool", choices=("one", "block-outer"), default="one",
+    p.add_argument("--pool", choices=("one", "block-outer", "per-layer"), default="one",
                    help="the pool's allocation, as kvd bench --gpu-pool")
     p.add_argument("--repeat", type=int, default=100, help="copies per figure (median)")
     p.add_argument("--pcie-gbs", type=float, default=50.0, help="PCIe rate for the share column")

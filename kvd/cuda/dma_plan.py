@@ -50,6 +50,7 @@ row crossing a registration) is built in one pass without per-row arrays.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -136,17 +137,18 @@ class CopyOps:
         self.rows_per_run = 0  # > 0: rows run-major, this many per run (steps slice them)
         if not by_layer and self._chunk_per_row(layout, bases, ids, shard_ptrs, groups):
             return
-        cut = [(f + t * st, st, 1, 0) for f, st, n, p in groups for t in range(n)] if by_layer \
-            else _cut(groups)
-        first, step, count, pitch = (np.array(col, np.uint64) for col in zip(*cut))
+        first, step, count, pitch = _columns(tuple(map(tuple, groups)), by_layer, MIN_ROWS)
         # entries (run, group), run-major: ops come out in run order
         pool = run_pool[:, None] + bases[first.astype(np.int64)][None, :]
         host = self.run_host[:, None] + (first * np.uint64(self.plane_bytes))[None, :]
         host_pitch, width = step * np.uint64(self.plane_bytes), self.run_width[:, None]
         self.layer_bytes = self.planes * ids.size * page_bytes
         self.row_layer = None
-        if count.min() > 1 and self.run_width.max() <= pitch.min() and not _crosses(
-                host, host_pitch, count, width, host_pieces).any():
+        crosses = _crosses(host, host_pitch, count, width, host_pieces).any()
+        if count.max() == 1 and not crosses:  # every plane its own group: single rows
+            self._contiguous(pool, host, width, first)
+            return
+        if count.min() > 1 and self.run_width.max() <= pitch.min() and not crosses:
             if (width == pitch).all() and (pitch == host_pitch).all():
                 self._contiguous(pool, host, width * count, first)
                 return
@@ -181,8 +183,9 @@ class CopyOps:
         return True
 
     def _contiguous(self, pool, host, size, first) -> None:
-        """Every entry's rows adjacent on both sides (a block-outer pool whose page is a
-        chunk): each entry one single row, no pitched op."""
+        """Every entry one single row, no pitched op: its rows adjacent on both sides (a
+        block-outer pool whose page is a chunk), or one row each (every plane its own
+        group: a pool of one allocation per layer, a layer-wise copy)."""
         shape = pool.shape
         self.ops, self.op_run = np.zeros(0, OP_DTYPE), np.zeros(0, np.uint64)
         self.rows_per_run = shape[1]
@@ -250,11 +253,24 @@ class CopyOps:
         return Step(self.ops[ops], dst, src, rows["width"])
 
 
-def _cut(groups: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
-    """Groups of fewer than ``MIN_ROWS`` planes as one group per plane."""
+@functools.lru_cache(maxsize=256)
+def _columns(groups: tuple, by_layer: bool, min_rows: int) -> tuple[np.ndarray, ...]:
+    """``(first, step, count, pitch)`` arrays of a pool's groups as a copy cuts them (one
+    plane each when ``by_layer``, else ``_cut``), read-only: cached per pool, as the
+    Python loop over a pool of one allocation per layer cost the event loop ~40 us a copy."""
+    cut = [(f + t * st, st, 1, 0) for f, st, n, p in groups for t in range(n)] if by_layer \
+        else _cut(list(groups), min_rows)
+    cols = tuple(np.array(col, np.uint64) for col in zip(*cut))
+    for col in cols:
+        col.flags.writeable = False
+    return cols
+
+
+def _cut(groups: list[tuple[int, int, int, int]], min_rows: int) -> list[tuple[int, int, int, int]]:
+    """Groups of fewer than ``min_rows`` planes as one group per plane."""
     out = []
     for first, step, count, pitch in groups:
-        out += [(first, step, count, pitch)] if count >= MIN_ROWS else \
+        out += [(first, step, count, pitch)] if count >= min_rows else \
             [(first + t * step, step, 1, 0) for t in range(count)]
     return out
 
