@@ -189,10 +189,12 @@ class CopyOps:
         shape = pool.shape
         self.ops, self.op_run = np.zeros(0, OP_DTYPE), np.zeros(0, np.uint64)
         self.rows_per_run = shape[1]
+        # flatten(), not reshape(): a broadcast view would keep its 0 strides, and the
+        # driver reads each array as contiguous
         self.rows = {"pool": pool.reshape(-1), "host": host.reshape(-1),
-                     "width": np.broadcast_to(size, shape).reshape(-1),
+                     "width": np.broadcast_to(size, shape).flatten(),
                      "run": np.repeat(np.arange(shape[0], dtype=np.uint64), shape[1]),
-                     "plane": np.broadcast_to(first, shape).reshape(-1)}
+                     "plane": np.broadcast_to(first, shape).flatten()}
         self.row_layer = self.rows["plane"] // np.uint64(self.planes)
 
     def _entries(self, pool, host, width, count, pitch, host_pitch, first, step) -> None:

@@ -179,6 +179,35 @@ def test_block_outer_fast_plan_is_the_general_plan(registration, to_host, monkey
     assert set().union(*(covered(s, to_host) for s in steps)) == want
 
 
+@pytest.mark.parametrize("kind", ["one allocation", "per plane", "descending", "block-outer"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_step_arrays_are_what_the_driver_reads(kind, n):
+    """The driver reads each step's ``dst``, ``src`` and ``size`` (and its ops) as packed
+    arrays from their first address: every one C-contiguous, of its dtype, with one chunk
+    (where a broadcast view has 0 strides) as with several."""
+    d, chunk_tokens = layout(layers=9), 4
+    if kind == "block-outer":
+        lp, page_bytes = 18, d.page_size * d.row_bytes
+        d = LayoutDescriptor(9, 2, 40, d.page_size, d.row_bytes, lp * page_bytes, d.row_bytes,
+                             tuple((0, i * page_bytes) for i in range(lp)))
+        bases = np.uint64(1 << 30) + np.arange(lp, dtype=np.uint64) * np.uint64(page_bytes)
+    else:
+        bases = plane_bases(d, kind)
+    ids = np.random.default_rng(n).permutation(d.num_pages)[:n]
+    shard_ptrs = HOST0 + np.arange(n, dtype=np.uint64) * np.uint64(d.shard_bytes(chunk_tokens))
+    for to_host in (True, False):
+        for by_layer in (False, True):
+            c = dma_plan.CopyOps(d, bases, ids, shard_ptrs, chunk_tokens, (HOST0, 1 << 40),
+                                 to_host, by_layer=by_layer)
+            for step in c.steps(1 << 62) + c.steps(1):
+                for a in (step.dst, step.src, step.size):
+                    assert a.dtype == np.uint64 and a.flags.c_contiguous
+                    assert a.size == step.size.size
+                assert step.ops.dtype == dma_plan.OP_DTYPE
+                assert np.ascontiguousarray(step.ops).tobytes() == step.ops.tobytes()
+                assert (step.size > 0).all()
+
+
 def _in_run(c, runs, host, d):
     """Whether arena address ``host`` is in one of ``runs`` (any plane of its chunk)."""
     planes = d.num_layers * d.planes
