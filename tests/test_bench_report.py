@@ -160,6 +160,29 @@ def test_ab_runs_rotates_the_variants_and_keeps_daemon_logs(tmp_path):
                                          "a"]
 
 
+def test_ab_runs_runs_a_tree_variant_from_that_tree(tmp_path):
+    """TREE=DIR: that variant's runs start in DIR with DIR's packages first on PYTHONPATH
+    (the other variant's from the repository, PYTHONPATH as given), and write their
+    results into OUT all the same."""
+    bin_dir, calls, old = tmp_path / "bin", tmp_path / "calls", tmp_path / "old_tree"
+    bin_dir.mkdir()
+    old.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(f'#!/bin/sh\necho "$PWD|$PYTHONPATH|$*" >> "{calls}"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ROUNDS": "2",
+           "PYTHONPATH": "/given", "VARIANTS": f"old|TREE={old};new|", "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(TOOLS / "ab_runs.sh"), "--flag"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    runs = [line.split("|") for line in calls.read_text().splitlines() if " bench " in line]
+    repo = str(TOOLS.parent)
+    assert [(cwd, path, args.split()[-1].rsplit("/", 1)[1]) for cwd, path, args in runs] == [
+        (str(old), f"{old}/clients:{old}:/given", "old-1.json"), (repo, "/given", "new-1.json"),
+        (repo, "/given", "new-2.json"), (str(old), f"{old}/clients:{old}:/given", "old-2.json")]
+    assert all(args.split()[-1].startswith(f"{tmp_path}/out/") for _, _, args in runs)
+
+
 def test_host_tier_bench_times_the_journals_delayed_records():
     """--journal --journal-delay: a row without the journal, one with it, and the delayed
     records' time on the loop in the journal row's flush column (none without a delay)."""

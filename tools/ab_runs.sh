@@ -17,7 +17,10 @@
 # daemon debug log ($OUT/<label>-<round>.daemon.log) and prints the run's pipelined
 # table and the daemon's per-copy timings and phases (tools/daemon_timings.py
 # --phases): where a setting's copies wait. RUN_TIMEOUT (default 590 s) bounds each
-# run. Runs on the GPU machine:
+# run. TREE=DIR (no spaces; relative to the repository) among a variant's environment
+# runs that variant from another copy of kvd (e.g. `git worktree add DIR <commit>`:
+# the code before a change against this tree's), with DIR's kvd and kvd_client first
+# on PYTHONPATH. Runs on the GPU machine:
 #   bash .gpu/run.sh env VARIANTS=... bash tools/ab_runs.sh <flags>
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +30,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-590}
 DAEMON_LOG=${DAEMON_LOG:-0}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)  # runs of a TREE variant start elsewhere
 IFS=';' read -ra variants <<< "$VARIANTS"
 for v in "${variants[@]}"; do
   label=${v%%|*}
@@ -48,9 +52,17 @@ for r in $(seq 1 "$ROUNDS"); do
     log_args=()
     [ "$DAEMON_LOG" = 1 ] && log_args=(--daemon-log "$run.daemon.log")
     echo "== round $r/$ROUNDS: $label ${envs:-(defaults)} $flags"
+    tree=$PWD path=${PYTHONPATH:-}
+    for word in $envs; do
+      if [[ $word == TREE=* ]]; then
+        tree=$(cd "${word#TREE=}" && pwd) || exit 2
+        path="$tree/clients:$tree${PYTHONPATH:+:$PYTHONPATH}"
+      fi
+    done
     # shellcheck disable=SC2086  # envs is a list of ENV=V words, flags of bench flags
-    if ! env $envs timeout "$RUN_TIMEOUT" python3 -m kvd bench --gpu "$@" $flags \
-        ${log_args[@]+"${log_args[@]}"} --json "$run.json" > "$run.log" 2>&1; then
+    if ! (cd "$tree" && env PYTHONPATH="$path" $envs timeout "$RUN_TIMEOUT" python3 -m kvd \
+        bench --gpu "$@" $flags ${log_args[@]+"${log_args[@]}"} --json "$run.json" \
+        > "$run.log" 2>&1); then
       echo "failed (log: $run.log):"
       tail -n 5 "$run.log"
       rc=1

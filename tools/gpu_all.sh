@@ -12,6 +12,9 @@
 #    processes: a no-copy control, staged and straight DMA (INTERFERENCE_VARIANTS), on
 #    one-allocation pools (INTERFERENCE_ARGS adds
 #    flags, e.g. --mps).
+# 6. snapshot: the pipelined bench on every pool kind, each its own run and log under $OUT
+#    (block-outer with 16-token chunks of one page; one allocation and per-layer with
+#    256-token chunks), the issue-11 targets in one go.
 # GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,sweep,interference).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,5 +54,19 @@ if [[ $steps == *interference* ]]; then
     --interference-variants "${INTERFERENCE_VARIANTS:-none (control);dma;dma, stores only;dma, loads only;dma, staged, stores only}" --gpu-pool one ${INTERFERENCE_ARGS:-} 2>&1 \
     | tee "$OUT/interference.log" | tail -n 25
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "INTERFERENCE BENCH FAILED"; rc=1; }
+fi
+if [[ $steps == *snapshot* ]]; then
+  snap=(
+    "block-outer|--gpu-pool block-outer --chunk-tokens 16 --chunks 128 --gpu-page-sizes 16 --pipeline-rounds 16"
+    "one|--gpu-pool one --gpu-page-sizes 1,16,64 --pipeline-rounds 8"
+    "per-layer|--gpu-pool per-layer --gpu-page-sizes 64 --pipeline-rounds 8")
+  for entry in "${snap[@]}"; do
+    name=${entry%%|*}
+    echo "== snapshot $name: kvd bench --gpu --pipeline 4 --clients 2 --repeat 5 ${entry#*|}"
+    # shellcheck disable=SC2086  # the entry's flags are a list
+    timeout 200 python3 -m kvd bench --gpu --pipeline 4 --clients 2 --repeat 5 ${entry#*|} \
+      --json "$OUT/snapshot-$name.json" 2>&1 | tee "$OUT/snapshot-$name.log" | sed -n '/^pipelined/,$p'
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "SNAPSHOT $name FAILED"; rc=1; }
+  done
 fi
 exit $rc

@@ -45,7 +45,10 @@ Contract:
 Why so little NumPy per copy: the daemon plans every copy on its event loop,
 and a plan of a 268 MB copy took 0.4-0.7 ms of it (``tools/dma_host_cost.py``),
 a tenth of the copy's PCIe time; the usual copy (every group pitched, no
-row crossing a registration) is built in one pass without per-row arrays.
+row crossing a registration) is built in one pass without per-row arrays,
+and so are copies of single rows only (a block-outer chunk of one page; one
+allocation per layer): half the host time of the general pass (MLA both ways
+per layer +0.10 of a memcpy where the loop was the limit, docs/benchmarks.md).
 """
 
 from __future__ import annotations
