@@ -170,7 +170,7 @@ class CopyOps:
         if ids.shape[1] != 1 or n_planes < MIN_ROWS or len(groups) != 1 \
                 or tuple(groups[0]) != (0, 1, n_planes, page_bytes):
             return False
-        host, size = np.asarray(shard_ptrs, np.uint64), np.uint64(n_planes * page_bytes)
+        host, size = np.array(shard_ptrs, np.uint64), np.uint64(n_planes * page_bytes)  # own copy
         base, piece = (np.uint64(v) for v in self.host_pieces)
         if ((host - base) // piece != (host + size - np.uint64(1) - base) // piece).any():
             return False
