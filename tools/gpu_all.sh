@@ -19,6 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT" || exit 2
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/clients:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 steps=${GPU_STEPS:-tests,bench}
 rc=0
