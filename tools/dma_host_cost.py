@@ -18,7 +18,8 @@ allocation (vLLM's pools; ``--pool block-outer``: a page's layers adjacent;
 ``--pool per-layer``: each layer its own allocation),
 pages at random ids, defaults of the ``gpu_dma_*`` knobs and 64 MiB staging slots. Per shape, page size, path
 and direction: the median of ``--repeat`` copies in microseconds, and its
-share of the copy's time at ``--pcie-gbs``. Usage:
+share of the copy's time at ``--pcie-gbs``; ``--streams``, ``--spread-below`` and
+``--load-window`` set those knobs (the driver calls a copy makes). Usage:
 ``.venv/bin/python tools/dma_host_cost.py [--chunks 8] [--page-sizes 16,64]``.
 """
 
@@ -32,6 +33,7 @@ from itertools import count
 
 import numpy as np
 
+from kvd.bench.common import size_arg
 from kvd.copy.poll import EventPoller
 from kvd.cuda import dma, dma_plan
 from kvd.cuda.staging import StagingRing
@@ -123,11 +125,12 @@ def pool(layers: int, planes: int, row: int, page_size: int, kind: str = "one") 
     return d, np.uint64(1 << 30) + np.arange(layers * planes, dtype=np.uint64) * np.uint64(apart)
 
 
-def make_path(stage_below: int, poller: EventPoller) -> dma.DmaPath:
+def make_path(stage_below: int, poller: EventPoller, **knobs) -> dma.DmaPath:
+    """A DMA path on the stubs; ``knobs``: other ``dma.DmaSettings`` fields."""
     cp = StubCupy()
     rings = tuple(StagingRing(cp, kind, None, cp.cuda.Stream(), cp.cuda.Stream(), SLOTS,
                               SLOT_BYTES, (ARENA, PIECE)) for kind in ("gather", "scatter"))
-    settings = dma.DmaSettings(stage_below=stage_below)
+    settings = dma.DmaSettings(stage_below=stage_below, **knobs)
     return dma.DmaPath(cp, 0, settings, (ARENA, PIECE), poller, rings)
 
 
@@ -160,7 +163,9 @@ async def run(args: argparse.Namespace) -> None:
             nbytes = args.chunks * d.shard_bytes(args.chunk_tokens)
             for label, stage_below in (("straight", 0), ("staged", 1 << 62)):
                 for store in (True, False):
-                    path = make_path(stage_below, poller)  # the other way idle: staged goes staged
+                    path = make_path(stage_below, poller, streams=args.streams,  # the other
+                                     spread_below=args.spread_below,  # way idle: staged
+                                     load_window=args.load_window)  # goes staged
                     us, hows = await time_copies(path, d, bases, groups, args.chunks,
                                                  args.chunk_tokens, store, args.repeat, page)
                     went = "/".join(sorted(hows))
@@ -177,6 +182,12 @@ def main() -> int:
     p.add_argument("--page-sizes", default="16,64", help="comma-separated tokens per page")
     p.add_argument("--pool", choices=("one", "block-outer", "per-layer"), default="one",
                    help="the pool's allocation, as kvd bench --gpu-pool")
+    p.add_argument("--streams", type=int, default=dma.DmaSettings._field_defaults["streams"],
+                   help="gpu_dma_streams: streams a copy of small pieces is spread over")
+    p.add_argument("--spread-below", type=size_arg, default=dma.DmaSettings._field_defaults["spread_below"],
+                   help="gpu_dma_spread_below: pieces under this many bytes are spread (0: never)")
+    p.add_argument("--load-window", type=size_arg, default=dma.DmaSettings._field_defaults["load_window"],
+                   help="gpu_dma_load_window: a load goes in steps of a quarter of this")
     p.add_argument("--repeat", type=int, default=100, help="copies per figure (median)")
     p.add_argument("--pcie-gbs", type=float, default=50.0, help="PCIe rate for the share column")
     args = p.parse_args()
