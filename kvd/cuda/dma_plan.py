@@ -137,16 +137,15 @@ class CopyOps:
         self.run_host = np.asarray(shard_ptrs, np.uint64)[c] + j.astype(np.uint64) * np.uint64(page_bytes)
         run_pool = ids[c, j].astype(np.uint64) * np.uint64(layout.page_stride)
         groups = pool_groups(layout, bases) if groups is None else groups
-        self.rows_per_run = 0  # > 0: rows run-major, this many per run (steps slice them)
-        if not by_layer and self._chunk_per_row(layout, bases, ids, shard_ptrs, groups):
+        self.layer_bytes = self.planes * ids.size * page_bytes
+        self.row_layer, self.rows_per_run = None, 0  # > 0: rows run-major, this many per run
+        if not by_layer and ppc == 1 and self._chunk_per_row(bases, run_pool, groups):
             return
         first, step, count, pitch = _columns(tuple(map(tuple, groups)), by_layer, MIN_ROWS)
         # entries (run, group), run-major: ops come out in run order
         pool = run_pool[:, None] + bases[first.astype(np.int64)][None, :]
         host = self.run_host[:, None] + (first * np.uint64(self.plane_bytes))[None, :]
         host_pitch, width = step * np.uint64(self.plane_bytes), self.run_width[:, None]
-        self.layer_bytes = self.planes * ids.size * page_bytes
-        self.row_layer = None
         crosses = _crosses(host, host_pitch, count, width, host_pieces).any()
         if count.max() == 1 and not crosses:  # every plane its own group: single rows
             self._contiguous(pool, host, width, first)
@@ -161,27 +160,21 @@ class CopyOps:
             return  # the usual case: every entry one pitched op, no single rows
         self._entries(pool, host, width, count, pitch, host_pitch, first, step)
 
-    def _chunk_per_row(self, layout, bases, ids, shard_ptrs, groups) -> bool:
-        """The plan ``_contiguous`` makes of a block-outer copy whose chunk is one page, at
-        a fraction of the NumPy calls (the daemon's event loop plans every copy): each
-        chunk one row, when the pool's planes are one group adjacent at a page's pitch and
-        no chunk's host side crosses a registration. False (nothing set) otherwise."""
+    def _chunk_per_row(self, bases, run_pool, groups) -> bool:
+        """What ``_contiguous`` makes of a block-outer copy whose chunk is one page (each run
+        one chunk), without the general pass's NumPy calls (the daemon's event loop plans every
+        copy): each chunk one row, when the pool's planes are one group adjacent at a page's
+        pitch and no chunk's host side crosses a registration. False otherwise."""
         n_planes, page_bytes = self.planes * self.num_layers, self.plane_bytes
-        if ids.shape[1] != 1 or n_planes < MIN_ROWS or len(groups) != 1 \
-                or tuple(groups[0]) != (0, 1, n_planes, page_bytes):
+        if n_planes < MIN_ROWS or len(groups) != 1 or tuple(groups[0]) != (0, 1, n_planes, page_bytes):
             return False
-        host, size = np.array(shard_ptrs, np.uint64), np.uint64(n_planes * page_bytes)  # own copy
-        base, piece = (np.uint64(v) for v in self.host_pieces)
-        if ((host - base) // piece != (host + size - np.uint64(1) - base) // piece).any():
+        size = np.uint64(n_planes * page_bytes)
+        if _crosses(self.run_host, size, np.uint64(1), size, self.host_pieces).any():
             return False
-        n = host.size
-        self.run_chunk, self.run_host = np.arange(n), host
-        self.run_width = np.full(n, page_bytes, np.uint64)
-        self.layer_bytes = self.planes * n * page_bytes
+        n = run_pool.size  # what _contiguous makes of these, without its broadcasts
         self.ops, self.op_run, self.rows_per_run = np.zeros(0, OP_DTYPE), np.zeros(0, np.uint64), 1
-        self.rows = {"pool": ids[:, 0].astype(np.uint64) * np.uint64(layout.page_stride) + bases[0],
-                     "host": host, "width": np.full(n, size), "run": np.arange(n, dtype=np.uint64),
-                     "plane": np.zeros(n, np.uint64)}
+        self.rows = {"pool": run_pool + bases[0], "host": self.run_host, "width": np.full(n, size),
+                     "run": np.arange(n, dtype=np.uint64), "plane": np.zeros(n, np.uint64)}
         self.row_layer = self.rows["plane"]
         return True
 
