@@ -96,7 +96,7 @@ class DmaQueue:
     """One direction of one GPU: batches of copies spread over ``n`` streams."""
 
     def __init__(self, cp: Any, n_streams: int, poller: Any = None,
-                 spread_below: int = 1 << 20) -> None:
+                 spread_below: int = 64 << 10) -> None:
         self.cp, self.rt, self.poller = cp, cp.cuda.runtime, poller
         self.spread_below = spread_below
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, n_streams))]
@@ -221,7 +221,7 @@ class DmaSettings(NamedTuple):
     min_piece: int = 64 << 10
     load_window: int = 256 << 20
     stage_below: int = 0
-    spread_below: int = 1 << 20
+    spread_below: int = 64 << 10
 
 
 class DmaPath:
