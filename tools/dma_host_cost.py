@@ -84,9 +84,6 @@ class _Device:
     def __exit__(self, *exc) -> None:
         pass
 
-    def use(self) -> None:
-        pass
-
 
 class _Alloc:
     def __init__(self, nbytes: int) -> None:
@@ -109,7 +106,6 @@ class StubCupy:
 def stub_driver() -> None:
     cuda_driver.memcpy3d_batch_async = lambda stream, addr, n: None
     cuda_driver.memcpy_batch_async = lambda stream, dsts, srcs, sizes: None
-    cuda_driver.ensure_context = lambda ordinal: None
 
 
 def pool(layers: int, planes: int, row: int, page_size: int, kind: str = "one") -> tuple:

@@ -172,7 +172,7 @@ class DmaQueue:
             with self.cp.cuda.Device(self.ordinal):
                 return self.enqueue(step, n)
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, f"kvd-dma{self.ordinal}", self._bind)
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kvd-dma{self.ordinal}")
         self.queued_bytes()
         nbytes = step.nbytes
         self._bytes += nbytes  # before the driver has it: the load window counts it
@@ -180,12 +180,6 @@ class DmaQueue:
         handoff.add_done_callback(partial(self._handed, nbytes))  # runs even if we are cancelled
         self._handoffs.append(handoff)
         return (await asyncio.shield(handoff))[0]
-
-    def _bind(self) -> None:
-        """This queue's thread starts with the device's primary context current: the
-        driver refuses a batch (CUDA error 1) from a thread that has none."""
-        self.cp.cuda.Device(self.ordinal).use()
-        cuda_driver.ensure_context(self.ordinal)
 
     def _hand(self, step: Step) -> tuple:
         """On this queue's thread: the driver calls of a one-stream step, and its event."""

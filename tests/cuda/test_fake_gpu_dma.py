@@ -248,15 +248,3 @@ def test_small_pieces_spread_over_the_streams_large_ones_take_one(fake_engine, f
     store_then_load(fake_engine, d, "vllm_flash_attn", 16, seed=4)
     assert len([e for e in d.trace() if e["ev"] == "dma"]) == batches, d.trace()
     assert d.stop() == 0, d.log()
-
-
-@pytest.mark.parametrize("rows", [1, 0])
-def test_steps_handed_to_the_driver_by_a_queues_thread_land_bit_exact(fake_engine, fake_daemon,
-                                                                      rows):
-    """``gpu_dma_thread_rows`` 1: every one-stream step reaches the driver from the
-    queue's thread (0: from the loop); the copies are exact either way."""
-    d = fake_daemon(trace=True, gpu_copy_path="dma", gpu_dma_spread_below="1KiB",
-                    gpu_dma_thread_rows=rows)
-    store_then_load(fake_engine, d, "vllm_flash_attn", 16, seed=5)
-    assert len([e for e in d.trace() if e["ev"] == "dma"]) == 2, d.trace()
-    assert d.stop() == 0, d.log()
