@@ -142,12 +142,6 @@ KNOBS = (
          "0.99 / 0.79 of a memcpy (offload / load / both, H100 medians) instead of 0.81 / 0.92 "
          "/ 0.66 spread, and per-layer pages of 72 KiB loaded at 0.92-0.94 instead of 0.86-0.89. "
          "0 = never spread.", minimum=0),
-    Knob("gpu_dma_thread_rows", "int", 256, "DMA steps for one stream (see "
-         "gpu_dma_spread_below) of at least this many copies (page rows and pitched ops) are "
-         "handed to the driver by a thread of the GPU's queue, so the event loop serves other "
-         "requests while the driver reads them (about 0.25 us a row: 0.5 ms for a request of "
-         "1,952 per-layer rows). Fewer rows are queued by the loop itself, cheaper than the "
-         "hand-off. 0 = never (every driver call on the loop).", minimum=0),
     Knob("gpu_dma_min_piece", "size", 64 * 2**10, "With gpu_copy_path = auto: the fewest bytes "
          "one DMA copy must move for a pool to go by DMA: a page (one layer and K or V), or, "
          "when a pool's layers share one allocation, a page's rows of all its planes in one "

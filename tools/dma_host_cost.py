@@ -144,7 +144,7 @@ async def time_copies(path: dma.DmaPath, d, bases, groups, chunks: int, chunk_to
         ids = rng.permutation(POOL_PAGES)[: chunks * chunk_tokens // d.page_size]
         t0 = time.perf_counter()
         if store:
-            _, how = await path.store(d, bases, groups, ids, ptrs, chunk_tokens)
+            _, how = path.store(d, bases, groups, ids, ptrs, chunk_tokens)
         else:
             how = await path.load(d, bases, groups, ids, ptrs, chunk_tokens, None)
         times.append(time.perf_counter() - t0)
@@ -165,8 +165,7 @@ async def run(args: argparse.Namespace) -> None:
                 for store in (True, False):
                     path = make_path(stage_below, poller, streams=args.streams,  # the other
                                      spread_below=args.spread_below,  # way idle: staged
-                                     load_window=args.load_window,  # goes staged
-                                     thread_rows=args.thread_rows)
+                                     load_window=args.load_window)  # goes staged
                     us, hows = await time_copies(path, d, bases, groups, args.chunks,
                                                  args.chunk_tokens, store, args.repeat, page)
                     went = "/".join(sorted(hows))
@@ -189,9 +188,6 @@ def main() -> int:
                    help="gpu_dma_spread_below: pieces under this many bytes are spread (0: never)")
     p.add_argument("--load-window", type=size_arg, default=dma.DmaSettings._field_defaults["load_window"],
                    help="gpu_dma_load_window: a load goes in steps of a quarter of this")
-    p.add_argument("--thread-rows", type=int, default=0, help="gpu_dma_thread_rows: steps of "
-                   "this many rows go to the driver from a thread (0, the default here: every "
-                   "call on the loop, whose time is what the figures are)")
     p.add_argument("--repeat", type=int, default=100, help="copies per figure (median)")
     p.add_argument("--pcie-gbs", type=float, default=50.0, help="PCIe rate for the share column")
     args = p.parse_args()

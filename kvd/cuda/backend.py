@@ -25,12 +25,16 @@ arena directly through unified addressing instead (zero-copy).
 Fault isolation: nothing of an engine's ever enters the daemon's streams. A store's
 ordering after the engine's forward pass is checked by the service on the host (the
 flag page's store word, kvd.copy.flags) before the gather is queued. A load signals
-through its flag-page slot (kvd.cuda.signal): each layer's word as the layer lands
-(layer-wise loads), the done word after the last copy; copies skip the engine's pages
-once the client wrote the slot's cancel word. Completion of every copy is an event the
-event loop polls (kvd.copy.poll); the loop never blocks on the GPU, and ``close`` gives
-the GPU at most ``CLOSE_WAIT_S`` before the process exits anyway. Debug logs time each
-copy (kvd.cuda.completion).
+through its flag-page slot (kvd.cuda.signal): the kernel stream writes each layer's
+word as the layer lands (layer-wise loads) and the done word after the last kernel;
+the copy kernels skip the engine's pages once the client wrote the slot's cancel word.
+The flag page is registered with the driver at ``open_pool`` and unregistered at
+``close_pool``. Completion of every copy is an event that the event loop polls while
+copies are in flight (kvd.copy.poll), which resolves the asyncio future; the loop
+never blocks on the GPU (a busy table slot of the kernel copier is awaited the same
+way), and ``close`` gives the GPU at most ``CLOSE_WAIT_S`` to finish before the
+process exits anyway. At debug level it logs how long the enqueue and the copy took
+(kvd.cuda.completion).
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ class CudaCopyEngine:
         self.uuid_to_ordinal = {cuda_driver.device_uuid(i): i
                                 for i in range(self.rt.getDeviceCount())}
 
+    # ---- set-up -------------------------------------------------------------
+
     def _device(self, uuid: str) -> _Device:
         ordinal = self.uuid_to_ordinal.get(uuid)
         if ordinal is None:
@@ -170,6 +176,8 @@ class CudaCopyEngine:
         self.registered = True
         log.info("host tier pinned for the GPU in %.2f s (%d pieces)", time.monotonic() - t0,
                  -(-size // REGISTER_PIECE))
+
+    # ---- pools --------------------------------------------------------------
 
     def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage,
                   owner_uid: int | None = None) -> CudaPool:  # IPC handles name no file: no owner
@@ -243,6 +251,8 @@ class CudaCopyEngine:
                 log.warning("unregistering a flag page failed: %s", exc)
         pool.closed = True
 
+    # ---- copies -------------------------------------------------------------
+
     def _chunk_ptrs(self, plan: CopyPlan) -> np.ndarray:
         return np.asarray(plan.shard_offsets, dtype=np.uint64) + np.uint64(self.arena_ptr)
 
@@ -262,7 +272,11 @@ class CudaCopyEngine:
         ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
         layers = range(plan.layout.num_layers)
         if pool.by_dma:
-            return asyncio.ensure_future(self._gather_dma(plan, ptrs, t0))
+            with self.cp.cuda.Device(dev.ordinal):
+                start = gpu_start(self.cp, dev.dma.store_queue.stream)
+                stream, how = dev.dma.store(plan.layout, pool.bases, pool.groups,
+                                            plan.page_ids, ptrs, plan.chunk_tokens)
+                return self._completion(stream, "gather", plan, how, t0, start)
         await self.table_slot(dev)
         with self.cp.cuda.Device(dev.ordinal):
             if (pieces := _plan(dev.store, plan, layers, False)) is not None:
@@ -272,25 +286,6 @@ class CudaCopyEngine:
                 stream, how = dev.streams[0], "zero-copy kernel"
                 dev.copier.gather(pool.bases, plan.page_ids, ptrs, stream=stream, **geometry)
             return self._completion(stream, "gather", plan, how, t0)
-
-    async def _gather_dma(self, plan: CopyPlan, ptrs, t0: float) -> None:
-        """A store by DMA, queued by a task of its own (large steps reach the driver from
-        the queue's thread): as a load's, the future tracked as the copy in flight ends
-        only after the last queued byte landed, also when queuing failed midway."""
-        pool, dev = plan.pool, plan.pool.device
-        stream, how, failed = dev.dma.store_queue.stream, "failed", None
-        with self.cp.cuda.Device(dev.ordinal):
-            start = gpu_start(self.cp, stream)
-        try:
-            stream, how = await dev.dma.store(plan.layout, pool.bases, pool.groups,
-                                              plan.page_ids, ptrs, plan.chunk_tokens)
-        except BaseException as exc:
-            failed = exc
-        with self.cp.cuda.Device(dev.ordinal):
-            landed = self._completion(stream, "gather", plan, how, t0, start)
-        await (landed if failed is None else asyncio.gather(landed, return_exceptions=True))
-        if failed is not None:
-            raise failed
 
     async def scatter(self, plan: CopyPlan) -> asyncio.Future:
         t0 = time.perf_counter()
@@ -322,9 +317,10 @@ class CudaCopyEngine:
 
     async def _scatter_dma(self, plan: CopyPlan, ptrs, signal: GpuSignal | None,
                            t0: float) -> asyncio.Future:
-        """A load queued in steps by a task of its own (each after a host check of the
-        cancel word): the future tracked as the copy in flight ends only after the last
-        queued byte landed, so a pool is never closed under its DMA."""
+        """The load's layers are queued by a task of their own (each after a host check
+        of the cancel word): the returned future, tracked by the service as the copy in
+        flight, ends only after the last queued byte landed, so a pool is never closed
+        under its DMA."""
         dev = plan.pool.device
         stream = dev.dma.load_queue.stream
 
@@ -396,8 +392,6 @@ class CudaCopyEngine:
                 self.rt.hostUnregister(self.arena_ptr + start)
 
     def _drain(self, dev: _Device, deadline: float) -> bool:
-        if dev.dma is not None:
-            dev.dma.settle()  # steps in a queue's thread reach the driver before the events
         with self.cp.cuda.Device(dev.ordinal):
             events = []
             extra = [] if dev.dma is None else dev.dma.store_queue.streams + dev.dma.load_queue.streams

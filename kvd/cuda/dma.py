@@ -53,11 +53,9 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -98,11 +96,9 @@ class DmaQueue:
     """One direction of one GPU: batches of copies spread over ``n`` streams."""
 
     def __init__(self, cp: Any, n_streams: int, poller: Any = None,
-                 spread_below: int = 64 << 10, ordinal: int = 0, thread_rows: int = 0) -> None:
+                 spread_below: int = 64 << 10) -> None:
         self.cp, self.rt, self.poller = cp, cp.cuda.runtime, poller
-        self.spread_below, self.ordinal, self.thread_rows = spread_below, ordinal, thread_rows
-        self._thread: ThreadPoolExecutor | None = None  # hands large steps to the driver
-        self._handoffs: deque = deque()  # their futures, oldest first
+        self.spread_below = spread_below
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, n_streams))]
         self._joins = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in self.streams[1:]]
         self.queued: deque = deque()  # (event, bytes, arrays) of batches not known done
@@ -143,79 +139,14 @@ class DmaQueue:
         for s in self.streams[:n]:
             self.rt.streamWaitEvent(s.ptr, self._follow, 0)
 
-    def _streams_for(self, step: Step, n: int | None) -> int | None:
-        """``n``, or one stream for pieces of ``spread_below`` bytes and more."""
-        if n is None and step.nbytes >= self.spread_below * max(1, step.ops.size + step.size.size):
-            return 1
-        return n
-
     def enqueue(self, step: Step, n: int | None = None) -> Any:
         """Queue a ``dma_plan.Step`` on the first ``n`` streams (by default all, or one
         for pieces of ``spread_below`` bytes and more); returns the event recorded on
         ``stream`` after it."""
         self.queued_bytes()  # lets go of the batches that landed (a store's are never waited on)
-        nbytes, keep = step.nbytes, self._queue(step, self._streams_for(step, n))
-        done = self.cp.cuda.Event(block=False, disable_timing=True)
-        done.record(self.stream)
-        self._bytes += nbytes
-        self._track(done, nbytes, keep)
-        return done
-
-    async def submit(self, step: Step) -> Any:
-        """``enqueue(step)`` under this queue's device. A step for one stream of at least
-        ``thread_rows`` pieces is handed to the driver by this queue's own thread (the
-        driver reads its rows, about 0.25 us each, while the loop serves others): its bytes
-        count from now, and nothing that must follow it may be queued on ``stream`` before
-        this returns (a step the driver refused raises here, as ``enqueue`` would)."""
-        n = self._streams_for(step, None)
-        if n != 1 or not self.thread_rows or step.ops.size + step.size.size < self.thread_rows:
-            with self.cp.cuda.Device(self.ordinal):
-                return self.enqueue(step, n)
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"kvd-dma{self.ordinal}")
-        self.queued_bytes()
         nbytes = step.nbytes
-        self._bytes += nbytes  # before the driver has it: the load window counts it
-        handoff = asyncio.get_running_loop().run_in_executor(self._thread, self._hand, step)
-        handoff.add_done_callback(partial(self._handed, nbytes))  # runs even if we are cancelled
-        self._handoffs.append(handoff)
-        return (await asyncio.shield(handoff))[0]
-
-    def _hand(self, step: Step) -> tuple:
-        """On this queue's thread: the driver calls of a one-stream step, and its event."""
-        with self.cp.cuda.Device(self.ordinal):
-            keep = self._queue(step, 1)
-            done = self.cp.cuda.Event(block=False, disable_timing=True)
-            done.record(self.stream)
-        return done, keep
-
-    def _handed(self, nbytes: int, handoff: Any) -> None:
-        self._handoffs.remove(handoff)
-        if handoff.cancelled() or handoff.exception() is not None:
-            self._bytes -= nbytes  # a refused call queues nothing
-        else:
-            done, keep = handoff.result()
-            self._track(done, nbytes, keep)
-
-    async def landing(self) -> None:
-        """Wait until the oldest batch landed, or the oldest hand-off reached the driver."""
-        if self.queued:
-            await self.poller.wait(self.queued[0][0])
-        elif self._handoffs and not self._handoffs[0].done():
-            await asyncio.wait([self._handoffs[0]])  # its failure is its submitter's to report
-        else:
-            await asyncio.sleep(0)  # a hand-off's callback is due: let it run
-
-    def _track(self, done: Any, nbytes: int, keep: list) -> None:
-        """Keep a queued batch (its event, bytes, and the arrays the driver reads)."""
-        self.queued.append((done, nbytes, keep))
-        self.busy_at = time.monotonic()
-        if self.poller is not None:
-            self.poller.wait(done).add_done_callback(self._landed)
-
-    def _queue(self, step: Step, n: int | None) -> list:
-        """The driver calls of ``step`` on the first ``n`` streams, joined into ``stream``;
-        returns what the driver reads."""
+        if n is None and nbytes >= self.spread_below * max(1, step.ops.size + step.size.size):
+            n = 1
         streams, ops = self.streams[:n], np.ascontiguousarray(step.ops)
         op_parts = _parts(ops["width"] * ops["height"], len(streams))
         row_parts = _parts(step.size, len(streams))
@@ -235,7 +166,14 @@ class DmaQueue:
             if k:
                 self.rt.eventRecord(self._joins[k - 1], s.ptr)
                 self.rt.streamWaitEvent(self.stream.ptr, self._joins[k - 1], 0)
-        return keep
+        done = self.cp.cuda.Event(block=False, disable_timing=True)
+        done.record(self.stream)
+        self.queued.append((done, nbytes, keep))  # what the driver reads
+        self._bytes += nbytes
+        self.busy_at = time.monotonic()
+        if self.poller is not None:
+            self.poller.wait(done).add_done_callback(self._landed)
+        return done
 
     def _one_by_one(self, stream: int, multi: np.ndarray, exc: Exception) -> tuple:
         """After the driver refused a 3D batch: each op alone, and the refused ones as
@@ -256,14 +194,8 @@ class DmaQueue:
         cuda_driver.memcpy_batch_async(stream, dst, src, size)
         return dst, src, size
 
-    def settle(self) -> None:
-        """Stop this queue's thread once the steps in its hands reached the driver."""
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-
     def close(self) -> None:
-        """Free the events and the thread; the caller synchronized the streams."""
-        self.settle()
+        """Free the events; the caller synchronized the streams."""
         for ev in [*self._joins, self._follow]:
             self.rt.eventDestroy(ev)
         self.queued, self._bytes = deque(), 0
@@ -290,7 +222,6 @@ class DmaSettings(NamedTuple):
     load_window: int = 256 << 20
     stage_below: int = 0
     spread_below: int = 64 << 10
-    thread_rows: int = 256
 
 
 class DmaPath:
@@ -299,9 +230,8 @@ class DmaPath:
     def __init__(self, cp: Any, ordinal: int, settings: DmaSettings, host_pieces: tuple[int, int],
                  poller: Any, rings: tuple = (None, None)) -> None:
         self.cp, self.ordinal = cp, ordinal
-        self.store_queue, self.load_queue = (
-            DmaQueue(cp, settings.streams, poller, settings.spread_below, ordinal,
-                     settings.thread_rows) for _ in range(2))
+        self.store_queue, self.load_queue = (DmaQueue(cp, settings.streams, poller,
+                                                      settings.spread_below) for _ in range(2))
         self.window, self.host_pieces, self.poller = settings.load_window, host_pieces, poller
         self.rings, self.stage_below = rings, settings.stage_below
 
@@ -327,20 +257,19 @@ class DmaPath:
         return partial(ring.run, bases=bases, page_ids=page_ids, shard_ptrs=host,
                        geometry=geometry, copier=fill)
 
-    async def store(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
-                    ptrs: np.ndarray, chunk_tokens: int) -> Any:
+    def store(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
+              ptrs: np.ndarray, chunk_tokens: int) -> Any:
         """Queue a whole store (pool -> arena); returns the stream it ends on and how."""
         ring = self.rings[0]
         pieces = self.staged(ring, self.load_queue, layout, groups, chunk_tokens, len(ptrs))
         if pieces is not None:
             run = self._through(ring, self.store_queue, pieces, layout, bases, groups, page_ids,
                                 ptrs, chunk_tokens)
-            with self.cp.cuda.Device(self.ordinal):
-                return run(pieces), STAGED
+            return run(pieces), STAGED
         c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=True,
                     groups=groups)
         for step in c.steps(1 << 62):
-            await self.store_queue.submit(step)
+            self.store_queue.enqueue(step)
         return self.store_queue.stream, DIRECT
 
     async def load(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
@@ -361,26 +290,17 @@ class DmaPath:
         else:
             c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces,
                         to_host=False, by_layer=layerwise, groups=groups)
-            steps = [partial(q.submit, step) for step in c.steps(max(1, self.window // 4))]
+            steps = [partial(q.enqueue, step) for step in c.steps(max(1, self.window // 4))]
         for layer, step in enumerate(steps):
             while q.queued_bytes() > self.window:
-                await q.landing()
+                await self.poller.wait(q.queued[0][0])
             if signal is not None and signal.source.cancelled:
                 break  # what is queued runs; nothing more touches the pages
-            if pieces is None:
-                await step()
-            else:
-                with self.cp.cuda.Device(self.ordinal):  # never held across an await
-                    step()
-            if layerwise:
-                with self.cp.cuda.Device(self.ordinal):
+            with self.cp.cuda.Device(self.ordinal):  # not held across the await above
+                step()
+                if layerwise:
                     signal.layers_landed(q.stream, (layer,))
         return DIRECT if pieces is None else STAGED
-
-    def settle(self) -> None:
-        """Both queues' ``settle``: what their threads hold reaches the driver."""
-        self.store_queue.settle()
-        self.load_queue.settle()
 
     def close(self) -> None:
         self.store_queue.close()
