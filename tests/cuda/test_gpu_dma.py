@@ -12,6 +12,9 @@ allocation), on a real GPU: real engines, a real daemon, every byte checked.
 - An engine SIGKILLed while its staged load is on the copy engines: the
   daemon reaps it only after the copy, and serves the next engine
   bit-exact, staged.
+- Per-layer pools (SGLang's) of 72 KiB pages, one stream a copy: bit-exact,
+  and an engine SIGKILLed with its stores queued is reaped after them, the
+  daemon unharmed.
 Skipped without torch, cupy or a GPU.
 """
 
@@ -135,4 +138,71 @@ def test_engine_killed_mid_staged_load_is_reaped_after_it(start_daemon):
         assert torch.equal(whole[:, :, 16:32].view(torch.uint8), want.view(torch.uint8))
     assert "scatter of 128 chunks, 671.1 MB, staged DMA" in d.log(), d.log()
     assert "CUDA error" not in d.log(), d.log()
+    assert d.stop() == 0, d.log()
+
+
+def per_layer_mla(pages: int, layers: int = LAYERS) -> list:
+    """SGLang-style: each layer its own allocation; MLA pages of 64 tokens (72 KiB rows)."""
+    return [torch.randint(0, 256, (pages, 64, 1152), dtype=torch.uint8,
+                          device="cuda").view(torch.bfloat16) for _ in range(layers)]
+
+
+def test_per_layer_pool_of_72_kib_pages_round_trips_bit_exact(start_daemon):
+    """16 chunks of one page in 20 layers, each layer its own allocation: 320 rows of 72
+    KiB a copy, on one stream (``gpu_dma_spread_below``); poisoned targets end equal to
+    the sources, no other page moves."""
+    d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto"})
+    layers = per_layer_mla(40)
+    src, dst = list(range(0, 32, 2)), list(range(1, 33, 2))
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        client.register_kv(CudaKVPool("vllm_mla", layers, page_size=64), model="per-layer")
+        tokens = np.random.default_rng().integers(0, 50000, 16 * CHUNK)
+        want = [x[src].clone() for x in layers]
+        torch.cuda.synchronize()
+        assert client.store(tokens, src) == 16 * CHUNK
+        for x in layers:
+            x.view(torch.uint8)[dst] = 0xA5
+        before = [x.clone() for x in layers]
+        assert client.load(tokens, dst) == 16 * CHUNK
+        torch.cuda.synchronize()
+        for x, w, b in zip(layers, want, before):
+            assert torch.equal(x[dst].view(torch.uint8), w.view(torch.uint8))
+            x[dst] = b[dst]
+            assert torch.equal(x.view(torch.uint8), b.view(torch.uint8))
+    assert path_taken(d.log(), 16) == [("gather", "DMA"), ("scatter", "DMA")], d.log()
+    assert d.stop() == 0, d.log()
+
+
+def _storing_engine(runtime_dir: str, conn) -> None:
+    import torch as t
+
+    import kvd_client as kc
+    from kvd_client.torch_pool import CudaKVPool as Pool
+    layers = [t.randn(1024, 64, 576, dtype=t.bfloat16, device="cuda") for _ in range(LAYERS)]
+    client = kc.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=60).connect()
+    client.register_kv(Pool("vllm_mla", layers, page_size=64), model="dying")
+    t.cuda.synchronize()
+    for k in range(4):  # 4 stores of 128 chunks, 2,560 rows each
+        client.submit_store(np.arange(128 * CHUNK) + k * 10**6, range(128 * k, 128 * k + 128))
+    conn.send(os.getpid())
+    time.sleep(120)
+
+
+def test_engine_killed_with_its_per_layer_stores_queued_is_reaped_after_them(start_daemon):
+    d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto", "log_level": "info"},
+                     client_timeout_s=1.0, heartbeat_interval_s=0.2)
+    with engine_killed_after(_storing_engine, str(d.runtime_dir), timeout=120):
+        pass  # at once: the stores are being planned and queued
+    wait_reaped(d, 20)
+    layers = per_layer_mla(40)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        client.register_kv(CudaKVPool("vllm_mla", layers, page_size=64), model="survivor")
+        want = [x[:16].clone() for x in layers]
+        torch.cuda.synchronize()
+        assert client.store(np.arange(16 * CHUNK) + 7, range(16)) == 16 * CHUNK
+        assert client.load(np.arange(16 * CHUNK) + 7, range(16, 32)) == 16 * CHUNK
+        torch.cuda.synchronize()
+        assert all(torch.equal(x[16:32].view(torch.uint8), w.view(torch.uint8))
+                   for x, w in zip(layers, want))
+    assert "CUDA error" not in d.log() and "Traceback" not in d.log(), d.log()
     assert d.stop() == 0, d.log()
