@@ -15,6 +15,9 @@
 # 6. snapshot: the pipelined bench on every pool kind, each its own run and log under $OUT
 #    (block-outer with 16-token chunks of one page; one allocation and per-layer with
 #    256-token chunks), the issue-11 targets in one go.
+# 7. probe: the copy engines alone (tools/dma_probe.py, no daemon) for the cases kvd's
+#    snapshot misses: pages of 64 and 16 as one copy per (layer, page) (per-layer pools)
+#    and as pitched ops, 1 and 8 streams (PROBE_CASES, PROBE_WAYS change them).
 # GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,sweep,interference).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,5 +72,12 @@ if [[ $steps == *snapshot* ]]; then
       --json "$OUT/snapshot-$name.json" 2>&1 | tee "$OUT/snapshot-$name.log" | sed -n '/^pipelined/,$p'
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "SNAPSHOT $name FAILED"; rc=1; }
   done
+fi
+if [[ $steps == *probe* ]]; then
+  echo "== tools/dma_probe.py"
+  timeout 300 python3 tools/dma_probe.py --reps 5 --cases "${PROBE_CASES:-mla:64,llama:64,mla:16,llama:16}" \
+    --ways "${PROBE_WAYS:-1d,3d}" --streams 1,8 2>"$OUT/probe.err" | tee "$OUT/probe.jsonl" \
+    | grep -v '^{"gpu"'
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "PROBE FAILED"; tail -n 5 "$OUT/probe.err"; rc=1; }
 fi
 exit $rc
