@@ -146,11 +146,12 @@ class CopyOps:
         pool = run_pool[:, None] + bases[first.astype(np.int64)][None, :]
         host = self.run_host[:, None] + (first * np.uint64(self.plane_bytes))[None, :]
         host_pitch, width = step * np.uint64(self.plane_bytes), self.run_width[:, None]
-        crosses = _crosses(host, host_pitch, count, width, host_pieces).any()
-        if count.max() == 1 and not crosses:  # every plane its own group: single rows
-            self._contiguous(pool, host, width, first)
-            return
-        if count.min() > 1 and self.run_width.max() <= pitch.min() and not crosses:
+        single = count.max() == 1  # every plane its own group: single rows
+        pitched = count.min() > 1 and self.run_width.max() <= pitch.min()
+        if (single or pitched) and not _crosses(host, host_pitch, count, width, host_pieces).any():
+            if single:
+                self._contiguous(pool, host, width, first)
+                return
             if (width == pitch).all() and (pitch == host_pitch).all():
                 self._contiguous(pool, host, width * count, first)
                 return
@@ -172,10 +173,8 @@ class CopyOps:
         if _crosses(self.run_host, size, np.uint64(1), size, self.host_pieces).any():
             return False
         n = run_pool.size  # what _contiguous makes of these, without its broadcasts
-        self.ops, self.op_run, self.rows_per_run = np.zeros(0, OP_DTYPE), np.zeros(0, np.uint64), 1
-        self.rows = {"pool": run_pool + bases[0], "host": self.run_host, "width": np.full(n, size),
-                     "run": np.arange(n, dtype=np.uint64), "plane": np.zeros(n, np.uint64)}
-        self.row_layer = self.rows["plane"]
+        self._single_rows(run_pool + bases[0], self.run_host, np.full(n, size),
+                          np.arange(n, dtype=np.uint64), np.zeros(n, np.uint64), 1)
         return True
 
     def _contiguous(self, pool, host, size, first) -> None:
@@ -183,15 +182,17 @@ class CopyOps:
         block-outer pool whose page is a chunk), or one row each (every plane its own
         group: a pool of one allocation per layer, a layer-wise copy)."""
         shape = pool.shape
-        self.ops, self.op_run = np.zeros(0, OP_DTYPE), np.zeros(0, np.uint64)
-        self.rows_per_run = shape[1]
         # flatten(), not reshape(): a broadcast view would keep its 0 strides, and the
         # driver reads each array as contiguous
-        self.rows = {"pool": pool.reshape(-1), "host": host.reshape(-1),
-                     "width": np.broadcast_to(size, shape).flatten(),
-                     "run": np.repeat(np.arange(shape[0], dtype=np.uint64), shape[1]),
-                     "plane": np.broadcast_to(first, shape).flatten()}
-        self.row_layer = self.rows["plane"] // np.uint64(self.planes)
+        self._single_rows(pool.reshape(-1), host.reshape(-1), np.broadcast_to(size, shape).flatten(),
+                          np.repeat(np.arange(shape[0], dtype=np.uint64), shape[1]),
+                          np.broadcast_to(first, shape).flatten(), shape[1])
+
+    def _single_rows(self, pool, host, width, run, plane, per_run: int) -> None:
+        """A plan of single rows only, ``per_run`` of them per run, run-major."""
+        self.ops, self.op_run, self.rows_per_run = np.zeros(0, OP_DTYPE), np.zeros(0, np.uint64), per_run
+        self.rows = {"pool": pool, "host": host, "width": width, "run": run, "plane": plane}
+        self.row_layer = plane // np.uint64(self.planes)
 
     def _entries(self, pool, host, width, count, pitch, host_pitch, first, step) -> None:
         """The general case: entries that make whole pitched ops, and single rows."""
@@ -255,7 +256,8 @@ class CopyOps:
 def _columns(groups: tuple, by_layer: bool, min_rows: int) -> tuple[np.ndarray, ...]:
     """``(first, step, count, pitch)`` arrays of a pool's groups as a copy cuts them (one
     plane each when ``by_layer``, else ``_cut``), read-only: cached per pool, as the
-    Python loop over a pool of one allocation per layer cost the event loop ~40 us a copy."""
+    Python loop over a pool of one allocation per layer cost the event loop ~40 us a copy
+    (``min_rows`` is MIN_ROWS, a key so that a changed value is never served stale)."""
     cut = [(f + t * st, st, 1, 0) for f, st, n, p in groups for t in range(n)] if by_layer \
         else _cut(list(groups), min_rows)
     cols = tuple(np.array(col, np.uint64) for col in zip(*cut))
