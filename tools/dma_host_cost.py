@@ -146,7 +146,9 @@ async def time_copies(path: dma.DmaPath, d, bases, groups, chunks: int, chunk_to
         if store:
             _, how = path.store(d, bases, groups, ids, ptrs, chunk_tokens)
         else:
-            how = await path.load(d, bases, groups, ids, ptrs, chunk_tokens, None)
+            how, rest = path.load(d, bases, groups, ids, ptrs, chunk_tokens, None)
+            if rest is not None:
+                await rest()
         times.append(time.perf_counter() - t0)
         hows.add(how)
     return statistics.median(times) * 1e6, hows

@@ -23,18 +23,17 @@ does not fit a slot (or ``stage_slots`` is 0), kernels read and write the
 arena directly through unified addressing instead (zero-copy).
 
 Fault isolation: nothing of an engine's ever enters the daemon's streams. A store's
-ordering after the engine's forward pass is checked by the service on the host (the
-flag page's store word, kvd.copy.flags) before the gather is queued. A load signals
-through its flag-page slot (kvd.cuda.signal): the kernel stream writes each layer's
-word as the layer lands (layer-wise loads) and the done word after the last kernel;
-the copy kernels skip the engine's pages once the client wrote the slot's cancel word.
-The flag page is registered with the driver at ``open_pool`` and unregistered at
-``close_pool``. Completion of every copy is an event that the event loop polls while
-copies are in flight (kvd.copy.poll), which resolves the asyncio future; the loop
-never blocks on the GPU (a busy table slot of the kernel copier is awaited the same
-way), and ``close`` gives the GPU at most ``CLOSE_WAIT_S`` to finish before the
-process exits anyway. At debug level it logs how long the enqueue and the copy took
-(kvd.cuda.completion).
+ordering after the engine's forward pass is checked by the service on the host (the flag
+page's store word, kvd.copy.flags) before the gather is queued. A load signals through
+its flag-page slot (kvd.cuda.signal): the kernel stream writes each layer's word as the
+layer lands (layer-wise loads) and the done word after the last kernel; the copy kernels
+skip the engine's pages once the client wrote the slot's cancel word. The flag page is
+registered with the driver at ``open_pool`` and unregistered at ``close_pool``.
+Completion of every copy is an event that the event loop polls while copies are in
+flight (kvd.copy.poll), which resolves the asyncio future; the loop never blocks on the
+GPU (a busy table slot of the kernel copier is awaited the same way), and ``close``
+gives the GPU at most ``CLOSE_WAIT_S`` to finish before the process exits anyway. At
+debug level it logs how long the enqueue and the copy took (kvd.cuda.completion).
 """
 
 from __future__ import annotations
@@ -317,26 +316,33 @@ class CudaCopyEngine:
 
     async def _scatter_dma(self, plan: CopyPlan, ptrs, signal: GpuSignal | None,
                            t0: float) -> asyncio.Future:
-        """The load's layers are queued by a task of their own (each after a host check
-        of the cancel word): the returned future, tracked by the service as the copy in
-        flight, ends only after the last queued byte landed, so a pool is never closed
-        under its DMA."""
-        dev = plan.pool.device
-        stream = dev.dma.load_queue.stream
+        """Queue now what the load window admits, the rest in a task. The future (the copy
+        in flight) ends after the last queued byte landed: no pool closes under its DMA."""
+        pool = plan.pool
+        dev, stream = pool.device, pool.device.dma.load_queue.stream
+
+        def finish(how: str) -> asyncio.Future:  # whatever was queued, the done word follows it
+            with self.cp.cuda.Device(dev.ordinal):
+                if signal is not None:
+                    signal.done(stream)
+                return self._completion(stream, "scatter", plan, how, t0, start)
+
+        with self.cp.cuda.Device(dev.ordinal):
+            start = gpu_start(self.cp, stream)
+        try:
+            how, rest = dev.dma.load(plan.layout, pool.bases, pool.groups, plan.page_ids, ptrs,
+                                     plan.chunk_tokens, signal)
+        except BaseException:
+            finish(dma.DIRECT)
+            raise
+        if rest is None:
+            return finish(how)
 
         async def feed() -> None:
-            how = dma.DIRECT
-            with self.cp.cuda.Device(dev.ordinal):
-                start = gpu_start(self.cp, stream)
             try:
-                how = await dev.dma.load(plan.layout, plan.pool.bases, plan.pool.groups,
-                                            plan.page_ids, ptrs, plan.chunk_tokens, signal)
-            finally:  # whatever was queued, the done word follows it
-                with self.cp.cuda.Device(dev.ordinal):
-                    if signal is not None:
-                        signal.done(stream)
-                    landed = self._completion(stream, "scatter", plan, how, t0, start)
-            await landed
+                await rest()
+            finally:  # an error too waits for what was queued
+                await finish(how)
         return asyncio.ensure_future(feed())
 
     @staticmethod

@@ -272,14 +272,18 @@ class DmaPath:
             self.store_queue.enqueue(step)
         return self.store_queue.stream, DIRECT
 
-    async def load(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
-                   ptrs: np.ndarray, chunk_tokens: int, signal: Any) -> Any:
+    def load(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
+             ptrs: np.ndarray, chunk_tokens: int, signal: Any) -> tuple[str, Any]:
         """Queue a load (arena -> pool) in steps, each after the host found the load not
         cancelled and at most ``window`` bytes queued: staging pieces (``staged``), or
         runs of pages of about ``window / 4`` bytes over all layers (ops of many rows),
         or for a layer-wise ``signal`` one layer at a time, each layer's word behind that
-        layer. Everything it queues ends on ``load_queue.stream`` (the caller writes the
-        done word there, also after a cancel or an error). Returns how it went."""
+        layer. The steps the window admits now are queued before it returns (no loop
+        turn between a load's turn and its copy); returns how it went and ``rest``: None
+        once nothing is left to queue, else a coroutine function that queues the other
+        steps as the window lets them. Everything it queues ends on
+        ``load_queue.stream`` (the caller writes the done word there, also after a
+        cancel or an error)."""
         q, layerwise, ring = self.load_queue, signal is not None and signal.layerwise, self.rings[1]
         pieces = None if layerwise else self.staged(ring, self.store_queue, layout, groups,
                                                     chunk_tokens, len(ptrs))
@@ -291,16 +295,32 @@ class DmaPath:
             c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces,
                         to_host=False, by_layer=layerwise, groups=groups)
             steps = [partial(q.enqueue, step) for step in c.steps(max(1, self.window // 4))]
-        for layer, step in enumerate(steps):
-            while q.queued_bytes() > self.window:
-                await self.poller.wait(q.queued[0][0])
-            if signal is not None and signal.source.cancelled:
-                break  # what is queued runs; nothing more touches the pages
-            with self.cp.cuda.Device(self.ordinal):  # not held across the await above
-                step()
-                if layerwise:
-                    signal.layers_landed(q.stream, (layer,))
-        return DIRECT if pieces is None else STAGED
+        how = DIRECT if pieces is None else STAGED
+        todo = iter(enumerate(steps))
+        queue_one = partial(self._load_step, signal, layerwise)
+        while q.queued_bytes() <= self.window:
+            if not queue_one(next(todo, None)):
+                return how, None
+
+        async def rest() -> None:
+            while True:
+                while q.queued_bytes() > self.window:
+                    await self.poller.wait(q.queued[0][0])
+                if not queue_one(next(todo, None)):
+                    return
+        return how, rest
+
+    def _load_step(self, signal: Any, layerwise: bool, item: tuple | None) -> bool:
+        """Queue one (layer, step) of a load unless there is none or the load was
+        cancelled (what is queued runs; nothing more touches the pages); whether it did."""
+        if item is None or (signal is not None and signal.source.cancelled):
+            return False
+        layer, step = item
+        with self.cp.cuda.Device(self.ordinal):  # never held across an await
+            step()
+            if layerwise:
+                signal.layers_landed(self.load_queue.stream, (layer,))
+        return True
 
     def close(self) -> None:
         self.store_queue.close()

@@ -64,7 +64,7 @@ class CopyGate:
         self.queued: defaultdict[Hashable, Counter] = defaultdict(Counter)
         self.queued_bytes: defaultdict[Hashable, Counter] = defaultdict(Counter)
         self.waiting: defaultdict[Hashable, Counter] = defaultdict(Counter)
-        self._wake: asyncio.Future | None = None
+        self._wakes: list[asyncio.Future] = []  # one per waiter: a cancel cancels only its own
         self.total = 0  # copies queued now, all sessions (an int: safe to read from any thread)
         self.idle = Idle()  # set while total is 0
 
@@ -84,9 +84,9 @@ class CopyGate:
         self.waiting[key][session] += 1
         try:
             while not self.may_queue(session, queue, nbytes):
-                if self._wake is None:
-                    self._wake = asyncio.get_running_loop().create_future()
-                await asyncio.shield(self._wake)
+                wake = asyncio.get_running_loop().create_future()
+                self._wakes.append(wake)
+                await wake  # not a shared future behind a shield: one loop turn fewer
         except BaseException:
             self._drop(self.waiting, key, session)
             self._notify()  # one waiter fewer: another session's limit may have grown
@@ -129,6 +129,7 @@ class CopyGate:
             del table[key]
 
     def _notify(self) -> None:
-        wake, self._wake = self._wake, None
-        if wake is not None and not wake.done():
-            wake.set_result(None)
+        wakes, self._wakes = self._wakes, []
+        for wake in wakes:
+            if not wake.done():
+                wake.set_result(None)

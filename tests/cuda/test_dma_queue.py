@@ -11,6 +11,7 @@ The real copies are in test_fake_gpu_dma.py and test_gpu_dma.py.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import dma_host_cost as stub  # noqa: E402
 
+from kvd.copy.poll import EventPoller  # noqa: E402
 from kvd.cuda import dma, dma_plan  # noqa: E402
 
 
@@ -87,3 +89,77 @@ def test_queued_bytes_counts_what_has_not_landed_and_queries_the_oldest_only(mla
     for event, _, _ in batches[3:]:
         event.landed = True
     assert q.queued_bytes() == 0 and q.idle_for() >= 0.0
+
+
+class Signal:
+    """A load's signal as kvd.cuda.signal has it: the cancel word the client may set."""
+
+    def __init__(self) -> None:
+        self.layerwise = False
+        self.source = type("source", (), {"cancelled": False})()
+
+
+def _small_window_path(layout, window: int) -> tuple[dma.DmaPath, list]:
+    """A DmaPath with a poller and a load window of ``window``; the bytes of each step
+    it queues on its load queue."""
+    settings = dma.DmaSettings(load_window=window)
+    path = dma.DmaPath(Cupy(), 0, settings, (stub.ARENA, stub.PIECE), EventPoller())
+    steps, enqueue = [], path.load_queue.enqueue
+    path.load_queue.enqueue = lambda step, n=None: steps.append(step.nbytes) or enqueue(step, n)
+    return path, steps
+
+
+async def _land_until_done(q: dma.DmaQueue, rest) -> None:
+    """Run ``rest`` while every queued batch lands at once."""
+    task = asyncio.ensure_future(rest())
+    while not task.done():
+        for event, _, _ in list(q.queued):
+            event.landed = True
+        await asyncio.sleep(0)
+    await task
+
+
+def test_a_load_queues_what_the_window_admits_before_it_returns(mla):
+    _, layout, bases, groups, ptrs = mla
+    path, steps = _small_window_path(layout, 4 << 20)  # steps of 1 MiB: a chunk (1.1 MB) each
+    chunk = layout.shard_bytes(16)
+
+    async def load() -> None:
+        how, rest = path.load(layout, bases, groups, np.arange(8), ptrs, 16, Signal())
+        assert how == dma.DIRECT and rest is not None
+        assert steps == [chunk] * 4  # queued before any await: 4.4 MB fill the 4 MiB window
+        assert path.load_queue.queued_bytes() == 4 * chunk
+        await _land_until_done(path.load_queue, rest)
+    try:
+        asyncio.run(load())
+        assert steps == [chunk] * 8  # the rest after some landed, each step once
+    finally:
+        path.close()
+
+
+def test_a_load_within_the_window_is_queued_whole_and_leaves_nothing_to_await(mla):
+    _, layout, bases, groups, ptrs = mla
+    path, steps = _small_window_path(layout, 256 << 20)
+
+    async def load() -> None:
+        _, rest = path.load(layout, bases, groups, np.arange(8), ptrs, 16, Signal())
+        assert rest is None and sum(steps) == 8 * layout.shard_bytes(16)
+    try:
+        asyncio.run(load())
+    finally:
+        path.close()
+
+
+def test_a_cancelled_load_queues_nothing_more_after_its_first_steps(mla):
+    _, layout, bases, groups, ptrs = mla
+    (path, steps), signal = _small_window_path(layout, 4 << 20), Signal()
+
+    async def load() -> None:
+        _, rest = path.load(layout, bases, groups, np.arange(8), ptrs, 16, signal)
+        signal.source.cancelled = True  # the client's cancel word, seen before the next step
+        await asyncio.wait_for(_land_until_done(path.load_queue, rest), 5)
+    try:
+        asyncio.run(load())
+        assert steps == [layout.shard_bytes(16)] * 4
+    finally:
+        path.close()
