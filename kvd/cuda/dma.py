@@ -43,12 +43,17 @@ Contract:
   idle for ``STAGE_IDLE_S``), through the staging ring with
   ``kvd.cuda.dma_stage.CeFill`` in place of the kernels. ``store`` returns
   the stream the copy ends on and how it went (``DIRECT`` or ``STAGED``);
-  ``load`` returns how it went (it ends on ``load_queue.stream``).
+  ``load`` returns how it went (it ends on ``load_queue.stream``) and what
+  is left to queue (below).
 - Unlike a kernel, a queued DMA cannot check a load's cancel word when it
   starts: ``DmaPath.load`` therefore queues a load in steps (a staging slot's
   chunks; runs of pages of about a quarter of ``window`` over all layers; a
   layer-wise load layer by layer, never staged), reads the cancel word on
-  the host before each step, and keeps at most ``window`` bytes queued.
+  the host before each step, and keeps at most ``window`` bytes queued. The
+  steps the window admits go in the caller's turn, before ``load`` returns
+  (a task started for them began a loop turn later, each turn possibly
+  behind a whole store); ``load`` returns the rest as a coroutine function,
+  or None when nothing is left to queue.
 """
 
 from __future__ import annotations

@@ -28,7 +28,10 @@ Contract:
   session queued before it arrived, or more of at most ``alone_bytes`` in
   all, and once it is waiting, the session queues no more than ``fair``.
 - Every ``leave`` and every cancelled waiter wakes the waiters, which
-  re-check their limit; nothing here blocks the event loop. ``total`` is
+  re-check their limit; nothing here blocks the event loop. Each waiter
+  waits on a future of its own, so a ``leave`` lets a waiter in on the next
+  loop turn (a future shared behind ``asyncio.shield`` took two, and each
+  turn may wait behind another request's work). ``total`` is
   the copies queued now (``kvd stats`` ``copies_queued``, the
   ``kvd_copies_queued`` gauge), ``queued_by(session)`` one client's;
   ``idle`` (an ``Idle`` event, for other threads: the journal's hashing) is
