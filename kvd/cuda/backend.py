@@ -51,7 +51,7 @@ from kvd.copy.flags import FlagPage
 from kvd.copy.plan import CopyPlan
 from kvd.copy.poll import EventPoller
 from kvd.cuda import dma
-from kvd.cuda.completion import completion, gpu_start
+from kvd.cuda.completion import completion, failed_after, gpu_start
 from kvd.cuda.dma_plan import pool_groups
 from kvd.cuda.kernels import KernelCopier, desc_params, plane_bases
 from kvd.cuda.signal import GpuSignal
@@ -252,12 +252,9 @@ class CudaCopyEngine:
 
     # ---- copies -------------------------------------------------------------
 
-    def _chunk_ptrs(self, plan: CopyPlan) -> np.ndarray:
-        return np.asarray(plan.shard_offsets, dtype=np.uint64) + np.uint64(self.arena_ptr)
-
-    @staticmethod
-    def _geometry(plan: CopyPlan) -> dict:
-        return {**desc_params(plan.layout), "chunk_tokens": plan.chunk_tokens}
+    def _ptrs_geometry(self, plan: CopyPlan) -> tuple[np.ndarray, dict]:
+        return (np.asarray(plan.shard_offsets, dtype=np.uint64) + np.uint64(self.arena_ptr),
+                {**desc_params(plan.layout), "chunk_tokens": plan.chunk_tokens})
 
     async def table_slot(self, dev: _Device) -> None:
         """Wait, without blocking the loop, until the copier's next table slot is free
@@ -268,7 +265,7 @@ class CudaCopyEngine:
     async def gather(self, plan: CopyPlan) -> asyncio.Future:
         t0 = time.perf_counter()
         pool, dev = plan.pool, plan.pool.device
-        ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
+        ptrs, geometry = self._ptrs_geometry(plan)
         layers = range(plan.layout.num_layers)
         if pool.by_dma:
             with self.cp.cuda.Device(dev.ordinal):
@@ -291,12 +288,12 @@ class CudaCopyEngine:
         pool, dev = plan.pool, plan.pool.device
         layers = range(plan.layout.num_layers)
         signal = GpuSignal.of(plan.signal)
-        ptrs, geometry = self._chunk_ptrs(plan), self._geometry(plan)
+        ptrs, geometry = self._ptrs_geometry(plan)
         if pool.by_dma and len(ptrs):
             return await self._scatter_dma(plan, ptrs, signal, t0)
         await self.table_slot(dev)
         with self.cp.cuda.Device(dev.ordinal):
-            stream = dev.streams[2]
+            stream, failed = dev.streams[2], None
             try:
                 if not len(ptrs):  # everything came another way (kvd.cuda.gds): signals only
                     how = "no host chunks"
@@ -309,10 +306,11 @@ class CudaCopyEngine:
                 else:
                     how = "zero-copy kernels"
                     self._scatter_direct(dev, pool, plan, ptrs, geometry, signal)
-            finally:  # whatever was queued, the done word follows it
-                if signal is not None:
-                    signal.done(stream)
-            return self._completion(stream, "scatter", plan, how, t0)
+            except Exception as exc:  # noqa: BLE001 - reported once what was queued landed
+                failed, how = exc, "failed"
+            if signal is not None:  # whatever was queued, the done word follows it
+                signal.done(stream)
+            return failed_after(self._completion(stream, "scatter", plan, how, t0), failed)
 
     async def _scatter_dma(self, plan: CopyPlan, ptrs, signal: GpuSignal | None,
                            t0: float) -> asyncio.Future:
@@ -332,9 +330,8 @@ class CudaCopyEngine:
         try:
             how, rest = dev.dma.load(plan.layout, pool.bases, pool.groups, plan.page_ids, ptrs,
                                      plan.chunk_tokens, signal)
-        except BaseException:
-            finish(dma.DIRECT)
-            raise
+        except Exception as exc:  # noqa: BLE001 - reported once what was queued landed
+            return failed_after(finish(dma.DIRECT), exc)
         if rest is None:
             return finish(how)
 

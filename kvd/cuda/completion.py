@@ -16,6 +16,12 @@ Contract:
   slow there is the copy engines', a copy that only waited is the host's
   (``tools/daemon_timings.py --phases``). Without debug logging nothing is
   timed (timing events cost the driver more than plain ones).
+- ``failed_after(landed, exc)``: for a copy that failed part-way through
+  queuing (a driver call refused): a future that fails with ``exc`` only
+  once ``landed`` (the part that was queued, and the load's done word after
+  it) completed, or ``landed`` itself when ``exc`` is None. Failing at once
+  instead would let the service release the load's waits from the host,
+  and the engine reuse pages that a queued copy still writes.
 """
 
 from __future__ import annotations
@@ -54,3 +60,13 @@ def completion(cp: Any, poller: Any, stream: Any, what: str, plan: Any, how: str
                       how, (enqueued - t0) * 1e3, took * 1e3, nbytes / took / 1e9, t0, on_gpu)
         future.add_done_callback(landed)
     return future
+
+
+def failed_after(landed: asyncio.Future, exc: BaseException | None) -> asyncio.Future:
+    if exc is None:
+        return landed
+
+    async def fail() -> None:
+        await asyncio.gather(landed, return_exceptions=True)
+        raise exc
+    return asyncio.ensure_future(fail())

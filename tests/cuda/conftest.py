@@ -71,10 +71,10 @@ def fake_daemon(start_daemon, tmp_path):
     started = []
 
     def start(kernel_delay_s: float | dict = 0.0, trace: bool = False, fail_host_register: int = 0,
-              max_3d_rows: int = 0, **knobs) -> FakeGpuDaemon:
+              max_3d_rows: int = 0, fail_row_batch: int = 0, **knobs) -> FakeGpuDaemon:
         trace_file = tmp_path / f"trace{len(started)}.jsonl" if trace else None
         env = fakecuda.daemon_env(kernel_delay_s, trace_file, fail_host_register=fail_host_register,
-                                  max_3d_rows=max_3d_rows)
+                                  max_3d_rows=max_3d_rows, fail_row_batch=fail_row_batch)
         d = FakeGpuDaemon(start_daemon(env=env, gpu="on", **knobs), trace_file)
         started.append(d)
         return d

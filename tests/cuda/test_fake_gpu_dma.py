@@ -19,6 +19,8 @@ test_fake_gpu_copies.py; here:
   before it lands, the done word follows.
 - A driver that refuses pitched ops: each op alone, the refused ones row by
   row, the bytes exact.
+- A driver that refuses a load's step as it is queued: the load fails, fenced
+  by its done word only after the steps queued before it landed.
 - Pitched pages under ``gpu_dma_stage_below`` go through the staging slots
   (copy engines inside the GPU, then whole chunks across), bit-exact, and a
   cancelled staged load stops after the slot it had queued; a copy while
@@ -247,4 +249,35 @@ def test_small_pieces_spread_over_the_streams_large_ones_take_one(fake_engine, f
                     gpu_dma_spread_below=spread_below)
     store_then_load(fake_engine, d, "vllm_flash_attn", 16, seed=4)
     assert len([e for e in d.trace() if e["ev"] == "dma"]) == batches, d.trace()
+    assert d.stop() == 0, d.log()
+
+
+def test_a_load_refused_part_way_through_queuing_is_fenced_after_what_was_queued(
+        fake_engine, fake_daemon):
+    """The driver refuses a load's second step as the daemon queues it (pitched ops refused,
+    so every step is one batch of rows; the third such batch of the process: the store's
+    was the first), while the first step is still held back on the copy engines. The load
+    fails, but its done word (the client's fence) comes only after that first step
+    landed: a release from the host would let the engine reuse pages a queued copy still
+    writes. Nothing else moved, the chunks stay cached, and the daemon serves on."""
+    d = fake_daemon(kernel_delay_s={"memcpy_batch": 0.3}, max_3d_rows=2, fail_row_batch=3,
+                    trace=True, gpu_copy_path="dma", gpu_dma_streams=1,
+                    gpu_dma_load_window="1MiB")  # steps of one page over all layers
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 6, 12, 16, 8, 128, seed=9)
+    pool = fake_engine.pool("vllm_flash_attn", tensors)
+    tokens = np.arange(4 * CHUNK) + 11
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), fence_quiet_s=20) as client:
+        reg = client.register_kv(pool, model="dma-refused")
+        assert client.store(tokens, range(4)) == 4 * CHUNK
+        for t in tensors:
+            t[:, 4:] = 0x5A5A
+        t = client.submit_load(tokens, range(4, 8))
+        assert t.wait(30).done and t.status == "failed", t
+        assert reg.flags.done(t.slot, t.seq)
+        first = [np.array_equal(x[:, 4], x[:, 0]) for x in tensors]
+        untouched = [bool((x[:, 5:] == 0x5A5A).all()) for x in tensors]
+        assert all(first) and all(untouched), (first, untouched)  # step 1 landed, then the fence
+        assert client.load(tokens, range(8, 12)) == 4 * CHUNK  # cached, and served
+        assert all(np.array_equal(x[:, 8:12], x[:, 0:4]) for x in tensors)
+    assert "copy failed: CudaExportError('cuMemcpyBatchAsync failed" in d.log(), d.log()
     assert d.stop() == 0, d.log()

@@ -51,17 +51,19 @@ SHIM = Path(__file__).resolve().parent / "shim"
 
 
 def daemon_env(kernel_delay_s: float | dict = 0.0, trace_file: str | Path | None = None,
-               devices: int = 1, fail_host_register: int = 0, max_3d_rows: int = 0) -> dict:
+               devices: int = 1, fail_host_register: int = 0, max_3d_rows: int = 0,
+               fail_row_batch: int = 0) -> dict:
     """Environment for a ``kvd serve`` on the fake GPU (``start_daemon(env=...)``);
     ``kernel_delay_s``: seconds for every kernel, or ``{kernel name: seconds}``;
     ``fail_host_register``: the n-th ``cudaHostRegister`` of the process fails (once);
-    ``max_3d_rows``: pitched copy ops of more rows are refused (0: none)."""
+    ``max_3d_rows``: pitched copy ops of more rows are refused (0: none);
+    ``fail_row_batch``: the n-th ``cuMemcpyBatchAsync`` of the process is refused (once)."""
     path = [str(SHIM)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
     delay = kernel_delay_s if not isinstance(kernel_delay_s, dict) else \
         ",".join(f"{k}={v}" for k, v in kernel_delay_s.items())
     env = {"PYTHONPATH": os.pathsep.join(path), "FAKECUDA_KERNEL_DELAY_S": str(delay),
            "FAKECUDA_DEVICES": str(devices), "FAKECUDA_FAIL_HOST_REGISTER": str(fail_host_register),
-           "FAKECUDA_MAX_3D_ROWS": str(max_3d_rows)}
+           "FAKECUDA_MAX_3D_ROWS": str(max_3d_rows), "FAKECUDA_FAIL_ROW_BATCH": str(fail_row_batch)}
     if trace_file is not None:
         env["FAKECUDA_TRACE"] = str(trace_file)
     return env

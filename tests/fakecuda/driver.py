@@ -17,6 +17,7 @@ the cupy shim (tests/fakecuda/shim); engines in tests call ``install``.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import time
 
@@ -31,6 +32,8 @@ from .memory import SPACE
 ATTR_DEVICE_ORDINAL, ATTR_IPC_CAPABLE, ATTR_RANGE_START, ATTR_RANGE_SIZE = 9, 10, 11, 12
 _CONTEXT = 0xC0A7E47
 _MAX_3D_ROWS = int(os.environ.get("FAKECUDA_MAX_3D_ROWS", "0") or 0)
+_ROW_BATCHES = itertools.count(1)
+_FAIL_ROW_BATCH = int(os.environ.get("FAKECUDA_FAIL_ROW_BATCH", "0") or 0)
 
 
 def _value(arg) -> int:
@@ -138,6 +141,8 @@ class FakeLibcuda:
         if n == 0 or _value(num_attrs) != 1 or st == 0:  # the driver refuses the legacy stream
             raise CudaError(INVALID_VALUE, f"memcpy batch count={n} attrs={_value(num_attrs)} "
                                            f"stream={st:#x}")
+        if next(_ROW_BATCHES) == _FAIL_ROW_BATCH:  # the test knob: this one call, once
+            raise CudaError(INVALID_VALUE, "memcpy batch (FAKECUDA_FAIL_ROW_BATCH)")
         pieces = [tuple(int(x) for x in (ctypes.c_uint64 * n).from_address(_value(p)))
                   for p in (dsts, srcs, sizes)]
         for d, s, z in zip(*pieces):
