@@ -272,7 +272,8 @@ class CudaCopyEngine:
                 start = gpu_start(self.cp, dev.dma.store_queue.stream)
                 stream, how = dev.dma.store(plan.layout, pool.bases, pool.groups,
                                             plan.page_ids, ptrs, plan.chunk_tokens)
-                return self._completion(stream, "gather", plan, how, t0, start)
+                return self._completion(stream, "gather", plan, how, t0, start,
+                                        then=dev.dma.store_queue.landed)
         await self.table_slot(dev)
         with self.cp.cuda.Device(dev.ordinal):
             if (pieces := _plan(dev.store, plan, layers, False)) is not None:
@@ -323,7 +324,8 @@ class CudaCopyEngine:
             with self.cp.cuda.Device(dev.ordinal):
                 if signal is not None:
                     signal.done(stream)
-                return self._completion(stream, "scatter", plan, how, t0, start)
+                return self._completion(stream, "scatter", plan, how, t0, start,
+                                        then=dev.dma.load_queue.landed)
 
         with self.cp.cuda.Device(dev.ordinal):
             start = gpu_start(self.cp, stream)
@@ -372,8 +374,8 @@ class CudaCopyEngine:
         return dev.streams[2]
 
     def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float,
-                    start: Any = None) -> asyncio.Future:
-        return completion(self.cp, self.poller, stream, what, plan, how, t0, start)
+                    start: Any = None, then: Any = None) -> asyncio.Future:
+        return completion(self.cp, self.poller, stream, what, plan, how, t0, start, then)
 
     def close(self) -> None:
         """Free every GPU resource; gives queued copies ``CLOSE_WAIT_S`` to finish. The

@@ -2,10 +2,11 @@
 
 Contract:
 
-- ``completion(cp, poller, stream, what, plan, how, t0, start=None)`` records
-  an event on ``stream`` after a copy queued there and returns the poller's
-  future for it (kvd.copy.poll: resolves once the event completed, fails on
-  a CUDA error). With debug logging on, the copy's landing is logged: its
+- ``completion(cp, poller, stream, what, plan, how, t0, start=None,
+  then=None)`` records an event on ``stream`` after a copy queued there and
+  returns the poller's future for it (kvd.copy.poll: resolves once the event
+  completed, fails on a CUDA error; ``then`` is called with it when it
+  does). With debug logging on, the copy's landing is logged: its
   direction, chunks, MB, how it went, the host time from ``t0`` (a
   ``perf_counter`` before queuing) to the end of queuing and to the landing
   seen by the poller, and ``began`` (``t0``, monotonic as the request lines).
@@ -43,11 +44,13 @@ def gpu_start(cp: Any, stream: Any) -> Any:
 
 
 def completion(cp: Any, poller: Any, stream: Any, what: str, plan: Any, how: str, t0: float,
-               start: Any = None) -> asyncio.Future:
+               start: Any = None, then: Any = None) -> asyncio.Future:
     done = cp.cuda.Event(block=False, disable_timing=start is None)
     done.record(stream)
     enqueued = time.perf_counter()
     future = poller.wait(done)
+    if then is not None:
+        future.add_done_callback(then)
     if log.isEnabledFor(logging.DEBUG):
         nbytes = len(plan.shard_offsets) * plan.layout.shard_bytes(plan.chunk_tokens)
 

@@ -36,7 +36,8 @@ Contract:
   ``queued_bytes`` after the batch landed. Batches land in order, so
   ``queued_bytes`` queries the oldest only. ``follow(stream)`` orders what
   is queued next after ``stream``'s work so far; ``idle_for()`` is how long
-  ago its last batch landed.
+  ago its last copy landed (``landed``: the caller's completion future calls
+  it; a batch adds no query to the event loop's polling).
 - ``DmaPath`` (one GPU; ``DmaSettings`` are the ``gpu_dma_*`` knobs): a copy
   goes straight (the ops above) or, where ``staged`` says so (pitched pages
   under ``stage_below`` bytes, whole chunks fit a slot, the other direction
@@ -100,15 +101,14 @@ def pitched(groups: list) -> bool:
 class DmaQueue:
     """One direction of one GPU: batches of copies spread over ``n`` streams."""
 
-    def __init__(self, cp: Any, n_streams: int, poller: Any = None,
-                 spread_below: int = 64 << 10) -> None:
-        self.cp, self.rt, self.poller = cp, cp.cuda.runtime, poller
+    def __init__(self, cp: Any, n_streams: int, spread_below: int = 64 << 10) -> None:
+        self.cp, self.rt = cp, cp.cuda.runtime
         self.spread_below = spread_below
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, n_streams))]
         self._joins = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in self.streams[1:]]
         self.queued: deque = deque()  # (event, bytes, arrays) of batches not known done
         self._bytes = 0  # theirs
-        self.busy_at = -1e9  # when a batch of this queue was last seen queued or landing
+        self.busy_at = -1e9  # when a batch of this queue was last queued or a copy seen landed
         self.warned = False
         self._follow = self.rt.eventCreateWithFlags(_EVENT_NO_TIMING)
 
@@ -126,15 +126,16 @@ class DmaQueue:
             self._bytes -= q.popleft()[1]
         return self._bytes
 
-    def idle_for(self) -> float:
-        """Seconds since this queue's last batch landed (0 while one is queued); with a
-        ``poller``, landing is seen within an event-loop pass."""
-        return 0.0 if self.queued_bytes() else time.monotonic() - self.busy_at
-
-    def _landed(self, fut: Any) -> None:
+    def landed(self, _future: Any = None) -> None:
+        """A copy through this queue landed (a done callback of its completion future,
+        which the caller polls anyway: a poller entry per batch cost every pass of the
+        event loop one more query, for the staging rule alone)."""
         self.busy_at = time.monotonic()
-        if not fut.cancelled():
-            fut.exception()  # a failed copy is reported by its caller, not here
+
+    def idle_for(self) -> float:
+        """Seconds since this queue's last copy was seen landed or was queued (0 while a
+        batch is queued)."""
+        return 0.0 if self.queued_bytes() else time.monotonic() - self.busy_at
 
     def follow(self, stream: Any, n: int | None = None) -> None:
         """What is queued on the first ``n`` (all) streams from now on runs after what
@@ -176,8 +177,6 @@ class DmaQueue:
         self.queued.append((done, nbytes, keep))  # what the driver reads
         self._bytes += nbytes
         self.busy_at = time.monotonic()
-        if self.poller is not None:
-            self.poller.wait(done).add_done_callback(self._landed)
         return done
 
     def _one_by_one(self, stream: int, multi: np.ndarray, exc: Exception) -> tuple:
@@ -235,8 +234,8 @@ class DmaPath:
     def __init__(self, cp: Any, ordinal: int, settings: DmaSettings, host_pieces: tuple[int, int],
                  poller: Any, rings: tuple = (None, None)) -> None:
         self.cp, self.ordinal = cp, ordinal
-        self.store_queue, self.load_queue = (DmaQueue(cp, settings.streams, poller,
-                                                      settings.spread_below) for _ in range(2))
+        self.store_queue, self.load_queue = (DmaQueue(cp, settings.streams, settings.spread_below)
+                                             for _ in range(2))
         self.window, self.host_pieces, self.poller = settings.load_window, host_pieces, poller
         self.rings, self.stage_below = rings, settings.stage_below
 

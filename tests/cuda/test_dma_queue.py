@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -161,5 +162,33 @@ def test_a_cancelled_load_queues_nothing_more_after_its_first_steps(mla):
     try:
         asyncio.run(load())
         assert steps == [layout.shard_bytes(16)] * 4
+    finally:
+        path.close()
+
+
+def test_batches_add_nothing_to_the_pollers_pass_and_idle_counts_from_the_last_landing(mla):
+    """Every pending poller entry is a query in each pass of the daemon's event loop: a
+    batch adds none (its copy's completion future, polled by the caller anyway, calls
+    ``landed``); the staging rule's ``idle_for`` counts from the last landing seen."""
+    _, layout, bases, groups, ptrs = mla
+    path, _ = _small_window_path(layout, 256 << 20)
+
+    async def copies() -> None:
+        for i in range(3):
+            path.store(layout, bases, groups, np.arange(8) + 8 * i, ptrs, 16)
+        _, rest = path.load(layout, bases, groups, np.arange(8), ptrs, 16, Signal())
+        assert rest is None and not path.poller.pending
+    try:
+        asyncio.run(copies())
+        q = path.store_queue
+        assert q.idle_for() == 0.0  # batches queued
+        for event, _, _ in q.queued:
+            event.landed = True
+        time.sleep(0.05)
+        before = time.monotonic()
+        q.landed()  # the last store's completion future resolved
+        time.sleep(0.02)
+        assert 0.02 <= q.idle_for() <= time.monotonic() - before
+        assert not q.queued
     finally:
         path.close()
