@@ -53,7 +53,7 @@ from kvd.copy.poll import EventPoller
 from kvd.cuda import dma
 from kvd.cuda.completion import completion, failed_after, gpu_start
 from kvd.cuda.dma_plan import pool_groups
-from kvd.cuda.kernels import KernelCopier, desc_params, plane_bases
+from kvd.cuda.kernels import KernelCopier, copy_params, plane_bases
 from kvd.cuda.signal import GpuSignal
 from kvd.cuda.staging import StagingRing
 from kvd_protocol import cuda_driver
@@ -252,9 +252,8 @@ class CudaCopyEngine:
 
     # ---- copies -------------------------------------------------------------
 
-    def _ptrs_geometry(self, plan: CopyPlan) -> tuple[np.ndarray, dict]:
-        return (np.asarray(plan.shard_offsets, dtype=np.uint64) + np.uint64(self.arena_ptr),
-                {**desc_params(plan.layout), "chunk_tokens": plan.chunk_tokens})
+    def _chunk_ptrs(self, plan: CopyPlan) -> np.ndarray:
+        return np.asarray(plan.shard_offsets, dtype=np.uint64) + np.uint64(self.arena_ptr)
 
     async def table_slot(self, dev: _Device) -> None:
         """Wait, without blocking the loop, until the copier's next table slot is free
@@ -265,16 +264,16 @@ class CudaCopyEngine:
     async def gather(self, plan: CopyPlan) -> asyncio.Future:
         t0 = time.perf_counter()
         pool, dev = plan.pool, plan.pool.device
-        ptrs, geometry = self._ptrs_geometry(plan)
-        layers = range(plan.layout.num_layers)
+        ptrs, layers = self._chunk_ptrs(plan), range(plan.layout.num_layers)
         if pool.by_dma:
             with self.cp.cuda.Device(dev.ordinal):
                 start = gpu_start(self.cp, dev.dma.store_queue.stream)
                 stream, how = dev.dma.store(plan.layout, pool.bases, pool.groups,
                                             plan.page_ids, ptrs, plan.chunk_tokens)
-                return self._completion(stream, "gather", plan, how, t0, start,
-                                        then=dev.dma.store_queue.landed)
+                return completion(self.cp, self.poller, stream, "gather", plan, how, t0, start,
+                                  then=dev.dma.store_queue.landed)
         await self.table_slot(dev)
+        geometry = copy_params(plan.layout, plan.chunk_tokens)
         with self.cp.cuda.Device(dev.ordinal):
             if (pieces := _plan(dev.store, plan, layers, False)) is not None:
                 how = f"{len(pieces)} staged pieces"
@@ -282,17 +281,17 @@ class CudaCopyEngine:
             else:
                 stream, how = dev.streams[0], "zero-copy kernel"
                 dev.copier.gather(pool.bases, plan.page_ids, ptrs, stream=stream, **geometry)
-            return self._completion(stream, "gather", plan, how, t0)
+            return completion(self.cp, self.poller, stream, "gather", plan, how, t0)
 
     async def scatter(self, plan: CopyPlan) -> asyncio.Future:
         t0 = time.perf_counter()
         pool, dev = plan.pool, plan.pool.device
         layers = range(plan.layout.num_layers)
-        signal = GpuSignal.of(plan.signal)
-        ptrs, geometry = self._ptrs_geometry(plan)
+        signal, ptrs = GpuSignal.of(plan.signal), self._chunk_ptrs(plan)
         if pool.by_dma and len(ptrs):
             return await self._scatter_dma(plan, ptrs, signal, t0)
         await self.table_slot(dev)
+        geometry = copy_params(plan.layout, plan.chunk_tokens)
         with self.cp.cuda.Device(dev.ordinal):
             stream, failed = dev.streams[2], None
             try:
@@ -309,9 +308,7 @@ class CudaCopyEngine:
                     self._scatter_direct(dev, pool, plan, ptrs, geometry, signal)
             except Exception as exc:  # noqa: BLE001 - reported once what was queued landed
                 failed, how = exc, "failed"
-            if signal is not None:  # whatever was queued, the done word follows it
-                signal.done(stream)
-            return failed_after(self._completion(stream, "scatter", plan, how, t0), failed)
+            return self._fence(stream, signal, plan, how, t0, failed=failed)
 
     async def _scatter_dma(self, plan: CopyPlan, ptrs, signal: GpuSignal | None,
                            t0: float) -> asyncio.Future:
@@ -320,12 +317,10 @@ class CudaCopyEngine:
         pool = plan.pool
         dev, stream = pool.device, pool.device.dma.load_queue.stream
 
-        def finish(how: str) -> asyncio.Future:  # whatever was queued, the done word follows it
+        def finish(how: str, failed: Exception | None = None) -> asyncio.Future:
             with self.cp.cuda.Device(dev.ordinal):
-                if signal is not None:
-                    signal.done(stream)
-                return self._completion(stream, "scatter", plan, how, t0, start,
-                                        then=dev.dma.load_queue.landed)
+                return self._fence(stream, signal, plan, how, t0, start,
+                                   dev.dma.load_queue.landed, failed)
 
         with self.cp.cuda.Device(dev.ordinal):
             start = gpu_start(self.cp, stream)
@@ -333,7 +328,7 @@ class CudaCopyEngine:
             how, rest = dev.dma.load(plan.layout, pool.bases, pool.groups, plan.page_ids, ptrs,
                                      plan.chunk_tokens, signal)
         except Exception as exc:  # noqa: BLE001 - reported once what was queued landed
-            return failed_after(finish(dma.DIRECT), exc)
+            return finish(dma.DIRECT, exc)
         if rest is None:
             return finish(how)
 
@@ -367,15 +362,20 @@ class CudaCopyEngine:
         this pool is ordered after them, signals and completion included. ``cancel``:
         the load's cancel word and seq (the kernels skip once it is set)."""
         dev = pool.device
-        geometry = {**desc_params(layout), "chunk_tokens": chunk_tokens}
+        geometry = copy_params(layout, chunk_tokens)
         with self.cp.cuda.Device(dev.ordinal):
             dev.copier.scatter(pool.bases, page_ids, ptrs, stream=dev.streams[2], cancel=cancel,
                                **geometry)
         return dev.streams[2]
 
-    def _completion(self, stream, what: str, plan: CopyPlan, how: str, t0: float,
-                    start: Any = None, then: Any = None) -> asyncio.Future:
-        return completion(self.cp, self.poller, stream, what, plan, how, t0, start, then)
+    def _fence(self, stream, signal: GpuSignal | None, plan: CopyPlan, how: str, t0: float,
+               start: Any = None, then: Any = None, failed: Exception | None = None):
+        """A load's end: the done word after whatever was queued on ``stream``, then the
+        completion future (failing with ``failed`` only once that landed)."""
+        if signal is not None:
+            signal.done(stream)
+        landed = completion(self.cp, self.poller, stream, "scatter", plan, how, t0, start, then)
+        return failed_after(landed, failed)
 
     def close(self) -> None:
         """Free every GPU resource; gives queued copies ``CLOSE_WAIT_S`` to finish. The

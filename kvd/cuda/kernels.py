@@ -122,6 +122,11 @@ def desc_params(desc: Any) -> dict[str, int]:
             "num_pages": desc.num_pages}
 
 
+def copy_params(desc: Any, chunk_tokens: int) -> dict[str, int]:
+    """``desc_params`` and a copy's ``chunk_tokens``: the keyword arguments of a copy."""
+    return {**desc_params(desc), "chunk_tokens": chunk_tokens}
+
+
 class _Slot:
     """One pinned staging table, its device twin and the event of its last use."""
 
