@@ -84,6 +84,9 @@ class _Device:
     def __exit__(self, *exc) -> None:
         pass
 
+    def use(self) -> None:
+        pass
+
 
 class _Alloc:
     def __init__(self, nbytes: int) -> None:
@@ -144,7 +147,7 @@ async def time_copies(path: dma.DmaPath, d, bases, groups, chunks: int, chunk_to
         ids = rng.permutation(POOL_PAGES)[: chunks * chunk_tokens // d.page_size]
         t0 = time.perf_counter()
         if store:
-            _, how = path.store(d, bases, groups, ids, ptrs, chunk_tokens)
+            _, how, _ = path.store(d, bases, groups, ids, ptrs, chunk_tokens)
         else:
             how, rest = path.load(d, bases, groups, ids, ptrs, chunk_tokens, None)
             if rest is not None:

@@ -16,6 +16,7 @@ benchmark, not a test.
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import sys
 import tempfile
@@ -27,6 +28,7 @@ import numpy as np
 from . import pipeline
 from .common import on_stream, request_bytes, start_daemon, stop_daemon, write_json
 
+OWN_SEGMENT = 12 << 20  # bytes: PyTorch gives a tensor of 10 MiB or more a cudaMalloc of its own
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
     "llama3-8b": ("vllm_flash_attn", 32, 8, 128),
     "deepseek-mla": ("vllm_mla", 61, 1, 576),
@@ -124,8 +126,28 @@ def make_pool(torch, CudaKVPool, shape, pages: int, page: int, alloc: str = "per
     if alloc == "one":
         whole = torch.randn(layers, *per_layer, dtype=torch.bfloat16, device="cuda")
         return CudaKVPool(layout, list(whole.unbind(0)))
-    return CudaKVPool(layout, [torch.randn(*per_layer, dtype=torch.bfloat16, device="cuda")
-                               for _ in range(layers)])
+    torch.cuda.empty_cache()  # a cached free segment would be split between layers
+    return CudaKVPool(layout, own_allocations(torch, per_layer, layers))
+
+
+def own_allocations(torch, shape: tuple, n: int) -> list:
+    """``n`` random bf16 tensors of ``shape``, each in a CUDA allocation of its own, as an
+    engine's multi-GB layers are: PyTorch's caching allocator packs tensors under 10 MiB
+    into shared 20 MiB segments, and the daemon would then copy several layers of a bench
+    pool in one pitched op, which SGLang's pools never allow. So each tensor is the start
+    of at least ``OWN_SEGMENT`` bytes; checked with the driver."""
+    from kvd_protocol import cuda_driver
+    numel = int(np.prod(shape))
+    out = []
+    for _ in range(n):
+        flat = torch.empty(max(numel, OWN_SEGMENT // 2), dtype=torch.bfloat16, device="cuda")
+        out.append(flat[:numel].view(shape).normal_())
+    starts = {cuda_driver.pointer_attribute(t.data_ptr(), cuda_driver.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                            ctypes.c_uint64) for t in out}
+    if len(starts) != n:
+        raise RuntimeError(f"bench pool: {n} layers share {len(starts)} CUDA allocations; "
+                           "each should have its own (is PYTORCH_CUDA_ALLOC_CONF set?)")
+    return out
 
 
 def memcpy_s(torch, nbytes: int, repeat: int) -> dict:

@@ -106,8 +106,7 @@ class CudaCopyEngine:
         self.dma = dma_settings if copy_path == "auto" else dma_settings._replace(min_piece=1)
         self.devices: dict[int, _Device] = {}
         self.registered = False
-        # 0: re-check copies every loop pass (lowest latency); > 0: sleep that long between
-        # checks that found nothing done (less host CPU and fewer driver calls)
+        # 0: re-check copies every loop pass; > 0: sleep that long after checks that found none
         self.poller = EventPoller(0.0, poll_interval_us / 1e6) if poll_interval_us > 0 else EventPoller()
         # the driver's 16 bytes, as the engine's side reads them (kvd_protocol.cuda_driver):
         # the runtime's properties hand the UUID over as a C string, cut at its first 0 byte
@@ -267,11 +266,11 @@ class CudaCopyEngine:
         ptrs, layers = self._chunk_ptrs(plan), range(plan.layout.num_layers)
         if pool.by_dma:
             with self.cp.cuda.Device(dev.ordinal):
-                start = gpu_start(self.cp, dev.dma.store_queue.stream)
-                stream, how = dev.dma.store(plan.layout, pool.bases, pool.groups,
-                                            plan.page_ids, ptrs, plan.chunk_tokens)
+                start = None if dev.dma.hand else gpu_start(self.cp, dev.dma.store_queue.stream)
+                stream, how, done = dev.dma.store(plan.layout, pool.bases, pool.groups,
+                                                  plan.page_ids, ptrs, plan.chunk_tokens)
                 return completion(self.cp, self.poller, stream, "gather", plan, how, t0, start,
-                                  then=dev.dma.store_queue.landed)
+                                  then=dev.dma.store_queue.landed, done=done)
         await self.table_slot(dev)
         geometry = copy_params(plan.layout, plan.chunk_tokens)
         with self.cp.cuda.Device(dev.ordinal):
@@ -397,6 +396,8 @@ class CudaCopyEngine:
                 self.rt.hostUnregister(self.arena_ptr + start)
 
     def _drain(self, dev: _Device, deadline: float) -> bool:
+        if dev.dma is not None:
+            dev.dma.settle()
         with self.cp.cuda.Device(dev.ordinal):
             events = []
             extra = [] if dev.dma is None else dev.dma.store_queue.streams + dev.dma.load_queue.streams

@@ -10,6 +10,9 @@ Contract:
   direction, chunks, MB, how it went, the host time from ``t0`` (a
   ``perf_counter`` before queuing) to the end of queuing and to the landing
   seen by the poller, and ``began`` (``t0``, monotonic as the request lines).
+  ``done`` (an object with the poller's ``done``, ``stream`` None): what to
+  wait for instead of an event recorded now, for a copy that another
+  thread queues (``kvd.cuda.dma_hand.Handed``).
 - ``gpu_start(cp, stream)``: with debug logging on, a timing event recorded
   on ``stream`` before a copy is queued there (else None). Passed as
   ``start``, the log line adds the copy's time on the GPU, from when
@@ -44,9 +47,10 @@ def gpu_start(cp: Any, stream: Any) -> Any:
 
 
 def completion(cp: Any, poller: Any, stream: Any, what: str, plan: Any, how: str, t0: float,
-               start: Any = None, then: Any = None) -> asyncio.Future:
-    done = cp.cuda.Event(block=False, disable_timing=start is None)
-    done.record(stream)
+               start: Any = None, then: Any = None, done: Any = None) -> asyncio.Future:
+    if done is None:
+        done = cp.cuda.Event(block=False, disable_timing=start is None)
+        done.record(stream)
     enqueued = time.perf_counter()
     future = poller.wait(done)
     if then is not None:

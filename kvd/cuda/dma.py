@@ -43,7 +43,11 @@ Contract:
   under ``stage_below`` bytes, whole chunks fit a slot, the other direction
   idle for ``STAGE_IDLE_S``), through the staging ring with
   ``kvd.cuda.dma_stage.CeFill`` in place of the kernels. ``store`` returns
-  the stream the copy ends on and how it went (``DIRECT`` or ``STAGED``);
+  the stream the copy ends on, how it went (``DIRECT`` or ``STAGED``) and
+  None; with ``store_thread`` (``gpu_dma_store_thread``) the loop only plans
+  a store, ``kvd.cuda.dma_hand`` queues it, and ``store`` returns None, how,
+  and its ``Handed`` to poll (such stores never go staged: the thread owns
+  the store queue's streams);
   ``load`` returns how it went (it ends on ``load_queue.stream``) and what
   is left to queue (below).
 - Unlike a kernel, a queued DMA cannot check a load's cancel word when it
@@ -60,6 +64,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from functools import partial
@@ -67,6 +72,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvd.cuda.dma_hand import DmaHand
 from kvd.cuda.dma_plan import MIN_ROWS, OP_DTYPE, CopyOps, Step, rows
 from kvd.cuda.dma_stage import CeFill, chunk_pieces
 from kvd_protocol import cuda_driver
@@ -108,6 +114,7 @@ class DmaQueue:
         self._joins = [self.rt.eventCreateWithFlags(_EVENT_NO_TIMING) for _ in self.streams[1:]]
         self.queued: deque = deque()  # (event, bytes, arrays) of batches not known done
         self._bytes = 0  # theirs
+        self._lock = threading.Lock()  # a store queue is filled by its driver thread (dma_hand)
         self.busy_at = -1e9  # when a batch of this queue was last queued or a copy seen landed
         self.warned = False
         self._follow = self.rt.eventCreateWithFlags(_EVENT_NO_TIMING)
@@ -121,10 +128,11 @@ class DmaQueue:
         """Bytes of the batches not known to have landed. Each batch's event is recorded
         on ``stream`` after the one before, so they land in order: only the oldest are
         queried."""
-        q = self.queued
-        while q and q[0][0].done:
-            self._bytes -= q.popleft()[1]
-        return self._bytes
+        with self._lock:
+            q = self.queued
+            while q and q[0][0].done:
+                self._bytes -= q.popleft()[1]
+            return self._bytes
 
     def landed(self, _future: Any = None) -> None:
         """A copy through this queue landed (a done callback of its completion future,
@@ -174,10 +182,18 @@ class DmaQueue:
                 self.rt.streamWaitEvent(self.stream.ptr, self._joins[k - 1], 0)
         done = self.cp.cuda.Event(block=False, disable_timing=True)
         done.record(self.stream)
-        self.queued.append((done, nbytes, keep))  # what the driver reads
-        self._bytes += nbytes
+        with self._lock:
+            self.queued.append((done, nbytes, keep))  # what the driver reads
+            self._bytes += nbytes
         self.busy_at = time.monotonic()
         return done
+
+    def join_streams(self) -> None:
+        """``stream`` waits for everything queued on the others so far (after a step
+        failed part-way, before its joins)."""
+        for k, s in enumerate(self.streams[1:]):
+            self.rt.eventRecord(self._joins[k], s.ptr)
+            self.rt.streamWaitEvent(self.stream.ptr, self._joins[k], 0)
 
     def _one_by_one(self, stream: int, multi: np.ndarray, exc: Exception) -> tuple:
         """After the driver refused a 3D batch: each op alone, and the refused ones as
@@ -226,6 +242,7 @@ class DmaSettings(NamedTuple):
     load_window: int = 256 << 20
     stage_below: int = 0
     spread_below: int = 64 << 10
+    store_thread: bool = False
 
 
 class DmaPath:
@@ -238,6 +255,7 @@ class DmaPath:
                                              for _ in range(2))
         self.window, self.host_pieces, self.poller = settings.load_window, host_pieces, poller
         self.rings, self.stage_below = rings, settings.stage_below
+        self.hand = DmaHand(cp, ordinal, self.store_queue) if settings.store_thread else None
 
     def staged(self, ring: Any, other: DmaQueue, layout: Any, groups: list, chunk_tokens: int,
                n_chunks: int) -> list | None:
@@ -263,18 +281,22 @@ class DmaPath:
 
     def store(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
               ptrs: np.ndarray, chunk_tokens: int) -> Any:
-        """Queue a whole store (pool -> arena); returns the stream it ends on and how."""
-        ring = self.rings[0]
+        """Queue a whole store (pool -> arena); returns ``(stream, how, None)``: the stream
+        it ends on and how, or with ``store_thread`` ``(None, how, handed)``: the thread
+        queues it, ``handed`` (``dma_hand.Handed``) is what to poll."""
+        ring = None if self.hand is not None else self.rings[0]  # the thread owns the queue
         pieces = self.staged(ring, self.load_queue, layout, groups, chunk_tokens, len(ptrs))
         if pieces is not None:
             run = self._through(ring, self.store_queue, pieces, layout, bases, groups, page_ids,
                                 ptrs, chunk_tokens)
-            return run(pieces), STAGED
+            return run(pieces), STAGED, None
         c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=True,
                     groups=groups)
+        if self.hand is not None:
+            return None, DIRECT, self.hand.hand(c.steps(1 << 62))
         for step in c.steps(1 << 62):
             self.store_queue.enqueue(step)
-        return self.store_queue.stream, DIRECT
+        return self.store_queue.stream, DIRECT, None
 
     def load(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
              ptrs: np.ndarray, chunk_tokens: int, signal: Any) -> tuple[str, Any]:
@@ -326,6 +348,13 @@ class DmaPath:
                 signal.layers_landed(self.load_queue.stream, (layer,))
         return True
 
+    def settle(self) -> None:
+        """Let the store thread queue what it was handed, and stop it (before the streams
+        are synchronized at shutdown)."""
+        if self.hand is not None:
+            self.hand.close()
+
     def close(self) -> None:
+        self.settle()
         self.store_queue.close()
         self.load_queue.close()

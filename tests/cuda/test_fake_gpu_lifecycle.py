@@ -7,6 +7,9 @@
   last: no copy touches the engine's memory after it, which the fake would
   report as an illegal address and a broken context), and serves the next
   engine bit-exact.
+- With ``gpu_dma_store_thread``, an engine SIGKILLed while its stores are in
+  the store thread's hands (one held on the copy engines, three queued
+  behind it): reaped only after all four ran, its pool closed after them.
 - The daemon gets SIGTERM while a fake stream is stuck (a kernel held for
   20 s): it exits 0 within ``shutdown_grace_s`` + ``CLOSE_WAIT_S`` (plus
   slack), saying it left GPU copies queued, with the kernel never run.
@@ -93,6 +96,55 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
         assert client.load(np.arange(CHUNK * 4) + 9, range(4, 8)) == 4 * CHUNK
         assert all(np.array_equal(t[:, 4:8], w) for t, w in zip(tensors, want))
     assert d.stop() == 0, d.log()
+
+
+def _storing_engine(runtime_dir: str, layers: int, conn) -> None:
+    from fakecuda import driver, engine
+    driver.install()
+    tensors, _, region = engine.kv_tensors("vllm_flash_attn", layers, 64, 16, 8, 128, seed=1)
+    pool = engine.FakeCudaKVPool("vllm_flash_attn", tensors)
+    client = kvd_client.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=60).connect()
+    client.register_kv(pool, model="dying")
+    for k in range(4):  # each store one batch, held 0.4 s: three wait in the thread's queue
+        client.submit_store(np.arange(4 * CHUNK) + k * 10**6, range(4 * k, 4 * k + 4))
+    conn.send((os.getpid(), region.name))
+    time.sleep(120)
+
+
+def test_engine_killed_with_stores_in_the_store_threads_hands_is_reaped_after_them(
+        fake_engine, fake_daemon):
+    """``gpu_dma_store_thread``: the engine dies while its stores are queued by the thread,
+    the first held on the copy engines; the pool closes only after all four ran."""
+    d = fake_daemon(kernel_delay_s={"memcpy_batch": 0.4}, trace=True, client_timeout_s=1.0,
+                    heartbeat_interval_s=0.2, **DMA, gpu_dma_store_thread="true")
+    with engine_killed_after(_storing_engine, str(d.runtime_dir), LAYERS) as (pid, region):
+        deadline = time.monotonic() + 30
+        while not _batches(d.trace()):  # the first store's batch ran: the rest are queued
+            assert time.monotonic() < deadline, f"the stores did not start:\n{d.log()}"
+            time.sleep(0.02)
+    killed = time.monotonic()
+    wait_reaped(d, 20)
+    events = d.trace()
+    closes = [i for i, e in enumerate(events) if e["ev"] == "ipc_close" and e["region"] == region]
+    assert len(closes) == 1, f"the dead engine's pool was not closed once: {events}"
+    reads = _batches(events)  # all the dead engine's: the survivor comes after
+    assert len(reads) == 4 and max(reads) < closes[0], "a store ran after the pool closed"
+    assert any(events[i]["t"] > killed for i in reads), "no store was in flight when it died"
+    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", LAYERS, 8, 16, 8, 128, seed=2)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        client.register_kv(fake_engine.pool("vllm_flash_attn", tensors), model="survivor")
+        want = [t[:, :4].copy() for t in tensors]
+        assert client.store(np.arange(CHUNK * 4) + 9, range(4)) == 4 * CHUNK
+        assert client.load(np.arange(CHUNK * 4) + 9, range(4, 8)) == 4 * CHUNK
+        assert all(np.array_equal(t[:, 4:8], w) for t, w in zip(tensors, want))
+    assert "Traceback" not in d.log(), d.log()
+    assert d.stop() == 0, d.log()
+
+
+def _batches(events: list) -> list[int]:
+    """Indices of the DMA batches that ran (the trace names what they wrote: a store's is
+    the arena)."""
+    return [i for i, e in enumerate(events) if e["ev"] == "dma"]
 
 
 def test_sigterm_is_bounded_while_a_stream_is_stuck(fake_engine, fake_daemon):

@@ -12,7 +12,8 @@ allocation), on a real GPU: real engines, a real daemon, every byte checked.
 - An engine SIGKILLed while its staged load is on the copy engines: the
   daemon reaps it only after the copy, and serves the next engine
   bit-exact, staged.
-- Per-layer pools (SGLang's) of 72 KiB pages, one stream a copy: bit-exact,
+- Per-layer pools (SGLang's) of 72 KiB pages, one stream a copy, stores queued
+  by the loop or by the store thread (``gpu_dma_store_thread``): bit-exact,
   and an engine SIGKILLed with its stores queued is reaped after them, the
   daemon unharmed.
 Skipped without torch, cupy or a GPU.
@@ -147,11 +148,12 @@ def per_layer_mla(pages: int, layers: int = LAYERS) -> list:
                           device="cuda").view(torch.bfloat16) for _ in range(layers)]
 
 
-def test_per_layer_pool_of_72_kib_pages_round_trips_bit_exact(start_daemon):
+@pytest.mark.parametrize("store_thread", ["false", "true"])
+def test_per_layer_pool_of_72_kib_pages_round_trips_bit_exact(start_daemon, store_thread):
     """16 chunks of one page in 20 layers, each layer its own allocation: 320 rows of 72
-    KiB a copy, on one stream (``gpu_dma_spread_below``); poisoned targets end equal to
-    the sources, no other page moves."""
-    d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto"})
+    KiB a copy, on one stream (``gpu_dma_spread_below``), the store queued by the loop or
+    by the store thread; poisoned targets end equal to the sources, no other page moves."""
+    d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto"}, gpu_dma_store_thread=store_thread)
     layers = per_layer_mla(40)
     src, dst = list(range(0, 32, 2)), list(range(1, 33, 2))
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
@@ -188,9 +190,12 @@ def _storing_engine(runtime_dir: str, conn) -> None:
     time.sleep(120)
 
 
-def test_engine_killed_with_its_per_layer_stores_queued_is_reaped_after_them(start_daemon):
+@pytest.mark.parametrize("store_thread", ["false", "true"])
+def test_engine_killed_with_its_per_layer_stores_queued_is_reaped_after_them(start_daemon,
+                                                                             store_thread):
     d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto", "log_level": "info"},
-                     client_timeout_s=1.0, heartbeat_interval_s=0.2)
+                     client_timeout_s=1.0, heartbeat_interval_s=0.2,
+                     gpu_dma_store_thread=store_thread)
     with engine_killed_after(_storing_engine, str(d.runtime_dir), timeout=120):
         pass  # at once: the stores are being planned and queued
     wait_reaped(d, 20)

@@ -1,0 +1,117 @@
+"""A driver thread for one GPU's DMA stores: the event loop plans, the thread queues.
+
+Why: a pool with one allocation per layer (SGLang's) is copied one row per
+(layer, page): 1,952 rows for a DeepSeek-MLA request of 8 chunks of 256
+tokens at pages of 64, and ``cuMemcpyBatchAsync`` costs the calling thread
+0.55-1.1 us a row on an H100 host (docs/benchmarks.md). On the event loop
+that is 1-2 ms a store, while the copy itself takes ~3 ms of PCIe, and the
+loop also serves loads, requests and completions: both ways at once it
+saturates. The driver call releases the GIL (ctypes), so a thread of its
+own runs it beside the loop.
+
+Contract:
+
+- ``DmaHand(cp, ordinal, queue)``: a thread (started on first use) that owns
+  the enqueueing of ``queue`` (a ``kvd.cuda.dma.DmaQueue``, the store
+  direction): once a store is handed here, everything queued on that
+  queue's streams goes through this thread, in the order handed.
+- ``hand(steps) -> Handed``: queues ``steps`` (``dma_plan.Step``\\s) on the
+  thread and returns at once, without waiting for the thread. ``Handed``
+  has the poller's ``done``: False until the thread queued every step and
+  recorded an event behind them, and that event completed; then True, or
+  the driver's error raised if a step was refused. A refused step raises
+  only after what was queued before it ran (the thread joins every stream
+  of the queue behind it first), so the caller never frees arena chunks
+  that a queued copy still writes.
+- The thread takes the device's primary context first (the driver refuses
+  batches from a thread without one). While it runs, the interpreter's
+  switch interval is ``SWITCH_S``: the loop, always busy while copies run,
+  held the GIL for up to the default 5 ms before the thread got it back
+  after a driver call (median 0.56 ms, measured in the fourth session of
+  2026-11-27), which left stores waiting on the hand-off.
+- ``close()`` lets the thread finish what it was handed and joins it (call
+  before synchronizing the queue's streams at shutdown).
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from typing import Any
+
+from kvd_protocol import cuda_driver
+
+SWITCH_S = 0.0002
+
+
+class Handed:
+    """A store in the thread's hands (module doc): ``done`` for the poller."""
+    __slots__ = ("event", "error")
+
+    def __init__(self) -> None:
+        self.event: Any = None
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        event = self.event  # set after error: once seen, error is final
+        if event is None or not event.done:
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class _Landed:
+    done = True
+
+
+class DmaHand:
+    """The store queue's driver thread (module doc)."""
+
+    def __init__(self, cp: Any, ordinal: int, queue_: Any) -> None:
+        self.cp, self.ordinal, self.queue = cp, ordinal, queue_
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._switch = sys.getswitchinterval()
+
+    def hand(self, steps: list) -> Handed:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=f"kvd-dma{self.ordinal}",
+                                            daemon=True)
+            sys.setswitchinterval(SWITCH_S)
+            self._thread.start()
+        handed = Handed()
+        self._jobs.put((steps, handed))
+        return handed
+
+    def _work(self) -> None:
+        self.cp.cuda.Device(self.ordinal).use()
+        cuda_driver.ensure_context(self.ordinal)
+        while (job := self._jobs.get()) is not None:
+            self._queue(*job)
+
+    def _queue(self, steps: list, handed: Handed) -> None:
+        error = None
+        try:
+            for step in steps:
+                self.queue.enqueue(step)
+        except Exception as exc:  # noqa: BLE001 - crosses to the caller through Handed
+            error = exc
+        try:
+            if error is not None:
+                self.queue.join_streams()
+            event = self.cp.cuda.Event(block=False, disable_timing=True)
+            event.record(self.queue.stream)
+        except Exception as exc:  # noqa: BLE001 - a broken context: nothing queued will land
+            error, event = error or exc, _Landed()
+        handed.error = error
+        handed.event = event
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+            sys.setswitchinterval(self._switch)

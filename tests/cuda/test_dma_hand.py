@@ -1,0 +1,148 @@
+"""``kvd.cuda.dma_hand``: DMA stores queued with the driver by a thread, not the event loop.
+
+Drives the real ``DmaPath`` with ``store_thread`` on and CUDA stubbed (the
+stand-in of tools/dma_host_cost.py, events whose completion the test sets,
+driver calls the test holds or refuses): ``store`` returns before the
+driver saw the store; the store is done only once the thread queued it and
+its event landed; a refused step raises only after the queue's streams were
+joined and that event landed; stores reach the driver in the order handed,
+from the thread. The real copies are in test_fake_gpu_dma.py and
+test_gpu_dma.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import dma_host_cost as stub  # noqa: E402
+
+from kvd.cuda import dma, dma_hand, dma_plan  # noqa: E402
+from kvd_protocol.cuda_driver import CudaExportError  # noqa: E402
+
+
+class Event:
+    def __init__(self, block: bool = False, disable_timing: bool = True) -> None:
+        self.landed = False
+
+    def record(self, stream=None) -> None:
+        pass
+
+    @property
+    def done(self) -> bool:
+        return self.landed
+
+
+class Runtime(stub._Runtime):
+    joins = 0
+
+    def streamWaitEvent(self, stream, event, flags) -> None:
+        Runtime.joins += 1
+
+
+class Cupy(stub.StubCupy):
+    cuda = type("cuda", (stub._Cuda,), {"Event": Event, "runtime": Runtime()})
+
+
+class Driver:
+    """Row batches as the driver gets them: (thread, first dst), held while ``gate`` is
+    clear; the ``refuse``-th call (1-based) is refused."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.refuse = 0
+
+    def rows(self, stream, dsts, srcs, sizes) -> None:
+        self.gate.wait(10)
+        self.calls.append((threading.current_thread().name, int(dsts[0])))
+        if len(self.calls) == self.refuse:
+            raise CudaExportError("cuMemcpyBatchAsync failed: CUDA error 1")
+
+
+@pytest.fixture
+def per_layer(monkeypatch):
+    """A DmaPath with the store thread over a per-layer MLA pool (one row a (layer, page),
+    spread over 8 streams: 8 driver calls a store), and the driver stand-in."""
+    driver = Driver()
+    monkeypatch.setattr(dma.cuda_driver, "memcpy_batch_async", driver.rows)
+    monkeypatch.setattr(dma_hand.cuda_driver, "ensure_context", lambda ordinal: None)
+    layout, bases = stub.pool(61, 1, 1152, 16, "per-layer")
+    settings = dma.DmaSettings(spread_below=1 << 30, store_thread=True)
+    path = dma.DmaPath(Cupy(), 0, settings, (stub.ARENA, stub.PIECE), None)
+    ptrs = np.uint64(stub.ARENA) + np.arange(8, dtype=np.uint64) * np.uint64(layout.shard_bytes(16))
+    switch = sys.getswitchinterval()
+    yield path, layout, bases, dma_plan.pool_groups(layout, bases), ptrs, driver
+    driver.gate.set()
+    path.close()
+    assert sys.getswitchinterval() == switch and path.hand._thread is None
+
+
+def settled(handed: dma_hand.Handed) -> None:
+    deadline = time.monotonic() + 10
+    while handed.event is None:
+        assert time.monotonic() < deadline, "the thread never finished the store"
+        time.sleep(0.001)
+
+
+def test_a_store_returns_before_the_driver_and_is_done_once_queued_and_landed(per_layer):
+    path, layout, bases, groups, ptrs, driver = per_layer
+    driver.gate.clear()
+    stream, how, handed = path.store(layout, bases, groups, np.arange(8), ptrs, 16)
+    assert stream is None and how == dma.DIRECT and not driver.calls
+    assert sys.getswitchinterval() == pytest.approx(dma_hand.SWITCH_S)
+    assert not handed.done  # still in the thread's hands
+    driver.gate.set()
+    settled(handed)
+    assert {name for name, _ in driver.calls} == {"kvd-dma0"} and len(driver.calls) == 8
+    assert not handed.done  # queued, not landed
+    handed.event.landed = True
+    assert handed.done
+
+
+def test_stores_reach_the_driver_in_the_order_handed(per_layer):
+    path, layout, bases, groups, ptrs, driver = per_layer
+    driver.gate.clear()
+    handed = [path.store(layout, bases, groups, np.arange(8) + 8 * i, ptrs, 16)[2]
+              for i in range(5)]
+    driver.gate.set()
+    for h in handed:
+        settled(h)
+    firsts = [dst for _, dst in driver.calls[::8]]  # each store's first batch: its first row
+    assert firsts == sorted(firsts) and len(driver.calls) == 40
+    assert path.store_queue.queued_bytes() == 5 * 8 * layout.shard_bytes(16)
+
+
+def test_a_refused_step_raises_only_after_the_streams_joined_and_what_was_queued_landed(per_layer):
+    path, layout, bases, groups, ptrs, driver = per_layer
+    driver.refuse = 3  # the third stream's batch of the first store
+    Runtime.joins = 0
+    _, _, handed = path.store(layout, bases, groups, np.arange(8), ptrs, 16)
+    settled(handed)
+    assert isinstance(handed.error, CudaExportError) and len(driver.calls) == 3
+    assert Runtime.joins == 1 + 7  # the second stream joined by the step, then all 7 by the fence
+    assert not handed.done  # the queued batches may still write the arena
+    handed.event.landed = True
+    with pytest.raises(CudaExportError):
+        handed.done
+    _, _, after = path.store(layout, bases, groups, np.arange(8) + 8, ptrs, 16)
+    settled(after)  # the thread goes on with the next store
+    after.event.landed = True
+    assert after.done and len(driver.calls) == 3 + 8
+
+
+def test_close_lets_the_thread_queue_what_it_was_handed(per_layer):
+    path, layout, bases, groups, ptrs, driver = per_layer
+    driver.gate.clear()
+    handed = [path.store(layout, bases, groups, np.arange(8) + 8 * i, ptrs, 16)[2]
+              for i in range(3)]
+    threading.Timer(0.2, driver.gate.set).start()
+    path.settle()
+    assert all(h.event is not None for h in handed) and len(driver.calls) == 24
