@@ -19,7 +19,9 @@ allocation (vLLM's pools; ``--pool block-outer``: a page's layers adjacent;
 pages at random ids, defaults of the ``gpu_dma_*`` knobs and 64 MiB staging slots. Per shape, page size, path
 and direction: the median of ``--repeat`` copies in microseconds, and its
 share of the copy's time at ``--pcie-gbs``; ``--streams``, ``--spread-below`` and
-``--load-window`` set those knobs (the driver calls a copy makes). Usage:
+``--load-window`` set those knobs (the driver calls a copy makes). Stores are timed
+as the event loop queues them without ``gpu_dma_store_thread`` (with it, the loop
+only plans them: the driver's part goes to the thread). Usage:
 ``.venv/bin/python tools/dma_host_cost.py [--chunks 8] [--page-sizes 16,64]``.
 """
 
@@ -133,7 +135,7 @@ def make_path(stage_below: int, poller: EventPoller, **knobs) -> dma.DmaPath:
     cp = StubCupy()
     rings = tuple(StagingRing(cp, kind, None, cp.cuda.Stream(), cp.cuda.Stream(), SLOTS,
                               SLOT_BYTES, (ARENA, PIECE)) for kind in ("gather", "scatter"))
-    settings = dma.DmaSettings(stage_below=stage_below, **knobs)
+    settings = dma.DmaSettings(stage_below=stage_below, store_thread=False, **knobs)
     return dma.DmaPath(cp, 0, settings, (ARENA, PIECE), poller, rings)
 
 

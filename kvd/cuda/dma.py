@@ -46,8 +46,8 @@ Contract:
   the stream the copy ends on, how it went (``DIRECT`` or ``STAGED``) and
   None; with ``store_thread`` (``gpu_dma_store_thread``) the loop only plans
   a store, ``kvd.cuda.dma_hand`` queues it, and ``store`` returns None, how,
-  and its ``Handed`` to poll (such stores never go staged: the thread owns
-  the store queue's streams);
+  and its ``Handed`` to poll (not with ``stage_below``: the thread owns the
+  store queue's streams, which the staging slots' fills share);
   ``load`` returns how it went (it ends on ``load_queue.stream``) and what
   is left to queue (below).
 - Unlike a kernel, a queued DMA cannot check a load's cancel word when it
@@ -242,7 +242,7 @@ class DmaSettings(NamedTuple):
     load_window: int = 256 << 20
     stage_below: int = 0
     spread_below: int = 64 << 10
-    store_thread: bool = False
+    store_thread: bool = True
 
 
 class DmaPath:
@@ -255,7 +255,8 @@ class DmaPath:
                                              for _ in range(2))
         self.window, self.host_pieces, self.poller = settings.load_window, host_pieces, poller
         self.rings, self.stage_below = rings, settings.stage_below
-        self.hand = DmaHand(cp, ordinal, self.store_queue) if settings.store_thread else None
+        self.hand = DmaHand(cp, ordinal, self.store_queue) \
+            if settings.store_thread and not settings.stage_below else None
 
     def staged(self, ring: Any, other: DmaQueue, layout: Any, groups: list, chunk_tokens: int,
                n_chunks: int) -> list | None:
@@ -284,7 +285,7 @@ class DmaPath:
         """Queue a whole store (pool -> arena); returns ``(stream, how, None)``: the stream
         it ends on and how, or with ``store_thread`` ``(None, how, handed)``: the thread
         queues it, ``handed`` (``dma_hand.Handed``) is what to poll."""
-        ring = None if self.hand is not None else self.rings[0]  # the thread owns the queue
+        ring = self.rings[0]
         pieces = self.staged(ring, self.load_queue, layout, groups, chunk_tokens, len(ptrs))
         if pieces is not None:
             run = self._through(ring, self.store_queue, pieces, layout, bases, groups, page_ids,
