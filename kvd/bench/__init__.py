@@ -57,7 +57,8 @@ def add_arguments(p) -> None:
     p.add_argument("--spin-ms", type=float, default=0.0, help="with --gpu: the clients busy-poll "
                    "this long for each reply before sleeping (KvdClient spin_s)")
     p.add_argument("--gpu-pool", choices=("per-layer", "one", "block-outer"), default="per-layer",
-                   help="with --gpu: each layer's KV its own allocation (SGLang's, older vLLM's), "
+                   help="with --gpu: each layer's KV its own allocation (SGLang's, older vLLM's; "
+                   "at least 12 MiB each, so that PyTorch does not pack layers into one), "
                    "all layers in one (vLLM's single backing allocation), or one with a block's "
                    "layers adjacent (vLLM 0.32's BLHNC-family layouts)")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
