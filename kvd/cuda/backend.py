@@ -396,8 +396,8 @@ class CudaCopyEngine:
                 self.rt.hostUnregister(self.arena_ptr + start)
 
     def _drain(self, dev: _Device, deadline: float) -> bool:
-        if dev.dma is not None:
-            dev.dma.settle()
+        if dev.dma is not None and not dev.dma.settle(max(0.0, deadline - time.monotonic())):
+            return False
         with self.cp.cuda.Device(dev.ordinal):
             events = []
             extra = [] if dev.dma is None else dev.dma.store_queue.streams + dev.dma.load_queue.streams

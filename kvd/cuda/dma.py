@@ -349,11 +349,11 @@ class DmaPath:
                 signal.layers_landed(self.load_queue.stream, (layer,))
         return True
 
-    def settle(self) -> None:
+    def settle(self, timeout: float | None = None) -> bool:
         """Let the store thread queue what it was handed, and stop it (before the streams
-        are synchronized at shutdown)."""
-        if self.hand is not None:
-            self.hand.close()
+        are synchronized at shutdown); False if it is still in a driver call after
+        ``timeout`` seconds."""
+        return self.hand is None or self.hand.close(timeout)
 
     def close(self) -> None:
         self.settle()

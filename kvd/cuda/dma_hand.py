@@ -29,8 +29,13 @@ Contract:
   held the GIL for up to the default 5 ms before the thread got it back
   after a driver call (median 0.56 ms, measured in the fourth session of
   2026-11-27), which left stores waiting on the hand-off.
-- ``close()`` lets the thread finish what it was handed and joins it (call
-  before synchronizing the queue's streams at shutdown).
+- Should the thread fail to take the context, every store handed to it
+  fails with that error (nothing was queued), instead of never landing.
+- ``close(timeout)`` lets the thread finish what it was handed and joins
+  it for at most ``timeout`` seconds (call before synchronizing the queue's
+  streams at shutdown); False if the thread is still in a driver call then
+  (the caller frees nothing a queued copy may use). The switch interval is
+  restored once no GPU's thread runs.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from typing import Any
 from kvd_protocol import cuda_driver
 
 SWITCH_S = 0.0002
+_running: list = []  # the threads that run, and the switch interval before the first
+_lock = threading.Lock()
 
 
 class Handed:
@@ -74,21 +81,27 @@ class DmaHand:
         self.cp, self.ordinal, self.queue = cp, ordinal, queue_
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._switch = sys.getswitchinterval()
 
     def hand(self, steps: list) -> Handed:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=f"kvd-dma{self.ordinal}",
                                             daemon=True)
-            sys.setswitchinterval(SWITCH_S)
+            with _lock:
+                _running.append(sys.getswitchinterval() if not _running else _running[0])
+                sys.setswitchinterval(SWITCH_S)
             self._thread.start()
         handed = Handed()
         self._jobs.put((steps, handed))
         return handed
 
     def _work(self) -> None:
-        self.cp.cuda.Device(self.ordinal).use()
-        cuda_driver.ensure_context(self.ordinal)
+        try:
+            self.cp.cuda.Device(self.ordinal).use()
+            cuda_driver.ensure_context(self.ordinal)
+        except Exception as exc:  # noqa: BLE001 - every store handed here fails with it
+            while (job := self._jobs.get()) is not None:
+                job[1].error, job[1].event = exc, _Landed()
+            return
         while (job := self._jobs.get()) is not None:
             self._queue(*job)
 
@@ -109,9 +122,16 @@ class DmaHand:
         handed.error = error
         handed.event = event
 
-    def close(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
-            sys.setswitchinterval(self._switch)
+    def close(self, timeout: float | None = None) -> bool:
+        if self._thread is None:
+            return True
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
+        self._thread = None
+        with _lock:
+            before = _running.pop()
+            if not _running:
+                sys.setswitchinterval(before)
+        return True

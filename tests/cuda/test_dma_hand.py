@@ -6,8 +6,9 @@ driver calls the test holds or refuses): ``store`` returns before the
 driver saw the store; the store is done only once the thread queued it and
 its event landed; a refused step raises only after the queue's streams were
 joined and that event landed; stores reach the driver in the order handed,
-from the thread. The real copies are in test_fake_gpu_dma.py and
-test_gpu_dma.py.
+from the thread; shutdown waits for the thread at most its timeout; a thread
+that cannot take the context fails its stores. The real copies are in
+test_fake_gpu_copies.py, test_fake_gpu_lifecycle.py and test_gpu_dma.py.
 """
 
 from __future__ import annotations
@@ -146,3 +147,29 @@ def test_close_lets_the_thread_queue_what_it_was_handed(per_layer):
     threading.Timer(0.2, driver.gate.set).start()
     path.settle()
     assert all(h.event is not None for h in handed) and len(driver.calls) == 24
+
+
+def test_close_gives_up_after_its_timeout_while_the_thread_is_in_the_driver(per_layer):
+    path, layout, bases, groups, ptrs, driver = per_layer
+    driver.gate.clear()
+    handed = path.store(layout, bases, groups, np.arange(8), ptrs, 16)[2]
+    t0 = time.monotonic()
+    assert path.settle(0.2) is False and time.monotonic() - t0 < 2
+    assert handed.event is None  # nothing freed, nothing reported landed
+    driver.gate.set()
+    assert path.settle(10) is True and handed.event is not None
+
+
+def test_a_thread_without_a_context_fails_every_store_handed_to_it(per_layer, monkeypatch):
+    path, layout, bases, groups, ptrs, driver = per_layer
+
+    def refuse(ordinal):
+        raise CudaExportError("cuDevicePrimaryCtxRetain failed: CUDA error 101")
+    monkeypatch.setattr(dma_hand.cuda_driver, "ensure_context", refuse)
+    handed = [path.store(layout, bases, groups, np.arange(8) + 8 * i, ptrs, 16)[2]
+              for i in range(2)]
+    for h in handed:
+        settled(h)
+        with pytest.raises(CudaExportError, match="error 101"):
+            h.done
+    assert not driver.calls

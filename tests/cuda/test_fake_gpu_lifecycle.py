@@ -10,8 +10,8 @@
 - With ``gpu_dma_store_thread``, an engine SIGKILLed while its stores are in
   the store thread's hands (one held on the copy engines, three queued
   behind it): reaped only after all four ran, its pool closed after them.
-- The daemon gets SIGTERM while a fake stream is stuck (a kernel held for
-  20 s): it exits 0 within ``shutdown_grace_s`` + ``CLOSE_WAIT_S`` (plus
+- The daemon gets SIGTERM while a fake stream is stuck (a kernel, or a store
+  queued by the store thread, held for 20 s): it exits 0 within ``shutdown_grace_s`` + ``CLOSE_WAIT_S`` (plus
   slack), saying it left GPU copies queued, with the kernel never run.
 """
 
@@ -147,9 +147,14 @@ def _batches(events: list) -> list[int]:
     return [i for i, e in enumerate(events) if e["ev"] == "dma"]
 
 
-def test_sigterm_is_bounded_while_a_stream_is_stuck(fake_engine, fake_daemon):
-    grace = 1.0
-    d = fake_daemon(kernel_delay_s={"kv_gather": 20}, trace=True, shutdown_grace_s=grace)
+STUCK = {"kernels": ({"kv_gather": 20}, {}, "kernel"),
+         "dma, store thread": ({"memcpy_batch": 20}, {**DMA, "gpu_dma_store_thread": "true"}, "dma")}
+
+
+@pytest.mark.parametrize("path", sorted(STUCK))
+def test_sigterm_is_bounded_while_a_stream_is_stuck(fake_engine, fake_daemon, path):
+    grace, (delay, knobs, ev) = 1.0, STUCK[path]
+    d = fake_daemon(kernel_delay_s=delay, trace=True, shutdown_grace_s=grace, **knobs)
     tensors, _, _ = fake_engine.tensors("vllm_flash_attn", 2, 8, 16, 4, 64)
     pool = fake_engine.pool("vllm_flash_attn", tensors)
     client = kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), timeout=60).connect()
@@ -165,4 +170,4 @@ def test_sigterm_is_bounded_while_a_stream_is_stuck(fake_engine, fake_daemon):
         client.close()
     assert took < grace + CLOSE_WAIT_S + 3, f"SIGTERM took {took:.1f} s:\n{d.log()}"
     assert "GPU copies still queued" in d.log(), d.log()
-    assert not [e for e in d.trace() if e["ev"] == "kernel"], "the stuck kernel was not stuck"
+    assert not [e for e in d.trace() if e["ev"] == ev], "the stuck copy was not stuck"
