@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvd_protocol.keys import DTYPE_SIZES
 
-from .common import size_arg
+from .common import PAGE_ORDERS, size_arg
 from .gpu import SHAPES
 from .pipeline import PHASES
 
@@ -61,6 +61,11 @@ def add_arguments(p) -> None:
                    "at least 12 MiB each, so that PyTorch does not pack layers into one), "
                    "all layers in one (vLLM's single backing allocation), or one with a block's "
                    "layers adjacent (vLLM 0.32's BLHNC-family layouts)")
+    p.add_argument("--page-order", choices=PAGE_ORDERS, default="random",
+                   help="with --gpu: the engines' page ids: a random permutation (a free list "
+                   "after churn, the worst case), sorted (a free list kept sorted, SGLang's "
+                   "need_sort), or contiguous (a fresh engine's): pages at consecutive ids of a "
+                   "chunk go as one copy")
     p.add_argument("--gpu-page-sizes", type=lambda v: [int(x) for x in v.split(",")],
                    default=[1, 16, 64, 256], help="with --gpu: comma-separated page sizes")
     p.add_argument("--gpu-host-capacity", type=size_arg, default=None, metavar="SIZE",

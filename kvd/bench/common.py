@@ -7,7 +7,8 @@ benchmarks run the default config, and leave nothing in /dev/shm);
 ``control`` sends one control
 request to it; ``request_bytes`` is the size of one request of a shape;
 ``start_scraper`` polls a daemon's ``/metrics`` from another process, as
-Prometheus would; ``on_stream`` runs one engine's calls on its own CUDA stream.
+Prometheus would; ``on_stream`` runs one engine's calls on its own CUDA stream;
+``page_sets`` picks the pages an engine stores from and loads into.
 """
 
 from __future__ import annotations
@@ -19,6 +20,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+
+PAGE_ORDERS = ("random", "sorted", "contiguous")
+
+
+def page_sets(order: str, n: int, seed: int):
+    """Two disjoint sets of ``n`` page ids out of ``2 n``, as int64 arrays: ``random``, a
+    random permutation split in two (an engine's free list after much churn: pages of
+    one chunk adjacent only by chance, one copy each; the worst case and the default);
+    ``sorted``, the same sets each in ascending order (a free list kept sorted, as
+    SGLang's paged allocator with ``need_sort``: about half of neighbours adjacent);
+    ``contiguous``, ``[0, n)`` and ``[n, 2 n)`` (a fresh engine's free list: a chunk's
+    pages are one run, one copy per layer)."""
+    import numpy as np
+    if order not in PAGE_ORDERS:
+        raise ValueError(f"page order must be one of {', '.join(PAGE_ORDERS)}, got {order!r}")
+    ids = np.arange(2 * n) if order == "contiguous" else np.random.default_rng(seed).permutation(2 * n)
+    a, b = ids[:n], ids[n:]
+    if order == "sorted":
+        a, b = np.sort(a), np.sort(b)
+    return a.astype(np.int64), b.astype(np.int64)
 
 
 def control(rundir: str, op: str, timeout: float = 300.0):

@@ -3,7 +3,8 @@
 This process is the engine: it allocates torch KV pools on the GPU, exports
 them through CUDA IPC and times client calls to completion (``store``
 returns once the daemon's gather finished; ``load`` once its scatter did).
-Page ids are a random permutation (an engine's free list scatters them).
+Page ids are a random permutation by default (an engine's free list scatters them;
+``--page-order``: sorted, or contiguous as a fresh engine's).
 Baselines measured in the same run: one pinned ``cudaMemcpy`` of the same
 bytes in each direction, and both directions at once on two streams. Also
 the slowdown of a bf16 GEMM running on the engine's stream while copies
@@ -26,7 +27,7 @@ import time
 import numpy as np
 
 from . import pipeline
-from .common import on_stream, request_bytes, start_daemon, stop_daemon, write_json
+from .common import on_stream, page_sets, request_bytes, start_daemon, stop_daemon, write_json
 
 OWN_SEGMENT = 12 << 20  # bytes: PyTorch gives a tensor of 10 MiB or more a cudaMalloc of its own
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
@@ -190,8 +191,7 @@ def _measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape, page, args
                   spin_s=args.spin_ms / 1e3).connect()
     a.register_kv(store_pool, model=f"bench-{name}")
     b.register_kv(load_pool, model=f"bench-{name}")
-    perm = np.random.default_rng(page).permutation(2 * n * ppc)  # engines' pages are scattered
-    pages, other = perm[:n * ppc], perm[n * ppc:]
+    pages, other = page_sets(args.page_order, n * ppc, page)
     times = {"store": [], "load": [], "both": []}
     streams = (torch.cuda.Stream(), torch.cuda.Stream())  # two engines: a stream each
     base = 10**6 * page
@@ -252,8 +252,7 @@ def _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args) -> dict:
 
     def copy_loop():
         i = 0
-        perm = np.random.default_rng(0).permutation(2 * n * (chunk // page))
-        pages, other = perm[:len(perm) // 2], perm[len(perm) // 2:]
+        pages, other = page_sets(args.page_order, n * (chunk // page), 0)
         while not stop.is_set():
             tokens = np.arange(n * chunk) + 10**9 + i * n * chunk
             timed, t0 = window.is_set(), time.perf_counter()

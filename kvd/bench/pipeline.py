@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from .common import control, on_stream, request_bytes
+from .common import control, on_stream, page_sets, request_bytes
 
 PHASES = ("store", "load", "both")
 
@@ -47,8 +47,7 @@ def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, 
                            load_slots=max(64, 2 * depth)).connect()
         pool = make_pool(torch, CudaKVPool, shape, 2 * n * ppc, page, args.gpu_pool)
         client.register_kv(pool, model=f"bench-{name}")
-        perm = np.random.default_rng(c).permutation(2 * n * ppc)
-        engines.append((client, pool, perm[:n * ppc], perm[n * ppc:], torch.cuda.Stream()))
+        engines.append((client, pool, *page_sets(args.page_order, n * ppc, c), torch.cuda.Stream()))
     cached = [np.arange(n * chunk) + 7 * 10**8 + c * n * chunk for c in range(clients)]
     torch.cuda.synchronize()
     fresh = itertools.count(10**9, n * chunk)  # next() on it is atomic: threads share it
