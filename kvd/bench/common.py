@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-
 PAGE_ORDERS = ("random", "sorted", "contiguous")
 
 
