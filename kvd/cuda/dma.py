@@ -178,8 +178,7 @@ class DmaQueue:
             if r.stop > r.start:
                 cuda_driver.memcpy_batch_async(s.ptr, step.dst[r], step.src[r], step.size[r])
             if k:
-                self.rt.eventRecord(self._joins[k - 1], s.ptr)
-                self.rt.streamWaitEvent(self.stream.ptr, self._joins[k - 1], 0)
+                self._join(k, s)
         done = self.cp.cuda.Event(block=False, disable_timing=True)
         done.record(self.stream)
         with self._lock:
@@ -191,9 +190,13 @@ class DmaQueue:
     def join_streams(self) -> None:
         """``stream`` waits for everything queued on the others so far (after a step
         failed part-way, before its joins)."""
-        for k, s in enumerate(self.streams[1:]):
-            self.rt.eventRecord(self._joins[k], s.ptr)
-            self.rt.streamWaitEvent(self.stream.ptr, self._joins[k], 0)
+        for k, s in enumerate(self.streams[1:], 1):
+            self._join(k, s)
+
+    def _join(self, k: int, s: Any) -> None:
+        """``stream`` waits for what ``s`` (``streams[k]``) has queued so far."""
+        self.rt.eventRecord(self._joins[k - 1], s.ptr)
+        self.rt.streamWaitEvent(self.stream.ptr, self._joins[k - 1], 0)
 
     def _one_by_one(self, stream: int, multi: np.ndarray, exc: Exception) -> tuple:
         """After the driver refused a 3D batch: each op alone, and the refused ones as
@@ -293,9 +296,10 @@ class DmaPath:
             return run(pieces), STAGED, None
         c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=True,
                     groups=groups)
+        steps = c.steps(1 << 62)
         if self.hand is not None:
-            return None, DIRECT, self.hand.hand(c.steps(1 << 62))
-        for step in c.steps(1 << 62):
+            return None, DIRECT, self.hand.hand(steps)
+        for step in steps:
             self.store_queue.enqueue(step)
         return self.store_queue.stream, DIRECT, None
 

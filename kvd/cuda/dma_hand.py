@@ -48,8 +48,8 @@ from typing import Any
 from kvd_protocol import cuda_driver
 
 SWITCH_S = 0.0002
-_running: list = []  # the threads that run, and the switch interval before the first
 _lock = threading.Lock()
+_switch = {"threads": 0, "before": 0.0}  # GPUs' threads running; the interval before them
 
 
 class Handed:
@@ -87,8 +87,10 @@ class DmaHand:
             self._thread = threading.Thread(target=self._work, name=f"kvd-dma{self.ordinal}",
                                             daemon=True)
             with _lock:
-                _running.append(sys.getswitchinterval() if not _running else _running[0])
-                sys.setswitchinterval(SWITCH_S)
+                if not _switch["threads"]:
+                    _switch["before"] = sys.getswitchinterval()
+                    sys.setswitchinterval(SWITCH_S)
+                _switch["threads"] += 1
             self._thread.start()
         handed = Handed()
         self._jobs.put((steps, handed))
@@ -131,7 +133,7 @@ class DmaHand:
             return False
         self._thread = None
         with _lock:
-            before = _running.pop()
-            if not _running:
-                sys.setswitchinterval(before)
+            _switch["threads"] -= 1
+            if not _switch["threads"]:
+                sys.setswitchinterval(_switch["before"])
         return True

@@ -23,21 +23,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import dma_host_cost as stub  # noqa: E402
+from test_dma_queue import Event  # noqa: E402 - events whose landing the test sets
 
 from kvd.cuda import dma, dma_hand, dma_plan  # noqa: E402
 from kvd_protocol.cuda_driver import CudaExportError  # noqa: E402
-
-
-class Event:
-    def __init__(self, block: bool = False, disable_timing: bool = True) -> None:
-        self.landed = False
-
-    def record(self, stream=None) -> None:
-        pass
-
-    @property
-    def done(self) -> bool:
-        return self.landed
 
 
 class Runtime(stub._Runtime):

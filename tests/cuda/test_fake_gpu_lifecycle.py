@@ -32,13 +32,20 @@ CHUNK = 16
 LAYERS = 4
 
 
-def _dying_engine(runtime_dir: str, layers: int, conn) -> None:
+def _engine(runtime_dir: str, layers: int) -> tuple:
+    """In a spawned engine: a client with a fake-GPU pool of 64 pages registered, and the
+    pool's memory region."""
     from fakecuda import driver, engine
     driver.install()
     tensors, _, region = engine.kv_tensors("vllm_flash_attn", layers, 64, 16, 8, 128, seed=1)
     pool = engine.FakeCudaKVPool("vllm_flash_attn", tensors)
     client = kvd_client.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=60).connect()
     client.register_kv(pool, model="dying")
+    return client, region
+
+
+def _dying_engine(runtime_dir: str, layers: int, conn) -> None:
+    client, region = _engine(runtime_dir, layers)
     tokens = np.arange(16 * CHUNK)
     assert client.store(tokens, range(16)) == 16 * CHUNK
     time.sleep(0.1)  # staged only once the other direction has been idle (STAGE_IDLE_S)
@@ -80,31 +87,36 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     killed = time.monotonic()
     wait_reaped(d, 20)
     events = d.trace()
-    closes = [i for i, e in enumerate(events) if e["ev"] == "ipc_close" and e["region"] == region]
-    assert len(closes) == 1, f"the dead engine's pool was not closed once: {events}"
+    closes = _closed_once(events, region)
     touching = _writes(events, region)
     assert touching and max(touching) < closes[0], "a copy wrote into the pool after it was closed"
     assert any(events[i]["t"] > killed for i in touching), "no copy was in flight when it died"
     assert _scattered(events, region) == 4, "the load's copies did not all run"
     assert ("staged DMA:" in d.log()) == (path == "staged dma"), d.log()
+    _survivor_round_trip(fake_engine, d)
+    assert d.stop() == 0, d.log()
+
+
+def _closed_once(events: list, region: str) -> list[int]:
+    """Where the dead engine's pool was closed: once, or the test fails."""
+    closes = [i for i, e in enumerate(events) if e["ev"] == "ipc_close" and e["region"] == region]
+    assert len(closes) == 1, f"the dead engine's pool was not closed once: {events}"
+    return closes
+
+
+def _survivor_round_trip(fake_engine, d) -> None:
+    """The next engine stores 4 pages and loads them into 4 others, bit-exact."""
     tensors, _, _ = fake_engine.tensors("vllm_flash_attn", LAYERS, 8, 16, 8, 128, seed=2)
-    pool = fake_engine.pool("vllm_flash_attn", tensors)
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
-        client.register_kv(pool, model="survivor")
+        client.register_kv(fake_engine.pool("vllm_flash_attn", tensors), model="survivor")
         want = [t[:, :4].copy() for t in tensors]
         assert client.store(np.arange(CHUNK * 4) + 9, range(4)) == 4 * CHUNK
         assert client.load(np.arange(CHUNK * 4) + 9, range(4, 8)) == 4 * CHUNK
         assert all(np.array_equal(t[:, 4:8], w) for t, w in zip(tensors, want))
-    assert d.stop() == 0, d.log()
 
 
 def _storing_engine(runtime_dir: str, layers: int, conn) -> None:
-    from fakecuda import driver, engine
-    driver.install()
-    tensors, _, region = engine.kv_tensors("vllm_flash_attn", layers, 64, 16, 8, 128, seed=1)
-    pool = engine.FakeCudaKVPool("vllm_flash_attn", tensors)
-    client = kvd_client.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=60).connect()
-    client.register_kv(pool, model="dying")
+    client, region = _engine(runtime_dir, layers)
     for k in range(4):  # each store one batch, held 0.4 s: three wait in the thread's queue
         client.submit_store(np.arange(4 * CHUNK) + k * 10**6, range(4 * k, 4 * k + 4))
     conn.send((os.getpid(), region.name))
@@ -125,18 +137,11 @@ def test_engine_killed_with_stores_in_the_store_threads_hands_is_reaped_after_th
     killed = time.monotonic()
     wait_reaped(d, 20)
     events = d.trace()
-    closes = [i for i, e in enumerate(events) if e["ev"] == "ipc_close" and e["region"] == region]
-    assert len(closes) == 1, f"the dead engine's pool was not closed once: {events}"
+    closes = _closed_once(events, region)
     reads = _batches(events)  # all the dead engine's: the survivor comes after
     assert len(reads) == 4 and max(reads) < closes[0], "a store ran after the pool closed"
     assert any(events[i]["t"] > killed for i in reads), "no store was in flight when it died"
-    tensors, _, _ = fake_engine.tensors("vllm_flash_attn", LAYERS, 8, 16, 8, 128, seed=2)
-    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
-        client.register_kv(fake_engine.pool("vllm_flash_attn", tensors), model="survivor")
-        want = [t[:, :4].copy() for t in tensors]
-        assert client.store(np.arange(CHUNK * 4) + 9, range(4)) == 4 * CHUNK
-        assert client.load(np.arange(CHUNK * 4) + 9, range(4, 8)) == 4 * CHUNK
-        assert all(np.array_equal(t[:, 4:8], w) for t, w in zip(tensors, want))
+    _survivor_round_trip(fake_engine, d)
     assert "Traceback" not in d.log(), d.log()
     assert d.stop() == 0, d.log()
 
