@@ -9,18 +9,18 @@ context, streams, the compiled kernels and the staging rings exist only on
 devices some client registered memory on. The host arena is registered
 with the driver as pinned (portable, in pieces) on first use.
 
-Copy paths (``copy_path``): ``dma`` moves pages between the pool and the arena
-with the copy engines only (``kvd.cuda.dma``; small pitched pages staged through
-the slots below, ``kvd.cuda.dma_stage``), for pools whose pages are byte ranges
-of at least ``dma_settings.min_piece`` bytes (``auto``; ``dma``: any size); no
-kernel of the daemon's runs, so the engine keeps its GPU time slices. Other
-pools (and every pool with ``kernels``) use SM kernels.
+Copy paths (``copy_path``): ``dma`` moves pages between the pool and the arena with the
+copy engines only (``kvd.cuda.dma``; small pitched pages staged through the slots below,
+``kvd.cuda.dma_stage``), for pools whose pages are byte ranges of at least
+``dma_settings.min_piece`` bytes (``auto``; ``dma``: any size); no kernel of the daemon's
+runs, so the engine keeps its GPU time slices (the driver calls of stores, and with
+``gpu_dma_load_thread`` of loads, made by a thread of each GPU and direction, not the event
+loop). Other pools (and every pool with ``kernels``) use SM kernels.
 Kernel copies are staged (``kvd.cuda.staging``): per GPU and direction a ring of
-``stage_slots`` device buffers of ``stage_slot_bytes`` (2 x slots x bytes of
-the engine GPU's memory: 256 MiB by default), kernels between the pool and
-the ring, DMA between the ring and the arena. Where one layer of one chunk
-does not fit a slot (or ``stage_slots`` is 0), kernels read and write the
-arena directly through unified addressing instead (zero-copy).
+``stage_slots`` device buffers of ``stage_slot_bytes`` (2 x slots x bytes of the engine
+GPU's memory: 256 MiB by default), kernels between the pool and the ring, DMA between the
+ring and the arena. Where one layer of one chunk does not fit a slot (or ``stage_slots``
+is 0), kernels read and write the arena directly through unified addressing (zero-copy).
 
 Fault isolation: nothing of an engine's ever enters the daemon's streams. A store's
 ordering after the engine's forward pass is checked by the service on the host (the flag
@@ -137,10 +137,8 @@ class CudaCopyEngine:
         rings = [None, None]
         if slots > 0:
             pieces = (self.arena_ptr, REGISTER_PIECE)
-            rings = [StagingRing(self.cp, "gather", copier, streams[0], streams[1], slots, slot_bytes,
-                                 pieces),
-                     StagingRing(self.cp, "scatter", copier, streams[2], streams[3], slots, slot_bytes,
-                                 pieces)]
+            rings = [StagingRing(self.cp, kind, copier, streams[k], streams[k + 1], slots, slot_bytes,
+                                 pieces) for k, kind in ((0, "gather"), (2, "scatter"))]
         path = None
         if self.copy_path != "kernels" and cuda_driver.has_memcpy3d_batch():
             path = dma.DmaPath(self.cp, ordinal, self.dma, (self.arena_ptr, REGISTER_PIECE),
@@ -266,7 +264,7 @@ class CudaCopyEngine:
         ptrs, layers = self._chunk_ptrs(plan), range(plan.layout.num_layers)
         if pool.by_dma:
             with self.cp.cuda.Device(dev.ordinal):
-                start = None if dev.dma.hand else gpu_start(self.cp, dev.dma.store_queue.stream)
+                start = None if dev.dma.store_hand else gpu_start(self.cp, dev.dma.store_queue.stream)
                 stream, how, done = dev.dma.store(plan.layout, pool.bases, pool.groups,
                                                   plan.page_ids, ptrs, plan.chunk_tokens)
                 return completion(self.cp, self.poller, stream, "gather", plan, how, t0, start,
@@ -311,10 +309,11 @@ class CudaCopyEngine:
 
     async def _scatter_dma(self, plan: CopyPlan, ptrs, signal: GpuSignal | None,
                            t0: float) -> asyncio.Future:
-        """Queue now what the load window admits, the rest in a task. The future (the copy
-        in flight) ends after the last queued byte landed: no pool closes under its DMA."""
+        """Queue what the load window admits now, the rest in a task, or all by the load
+        thread; the future ends after the last queued byte landed: no pool closes under it."""
         pool = plan.pool
         dev, stream = pool.device, pool.device.dma.load_queue.stream
+        args = (plan.layout, pool.bases, pool.groups, plan.page_ids, ptrs, plan.chunk_tokens, signal)
 
         def finish(how: str, failed: Exception | None = None) -> asyncio.Future:
             with self.cp.cuda.Device(dev.ordinal):
@@ -322,10 +321,12 @@ class CudaCopyEngine:
                                    dev.dma.load_queue.landed, failed)
 
         with self.cp.cuda.Device(dev.ordinal):
-            start = gpu_start(self.cp, stream)
+            start = None if dev.dma.load_hand else gpu_start(self.cp, stream)
         try:
-            how, rest = dev.dma.load(plan.layout, pool.bases, pool.groups, plan.page_ids, ptrs,
-                                     plan.chunk_tokens, signal)
+            if dev.dma.load_hand is not None:
+                return completion(self.cp, self.poller, None, "scatter", plan, dma.DIRECT, t0,
+                                  then=dev.dma.load_queue.landed, done=dev.dma.hand_load(*args))
+            how, rest = dev.dma.load(*args)
         except Exception as exc:  # noqa: BLE001 - reported once what was queued landed
             return finish(dma.DIRECT, exc)
         if rest is None:
@@ -388,9 +389,8 @@ class CudaCopyEngine:
             return  # freeing memory a queued copy uses would be worse than leaking it
         for dev in self.devices.values():
             with self.cp.cuda.Device(dev.ordinal):
-                for ring in (dev.store, dev.load, dev.dma):
-                    if ring is not None:
-                        ring.close()
+                for ring in filter(None, (dev.store, dev.load, dev.dma)):
+                    ring.close()
         if self.registered:
             for start in range(0, self.arena.nbytes, REGISTER_PIECE):
                 self.rt.hostUnregister(self.arena_ptr + start)

@@ -49,7 +49,8 @@ Contract:
   and its ``Handed`` to poll (not with ``stage_below``: the thread owns the
   store queue's streams, which the staging slots' fills share);
   ``load`` returns how it went (it ends on ``load_queue.stream``) and what
-  is left to queue (below).
+  is left to queue (below); with ``load_thread`` (``gpu_dma_load_thread``,
+  not with ``stage_below`` either) the caller uses ``hand_load`` instead.
 - Unlike a kernel, a queued DMA cannot check a load's cancel word when it
   starts: ``DmaPath.load`` therefore queues a load in steps (a staging slot's
   chunks; runs of pages of about a quarter of ``window`` over all layers; a
@@ -58,7 +59,11 @@ Contract:
   steps the window admits go in the caller's turn, before ``load`` returns
   (a task started for them began a loop turn later, each turn possibly
   behind a whole store); ``load`` returns the rest as a coroutine function,
-  or None when nothing is left to queue.
+  or None when nothing is left to queue. ``hand_load`` plans the same steps
+  on the loop and hands them to the load queue's thread, which checks the
+  cancel word and the window (polling every ``WINDOW_POLL_S``) before each
+  step and writes the layer words and then the done word (also after a
+  cancel or an error); it returns the ``Handed`` to poll.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ _EVENT_NO_TIMING = 0x2
 DIRECT, STAGED = "DMA", "staged DMA"  # how a copy went, for the debug log
 STAGE_IDLE_S = 0.05  # the other direction idle this long: a copy may go staged
 MIN_ROW_BYTES = 16 << 10  # narrower rows are slow even pitched (2 KiB: 0.33 of a memcpy)
+WINDOW_POLL_S = 0.0002  # a load thread waiting for its window looks again this often
 log = logging.getLogger(__name__)
 
 
@@ -224,6 +230,11 @@ class DmaQueue:
         self.queued, self._bytes = deque(), 0
 
 
+def _queue_all(queue: DmaQueue, steps: list) -> None:
+    for step in steps:
+        queue.enqueue(step)
+
+
 def _geometry(layout: Any, chunk_tokens: int) -> dict:
     """What ``StagingRing.run`` reads of a copy's geometry."""
     return {"planes": layout.planes, "row_bytes": layout.row_bytes, "chunk_tokens": chunk_tokens}
@@ -246,6 +257,7 @@ class DmaSettings(NamedTuple):
     stage_below: int = 0
     spread_below: int = 64 << 10
     store_thread: bool = True
+    load_thread: bool = False
 
 
 class DmaPath:
@@ -258,8 +270,10 @@ class DmaPath:
                                              for _ in range(2))
         self.window, self.host_pieces, self.poller = settings.load_window, host_pieces, poller
         self.rings, self.stage_below = rings, settings.stage_below
-        self.hand = DmaHand(cp, ordinal, self.store_queue) \
-            if settings.store_thread and not settings.stage_below else None
+        self.store_hand, self.load_hand = (
+            DmaHand(cp, ordinal, q, f"kvd-dma{ordinal}{suffix}") if on and not self.stage_below
+            else None for q, suffix, on in ((self.store_queue, "", settings.store_thread),
+                                            (self.load_queue, "-load", settings.load_thread)))
 
     def staged(self, ring: Any, other: DmaQueue, layout: Any, groups: list, chunk_tokens: int,
                n_chunks: int) -> list | None:
@@ -296,11 +310,10 @@ class DmaPath:
             return run(pieces), STAGED, None
         c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=True,
                     groups=groups)
-        steps = c.steps(1 << 62)
-        if self.hand is not None:
-            return None, DIRECT, self.hand.hand(steps)
-        for step in steps:
-            self.store_queue.enqueue(step)
+        queue_all = partial(_queue_all, self.store_queue, c.steps(1 << 62))
+        if self.store_hand is not None:
+            return None, DIRECT, self.store_hand.hand(queue_all)
+        queue_all()
         return self.store_queue.stream, DIRECT, None
 
     def load(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
@@ -323,9 +336,7 @@ class DmaPath:
                                 chunk_tokens)
             steps = [partial(run, [p]) for p in pieces]
         else:
-            c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces,
-                        to_host=False, by_layer=layerwise, groups=groups)
-            steps = [partial(q.enqueue, step) for step in c.steps(max(1, self.window // 4))]
+            steps = self._load_steps(layout, bases, groups, page_ids, ptrs, chunk_tokens, layerwise)
         how = DIRECT if pieces is None else STAGED
         todo = iter(enumerate(steps))
         queue_one = partial(self._load_step, signal, layerwise)
@@ -341,6 +352,30 @@ class DmaPath:
                     return
         return how, rest
 
+    def hand_load(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
+                  ptrs: np.ndarray, chunk_tokens: int, signal: Any) -> Any:
+        """``load`` with ``load_thread``: the steps planned here, queued by the load queue's
+        thread (each after the cancel word and the window), the done word behind them;
+        returns the ``dma_hand.Handed`` to poll."""
+        q, layerwise = self.load_queue, signal is not None and signal.layerwise
+        steps = enumerate(self._load_steps(layout, bases, groups, page_ids, ptrs, chunk_tokens,
+                                           layerwise))
+
+        def work() -> None:
+            for item in steps:
+                while q.queued_bytes() > self.window:
+                    time.sleep(WINDOW_POLL_S)
+                if not self._load_step(signal, layerwise, item):
+                    return
+        return self.load_hand.hand(work, None if signal is None else partial(signal.done, q.stream))
+
+    def _load_steps(self, layout: Any, bases: np.ndarray, groups: list, page_ids: np.ndarray,
+                    ptrs: np.ndarray, chunk_tokens: int, layerwise: bool) -> list:
+        """A straight load's steps: runs of pages of about ``window / 4`` bytes, or layers."""
+        c = CopyOps(layout, bases, page_ids, ptrs, chunk_tokens, self.host_pieces, to_host=False,
+                    by_layer=layerwise, groups=groups)
+        return [partial(self.load_queue.enqueue, step) for step in c.steps(max(1, self.window // 4))]
+
     def _load_step(self, signal: Any, layerwise: bool, item: tuple | None) -> bool:
         """Queue one (layer, step) of a load unless there is none or the load was
         cancelled (what is queued runs; nothing more touches the pages); whether it did."""
@@ -354,10 +389,13 @@ class DmaPath:
         return True
 
     def settle(self, timeout: float | None = None) -> bool:
-        """Let the store thread queue what it was handed, and stop it (before the streams
-        are synchronized at shutdown); False if it is still in a driver call after
-        ``timeout`` seconds."""
-        return self.hand is None or self.hand.close(timeout)
+        """Let the threads queue what they were handed, and stop them (before the streams
+        are synchronized at shutdown); False if one is still in a driver call or waiting for
+        its window after ``timeout`` seconds (in all)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(hand is None or hand.close(None if deadline is None else
+                                              max(0.0, deadline - time.monotonic()))
+                   for hand in (self.store_hand, self.load_hand))
 
     def close(self) -> None:
         self.settle()

@@ -161,7 +161,7 @@ def make_cuda_engine(cfg, arena_view):
         from kvd.cuda.dma import DmaSettings
         dma = DmaSettings(cfg.gpu_dma_streams, cfg.gpu_dma_min_piece, cfg.gpu_dma_load_window,
                           cfg.gpu_dma_stage_below, cfg.gpu_dma_spread_below,
-                          cfg.gpu_dma_store_thread)
+                          cfg.gpu_dma_store_thread, cfg.gpu_dma_load_thread)
         engine = CudaCopyEngine(arena_view, cfg.gpu_max_blocks, cfg.gpu_stage_slots,
                                 cfg.gpu_stage_slot_bytes, cfg.gpu_poll_interval_us,
                                 cfg.gpu_copy_path, dma)

@@ -2,7 +2,8 @@
 
 - An engine (a spawned process on the fake GPU) is SIGKILLed while its load's
   kernels (or, on the DMA path, its batched copies, queued in steps of 4
-  pages, or staged: 4 slots of 4 chunks) are held back on the daemon's streams: the daemon reaps it
+  pages, or staged: 4 slots of 4 chunks; or queued by the load thread, which waits for
+  the window between steps) are held back on the daemon's streams: the daemon reaps it
   only after those copies ran, then closes its pool (the IPC mapping goes
   last: no copy touches the engine's memory after it, which the fake would
   report as an illegal address and a broken context), and serves the next
@@ -70,6 +71,7 @@ DMA = {"gpu_copy_path": "dma", "gpu_dma_streams": 1, "gpu_dma_load_window": "4Mi
 PATHS = {"kernels": (LAYERS, {"kv_scatter": 0.4}, {"gpu_copy_path": "kernels",
                                                    "gpu_stage_slot_bytes": "1MiB"}),
          "dma": (LAYERS, {"memcpy_batch": 0.4}, DMA),
+         "dma, load thread": (LAYERS, {"memcpy_batch": 0.4}, {**DMA, "gpu_dma_load_thread": "true"}),
          "staged dma": (8, {"memcpy_batch": 0.4}, {**DMA, "gpu_stage_slot_bytes": "2MiB",
                                                    "gpu_dma_stage_below": "64KiB"})}
 
@@ -92,6 +94,9 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     assert touching and max(touching) < closes[0], "a copy wrote into the pool after it was closed"
     assert any(events[i]["t"] > killed for i in touching), "no copy was in flight when it died"
     assert _scattered(events, region) == 4, "the load's copies did not all run"
+    if path.startswith("dma"):
+        by = {events[i]["queued_by"] for i in touching}
+        assert by == {"kvd-dma0-load" if "thread" in path else "MainThread"}, by
     assert ("staged DMA:" in d.log()) == (path == "staged dma"), d.log()
     _survivor_round_trip(fake_engine, d)
     assert d.stop() == 0, d.log()
@@ -140,6 +145,7 @@ def test_engine_killed_with_stores_in_the_store_threads_hands_is_reaped_after_th
     closes = _closed_once(events, region)
     reads = _batches(events)  # all the dead engine's: the survivor comes after
     assert len(reads) == 4 and max(reads) < closes[0], "a store ran after the pool closed"
+    assert {events[i]["queued_by"] for i in reads} == {"kvd-dma0"}
     assert any(events[i]["t"] > killed for i in reads), "no store was in flight when it died"
     _survivor_round_trip(fake_engine, d)
     assert "Traceback" not in d.log(), d.log()

@@ -12,10 +12,10 @@ allocation), on a real GPU: real engines, a real daemon, every byte checked.
 - An engine SIGKILLed while its staged load is on the copy engines: the
   daemon reaps it only after the copy, and serves the next engine
   bit-exact, staged.
-- Per-layer pools (SGLang's) of 72 KiB pages, one stream a copy, stores queued
-  by the loop or by the store thread (``gpu_dma_store_thread``): bit-exact,
-  and an engine SIGKILLed with its stores queued is reaped after them, the
-  daemon unharmed.
+- Per-layer pools (SGLang's) of 72 KiB pages, one stream a copy, copies queued
+  by the loop or by the store thread (``gpu_dma_store_thread``) and the load
+  thread (``gpu_dma_load_thread``): bit-exact, and an engine SIGKILLed with its
+  stores, or its loads, queued is reaped after them, the daemon unharmed.
 Skipped without torch, cupy or a GPU.
 """
 
@@ -148,12 +148,18 @@ def per_layer_mla(pages: int, layers: int = LAYERS) -> list:
                           device="cuda").view(torch.bfloat16) for _ in range(layers)]
 
 
-@pytest.mark.parametrize("store_thread", ["false", "true"])
-def test_per_layer_pool_of_72_kib_pages_round_trips_bit_exact(start_daemon, store_thread):
+THREADS = {"loop": ("false", "false"), "store thread": ("true", "false"),
+           "both threads": ("true", "true")}
+
+
+@pytest.mark.parametrize("threads", sorted(THREADS))
+def test_per_layer_pool_of_72_kib_pages_round_trips_bit_exact(start_daemon, threads):
     """16 chunks of one page in 20 layers, each layer its own allocation: 320 rows of 72
-    KiB a copy, on one stream (``gpu_dma_spread_below``), the store queued by the loop or
-    by the store thread; poisoned targets end equal to the sources, no other page moves."""
-    d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto"}, gpu_dma_store_thread=store_thread)
+    KiB a copy, on one stream (``gpu_dma_spread_below``), queued by the loop or by the
+    threads; poisoned targets end equal to the sources, no other page moves."""
+    store_thread, load_thread = THREADS[threads]
+    d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto"}, gpu_dma_store_thread=store_thread,
+                     gpu_dma_load_thread=load_thread)
     layers = per_layer_mla(40)
     src, dst = list(range(0, 32, 2)), list(range(1, 33, 2))
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
@@ -175,7 +181,7 @@ def test_per_layer_pool_of_72_kib_pages_round_trips_bit_exact(start_daemon, stor
     assert d.stop() == 0, d.log()
 
 
-def _storing_engine(runtime_dir: str, conn) -> None:
+def _storing_engine(runtime_dir: str, loads: bool, conn) -> None:
     import torch as t
 
     import kvd_client as kc
@@ -184,19 +190,28 @@ def _storing_engine(runtime_dir: str, conn) -> None:
     client = kc.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=60).connect()
     client.register_kv(Pool("vllm_mla", layers, page_size=64), model="dying")
     t.cuda.synchronize()
-    for k in range(4):  # 4 stores of 128 chunks, 2,560 rows each
-        client.submit_store(np.arange(128 * CHUNK) + k * 10**6, range(128 * k, 128 * k + 128))
+    if loads:  # one store, then 4 loads of it (188 MB each: the window holds one)
+        assert client.store(np.arange(128 * CHUNK), range(128)) == 128 * CHUNK
+        for k in range(1, 5):
+            client.submit_load(np.arange(128 * CHUNK), range(128 * k, 128 * k + 128))
+    else:
+        for k in range(4):  # 4 stores of 128 chunks, 2,560 rows each
+            client.submit_store(np.arange(128 * CHUNK) + k * 10**6, range(128 * k, 128 * k + 128))
     conn.send(os.getpid())
     time.sleep(120)
 
 
-@pytest.mark.parametrize("store_thread", ["false", "true"])
-def test_engine_killed_with_its_per_layer_stores_queued_is_reaped_after_them(start_daemon,
-                                                                             store_thread):
+KILLED = {"stores, loop": ("false", "false", False), "stores, store thread": ("true", "false", False),
+          "loads, loop": ("true", "false", True), "loads, load thread": ("true", "true", True)}
+
+
+@pytest.mark.parametrize("case", sorted(KILLED))
+def test_engine_killed_with_its_per_layer_copies_queued_is_reaped_after_them(start_daemon, case):
+    store_thread, load_thread, loads = KILLED[case]
     d = start_daemon(**{**KNOBS, "gpu_copy_path": "auto", "log_level": "info"},
                      client_timeout_s=1.0, heartbeat_interval_s=0.2,
-                     gpu_dma_store_thread=store_thread)
-    with engine_killed_after(_storing_engine, str(d.runtime_dir), timeout=120):
+                     gpu_dma_store_thread=store_thread, gpu_dma_load_thread=load_thread)
+    with engine_killed_after(_storing_engine, str(d.runtime_dir), loads, timeout=120):
         pass  # at once: the stores are being planned and queued
     wait_reaped(d, 20)
     layers = per_layer_mla(40)

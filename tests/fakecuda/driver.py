@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import threading
 import time
 
 import numpy as np
@@ -136,7 +137,8 @@ class FakeLibcuda:
         """Copies in stream order, as one piece of queued work: each checked like a
         cudaMemcpyDefault (any live memory, one allocation or registration per side) when
         queued and when run; ``FAKECUDA_KERNEL_DELAY_S``'s ``memcpy_batch`` delays it; the
-        trace gets one ``dma`` event naming the regions written."""
+        trace gets one ``dma`` event naming the regions written and the thread that queued
+        it (``queued_by``)."""
         n, st = _value(count), _value(stream)
         if n == 0 or _value(num_attrs) != 1 or st == 0:  # the driver refuses the legacy stream
             raise CudaError(INVALID_VALUE, f"memcpy batch count={n} attrs={_value(num_attrs)} "
@@ -148,7 +150,8 @@ class FakeLibcuda:
         for d, s, z in zip(*pieces):
             SPACE.resolve(s, z, what="memcpy batch source")
             SPACE.resolve(d, z, what="memcpy batch destination")
-        streams.stream_at(st).enqueue(lambda: _run_rows(*pieces))
+        by = threading.current_thread().name
+        streams.stream_at(st).enqueue(lambda: _run_rows(*pieces, by=by))
 
     @_status
     def cuMemcpy3DBatchAsync_v2(self, count, ops, flags, stream):
@@ -169,7 +172,8 @@ class FakeLibcuda:
                     SPACE.resolve(addr, span, what=what)
                 except CudaError as exc:
                     raise CudaError(INVALID_VALUE, str(exc)) from None
-        streams.stream_at(st).enqueue(lambda: _run_batch(batch))
+        by = threading.current_thread().name
+        streams.stream_at(st).enqueue(lambda: _run_batch(batch, by=by))
 
 
 def _sides(op) -> list[tuple[int, int, str]]:
@@ -190,7 +194,7 @@ def _sides(op) -> list[tuple[int, int, str]]:
     return out
 
 
-def _run_batch(batch) -> None:
+def _run_batch(batch, by: str) -> None:
     t0 = time.monotonic()
     delay = streams.kernel_delay("memcpy_batch")
     if delay:
@@ -205,10 +209,10 @@ def _run_batch(batch) -> None:
         for i in range(int(op["height"])):
             d_reg.array[d_off + i * dp:d_off + i * dp + w] = s_reg.array[s_off + i * sp:s_off + i * sp + w]
         touched.add(d_reg.name)
-    trace.emit("dma", t0=t0, pieces=len(batch), regions=sorted(touched))
+    trace.emit("dma", t0=t0, pieces=len(batch), regions=sorted(touched), queued_by=by)
 
 
-def _run_rows(dsts, srcs, sizes) -> None:
+def _run_rows(dsts, srcs, sizes, by: str) -> None:
     t0 = time.monotonic()
     delay = streams.kernel_delay("memcpy_batch")
     if delay:
@@ -219,7 +223,7 @@ def _run_rows(dsts, srcs, sizes) -> None:
         d_reg, d_off = SPACE.resolve(d, z, what="memcpy batch destination")
         d_reg.array[d_off:d_off + z] = s_reg.array[s_off:s_off + z]
         touched.add(d_reg.name)
-    trace.emit("dma", t0=t0, pieces=len(sizes), regions=sorted(touched))
+    trace.emit("dma", t0=t0, pieces=len(sizes), regions=sorted(touched), queued_by=by)
 
 
 

@@ -5,6 +5,7 @@ using the fake appends one line per event: ``{"ev", "t", "pid", ...}``
 with ``t`` from ``time.monotonic()`` (one clock for all processes of a
 machine). Events: ``kernel`` (name, ``t0``/``t``, layers, chunks, whether
 the cancel word skipped it, the names of the regions it touched),
+``dma`` (pieces, the regions written, ``queued_by``: the thread that queued it),
 ``write32`` (region name, byte offset in it, value), ``ipc_open`` and
 ``ipc_close`` (the allocation's name), ``error``. Region names are
 process-independent: an engine allocation is ``<pid>:<serial>`` in every
