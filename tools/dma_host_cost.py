@@ -19,9 +19,10 @@ allocation (vLLM's pools; ``--pool block-outer``: a page's layers adjacent;
 pages at random ids, defaults of the ``gpu_dma_*`` knobs and 64 MiB staging slots. Per shape, page size, path
 and direction: the median of ``--repeat`` copies in microseconds, and its
 share of the copy's time at ``--pcie-gbs``; ``--streams``, ``--spread-below`` and
-``--load-window`` set those knobs (the driver calls a copy makes). Stores are timed
-as the event loop queues them without ``gpu_dma_store_thread`` (with it, the loop
-only plans them: the driver's part goes to the thread). Usage:
+``--load-window`` set those knobs (the driver calls a copy makes). Stores
+and loads as the event loop queues them without ``gpu_dma_store_thread`` and
+``gpu_dma_load_thread`` (with them, the loop only plans them: the driver's part
+goes to the threads). Usage:
 ``.venv/bin/python tools/dma_host_cost.py [--chunks 8] [--page-sizes 16,64]``.
 """
 
@@ -135,7 +136,8 @@ def make_path(stage_below: int, poller: EventPoller, **knobs) -> dma.DmaPath:
     cp = StubCupy()
     rings = tuple(StagingRing(cp, kind, None, cp.cuda.Stream(), cp.cuda.Stream(), SLOTS,
                               SLOT_BYTES, (ARENA, PIECE)) for kind in ("gather", "scatter"))
-    settings = dma.DmaSettings(stage_below=stage_below, store_thread=False, **knobs)
+    settings = dma.DmaSettings(stage_below=stage_below, store_thread=False, load_thread=False,
+                               **knobs)
     return dma.DmaPath(cp, 0, settings, (ARENA, PIECE), poller, rings)
 
 

@@ -257,7 +257,7 @@ class DmaSettings(NamedTuple):
     stage_below: int = 0
     spread_below: int = 64 << 10
     store_thread: bool = True
-    load_thread: bool = False
+    load_thread: bool = True
 
 
 class DmaPath:

@@ -53,7 +53,7 @@ def mla(monkeypatch):
     monkeypatch.setattr(dma.cuda_driver, "memcpy3d_batch_async", lambda stream, at, n: None)
     monkeypatch.setattr(dma.cuda_driver, "memcpy_batch_async", lambda stream, d, s, n: None)
     layout, bases = stub.pool(61, 1, 1152, 16)
-    settings = dma.DmaSettings(store_thread=False)  # the loop queues stores (test_dma_hand.py)
+    settings = dma.DmaSettings(store_thread=False, load_thread=False)  # the loop's (test_dma_hand.py)
     path = dma.DmaPath(Cupy(), 0, settings, (stub.ARENA, stub.PIECE), None)
     shard = layout.shard_bytes(16)
     ptrs = np.uint64(stub.ARENA) + np.arange(8, dtype=np.uint64) * np.uint64(shard)
@@ -104,7 +104,7 @@ class Signal:
 def _small_window_path(layout, window: int) -> tuple[dma.DmaPath, list]:
     """A DmaPath with a poller and a load window of ``window``; the bytes of each step
     it queues on its load queue."""
-    settings = dma.DmaSettings(load_window=window, store_thread=False)
+    settings = dma.DmaSettings(load_window=window, store_thread=False, load_thread=False)
     path = dma.DmaPath(Cupy(), 0, settings, (stub.ARENA, stub.PIECE), EventPoller())
     steps, enqueue = [], path.load_queue.enqueue
     path.load_queue.enqueue = lambda step, n=None: steps.append(step.nbytes) or enqueue(step, n)

@@ -7,8 +7,9 @@ IPC. Each case stores chunks from some pages and loads them into others,
 through the staged path (kernels into 1 MiB device slots, DMA to the arena:
 several pieces per request), the zero-copy path (``gpu_stage_slots = 0``:
 kernels on the pinned arena) or the DMA path (``gpu_copy_path = dma``: the
-copy engines between pages and arena, no kernel; ``dma_thread``: its loads
-queued by a thread too, ``gpu_dma_load_thread``, as its stores by default), and checks the target pages against the
+copy engines between pages and arena, no kernel, queued by a thread of each
+direction; ``dma_loop``: by the event loop, ``gpu_dma_store_thread`` and
+``gpu_dma_load_thread`` off), and checks the target pages against the
 source pages read by the engine's own indexing (workers_data.token_row, not
 kvd's layout code), and that no other byte of the allocation moved. The
 daemon's debug log must name the path the case claims to take (staged:
@@ -33,8 +34,8 @@ PATHS = {"staged": ({"gpu_stage_slot_bytes": "1MiB", "gpu_copy_path": "kernels"}
          "zero_copy": ({"gpu_stage_slots": 0, "gpu_copy_path": "kernels"},
                        r"(gather|scatter) of 8 chunks.* zero-copy kernel"),
          "dma": ({"gpu_copy_path": "dma", "gpu_dma_streams": 3}, r"(gather|scatter) of 8 chunks.* DMA:"),
-         "dma_thread": ({"gpu_copy_path": "dma", "gpu_dma_streams": 3, "gpu_dma_store_thread": "true",
-                         "gpu_dma_load_thread": "true"},
+         "dma_loop": ({"gpu_copy_path": "dma", "gpu_dma_streams": 3, "gpu_dma_store_thread": "false",
+                       "gpu_dma_load_thread": "false"},
                         r"(gather|scatter) of 8 chunks.* DMA:")}
 POISON = 0xA5
 
@@ -95,9 +96,9 @@ def test_store_then_load_other_pages_bit_exact(fake_engine, fake_daemon, path, l
     store_then_load(fake_engine, d, layout, page_size, seed=page_size)
     took = [m.group(1) for m in re.finditer(how, d.log())]
     assert took == ["gather", "scatter"], f"the copies did not take the {path} path:\n{d.log()}"
-    if "DMA:" in how:  # who queued the batches: the stores' thread (by default), and the
-        by = {e["queued_by"] for e in d.trace() if e["ev"] == "dma"}  # loads' or the loop
-        assert by == {"kvd-dma0", "kvd-dma0-load" if path == "dma_thread" else "MainThread"}, by
+    if "DMA:" in how:  # who queued the batches: each direction's thread (the default) or the loop
+        by = {e["queued_by"] for e in d.trace() if e["ev"] == "dma"}
+        assert by == ({"MainThread"} if path == "dma_loop" else {"kvd-dma0", "kvd-dma0-load"}), by
     assert d.stop() == 0, d.log()
 
 

@@ -2,8 +2,8 @@
 
 - An engine (a spawned process on the fake GPU) is SIGKILLed while its load's
   kernels (or, on the DMA path, its batched copies, queued in steps of 4
-  pages, or staged: 4 slots of 4 chunks; or queued by the load thread, which waits for
-  the window between steps) are held back on the daemon's streams: the daemon reaps it
+  pages by the load thread, which waits for the window between steps, or by the event
+  loop; or staged: 4 slots of 4 chunks) are held back on the daemon's streams: the daemon reaps it
   only after those copies ran, then closes its pool (the IPC mapping goes
   last: no copy touches the engine's memory after it, which the fake would
   report as an illegal address and a broken context), and serves the next
@@ -71,7 +71,7 @@ DMA = {"gpu_copy_path": "dma", "gpu_dma_streams": 1, "gpu_dma_load_window": "4Mi
 PATHS = {"kernels": (LAYERS, {"kv_scatter": 0.4}, {"gpu_copy_path": "kernels",
                                                    "gpu_stage_slot_bytes": "1MiB"}),
          "dma": (LAYERS, {"memcpy_batch": 0.4}, DMA),
-         "dma, load thread": (LAYERS, {"memcpy_batch": 0.4}, {**DMA, "gpu_dma_load_thread": "true"}),
+         "dma, loop": (LAYERS, {"memcpy_batch": 0.4}, {**DMA, "gpu_dma_load_thread": "false"}),
          "staged dma": (8, {"memcpy_batch": 0.4}, {**DMA, "gpu_stage_slot_bytes": "2MiB",
                                                    "gpu_dma_stage_below": "64KiB"})}
 
@@ -96,7 +96,7 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     assert _scattered(events, region) == 4, "the load's copies did not all run"
     if path.startswith("dma"):
         by = {events[i]["queued_by"] for i in touching}
-        assert by == {"kvd-dma0-load" if "thread" in path else "MainThread"}, by
+        assert by == {"MainThread" if "loop" in path else "kvd-dma0-load"}, by
     assert ("staged DMA:" in d.log()) == (path == "staged dma"), d.log()
     _survivor_round_trip(fake_engine, d)
     assert d.stop() == 0, d.log()
