@@ -45,6 +45,9 @@ class CopyPlan:
     page_ids: np.ndarray      # int64, pages_per_chunk ids per chunk, chunk-major
     shard_offsets: list[int]  # arena byte offset of each chunk's shard
     signal: LoadSignal | None = None  # scatter only: the load's flag words
+    # scatter only: kernels of this load were queued on the GPU before it (GPU Direct Storage's
+    # chunks); its copies, words and completion must follow them
+    after_device: bool = False
 
     @property
     def pages_per_chunk(self) -> int:

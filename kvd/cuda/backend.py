@@ -322,6 +322,8 @@ class CudaCopyEngine:
 
         with self.cp.cuda.Device(dev.ordinal):
             start = None if dev.dma.load_hand else gpu_start(self.cp, stream)
+            if plan.after_device:  # GDS's kernels of this load (scatter_device): first
+                dev.dma.load_queue.follow(dev.streams[2])
         try:
             if dev.dma.load_hand is not None:
                 return completion(self.cp, self.poller, None, "scatter", plan, dma.DIRECT, t0,
@@ -358,9 +360,9 @@ class CudaCopyEngine:
     def scatter_device(self, pool: CudaPool, layout: LayoutDescriptor, page_ids, ptrs: list,
                        chunk_tokens: int, cancel: tuple[int, int] | None = None):
         """Queue kernels scattering whole chunks already in this GPU's memory at ``ptrs``
-        into ``page_ids``, on the load kernel stream (returned): a later ``scatter`` of
-        this pool is ordered after them, signals and completion included. ``cancel``:
-        the load's cancel word and seq (the kernels skip once it is set)."""
+        into ``page_ids``, on the load kernel stream (returned): a later ``scatter`` (by DMA:
+        with ``plan.after_device``) follows them, signals and completion included.
+        ``cancel``: the load's cancel word and seq (the kernels skip once it is set)."""
         dev = pool.device
         geometry = copy_params(layout, chunk_tokens)
         with self.cp.cuda.Device(dev.ordinal):
@@ -399,12 +401,10 @@ class CudaCopyEngine:
         if dev.dma is not None and not dev.dma.settle(max(0.0, deadline - time.monotonic())):
             return False
         with self.cp.cuda.Device(dev.ordinal):
-            events = []
             extra = [] if dev.dma is None else dev.dma.store_queue.streams + dev.dma.load_queue.streams
-            for stream in dev.streams + extra:
-                ev = self.cp.cuda.Event(block=False, disable_timing=True)
+            events = [self.cp.cuda.Event(block=False, disable_timing=True) for _ in dev.streams + extra]
+            for ev, stream in zip(events, dev.streams + extra):
                 ev.record(stream)
-                events.append(ev)
             while not all(ev.done for ev in events):
                 if time.monotonic() > deadline:
                     return False

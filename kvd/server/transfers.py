@@ -232,7 +232,8 @@ class Transfers:
         if not direct:  # GDS kernels already queued must be followed by the signals
             _check_deadline(req.fields.get("deadline_us"))
         plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, host_pages,
-                        [e.shard_offset(reg.tp_rank) for e in entries], signal=signal)
+                        [e.shard_offset(reg.tp_rank) for e in entries], signal=signal,
+                        after_device=direct > 0)
         return await self._start(reg, reg.engine.scatter(plan), "load",
                                  len(entries) * reg.shard_bytes, stamps)
 

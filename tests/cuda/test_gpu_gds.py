@@ -176,3 +176,44 @@ def test_gds_io_error_falls_back_to_the_host_path(start_daemon, tmp_path):
     assert disk["gds"]["fallbacks"] == 1 and disk["gds"]["direct_chunks"] == 0, disk
     assert disk["promotions"] == 3 and disk["read_errors"] >= 1 and disk["checksum_failures"] == 0
     assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_host_prefix_by_dma_and_gds_rest_both_land_before_the_words(start_daemon, tmp_path,
+                                                                   layerwise):
+    """A pool copied by DMA (``gpu_copy_path = dma``): the first chunks come from the host
+    tier on the copy engines, the rest by GPU Direct Storage through kernels on another
+    stream. Every layer word and the done word follow both (``CopyPlan.after_device``):
+    each layer's pages, read on the engine's stream right after its wait, hold the stored
+    bytes."""
+    pytest.importorskip("kvikio")
+    d = start_daemon(**_knobs(tmp_path, gpu_copy_path="dma"))
+    tensors, pool = _pool()
+    n, host = 24, 2
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as c:
+        c.register_kv(pool, model="gds-dma")
+        tokens = np.random.default_rng(3).integers(0, 50000, n * CHUNK)
+        src, dst = list(range(n * PPC)), list(range(2 * n * PPC - 1, n * PPC - 1, -1))
+        want = [t[:, src].clone() for t in tensors]
+        torch.cuda.synchronize()
+        assert c.store(tokens, src) == n * CHUNK
+        _to_disk_only(d)
+        assert c.store(tokens[:host * CHUNK], src[:host * PPC]) == host * CHUNK  # back in host
+        for t in tensors:
+            t.view(torch.uint8).fill_(0xA5)
+        torch.cuda.synchronize()
+        t = c.submit_load(tokens, dst, layerwise=layerwise)
+        got = []
+        for layer in range(LAYERS) if layerwise else ():
+            c.wait_for_layer(layer, t)
+            got.append(tensors[layer][:, dst].clone())  # queued behind the wait
+        assert t.wait(60).ok and t.tokens == n * CHUNK, t
+        torch.cuda.synchronize()
+        for layer, (x, w) in enumerate(zip(tensors, want)):
+            assert torch.equal(x[:, dst].view(torch.uint8), w.view(torch.uint8)), layer
+            if layerwise:
+                assert torch.equal(got[layer].view(torch.uint8), w.view(torch.uint8)), layer
+    st = d.stats()
+    assert st["tiers"]["disk"]["gds"]["direct_chunks"] == n - host, st["tiers"]["disk"]
+    assert "copies by DMA" in d.log(), d.log()  # the pool took the DMA path
+    assert d.stop() == 0, d.log()
