@@ -220,3 +220,19 @@ def test_daemon_timings_report_each_phases_time_on_the_gpu(tmp_path):
     gather, scatter = phase[0].split("; ")
     assert "on the GPU 2.50 ms (57.6 GB/s)" in gather  # median of 2, 3, 2, 3, 2, 3
     assert scatter.startswith("scatter n=") and "on the GPU" not in scatter
+
+
+def test_the_blocking_table_names_its_pools_and_page_order(capsys):
+    from types import SimpleNamespace
+
+    from kvd.bench.gpu import _report
+    torch = SimpleNamespace(cuda=SimpleNamespace(get_device_name=lambda: "NVIDIA H100 80GB HBM3"))
+    args = SimpleNamespace(chunk_tokens=256, chunks=8, gpu_pool="per-layer", page_order="sorted",
+                           repeat=5)
+    r = {"shape": "deepseek-mla", "page": 64, "bytes": 144 * 10**6, "store": 0.004, "load": 0.003,
+         "both": 0.006, "memcpy_d2h": 0.0026, "memcpy_h2d": 0.0027, "memcpy_both": 0.0032}
+    gemm = {"alone_ms": 1.46, "with_copies_ms": 1.50, "slowdown": 0.027, "copy_GBps": 35.0}
+    _report(torch, [r], gemm, args)
+    out = capsys.readouterr().out
+    assert "per-layer pools, sorted page ids" in out
+    assert "deepseek-mla     64    144     36.0   0.65    48.0   0.90    48.0   0.53" in out

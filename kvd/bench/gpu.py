@@ -67,8 +67,8 @@ def run(args) -> int:
     _report(torch, rows, gemm, args)
     pipeline.report(piped)
     if args.json:
-        write_json(args.json, gpu=torch.cuda.get_device_name(), blocking=rows, pipelined=piped,
-                   gemm=gemm)
+        write_json(args.json, gpu=torch.cuda.get_device_name(), pool=args.gpu_pool,
+                   page_order=args.page_order, blocking=rows, pipelined=piped, gemm=gemm)
         print(f"json: {args.json}")
     if args.plot:
         _plot(torch, rows, piped, args)
@@ -288,7 +288,8 @@ def _catch(errors: list, fn) -> None:
 
 def _report(torch, rows, gemm, args) -> None:
     print(f"\nGPU {torch.cuda.get_device_name()}; chunk {args.chunk_tokens} tokens, {args.chunks} chunks "
-          f"per request, bf16; median of {args.repeat}; GB/s = 1e9 B/s; ratio = memcpy time / kvd time")
+          f"per request, bf16, {args.gpu_pool} pools, {args.page_order} page ids; median of "
+          f"{args.repeat}; GB/s = 1e9 B/s; ratio = memcpy time / kvd time")
     print(f"{'shape':<14}{'page':>5}{'MB':>7}{'offload':>9}{'ratio':>7}{'load':>8}{'ratio':>7}"
           f"{'both':>8}{'ratio':>7}   memcpy d2h/h2d/both GB/s")
     for r in rows:
