@@ -401,9 +401,9 @@ class CudaCopyEngine:
         if dev.dma is not None and not dev.dma.settle(max(0.0, deadline - time.monotonic())):
             return False
         with self.cp.cuda.Device(dev.ordinal):
-            extra = [] if dev.dma is None else dev.dma.store_queue.streams + dev.dma.load_queue.streams
-            events = [self.cp.cuda.Event(block=False, disable_timing=True) for _ in dev.streams + extra]
-            for ev, stream in zip(events, dev.streams + extra):
+            streams = dev.streams + ([] if dev.dma is None else dev.dma.streams)
+            events = [self.cp.cuda.Event(block=False, disable_timing=True) for _ in streams]
+            for ev, stream in zip(events, streams):
                 ev.record(stream)
             while not all(ev.done for ev in events):
                 if time.monotonic() > deadline:

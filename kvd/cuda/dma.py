@@ -388,14 +388,20 @@ class DmaPath:
                 signal.layers_landed(self.load_queue.stream, (layer,))
         return True
 
+    @property
+    def streams(self) -> list:
+        """Every stream of both queues."""
+        return self.store_queue.streams + self.load_queue.streams
+
     def settle(self, timeout: float | None = None) -> bool:
         """Let the threads queue what they were handed, and stop them (before the streams
         are synchronized at shutdown); False if one is still in a driver call or waiting for
         its window after ``timeout`` seconds (in all)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        return all(hand is None or hand.close(None if deadline is None else
-                                              max(0.0, deadline - time.monotonic()))
-                   for hand in (self.store_hand, self.load_hand))
+        for hand in filter(None, (self.store_hand, self.load_hand)):
+            if not hand.close(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        return True
 
     def close(self) -> None:
         self.settle()

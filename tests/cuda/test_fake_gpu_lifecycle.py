@@ -81,15 +81,8 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     layers, delay, knobs = PATHS[path]
     d = fake_daemon(kernel_delay_s=delay, trace=True, client_timeout_s=1.0,
                     heartbeat_interval_s=0.2, log_level="debug", **knobs)
-    with engine_killed_after(_dying_engine, str(d.runtime_dir), layers) as (pid, region):
-        deadline = time.monotonic() + 30
-        while not _scattered(d.trace(), region):  # the first of four pieces landed: the load runs
-            assert time.monotonic() < deadline, f"the load did not start:\n{d.log()}"
-            time.sleep(0.02)
-    killed = time.monotonic()
-    wait_reaped(d, 20)
-    events = d.trace()
-    closes = _closed_once(events, region)
+    # killed once the first of four pieces landed: the load runs
+    events, region, killed, closes = _killed_and_reaped(d, _dying_engine, layers, _scattered)
     touching = _writes(events, region)
     assert touching and max(touching) < closes[0], "a copy wrote into the pool after it was closed"
     assert any(events[i]["t"] > killed for i in touching), "no copy was in flight when it died"
@@ -100,6 +93,21 @@ def test_engine_killed_with_copies_in_flight_is_reaped_after_them(fake_engine, f
     assert ("staged DMA:" in d.log()) == (path == "staged dma"), d.log()
     _survivor_round_trip(fake_engine, d)
     assert d.stop() == 0, d.log()
+
+
+def _killed_and_reaped(d, engine, layers: int, started) -> tuple:
+    """Spawn ``engine``, SIGKILL it once ``started(trace, region)`` holds, and wait until the
+    daemon reaped it: the trace then, the engine's region, when it died, and where its pool
+    was closed (``_closed_once``)."""
+    with engine_killed_after(engine, str(d.runtime_dir), layers) as (pid, region):
+        deadline = time.monotonic() + 30
+        while not started(d.trace(), region):
+            assert time.monotonic() < deadline, f"the copies did not start:\n{d.log()}"
+            time.sleep(0.02)
+    killed = time.monotonic()
+    wait_reaped(d, 20)
+    events = d.trace()
+    return events, region, killed, _closed_once(events, region)
 
 
 def _closed_once(events: list, region: str) -> list[int]:
@@ -134,15 +142,9 @@ def test_engine_killed_with_stores_in_the_store_threads_hands_is_reaped_after_th
     the first held on the copy engines; the pool closes only after all four ran."""
     d = fake_daemon(kernel_delay_s={"memcpy_batch": 0.4}, trace=True, client_timeout_s=1.0,
                     heartbeat_interval_s=0.2, **DMA, gpu_dma_store_thread="true")
-    with engine_killed_after(_storing_engine, str(d.runtime_dir), LAYERS) as (pid, region):
-        deadline = time.monotonic() + 30
-        while not _batches(d.trace()):  # the first store's batch ran: the rest are queued
-            assert time.monotonic() < deadline, f"the stores did not start:\n{d.log()}"
-            time.sleep(0.02)
-    killed = time.monotonic()
-    wait_reaped(d, 20)
-    events = d.trace()
-    closes = _closed_once(events, region)
+    # killed once the first store's batch ran: the rest are queued
+    events, region, killed, closes = _killed_and_reaped(d, _storing_engine, LAYERS,
+                                                        lambda trace, _: _batches(trace))
     reads = _batches(events)  # all the dead engine's: the survivor comes after
     assert len(reads) == 4 and max(reads) < closes[0], "a store ran after the pool closed"
     assert {events[i]["queued_by"] for i in reads} == {"kvd-dma0"}
