@@ -37,6 +37,10 @@ Ways, each over 1/2/4/8 streams:
   chunk to the host on a copy stream of its own, overlapped with the next
   chunk's gather (loads: memcpy in, then the d2d scatter).
 
+``--batches N`` queues each way's batch N times back to back per timing, as
+a daemon with requests in flight does: one batch alone waits for its own
+enqueue (1 ms for 2,000 copies) before the copies start.
+
 Directions: device-to-host, host-to-device, and both at once (each with the
 streams given). Ratio = memcpy time of the same bytes / the way's time (both:
 two memcpys on two streams), the memcpys timed right after the way's row (a
@@ -303,10 +307,12 @@ def run_case(torch, spec, a, pools) -> None:
             continue
         for n in map(int, a.streams.split(",")):
             s0, s1 = pools[0][:n], pools[1][:n]
-            t = {"d2h": timeit(lambda w=way, s=s0: enqueue(case, w, True, s), a.reps),
-                 "h2d": timeit(lambda w=way, s=s0: enqueue(case, w, False, s), a.reps),
-                 "both": timeit(lambda w=way, s=s0, o=s1: (enqueue(case, w, True, s),
-                                                               enqueue(other, w, False, o)), a.reps)}
+            t = {"d2h": timeit(lambda w=way, s=s0: _times(a.batches, enqueue, case, w, True, s),
+                               a.reps),
+                 "h2d": timeit(lambda w=way, s=s0: _times(a.batches, enqueue, case, w, False, s),
+                               a.reps),
+                 "both": timeit(lambda w=way, s=s0, o=s1: _times(a.batches, both, case, other, w, s, o),
+                                a.reps)}
             one = memcpy_times()
             t0 = time.perf_counter()
             enqueue(case, way, True, s0)
@@ -314,7 +320,21 @@ def run_case(torch, spec, a, pools) -> None:
             torch.cuda.synchronize()
             print(json.dumps({**row, "streams": n, "enqueue_ms": round(host_ms, 2),
                               "memcpy_GBps": gbps(one),
-                              **{k: round(one[k] / v, 3) for k, v in t.items()}}), flush=True)
+                              **{k: round(one[k] * a.batches / v, 3) for k, v in t.items()}}),
+                  flush=True)
+
+
+def both(case, other, way, s0, s1):
+    """``case`` to the host on ``s0`` while ``other`` comes from it on ``s1``."""
+    enqueue(case, way, True, s0)
+    enqueue(other, way, False, s1)
+
+
+def _times(n, fn, *args):
+    """``fn(*args)`` ``n`` times back to back (queued behind each other, as pipelined requests
+    are: the first batch's enqueue no longer delays the rest)."""
+    for _ in range(n):
+        fn(*args)
 
 
 def pitch_check(torch, gib):
@@ -342,6 +362,9 @@ def main() -> None:
     ap.add_argument("--cases", default="llama:16,mla:16,llama:64,mla:64,llama:1")
     ap.add_argument("--streams", default="1,2,4,8")
     ap.add_argument("--ways", default="1d,1d-any,1d-overlap,3d-rows,3d")
+    ap.add_argument("--batches", type=int, default=1, help="the same batch queued this many "
+                    "times back to back per timing (a pipelined daemon's queue; ratios against "
+                    "as many memcpys)")
     ap.add_argument("--pitch-check", default="", help="GiB pitches to try with a 2-row op, "
                     "e.g. 1.5,2.5,4.5: is the op accepted, are the bytes right")
     a = ap.parse_args()
