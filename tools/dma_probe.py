@@ -5,7 +5,8 @@ A measurement tool for issue 11, not part of kvd. On the GPU machine:
     python3 tools/dma_probe.py [--reps 5] [--cases llama:16,mla:16,llama:64,mla:64,llama:1]
 
 A case ``shape:page:shm`` (or ``shape:page:bo:shm``) takes its host buffer
-from a registered /dev/shm file as kvd's arena is, in place of
+from a registered /dev/shm file as kvd's arena is; ``:thp`` and ``:small``
+from anonymous memory in 2 MiB or 4 KiB pages (registered the same way), in place of
 ``cudaHostAlloc`` memory. A case ``shape:page:bo`` uses a block-outer pool ``[page][layer*plane][page
 bytes]`` (vLLM 0.32's ``BLHNC``-family layouts: a page's planes adjacent).
 
@@ -96,8 +97,8 @@ class Case:
         self.raw = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
         self.pool = self.raw.permute(1, 0, 2) if block_outer else self.raw  # [plane][page][bytes]
         self.nbytes = self.lp * CHUNK * CHUNKS * row
-        if host_kind == "shm":  # as kvd's arena: a /dev/shm file, registered in 1 GiB pieces
-            self.host = torch.from_numpy(_registered_shm(self.nbytes))
+        if host_kind in ("shm", "thp", "small"):  # registered in 1 GiB pieces, as kvd's arena
+            self.host = torch.from_numpy(_registered(self.nbytes, host_kind))
         else:
             self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self.ids = np.random.default_rng(page).choice(pages, CHUNK * CHUNKS // page, replace=False)
@@ -244,29 +245,51 @@ def check(torch, case, way, streams):
     return wrong
 
 
-def _registered_shm(nbytes: int) -> np.ndarray:
-    """A shared-memory file mapped and registered with the driver as kvd's host arena is
-    (4 KiB pages, ``cuMemHostRegister`` portable + device-mapped in its pieces); the
-    file is unlinked at once, and mapping and registration live as long as the process
-    (kept in ``_KEEP``: a mapping freed while registered would collide with the next)."""
+def _registered(nbytes: int, kind: str = "shm") -> np.ndarray:
+    """A host buffer registered with the driver as kvd's arena is (``cuMemHostRegister``
+    portable + device-mapped in its pieces). ``shm``: a /dev/shm file as the arena
+    (unlinked at once; 4 KiB pages unless the tmpfs gives huge ones). ``thp`` / ``small``:
+    anonymous memory advised MADV_HUGEPAGE / MADV_NOHUGEPAGE, 2 MiB aligned: do huge host
+    pages change what the copy engines pay per row? Mapping and registration live as long
+    as the process (kept in ``_KEEP``: a mapping freed while registered would collide with
+    the next)."""
     import mmap
     import os
 
     from kvd.cuda.backend import REGISTER_PIECE
     from kvd_protocol import cuda_driver
-    size = -(-nbytes // (2 << 20)) * (2 << 20)
-    fd = os.open(f"/dev/shm/dma-probe-{os.getpid()}-{nbytes}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.unlink(f"/dev/shm/dma-probe-{os.getpid()}-{nbytes}")
-        os.ftruncate(fd, size)
-        buf = np.frombuffer(mmap.mmap(fd, size), np.uint8)
-    finally:
-        os.close(fd)
+    huge = 2 << 20
+    size = -(-nbytes // huge) * huge
+    if kind == "shm":
+        name = f"/dev/shm/dma-probe-{os.getpid()}-{nbytes}"
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.unlink(name)
+            os.ftruncate(fd, size)
+            m = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        buf = np.frombuffer(m, np.uint8)
+    else:
+        m = mmap.mmap(-1, size + huge)
+        m.madvise(mmap.MADV_HUGEPAGE if kind == "thp" else mmap.MADV_NOHUGEPAGE)
+        whole = np.frombuffer(m, np.uint8)
+        at = -whole.ctypes.data % huge
+        buf = whole[at:at + size]
     buf[::4096] = 0  # touch every page before registering
     for at in range(0, size, REGISTER_PIECE):
         cuda_driver.register_host(buf.ctypes.data + at, min(REGISTER_PIECE, size - at), 0)
-    _KEEP.append(buf)
+    _KEEP.append((m, buf))
     return buf[:nbytes]
+
+
+def _anon_huge_kib() -> int:
+    """This process's anonymous memory in huge pages (kB), from /proc/self/smaps_rollup."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return -1
 
 
 _KEEP: list = []
@@ -275,7 +298,7 @@ _KEEP: list = []
 def run_case(torch, spec, a, pools) -> None:
     name, page, *pool = spec.split(":")
     bo = "bo" in pool
-    host = "shm" if "shm" in pool else "pinned"
+    host = next((k for k in ("shm", "thp", "small") if k in pool), "pinned")
     case, other = (Case(torch, name, int(page), bo, host) for _ in range(2))
     dev = torch.empty(case.nbytes, dtype=torch.uint8, device="cuda")
 
@@ -294,6 +317,7 @@ def run_case(torch, spec, a, pools) -> None:
         return {k: round(case.nbytes / v / 1e9 * (2 if k == "both" else 1), 1)
                 for k, v in times.items()}
     print(json.dumps({"case": spec, "piece": case.piece, "MB": round(case.nbytes / 1e6),
+                      "anon_huge_MiB": _anon_huge_kib() // 1024,
                       "memcpy_GBps": gbps(memcpy_times())}), flush=True)
     for way in a.ways.split(","):
         if way == "page1d" and not bo:
