@@ -40,7 +40,10 @@ Ways, each over 1/2/4/8 streams:
 
 ``--batches N`` queues each way's batch N times back to back per timing, as
 a daemon with requests in flight does: one batch alone waits for its own
-enqueue (1 ms for 2,000 copies) before the copies start.
+enqueue (1 ms for 2,000 copies) before the copies start. ``--join`` makes
+the first stream wait for the others after each batch (kvd's
+``DmaQueue.enqueue``); ``--host-gib G`` puts the chunks at random places
+in a host buffer of G GiB, as in a daemon's arena (1d and 3d ways).
 
 Directions: device-to-host, host-to-device, and both at once (each with the
 streams given). Ratio = memcpy time of the same bytes / the way's time (both:
@@ -88,7 +91,7 @@ def _batch3d(stream, ops):
 class Case:
     """One pool, one host buffer, the page ids, and the piece / op lists both ways."""
 
-    def __init__(self, torch, name, page, block_outer=False, host_kind="pinned"):
+    def __init__(self, torch, name, page, block_outer=False, host_kind="pinned", host_gib=0.0):
         layers, planes, row = SHAPES[name]
         self.name, self.page, self.lp = name, page, layers * planes
         self.piece = page * row
@@ -97,10 +100,18 @@ class Case:
         self.raw = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
         self.pool = self.raw.permute(1, 0, 2) if block_outer else self.raw  # [plane][page][bytes]
         self.nbytes = self.lp * CHUNK * CHUNKS * row
+        chunk, whole = self.nbytes // CHUNKS, 1 << 30
+        # --host-gib: chunks at random places, none across a 1 GiB registration (kvd's arena)
+        places = (np.arange(whole // chunk) * chunk + np.arange(max(1, int(host_gib)))[:, None]
+                  * whole).reshape(-1) if host_gib else np.arange(CHUNKS) * chunk
+        size = int(places[-1]) + chunk
         if host_kind in ("shm", "thp", "small"):  # registered in 1 GiB pieces, as kvd's arena
-            self.host = torch.from_numpy(_registered(self.nbytes, host_kind))
+            self.hostbuf = torch.from_numpy(_registered(size, host_kind))
         else:
-            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            self.hostbuf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.at = np.sort(np.random.default_rng(page + 1).choice(places, CHUNKS, replace=False)) \
+            if host_gib else places
+        self.host = self.hostbuf[:self.nbytes]  # the memcpys' buffer (and the chunks', unscattered)
         self.ids = np.random.default_rng(page).choice(pages, CHUNK * CHUNKS // page, replace=False)
         ppc = CHUNK // page
         plane_pitch, chunk_plane = (self.piece if block_outer else pages * self.piece), CHUNK * row
@@ -108,18 +119,22 @@ class Case:
         lp = np.arange(self.lp, dtype=np.uint64).reshape(1, -1, 1)
         ids = self.ids.astype(np.uint64).reshape(CHUNKS, 1, ppc)
         j = np.arange(ppc, dtype=np.uint64).reshape(1, 1, -1)
-        c = np.arange(CHUNKS, dtype=np.uint64).reshape(-1, 1, 1)
+        c = self.at.astype(np.uint64).reshape(-1, 1, 1)
         base, hbase = np.uint64(self.pool.data_ptr()), np.uint64(self.host.data_ptr())
         self.dev1 = (base + lp * np.uint64(plane_pitch) + ids * np.uint64(page_stride)).reshape(-1)
-        self.host1 = (hbase + c * np.uint64(self.lp * chunk_plane) + lp * np.uint64(chunk_plane)
+        self.host1 = (hbase + c + lp * np.uint64(chunk_plane)
                       + j * np.uint64(self.piece)).reshape(-1)
+        if RUN_MAJOR:  # kvd's order for one allocation per layer: a page's planes, then the next
+            order = np.arange(self.dev1.size).reshape(CHUNKS, self.lp, ppc).transpose(0, 2, 1).reshape(-1)
+            self.dev1, self.host1 = self.dev1[order], self.host1[order]
         self.size1 = np.full(self.dev1.size, self.piece, np.uint64)
         first_dev = (base + ids * np.uint64(page_stride)).reshape(-1)
-        first_host = (hbase + c * np.uint64(self.lp * chunk_plane) + j * np.uint64(self.piece)).reshape(-1)
+        first_host = (hbase + c + j * np.uint64(self.piece)).reshape(-1)
         self.dev3 = (first_dev, plane_pitch)
         self.host3 = (first_host, chunk_plane)
         self.stage = torch.empty(self.nbytes, dtype=torch.uint8, device="cuda")
         self.to_stage = np.uint64(self.stage.data_ptr()) - hbase  # host address -> staging
+        self.scattered = bool(host_gib)  # staging and page-major ways assume chunks in place
         self.copy_stream = torch.cuda.Stream()
         self.chunk_bytes = self.nbytes // CHUNKS
 
@@ -142,6 +157,11 @@ class Case:
         return np.uint64(self.host.data_ptr()) + np.arange(
             self.dev3[0].size, dtype=np.uint64) * np.uint64(self.lp * self.piece)
 
+    def chunks(self, torch):
+        """The case's chunks out of the host buffer, in order."""
+        n = self.nbytes // CHUNKS
+        return torch.cat([self.hostbuf[int(k):int(k) + n] for k in self.at])
+
     def reference(self, torch):
         """The host buffer a perfect device-to-host copy gives, as a GPU tensor."""
         idx = torch.as_tensor(self.ids.reshape(CHUNKS, -1), device="cuda")
@@ -157,12 +177,22 @@ def make_ops(src, src_pitch, dst, dst_pitch, width, height):
     return ops
 
 
+JOIN = RUN_MAJOR = False  # --join, --run-major
+
+
 def _split(n, k):
     return [slice(int(a), int(b)) for a, b in zip(np.linspace(0, n, k + 1)[:-1],
                                                    np.linspace(0, n, k + 1)[1:]) if b > a]
 
 
 def enqueue(case, way, to_host, streams):
+    _enqueue(case, way, to_host, streams)
+    if JOIN:  # as kvd's DmaQueue: the first stream waits for the others after each batch
+        for st in streams[1:]:
+            streams[0].wait_stream(st)
+
+
+def _enqueue(case, way, to_host, streams):
     if way.startswith("staged"):
         return staged(case, way[7:], to_host, streams)
     if way.startswith("d2d"):
@@ -226,11 +256,11 @@ def staged(case, way, to_host, streams):
 def check(torch, case, way, streams):
     """Poison, copy each way, compare with the gather; returns the wrong bytes."""
     ref = case.reference(torch)
-    case.host.fill_(0xA5)
+    case.hostbuf.fill_(0xA5)
     torch.cuda.synchronize()  # the legacy stream's work, before the copy streams start
     enqueue(case, way, True, streams)
     torch.cuda.synchronize()
-    wrong = int((case.host.cuda() != ref).sum())
+    wrong = int((case.chunks(torch).cuda() != ref).sum())
     saved = case.pool.clone()
     case.pool.fill_(0x5A)
     torch.cuda.synchronize()
@@ -299,7 +329,7 @@ def run_case(torch, spec, a, pools) -> None:
     name, page, *pool = spec.split(":")
     bo = "bo" in pool
     host = next((k for k in ("shm", "thp", "small") if k in pool), "pinned")
-    case, other = (Case(torch, name, int(page), bo, host) for _ in range(2))
+    case, other = (Case(torch, name, int(page), bo, host, a.host_gib) for _ in range(2))
     dev = torch.empty(case.nbytes, dtype=torch.uint8, device="cuda")
 
     def both_memcpy():
@@ -320,7 +350,8 @@ def run_case(torch, spec, a, pools) -> None:
                       "anon_huge_MiB": _anon_huge_kib() // 1024,
                       "memcpy_GBps": gbps(memcpy_times())}), flush=True)
     for way in a.ways.split(","):
-        if way == "page1d" and not bo:
+        if (way == "page1d" and not bo) or (case.scattered and (way.startswith(("d2d", "staged"))
+                                                               or way in ("3d-pagemajor", "page1d"))):
             continue
         row = {"case": spec, "way": way}
         try:
@@ -389,9 +420,19 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=1, help="the same batch queued this many "
                     "times back to back per timing (a pipelined daemon's queue; ratios against "
                     "as many memcpys)")
+    ap.add_argument("--join", action="store_true", help="after each batch, the first stream "
+                    "waits for the others, as kvd's DmaQueue.enqueue does")
+    ap.add_argument("--run-major", action="store_true", help="1d copies page by page, each "
+                    "page's planes in turn (kvd's order for pools of one allocation per layer), "
+                    "not plane by plane within a chunk")
+    ap.add_argument("--host-gib", type=int, default=0, help="a host buffer this large with "
+                    "the case's chunks at random places in it, as in a daemon's arena (1d and 3d "
+                    "ways only)")
     ap.add_argument("--pitch-check", default="", help="GiB pitches to try with a 2-row op, "
                     "e.g. 1.5,2.5,4.5: is the op accepted, are the bytes right")
     a = ap.parse_args()
+    global JOIN, RUN_MAJOR
+    JOIN, RUN_MAJOR = a.join, a.run_major
     for gib in filter(None, a.pitch_check.split(",")):
         print(json.dumps(pitch_check(torch, float(gib))), flush=True)
     torch.cuda.init()
