@@ -61,7 +61,8 @@ import json
 import time
 
 import numpy as np
-from interference_probe import _Attr, _Loc, timeit  # this tool's neighbour in tools/
+from interference_probe import _Attr, _Loc, timeit  # this tool's neighbours in tools/
+from probe_host import anon_huge_kib, registered
 
 from kvd.cuda.dma_plan import OP_DTYPE, OPERAND_POINTER, ORDER_STREAM
 
@@ -106,7 +107,7 @@ class Case:
                   * whole).reshape(-1) if host_gib else np.arange(CHUNKS) * chunk
         size = int(places[-1]) + chunk
         if host_kind in ("shm", "thp", "small"):  # registered in 1 GiB pieces, as kvd's arena
-            self.hostbuf = torch.from_numpy(_registered(size, host_kind))
+            self.hostbuf = torch.from_numpy(registered(size, host_kind))
         else:
             self.hostbuf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         self.at = np.sort(np.random.default_rng(page + 1).choice(places, CHUNKS, replace=False)) \
@@ -275,56 +276,6 @@ def check(torch, case, way, streams):
     return wrong
 
 
-def _registered(nbytes: int, kind: str = "shm") -> np.ndarray:
-    """A host buffer registered with the driver as kvd's arena is (``cuMemHostRegister``
-    portable + device-mapped in its pieces). ``shm``: a /dev/shm file as the arena
-    (unlinked at once; 4 KiB pages unless the tmpfs gives huge ones). ``thp`` / ``small``:
-    anonymous memory advised MADV_HUGEPAGE / MADV_NOHUGEPAGE, 2 MiB aligned: do huge host
-    pages change what the copy engines pay per row? Mapping and registration live as long
-    as the process (kept in ``_KEEP``: a mapping freed while registered would collide with
-    the next)."""
-    import mmap
-    import os
-
-    from kvd.cuda.backend import REGISTER_PIECE
-    from kvd_protocol import cuda_driver
-    huge = 2 << 20
-    size = -(-nbytes // huge) * huge
-    if kind == "shm":
-        name = f"/dev/shm/dma-probe-{os.getpid()}-{nbytes}"
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.unlink(name)
-            os.ftruncate(fd, size)
-            m = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        buf = np.frombuffer(m, np.uint8)
-    else:
-        m = mmap.mmap(-1, size + huge)
-        m.madvise(mmap.MADV_HUGEPAGE if kind == "thp" else mmap.MADV_NOHUGEPAGE)
-        whole = np.frombuffer(m, np.uint8)
-        at = -whole.ctypes.data % huge
-        buf = whole[at:at + size]
-    buf[::4096] = 0  # touch every page before registering
-    for at in range(0, size, REGISTER_PIECE):
-        cuda_driver.register_host(buf.ctypes.data + at, min(REGISTER_PIECE, size - at), 0)
-    _KEEP.append((m, buf))
-    return buf[:nbytes]
-
-
-def _anon_huge_kib() -> int:
-    """This process's anonymous memory in huge pages (kB), from /proc/self/smaps_rollup."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")), 0)
-    except OSError:
-        return -1
-
-
-_KEEP: list = []
-
-
 def run_case(torch, spec, a, pools) -> None:
     name, page, *pool = spec.split(":")
     bo = "bo" in pool
@@ -347,7 +298,7 @@ def run_case(torch, spec, a, pools) -> None:
         return {k: round(case.nbytes / v / 1e9 * (2 if k == "both" else 1), 1)
                 for k, v in times.items()}
     print(json.dumps({"case": spec, "piece": case.piece, "MB": round(case.nbytes / 1e6),
-                      "anon_huge_MiB": _anon_huge_kib() // 1024,
+                      "anon_huge_MiB": anon_huge_kib() // 1024,
                       "memcpy_GBps": gbps(memcpy_times())}), flush=True)
     for way in a.ways.split(","):
         if (way == "page1d" and not bo) or (case.scattered and (way.startswith(("d2d", "staged"))

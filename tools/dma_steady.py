@@ -33,7 +33,8 @@ import time
 from collections import deque
 
 import numpy as np
-from dma_probe import Case, _batch1d, _registered_shm, _split  # this tool's neighbours in tools/
+from dma_probe import Case, _batch1d, _split  # this tool's neighbours in tools/
+from probe_host import registered
 
 from kvd_protocol import cuda_driver
 
@@ -145,7 +146,7 @@ def main() -> None:
     engine = torch.cuda.Stream()
 
     starts = _regions(nbytes, a.arena_copies)
-    arenas = {id(c): _registered_shm(starts[-1] + nbytes) if a.arena_copies > 1 else None
+    arenas = {id(c): registered(starts[-1] + nbytes, "shm") if a.arena_copies > 1 else None
               for c in (store, load)}
 
     def region(case):
