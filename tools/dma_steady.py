@@ -18,7 +18,9 @@ direction. Variants: loads in steps (the daemon's load window cuts a 144
 MB load in three), a ``cuStreamWriteValue32`` after each load (the done
 word), a stream of this process waiting for each done word
 (``cuStreamWaitValue32`` on host memory, as an engine's stream waits for a
-load), and spreading each copy over 8 streams. Baseline:
+load), and spreading each copy over 8 streams. ``plane rows`` variants copy
+each (plane, page) alone (what a pool of one allocation per layer costs:
+72 KiB copies for ``--case mla:64``) between the pool and kvd's chunk layout. Baseline:
 the same loop with one contiguous memcpy of the request's bytes per copy,
 timed right before each variant. Prints JSON lines: GB/s both ways and
 each direction's finish time.
@@ -165,6 +167,15 @@ def main() -> None:
         size = np.full(devp.size, case.lp * case.piece, np.uint64)
         return rows_copy(*((host, devp) if to_host else (devp, host)), size, steps)
 
+    def plane_rows(case, to_host, steps=1):
+        """One copy per (plane, page): a pool of one allocation per layer's copies."""
+        at = region(case)
+        offsets = case.host1 - np.uint64(case.host.data_ptr())
+
+        def host(i):
+            return offsets + np.uint64(at(i))
+        return rows_copy(*((host, case.dev1) if to_host else (case.dev1, host)), case.size1, steps)
+
     s0, s1 = streams
 
     variants = {  # name -> () -> (store Direction, load Direction)
@@ -183,6 +194,13 @@ def main() -> None:
             Direction(torch, s1[:1], rows(load, False, 3), word.data_ptr(), engine)),
         "rows, 8 streams": lambda: (Direction(torch, s0, rows(store, True)),
                                     Direction(torch, s1, rows(load, False))),
+        "plane rows": lambda: (Direction(torch, s0[:1], plane_rows(store, True)),
+                               Direction(torch, s1[:1], plane_rows(load, False))),
+        "plane rows, 3 steps, done word, engine waits": lambda: (
+            Direction(torch, s0[:1], plane_rows(store, True)),
+            Direction(torch, s1[:1], plane_rows(load, False, 3), word.data_ptr(), engine)),
+        "plane rows, 2 streams": lambda: (Direction(torch, s0[:2], plane_rows(store, True)),
+                                          Direction(torch, s1[:2], plane_rows(load, False))),
     }
     wanted = set(filter(None, a.variants.split(";")))
     variants = {k: v for k, v in variants.items() if k == "memcpy" or not wanted or k in wanted}
