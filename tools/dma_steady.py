@@ -158,23 +158,22 @@ def main() -> None:
             return lambda i: case.host.data_ptr()
         return lambda i: arena.ctypes.data + starts[i % len(starts)]
 
-    def rows(case, to_host, steps=1):
-        devp, at = case.dev3[0], region(case)
-        offsets = case.page_major_host() - np.uint64(case.host.data_ptr())
+    def copies(case, dev_side, host_side, size, to_host, steps):
+        """``rows_copy`` of ``case``'s copies, their host side moved to copy i's region."""
+        at, offsets = region(case), host_side - np.uint64(case.host.data_ptr())
 
         def host(i):
             return offsets + np.uint64(at(i))
-        size = np.full(devp.size, case.lp * case.piece, np.uint64)
-        return rows_copy(*((host, devp) if to_host else (devp, host)), size, steps)
+        return rows_copy(*((host, dev_side) if to_host else (dev_side, host)), size, steps)
+
+    def rows(case, to_host, steps=1):
+        """One copy per page of all its planes (block-outer pool, page-major host)."""
+        size = np.full(case.dev3[0].size, case.lp * case.piece, np.uint64)
+        return copies(case, case.dev3[0], case.page_major_host(), size, to_host, steps)
 
     def plane_rows(case, to_host, steps=1):
         """One copy per (plane, page): a pool of one allocation per layer's copies."""
-        at = region(case)
-        offsets = case.host1 - np.uint64(case.host.data_ptr())
-
-        def host(i):
-            return offsets + np.uint64(at(i))
-        return rows_copy(*((host, case.dev1) if to_host else (case.dev1, host)), case.size1, steps)
+        return copies(case, case.dev1, case.host1, case.size1, to_host, steps)
 
     s0, s1 = streams
 
