@@ -92,7 +92,8 @@ def _batch3d(stream, ops):
 class Case:
     """One pool, one host buffer, the page ids, and the piece / op lists both ways."""
 
-    def __init__(self, torch, name, page, block_outer=False, host_kind="pinned", host_gib=0.0):
+    def __init__(self, torch, name, page, block_outer=False, host_kind="pinned", host_gib=0.0,
+                 run_major=False):
         layers, planes, row = SHAPES[name]
         self.name, self.page, self.lp = name, page, layers * planes
         self.piece = page * row
@@ -125,7 +126,7 @@ class Case:
         self.dev1 = (base + lp * np.uint64(plane_pitch) + ids * np.uint64(page_stride)).reshape(-1)
         self.host1 = (hbase + c + lp * np.uint64(chunk_plane)
                       + j * np.uint64(self.piece)).reshape(-1)
-        if RUN_MAJOR:  # kvd's order for one allocation per layer: a page's planes, then the next
+        if run_major:  # kvd's order for one allocation per layer: a page's planes, then the next
             order = np.arange(self.dev1.size).reshape(CHUNKS, self.lp, ppc).transpose(0, 2, 1).reshape(-1)
             self.dev1, self.host1 = self.dev1[order], self.host1[order]
         self.size1 = np.full(self.dev1.size, self.piece, np.uint64)
@@ -178,7 +179,7 @@ def make_ops(src, src_pitch, dst, dst_pitch, width, height):
     return ops
 
 
-JOIN = RUN_MAJOR = False  # --join, --run-major
+JOIN = False  # --join
 
 
 def _split(n, k):
@@ -280,7 +281,7 @@ def run_case(torch, spec, a, pools) -> None:
     name, page, *pool = spec.split(":")
     bo = "bo" in pool
     host = next((k for k in ("shm", "thp", "small") if k in pool), "pinned")
-    case, other = (Case(torch, name, int(page), bo, host, a.host_gib) for _ in range(2))
+    case, other = (Case(torch, name, int(page), bo, host, a.host_gib, a.run_major) for _ in range(2))
     dev = torch.empty(case.nbytes, dtype=torch.uint8, device="cuda")
 
     def both_memcpy():
@@ -382,8 +383,8 @@ def main() -> None:
     ap.add_argument("--pitch-check", default="", help="GiB pitches to try with a 2-row op, "
                     "e.g. 1.5,2.5,4.5: is the op accepted, are the bytes right")
     a = ap.parse_args()
-    global JOIN, RUN_MAJOR
-    JOIN, RUN_MAJOR = a.join, a.run_major
+    global JOIN
+    JOIN = a.join
     for gib in filter(None, a.pitch_check.split(",")):
         print(json.dumps(pitch_check(torch, float(gib))), flush=True)
     torch.cuda.init()

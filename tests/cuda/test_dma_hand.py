@@ -242,12 +242,7 @@ def test_a_load_thread_waits_for_the_load_window(per_layer):
     queued = path.load_queue.queued_bytes()
     assert handed.event is None and 2 * chunk < queued <= 3 * chunk
     assert "done" not in [what for _, what in driver.calls]
-    deadline = time.monotonic() + 10
-    while handed.event is None:  # now every batch lands as soon as it is queued
-        assert time.monotonic() < deadline, "the thread never went on"
-        for event, _, _ in list(path.load_queue.queued):
-            event.landed = True
-        time.sleep(0.001)
+    assert _land_all(path.load_queue, handed), "the thread never went on"
     assert [what for _, what in driver.calls][-1] == "done"
     assert sum(steps) == 8 * chunk and len(steps) > 4
 
@@ -277,8 +272,14 @@ def test_close_gives_up_after_its_timeout_while_a_load_waits_for_its_window(per_
     assert path.settle(10) is True and handed.event is not None
 
 
-def _land_all(q, handed) -> None:
+def _land_all(q, handed, timeout: float = 10) -> bool:
+    """Land every batch of ``q`` as soon as it is queued until the thread recorded
+    ``handed``'s event; whether it did within ``timeout``."""
+    deadline = time.monotonic() + timeout
     while handed.event is None:
+        if time.monotonic() > deadline:
+            return False
         for event, _, _ in list(q.queued):
             event.landed = True
         time.sleep(0.001)
+    return True
