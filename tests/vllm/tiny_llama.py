@@ -44,13 +44,15 @@ def bf16(x: np.ndarray) -> bytes:
     return rounded.astype("<u2").tobytes()
 
 
-def write(path: Path, seed: int = 0) -> Path:
+def write(path: Path, seed: int = 0, config: dict | None = None, std: float = 0.08) -> Path:
+    """The checkpoint in ``path``: ``CONFIG`` (or ``config``), weights ~ N(0, ``std``)."""
+    config = config or CONFIG
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     rng = np.random.default_rng(seed)
     header, blobs, offset = {}, [], 0
-    for name, shape in sorted(shapes(CONFIG).items()):
-        x = np.ones(shape) if len(shape) == 1 else rng.normal(0.0, 0.08, shape)
+    for name, shape in sorted(shapes(config).items()):
+        x = np.ones(shape) if len(shape) == 1 else rng.normal(0.0, std, shape)
         blob = bf16(x)
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)

@@ -85,6 +85,7 @@ class KvdConnector(KVConnectorBase_V1):
         self.settings = Settings.from_extra(cfg.kv_connector_extra_config)
         self.geometry = spec.geometry(vllm_config, kv_cache_config, self.settings.model_id)
         self.counters = Counters()
+        self.source = f"{role.name.lower()}:{os.getpid()}"  # whose running totals (stats.py)
         self.client = KvdClient(runtime_dir=self.settings.runtime_dir or None,
                                 timeout=self.settings.timeout_s, load_slots=LOAD_SLOTS,
                                 name=f"vllm-{role.name.lower()}:{os.getpid()}",
@@ -95,7 +96,9 @@ class KvdConnector(KVConnectorBase_V1):
             reg = self.client.attach(**self.geometry.attach_fields())
             stores = cfg.is_kv_producer and self.settings.store_policy != "off"
             self.sched = SchedulerSide(self.client, reg, self.settings, self.geometry.block_size,
-                                       loads=cfg.is_kv_consumer, stores=stores, counters=self.counters)
+                                       loads=cfg.is_kv_consumer, stores=stores, counters=self.counters,
+                                       layerwise_min_compute=2 + _speculative_tokens(vllm_config),
+                                       layerwise=not _prefills_in_full_graphs(vllm_config))
         else:
             self.worker = WorkerSide(self.client, self.geometry,
                                      list(kv_cache_config.kv_cache_groups[0].layer_names),
@@ -109,7 +112,9 @@ class KvdConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
-        return True  # layer-wise loads are stream waits per layer: never inside a CUDA graph
+        """False: layer-wise loads (stream waits per layer) only run in steps vLLM does not
+        replay as full CUDA graphs (kvd_client.vllm.scheduler), so decode keeps its graphs."""
+        return False
 
     # ==== worker side ==================================================================
 
@@ -188,7 +193,7 @@ class KvdConnector(KVConnectorBase_V1):
     # ==== both ========================================================================
 
     def get_kv_connector_stats(self):
-        data = self.counters.take()
+        data = self.counters.totals(self.source)
         return KvdConnectorStats(data=data) if data else None
 
     @classmethod
@@ -208,6 +213,23 @@ class KvdConnector(KVConnectorBase_V1):
             self.client.close()
         if self.alloc is not None:
             self.alloc.close()
+
+
+def _speculative_tokens(vllm_config) -> int:
+    spec_cfg = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec_cfg, "num_speculative_tokens", 0) or 0) if spec_cfg is not None else 0
+
+
+def _prefills_in_full_graphs(vllm_config) -> bool:
+    """Whether vLLM replays mixed prefill batches as full CUDA graphs (``cudagraph_mode``
+    FULL): a replay would skip per-layer waits, so every load then runs between steps."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    mixed = getattr(mode, "mixed_mode", None)
+    if mixed is None or getattr(mixed(), "name", "") != "FULL":
+        return False
+    log.info("kvd: cudagraph_mode %s runs prefills as full CUDA graphs; kvd loads run between "
+             "steps", mode.name)
+    return True
 
 
 def _tp_rank() -> int:

@@ -1,10 +1,14 @@
 """The connector's counters: what each side did since vLLM last collected them.
 
 The scheduler counts lookups and hits, workers count loads and stores (their
-tokens, bytes and failures). ``take()`` returns the non-zero counts and
-resets them: vLLM collects connector stats every step and sums them
-(kvd_client.vllm.stats). With tensor parallelism every worker counts its own
-shard: tokens are counted once per rank, bytes are each rank's own.
+tokens, bytes and failures). ``totals(source)`` returns every non-zero
+counter since the start as ``{"<source>/<name>": total}``: vLLM drops the
+connector stats of some steps (its offline ``LLM`` records a step's stats only
+when the step has request outputs), so kvd hands over running totals, never
+deltas, and a dropped step is caught up by the next one
+(kvd_client.vllm.stats). ``take()`` returns the counts since its last call
+(tests). With tensor parallelism every worker counts its own shard: tokens are
+counted once per rank, bytes are each rank's own.
 """
 
 from __future__ import annotations
@@ -30,11 +34,17 @@ class Counters:
     def __init__(self):
         self._lock = threading.Lock()
         self._data = dict.fromkeys(HELP, 0)
+        self._total = dict.fromkeys(HELP, 0)
 
     def add(self, **counts: int) -> None:
         with self._lock:
             for name, n in counts.items():
                 self._data[name] += n
+                self._total[name] += n
+
+    def totals(self, source: str) -> dict[str, int]:
+        with self._lock:
+            return {f"{source}/{k}": v for k, v in self._total.items() if v}
 
     def take(self) -> dict[str, int]:
         with self._lock:

@@ -11,7 +11,14 @@ tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
   recently. The hit is leased (pinned in kvd) until the request ends or the
   lease runs out. Hits of ``async_load_min_tokens`` or more load
   asynchronously, unless the load starts inside the local hit (its scratch
-  writes need a block of this step, see kvd_client.vllm.plan).
+  writes need a block of this step, see kvd_client.vllm.plan). A layer-wise
+  load (inside the step) leaves at least ``layerwise_min_compute`` tokens to
+  compute (2 + speculative tokens): its step then has a query longer than a
+  decode's, which vLLM never runs as a full CUDA graph (whose replay would
+  skip the per-layer waits); shorter remainders load asynchronously, or give
+  up their last chunk where that cannot be. With ``layerwise`` off (vLLM runs
+  prefills as full CUDA graphs too) every load is asynchronous, and a hit
+  that cannot be is not offered.
 - ``allocated``: turns the hit into a ``LoadItem`` once vLLM gave blocks.
 - ``step(scheduler_output)``: the ``StepPlan`` of the step: planned loads,
   stores of chunks this step computes (``store_policy = all``), stores of
@@ -64,8 +71,9 @@ class ReqState:
 
 class SchedulerSide:
     def __init__(self, client, reg, settings: Settings, block_size: int, loads: bool, stores: bool,
-                 counters: Counters):
+                 counters: Counters, layerwise_min_compute: int = 2, layerwise: bool = True):
         self.client, self.reg, self.s = client, reg, settings
+        self.layerwise_min_compute, self.layerwise = layerwise_min_compute, layerwise
         self.block_size, self.loads, self.stores = block_size, loads, stores
         self.counters = counters
         self.reqs: dict[str, ReqState] = {}
@@ -124,8 +132,15 @@ class SchedulerSide:
         if tokens <= local:
             self._release(st)
             return 0, False
+        short = request.num_tokens - tokens < self.layerwise_min_compute
+        st.asynchronous = local % c == 0 and (tokens - local >= self.s.async_load_min_tokens
+                                              or short or not self.layerwise)
+        if not st.asynchronous and short:
+            tokens -= c  # a layer-wise load's step must not be a pure-decode one (a full CUDA graph)
+        if not st.asynchronous and (tokens <= local or not self.layerwise):
+            self._release(st)
+            return 0, False
         st.hit = tokens
-        st.asynchronous = tokens - local >= self.s.async_load_min_tokens and local % c == 0
         self.counters.add(hit_tokens=tokens - local)
         return tokens - local, st.asynchronous
 

@@ -1,12 +1,17 @@
 """The connector's counters the way vLLM exposes connector stats.
 
-``KvdConnectorStats`` is vLLM's ``KVConnectorStats``: a dict of counter
-deltas (kvd_client.vllm.counters) that vLLM collects from the workers and
-the scheduler every step, sums (``aggregate``), logs as "KV Transfer
-metrics: ..." with the engine's stats log, and hands to
-``KvdPromMetrics.observe``, which adds them to Prometheus counters named
-``vllm:kvd_<counter>_total`` (labelled per engine like vLLM's own metrics;
-``LLM.get_metrics()`` lists them when stats are on).
+``KvdConnectorStats`` is vLLM's ``KVConnectorStats``. Its data maps
+``"<source>/<counter>"`` to that source's running total since it started
+(kvd_client.vllm.counters): a source is the scheduler or one worker process.
+vLLM collects the stats of the workers and the scheduler every step and
+merges them (``aggregate``: per key the larger total, so merging the same
+source twice counts nothing twice), logs ``reduce()`` (each counter summed
+over sources: totals since the engine started) as "KV Transfer metrics: ..."
+and hands the data to ``KvdPromMetrics.observe``, which adds to the
+Prometheus counter ``vllm:kvd_<counter>_total`` (labelled per engine like
+vLLM's own metrics; ``LLM.get_metrics()`` lists them when stats are on) what
+each source's total grew by since it last saw it. A step whose stats vLLM
+drops is therefore counted with the next one it records.
 """
 
 from __future__ import annotations
@@ -18,18 +23,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from .counters import HELP
 
 
+def _counter(key: str) -> str:
+    return key.rpartition("/")[2]
+
+
 @dataclass
 class KvdConnectorStats(KVConnectorStats):
     def reset(self):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for name, n in other.data.items():
-            self.data[name] = self.data.get(name, 0) + n
+        for key, total in other.data.items():
+            self.data[key] = max(self.data.get(key, 0), total)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        out: dict[str, int] = {}
+        for key, total in self.data.items():
+            out[_counter(key)] = out.get(_counter(key), 0) + total
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -39,6 +51,7 @@ class KvdPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self.counters = {}
+        self.seen: dict[tuple[int, str], int] = {}  # (engine, source/counter) -> total counted
         for name, text in HELP.items():
             metric = self._counter_cls(name=f"vllm:kvd_{name}", documentation=f"kvd connector: {text}",
                                        labelnames=labelnames)
@@ -46,7 +59,11 @@ class KvdPromMetrics(KVConnectorPromMetrics):
                                    for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
-        for name, n in transfer_stats_data.items():
-            per_engine = self.counters.get(name)
-            if per_engine is not None and engine_idx in per_engine and n > 0:
-                per_engine[engine_idx].inc(n)
+        for key, total in transfer_stats_data.items():
+            per_engine = self.counters.get(_counter(key))
+            if per_engine is None or engine_idx not in per_engine:
+                continue
+            grown = total - self.seen.get((engine_idx, key), 0)
+            if grown > 0:
+                self.seen[(engine_idx, key)] = total
+                per_engine[engine_idx].inc(grown)

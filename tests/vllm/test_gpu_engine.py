@@ -1,0 +1,155 @@
+"""Real vLLM on a GPU with kvd's connector: KV bytes, logprobs and counters across engines.
+
+Needs a CUDA GPU and a GPU build of vLLM importable by this python (skipped
+otherwise, e.g. in CI); ``kvd serve --gpu on`` and every engine run as
+processes of their own (tests/vllm/gpu_engine.py). The model is a 4-layer
+Llama written at test time with seeded random weights (FlashAttention's head
+size 128), so logits depend on the prefix, unlike vLLM's dummy weights.
+
+Two storing engines run side by side, one on each of vLLM's model runners,
+each on its own prompts; then two fresh loading engines, each on the other
+runner than the engine that stored its prompts, with every KV byte poisoned
+first. For each prompt (one hit loaded between steps, one layer by layer
+inside the step):
+
+- the loader's KV blocks of the hit tokens are byte-identical to the storer's
+  (SHA-256 of each block over every layer, read right after each request);
+- the first token's top logprobs agree within bf16 noise, while a control
+  prompt that differs only in its prefix (no hit) gives other logprobs;
+- the connector's counters, vLLM's prompt tokens by source and the daemon's
+  counters agree on the hit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.timeout(1500)]
+if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+    pytest.skip("no GPU build of vLLM in this python (tests/vllm/test_engine.py runs the CPU "
+                "build)", allow_module_level=True)
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+CHUNK, BLOCK = 256, 16          # kvd chunk; vLLM's default GPU block on FlashAttention
+ASYNC_MIN = 768                 # the 1024-token hit loads between steps, the 512 one per layer
+MODEL = {**tiny_llama.CONFIG, "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1024,
+         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 128}
+LOGPROB_TOL = 0.05              # bf16 noise between a batch computed and one partly loaded
+
+
+def tokens(seed: str, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, MODEL["vocab_size"]) for _ in range(n)]
+
+
+def prompts(name: str) -> dict[str, list[int]]:
+    """Two prompts with whole-chunk prefixes (hits of 1024 and 512 tokens) and the first's
+    control: another prefix of the same length, the same suffix."""
+    suffix = tokens(f"{name}/suffix", 40)
+    return {"long": tokens(f"{name}/long", 1024) + suffix,
+            "short": tokens(f"{name}/short", 512) + tokens(f"{name}/suffix2", 40),
+            "control": tokens(f"{name}/control", 1024) + suffix}
+
+
+HITS = {"long": 1024, "short": 512, "control": 0}
+
+
+def spawn(tmp: Path, name: str, spec: dict, runner: str) -> tuple:
+    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "clients"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    spec_path, out, log = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, str(HERE / "gpu_engine.py"), str(spec_path), str(out)],
+                            env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return proc, out, log
+
+
+def finish(runs: list) -> list[dict]:
+    results = []
+    for proc, out, log in runs:
+        try:
+            rc = proc.wait(900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert rc == 0, f"engine exited {rc}:\n{log.read_text()[-8000:]}"
+        results.append(json.loads(out.read_text()))
+    return results
+
+
+def top_diff(a: dict, b: dict) -> float:
+    """The largest logprob difference over ``a``'s five likeliest tokens (absent in ``b``: inf)."""
+    best = sorted(a, key=a.get, reverse=True)[:5]
+    return max(abs(a[t] - b[t]) if t in b else float("inf") for t in best)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return tiny_llama.write(tmp_path_factory.mktemp("gpu-llama"), config=MODEL, std=0.05)
+
+
+def test_engines_on_both_runners_share_kv_byte_for_byte(model, start_daemon, tmp_path):
+    daemon = start_daemon(gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB",
+                          client_timeout_s=30.0, heartbeat_interval_s=1.0)
+    kvd = {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 10.0, "async_load_min_tokens": ASYNC_MIN}
+    sets = {"v2": prompts("stored-by-v2"), "v1": prompts("stored-by-v1")}
+
+    def spec(p: dict, batches: list, poison=None) -> dict:
+        return {"model": str(model), "kvd": kvd, "poison": poison,
+                "batches": [[p[name]] for name in batches]}
+
+    stored = finish([spawn(tmp_path, f"store-{r}", spec(sets[r], ["long", "short"]), r)
+                     for r in ("v2", "v1")])
+    # the last store ends after the engine's last step (counted by the daemon, not by vLLM)
+    assert daemon.stats()["chunks_stored"] == 2 * (1024 + 512) // CHUNK
+
+    other = {"v2": "v1", "v1": "v2"}  # a set stored by one runner is loaded by the other
+    loaded = finish([spawn(tmp_path, f"load-{other[r]}", spec(sets[r], ["long", "short", "control"],
+                                                               poison=0.75), other[r])
+                     for r in ("v2", "v1")])
+    for store, load in zip(stored, loaded):
+        check_pair(store, load)
+    st = daemon.stats()
+    assert st["chunks_loaded"] == 2 * (1024 + 512) // CHUNK, st
+    assert daemon.proc.poll() is None and daemon.control("health")["status"] == "ok"
+
+
+def check_pair(store: dict, load: dict) -> None:
+    src = dict(zip(["long", "short"], store["prompts"]))
+    dst = dict(zip(["long", "short", "control"], load["prompts"]))
+    for name in ("long", "short"):
+        a, b, hit_blocks = src[name], dst[name], HITS[name] // BLOCK
+        assert b["num_cached_tokens"] == HITS[name], (name, b["num_cached_tokens"])
+        # byte for byte: every hit block of the loader holds the storer's bytes
+        bad = [i for i in range(hit_blocks) if a["digests"][i] != b["digests"][i]]
+        assert not bad, f"{name}: {len(bad)} of {hit_blocks} loaded blocks differ, first {bad[:4]}"
+        assert b["token"] == a["token"] and top_diff(a["logprobs"], b["logprobs"]) <= LOGPROB_TOL
+    control = dst["control"]
+    assert control["num_cached_tokens"] == 0
+    # the prefix moves the first token's distribution: the check above can fail
+    assert top_diff(dst["long"]["logprobs"], control["logprobs"]) > 4 * LOGPROB_TOL
+    c, hits = load["counters"], HITS["long"] + HITS["short"]
+    assert c["vllm:kvd_hit_tokens"] == hits and c["vllm:kvd_loaded_tokens"] == hits, c
+    assert c["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == hits, c
+    assert c["vllm:kvd_lookups"] == 3 and c["vllm:kvd_loads"] == 2, c
+    assert "vllm:kvd_load_failures" not in c, c
+    # vLLM's own connector-cache counter misses steps without request outputs (its offline
+    # LLM records no stats for them): at most the hit, never more
+    assert c.get("vllm:external_prefix_cache_hits", 0) <= hits, c
