@@ -11,20 +11,12 @@ input is logged at most once per interval).
 from __future__ import annotations
 
 import pytest
-import zmq
 from rawwire import Raw, header_with, nested
 
 from kvd_protocol.runtime import control_endpoint, engine_endpoint
 
 DEPTH = 1000
 FLOOD = 1000
-
-
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 def _engine_frames(req_id: int) -> list[bytes]:

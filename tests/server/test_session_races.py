@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 from rawwire import Raw, pages, register_fields
 
 import kvd_client
@@ -23,13 +22,6 @@ from kvd_protocol.runtime import engine_endpoint
 
 GEOMETRY = ("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")  # layers, pages, page size, heads, dim
 KEYS = bytes(range(16)) + bytes(range(16, 32))  # 2 chunks of 4 pages each
-
-
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture
