@@ -17,7 +17,8 @@ def _deep(depth: int):
 
 @pytest.mark.parametrize("value", [_deep(5000), "x" * 10**6, b"\0" * 10**6, list(range(65536)),
                                    {str(i): _deep(3000) for i in range(64)}, 2**4000,
-                                   "\U0001f600\n" * 1000, object()])
+                                   "\U0001f600\n" * 1000, object()],
+                         ids=lambda v: type(v).__name__)
 def test_describe_is_bounded(value):
     assert len(P.describe(value)) < 1000
 
@@ -32,13 +33,17 @@ def test_describe_shows_scalars_and_short_values():
     assert P.describe("y" * 100).endswith("... (100 characters)")
 
 
+HELLO = {"v": 2, "id": 9, "op": "hello", "client": "c", "pid": 1, "versions": [2]}
+
+
 @pytest.mark.parametrize("where", ["op", "v", "versions", "client"])
 def test_nesting_beyond_the_limit_is_a_bad_request(where):
-    fields = {"v": 2, "id": 9, "op": "hello", "client": "c", "pid": 1, "versions": [2]}
-    fields[where] = _deep(P.MAX_DEPTH)  # the header map is one level more
+    header = {**HELLO, where: _deep(P.MAX_DEPTH)}  # the header map is one level more
     with pytest.raises(P.ProtocolError) as err:
-        P.parse_request([P.pack(fields)], P.OPS)
+        P.parse_request([P.pack(header)], P.OPS)
     assert (err.value.code, err.value.req_id) == ("bad_request", 9)
-    fields[where] = _deep(P.MAX_DEPTH - 1) if where == "versions" else fields[where]
-    if where == "versions":  # one level less is valid msgpack nesting for the protocol
-        assert P.parse_request([P.pack(fields)], P.OPS).fields["versions"]
+
+
+def test_nesting_up_to_the_limit_is_read():
+    header = {**HELLO, "versions": [2, _deep(P.MAX_DEPTH - 2)]}
+    assert P.parse_request([P.pack(header)], P.OPS).fields["versions"][0] == 2
