@@ -3,8 +3,12 @@ exactly what an engine sends (bad input, protocol corner cases): no kvd_client.
 
 ``Raw(endpoint, ctx)`` sends frames as given and returns the decoded reply
 header (skipping the daemon's liveness probes, id 0); ``ok``/``fails`` check
-the reply; ``register_fields(pool)`` builds a register request for a
-``SharedKVPool`` that carries a ``flags`` attribute (a ``ClientFlags``).
+the reply; ``post`` sends a request without waiting and ``replies(n)``
+collects the next ``n`` replies by id (pipelining, as a racing engine does);
+``register_fields(pool)`` builds a register request for a ``SharedKVPool``
+that carries a ``flags`` attribute (a ``ClientFlags``); ``nested(depth)``
+is a msgpack array nested ``depth`` levels deep (msgpack-python's packer
+refuses such values, so the bytes are written out).
 """
 
 from __future__ import annotations
@@ -42,6 +46,21 @@ class Raw:
         if "error" in header:
             self.errors += 1
         return header
+
+    def post(self, op, frames=(), **fields) -> int:
+        """Send a request without waiting for its reply; returns its id."""
+        self.next_id += 1
+        self.sock.send_multipart([pack({"v": 2, "id": self.next_id, "op": op, **fields}), *frames])
+        return self.next_id
+
+    def replies(self, n: int, timeout: float = 10.0) -> dict:
+        """The next ``n`` reply headers by id (liveness probes skipped); fewer on a timeout."""
+        got = {}
+        while len(got) < n and self.sock.poll(int(timeout * 1000)):
+            header = msgpack.unpackb(self.sock.recv_multipart()[0], raw=False)
+            if header.get("id") != 0:
+                got[header.get("id")] = header
+        return got
 
     def call(self, op, frames=(), **fields):
         self.next_id += 1
@@ -86,6 +105,20 @@ def _check_error(reply, code, req_id, what) -> str:
 
 def pack(obj) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def nested(depth: int) -> bytes:
+    """msgpack bytes of ``[[[...nil...]]]``, ``depth`` arrays deep."""
+    return b"\x91" * depth + b"\xc0"
+
+
+def header_with(raw_fields: dict, **fields) -> bytes:
+    """A request header map: ``fields`` packed, ``raw_fields`` given as msgpack bytes."""
+    body = b"".join(pack(k) + pack(v) for k, v in fields.items())
+    body += b"".join(pack(k) + v for k, v in raw_fields.items())
+    count = len(fields) + len(raw_fields)
+    assert count < 16
+    return bytes([0x80 | count]) + body
 
 
 def pages(*ids) -> bytes:

@@ -9,7 +9,11 @@ count. Everything is validated here before the daemon looks at it: unknown
 or missing fields, wrong types, oversized containers, wrong frame counts
 and malformed arrays raise a ``ServerError`` subclass carrying the request
 id (when it could be read) so the daemon can send a typed error reply.
-No pickle, no msgpack ext types. docs/protocol.md is the prose version.
+Containers in a header nest at most ``MAX_DEPTH`` levels (``bad_request``
+beyond). A value a peer sent appears in an error message or a log line
+only through ``describe`` (bounded: type and size, short strings and
+integers capped), never through its ``repr``. No pickle, no msgpack ext
+types. docs/protocol.md is the prose version.
 Version 2 replaced v1's CUDA IPC events with the flag page (kvd_protocol.flags):
 every registration names one, stores and loads carry the engine's mark
 (``after``) its stream writes, loads the ``slot`` and ``seq`` the daemon
@@ -34,7 +38,10 @@ VERSION = 2
 SUPPORTED_VERSIONS = (2,)
 MAX_HEADER_BYTES = 256 * 1024
 MAX_ID = 2**63 - 1
+MAX_DEPTH = 16  # containers nested in a header; the deepest valid one (layout.bases) has 4
 PAGE_DTYPE = np.dtype("<i8")
+DESCRIBE_CHARS = 64  # longest string shown whole in an error message
+DESCRIBE_ITEMS = 8  # longest list of scalars shown item by item
 
 
 def _int(v):
@@ -153,19 +160,20 @@ def parse_request(parts: list, ops: dict) -> Request:
 def _validate(header, frames: list, ops: dict) -> Request:
     if not isinstance(header, dict):
         raise BadRequest("header must be a msgpack map")
+    _check_depth(header)
     if not _int(header.get("v")) or header.get("v") not in SUPPORTED_VERSIONS:
-        raise VersionMismatch(f"protocol version {header.get('v')!r} not supported "
+        raise VersionMismatch(f"protocol version {describe(header.get('v'))} not supported "
                               f"(supported: {list(SUPPORTED_VERSIONS)})")
     if not _int(header.get("id")):
         raise BadRequest("id must be a non-negative integer")
     op = header.get("op")
     spec = ops.get(op) if isinstance(op, str) else None
     if spec is None:
-        raise UnknownOp(f"unknown op {op!r}")
+        raise UnknownOp(f"unknown op {describe(op)}")
     fields = {k: v for k, v in header.items() if k not in ("v", "id", "op")}
     for name in fields:
         if name not in spec.required and name not in spec.optional:
-            raise BadRequest(f"{op}: unknown field {name!r}")
+            raise BadRequest(f"{op}: unknown field {describe(name)}")
     for name, check in [*spec.required.items(), *spec.optional.items()]:
         if name not in fields:
             if name in spec.required:
@@ -175,6 +183,46 @@ def _validate(header, frames: list, ops: dict) -> Request:
     if len(frames) != spec.frames:
         raise BadRequest(f"{op}: expected {spec.frames} data frames, got {len(frames)}")
     return Request(header["id"], op, fields, [bytes(f) for f in frames])
+
+
+def _check_depth(header: dict) -> None:
+    """Refuse a header whose containers nest deeper than ``MAX_DEPTH``: no op needs it, and
+    code that walks such a value recursively (``repr``, ``==``) would hit Python's
+    recursion limit. Iterative, so the check itself cannot."""
+    stack = [(header, 1)]
+    while stack:
+        node, depth = stack.pop()
+        for item in node.values() if isinstance(node, dict) else node:
+            if isinstance(item, (list, dict)):
+                if depth >= MAX_DEPTH:
+                    raise BadRequest(f"header nests containers deeper than {MAX_DEPTH} levels")
+                stack.append((item, depth + 1))
+
+
+def describe(value) -> str:
+    """A peer's value as error messages and log lines may show it: bounded whatever the
+    value (never its ``repr``, which recurses into nested containers and copies long
+    strings whole). Scalars and short strings are shown (strings quoted and escaped,
+    capped at ``DESCRIBE_CHARS``), a short list of scalars item by item, anything else
+    by its type and size."""
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int):
+        bits = value.bit_length()
+        return str(value) if bits <= 64 else f"an integer of {bits} bits"
+    if isinstance(value, str):
+        if len(value) <= DESCRIBE_CHARS:
+            return repr(value)
+        return f"{value[:DESCRIBE_CHARS]!r}... ({len(value)} characters)"
+    if isinstance(value, (bytes, bytearray)):
+        return f"{len(value)} bytes"
+    if isinstance(value, list):
+        if len(value) <= DESCRIBE_ITEMS and not any(isinstance(v, (list, dict)) for v in value):
+            return f"[{', '.join(describe(v) for v in value)}]"
+        return f"a list of {len(value)} item{'s' * (len(value) != 1)}"
+    if isinstance(value, dict):
+        return f"a map of {len(value)} entr{'ies' if len(value) != 1 else 'y'}"
+    return f"a value of type {type(value).__name__}"
 
 
 def ok_reply(req_id, result) -> list:
@@ -192,7 +240,9 @@ def parse_reply(parts: list):
         raise BadRequest("malformed reply")
     if "error" in header:
         err = header["error"] if isinstance(header["error"], dict) else {}
-        raise _with_id(server_error(str(err.get("code", "internal")), str(err.get("message", ""))),
+        code, message = err.get("code", "internal"), err.get("message", "")
+        raise _with_id(server_error(code if isinstance(code, str) else "internal",
+                                    message if isinstance(message, str) else describe(message)),
                        header.get("id"))
     return header.get("id"), header.get("result")
 

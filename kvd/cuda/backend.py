@@ -59,6 +59,7 @@ from kvd.cuda.staging import StagingRing
 from kvd_protocol import cuda_driver
 from kvd_protocol.errors import BadRequest, ServerError
 from kvd_protocol.layout import LayoutDescriptor
+from kvd_protocol.wire import describe
 
 log = logging.getLogger("kvd")
 REGISTER_PIECE = 1 << 30
@@ -118,7 +119,7 @@ class CudaCopyEngine:
     def _device(self, uuid: str) -> _Device:
         ordinal = self.uuid_to_ordinal.get(uuid)
         if ordinal is None:
-            raise BadRequest(f"GPU {uuid} is not visible to the daemon "
+            raise BadRequest(f"GPU {describe(uuid)} is not visible to the daemon "
                              f"(it sees {len(self.uuid_to_ordinal)} GPUs)")
         dev = self.devices.get(ordinal)
         if dev is None:

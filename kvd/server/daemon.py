@@ -23,7 +23,9 @@ clients; every reply goes back through the socket it came from
 request that fails validation gets a typed error reply; a peer that sends a
 frame larger than ``max_message_bytes`` is dropped by ZeroMQ (its limit is
 per frame), and a message whose frames together exceed it gets a
-``too_large`` reply and is not run. With ``disk_dir`` set, the disk tier
+``too_large`` reply and is not run. A request that fails validation, and an
+internal error, are logged at most once per peer per 10 s
+(kvd.server.logs.PeerLimiter). With ``disk_dir`` set, the disk tier
 (kvd.tiers.tiering) starts with the loop and scans its directory in the
 background; with ``remote_backend`` set, the remote tier (kvd.tiers.remote)
 starts local-only and connects in the background. SIGTERM/SIGINT: stop
@@ -88,6 +90,8 @@ class Daemon:
         self.liveness = Liveness(self)
         self.intake = None  # kvd.server.peers_alive.Intake, once the engine socket is bound
         self.deadline = None  # set at shutdown: when everything must be done
+        self.malformed = logs.PeerLimiter()  # one line per peer per 10 s for requests
+        self.internal = logs.PeerLimiter()  # that fail validation, and for internal errors
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.stop_signal = self.host.stop_signal = self.stop_signal or sig.name
@@ -313,11 +317,14 @@ class Daemon:
         except wire.ProtocolError as exc:
             frames = wire.error_reply(exc.req_id, exc.code, str(exc))
             self.service.stats.error(op, exc.code)
+            self.malformed.log(log, logging.WARNING, (ops is wire.OPS, peer), "malformed request "
+                               "from %s: %s: %s", logs.peer_name(peer, cred), exc.code, exc)
         except ServerError as exc:
             frames = wire.error_reply(req_id, exc.code, str(exc))
             self.service.stats.error(op, exc.code)
-        except Exception as exc:  # a bug must cost one request, never the daemon
-            log.exception("internal error in %s", op)
+        except Exception as exc:  # a bug must cost one request, never the daemon (nor its log)
+            self.internal.log(log, logging.ERROR, (ops is wire.OPS, peer), "internal error in "
+                              "%s (request from %s)", op, logs.peer_name(peer, cred), exc_info=True)
             frames = wire.error_reply(req_id, "internal", f"{type(exc).__name__}: {exc}")
             self.service.stats.error(op, "internal")
         self.service.stats.add(f"op_{op}")

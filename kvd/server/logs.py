@@ -5,6 +5,12 @@
 with ``time`` (ISO 8601, UTC), ``level``, ``message``, every field the
 line was logged with (``log.info(..., extra={"percent": 42})``) and, for
 an exception, ``traceback``.
+
+``PeerLimiter`` keeps what one peer can make the daemon log bounded: at
+most one line per peer per interval (``log``), with the count of lines held
+back since that peer's last one appended to its next. It remembers at most
+``max_peers`` peers; past that, peers whose interval has not passed share
+one allowance. ``peer_name(peer, cred)`` names a client in a line.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import datetime, timezone
 
 TEXT_FORMAT = "%(asctime)s kvd %(levelname)s %(message)s"
+OTHERS = "other peers"  # the shared allowance once max_peers peers are remembered
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
 
@@ -37,3 +45,49 @@ def setup(level: str, fmt: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+def peer_name(peer: bytes, cred) -> str:
+    """A client as a log line names it: its kernel credentials, else its ZeroMQ routing id."""
+    if cred is not None:
+        return f"pid {cred.pid} uid {cred.uid}"
+    return f"routing id {peer[:8].hex()}"
+
+
+class PeerLimiter:
+    def __init__(self, interval_s: float = 10.0, max_peers: int = 4096, clock=time.monotonic):
+        self.interval_s, self.max_peers, self.clock = interval_s, max_peers, clock
+        # peer -> [when its last line was written, lines held back since]; oldest line first
+        self._peers: dict = {}
+
+    def allow(self, peer) -> int | None:
+        """None: hold this peer's line back; else write it, with this many held back before."""
+        now = self.clock()
+        entry = self._peers.get(peer)
+        if entry is not None and now - entry[0] < self.interval_s:
+            entry[1] += 1
+            return None
+        if entry is None and peer != OTHERS and not self._room(now):
+            return self.allow(OTHERS)
+        self._peers.pop(peer, None)  # re-inserted last: the dict stays ordered by time
+        self._peers[peer] = [now, 0]
+        return 0 if entry is None else entry[1]
+
+    def _room(self, now: float) -> bool:
+        """Whether one more peer may be remembered: forgets the peers with the oldest lines
+        whose interval has passed (their held-back counts are never reported)."""
+        while len(self._peers) >= self.max_peers:
+            oldest = next(iter(self._peers))
+            if now - self._peers[oldest][0] < self.interval_s:
+                return False
+            del self._peers[oldest]
+        return True
+
+    def log(self, logger: logging.Logger, level: int, peer, msg: str, *args, **kwargs) -> None:
+        """``logger.log(level, msg, *args)`` unless ``peer`` had a line this interval."""
+        held = self.allow(peer)
+        if held is None:
+            return
+        if held:
+            msg, args = msg + " (%d more like it held back)", (*args, held)
+        logger.log(level, msg, *args, **kwargs)

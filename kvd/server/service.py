@@ -7,8 +7,11 @@ store, load) in flight; one more gets ``busy`` and does nothing. Store and
 load move bytes through kvd.server.transfers (ordering per registration,
 the flag page's waits and signals). ``register`` maps the pool and its flag
 page; closing a registration (unregister, bye, reaping) cancels what waits
-on the client, waits for the request that holds its turn and for its
-copies (bounded: no copy waits on another process), then unmaps.
+on the client, waits for the request that holds its turn, for its copies
+and for every store and load still using it (bounded: no copy waits on
+another process), then unmaps. A ``hello`` gives its routing id a new
+session at once and then reaps the one it replaces, so one id never has
+two live sessions; a reaped session takes no new registrations or leases.
 With a disk tier (``tiering``), lookup continues the host prefix with keys
 on disk (reported as ``disk_hits``, promotion started); for pools that GPU
 Direct Storage serves (``gds``) lookup only counts them. With a remote tier
@@ -109,16 +112,20 @@ class Service:
 
     async def hello(self, peer: bytes, f: dict, cred=None):
         if not any(v == wire.VERSION and type(v) is int for v in f["versions"]):
-            raise VersionMismatch(f"client speaks protocol {f['versions']!r}, this daemon speaks "
-                                  f"{wire.VERSION}: install the kvd_client of this daemon's release")
+            raise VersionMismatch(f"client speaks protocol {wire.describe(f['versions'])}, this "
+                                  f"daemon speaks {wire.VERSION}: install the kvd_client of this "
+                                  "daemon's release")
         old = self.sessions.by_peer.get(peer)
-        if old is not None:
-            await self.reap(old, "re-hello")
-        elif len(self.sessions) >= self.cfg.max_clients:
+        if old is None and len(self.sessions) >= self.cfg.max_clients:
             raise TooLarge(f"too many clients (max_clients={self.cfg.max_clients})")
+        # The new session takes the routing id before the old one is reaped (which waits for
+        # its copies): requests sent after this hello meanwhile belong to the new one, and a
+        # hello racing this one replaces it in turn. Never two live sessions for one id.
         self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"], cred)
         log.info("client %s (pid %d) connected%s", f["client"][:128], f["pid"],
                  "" if cred is None else f": uid {cred.uid} gid {cred.gid} pid {cred.pid} (kernel)")
+        if old is not None:
+            await self.reap(old, "re-hello")
         return {"version": wire.VERSION, "chunk_tokens": self.cfg.chunk_tokens,
                 "max_message_bytes": self.cfg.max_message_bytes,
                 "max_keys": self.cfg.max_keys_per_request,
@@ -157,8 +164,7 @@ class Service:
                            shard, layout, pool, engine, flags)
         if self.gds is not None:
             self._prepare_gds(reg)
-        session.registrations[reg.id] = reg
-        self.sessions.registrations[reg.id] = reg
+        self._adopt(session, reg)
         return {"reg": reg.id, "shard_bytes": reg.shard_bytes, "namespace": reg.ns_digest,
                 "pages_per_chunk": reg.pages_per_chunk}
 
@@ -172,9 +178,18 @@ class Service:
             raise BadRequest(f"tp_rank {f['tp_rank']} must be < tp_size {ns.tp_size}")
         reg = Registration(self.sessions.next_id(), session, ns, namespace_digest(ns),
                            0 if ns.attention == "mla" else f["tp_rank"], None, None, None, None)
+        self._adopt(session, reg)
+        return {"reg": reg.id, "namespace": reg.ns_digest}
+
+    def _adopt(self, session: Session, reg: Registration) -> None:
+        """Give ``reg`` to ``session``, unless the session is being reaped (replaced by a new
+        hello, bye, silence): reaping closed the registrations it had, and one added now
+        would stay mapped with no session to close it."""
+        if session.closing:
+            _close_now(reg)
+            raise NoSession("the session ended while the pool was registered: send hello first")
         session.registrations[reg.id] = reg
         self.sessions.registrations[reg.id] = reg
-        return {"reg": reg.id, "namespace": reg.ns_digest}
 
     def _prepare_gds(self, reg: Registration) -> None:
         try:
@@ -218,11 +233,10 @@ class Service:
             waiter.cancel()
         async with reg.turn:  # the request queueing copies now finishes queueing them
             await reg.drain()
+        await reg.unused()  # also the requests behind it, and those past their copy
         reg.session.registrations.pop(reg.id, None)
         self.sessions.registrations.pop(reg.id, None)
-        if reg.pool is not None:
-            reg.engine.close_pool(reg.pool)
-            reg.flags.close()
+        _close_now(reg)
 
     async def reap(self, session: Session, why: str) -> None:
         """Finish the session's copies, then drop its leases and pools."""
@@ -307,7 +321,9 @@ class Service:
         if self.remote is not None:
             extra["remote_hits"] = remote_hits
         lease_ms = min(req.fields.get("lease_ms", 0), self.cfg.lease_max_ms)
-        if not hits or lease_ms == 0:  # a lease pins host hits; other hits are best effort
+        # a lease pins host hits (other hits are best effort); a session reaped while the
+        # remote store answered must not keep new pins
+        if not hits or lease_ms == 0 or session.closing:
             return {"hits": found, "lease": None, **extra}
         lease = Lease(self.sessions.next_id(), session, hits, time.monotonic() + lease_ms / 1e3)
         self.tier.pin(hits)
@@ -316,16 +332,26 @@ class Service:
         return {"hits": found, "lease": lease.id, **extra}
 
     async def op_store(self, session: Session, req):
-        return await self.transfers.store(self._with_pool(session, req.fields["reg"]), req)
+        reg = self._with_pool(session, req.fields["reg"])
+        with reg.used():  # no await since the check: closing waits for this store
+            return await self.transfers.store(reg, req)
 
     async def op_load(self, session: Session, req):
         reg = self._with_pool(session, req.fields["reg"])
         lease = self._lease(session, req.fields["lease"]) if "lease" in req.fields else None
         try:
-            return await self.transfers.load(reg, req)
+            with reg.used():  # its flag page stays open until the load read its cancel word
+                return await self.transfers.load(reg, req)
         finally:
             if lease is not None:
                 self._drop_lease(lease)
+
+
+def _close_now(reg: Registration) -> None:
+    """Unmap a registration's pool and flag page (nothing may use them any more)."""
+    if reg.pool is not None:
+        reg.engine.close_pool(reg.pool)
+        reg.flags.close()
 
 
 def _shard_bytes(reg: Registration) -> int | None:

@@ -1,8 +1,9 @@
 """Client sessions, their KV pool registrations and their leases.
 
 A session is created by ``hello`` and keyed by the client's ZeroMQ routing
-id. It owns registrations (a mapped KV pool, its flag page and its
-namespace) and leases (pins on cached entries with an expiry). Every
+id (one live session per id: a new ``hello`` replaces it). It owns
+registrations (a mapped KV pool, its flag page and its namespace) and
+leases (pins on cached entries with an expiry). Every
 request refreshes ``last_seen`` when it starts and when it ends; heartbeats
 keep an idle client alive; a session with requests in flight (``inflight``)
 is never reaped for silence. Per registration, ``turn`` makes requests
@@ -10,7 +11,9 @@ queue their copies in arrival order, ``waiting`` holds the requests that
 wait on the client itself (a store waiting for the engine's stream to
 reach its seq: reaping cancels them) and ``inflight`` the copies, which
 unregistering, ``bye`` and reaping wait for before the pool is unmapped
-(copies never wait on another process, so that wait is bounded).
+(copies never wait on another process, so that wait is bounded); ``used()``
+marks a store or load that uses the pool or the flag page, and closing
+also waits (``unused``) until none does, past their copies included.
 Registration and lease ids are global and never reused, so another
 session's id is recognised as such.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvd_protocol.keys import Namespace
@@ -41,6 +45,11 @@ class Registration:
     waiting: set = field(default_factory=set)
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     closing: bool = False
+    users: int = 0  # stores and loads using the pool or the flag page now
+    unused_now: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.unused_now.set()
 
     @property
     def shard_bytes(self) -> int:
@@ -49,6 +58,26 @@ class Registration:
     @property
     def pages_per_chunk(self) -> int:
         return self.ns.chunk_tokens // self.layout.page_size
+
+    @contextmanager
+    def used(self):
+        """A request using the pool or the flag page: take it in the same loop step as the
+        check that the registration is open, so closing (``unused``) waits for it."""
+        self.users += 1
+        self.unused_now.clear()
+        try:
+            yield self
+        finally:
+            self.users -= 1
+            if not self.users:
+                self.unused_now.set()
+
+    async def unused(self) -> None:
+        """Wait until no request uses the pool or the flag page (each such wait is
+        bounded: closing cancelled the waits on the client, copies never wait on
+        another process)."""
+        while self.users:
+            await self.unused_now.wait()
 
     async def drain(self) -> None:
         """Cancel the requests waiting on the client, then wait for every copy in flight

@@ -17,7 +17,6 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-import zmq
 from rawwire import OMIT, Raw, layout, namespace, pack, pages, register_fields
 from shm_files import arena_files
 
@@ -69,13 +68,6 @@ class Good:
     def close(self):
         self.client.close()
         self.pool.close()
-
-
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)  # closes sockets a failed test left open
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ import msgpack
 import numpy as np
 import pytest
 import workers_pipeline as WP
-import zmq
 from daemons import wait_for
 from rawwire import Raw, pages
 
@@ -41,13 +40,6 @@ def random_pool(seed: int, num_pages: int = 64) -> kvd_client.SharedKVPool:
 
 def page_bytes(pool, page_range) -> list:
     return [t.view(np.uint8)[:, page_range].copy() for t in pool.tensors]
-
-
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture
