@@ -15,15 +15,25 @@ again, with ``--role``):
   suffix): kvd stores its chunks;
 - ``kvd``: a fresh engine with the connector (prefix caching off, so every
   hit is kvd's): TTFT of each prefix plus a new suffix, ``--repeat`` times;
+- ``kvd-layerwise``: the same with every hit loaded layer by layer inside
+  the step (``async_load_min_tokens`` past any prompt), on a GPU only;
 - ``full``: an engine without the connector, prefix caching on: TTFT of a
   fresh prefix plus suffix (the whole prefill), then ``suffix``: the same
   prefix with another suffix (vLLM's own cache holds the prefix: the cost
   of the suffix alone); on a GPU also ``floor``: the prefix's KV bytes over
-  the pinned host-to-GPU copy bandwidth measured in that process.
+  the pinned host-to-GPU copy bandwidth measured in that process;
+- ``native``: vLLM's own CPU offloading (``OffloadingConnector``, on a GPU
+  only): the engine prefills a prefix, its KV goes to host memory, its GPU
+  prefix cache is reset, and each repeat's TTFT is the same engine serving
+  that prefix from host memory (a new suffix, the GPU cache reset before
+  each).
 
 TTFT is the wall time of ``generate`` of one prompt with ``max_tokens=1``,
-median of the repeats. bound = full / (suffix + floor), speedup = full / kvd
-(docs/vllm.md, "Measuring TTFT on a GPU").
+median of the repeats. The bound is what a perfect host cache could give:
+``suffix + floor`` (the tokens it does not supply, computed, plus its bytes
+at pinned-memcpy speed); kvd / bound is the ratio the docs quote, speedup =
+full / kvd (docs/vllm.md, "Measuring TTFT on a GPU"). The roles print their
+progress; ``--out`` keeps every run.
 """
 
 from __future__ import annotations
@@ -67,15 +77,22 @@ def engine(args, role: str) -> dict:
 
     kw = {"model": args.model, "load_format": "dummy", "dtype": "bfloat16", "seed": 0,
           "max_model_len": max(args.prefix_list) + args.suffix + 8, "skip_tokenizer_init": True,
-          "enable_prefix_caching": role == "full"}
+          "enable_prefix_caching": role in ("full", "native")}
     if args.tiny:
         kw.update(block_size=32, enforce_eager=True, kv_cache_memory_bytes=256 << 20)
     else:
         kw.update(gpu_memory_utilization=args.gpu_memory_utilization)
-    if role != "full":
+    if role == "native":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": int(args.native_cpu_gib * (1 << 30))})
+    elif role != "full":
+        extra = {"runtime_dir": args.runtime_dir, **json.loads(args.extra)}
+        if role == "kvd-layerwise":
+            extra["async_load_min_tokens"] = 1 << 30
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvdConnector", kv_connector_module_path="kvd_client.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"runtime_dir": args.runtime_dir, **json.loads(args.extra)})
+            kv_connector_extra_config=extra)
     llm = LLM(**kw)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
 
@@ -88,10 +105,13 @@ def engine(args, role: str) -> dict:
     out, sfx = {}, args.suffix
     for n in args.prefix_list:
         shared = tokens(args, f"shared/{n}", n)  # the prefix the store engine leaves in kvd
+        print(f"[{role}] prefix {n}", flush=True)
         if role == "store":
             ttft(shared + tokens(args, "store", sfx))
-        elif role == "kvd":
-            out[n] = {"kvd": [ttft(shared + tokens(args, f"kvd/{r}", sfx)) for r in range(args.repeat)]}
+        elif role.startswith("kvd"):
+            out[n] = {role: [ttft(shared + tokens(args, f"{role}/{r}", sfx)) for r in range(args.repeat)]}
+        elif role == "native":
+            out[n] = {"native": native_runs(args, llm, ttft, n)}
         else:
             full, suffix = [], []
             for r in range(args.repeat):
@@ -100,6 +120,19 @@ def engine(args, role: str) -> dict:
                 suffix.append(ttft(fresh + tokens(args, f"b/{r}", sfx)))  # prefix cached by vLLM
             out[n] = {"full": full, "suffix": suffix, "floor": [floor_s(args, n)]}
     return out
+
+
+def native_runs(args, llm, ttft, n: int) -> list[float]:
+    """vLLM's own offloading: the prefix goes to host memory, then every repeat is served
+    from there (the GPU prefix cache reset before each)."""
+    own = tokens(args, f"native/{n}", n)
+    ttft(own + tokens(args, "native-store", args.suffix))
+    time.sleep(1.0)  # the offload of the last blocks ends after the step
+    runs = []
+    for r in range(args.repeat):
+        llm.reset_prefix_cache()
+        runs.append(ttft(own + tokens(args, f"native/{r}", args.suffix)))
+    return runs
 
 
 def floor_s(args, prefix: int) -> float:
@@ -141,6 +174,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     ap.add_argument("--daemon-python", default=sys.executable)
     ap.add_argument("--host-capacity", default="8GiB", help="the private daemon's host tier")
+    ap.add_argument("--native-cpu-gib", type=float, default=8.0,
+                    help="host memory of vLLM's own offloading (the native column), GiB")
     ap.add_argument("--out")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--role-out", help=argparse.SUPPRESS)
@@ -163,11 +198,20 @@ def main() -> None:
         try:
             wait_ready(args, run, daemon)
             run_role(args, "store", tmp)
-            kvd, full = run_role(args, "kvd", tmp), run_role(args, "full", tmp)
+            roles = ["kvd", "full"] + ([] if args.tiny else ["kvd-layerwise", "native"])
+            rows = {n: {} for n in args.prefix_list}
+            for role in roles:
+                try:
+                    got = run_role(args, role, tmp)
+                except subprocess.CalledProcessError as exc:
+                    print(f"[{role}] failed ({exc}); its column stays empty", flush=True)
+                    continue
+                for n in args.prefix_list:
+                    rows[n].update(got[n])
         finally:
             daemon.terminate()
             daemon.wait(30)
-    report(args, {n: {**full[n], **kvd[n]} for n in args.prefix_list})
+    report(args, rows)
 
 
 def wait_ready(args, run: Path, daemon) -> None:
@@ -181,14 +225,23 @@ def wait_ready(args, run: Path, daemon) -> None:
     raise SystemExit("kvd serve did not become healthy")
 
 
+COLUMNS = [("full", "full"), ("suffix", "suffix"), ("floor", "floor"), ("bound", "bound"),
+           ("kvd", "kvd"), ("kvd-layerwise", "kvd lw"), ("native", "native")]
+
+
 def report(args, rows: dict) -> None:
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
-    print(f"{'prefix':>8}{'full ms':>10}{'suffix ms':>11}{'floor ms':>10}{'bound':>8}{'kvd ms':>9}"
-          f"{'speedup':>9}")
+    for m in med.values():
+        if "suffix" in m and "floor" in m:
+            m["bound"] = m["suffix"] + m["floor"]
+    print(f"{'prefix':>8}" + "".join(f"{title + ' ms':>14}" for _, title in COLUMNS)
+          + f"{'kvd/bound':>11}{'speedup':>9}")
     for n, m in med.items():
-        bound = m["full"] / (m["suffix"] + m["floor"])
-        print(f"{n:>8}{m['full'] * 1e3:>10.1f}{m['suffix'] * 1e3:>11.1f}{m['floor'] * 1e3:>10.2f}"
-              f"{bound:>7.1f}x{m['kvd'] * 1e3:>9.1f}{m['full'] / m['kvd']:>8.1f}x")
+        cells = "".join(f"{m[k] * 1e3:>14.1f}" if k in m else f"{'-':>14}" for k, _ in COLUMNS)
+        best = min((m[k] for k in ("kvd", "kvd-layerwise") if k in m), default=None)
+        ratio = f"{best / m['bound']:>10.2f}x" if best and m.get("bound") else f"{'-':>11}"
+        speed = f"{m['full'] / best:>8.1f}x" if best and "full" in m else f"{'-':>9}"
+        print(f"{n:>8}{cells}{ratio}{speed}")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": rows, "median": med},
                                              default=str, indent=1))
