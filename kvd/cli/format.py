@@ -64,8 +64,10 @@ def format_stats(s: dict) -> str:
     if remote:
         lines.append(_remote(remote, s.get("remote_hits", 0)))
     lines.append("")
+    foreign = s.get("foreign_ns_misses", 0)  # shown once there are any: worth a look
     lines.append(f"hits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
-                 f"dedup {s['store_dedup']}")
+                 f"dedup {s['store_dedup']}"
+                 + (f"  other-namespace keys {foreign}" if foreign else ""))
     lines.append(f"stored {size(s['bytes_stored'])} ({s['chunks_stored']} chunks)  "
                  f"loaded {size(s['bytes_loaded'])} ({s['chunks_loaded']} chunks)")
     lines.append(f"clients {s['clients']}  registrations {s['registrations']}  leases {s['leases']}  "

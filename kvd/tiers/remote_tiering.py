@@ -19,7 +19,9 @@ the link's bandwidth, so it is asked only for what no local tier holds.
 - **Promotion**: ``lookup`` asks the store which keys past the local prefix
   it holds (one round trip) and starts fetching them; ``promote_prefix``
   (load) waits only for the fetches of its own keys and returns the ready
-  host entries, pinned. Fetches queue on the loop for their threads, in
+  host entries, pinned; a host entry of another namespace or shard geometry
+  than the reader's (its ``Scope``) ends the prefix, and the store is asked
+  only under the reader's namespace. Fetches queue on the loop for their threads, in
   key order, so a long prefix is fetched whole, never refused for want of
   a thread. A fetch reads the value into private memory, checks its header
   against the key, namespace and shard sizes, reserves the host entry,
@@ -126,39 +128,45 @@ class RemoteTiering:
 
     # ---- promotion -----------------------------------------------------------------
 
-    async def lookup(self, ns: bytes, keys: list, shards: int, shard_bytes: int | None) -> int:
-        """How many of ``keys`` (in order) the store holds; starts fetching them."""
-        n = await self.remote.exists_prefix(ns, keys)
+    async def lookup(self, scope, keys: list) -> int:
+        """How many of ``keys`` (in order) the store holds under the namespace of ``scope``
+        (kvd/tiers/scope.py); starts fetching them."""
+        n = await self.remote.exists_prefix(scope.ns, keys)
         for key in keys[:n]:
-            self._promotion(ns, key, shards, shard_bytes)
+            self._promotion(scope, key)
         return n
 
-    async def promote_prefix(self, ns: bytes, keys: list, shards: int, shard_bytes: int) -> list:
-        """Host entries, pinned, for the longest prefix of ``keys`` fetched from the store."""
-        n = 0
+    async def promote_prefix(self, scope, keys: list) -> list:
+        """Host entries, pinned, for the longest prefix of ``keys`` fetched from the store
+        (or in the host tier already) as chunks ``scope`` may read."""
+        n, foreign = 0, False
         for key in keys:  # fetches a lookup started, or chunks they already brought
             entry = self.host.entries.get(key)
+            if entry is not None and not scope.admits(entry):
+                foreign = True  # another namespace's chunk ends the prefix here
+                break
             if key not in self.promoting and (entry is None or not entry.ready):
                 break
             n += 1
-        if n < len(keys):
-            n += await self.lookup(ns, keys[n:], shards, shard_bytes)
-        futs = [self._promotion(ns, key, shards, shard_bytes) for key in keys[:n]]
+        if n < len(keys) and not foreign:
+            n += await self.lookup(scope, keys[n:])
+        futs = [self._promotion(scope, key) for key in keys[:n]]
         # shielded: a cancelled load must not cancel fetches other requests wait for
         await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
-        return hold_ready(self.host, keys[:n])
+        return hold_ready(self.host, keys[:n], scope)
 
-    def _promotion(self, ns: bytes, key: bytes, shards: int, shard_bytes) -> asyncio.Future:
+    def _promotion(self, scope, key: bytes) -> asyncio.Future:
         fut = self.promoting.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._promote(ns, key, shards, shard_bytes))
+            fut = asyncio.ensure_future(self._promote(scope.ns, key, scope.shards,
+                                                      scope.shard_bytes))
             self.promoting[key] = fut
             fut.add_done_callback(lambda f, k=key: self.promoting.pop(k, None))
         return fut
 
     async def _promote(self, ns: bytes, key: bytes, shards: int, shard_bytes) -> bool:
         entry = self.host.entries.get(key)
-        if entry is not None:
+        if entry is not None:  # whose it is, the reader's ``hold_ready`` checks
             return entry.ready
         expect = shard_bytes or self.shard_bytes.get(ns, 0)  # the fetch's timeout grows with it
         async with self.fetch_slots:  # in key order: a load's first chunks come first

@@ -18,7 +18,6 @@ import time
 
 import numpy as np
 import pytest
-from remote_servers import RedisServer
 
 from kvd.tiers import chunk_file as F
 from kvd.tiers.breaker import Breaker
@@ -26,6 +25,7 @@ from kvd.tiers.daemon_threads import DaemonThreads
 from kvd.tiers.remote import RemoteTier, RemoteUnavailable
 from kvd.tiers.remote_store import RedisStore
 from kvd.tiers.remote_value import copy_verified, pack, parse, store_name
+from kvd.tiers.scope import Scope
 
 NS = bytes(range(16))
 KEY = bytes(range(16, 32))
@@ -133,17 +133,7 @@ def test_daemon_threads_count_busy_calls_and_never_hold_the_process():
     assert out.stdout.strip() == "bye" and time.monotonic() - t0 < 20
 
 
-# ---- remote tier IO against a real redis-server -------------------------------------------
-
-@pytest.fixture
-def redis_server():
-    why = RedisServer.missing()
-    if why:
-        pytest.skip(why)
-    server = RedisServer().start()
-    yield server
-    server.stop()
-
+# ---- remote tier IO against a real redis-server (the ``redis_server`` fixture) --------------
 
 def run(coro):
     return asyncio.run(coro)
@@ -224,8 +214,8 @@ def test_a_long_prefix_is_fetched_whole_with_few_threads(redis_server):
         tiering.stored([e for _, e in todo])
         await asyncio.gather(*list(tiering.publishing.values()))
         host.clear()
-        assert await tiering.lookup(NS, keys, 1, size) == n
-        got = await tiering.promote_prefix(NS, keys, 1, size)
+        assert await tiering.lookup(Scope(NS, 1, size), keys) == n
+        got = await tiering.promote_prefix(Scope(NS, 1, size), keys)
         same = [bool((view[e.offset:e.offset + size] == payload(size, seed=i)).all())
                 for i, e in enumerate(got)]
         host.unpin(got)
