@@ -85,7 +85,8 @@ def format_stats(s: dict) -> str:
 
 
 def _remote(r: dict, hits: int) -> str:
-    return (f"remote: {r['backend']} {r['address']} prefix {r['prefix']}  breaker {r['breaker']} "
+    keyed = " (keyed)" if r.get("keyed") else ""
+    return (f"remote: {r['backend']} {r['address']} prefix {r['prefix']}{keyed}  breaker {r['breaker']} "
             f"(opened {r['breaker_opened']})  hits {hits}  fetched {r['gets']} "
             f"({size(r['get_bytes'])})  sent {r['puts']} ({size(r['put_bytes'])}, "
             f"{r['puts_present']} already there)  queued {r['publish_queued']} (dropped "

@@ -25,9 +25,10 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   key order, so a long prefix is fetched whole, never refused for want of
   a thread. A fetch reads the value into private memory, checks its header
   against the key, namespace and shard sizes, reserves the host entry,
-  verifies the payload digest while copying it in and commits; any failure
-  aborts the reservation (a miss, never wrong bytes), and a value that
-  fails verification is counted and deleted from the store.
+  verifies the payload digest (and, with a ``seal``, the keyed tag of
+  ``remote_secret``) while copying it in and commits; any failure aborts
+  the reservation (a miss, never wrong bytes), and a value that fails
+  verification is counted and deleted from the store.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from collections import Counter
 from kvd.tiers.chunk_file import ChunkCorrupt
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
-from kvd.tiers.remote_value import copy_verified, pack, parse
+from kvd.tiers.remote_value import Seal, copy_verified, pack, parse
 from kvd.tiers.tiering import hold_ready
 from kvd_protocol.errors import ServerError
 
@@ -49,7 +50,7 @@ PUBLISH = ("store", "demote")
 
 class RemoteTiering:
     def __init__(self, host: HostTier, remote: RemoteTier, view, publish: str = "store",
-                 queue_chunks: int = 256):
+                 queue_chunks: int = 256, seal: Seal | None = None):
         if publish not in PUBLISH:
             raise ValueError(f"publish must be one of {PUBLISH}, got {publish!r}")
         self.host = host
@@ -57,6 +58,7 @@ class RemoteTiering:
         self.view = view  # the arena's bytes (numpy uint8)
         self.publish = publish
         self.queue_chunks = queue_chunks
+        self.seal = seal  # remote_secret: values carry a keyed tag, and need a valid one
         self.promoting: dict[bytes, asyncio.Future] = {}
         self.shard_bytes: dict[bytes, int] = {}  # per namespace, for fetches of lookups without a layout
         self.publishing: dict[bytes, asyncio.Task] = {}
@@ -120,7 +122,7 @@ class RemoteTiering:
             try:
                 value = await self.remote.cpu(pack, entry.ns, entry.key,
                                               self.view[entry.offset:entry.offset + entry.size],
-                                              entry.shards, entry.shard_bytes)
+                                              entry.shards, entry.shard_bytes, self.seal)
             finally:  # a demoted entry nobody used meanwhile goes back to the cold end
                 self.host.unpin([entry], cold_since=pinned_at if cold else None)
             if await self.remote.put(entry.ns, entry.key, value):
@@ -175,12 +177,12 @@ class RemoteTiering:
             self.counters["promotions_failed"] += 1
             return False
         try:
-            head = parse(value, ns, key)
+            head = parse(value, ns, key, self.seal)
             if head.shards != shards or (shard_bytes is not None and head.shard_bytes != shard_bytes):
                 raise ChunkCorrupt(f"{head.shards} shards of {head.shard_bytes} bytes, this "
                                    f"namespace has {shards} of {shard_bytes}")
-        except ChunkCorrupt:
-            return self._corrupt(ns, key)
+        except ChunkCorrupt as exc:
+            return self._corrupt(ns, key, exc)
         self.shard_bytes[ns] = head.shard_bytes
         entry = self.host.entries.get(key)  # a store of this node may have made it meanwhile
         if entry is not None:
@@ -191,10 +193,10 @@ class RemoteTiering:
         ok = False
         try:
             await self.remote.cpu(copy_verified, value, head,
-                                  self.view[entry.offset:entry.offset + entry.size])
+                                  self.view[entry.offset:entry.offset + entry.size], self.seal)
             ok = True
-        except ChunkCorrupt:
-            self._corrupt(ns, key)
+        except ChunkCorrupt as exc:
+            self._corrupt(ns, key, exc)
         finally:
             for rank in ranks:
                 (self.host.commit if ok else self.host.abort)(entry, rank)
@@ -217,14 +219,14 @@ class RemoteTiering:
             return None, []
         return entry, ranks
 
-    def _corrupt(self, ns: bytes, key: bytes) -> bool:
+    def _corrupt(self, ns: bytes, key: bytes, why: ChunkCorrupt) -> bool:
         self.counters["promotions_failed"] += 1
-        self.remote.dropped_corrupt(ns, key)
+        self.remote.dropped_corrupt(ns, key, str(why))
         return False
 
     def stats(self) -> dict:
         c = self.counters
-        return {**self.remote.stats(), "publish": self.publish,
+        return {**self.remote.stats(), "keyed": self.seal is not None, "publish": self.publish,
                 "publish_queued": len(self.publishing), "published": c["published"],
                 "publish_dropped": c["publish_dropped"], "publish_skipped": c["publish_skipped"],
                 "publish_lost": c["publish_lost"], "promotions": c["promotions"],
