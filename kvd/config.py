@@ -8,7 +8,8 @@ the key; ``kvd serve`` turns it into one line on stderr and exit code 2.
 TOML values must have the knob's type (``chunk_tokens = "256"`` is an
 error); environment and flag values are text and are parsed. Sizes take
 binary (KiB, MiB, GiB, TiB) or decimal (KB, MB, GB, TB) units; a bare K,
-M, G or T is refused as ambiguous.
+M, G or T is refused as ambiguous (kvd/sizes.py; ``parse_size`` and
+``size_text`` are importable from here too).
 
 ``load_config`` returns a ``Config``: a frozen dataclass with one field per
 knob (built from ``KNOBS``) that also records where each value came from
@@ -25,43 +26,13 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field, make_dataclass
-from fractions import Fraction
 from types import MappingProxyType
 
+from kvd.sizes import parse_size, size_text
 from kvd_protocol.errors import ConfigError
 from kvd_protocol.limits import MAX_CHUNK_TOKENS
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_AMBIGUOUS = ("k", "m", "g", "t")
 SOURCES = ("default", "file", "env", "flag")
-
-
-def parse_size(value) -> int:
-    """Bytes from an int or a string such as '1GiB', '512 MiB', '8GB', '4096'."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        unit = m.group(2).lower() if m else None
-        if unit in _AMBIGUOUS:
-            n, u = m.group(1), unit.upper()
-            raise ValueError(f"{value.strip()!r} is ambiguous: write {n}{u}iB (powers of 1024) "
-                             f"or {n}{u}B (powers of 1000)")
-        if unit in _SIZE_UNITS:
-            size = Fraction(m.group(1)) * _SIZE_UNITS[unit]
-            if size.denominator != 1:
-                raise ValueError(f"{value.strip()!r} is not a whole number of bytes")
-            return int(size)
-    raise ValueError(f"expected a size such as 1GiB or 4096, got {value!r}")
-
-
-def size_text(n: int) -> str:
-    """``n`` bytes in the largest binary unit that divides it: '1GiB', '64MiB', '4097'."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 @dataclass(frozen=True)
@@ -72,6 +43,7 @@ class Knob:
     help: str
     minimum: float | None = None
     choices: tuple = ()
+    secret: bool = False  # never printed or logged (kvd config, start-up log): "<hidden>"
 
 
 KNOBS = (
@@ -211,6 +183,14 @@ KNOBS = (
     Knob("remote_publish", "str", "store", "When a chunk goes to the store: store (once a store "
          "committed it, so other nodes hit it at once) or demote (when the disk tier's demoter "
          "takes it: cold chunks only; needs disk_dir).", choices=("store", "demote")),
+    Knob("remote_secret", "str", "", "Cluster secret for the remote store's values (any string; "
+         "a long random one): each value then carries a BLAKE2b tag keyed with it over header "
+         "and payload, and a value without a valid tag (forged or altered by anyone who can write "
+         "to the store) is refused and deleted. Nodes sharing chunks need the same secret; a "
+         "node with another one (or none) uses other names and shares nothing with them. Empty: "
+         "the store and everyone who can write to it are trusted (docs/cluster.md). Set it in "
+         "the config file (mode 0600) or KVD_REMOTE_SECRET, not as a flag (ps shows those); "
+         "kvd config and the log show it as <hidden>.", secret=True),
     Knob("remote_breaker_failures", "int", 3, "Consecutive failed or timed-out store calls that "
          "open the circuit breaker: kvd serves from its local tiers only.", minimum=1),
     Knob("remote_breaker_retry_s", "float", 2.0, "While the breaker is open, how often one probe "
@@ -252,6 +232,7 @@ KNOBS = (
 KNOB_BY_NAME = {k.name: k for k in KNOBS}
 
 
+HIDDEN = "<hidden>"
 _PY_TYPES = {"size": int, "int": int, "float": float, "str": str, "bool": bool}
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
@@ -305,8 +286,13 @@ class _ConfigMethods:
         return {k.name: getattr(self, k.name) for k in KNOBS}
 
     def describe(self) -> list:
-        """(name, value as TOML, source) of every knob, in table order."""
-        return [(k.name, toml_value(k, getattr(self, k.name)), self.sources[k.name]) for k in KNOBS]
+        """(name, value as TOML, source) of every knob, in table order; secrets hidden."""
+        return [(k.name, toml_value(k, self.public(k.name)), self.sources[k.name]) for k in KNOBS]
+
+    def public(self, name: str):
+        """The value of knob ``name`` as it may be shown: a secret that is set is "<hidden>"."""
+        value = getattr(self, name)
+        return HIDDEN if KNOB_BY_NAME[name].secret and value else value
 
 
 def _default_sources():

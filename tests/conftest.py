@@ -4,7 +4,8 @@
 tier, fast heartbeats); ``start_daemon(**knobs)`` starts more or differently
 configured ones (``env``: variables added to its environment;
 ``faults="enospc", ...``: a daemon whose disk IO fails as asked,
-tests/fault_daemon.py with the doubles of tests/disk_faults.py). Client code
+tests/fault_daemon.py with the doubles of tests/disk_faults.py);
+``redis_server`` a real redis-server on loopback (skipped without one). Client code
 runs in separate processes through ``procs`` (a spawn-context
 multiprocessing pool), as engines would.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from daemons import SESSION_TAGS, DaemonProc
+from remote_servers import RedisServer
 from shm_files import SHM
 
 from kvd_protocol.runtime import instance_tag
@@ -88,6 +90,18 @@ def daemon(start_daemon):
     yield d
     code = d.stop()
     assert code == 0, f"kvd exited with {code}:\n{d.log()}"
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server (or valkey-server) on loopback (tests/remote_servers.py); the
+    test skips, saying why, where none is installed."""
+    why = RedisServer.missing()
+    if why:
+        pytest.skip(why)
+    server = RedisServer().start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
-"""Client-side halves of tests/tiers/test_remote_tier.py, run in spawned processes.
+"""Client-side halves of tests/tiers/test_remote_tier.py and test_remote_secret.py, run in
+spawned processes.
 
 Sequences, pools and the byte checks are those of tests/workers_disk.py
 (expected bytes regenerated from the storer's seed, read by the engine's own
 tensor indexing). Here: the store names of a sequence's chunks (what a
-test corrupts in the store), and lookups timed from the engine's side.
+test corrupts in the store), lookups timed from the engine's side, and
+loads whose bytes are not checked (values forged in the store).
 """
 
 from __future__ import annotations
@@ -45,3 +47,17 @@ def timed_lookups(runtime_dir: str, spec: dict, seed: int, count: int, chunks: i
     finally:
         pool.close()
     return out
+
+
+def load_unchecked(runtime_dir: str, spec: dict, seed: int, count: int, chunks: int,
+                   model: str) -> list:
+    """(tokens hit, tokens loaded) of each sequence, bytes not checked: what a node served
+    from values someone else wrote."""
+    pool = W.make_pool(spec, seed + 1)
+    try:
+        with W.client(runtime_dir) as c:
+            c.register_kv(pool, model=model)
+            return [(c.lookup(tokens), c.load(tokens, range(chunks * W.ppc(spec))))
+                    for tokens in D.seqs(seed, count, chunks)]
+    finally:
+        pool.close()

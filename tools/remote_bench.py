@@ -7,7 +7,8 @@ times: the tier's publication (pack with header and digest on a CPU
 thread, exists + SET on ``--threads`` threads) against plain SETs of the
 same bytes on as many threads; then the tier's promotion of every chunk
 into fresh host slots (GET, header check, digest verified while copying
-in) against plain GETs into memory. Prints GB/s of each and tier/raw.
+in; with ``--secret``, the keyed tag of remote_secret too) against plain
+GETs into memory. Prints GB/s of each and tier/raw.
 ``--lookups N`` instead times N lookups of chunks no tier holds (an
 attached registration, what a scheduler does) against two ``kvd serve``
 daemons, one with the remote tier on this server and one without,
@@ -15,7 +16,7 @@ alternating in rounds: what the store's round trip adds to a miss.
 Nothing is timed against a fixed number: the ratio is what it reports.
 
 Usage: ``python tools/remote_bench.py [--chunks 64] [--chunk-mib 4] [--threads 4] [--repeat 3]
-[--lookups N]``
+[--lookups N] [--secret S]``
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
 from kvd.tiers.remote_store import RedisStore
 from kvd.tiers.remote_tiering import RemoteTiering
+from kvd.tiers.remote_value import Seal
+from kvd.tiers.scope import Scope
 
 NS = bytes(range(16))
 
@@ -68,9 +71,10 @@ def fill_host(host: HostTier, view: np.ndarray, n: int, size: int, round_: int) 
     return [e for _, e in todo]
 
 
-async def tier_round(url: str, view, host: HostTier, entries: list, threads: int) -> tuple:
+async def tier_round(url: str, view, host: HostTier, entries: list, threads: int,
+                     seal: Seal | None) -> tuple:
     remote = RemoteTier(RedisStore(url, 5.0), "bench", 5.0, 2 * threads + 2, 3, 1.0)
-    tiering = RemoteTiering(host, remote, view, "store", len(entries))
+    tiering = RemoteTiering(host, remote, view, "store", len(entries), seal)
     # as many puts and fetches at once as the raw side has threads (the daemon gives a
     # quarter of remote_threads to puts and half to fetches)
     tiering.put_slots, tiering.fetch_slots = asyncio.Semaphore(threads), asyncio.Semaphore(threads)
@@ -84,7 +88,7 @@ async def tier_round(url: str, view, host: HostTier, entries: list, threads: int
     keys = [e.key for e in entries]
     host.clear()
     t0 = time.perf_counter()
-    got = await tiering.promote_prefix(NS, keys, 1, entries[0].shard_bytes)
+    got = await tiering.promote_prefix(Scope(NS, 1, entries[0].shard_bytes), keys)
     get_s = time.perf_counter() - t0
     assert len(got) == len(keys), (len(got), tiering.stats())
     host.unpin(got)
@@ -155,7 +159,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--lookups", type=int, default=0)
+    p.add_argument("--secret", default="", help="the tier with this remote_secret (keyed tags)")
     args = p.parse_args()
+    seal = Seal(args.secret) if args.secret else None
     size = int(args.chunk_mib * 2**20)
     tmp = tempfile.mkdtemp(prefix="kvd-remote-bench-")
     proc, url = start_redis(tmp)
@@ -178,7 +184,8 @@ def main() -> None:
             order = ("tier", "raw") if r % 2 == 0 else ("raw", "tier")  # alternate who goes first
             for side in order:
                 if side == "tier":
-                    put_s, get_s = asyncio.run(tier_round(url, view, host, entries, args.threads))
+                    put_s, get_s = asyncio.run(tier_round(url, view, host, entries, args.threads,
+                                                          seal))
                 else:
                     put_s, get_s = raw_round(url, values, args.threads, r)
                 runs[f"{side} put"].append(total / put_s / 1e9)
@@ -190,7 +197,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     print(f"remote tier vs redis-py on one loopback redis-server: {args.chunks} chunks of "
-          f"{args.chunk_mib:g} MiB, {args.threads} threads, median of {args.repeat}")
+          f"{args.chunk_mib:g} MiB, {args.threads} threads, median of {args.repeat}"
+          + (", keyed (remote_secret)" if seal else ""))
     print(f"{'direction':<10}{'tier GB/s':>11}{'raw GB/s':>10}{'tier/raw':>10}")
     for d in ("put", "get"):
         print(f"{d:<10}{med['tier ' + d]:>11.3f}{med['raw ' + d]:>10.3f}"

@@ -64,8 +64,10 @@ def format_stats(s: dict) -> str:
     if remote:
         lines.append(_remote(remote, s.get("remote_hits", 0)))
     lines.append("")
+    foreign = s.get("foreign_ns_misses", 0)  # shown once there are any: worth a look
     lines.append(f"hits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
-                 f"dedup {s['store_dedup']}")
+                 f"dedup {s['store_dedup']}"
+                 + (f"  other-namespace keys {foreign}" if foreign else ""))
     lines.append(f"stored {size(s['bytes_stored'])} ({s['chunks_stored']} chunks)  "
                  f"loaded {size(s['bytes_loaded'])} ({s['chunks_loaded']} chunks)")
     lines.append(f"clients {s['clients']}  registrations {s['registrations']}  leases {s['leases']}  "
@@ -83,7 +85,8 @@ def format_stats(s: dict) -> str:
 
 
 def _remote(r: dict, hits: int) -> str:
-    return (f"remote: {r['backend']} {r['address']} prefix {r['prefix']}  breaker {r['breaker']} "
+    keyed = " (keyed)" if r.get("keyed") else ""
+    return (f"remote: {r['backend']} {r['address']} prefix {r['prefix']}{keyed}  breaker {r['breaker']} "
             f"(opened {r['breaker_opened']})  hits {hits}  fetched {r['gets']} "
             f"({size(r['get_bytes'])})  sent {r['puts']} ({size(r['put_bytes'])}, "
             f"{r['puts_present']} already there)  queued {r['publish_queued']} (dropped "

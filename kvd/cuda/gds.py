@@ -18,8 +18,9 @@ Contract:
   backend whose entries have one shard (MLA, or TP 1: a TP-sharded chunk
   goes through the host tier, where one read serves every rank) and whose
   padded payload fits a slot.
-- ``load(reg, keys, pages, host, check_deadline)`` takes the longest run of ``keys`` that are on
-  disk and not ready in the host tier, in batches that fit a slot; it
+- ``load(reg, keys, pages, host, check_deadline, cancel, scope)`` takes the longest run of
+  ``keys`` that are on disk as chunks of the registration's namespace and shard size
+  (``scope``, kvd/tiers/scope.py) and not ready in the host tier, in batches that fit a slot; it
   returns ``(n, io_error)``: how many chunks (a prefix) were verified and had their scatter
   kernels queued on the pool's load kernel stream, so whatever the caller
   queues next on that stream (the host part of the load, per-layer events,
@@ -122,20 +123,22 @@ class GdsLoader:
 
     # ---- loads ------------------------------------------------------------------------
 
-    def disk_run(self, keys: list, host, length: int) -> list:
-        """Disk entries of the longest run of ``keys`` on disk and not ready in ``host``."""
+    def disk_run(self, keys: list, host, scope) -> list:
+        """Disk entries of the longest run of ``keys`` on disk as chunks ``scope`` may read
+        (kvd/tiers/scope.py: the reader's namespace, one shard of its size) and not ready
+        in ``host``."""
         run = []
         for key in keys:
             entry = host.entries.get(key)
             d = self.disk.get(key)
-            if (entry is not None and entry.ready) or d is None or d.length != length:
+            if (entry is not None and entry.ready) or d is None or not scope.admits(d):
                 break
             run.append(d)
         return run
 
     async def load(self, reg, keys: list, pages, host, check_deadline,
-                   cancel: tuple[int, int] | None = None) -> tuple[int, bool]:
-        run = self.disk_run(keys, host, reg.shard_bytes)
+                   cancel: tuple[int, int] | None, scope) -> tuple[int, bool]:
+        run = self.disk_run(keys, host, scope)
         if not run:
             return 0, False
         gpu = self.gpus[reg.pool.device.ordinal]

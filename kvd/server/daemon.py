@@ -387,7 +387,7 @@ def log_config(cfg) -> None:
         log.info("config file %s", cfg.file)
     for name, value, source in cfg.describe():
         log.info("config %s = %s (%s)", name, value, source,
-                 extra={"knob": name, "value": getattr(cfg, name), "source": source})
+                 extra={"knob": name, "value": cfg.public(name), "source": source})
 
 
 def _run(coro):

@@ -176,6 +176,9 @@ def _cache(scraped: dict, s):
     yield _counter("kvd_lookup_miss_chunks_total", "Chunks lookups did not find.", c.get("miss_chunks", 0))
     yield _counter("kvd_store_dedup_chunks_total", "Chunks a store skipped: already cached.",
                    c.get("store_dedup", 0))
+    yield _counter("kvd_foreign_ns_misses_total", "Lookups and loads that sent the key of a chunk "
+                   "of another namespace or shard geometry (a miss from there on).",
+                   c.get("foreign_ns_misses", 0))
     backends = sorted({*s.backends.split(","), *(b for _, b in scraped["moved"])})
     for what in ("stored", "loaded"):
         for unit, doc in (("chunks", "Chunks"), ("bytes", "Bytes")):

@@ -12,6 +12,10 @@ and for every store and load still using it (bounded: no copy waits on
 another process), then unmaps. A ``hello`` gives its routing id a new
 session at once and then reaps the one it replaces, so one id never has
 two live sessions; a reaped session takes no new registrations or leases.
+Lookups and loads read only chunks of the registration's namespace and
+shard geometry (kvd.tiers.scope): keys come from clients, so another
+namespace's chunk is a miss that ends the prefix, on every tier, counted
+once per request in ``foreign_ns_misses``.
 With a disk tier (``tiering``), lookup continues the host prefix with keys
 on disk (reported as ``disk_hits``, promotion started); for pools that GPU
 Direct Storage serves (``gds``) lookup only counts them. With a remote tier
@@ -301,18 +305,19 @@ class Service:
     async def op_lookup(self, session: Session, req):
         reg = self._registration(session, req.fields["reg"])  # a lease belongs to the session
         keys = wire.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
-        hits = self.tier.ready_prefix(keys)
+        scope = reg.scope()  # another namespace's chunk is a miss on every tier
+        hits = self.tier.ready_prefix(keys, scope)
         for entry in hits:
             entry.hits += 1
         disk_hits = 0  # continue the prefix on disk; those start promoting to host
         if self.tiering is not None and len(hits) < len(keys):
             direct = self.gds is not None and reg.pool is not None and self.gds.eligible(reg)
-            disk_hits = self.tiering.disk_prefix(keys[len(hits):], promote=not direct)
+            disk_hits = self.tiering.disk_prefix(keys[len(hits):], scope, promote=not direct)
         remote_hits = 0  # then in the remote store; those start fetching into host
         if self.remote is not None and len(hits) + disk_hits < len(keys):
-            remote_hits = await self.remote.lookup(reg.ns_digest, keys[len(hits) + disk_hits:],
-                                                   reg.ns.shards, _shard_bytes(reg))
+            remote_hits = await self.remote.lookup(scope, keys[len(hits) + disk_hits:])
         found = len(hits) + disk_hits + remote_hits
+        self.stats.add("foreign_ns_misses", scope.refused > 0)
         self.stats.add("hit_chunks", found)
         self.stats.add("disk_hit_chunks", disk_hits)
         self.stats.add("remote_hit_chunks", remote_hits)
@@ -352,11 +357,6 @@ def _close_now(reg: Registration) -> None:
     if reg.pool is not None:
         reg.engine.close_pool(reg.pool)
         reg.flags.close()
-
-
-def _shard_bytes(reg: Registration) -> int | None:
-    """A shard's size, where the registration has a layout (attach has none)."""
-    return None if reg.layout is None else reg.shard_bytes
 
 
 def _check_layout_matches(ns, layout, tp_rank: int) -> None:

@@ -26,6 +26,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kvd.tiers.scope import Scope
 from kvd_protocol.keys import Namespace
 from kvd_protocol.layout import LayoutDescriptor
 
@@ -54,6 +55,12 @@ class Registration:
     @property
     def shard_bytes(self) -> int:
         return self.layout.shard_bytes(self.ns.chunk_tokens)
+
+    def scope(self) -> Scope:
+        """What this registration's requests may read (a new one per request: it counts
+        the chunks of other namespaces it turned away)."""
+        shard_bytes = None if self.layout is None else self.shard_bytes  # attach: no layout
+        return Scope(self.ns_digest, self.ns.shards, shard_bytes)
 
     @property
     def pages_per_chunk(self) -> int:

@@ -11,7 +11,8 @@ with a knob's value raises ``ConfigError`` (one line, exit status 2);
 anything else ``StartupError`` (one line, exit status 1).
 
 ``make_remote`` builds the remote tier (a bad ``remote_address`` is a
-``ConfigError``; a missing client library was already a ``StartupError``).
+``ConfigError``; a missing client library was already a ``StartupError``;
+with ``remote_secret`` its values carry a keyed tag, kvd/tiers/remote_value.py).
 ``open_disk`` opens the disk tier (its directory lock: a second daemon on
 the same ``disk_dir`` fails here, still before the allocation).
 ``make_cuda_engine`` and ``make_gds`` start the optional backends: only the
@@ -113,6 +114,7 @@ def make_remote(cfg, host, view):
     from kvd.tiers.remote_mooncake import MooncakeStore
     from kvd.tiers.remote_store import RedisStore
     from kvd.tiers.remote_tiering import RemoteTiering
+    from kvd.tiers.remote_value import Seal, store_prefix
     try:
         if cfg.remote_backend == "redis":
             store = RedisStore(cfg.remote_address, cfg.remote_timeout_s, cfg.remote_ttl_s)
@@ -123,9 +125,10 @@ def make_remote(cfg, host, view):
                                   cfg.remote_mooncake_buffer_bytes)
     except ValueError as exc:
         raise ConfigError("remote_address", str(exc)) from None
-    remote = RemoteTier(store, cfg.remote_prefix, cfg.remote_timeout_s, cfg.remote_threads,
-                        cfg.remote_breaker_failures, cfg.remote_breaker_retry_s)
-    return RemoteTiering(host, remote, view, cfg.remote_publish, cfg.remote_queue_chunks)
+    seal = Seal(cfg.remote_secret) if cfg.remote_secret else None
+    remote = RemoteTier(store, store_prefix(cfg.remote_prefix, seal), cfg.remote_timeout_s,
+                        cfg.remote_threads, cfg.remote_breaker_failures, cfg.remote_breaker_retry_s)
+    return RemoteTiering(host, remote, view, cfg.remote_publish, cfg.remote_queue_chunks, seal)
 
 
 def open_disk(cfg):

@@ -114,7 +114,8 @@ class Stats:
                 "hit_rate": round(c["hit_chunks"] / lookups, 4) if lookups else 0.0,
                 "bytes_stored": c["bytes_stored"], "bytes_loaded": c["bytes_loaded"],
                 "chunks_stored": c["chunks_stored"], "chunks_loaded": c["chunks_loaded"],
-                "store_dedup": c["store_dedup"], "errors": c["errors"], "busy": c["busy"],
+                "store_dedup": c["store_dedup"], "foreign_ns_misses": c["foreign_ns_misses"],
+                "errors": c["errors"], "busy": c["busy"],
                 "replies_dropped": c["replies_dropped"],
                 "clients_reaped": c["clients_reaped"], "uptime_s": round(time.monotonic() - self.started, 1),
                 "loop_cpu_s": round(self.loop_cpu_s(), 3)}

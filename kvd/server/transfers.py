@@ -12,7 +12,9 @@ with ``cancelled``), queue the gather, then wait for it and commit the
 shards only if it landed before the client's deadline (the client may have
 reused the pages after it). The reply means the pages may be reused.
 
-Load: pin the longest ready prefix (host entries, then disk: promotions
+Load: pin the longest ready prefix of chunks of the registration's namespace
+and shard geometry (kvd.tiers.scope: another namespace's chunk is a miss,
+counted in ``foreign_ns_misses``; host entries, then disk: promotions
 into host slots, or GPU Direct Storage reads queued on the load stream,
 then the remote store: fetches into host slots, kvd.tiers.remote_tiering),
 then queue the scatter with the load's ``LoadSignal``: layer words as
@@ -150,7 +152,7 @@ class Transfers:
         f = req.fields
         reg.flags.check_slot(f["slot"])
         signal = LoadSignal(reg.flags, f["slot"], f["seq"], bool(f.get("layerwise")))
-        entries, direct, stamps = [], 0, {}
+        entries, direct, stamps, scope = [], 0, {}, reg.scope()
         try:
             async with reg.turn:
                 stamps["turn"] = time.perf_counter()
@@ -160,7 +162,7 @@ class Transfers:
                         await self._engine_reached(reg, f["after"], f.get("deadline_us"))
                     stamps["mark"] = time.perf_counter()
                     entries, direct, host_pages = await self._pin_prefix(reg, req, keys, pages,
-                                                                         signal)
+                                                                         signal, scope)
                     _check_open(reg)  # reaped during the disk reads: its pool goes next
                     landed = await self._queue_scatter(reg, req, entries, direct, host_pages,
                                                        signal, stamps)
@@ -172,6 +174,7 @@ class Transfers:
             waited = await _landed(landed)
         finally:
             self.tier.unpin(entries)
+            self.stats.add("foreign_ns_misses", scope.refused > 0)
         if signal.cancelled:
             raise Cancelled("the client cancelled the load; its pages hold undefined bytes")
         _log_timing("load", len(entries), t0, waited, stamps)
@@ -179,23 +182,24 @@ class Transfers:
         self.stats.copied("loaded", reg.engine.name, loaded, loaded * reg.shard_bytes)
         return {"loaded": loaded}
 
-    async def _pin_prefix(self, reg: Registration, req, keys: list, pages, signal: LoadSignal):
+    async def _pin_prefix(self, reg: Registration, req, keys: list, pages, signal: LoadSignal,
+                          scope):
         """(host entries, pinned; chunks GDS queued; the host entries' page ids): the host
-        prefix, continued from disk, then from the remote store."""
-        entries = self.tier.ready_prefix(keys)
+        prefix, continued from disk, then from the remote store; each tier ends it at a
+        chunk ``scope`` may not read (kvd/tiers/scope.py)."""
+        entries = self.tier.ready_prefix(keys, scope)
         self.tier.pin(entries)
         ppc = reg.pages_per_chunk
         host_pages, direct = pages[:len(entries) * ppc], 0
         try:
             if self.tiering is not None and len(entries) < len(keys):
-                direct, promoted, promoted_pages = await self._from_disk(reg, req, keys, pages,
-                                                                         len(entries), signal)
+                direct, promoted, promoted_pages = await self._from_disk(
+                    reg, req, keys, pages, len(entries), signal, scope)
                 entries += promoted
                 host_pages = np.concatenate([host_pages, promoted_pages])
             done = len(entries) + direct
             if self.remote is not None and done < len(keys):
-                fetched = await self.remote.promote_prefix(reg.ns_digest, keys[done:],
-                                                           reg.ns.shards, reg.shard_bytes)
+                fetched = await self.remote.promote_prefix(scope, keys[done:])
                 entries += fetched
                 host_pages = np.concatenate([host_pages,
                                              pages[done * ppc:(done + len(fetched)) * ppc]])
@@ -205,7 +209,7 @@ class Transfers:
         return entries, direct, host_pages
 
     async def _from_disk(self, reg: Registration, req, keys: list, pages, hits: int,
-                         signal: LoadSignal):
+                         signal: LoadSignal, scope):
         """The prefix past the first ``hits`` chunks, from disk: (chunks GPU Direct Storage
         queued, host entries promoted from disk (pinned), their page ids). GDS comes first;
         where it failed for IO reasons (not a bad chunk) the rest takes the host path."""
@@ -214,10 +218,10 @@ class Transfers:
             cancel = (reg.flags.addr(reg.flags.layout.cancel_word(signal.slot)), signal.seq)
             direct, fallback = await self.gds.load(
                 reg, keys[hits:], pages[hits * ppc:], self.tier,
-                lambda: _check_deadline(req.fields.get("deadline_us")), cancel)
+                lambda: _check_deadline(req.fields.get("deadline_us")), cancel, scope)
             if not fallback:
                 return direct, [], pages[:0]
-        promoted = await self.tiering.promote_prefix(keys[hits + direct:])
+        promoted = await self.tiering.promote_prefix(keys[hits + direct:], scope)
         first = (hits + direct) * ppc
         return direct, promoted, pages[first:first + len(promoted) * ppc]
 

@@ -6,7 +6,8 @@ least-recently-used entries; all or nothing), ``reserve`` one shard (disk
 promotions), ``commit``/``abort`` a shard once its copy finished or failed,
 ``ready_prefix`` for lookups, ``pin``/``unpin`` for leases, in-flight loads
 and demotions, ``clear``. Visibility: an entry is visible to lookups only
-when every shard is stored (``ready``).
+when every shard is stored (``ready``), and only to readers of its own
+namespace and shard geometry (a ``Scope``).
 
 Eviction: only *evictable* entries (no pin, no shard being written) sit in
 an LRU queue (kvd/tiers/lru.py: O(1) removal from the middle), so eviction
@@ -297,12 +298,13 @@ class HostTier:
 
     # ---- lookups and pins -------------------------------------------------------------
 
-    def ready_prefix(self, keys: list[bytes]) -> list[Entry]:
-        """Ready entries for the longest prefix of ``keys``; marks them used."""
+    def ready_prefix(self, keys: list[bytes], scope) -> list[Entry]:
+        """Ready entries for the longest prefix of ``keys`` that ``scope`` (kvd/tiers/scope.py)
+        may read; marks them used."""
         out = []
         for key in keys:
             entry = self.entries.get(key)
-            if entry is None or not entry.ready:
+            if entry is None or not entry.ready or not scope.admits(entry):
                 break
             self._use(entry)
             out.append(entry)

@@ -204,12 +204,12 @@ class RemoteTier:
         self.store.put(name, value)
         return True
 
-    def dropped_corrupt(self, ns: bytes, key: bytes) -> None:
+    def dropped_corrupt(self, ns: bytes, key: bytes, why: str = "") -> None:
         """A value that failed verification: counted, forgotten, deleted from the store."""
         name = self.name(ns, key)
         self.counters["corrupt"] += 1
         self.forget(name)
-        log.warning("remote chunk %s failed verification: dropped", name)
+        log.warning("remote chunk %s failed verification (%s): dropped", name, why or "corrupt")
         if self.breaker.allow():
             asyncio.ensure_future(self._delete(name))
 

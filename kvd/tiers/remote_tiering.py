@@ -19,13 +19,16 @@ the link's bandwidth, so it is asked only for what no local tier holds.
 - **Promotion**: ``lookup`` asks the store which keys past the local prefix
   it holds (one round trip) and starts fetching them; ``promote_prefix``
   (load) waits only for the fetches of its own keys and returns the ready
-  host entries, pinned. Fetches queue on the loop for their threads, in
+  host entries, pinned; a host entry of another namespace or shard geometry
+  than the reader's (its ``Scope``) ends the prefix, and the store is asked
+  only under the reader's namespace. Fetches queue on the loop for their threads, in
   key order, so a long prefix is fetched whole, never refused for want of
   a thread. A fetch reads the value into private memory, checks its header
   against the key, namespace and shard sizes, reserves the host entry,
-  verifies the payload digest while copying it in and commits; any failure
-  aborts the reservation (a miss, never wrong bytes), and a value that
-  fails verification is counted and deleted from the store.
+  verifies the payload digest (and, with a ``seal``, the keyed tag of
+  ``remote_secret``) while copying it in and commits; any failure aborts
+  the reservation (a miss, never wrong bytes), and a value that fails
+  verification is counted and deleted from the store.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from collections import Counter
 from kvd.tiers.chunk_file import ChunkCorrupt
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
-from kvd.tiers.remote_value import copy_verified, pack, parse
+from kvd.tiers.remote_value import Seal, copy_verified, pack, parse
 from kvd.tiers.tiering import hold_ready
 from kvd_protocol.errors import ServerError
 
@@ -47,7 +50,7 @@ PUBLISH = ("store", "demote")
 
 class RemoteTiering:
     def __init__(self, host: HostTier, remote: RemoteTier, view, publish: str = "store",
-                 queue_chunks: int = 256):
+                 queue_chunks: int = 256, seal: Seal | None = None):
         if publish not in PUBLISH:
             raise ValueError(f"publish must be one of {PUBLISH}, got {publish!r}")
         self.host = host
@@ -55,6 +58,7 @@ class RemoteTiering:
         self.view = view  # the arena's bytes (numpy uint8)
         self.publish = publish
         self.queue_chunks = queue_chunks
+        self.seal = seal  # remote_secret: values carry a keyed tag, and need a valid one
         self.promoting: dict[bytes, asyncio.Future] = {}
         self.shard_bytes: dict[bytes, int] = {}  # per namespace, for fetches of lookups without a layout
         self.publishing: dict[bytes, asyncio.Task] = {}
@@ -118,7 +122,7 @@ class RemoteTiering:
             try:
                 value = await self.remote.cpu(pack, entry.ns, entry.key,
                                               self.view[entry.offset:entry.offset + entry.size],
-                                              entry.shards, entry.shard_bytes)
+                                              entry.shards, entry.shard_bytes, self.seal)
             finally:  # a demoted entry nobody used meanwhile goes back to the cold end
                 self.host.unpin([entry], cold_since=pinned_at if cold else None)
             if await self.remote.put(entry.ns, entry.key, value):
@@ -126,39 +130,45 @@ class RemoteTiering:
 
     # ---- promotion -----------------------------------------------------------------
 
-    async def lookup(self, ns: bytes, keys: list, shards: int, shard_bytes: int | None) -> int:
-        """How many of ``keys`` (in order) the store holds; starts fetching them."""
-        n = await self.remote.exists_prefix(ns, keys)
+    async def lookup(self, scope, keys: list) -> int:
+        """How many of ``keys`` (in order) the store holds under the namespace of ``scope``
+        (kvd/tiers/scope.py); starts fetching them."""
+        n = await self.remote.exists_prefix(scope.ns, keys)
         for key in keys[:n]:
-            self._promotion(ns, key, shards, shard_bytes)
+            self._promotion(scope, key)
         return n
 
-    async def promote_prefix(self, ns: bytes, keys: list, shards: int, shard_bytes: int) -> list:
-        """Host entries, pinned, for the longest prefix of ``keys`` fetched from the store."""
-        n = 0
+    async def promote_prefix(self, scope, keys: list) -> list:
+        """Host entries, pinned, for the longest prefix of ``keys`` fetched from the store
+        (or in the host tier already) as chunks ``scope`` may read."""
+        n, foreign = 0, False
         for key in keys:  # fetches a lookup started, or chunks they already brought
             entry = self.host.entries.get(key)
+            if entry is not None and not scope.admits(entry):
+                foreign = True  # another namespace's chunk ends the prefix here
+                break
             if key not in self.promoting and (entry is None or not entry.ready):
                 break
             n += 1
-        if n < len(keys):
-            n += await self.lookup(ns, keys[n:], shards, shard_bytes)
-        futs = [self._promotion(ns, key, shards, shard_bytes) for key in keys[:n]]
+        if n < len(keys) and not foreign:
+            n += await self.lookup(scope, keys[n:])
+        futs = [self._promotion(scope, key) for key in keys[:n]]
         # shielded: a cancelled load must not cancel fetches other requests wait for
         await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
-        return hold_ready(self.host, keys[:n])
+        return hold_ready(self.host, keys[:n], scope)
 
-    def _promotion(self, ns: bytes, key: bytes, shards: int, shard_bytes) -> asyncio.Future:
+    def _promotion(self, scope, key: bytes) -> asyncio.Future:
         fut = self.promoting.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._promote(ns, key, shards, shard_bytes))
+            fut = asyncio.ensure_future(self._promote(scope.ns, key, scope.shards,
+                                                      scope.shard_bytes))
             self.promoting[key] = fut
             fut.add_done_callback(lambda f, k=key: self.promoting.pop(k, None))
         return fut
 
     async def _promote(self, ns: bytes, key: bytes, shards: int, shard_bytes) -> bool:
         entry = self.host.entries.get(key)
-        if entry is not None:
+        if entry is not None:  # whose it is, the reader's ``hold_ready`` checks
             return entry.ready
         expect = shard_bytes or self.shard_bytes.get(ns, 0)  # the fetch's timeout grows with it
         async with self.fetch_slots:  # in key order: a load's first chunks come first
@@ -167,12 +177,12 @@ class RemoteTiering:
             self.counters["promotions_failed"] += 1
             return False
         try:
-            head = parse(value, ns, key)
+            head = parse(value, ns, key, self.seal)
             if head.shards != shards or (shard_bytes is not None and head.shard_bytes != shard_bytes):
                 raise ChunkCorrupt(f"{head.shards} shards of {head.shard_bytes} bytes, this "
                                    f"namespace has {shards} of {shard_bytes}")
-        except ChunkCorrupt:
-            return self._corrupt(ns, key)
+        except ChunkCorrupt as exc:
+            return self._corrupt(ns, key, exc)
         self.shard_bytes[ns] = head.shard_bytes
         entry = self.host.entries.get(key)  # a store of this node may have made it meanwhile
         if entry is not None:
@@ -183,10 +193,10 @@ class RemoteTiering:
         ok = False
         try:
             await self.remote.cpu(copy_verified, value, head,
-                                  self.view[entry.offset:entry.offset + entry.size])
+                                  self.view[entry.offset:entry.offset + entry.size], self.seal)
             ok = True
-        except ChunkCorrupt:
-            self._corrupt(ns, key)
+        except ChunkCorrupt as exc:
+            self._corrupt(ns, key, exc)
         finally:
             for rank in ranks:
                 (self.host.commit if ok else self.host.abort)(entry, rank)
@@ -209,14 +219,14 @@ class RemoteTiering:
             return None, []
         return entry, ranks
 
-    def _corrupt(self, ns: bytes, key: bytes) -> bool:
+    def _corrupt(self, ns: bytes, key: bytes, why: ChunkCorrupt) -> bool:
         self.counters["promotions_failed"] += 1
-        self.remote.dropped_corrupt(ns, key)
+        self.remote.dropped_corrupt(ns, key, str(why))
         return False
 
     def stats(self) -> dict:
         c = self.counters
-        return {**self.remote.stats(), "publish": self.publish,
+        return {**self.remote.stats(), "keyed": self.seal is not None, "publish": self.publish,
                 "publish_queued": len(self.publishing), "published": c["published"],
                 "publish_dropped": c["publish_dropped"], "publish_skipped": c["publish_skipped"],
                 "publish_lost": c["publish_lost"], "promotions": c["promotions"],

@@ -6,64 +6,122 @@ payload length, shards, shard bytes, the segmented payload digest of
 kvd/tiers/digest.py and the xxh3-64 of those fields), then the payload's
 ``length`` bytes (no padding: a store is not a block device). The same
 fields and the same checksums as a disk file, so a chunk verifies the same
-wherever it came from (docs/protocol.md §11).
+wherever it came from (docs/protocol.md §11a). Those checksums catch
+damage, not forgery: anyone who can write to the store can re-pack other
+bytes with valid ones. With a cluster secret (``remote_secret``, a
+``Seal``) the header is followed by a ``TAG_BYTES`` tag, BLAKE2b-256 keyed
+with a key derived from the secret, over the header and the whole payload
+(a tag over the XXH3 payload digest alone would be only as strong as XXH3
+against crafted collisions, which is not at all), and a value without a
+valid tag is refused.
 
 Name: ``<prefix>/<namespace digest hex>/<chunk key hex>``. ``prefix`` is the
-``remote_prefix`` knob (one per cluster or tenant sharing a store); the
-chunk key already chains the namespace digest and the salt
-(kvd_protocol.keys), so two clusters, tenants or models never read each
-other's chunks.
+``remote_prefix`` knob (one per cluster or tenant sharing a store), followed
+with a secret by ``/<key id>`` (``Seal.key_id``: 16 hex digits derived
+from the key), so nodes of different secrets never read, or delete as
+forged, each other's values; the chunk key already chains the namespace
+digest and the salt (kvd_protocol.keys), so two clusters, tenants or models
+never read each other's chunks.
 
 Contracts:
 - ``pack`` copies the payload once into a new buffer the caller owns (the
-  host slot may be reused as soon as it returns); it blocks (digest and
-  copy of the whole payload): call it from a thread.
+  host slot may be reused as soon as it returns); it blocks (digest, tag
+  and copy of the whole payload): call it from a thread.
 - ``parse`` checks the header (magic, versions, header digest, shard sizes)
-  and that it names this namespace and key and the value's length; it raises
-  ``ChunkCorrupt`` and reads no payload byte.
-- ``copy_verified`` recomputes the payload digest, then copies the payload
-  into ``dest``; ``ChunkCorrupt`` leaves ``dest`` untouched.
+  and that it names this namespace and key and the value's length (with a
+  seal: the tag's bytes included); it raises ``ChunkCorrupt`` and reads no
+  payload byte.
+- ``copy_verified`` recomputes the payload digest (and with a seal the
+  tag), then copies the payload into ``dest``; ``ChunkCorrupt`` leaves
+  ``dest`` untouched.
 """
 
 from __future__ import annotations
+
+import hashlib
+import hmac
 
 import numpy as np
 
 from kvd.tiers.chunk_file import HEADER, ChunkCorrupt, ChunkHeader, pack_header, unpack_header
 from kvd.tiers.digest import payload_digest
 
+TAG_BYTES = 32
+
+
+class Seal:
+    """The keyed tag of a cluster secret (any string; a long random one)."""
+
+    def __init__(self, secret: str):
+        if not secret:
+            raise ValueError("a seal needs a non-empty secret")
+        # BLAKE2b keys are at most 64 bytes: derive one of 32 from a secret of any length
+        self._key = hashlib.blake2b(secret.encode(), digest_size=32,
+                                    person=b"kvd-remote-key").digest()
+        self.key_id = hashlib.blake2b(self._key, digest_size=8, person=b"kvd-remote-id").hexdigest()
+
+    def tag(self, header, payload) -> bytes:
+        """BLAKE2b-256 keyed with the secret's key over ``header`` then ``payload``
+        (hashlib releases the GIL while it hashes a large buffer)."""
+        h = hashlib.blake2b(key=self._key, digest_size=TAG_BYTES, person=b"kvd-remote-tag")
+        h.update(header)
+        h.update(payload)
+        return h.digest()
+
+
+def tag_bytes(seal: Seal | None) -> int:
+    return 0 if seal is None else TAG_BYTES
+
+
+def store_prefix(prefix: str, seal: Seal | None) -> str:
+    """The names' prefix: ``remote_prefix``, then the key id of a secret."""
+    return prefix if seal is None else f"{prefix}/{seal.key_id}"
+
 
 def store_name(prefix: str, ns: bytes, key: bytes) -> str:
     return f"{prefix}/{ns.hex()}/{key.hex()}"
 
 
-def pack(ns: bytes, key: bytes, payload, shards: int, shard_bytes: int) -> memoryview:
-    """The value of one chunk (a view of a new buffer): header, then a copy of ``payload``."""
+def pack(ns: bytes, key: bytes, payload, shards: int, shard_bytes: int,
+         seal: Seal | None = None) -> memoryview:
+    """The value of one chunk (a view of a new buffer): header, tag (with a seal), then a
+    copy of ``payload``."""
     src = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
-    out = bytearray(HEADER.size + src.nbytes)
-    digest = payload_digest(src)
-    out[:HEADER.size] = pack_header(ns, key, src.nbytes, shards, shard_bytes, digest)
-    np.copyto(np.frombuffer(out, np.uint8, src.nbytes, HEADER.size), src)  # releases the GIL
+    start = HEADER.size + tag_bytes(seal)
+    out = bytearray(start + src.nbytes)
+    header = pack_header(ns, key, src.nbytes, shards, shard_bytes, payload_digest(src))
+    out[:HEADER.size] = header
+    if seal is not None:
+        out[HEADER.size:start] = seal.tag(header, src)
+    np.copyto(np.frombuffer(out, np.uint8, src.nbytes, start), src)  # releases the GIL
     return memoryview(out)
 
 
-def parse(value, ns: bytes, key: bytes) -> ChunkHeader:
-    """The verified header of ``value`` (a chunk of ``ns``/``key``); payload unchecked."""
+def parse(value, ns: bytes, key: bytes, seal: Seal | None = None) -> ChunkHeader:
+    """The verified header of ``value`` (a chunk of ``ns``/``key``); payload and tag
+    unchecked."""
     view = memoryview(value).cast("B")
     head = unpack_header(view[:HEADER.size])
     if head.ns != ns or head.key != key:
         raise ChunkCorrupt("value names another chunk")
-    if view.nbytes != HEADER.size + head.length:
-        raise ChunkCorrupt(f"value is {view.nbytes} bytes, its header says "
-                           f"{HEADER.size + head.length}")
+    want = HEADER.size + tag_bytes(seal) + head.length
+    if view.nbytes != want:
+        raise ChunkCorrupt(f"value is {view.nbytes} bytes, its header says {want}"
+                           + ("" if seal is None else " with a keyed tag"))
     return head
 
 
-def copy_verified(value, head: ChunkHeader, dest) -> None:
-    """Check the payload digest of ``value`` (parsed as ``head``), then copy it into ``dest``."""
-    payload = memoryview(value).cast("B")[HEADER.size:HEADER.size + head.length]
+def copy_verified(value, head: ChunkHeader, dest, seal: Seal | None = None) -> None:
+    """Check the payload digest of ``value`` (parsed as ``head``) and, with a seal, its tag;
+    then copy the payload into ``dest``."""
+    view = memoryview(value).cast("B")
+    start = HEADER.size + tag_bytes(seal)
+    payload = view[start:start + head.length]
     if payload_digest(payload) != head.digest:
         raise ChunkCorrupt("payload checksum mismatch")
+    if seal is not None and not hmac.compare_digest(view[HEADER.size:start],
+                                                    seal.tag(view[:HEADER.size], payload)):
+        raise ChunkCorrupt("keyed tag mismatch: not written by a node with this remote_secret")
     out = np.frombuffer(memoryview(dest).cast("B"), np.uint8)
     if out.nbytes != head.length:
         raise ChunkCorrupt(f"payload is {head.length} bytes, the slot {out.nbytes}")

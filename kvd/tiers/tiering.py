@@ -23,7 +23,8 @@ Runs on the event loop; the disk tier does the IO on its threads.
 - **Promotion**: ``disk_prefix`` continues a lookup's host prefix with keys
   found on disk and starts their promotion (disk → a fresh host slot);
   ``promote_prefix`` (load) waits for those promotions and returns the
-  ready host entries, pinned. A promotion reserves every shard of the host
+  ready host entries, pinned. Both end the prefix at a chunk of another
+  namespace or shard geometry than the reader's (its ``Scope``). A promotion reserves every shard of the host
   entry (invisible until the verified bytes are in), reads on an IO thread,
   then commits; any failure aborts the reservation: a miss, never wrong bytes.
 - **After a warm restart** the host tier's ``on_disk`` marks come from the
@@ -198,27 +199,32 @@ class Tiering:
 
     # ---- promotion -----------------------------------------------------------------
 
-    def disk_prefix(self, keys: list, promote: bool = True) -> int:
-        """How many of ``keys`` (in order) are on disk; starts promoting them (``promote``)."""
+    def disk_prefix(self, keys: list, scope, promote: bool = True) -> int:
+        """How many of ``keys`` (in order) are on disk as chunks ``scope`` may read; starts
+        promoting them (``promote``)."""
         n = 0
         for key in keys:
-            if self.disk.get(key) is None:
+            d = self.disk.get(key)
+            if d is None or not scope.admits(d):
                 break
             if promote:
                 self._promotion(key)
             n += 1
         return n
 
-    async def promote_prefix(self, keys: list) -> list:
-        """Host entries, pinned, for the longest prefix of ``keys`` found on disk."""
+    async def promote_prefix(self, keys: list, scope) -> list:
+        """Host entries, pinned, for the longest prefix of ``keys`` found on disk (or in the
+        host tier already) as chunks ``scope`` may read."""
         futs = []
         for key in keys:
-            if self.host.entries.get(key) is None and self.disk.get(key) is None:
+            held = self.host.entries.get(key)
+            found = self.disk.get(key) if held is None else held
+            if found is None or not scope.admits(found):
                 break
             futs.append(self._promotion(key))
         # shielded: a cancelled load must not cancel promotions other requests wait for
         await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
-        return hold_ready(self.host, keys[:len(futs)])
+        return hold_ready(self.host, keys[:len(futs)], scope)
 
     def _promotion(self, key: bytes) -> asyncio.Future:
         fut = self.promoting.get(key)
@@ -267,9 +273,9 @@ class Tiering:
                 "demotions_queued": len(self.demoting)}
 
 
-def hold_ready(host: HostTier, keys) -> list:
-    """The host entries of ``keys`` up to the first that is not ready, used and pinned:
-    what a load copies from once promotions (disk, remote) have landed."""
-    out = host.ready_prefix(keys)
+def hold_ready(host: HostTier, keys, scope) -> list:
+    """The host entries of ``keys`` up to the first that is not ready or not ``scope``'s,
+    used and pinned: what a load copies from once promotions (disk, remote) have landed."""
+    out = host.ready_prefix(keys, scope)
     host.pin(out)
     return out

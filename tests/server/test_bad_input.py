@@ -228,6 +228,25 @@ def test_keys_and_page_frames(daemon, good, zctx, raw_pool):
     good.assert_intact(raw.errors)
 
 
+def test_a_page_id_named_twice_in_one_request(good):
+    """Not bad input (kvd's vLLM connector points the pages of a load's first chunk that vLLM
+    holds already at one scratch block), but defined (docs/protocol.md §5.6, §5.7): a store
+    gathers each chunk from the pages it names; a load writes every page named once with its
+    chunk's bytes, and no page it was not given."""
+    c, raw = good.client, [t.view(np.uint8) for t in good.pool.tensors]
+    tokens = np.arange(1000, 1016)
+    assert c.store(tokens, [1, 1, 2, 2]) == 16
+    for t in raw:
+        t[:, 16:64] = 0
+    assert c.load(tokens, [16, 17, 18, 19]) == 16
+    for t in raw:
+        assert (t[:, 16:18] == t[:, [1, 1]]).all() and (t[:, 18:20] == t[:, [2, 2]]).all()
+    assert c.load(kvd_client.ChunkKeys(good.keys[:2]), [20] * 4 + [24, 25, 26, 27]) == 32
+    for t in raw:
+        assert (t[:, 24:28] == t[:, 4:8]).all()  # named once: chunk 1's bytes
+        assert not t[:, 21:24].any() and not t[:, 28:64].any()  # not named: untouched
+
+
 def test_too_many_keys(start_daemon, zctx, raw_pool):
     daemon = start_daemon(max_keys_per_request=4)
     good = Good(daemon)

@@ -9,6 +9,7 @@ import pytest
 
 from kvd.tiers.host import HostTier
 from kvd.tiers.lru import LruQueue
+from kvd.tiers.scope import Scope
 from kvd_protocol.errors import BadRequest, NoSpace
 
 SLOT = 256
@@ -84,7 +85,7 @@ def test_lru_queue_links():
 def test_evicts_least_recently_used_first_and_hits_refresh():
     tier = HostTier(4 * SLOT, SLOT)
     store(tier, [0, 1, 2, 3])
-    tier.ready_prefix([key(0)])  # 0 becomes the most recently used
+    tier.ready_prefix([key(0)], Scope(NS, 1, SLOT))  # 0 becomes the most recently used
     assert lru_ids(tier) == [1, 2, 3, 0]
     store(tier, [4, 5])
     assert set(tier.entries) == {key(i) for i in (3, 0, 4, 5)}
@@ -210,11 +211,26 @@ def test_dedup_and_namespace_clash_change_nothing_on_error():
     check_invariants(tier)
 
 
+def test_a_lookup_ends_at_an_entry_of_another_namespace_or_geometry():
+    tier = HostTier(8 * SLOT, SLOT)
+    store(tier, [0, 1, 2])
+    readers = {"namespace": Scope(b"other-namespace!", 1, SLOT), "shards": Scope(NS, 2, SLOT // 2),
+               "shard size": Scope(NS, 1, SLOT // 2)}
+    for name, scope in readers.items():
+        assert tier.ready_prefix([key(0), key(1)], scope) == [], name
+        assert scope.refused == 1, name
+    attached = Scope(NS, 1, None)  # a registration without a pool: namespace and shards only
+    assert len(tier.ready_prefix([key(0), key(1), key(5)], attached)) == 2
+    assert attached.refused == 0
+    check_invariants(tier)
+
+
 def test_tp_shards_make_an_entry_ready_together():
     tier = HostTier(8 * SLOT, SLOT)
     store(tier, [0], shards=2, rank=0)
     e = tier.entries[key(0)]
-    assert not e.ready and tier.ready_prefix([key(0)]) == [] and tier.stats()["chunks"] == 0
+    assert not e.ready and tier.ready_prefix([key(0)], Scope(NS, 2, SLOT // 2)) == []
+    assert tier.stats()["chunks"] == 0
     todo, _ = tier.reserve_many([key(0)], NS, SLOT // 2, 2, 1)
     assert todo[0][1] is e and not e.evictable
     tier.abort(e, 1)  # rank 1's copy failed: rank 0's shard stays
@@ -315,7 +331,7 @@ def test_random_operations_follow_the_model(seed):
             model.finish(k, rank, ok)
         elif op < 0.7:
             ks = [key(rng.randrange(40)) for _ in range(rng.randrange(1, 4))]
-            for e in tier.ready_prefix(ks):
+            for e in tier.ready_prefix(ks, Scope(NS, shards, SLOT // shards)):
                 model.use(e.key)
         elif op < 0.85:
             ready = [e for e in tier.entries.values() if e.ready]
@@ -363,7 +379,7 @@ def test_random_demotion_pins_and_scans_keep_the_books(seed):
             tier.set_on_disk(e, True)
             tier.unpin([e], cold_since=since)
         elif op < 0.75:
-            tier.ready_prefix([key(rng.randrange(60)) for _ in range(2)])
+            tier.ready_prefix([key(rng.randrange(60)) for _ in range(2)], Scope(NS, 1, SLOT))
         elif op < 0.8 and tier.entries:
             tier.set_on_disk(rng.choice(list(tier.entries.values())), False)
         elif op < 0.82:

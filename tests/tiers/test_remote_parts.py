@@ -18,14 +18,14 @@ import time
 
 import numpy as np
 import pytest
-from remote_servers import RedisServer
 
 from kvd.tiers import chunk_file as F
 from kvd.tiers.breaker import Breaker
 from kvd.tiers.daemon_threads import DaemonThreads
 from kvd.tiers.remote import RemoteTier, RemoteUnavailable
 from kvd.tiers.remote_store import RedisStore
-from kvd.tiers.remote_value import copy_verified, pack, parse, store_name
+from kvd.tiers.remote_value import TAG_BYTES, Seal, copy_verified, pack, parse, store_name
+from kvd.tiers.scope import Scope
 
 NS = bytes(range(16))
 KEY = bytes(range(16, 32))
@@ -77,6 +77,27 @@ def test_a_value_of_another_chunk_or_length_is_refused():
         parse(b"short", NS, KEY)
     assert store_name("c1", NS, KEY) != store_name("c2", NS, KEY)
     assert store_name("c1", NS, KEY).startswith("c1/" + NS.hex() + "/")
+
+
+def test_a_sealed_value_verifies_only_with_its_secret():
+    n, seal = 70_000, Seal("cluster secret")
+    data = payload(n)
+    value = pack(NS, KEY, data, 1, n, seal)
+    assert len(value) == F.HEADER.size + TAG_BYTES + n
+    out = np.zeros(n, np.uint8)
+    copy_verified(value, parse(value, NS, KEY, seal), out, seal)
+    assert (out == data).all()
+    # re-packed by someone without the secret: valid checksums, other bytes
+    forged = [pack(NS, KEY, payload(n, 2), 1, n), pack(NS, KEY, payload(n, 2), 1, n, Seal("x"))]
+    out[:] = 7
+    with pytest.raises(F.ChunkCorrupt, match="keyed tag"):
+        parse(forged[0], NS, KEY, seal)  # no room for a tag: refused on its length
+    with pytest.raises(F.ChunkCorrupt, match="keyed tag mismatch"):
+        copy_verified(forged[1], parse(forged[1], NS, KEY, seal), out, seal)
+    assert (out == 7).all()
+    with pytest.raises(F.ChunkCorrupt):  # and a sealed value is no plain one
+        parse(value, NS, KEY)
+    assert Seal("cluster secret").key_id == seal.key_id != Seal("x").key_id
 
 
 # ---- breaker ----------------------------------------------------------------------------
@@ -133,17 +154,7 @@ def test_daemon_threads_count_busy_calls_and_never_hold_the_process():
     assert out.stdout.strip() == "bye" and time.monotonic() - t0 < 20
 
 
-# ---- remote tier IO against a real redis-server -------------------------------------------
-
-@pytest.fixture
-def redis_server():
-    why = RedisServer.missing()
-    if why:
-        pytest.skip(why)
-    server = RedisServer().start()
-    yield server
-    server.stop()
-
+# ---- remote tier IO against a real redis-server (the ``redis_server`` fixture) --------------
 
 def run(coro):
     return asyncio.run(coro)
@@ -224,8 +235,8 @@ def test_a_long_prefix_is_fetched_whole_with_few_threads(redis_server):
         tiering.stored([e for _, e in todo])
         await asyncio.gather(*list(tiering.publishing.values()))
         host.clear()
-        assert await tiering.lookup(NS, keys, 1, size) == n
-        got = await tiering.promote_prefix(NS, keys, 1, size)
+        assert await tiering.lookup(Scope(NS, 1, size), keys) == n
+        got = await tiering.promote_prefix(Scope(NS, 1, size), keys)
         same = [bool((view[e.offset:e.offset + size] == payload(size, seed=i)).all())
                 for i, e in enumerate(got)]
         host.unpin(got)

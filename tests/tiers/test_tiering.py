@@ -10,6 +10,7 @@ import numpy as np
 
 from kvd.tiers.disk import DiskTier
 from kvd.tiers.host import HostTier
+from kvd.tiers.scope import Scope
 from kvd.tiers.tiering import Tiering
 
 SLOT = 4096
@@ -91,7 +92,7 @@ def test_a_hit_during_the_write_keeps_the_entry_hot(tmp_path):
     async def body(host, view, disk, tiering):
         store(host, view, range(12))
         assert tiering.demote_pass() == 2  # entries 0 and 1 (PINNED_SHARE: 2 slots at once)
-        host.ready_prefix([key(1)])  # looked up while its write is in flight
+        host.ready_prefix([key(1)], Scope(NS, 1, SLOT))  # looked up while its write is in flight
         await disk.flush()
         await asyncio.sleep(0)
         assert ids(host.lru)[0] == 0 and ids(host.lru)[-1] == 1

@@ -25,10 +25,12 @@ from kvd.tiers.allocator import ExtentAllocator
 from kvd.tiers.arena_index import HEADER, LIVE, RECORD, SEALED, ArenaIndex, IndexProblem
 from kvd.tiers.host import HostTier
 from kvd.tiers.journal import Hasher, Journal
+from kvd.tiers.scope import Scope
 
 SLOT = 4096
 CAP = 64 * SLOT
 NS = b"n" * 16
+HALVES = Scope(NS, 2, SLOT // 2)  # a reader of entries of two shards
 
 
 def on_loop(test):
@@ -221,10 +223,10 @@ async def test_a_rebuild_after_a_crash_verifies_and_drops_a_bad_shard(arena):
     fresh.adopt(adoption.entries)
     fresh.journal = journal = Journal(index, Hasher(view, 2, asyncio.get_running_loop()),
                                       adoption.live)
-    assert fresh.ready_prefix([key(0)]) == []  # unverified: no hit
+    assert fresh.ready_prefix([key(0)], HALVES) == []  # unverified: no hit
     await verify(fresh, journal, adoption.checks)
     assert journal.counters["checksum_failures"] == 1 and journal.counters["verified_shards"] == 6
-    assert [len(fresh.ready_prefix([key(i)])) for i in (0, 1, 2, 9)] == [1, 0, 1, 0]
+    assert [len(fresh.ready_prefix([key(i)], HALVES)) for i in (0, 1, 2, 9)] == [1, 0, 1, 0]
     assert key(1) not in fresh.entries and fresh.entries[key(9)].stored == 1
     assert len(index.live_records()[0]) == 5  # key 1's two records are freed in the file
     journal.hasher.stop()
@@ -234,7 +236,7 @@ async def test_a_rebuild_after_a_crash_verifies_and_drops_a_bad_shard(arena):
 async def test_after_a_clean_stop_everything_is_trusted_and_lru_order_kept(arena):
     tier = make_tier(arena)
     store(tier, range(4))
-    tier.ready_prefix([key(0)])  # 0 becomes the most recently used
+    tier.ready_prefix([key(0)], Scope(NS, 1, SLOT))  # 0 becomes the most recently used
     await settle(tier.journal)
     tier.journal.hasher.stop()
     tier.journal.checkpoint(tier.entries.values())
@@ -339,7 +341,7 @@ def test_unverified_shards_are_no_hits_dedup_stores_and_survive_aborts():
     tier.lru = type(tier.lru)()
     e.stored, e.unverified, e.lru_next, e.lru_prev = 0, 1, None, None
     tier.adopt([e])
-    assert tier.ready_prefix([key(1)]) == []
+    assert tier.ready_prefix([key(1)], HALVES) == []
     todo, deduped = tier.reserve_many([key(1)], NS, SLOT // 2, 2, 0)
     assert todo == [] and deduped == 1  # a store of an unverified shard: a dedup
     todo, _ = tier.reserve_many([key(1)], NS, SLOT // 2, 2, 1)
@@ -348,7 +350,7 @@ def test_unverified_shards_are_no_hits_dedup_stores_and_survive_aborts():
     assert tier.verified(e, 0, True) is True and tier.verified(e, 0, True) is None
     assert tier.ready_count == 0  # rank 1 still missing
     tier.commit(tier.reserve_many([key(1)], NS, SLOT // 2, 2, 1)[0][0][1], 1)
-    assert tier.ready_prefix([key(1)]) == [e] and tier.ready_count == 1
+    assert tier.ready_prefix([key(1)], HALVES) == [e] and tier.ready_count == 1
 
 
 def test_allocator_around_takes_the_used_extents():
