@@ -119,8 +119,7 @@ class CudaCopyEngine:
     def _device(self, uuid: str) -> _Device:
         ordinal = self.uuid_to_ordinal.get(uuid)
         if ordinal is None:
-            raise BadRequest(f"GPU {describe(uuid)} is not visible to the daemon "
-                             f"(it sees {len(self.uuid_to_ordinal)} GPUs)")
+            raise BadRequest(f"GPU {describe(uuid)} is not one of the daemon's {len(self.uuid_to_ordinal)}")
         dev = self.devices.get(ordinal)
         if dev is None:
             with self.cp.cuda.Device(ordinal):
