@@ -208,6 +208,7 @@ def main() -> None:
                     continue
                 for n in args.prefix_list:
                     rows[n].update(got[n])
+                save(args, rows)  # what ran so far survives a later role's failure
         finally:
             daemon.terminate()
             daemon.wait(30)
@@ -242,6 +243,10 @@ def report(args, rows: dict) -> None:
         ratio = f"{best / m['bound']:>10.2f}x" if best and m.get("bound") else f"{'-':>11}"
         speed = f"{m['full'] / best:>8.1f}x" if best and "full" in m else f"{'-':>9}"
         print(f"{n:>8}{cells}{ratio}{speed}")
+    save(args, rows, med)
+
+
+def save(args, rows: dict, med: dict | None = None) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": rows, "median": med},
                                              default=str, indent=1))

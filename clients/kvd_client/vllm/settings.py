@@ -37,10 +37,11 @@ OPTIONS = {
                            "needs one more engine step) or 'off' (lookups and loads only)",
                            STORE_POLICIES),
     "store_min_tokens": Option(int, 0, "requests with fewer prompt tokens are not stored"),
-    "async_load_min_tokens": Option(int, 8192, "a hit of at least this many tokens loads "
+    "async_load_min_tokens": Option(int, 65536, "a hit of at least this many tokens loads "
                                     "asynchronously, between steps (the request waits outside the "
-                                    "batch); smaller hits load layer by layer inside the step; "
-                                    "0: always asynchronous"),
+                                    "batch, other requests' steps are not stretched by its copy); "
+                                    "smaller hits load layer by layer inside the step, overlapped "
+                                    "with the forward (the lowest TTFT); 0: always asynchronous"),
     "load_failure_policy": Option(str, "recompute", "vLLM's kv_load_failure_policy that the connector "
                                   "sets: 'recompute' (a failed load is recomputed) or 'fail' (the "
                                   "request ends with an error)", FAILURE_POLICIES),
@@ -62,7 +63,7 @@ class Settings:
     salt_lora: bool = True
     store_policy: str = "all"
     store_min_tokens: int = 0
-    async_load_min_tokens: int = 8192
+    async_load_min_tokens: int = 65536
     load_failure_policy: str = "recompute"
     retry_failed_after_s: float = 30.0
     shm_dir: str = "/dev/shm"
