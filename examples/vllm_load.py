@@ -1,0 +1,165 @@
+"""vLLM under load with and without kvd: throughput, TTFT percentiles, decode steps.
+
+    python examples/vllm_load.py --out /tmp/load.json        # GPU: Llama-3-8B shape
+
+Needs a GPU build of vLLM and kvd_client in this python (``pip install
+'kvd[vllm]'``, or the checkout's ``clients`` on ``PYTHONPATH``); starts a
+private ``kvd serve``. Each engine is vLLM's ``AsyncLLM`` (what ``vllm
+serve`` runs, prefix caching on) in its own process (this script again, with
+``--role``), on a Llama-3-8B-shaped config with ``load_format="dummy"``:
+
+- ``none``: no connector;
+- ``cold``: the connector on an empty daemon: every chunk is stored, none is
+  a kvd hit (the cost of storing);
+- ``warm``: a fresh engine with the connector after ``cold`` left every
+  prompt in kvd (the first request of the shared prefix and every unique
+  part are kvd hits; later ones hit vLLM's own prefix cache).
+
+Each role runs two workloads:
+
+- ``load``: ``--requests`` concurrent requests, each a shared prefix of
+  ``--prefix`` tokens plus ``--unique`` tokens of its own, ``--max-tokens``
+  output tokens each: output tokens/s over the wall time, TTFT p50/p99;
+- ``decode``: the same number of requests with 16-token prompts (below a
+  chunk: the connector has nothing to look up or store) generating
+  ``--decode-tokens`` each: output tokens/s, the cost of the connector being
+  loaded at all (CUDA graphs, per-step work).
+
+Ratios against ``none`` from the same run are printed; ``--out`` keeps every
+figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_ttft import LLAMA3_8B, wait_ready, write_config  # noqa: E402
+
+
+def tokens(seed: str, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, LLAMA3_8B["vocab_size"]) for _ in range(n)]
+
+
+def make_engine(args, role: str):
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kw = {"model": args.model, "load_format": "dummy", "dtype": "bfloat16", "seed": 0,
+          "max_model_len": args.prefix + args.unique + args.max_tokens + 64,
+          "skip_tokenizer_init": True, "enable_prefix_caching": True,
+          "gpu_memory_utilization": args.gpu_memory_utilization}
+    if role != "none":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvdConnector", kv_connector_module_path="kvd_client.vllm", kv_role="kv_both",
+            kv_connector_extra_config={"runtime_dir": args.runtime_dir})
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+
+
+async def run_batch(engine, prompts: list, max_tokens: int, tag: str) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    async def one(i: int, prompt: list) -> tuple[float, int]:
+        t0, first, n = time.perf_counter(), None, 0
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                         request_id=f"{tag}-{i}"):
+            first = first or time.perf_counter()
+            n = len(out.outputs[0].token_ids)
+        return first - t0, n
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    wall = time.perf_counter() - t0
+    ttft = sorted(d[0] for d in done)
+    return {"tokens_per_s": sum(d[1] for d in done) / wall, "wall_s": wall,
+            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]}
+
+
+async def role_main(args, role: str) -> dict:
+    engine = make_engine(args, role)
+    try:
+        await run_batch(engine, [tokens("warm-up", 64)], 4, "warm-up")
+        shared = tokens("shared", args.prefix)
+        load = [shared + tokens(f"unique/{i}", args.unique) for i in range(args.requests)]
+        short = [tokens(f"short/{role}/{i}", 16) for i in range(args.requests)]
+        out = {"decode": await run_batch(engine, short, args.decode_tokens, "decode"),
+               "load": await run_batch(engine, load, args.max_tokens, "load")}
+        print(f"[{role}] {json.dumps(out)}", flush=True)
+        return out
+    finally:
+        engine.shutdown()
+
+
+def run_role(args, role: str, tmp: Path) -> dict:
+    out = tmp / f"{role}.json"
+    cmd = [sys.executable, __file__, "--role", role, "--role-out", str(out), *sys.argv[1:]]
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prefix", type=int, default=4096, help="tokens every request shares")
+    ap.add_argument("--unique", type=int, default=512, help="tokens of each request's own")
+    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of a load request")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="output tokens of a decode request")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--host-capacity", default="8GiB", help="the private daemon's host tier")
+    ap.add_argument("--daemon-python", default=sys.executable)
+    ap.add_argument("--out")
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--role-out", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--runtime-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role:
+        Path(args.role_out).write_text(json.dumps(asyncio.run(role_main(args, args.role))))
+        return
+    with tempfile.TemporaryDirectory(prefix="kvd-load-") as tmp:
+        tmp = Path(tmp)
+        model, run = tmp / "model", tmp / "run"
+        write_config(model, LLAMA3_8B, args.layers, args.prefix + args.unique + args.max_tokens + 128)
+        sys.argv += ["--model", str(model), "--runtime-dir", str(run)]
+        daemon = subprocess.Popen([args.daemon_python, "-m", "kvd", "serve", "--runtime-dir", str(run),
+                                   "--host-capacity", args.host_capacity],
+                                  stdout=open(tmp / "kvd.log", "wb"), stderr=subprocess.STDOUT)
+        try:
+            wait_ready(args, run, daemon)
+            rows = {role: run_role(args, role, tmp) for role in ("none", "cold", "warm")}
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+    report(args, rows)
+
+
+def report(args, rows: dict) -> None:
+    base = rows["none"]
+    print(f"{'engine':>8}{'load tok/s':>12}{'vs none':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'decode tok/s':>14}{'vs none':>9}")
+    for role, r in rows.items():
+        load, dec = r["load"], r["decode"]
+        print(f"{role:>8}{load['tokens_per_s']:>12.0f}{load['tokens_per_s'] / base['load']['tokens_per_s']:>9.3f}"
+              f"{load['ttft_p50'] * 1e3:>8.1f}ms{load['ttft_p99'] * 1e3:>8.1f}ms"
+              f"{dec['tokens_per_s']:>14.0f}{dec['tokens_per_s'] / base['decode']['tokens_per_s']:>9.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "roles": rows}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
