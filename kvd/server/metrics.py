@@ -209,6 +209,10 @@ def _cache(scraped: dict, s):
                        "checksum did not match (dropped).", w.get("checksum_failures", 0))
         yield _gauge("kvd_host_verify_pending", "Host chunk shards adopted after a crash that wait "
                      "for their checksum check (no hits until then).", w.get("verify_pending", 0))
+        yield _gauge("kvd_host_unsealed_shards", "Host chunk shards whose checksum (for the next "
+                     "warm restart) is waiting or being computed.", tier.journal.unsealed)
+        yield _counter("kvd_host_checksums_skipped_total", "Host chunk shards evicted before their "
+                       "checksum's turn (never read).", w.get("checksums_skipped", 0))
 
 
 def _sessions(c: dict, sessions):
