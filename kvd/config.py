@@ -6,9 +6,8 @@ environment variables ``KVD_<KEY>`` (upper case) and command-line flags
 ``--<key-with-dashes>``. A bad key or value raises ``ConfigError`` naming
 the key; ``kvd serve`` turns it into one line on stderr and exit code 2.
 TOML values must have the knob's type (``chunk_tokens = "256"`` is an
-error); environment and flag values are text and are parsed. Sizes take
-binary (KiB, MiB, GiB, TiB) or decimal (KB, MB, GB, TB) units; a bare K,
-M, G or T is refused as ambiguous.
+error); environment and flag values are text and are parsed. Sizes are
+read by kvd.sizes (``parse_size``; ``size_text`` writes them).
 
 ``load_config`` returns a ``Config``: a frozen dataclass with one field per
 knob (built from ``KNOBS``) that also records where each value came from
@@ -25,43 +24,13 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field, make_dataclass
-from fractions import Fraction
 from types import MappingProxyType
 
+from kvd.sizes import parse_size, size_text
 from kvd_protocol.errors import ConfigError
 from kvd_protocol.limits import MAX_CHUNK_TOKENS
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_AMBIGUOUS = ("k", "m", "g", "t")
 SOURCES = ("default", "file", "env", "flag")
-
-
-def parse_size(value) -> int:
-    """Bytes from an int or a string such as '1GiB', '512 MiB', '8GB', '4096'."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-        unit = m.group(2).lower() if m else None
-        if unit in _AMBIGUOUS:
-            n, u = m.group(1), unit.upper()
-            raise ValueError(f"{value.strip()!r} is ambiguous: write {n}{u}iB (powers of 1024) "
-                             f"or {n}{u}B (powers of 1000)")
-        if unit in _SIZE_UNITS:
-            size = Fraction(m.group(1)) * _SIZE_UNITS[unit]
-            if size.denominator != 1:
-                raise ValueError(f"{value.strip()!r} is not a whole number of bytes")
-            return int(size)
-    raise ValueError(f"expected a size such as 1GiB or 4096, got {value!r}")
-
-
-def size_text(n: int) -> str:
-    """``n`` bytes in the largest binary unit that divides it: '1GiB', '64MiB', '4097'."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 @dataclass(frozen=True)
@@ -246,6 +215,15 @@ KNOBS = (
          "0: off.", minimum=0),
     Knob("metrics_address", "str", "127.0.0.1", "Address the /metrics endpoint binds (0.0.0.0: every "
          "interface)."),
+    Knob("metrics_socket", "str", "", "Unix socket that also serves /metrics (curl --unix-socket "
+         "PATH http://kvd/metrics), open like the engine socket to the daemon's user, root and "
+         "access_group only (unlike the TCP port, which any local user reaches); relative to "
+         "runtime_dir. Empty: none."),
+    Knob("metrics_max_connections", "int", 64, "Connections the /metrics endpoint serves at once, "
+         "on the port and on metrics_socket each (lowered to a quarter of the open files limit "
+         "in all); one more is closed as soon as it is accepted.", minimum=1),
+    Knob("metrics_timeout_s", "float", 5.0, "Seconds a /metrics connection has to send its request "
+         "and read the reply; then it is closed.", minimum=0.1),
     Knob("log_format", "str", "text", "Log line format: text, or json (one object per line with "
          "time, level, message and the line's fields) for log shippers.", choices=("text", "json")),
 )

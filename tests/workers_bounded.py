@@ -5,13 +5,17 @@ two hot prefixes (cached once, touched by every store) and whose second half
 is new, through a full host tier: the hot chunks stay resident and unsealed
 while everything else turns over. ``steady_engine`` stores, looks up and
 loads in a loop and reports its per-round latencies; ``churner`` connects,
-registers and leaves over and over. Each runs until its ``stop`` event is set
-(or ``seconds`` passed) and returns what it did.
+registers and leaves over and over; ``scrape_flood`` scrapes /metrics from
+several threads back to back. Each runs for ``seconds`` and returns what it
+did.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import urllib.request
+from collections import Counter
 
 import numpy as np
 
@@ -53,13 +57,14 @@ def hot_writer(runtime_dir: str, seed: int, seconds: float) -> dict:
         pool.close()
 
 
-def steady_engine(runtime_dir: str, seed: int, stop, seconds: float = 120.0) -> dict:
-    """Store, look up and load a new prompt per round; the seconds each round took."""
+def steady_engine(runtime_dir: str, seed: int, seconds: float, stop=None) -> dict:
+    """Store, look up and load a new prompt per round for ``seconds`` (or until ``stop``
+    is set); the seconds each round took."""
     client, pool = _client(runtime_dir, f"steady-{seed}")
     rounds, deadline = [], time.monotonic() + seconds
     src, dst = np.arange(PROMPT), np.arange(PROMPT, 2 * PROMPT)
     try:
-        while not stop.is_set() and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             tokens = prompt(len(rounds), seed, hot=False)
             t0 = time.perf_counter()
             client.store(tokens, src)
@@ -72,10 +77,33 @@ def steady_engine(runtime_dir: str, seed: int, stop, seconds: float = 120.0) -> 
         pool.close()
 
 
-def churner(runtime_dir: str, stop, seconds: float = 120.0) -> dict:
+def scrape_flood(port: int, seconds: float, threads: int = 8) -> dict:
+    """``threads`` threads scraping /metrics back to back for ``seconds``: scrapes served
+    and refused (closed before a reply)."""
+    counts = Counter()
+    deadline = time.monotonic() + seconds
+
+    def scrape_loop() -> None:
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    r.read()
+                counts["served"] += 1
+            except OSError:
+                counts["refused"] += 1
+
+    pool = [threading.Thread(target=scrape_loop) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return dict(counts)
+
+
+def churner(runtime_dir: str, seconds: float) -> dict:
     """Connect, register a pool, store once and leave, over and over."""
     sessions, deadline = 0, time.monotonic() + seconds
-    while not stop.is_set() and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         client, pool = _client(runtime_dir, f"churn-{sessions}")
         try:
             client.store(prompt(sessions, 99, hot=False)[:CHUNK], np.arange(1))

@@ -13,7 +13,10 @@ With ``access_group`` the runtime dir and sockets are opened to that group
 (kvd.server.runtime_dir); every connection is admitted or refused by its
 kernel peer credentials (kvd.server.peers) before any of its messages is
 read, and each request carries its connection's credentials. The
-``/metrics`` endpoint starts when ``metrics_port`` is set (kvd.server.metrics).
+``/metrics`` endpoint starts when ``metrics_port`` or ``metrics_socket`` is
+set (kvd.server.metrics), on the loop. The open files limit is raised to its
+hard limit first: engines, metrics peers and disk IO each take a descriptor,
+and libzmq aborts the process when it cannot get one.
 SIGTERM/SIGINT during start-up abandon it at once (the allocation stops
 between pieces), remove what was made and exit 0 with one line.
 
@@ -82,7 +85,7 @@ class Daemon:
         self.service = None
         self.ctx = None
         self.sockets = []
-        self.metrics = None  # the /metrics HTTP server (kvd.server.metrics), when metrics_port is set
+        self.metrics = None  # the /metrics server (kvd.server.metrics), when one is configured
         self.group = resolve_group(cfg.access_group)  # gid engines of other users connect with
         self.gate = None  # kvd.server.peers.ZapGate: admits connections by their peer credentials
         self.liveness = Liveness(self)
@@ -150,7 +153,8 @@ class Daemon:
         if self.stopping.is_set():
             log.info("start-up interrupted by %s before serving: stopped", self.stop_signal)
             return False
-        self.metrics = metrics.start(self.cfg, self.service)
+        self.metrics = metrics.start(self.cfg, self.service, self.runtime_dir, self.group,
+                                     AccessPolicy(self.group))
         self.ctx = zmq.asyncio.Context()
         self.gate = self._start_gate()
         old = os.umask(0o077)
@@ -269,8 +273,7 @@ class Daemon:
         if self.lock.fd < 0:
             return  # never owned the runtime dir: touch nothing in it
         if self.metrics is not None:
-            self.metrics.shutdown()
-            self.metrics.server_close()
+            self.metrics.close()
         for sock in self.sockets:
             sock.close(linger=0)
         if self.gate is not None:
@@ -342,6 +345,7 @@ def serve(cfg) -> int:
     2 for a config problem found at start-up, 1 when start-up failed otherwise."""
     logs.setup(cfg.log_level, cfg.log_format)
     log.info("kvd %s starting, pid %d", __version__, os.getpid())
+    startup.raise_fd_limit()
     log_config(cfg)
     notifier = Notifier.from_env()
     daemon = Daemon(cfg, notifier)

@@ -8,19 +8,12 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import workers_bounded as WB
+from daemons import status_kib
 
 HOT_S = 20.0  # the hot-traffic test's length
 TIER_CHUNKS = 4096  # 64 MiB of 16 KiB chunks
-
-
-def status_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise LookupError(field)
 
 
 def unsealed(d) -> int:
