@@ -31,8 +31,13 @@ PROMPT = 8  # chunks per store: 4 of a hot prefix, 4 new
 def _client(runtime_dir: str, name: str):
     pool = kvd_client.SharedKVPool("vllm_flash_attn", **GEOMETRY)
     client = kvd_client.KvdClient(runtime_dir=runtime_dir, timeout=5.0, raise_errors=True)
-    client.connect()
-    client.register_kv(pool, model=name)
+    try:
+        client.connect()
+        client.register_kv(pool, model=name)
+    except BaseException:
+        client.close()
+        pool.close()
+        raise
     return client, pool
 
 

@@ -90,10 +90,10 @@ def test_a_scrape_flood_does_not_slow_the_engines(start_daemon, procs):
     port = free_port()
     d = start_daemon(metrics_port=port)
     rd = str(d.runtime_dir)
-    quiet = procs.apply(WB.steady_engine, (rd, 1, 4.0))["rounds"]
-    flood = procs.apply_async(WB.scrape_flood, (port, 5.0))
+    quiet = procs.apply(WB.steady_engine, (rd, 1, 3.0))["rounds"]
+    flood = procs.apply_async(WB.scrape_flood, (port, 4.0))
     time.sleep(0.5)
-    loud = procs.apply(WB.steady_engine, (rd, 2, 4.0))["rounds"]
+    loud = procs.apply(WB.steady_engine, (rd, 2, 3.0))["rounds"]
     scraped = flood.get(30)
     assert scraped.get("served", 0) > 20, scraped  # scrapes are served, at their pace
     p50, p50_flood = statistics.median(quiet), statistics.median(loud)
