@@ -3,7 +3,8 @@
 Each test runs a ``MetricsServer`` over a stand-in renderer on a fresh loop
 and talks to it through real TCP or Unix sockets from threads (blocking
 clients, as scrapers are): replies, the connection cap, the deadline, the
-render cache and the peer check of the Unix socket.
+render cache, the peer check of the Unix socket, and (in a process with 48
+descriptors) running out of descriptors.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import stat
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
@@ -155,3 +159,58 @@ def test_a_live_socket_at_the_path_is_not_taken_over(tmp_path):
             M.unix_listener(path, None)
     stale = M.unix_listener(path, None)  # nobody listens there any more: replaced
     stale.close()
+
+
+SERVER = """
+import asyncio, sys
+from collections import Counter
+from kvd.server import metrics_http as M
+
+class Stats:
+    counters = Counter()
+    def add(self, name):
+        self.counters[name] += 1
+
+async def main():
+    stats = Stats()
+    render = lambda: str(dict(stats.counters)).encode()
+    server = M.MetricsServer(render, 1000, 5.0, stats)  # a cap above the descriptors it has
+    sock = M.tcp_listener("127.0.0.1", 0)
+    server.listen(sock)
+    print(sock.getsockname()[1], flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+def test_running_out_of_descriptors_pauses_accepting_only():
+    """With its descriptors gone (EMFILE), the server pauses accepting, counts it and serves
+    again once some are back; the process never dies of it."""
+    proc = subprocess.Popen(["prlimit", "--nofile=48:48", "--", sys.executable, "-c", SERVER],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        conns = []
+        for _ in range(100):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            conns.append(s)
+        time.sleep(1.5)
+        assert proc.poll() is None
+        for s in conns:
+            s.close()
+        deadline = time.monotonic() + 20
+        while True:  # once the held ones see their peers gone, it serves again
+            try:
+                out = fetch(("127.0.0.1", port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "no scrape after the descriptors came back"
+                time.sleep(0.2)
+        assert out.startswith(b"HTTP/1.1 200") and b"'metrics_accept_failed'" in out
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
