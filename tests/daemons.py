@@ -96,6 +96,22 @@ class DaemonProc:
             return ""
 
 
+def status_kib(pid: int, field: str) -> int:
+    """A ``kB`` field of /proc/<pid>/status (VmRSS, RssAnon, ...)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise LookupError(field)
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def fds_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
     """``predicate()``'s first true value, polled every ``interval``; an AssertionError
     naming ``what`` after ``timeout`` seconds."""

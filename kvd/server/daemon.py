@@ -13,13 +13,20 @@ With ``access_group`` the runtime dir and sockets are opened to that group
 (kvd.server.runtime_dir); every connection is admitted or refused by its
 kernel peer credentials (kvd.server.peers) before any of its messages is
 read, and each request carries its connection's credentials. The
-``/metrics`` endpoint starts when ``metrics_port`` is set (kvd.server.metrics).
+``/metrics`` endpoint starts when ``metrics_port`` or ``metrics_socket`` is
+set (kvd.server.metrics), on the loop. The open files limit is raised to its
+hard limit first: engines, metrics peers and disk IO each take a descriptor,
+and libzmq aborts the process when it cannot get one.
 SIGTERM/SIGINT during start-up abandon it at once (the allocation stops
 between pieces), remove what was made and exit 0 with one line.
 
 Each request runs as its own task so a slow copy never blocks other
 clients; every reply goes back through the socket it came from
-(kvd.server.peers_alive: slow readers, probes of gone peers, reaping). A
+(kvd.server.peers_alive: slow readers, probes of gone peers, reaping). Each
+socket caps the requests of one peer being served (engines: ``max_inflight``;
+control: ``CONTROL_INFLIGHT``, with ``CONTROL_REPLY_QUEUE`` replies queued):
+past it a request gets ``busy`` at once, so an operator tool that never reads
+its replies cannot grow the daemon. A
 request that fails validation gets a typed error reply; a peer that sends a
 frame larger than ``max_message_bytes`` is dropped by ZeroMQ (its limit is
 per frame), and a message whose frames together exceed it gets a
@@ -41,6 +48,7 @@ process.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import signal
@@ -67,6 +75,9 @@ from kvd_protocol.runtime import control_endpoint, engine_endpoint, instance_tag
 
 log = logging.getLogger("kvd")
 REPLY_QUEUE = 65536  # a client pipelining hard gets its busy replies; one that never reads, not all
+CONTROL_REPLY_QUEUE = 64  # replies queued per operator peer (stats replies are KBs each)
+CONTROL_INFLIGHT = 4  # control requests of one peer being served; more get busy at once
+YIELD_EVERY = 32  # messages read back to back before other tasks get a turn
 
 
 class Daemon:
@@ -84,11 +95,11 @@ class Daemon:
         self.service = None
         self.ctx = None
         self.sockets = []
-        self.metrics = None  # the /metrics HTTP server (kvd.server.metrics), when metrics_port is set
+        self.metrics = None  # the /metrics server (kvd.server.metrics), when one is configured
         self.group = resolve_group(cfg.access_group)  # gid engines of other users connect with
         self.gate = None  # kvd.server.peers.ZapGate: admits connections by their peer credentials
         self.liveness = Liveness(self)
-        self.intake = None  # kvd.server.peers_alive.Intake, once the engine socket is bound
+        self.intake = self.control_intake = None  # kvd.server.peers_alive.Intake, per socket
         self.deadline = None  # set at shutdown: when everything must be done
         self.malformed = logs.PeerLimiter()  # one line per peer per 10 s for requests
         self.internal = logs.PeerLimiter()  # that fail validation, and for internal errors
@@ -154,14 +165,19 @@ class Daemon:
         if self.stopping.is_set():
             log.info("start-up interrupted by %s before serving: stopped", self.stop_signal)
             return False
-        self.metrics = metrics.start(self.cfg, self.service)
+        self.metrics = metrics.start(self.cfg, self.service, self.runtime_dir, self.group,
+                                     AccessPolicy(self.group))
         self.ctx = zmq.asyncio.Context()
         self.gate = self._start_gate()
         old = os.umask(0o077)
         try:
-            self.engine_sock = self._bind(engine_endpoint(self.runtime_dir), self.cfg.max_message_bytes)
+            self.engine_sock = self._bind(engine_endpoint(self.runtime_dir), self.cfg.max_message_bytes,
+                                          REPLY_QUEUE)
             self.intake = Intake(self.engine_sock, self.cfg.max_inflight, lambda: self.service.stats)
-            self.control_sock = self._bind(control_endpoint(self.runtime_dir), wire.MAX_HEADER_BYTES)
+            self.control_sock = self._bind(control_endpoint(self.runtime_dir), wire.MAX_HEADER_BYTES,
+                                           CONTROL_REPLY_QUEUE)
+            self.control_intake = Intake(self.control_sock, CONTROL_INFLIGHT,
+                                         lambda: self.service.stats, "per control peer")
         finally:
             os.umask(old)
         log.info("serving %s (backends %s, chunk %d tokens) — ready in %.2f s, pid %d",
@@ -182,13 +198,13 @@ class Daemon:
             self.notifier.watchdog()
             await asyncio.sleep(self.notifier.watchdog_s / 2)
 
-    def _bind(self, endpoint: str, max_bytes: int):
+    def _bind(self, endpoint: str, max_bytes: int, reply_queue: int):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails: see peers_alive
-        sock.setsockopt(zmq.SNDHWM, REPLY_QUEUE)  # replies queued per client before it must read
+        sock.setsockopt(zmq.SNDHWM, reply_queue)  # replies queued per client before it must read
         if self.gate is not None:
             ZapGate.guard(sock)
         sock.bind(endpoint)
@@ -273,8 +289,7 @@ class Daemon:
         if self.lock.fd < 0:
             return  # never owned the runtime dir: touch nothing in it
         if self.metrics is not None:
-            self.metrics.shutdown()
-            self.metrics.server_close()
+            self.metrics.close()
         for sock in self.sockets:
             sock.close(linger=0)
         if self.gate is not None:
@@ -291,16 +306,17 @@ class Daemon:
 
     async def _serve(self, sock, ops: dict, handler) -> None:
         max_bytes = sock.getsockopt(zmq.MAXMSGSIZE)
-        admit = self.intake if sock is self.engine_sock else None
-        while True:
+        admit = self.intake if sock is self.engine_sock else self.control_intake
+        for n in itertools.count(1):
+            if n % YIELD_EVERY == 0:  # a read that finds a message ready never yields by itself
+                await asyncio.sleep(0)
             parts, cred = await recv_request(sock)
             received = time.monotonic()
-            if len(parts) < 2 or (admit is not None and not admit.take(parts)):
+            if len(parts) < 2 or not admit.take(parts):
                 continue
             task = self.spawn(self._respond(sock, parts[0], parts[1:], ops, handler, max_bytes,
                                             received, cred))
-            if admit is not None:
-                admit.track(parts[0], task)
+            admit.track(parts[0], task)
 
     async def _respond(self, sock, peer: bytes, body: list, ops: dict, handler, max_bytes: int,
                        received: float, cred) -> None:
@@ -349,6 +365,7 @@ def serve(cfg) -> int:
     2 for a config problem found at start-up, 1 when start-up failed otherwise."""
     logs.setup(cfg.log_level, cfg.log_format)
     log.info("kvd %s starting, pid %d", __version__, os.getpid())
+    startup.raise_fd_limit()
     log_config(cfg)
     notifier = Notifier.from_env()
     daemon = Daemon(cfg, notifier)

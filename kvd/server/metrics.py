@@ -1,22 +1,30 @@
-"""Prometheus metrics: ``/metrics`` on ``metrics_address:metrics_port`` (off when the port is 0).
+"""Prometheus metrics: ``/metrics`` on ``metrics_address:metrics_port`` and/or ``metrics_socket``.
 
-``start(cfg, service)`` serves the exposition with prometheus-client's HTTP
-server on its own thread (``pip install 'kvd[metrics]'``; when the port is
+``start(cfg, service, ...)`` serves the exposition, rendered by
+prometheus-client (``pip install 'kvd[metrics]'``; when a metrics knob is
 set and the library is missing, or the address cannot be bound, start-up
-fails with one line saying so). Nothing on the event loop waits for a
-scrape: ``KvdCollector`` reads, at scrape time and on the server's thread,
-the counters the loop keeps anyway (kvd.server.stats, the tiers' counters,
-the session table), through copies taken by single C-level calls and
-``len()``; it takes no lock and never iterates a dict the loop mutates.
-Names follow Prometheus conventions (``kvd_`` prefix, base units,
-``_total`` counters, ``_bytes``, ``_seconds``); docs/operations.md lists them.
+fails with one line saying so), through kvd.server.metrics_http's server
+on the daemon's event loop: a connection cap per listening socket
+(``metrics_max_connections``; all of them together at most a quarter of the
+open files limit), a per-connection deadline
+(``metrics_timeout_s``), an accept budget and a cached rendering, so no
+scraper can take the daemon's descriptors or slow its engines.
+``KvdCollector`` reads, at render time, the counters the loop keeps anyway
+(kvd.server.stats, the tiers' counters, the session table) through copies
+and ``len()``. Names follow Prometheus conventions (``kvd_`` prefix, base
+units, ``_total`` counters, ``_bytes``, ``_seconds``); docs/operations.md
+lists them.
 """
 
 from __future__ import annotations
 
 import logging
+import resource
+from functools import partial
 from importlib import metadata
+from pathlib import Path
 
+from kvd.server.metrics_http import MetricsServer, tcp_listener, unix_listener
 from kvd.server.stats import LATENCY_BUCKETS_S
 from kvd_protocol import wire
 
@@ -70,26 +78,48 @@ GDS_COUNTERS = (
 )
 
 
-def start(cfg, service):
-    """Serve /metrics when ``metrics_port`` is set; returns the server (``shutdown()``) or None."""
-    if not cfg.metrics_port:
+def start(cfg, service, runtime_dir: Path, group: int | None, policy):
+    """Serve /metrics when ``metrics_port`` or ``metrics_socket`` is set (on the running
+    loop); returns the ``MetricsServer`` (``close()``) or None."""
+    if not cfg.metrics_port and not cfg.metrics_socket:
         return None
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.process_collector import ProcessCollector
     except ImportError:
-        raise RuntimeError("metrics_port is set but prometheus-client is not installed: "
-                           "pip install 'kvd[metrics]', or set metrics_port = 0") from None
+        knob = "metrics_port" if cfg.metrics_port else "metrics_socket"
+        raise RuntimeError(f"{knob} is set but prometheus-client is not installed: "
+                           f"pip install 'kvd[metrics]', or unset {knob}") from None
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     registry.register(KvdCollector(service))
-    try:
-        server, _ = start_http_server(cfg.metrics_port, cfg.metrics_address, registry=registry)
-    except OSError as exc:
-        raise RuntimeError(f"cannot serve metrics on {cfg.metrics_address}:{cfg.metrics_port}: "
-                           f"{exc.strerror}") from None
-    log.info("metrics: http://%s:%d/metrics", cfg.metrics_address, cfg.metrics_port)
+    listeners = bool(cfg.metrics_port) + bool(cfg.metrics_socket)
+    server = MetricsServer(partial(generate_latest, registry),
+                           connection_cap(cfg.metrics_max_connections, listeners),
+                           cfg.metrics_timeout_s, service.stats)
+    if cfg.metrics_port:
+        server.listen(tcp_listener(cfg.metrics_address, cfg.metrics_port))
+        log.info("metrics: http://%s:%d/metrics", cfg.metrics_address, cfg.metrics_port)
+    if cfg.metrics_socket:
+        path = runtime_dir / cfg.metrics_socket  # an absolute metrics_socket stays as it is
+        try:
+            server.listen(unix_listener(path, group), policy)
+        except RuntimeError:
+            server.close()
+            raise
+        log.info("metrics: unix socket %s (curl --unix-socket %s http://kvd/metrics)", path, path)
     return server
+
+
+def connection_cap(wanted: int, listeners: int) -> int:
+    """``metrics_max_connections`` (per listening socket), lowered so that all of them
+    together hold at most a quarter of the open files limit: the rest is the engines', the
+    disk tier's and libzmq's (which aborts when it cannot get one)."""
+    most = max(1, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // (4 * listeners))
+    if wanted > most:
+        log.warning("metrics_max_connections = %d lowered to %d: a quarter of the open files "
+                    "limit (ulimit -n, LimitNOFILE=)", wanted, most)
+    return min(wanted, most)
 
 
 class KvdCollector:
@@ -212,6 +242,10 @@ def _cache(scraped: dict, s):
                        "checksum did not match (dropped).", w.get("checksum_failures", 0))
         yield _gauge("kvd_host_verify_pending", "Host chunk shards adopted after a crash that wait "
                      "for their checksum check (no hits until then).", w.get("verify_pending", 0))
+        yield _gauge("kvd_host_unsealed_shards", "Host chunk shards whose checksum (for the next "
+                     "warm restart) is waiting or being computed.", tier.journal.unsealed)
+        yield _counter("kvd_host_checksums_skipped_total", "Host chunk shards evicted before their "
+                       "checksum's turn (never read).", w.get("checksums_skipped", 0))
 
 
 def _sessions(c: dict, sessions):

@@ -17,11 +17,17 @@ answered right in the receive loop. A flooding client then costs one
 cheap reply per message and never has more than ``max_inflight`` tasks
 ahead of another client's request.
 
+The control socket has an ``Intake`` of its own (``CONTROL_INFLIGHT`` per
+peer) and a short reply queue per peer, so a peer that sends requests and
+never reads their replies holds a bounded number of them and gets ``busy``
+(dropped once its queue is full) for the rest.
+
 ``reply(sock, peer, frames, stats)`` sends a reply without ever dropping it
 for a full queue while the client is merely slow: it retries for
 ``REPLY_PATIENCE_S`` (the client has not read its replies for that long:
-dropped and counted as ``replies_dropped``); a gone peer's reply is dropped
-at once.
+dropped and counted as ``replies_dropped``, with at most one log line per
+peer per ``LOG_EVERY_S``: ``PeerLog``); a gone peer's reply is dropped at
+once.
 """
 
 from __future__ import annotations
@@ -39,6 +45,31 @@ log = logging.getLogger("kvd")
 PROBE = wire.pack({"v": wire.VERSION, "id": 0, "result": {}})
 PROBE_DELAY_S = 0.25
 REPLY_PATIENCE_S = 5.0
+LOG_EVERY_S = 60.0
+
+
+class PeerLog:
+    """At most one line per peer per ``every`` seconds, saying how many were held back since
+    (bounded: past ``most`` peers the table starts afresh)."""
+
+    def __init__(self, every: float = LOG_EVERY_S, most: int = 4096):
+        self.every, self.most = every, most
+        self.peers: dict[bytes, list] = {}  # peer -> [when it last got a line, lines held back]
+
+    def due(self, peer: bytes) -> int | None:
+        """The lines held back for ``peer`` when one may be logged now, else None."""
+        now = time.monotonic()
+        seen = self.peers.get(peer)
+        if seen is not None and now - seen[0] < self.every:
+            seen[1] += 1
+            return None
+        if seen is None and len(self.peers) >= self.most:
+            self.peers.clear()
+        self.peers[peer] = [now, 0]
+        return 0 if seen is None else seen[1]
+
+
+DROPPED = PeerLog()  # replies dropped for a full queue, per peer
 
 
 async def reply(sock, peer: bytes, frames: list, stats) -> None:
@@ -50,8 +81,11 @@ async def reply(sock, peer: bytes, frames: list, stats) -> None:
         except zmq.Again:
             if time.monotonic() > give_up:
                 stats.add("replies_dropped")
-                log.warning("a reply was dropped: the client has not read its replies for %.0f s",
-                            REPLY_PATIENCE_S)
+                held = DROPPED.due(peer)
+                if held is not None:
+                    log.warning("a reply was dropped: the client has not read its replies for "
+                                "%.0f s (%d more dropped for it since the last such line)",
+                                REPLY_PATIENCE_S, held)
                 return
             await asyncio.sleep(pause)  # backing off: a flood of such waits must not spin the loop
             pause = min(pause * 2, 0.05)
@@ -110,8 +144,9 @@ class Liveness:
 
 
 class Intake:
-    def __init__(self, sock, max_inflight: int, stats):
+    def __init__(self, sock, max_inflight: int, stats, cap: str = "max_inflight"):
         self.sock, self.max_inflight, self.stats = sock, max_inflight, stats
+        self.cap = cap  # what the busy reply names as the limit
         self.inflight: dict[bytes, int] = {}
 
     def take(self, parts: list) -> bool:
@@ -127,18 +162,22 @@ class Intake:
             return True
         req_id = header.get("id") if isinstance(header.get("id"), int) else None
         frames = wire.error_reply(req_id, "busy", f"{self.max_inflight} requests of this client "
-                                  "are in flight already (max_inflight); nothing done")
+                                  f"are in flight already ({self.cap}); nothing done")
         try:
             sent = self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
         except zmq.ZMQError:  # 65536 replies unread, or it is gone: the reply is dropped
             self.stats().add("replies_dropped")
             sent = None
         if isinstance(sent, asyncio.Future):  # zmq.asyncio: a failure lands in the future
-            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+            sent.add_done_callback(self._sent)
         stats = self.stats()
         stats.add("busy")
         stats.add("errors")
         return False
+
+    def _sent(self, f) -> None:
+        if not f.cancelled() and f.exception() is not None:  # its queue is full: dropped
+            self.stats().add("replies_dropped")
 
     def track(self, peer: bytes, task) -> None:
         self.inflight[peer] = self.inflight.get(peer, 0) + 1

@@ -10,6 +10,9 @@ daemon left as room (it is adopted or replaced). A problem
 with a knob's value raises ``ConfigError`` (one line, exit status 2);
 anything else ``StartupError`` (one line, exit status 1).
 
+``raise_fd_limit`` raises the open files soft limit to the hard one (one
+log line when it moved).
+
 ``make_remote`` builds the remote tier (a bad ``remote_address`` is a
 ``ConfigError``; a missing client library was already a ``StartupError``;
 with ``remote_secret`` its values carry a keyed tag, kvd/tiers/remote_value.py).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -46,6 +50,26 @@ class StartupError(RuntimeError):
 
 class NoCudaDevice(RuntimeError):
     pass
+
+
+def raise_fd_limit() -> int:
+    """The open files soft limit, raised to the hard one (capped by the kernel's nr_open)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = soft
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as exc:
+            log.warning("open files limit stays %d (raising it to %d failed: %s)", soft, target, exc)
+            return soft
+        log.info("open files limit raised from %d to %d", soft, target)
+        return target
+    return soft
 
 
 def check(cfg, runtime_dir: Path, group: int | None = None) -> None:

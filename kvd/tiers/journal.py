@@ -16,25 +16,25 @@ record is due and cost no record, no release and no checksum. A crash loses
 the stores of its last ``delay`` (misses, never wrong bytes); ``flush``
 records every waiting batch at once, for a clean stop.
 
-Checksums are computed off the event loop and off the store's path: a
-``Hasher`` thread pool takes jobs (a commit's shards: their offsets and
-sizes), XXH3-64s the arena bytes (xxhash releases the GIL; the threads run
-at niceness ``NICE``, so where cores are short the copies get them first)
-and hands each job's digests back to the loop, where ``_sealed`` writes
-the digest and the ``SEALED`` flag into each record that still belongs to
-the shard it was queued for (per-record generation, bumped when a record
-is handed out and when it is freed; the bytes may have been evicted
-meanwhile and the digest then describes nothing).
+Checksums are computed off the event loop and off the store's path: each
+record written waits for its checksum in a ``SealQueue``
+(kvd/tiers/seal_queue.py: one flag per record, so it is bounded by the
+table whatever the traffic; a record freed while it waits stops waiting),
+which hands a few batches at a time to a ``Hasher`` thread pool; the
+threads XXH3-64 the arena bytes (xxhash releases the GIL; they run at
+niceness ``NICE``, so where cores are short the copies get them first) and
+hand each batch's digests back to the loop, where ``_sealed`` writes the
+digest and the ``SEALED`` flag into each record that still belongs to the
+shard it was read for (per-record generations; the bytes may have been
+evicted meanwhile and the digest then describes nothing).
 
 Hashing gives way to copies: a stream of stores outruns it, and reading
 host memory next to the copy engines is a suspect in MLA's both-ways
 figure (measured below):
 - a shard whose record was freed or reused before its turn is skipped
   unread (``checksums_skipped``; one freed while it was being read is
-  counted in ``checksums_stale``): under a stream of stores the queue runs
-  behind and its oldest shards are evicted first. Staleness is one numpy
-  comparison per job (generations), and the loop's callback counts the
-  skipped ones in bulk: no Python per skipped shard on either side;
+  counted in ``checksums_stale``). Staleness is one numpy comparison per
+  batch (generations): no Python per skipped shard on either side;
 - a shard is read only once the daemon's copies have been idle for
   ``QUIET_S`` (``Hasher.idle``: the copy gate's ``Idle`` event, set while
   no copy is queued, with the time it was set); until then its thread
@@ -43,10 +43,9 @@ figure (measured below):
   in the short gaps between its copies, and catches up when traffic
   pauses; under endless copies its records stay unsealed, which a new
   daemon trusts on the order of writes (below). Verification after a
-  crash does not wait: unverified chunks are no hits until it is done. The
-  queue stays bounded under endless copies: a job's shards go stale as the
-  tier turns over, and a stale job is one comparison, so it holds about as
-  many shards as the tier does.
+  crash does not wait: unverified chunks are no hits until it is done.
+  Under endless copies the threads hold their batches (of resident, hot
+  shards) and every later record waits as a flag: at most one per record.
 
 Measured: on the loop, per store of 128 chunks through a full tier (this VM,
 tools/host_tier_bench.py), about 350 µs with a record at every commit, 40-80 µs
@@ -73,12 +72,12 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from functools import partial
 
 import numpy as np
 import xxhash
 
 from kvd.tiers.arena_index import ON_DISK, ArenaIndex
+from kvd.tiers.seal_queue import SealQueue
 
 log = logging.getLogger("kvd")
 NICE = 10  # the hashing threads' niceness (the daemon's other threads keep theirs)
@@ -111,6 +110,10 @@ class Hasher:
                          for i in range(max(1, threads))]
         for t in self._threads:
             t.start()
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
 
     def submit(self, callback, payload, offsets, sizes, stale=None, patient: bool = False):
         if len(offsets):
@@ -190,7 +193,6 @@ class Journal:
         if delay > 0 and holds is None:
             raise ValueError("a record delay needs holds(entry, rank): what the tier still holds")
         self.index = index
-        self.hasher = hasher
         self.delay = delay
         self.holds = holds
         self.later: deque = deque()  # (due, entries, rank): committed, records not written
@@ -198,15 +200,30 @@ class Journal:
         self._flush_timer = None
         n = index.records
         self.owner: list = [None] * n  # record number -> the entry it describes, or None
-        self.gen = np.zeros(n, np.int64)  # bumped when a record is handed out and freed
         for number, entry in (live or {}).items():
             self.owner[number] = entry
         self.free = [i for i in range(n - 1, -1, -1) if self.owner[i] is None]  # low ones first
-        self.unsealed = 0
-        self.sealed = 0
+        self.counters: Counter = Counter()
+        self.seals = SealQueue(hasher, n, self._sealed, self.counters)
         self.start = "new"  # how this daemon's tier began: new, clean (adopted) or crash
         self.verify = "none"  # after a crash: waiting (to serve first), running, done, stopped
-        self.counters: Counter = Counter()
+
+    @property
+    def hasher(self) -> Hasher:
+        return self.seals.hasher
+
+    @hasher.setter
+    def hasher(self, hasher: Hasher) -> None:  # (tests stall it)
+        self.seals.hasher = hasher
+
+    @property
+    def unsealed(self) -> int:
+        """Shards whose checksum is not written yet: records due later, waiting, hashing."""
+        return self.later_shards + self.seals.pending
+
+    @property
+    def sealed(self) -> int:
+        return self.seals.sealed
 
     # ---- hooks (kvd/tiers/host.py) ------------------------------------------------------
 
@@ -218,8 +235,7 @@ class Journal:
             return
         loop = self.hasher.loop
         self.later.append((loop.time() + self.delay, entries, rank))
-        self.later_shards += len(entries)
-        self.unsealed += len(entries)  # unsealed until recorded and summed, or found gone
+        self.later_shards += len(entries)  # unsealed until recorded and summed, or found gone
         if self._flush_timer is None:
             self._flush_timer = loop.call_later(self.delay, self._due)
 
@@ -249,7 +265,6 @@ class Journal:
         """The shards of a batch the tier still holds (one evicted meanwhile, even if
         restored since, is recorded only if it holds them)."""
         self.later_shards -= len(entries)
-        self.unsealed -= len(entries)
         if not self.index.is_open:
             return
         holds = self.holds
@@ -264,7 +279,6 @@ class Journal:
             if number is None:
                 self.counters["unrecorded_shards"] += 1
                 continue
-            self.gen[number] += 1
             if e.recs is None:
                 e.recs = [-1] * e.shards
             e.recs[rank] = number
@@ -274,7 +288,7 @@ class Journal:
             numbers.append(number)
             offsets.append(e.shard_offset(rank))
             sizes.append(e.shard_bytes)
-        self._queue(numbers, offsets, sizes)
+        self.seals.add(numbers, offsets, sizes)
 
     def dropped(self, e) -> None:
         for number in e.recs or ():
@@ -291,9 +305,9 @@ class Journal:
         for number in e.recs or ():
             if number >= 0:
                 self._unfree(number)
-                self.gen[number] -= 1  # as it was: a checksum queued for it is current again
                 self.owner[number] = e
                 self.index.set_state(number, True)
+                self.seals.restored(number)  # as it was: its checksum is current again
 
     def flag_on_disk(self, e) -> None:
         for number in e.recs or ():
@@ -309,13 +323,13 @@ class Journal:
             return None
         new = self.index.records
         self.owner.extend([None] * (new - old))
-        self.gen = np.concatenate([self.gen, np.zeros(new - old, np.int64)])
+        self.seals.grow(new)
         self.free.extend(range(new - 1, old - 1, -1))
         return self.free.pop()
 
     def _release(self, number: int) -> None:
         self.index.set_state(number, False)
-        self.gen[number] += 1  # a checksum queued for it is stale now
+        self.seals.freed(number)  # before the slot can be reused: its checksum is stale now
         self.owner[number] = None
         self.free.append(number)
 
@@ -328,37 +342,14 @@ class Journal:
     # ---- checksums ------------------------------------------------------------------------
 
     def seal(self, number: int, offset: int, size: int) -> None:
-        """Queue the checksum of record ``number``'s bytes."""
-        self._queue([number], [offset], [size])
+        """Queue the checksum of adopted record ``number``'s bytes (as it is)."""
+        self.seals.add([number], [offset], [size], handed_out=False)
 
-    def _queue(self, numbers: list, offsets: list, sizes: list) -> None:
-        """One hashing job for these records as they are now (their generations)."""
-        if numbers:
-            numbers = np.array(numbers, np.int64)
-            gens = self.gen[numbers]
-            self.unsealed += len(numbers)
-            self.hasher.submit(self._sealed, (numbers, gens), offsets, sizes,
-                               partial(self._stale, numbers, gens), patient=True)
-
-    def _stale(self, numbers: np.ndarray, gens: np.ndarray) -> np.ndarray:
-        """Which of the records were freed or reused since (from a hashing thread: numpy
-        reads under the GIL; a change right after is caught again in ``_sealed``)."""
-        return self.gen[numbers] != gens
-
-    def _sealed(self, payload, digests: np.ndarray, hashed: np.ndarray) -> None:
-        numbers, gens = payload
-        self.unsealed -= len(numbers)
-        self.counters["checksums_skipped"] += len(numbers) - int(np.count_nonzero(hashed))
-        if not self.index.is_open:
-            return
-        for i in np.flatnonzero(hashed).tolist():
-            number = int(numbers[i])
-            e = self.owner[number]
-            if e is not None and self.gen[number] == gens[i]:
-                self.index.seal(number, int(digests[i]), ON_DISK if e.on_disk else 0)
-                self.sealed += 1
-            else:  # read, but evicted before its digest came back: read for nothing
-                self.counters["checksums_stale"] += 1
+    def _sealed(self, number: int, digest: int) -> None:
+        """Record ``number``'s checksum came back, for the bytes it still describes."""
+        e = self.owner[number]
+        if e is not None and self.index.is_open:
+            self.index.seal(number, digest, ON_DISK if e.on_disk else 0)
 
     # ---- a clean stop ---------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import workers_data as W
 import workers_ops
 from daemons import wait_for
 
+from kvd.server.metrics_http import RENDER_EVERY_S
 from kvd_protocol import wire
 
 parser = pytest.importorskip("prometheus_client.parser")
@@ -70,6 +71,7 @@ def test_counters_move_by_exactly_what_the_engine_did(start_daemon, procs):
         finally:
             stop.set()
             scraper.join()
+    time.sleep(RENDER_EVERY_S)  # a scrape shows the counters as they were at most this long ago
     after = scrape(port)
     assert out == {"stored": 48, "restored": 48, "hits": 48, "other_hits": 0, "loaded": 48,
                    "bad_load": "out_of_range"}

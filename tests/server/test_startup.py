@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from daemons import wait_for as until
 from shm_files import arena_files
 
 SHM = Path("/dev/shm")
@@ -217,3 +218,12 @@ def test_ctrl_c_at_any_moment_of_start_up_leaves_no_traceback_and_nothing_behind
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_one(start_daemon):
+    """Engines, metrics peers and disk IO each take a descriptor; a daemon started with a
+    low soft limit (ulimit -n 64, hard 4096) raises it and says so."""
+    d = start_daemon(wrapper=["prlimit", "--nofile=64:4096", "--"])
+    limits = Path(f"/proc/{d.proc.pid}/limits").read_text()
+    assert re.search(r"Max open files\s+4096\s+4096", limits), limits
+    until(lambda: "open files limit raised from 64 to 4096" in d.log(), 5, "the log line")

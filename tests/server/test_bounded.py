@@ -1,0 +1,126 @@
+"""No local peer can grow the daemon (DESIGN.md, "Failure model"): real daemons, real sockets.
+
+- Steady stores through a full host tier that keeps a few hot chunks
+  resident: the warm-restart checksum queue stays within the tier's shards
+  and the daemon's memory stays flat.
+- Everything at once for ``ALL_S`` (CI's bounded-resources run): hot
+  stores, a steady engine, sessions churned, a scrape flood, idle metrics
+  connections and a control peer that never reads its replies. After
+  warm-up the daemon's memory, descriptors, threads, sessions and log stay
+  within the bounds stated in the test, and ``health`` keeps answering.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import workers_bounded as WB
+from daemons import fds_of, status_kib, threads_of, wait_for
+from test_control_limits import flood, health_latencies
+from test_metrics import free_port
+from test_metrics_limits import open_idle
+
+from kvd_protocol.runtime import control_endpoint
+
+HOT_S = 15.0  # the hot-traffic test's length
+ALL_S = 20.0  # the everything-at-once test's length
+WARM_S = 4.0  # the tier is full after about 1,000 stores
+TIER_CHUNKS = 4096  # 64 MiB of 16 KiB chunks
+
+
+def unsealed(d) -> int:
+    return d.stats()["tiers"]["host"]["warm"]["unsealed_shards"]
+
+
+def test_hot_traffic_keeps_the_checksum_queue_and_memory_flat(start_daemon, procs):
+    """Copies never pause, so nothing is hashed; the hot chunks stay resident, the rest turns
+    over. The checksums waiting stay below the tier's shard count and the daemon's resident
+    memory after warm-up does not grow with the stores."""
+    d = start_daemon(host_capacity="64MiB")
+    pid = d.proc.pid
+    job = procs.apply_async(WB.hot_writer, (str(d.runtime_dir), 1, HOT_S))
+    t0 = time.monotonic()
+    time.sleep(WARM_S)
+    rss0, queued = status_kib(pid, "VmRSS"), []
+    while time.monotonic() - t0 < HOT_S - 0.5:
+        queued.append(unsealed(d))
+        time.sleep(0.5)
+    rss1 = status_kib(pid, "VmRSS")
+    stores = job.get(30)["stores"]
+    assert stores > 3000, stores  # a steady stream (1,500 to 2,000 a second here)
+    assert max(queued) <= 2 * TIER_CHUNKS, queued
+    assert rss1 - rss0 < 6 * 1024, f"grew {rss1 - rss0} KiB over {stores} stores"
+    host = d.stats()["tiers"]["host"]
+    assert host["entries"] <= TIER_CHUNKS
+
+
+def sample(d) -> dict:
+    """The daemon's resources now."""
+    pid, stats = d.proc.pid, d.stats()
+    return {"t": time.monotonic(), "rss": status_kib(pid, "VmRSS"), "fds": fds_of(pid),
+            "threads": threads_of(pid), "clients": stats["clients"],
+            "unsealed": stats["tiers"]["host"]["warm"]["unsealed_shards"],
+            "log": d.log_path.stat().st_size}
+
+
+class Sampler:
+    """``sample(d)`` every ``every`` seconds on a thread, until ``close()``."""
+
+    def __init__(self, d, every: float = 0.5):
+        self.d, self.every = d, every
+        self.rows: list[dict] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            self.rows.append(sample(self.d))
+
+    def close(self) -> list[dict]:
+        self.stop.set()
+        self.thread.join()
+        return self.rows
+
+
+def test_everything_at_once_stays_within_bounds(start_daemon, procs):
+    port = free_port()
+    d = start_daemon(metrics_port=port, metrics_socket="metrics.sock")
+    rd, endpoint = str(d.runtime_dir), control_endpoint(d.runtime_dir)
+    quiet = sample(d)
+    jobs = [procs.apply_async(WB.hot_writer, (rd, 1, ALL_S)),
+            procs.apply_async(WB.steady_engine, (rd, 2, ALL_S)),
+            procs.apply_async(WB.churner, (rd, ALL_S)),
+            procs.apply_async(WB.scrape_flood, (port, ALL_S, 4))]
+    idle, slow = open_idle(port, 300), flood(endpoint, 20_000)
+    latencies, stop = [], threading.Event()
+    watcher = threading.Thread(target=health_latencies, args=(endpoint, stop, latencies))
+    watcher.start()
+    time.sleep(WARM_S)
+    sampler = Sampler(d)
+    try:
+        time.sleep(ALL_S - WARM_S - 1.0)
+    finally:
+        rows = sampler.close()
+        stop.set()
+        watcher.join()
+        slow.close()
+        for s in idle:
+            s.close()
+    hot, steady, churned, scraped = (job.get(60) for job in jobs)
+    first, last = rows[0], rows[-1]
+    assert last["rss"] - first["rss"] < 24 * 1024, (first, last)
+    assert max(r["fds"] for r in rows) <= quiet["fds"] + 64 + 16, (quiet, rows)
+    assert max(r["threads"] for r in rows) <= quiet["threads"] + 2, (quiet, rows)
+    assert max(r["clients"] for r in rows) <= 4  # hot, steady, one churned at a time
+    assert max(r["unsealed"] for r in rows) <= 2 * TIER_CHUNKS
+    sessions = churned["sessions"]
+    assert last["log"] - first["log"] < 300 * sessions + 16 * 1024, (sessions, first, last)
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    assert hot["stores"] > 1000 and len(steady["rounds"]) > 100 and sessions > 20
+    assert scraped.get("served", 0) > 50, scraped
+    end = wait_for(lambda: (lambda s: s if s["clients"] == 0 and not s["registrations"] else None)(
+        d.stats()), 30, "every session to be gone")
+    assert end["leases"] == 0
+    assert d.stop() == 0, d.log()[-3000:]
