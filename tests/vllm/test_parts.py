@@ -215,8 +215,9 @@ class Engine:
     """One engine's two halves over one pool: what KvdConnector wires together."""
 
     def __init__(self, runtime_dir, name, **settings):
+        # a generous lookup wait: a loaded test machine's replies still come on the first call
         self.s = Settings(**{"runtime_dir": str(runtime_dir), "timeout_s": 2.0,
-                             "async_load_min_tokens": 32, **settings})
+                             "async_load_min_tokens": 32, "lookup_wait_ms": 1000.0, **settings})
         self.geo = G.KVGeometry(model=f"test|{name}", kv_dtype="uint8", attention="opaque",
                                 num_layers=2, kv_heads=1, head_dim=8, tp_size=1, block_size=BS,
                                 interior="HNC")
