@@ -89,7 +89,8 @@ class Engine:
         pool = VllmKVPool(self.geo, refs_, [{"kind": "shm", "path": str(self.path), "size": size}],
                           BLOCKS)
         self.counters = Counters()
-        self.sc, self.wc = (KvdClient(str(runtime_dir), timeout=2.0).connect() for _ in range(2))
+        self.sc, self.wc = (KvdClient(str(runtime_dir), timeout=self.s.timeout_s).connect()
+                          for _ in range(2))  # as KvdConnector makes them
         self.sched = SchedulerSide(self.sc, self.sc.attach(**self.geo.attach_fields()), self.s, BS,
                                    loads=True, stores=True, counters=self.counters)
         self.worker = WorkerSide(self.wc, self.geo, ["l0", "l1"], 0, self.counters)
