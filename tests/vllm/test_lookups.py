@@ -137,3 +137,16 @@ def test_a_request_that_ends_with_its_lookup_out_leaves_no_lease(engines):
     assert answered(b, kept)[0] == HIT
     b.sched.finished(kept, [])
     wait_for(lambda: daemon.stats()["leases"] == 0, 5, "the kept request's lease to go")
+
+
+def test_without_a_daemon_lookups_miss_at_once(engines):
+    daemon, make = engines
+    b = make()
+    daemon.stop()
+    req = Request("r2", TOKENS)
+    for _ in range(3):  # vLLM asks again (no blocks yet): the miss stands, nothing is resent
+        answer, seconds = timed_matched(b, req)
+        assert answer == (0, False) and seconds < 0.1
+    answer, seconds = timed_matched(b, Request("r3", TOKENS))
+    assert answer == (0, False) and seconds < 0.1
+    assert b.counters.take()["lookups"] == 2
