@@ -7,9 +7,10 @@ ended and are fenced (kvd_client.transfer), ``Transfer.wait()`` waits for one;
 waits; a lease nobody reads is released); ``store``, ``load``, ``lookup``,
 ``lookup_lease`` block; ``release(lease, wait=False)`` does not. A
 layer-wise load on a CUDA pool signals each layer in the registration's
-flag page (kvd_client.flags): ``wait_for_layer`` makes the engine's current stream wait for it, no host round trip; a store
-on a CUDA pool marks the engine's stream in the flag page, and the daemon
-starts the copy once the stream got there. Nothing either side waits on
+flag page (kvd_client.flags): ``wait_for_layer`` makes the engine's current
+stream wait for it, no host round trip; a store on a CUDA pool marks the
+engine's stream in the flag page, and the daemon starts the copy once the
+stream got there. Nothing either side waits on
 depends on the other being alive: a load that fails (error, timeout, the
 daemon's death) is cancelled, its waits are released, and it is reported
 failed once fenced.
@@ -84,7 +85,7 @@ class KvdClient:
         self._lock = threading.RLock()
         self._hello_lock = threading.Lock()
         self._hello_thread: int | None = None
-        self._pending: dict[int, object] = {}  # request id -> Transfer | Call
+        self._pending: dict[int, object] = {}  # request id -> Transfer | Lookup | Call
         self._finished: list[Transfer] = []    # submitted transfers done since the last poll
         self._stray_leases: list[int] = []     # leases of lookups nobody reads: to release
         self.lookups_unanswered = False        # a lookup passed its deadline; no reply since

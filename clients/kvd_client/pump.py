@@ -1,10 +1,14 @@
 """The client's engine room: sending transfers, routing replies, deadlines, fences.
 
 ``Pump(client)`` is composed into ``KvdClient``. ``start(t)`` sends a
-transfer (saying hello first when the client is not connected).
-``progress(target, timeout)`` collects replies from the channel (waiting up
-to ``timeout`` for one) and routes each to its ``Transfer`` or blocking
-call, then does the housekeeping: transfers past their deadline fail with
+transfer (saying hello first when the client is not connected);
+``start_lookup(lookup)`` sends a lookup without waiting for the socket
+(kvd_client.lookup: a failure to send, or a daemon that let a lookup pass
+its deadline unanswered, makes it a miss at once). Leases of lookups nobody
+reads are released after each round of replies; a lookup nobody reads is
+forgotten ``lease_ms`` after its deadline. ``progress(target, timeout)``
+collects replies from the channel (waiting up to ``timeout`` for one) and
+routes each to its ``Transfer``, ``Lookup`` or blocking call, then does the housekeeping: transfers past their deadline fail with
 ``Timeout``; failed loads are cancelled, their stream waits released, and
 fenced once the daemon's done word arrives, the daemon is gone, or
 ``fence_quiet_s`` passed (kvd_client.transfer); while anything is pending
