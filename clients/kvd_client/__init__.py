@@ -25,11 +25,13 @@ from kvd_protocol.errors import (
 )
 
 from .client import KvdClient, KVRegistration, connect
+from .lookup import Lookup
 from .pool import SharedKVPool
 from .registration import ChunkKeys
 from .retry import Retry
 from .transfer import Transfer
 
-__all__ = ["KvdClient", "KVRegistration", "SharedKVPool", "ChunkKeys", "Transfer", "Retry", "connect",
+__all__ = ["KvdClient", "KVRegistration", "SharedKVPool", "ChunkKeys", "Transfer", "Lookup", "Retry",
+           "connect",
            "KvdError", "TransportError", "DaemonUnavailable", "Timeout", "ServerError", "NoSpace",
            "Busy", "Cancelled"]

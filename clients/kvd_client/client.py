@@ -3,11 +3,14 @@
 Pipelined: ``submit_store`` and ``submit_load`` send a request and return a
 ``Transfer`` at once (many may be in flight); ``poll()`` returns those that
 ended and are fenced (kvd_client.transfer), ``Transfer.wait()`` waits for one;
-``store``, ``load``, ``lookup``, ``lookup_lease`` block. A layer-wise load on a CUDA pool signals each
-layer in the registration's flag page (kvd_client.flags): ``wait_for_layer``
-makes the engine's current stream wait for it, no host round trip; a store
-on a CUDA pool marks the engine's stream in the flag page, and the daemon
-starts the copy once the stream got there. Nothing either side waits on
+``submit_lookup`` returns a ``Lookup`` likewise (kvd_client.lookup: never
+waits; a lease nobody reads is released); ``store``, ``load``, ``lookup``,
+``lookup_lease`` block; ``release(lease, wait=False)`` does not. A
+layer-wise load on a CUDA pool signals each layer in the registration's
+flag page (kvd_client.flags): ``wait_for_layer`` makes the engine's current
+stream wait for it, no host round trip; a store on a CUDA pool marks the
+engine's stream in the flag page, and the daemon starts the copy once the
+stream got there. Nothing either side waits on
 depends on the other being alive: a load that fails (error, timeout, the
 daemon's death) is cancelled, its waits are released, and it is reported
 failed once fenced.
@@ -52,6 +55,7 @@ from kvd_protocol.runtime import engine_endpoint, resolve_runtime_dir
 from . import shm
 from .flags import ClientFlags
 from .liveness import DaemonProbe
+from .lookup import Lookup
 from .pump import Pump
 from .registration import Call, ChunkKeys, KVRegistration, engine_stream, next_seq, page_frame
 from .retry import Retry
@@ -81,8 +85,10 @@ class KvdClient:
         self._lock = threading.RLock()
         self._hello_lock = threading.Lock()
         self._hello_thread: int | None = None
-        self._pending: dict[int, object] = {}  # request id -> Transfer | Call
+        self._pending: dict[int, object] = {}  # request id -> Transfer | Lookup | Call
         self._finished: list[Transfer] = []    # submitted transfers done since the last poll
+        self._stray_leases: list[int] = []     # leases of lookups nobody reads: to release
+        self.lookups_unanswered = False        # a lookup passed its deadline; no reply since
         self._need_hello = False
         self._hellos = 0  # hellos answered so far: which session a request was sent under
         self._last_ok = 0.0
@@ -142,15 +148,7 @@ class KvdClient:
         """One blocking request: its result, or its error raised."""
         timeout = self.timeout if timeout is None else timeout
         call = Call()
-        with self._lock:  # registered before any thread can collect its reply
-            req_id, sent_under = self.channel.reserve_id(), self._hellos
-            self._pending[req_id] = call
-        try:
-            self.channel.send(op, fields, frames, wait=timeout, req_id=req_id)
-        except BaseException:
-            with self._lock:
-                self._pending.pop(req_id, None)
-            raise
+        req_id, sent_under = self._send_call(call, op, fields, frames, timeout)
         end = time.monotonic() + timeout
         while not call.done:
             left = end - time.monotonic()
@@ -166,6 +164,20 @@ class KvdClient:
             raise call.error
         self._last_ok = time.monotonic()
         return call.result
+
+    def _send_call(self, item, op: str, fields: dict, frames, wait: float) -> tuple[int, int]:
+        """Send a request whose reply the pump routes to ``item.resolve``; returns its id
+        and the hello count it was sent under. Waits up to ``wait`` for the daemon to take it."""
+        with self._lock:  # registered before any thread can collect its reply
+            req_id, sent_under = self.channel.reserve_id(), self._hellos
+            self._pending[req_id] = item
+        try:
+            self.channel.send(op, fields, frames, wait=wait, req_id=req_id)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(req_id, None)
+            raise
+        return req_id, sent_under
 
     def _ensure_connected(self) -> None:
         if self._need_hello or not self.connected:
@@ -280,28 +292,28 @@ class KvdClient:
     def lookup_lease(self, tokens, lease_ms: int, salt: str | None = None,
                      reg: KVRegistration | None = None) -> tuple[int, int | None]:
         """Like lookup, and pins the hits for ``lease_ms`` so a following load finds them."""
+        return self.submit_lookup(tokens, lease_ms, salt, reg).result()
+
+    def submit_lookup(self, tokens, lease_ms: int, salt: str | None = None,
+                      reg: KVRegistration | None = None) -> Lookup:
+        """Send a lookup (hits pinned for ``lease_ms``) and return at once: a ``Lookup``
+        (kvd_client.lookup), done at once when it cannot be sent (a miss)."""
         reg = self._default(reg)
-        keys = self.keys(tokens, salt, reg)
-        if not keys:
-            return 0, None
-        res = self._guard(lambda: self._reg_call(reg, "lookup", {"lease_ms": lease_ms},
-                                                 [wire.keys_frame(keys)]),
-                          {"hits": 0, "lease": None})
-        return res["hits"] * reg.namespace.chunk_tokens, res["lease"]
+        lookup = Lookup(self, reg, self.keys(tokens, salt, reg), lease_ms,
+                        time.monotonic() + self.timeout)
+        self._pump.start_lookup(lookup)
+        return lookup
 
-    def release(self, lease: int) -> None:
-        self._guard(lambda: self._call("release", {"lease": lease}), None)
-
-    def _reg_call(self, reg: KVRegistration, op: str, fields: dict, frames=()):
-        """A blocking call naming ``reg``; after a daemon restart, hello and retry."""
-        for attempt in range(self.retry.attempts + 1):
-            self._ensure_connected()
-            try:
-                return self._call(op, {**fields, "reg": reg.id}, frames)
-            except NoSession:  # _call decided whether a hello is due
-                if attempt == self.retry.attempts:
-                    raise
-                time.sleep(self.retry.delay(attempt))
+    def release(self, lease: int, wait: bool = True) -> None:
+        """End a lease. ``wait=False`` sends the release and returns at once: a release
+        that is lost (the daemon down, or an error answered) leaves the lease to expire."""
+        if wait:
+            self._guard(lambda: self._call("release", {"lease": lease}), None)
+            return
+        try:  # its reply, routed to no one, is dropped by the pump
+            self.channel.send("release", {"lease": lease}, wait=0.0)
+        except KvdError as exc:
+            log.debug("lease %d left to expire: %s", lease, exc)
 
     def _guard(self, call, fallback):
         try:
@@ -321,8 +333,7 @@ class KvdClient:
         keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
         t = Transfer(self, "store", reg, keys, pages, time.monotonic() + self.timeout)
         t.collect = True
-        self._mark(t)
-        self._start(t)
+        self._pump.start(t)
         return t
 
     def submit_load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
@@ -340,19 +351,8 @@ class KvdClient:
         with self._lock:
             reg.owners[slot] = t
             reg.last_load = t
-        self._mark(t)
-        self._start(t)
+        self._pump.start(t)
         return t
-
-    def _mark(self, t: Transfer) -> None:
-        """CUDA pools: the daemon copies once the engine's stream got here (a store's KV
-        is written; the last kernels that used a load's pages are done); at once if it
-        already ran everything queued on it."""
-        stream = engine_stream(t.reg.pool)
-        if stream is not None and t.keys and not t.reg.flags.stream_idle(stream):
-            t.reg.mark_seq = next_seq(t.reg.mark_seq)
-            t.reg.flags.mark(stream, t.reg.mark_seq)
-            t.after = t.reg.mark_seq
 
     def store(self, tokens, page_ids, salt: str | None = None, reg: KVRegistration | None = None) -> int:
         """Offload the whole chunks of ``tokens``; returns tokens now cached (0 on failure)."""
@@ -408,9 +408,6 @@ class KvdClient:
         """Collect replies (waiting up to ``timeout`` for one), end transfers past their
         deadline, fence failed loads, notice a dead daemon; resend after a restart."""
         self._pump.progress(target, timeout)
-
-    def _start(self, t: Transfer) -> None:
-        self._pump.start(t)
 
 
 def connect(runtime_dir: str | None = None, timeout: float = 5.0, raise_errors: bool = False,

@@ -1,10 +1,14 @@
 """The client's engine room: sending transfers, routing replies, deadlines, fences.
 
 ``Pump(client)`` is composed into ``KvdClient``. ``start(t)`` sends a
-transfer (saying hello first when the client is not connected).
-``progress(target, timeout)`` collects replies from the channel (waiting up
-to ``timeout`` for one) and routes each to its ``Transfer`` or blocking
-call, then does the housekeeping: transfers past their deadline fail with
+transfer (saying hello first when the client is not connected);
+``start_lookup(lookup)`` sends a lookup without waiting for the socket
+(kvd_client.lookup: a failure to send, or a daemon that let a lookup pass
+its deadline unanswered, makes it a miss at once). Leases of lookups nobody
+reads are released after each round of replies; a lookup nobody reads is
+forgotten ``lease_ms`` after its deadline. ``progress(target, timeout)``
+collects replies from the channel (waiting up to ``timeout`` for one) and
+routes each to its ``Transfer``, ``Lookup`` or blocking call, then does the housekeeping: transfers past their deadline fail with
 ``Timeout``; failed loads are cancelled, their stream waits released, and
 fenced once the daemon's done word arrives, the daemon is gone, or
 ``fence_quiet_s`` passed (kvd_client.transfer); while anything is pending
@@ -26,6 +30,8 @@ import time
 from kvd_protocol import wire
 from kvd_protocol.errors import DaemonUnavailable, KvdError, NoSession, Timeout, TooLarge
 
+from .lookup import Lookup
+from .registration import engine_stream, next_seq
 from .transfer import Transfer
 
 log = logging.getLogger("kvd_client")
@@ -50,11 +56,41 @@ class Pump:
         if not t.keys:
             self._finish_unsent(t, None)
             return
+        self._mark(t)
         try:
             self.c._ensure_connected()
             self._send(t)
         except KvdError as exc:
             self._finish_unsent(t, exc)
+
+    def _mark(self, t: Transfer) -> None:
+        """CUDA pools: the daemon copies once the engine's stream got here (a store's KV
+        is written; the last kernels that used a load's pages are done); at once if it
+        already ran everything queued on it."""
+        stream = engine_stream(t.reg.pool)
+        if stream is not None and not t.reg.flags.stream_idle(stream):
+            t.reg.mark_seq = next_seq(t.reg.mark_seq)
+            t.reg.flags.mark(stream, t.reg.mark_seq)
+            t.after = t.reg.mark_seq
+
+    def start_lookup(self, lookup: Lookup) -> None:
+        """Send a lookup without waiting; one that cannot be sent is done at once (a miss)."""
+        c = self.c
+        try:
+            if not lookup.keys:
+                with c._lock:
+                    lookup.resolve({"hits": 0, "lease": None}, None)
+                return
+            if c.lookups_unanswered:  # a hung daemon costs one deadline, not one per lookup
+                raise DaemonUnavailable("kvd has not answered since a lookup passed its deadline")
+            c._ensure_connected()
+            lookup.sent_under = c._hellos
+            # never waits for the socket: a daemon that cannot take it now is a miss
+            c._send_call(lookup, "lookup", {"lease_ms": lookup.lease_ms, "reg": lookup.reg.id},
+                         [wire.keys_frame(lookup.keys)], wait=0.0)
+        except KvdError as exc:
+            with c._lock:
+                lookup.resolve(None, exc)
 
     def _send(self, t: Transfer) -> None:
         c = self.c
@@ -118,13 +154,17 @@ class Pump:
                 for req_id, result, error in replies:
                     self._dispatch(req_id, result, error)
                 self._housekeeping()
+                strays, c._stray_leases = c._stray_leases, []
         finally:
             with c._lock:
                 self.waiters -= 1
+        for lease in strays:  # leases of lookups nobody reads
+            c.release(lease, wait=False)
         if self.resend and c._hello_thread is None:
             self._recover()
 
     def _dispatch(self, req_id: int, result, error) -> None:
+        self.c.lookups_unanswered = False  # the daemon answers again
         item = self.c._pending.pop(req_id, None)
         if item is None:
             return
@@ -174,12 +214,16 @@ class Pump:
                 c.channel.forget(req_id)
                 self._fail(item, Timeout(f"kvd did not finish the {item.op} within "
                                          f"{c.timeout:g} s"))
+            elif isinstance(item, Lookup) and now > item.forget_at:
+                del c._pending[req_id]  # any lease it would still get expires by itself
+                c.channel.forget(req_id)
+                item.expire()
         for t in list(self.fencing):
             if t.reg.flags.done(t.slot, t.seq) or now >= t.fence_at:
                 self.fencing.remove(t)
                 t.fence()
                 self._finished(t)
-        busy = any(isinstance(i, Transfer) for i in c._pending.values())
+        busy = any(isinstance(i, (Transfer, Lookup)) for i in c._pending.values())
         if busy and c.connected and now - self.last_probe > PROBE_PERIOD_S:
             self.last_probe = now
             if c.probe.gone(c.limits.get("daemon_pid")):
@@ -199,7 +243,7 @@ class Pump:
         c = self.c
         log.warning("kvd (pid %s) is gone; %d requests in flight failed",
                     c.limits.get("daemon_pid"), len(c._pending))
-        c.connected, c._need_hello = False, True
+        c.connected, c._need_hello, c.lookups_unanswered = False, True, False
         for reg in c.registrations:
             reg.id = 0
         error = DaemonUnavailable("the daemon exited while the request was in flight")

@@ -17,7 +17,9 @@ off: every cached token comes from kvd.
    by layer inside the step), vLLM's own counters show the prefill tokens it
    computed dropping by exactly the hit; then the same prompts again with
    the daemon frozen just before the loads: the loads fail, vLLM recomputes
-   (identical outputs again) and the failed keys are not offered again.
+   (identical outputs again) and the failed keys are not offered again. Its
+   lookups never wait (``lookup_wait_ms`` 0): each prompt is first answered
+   None and vLLM asks again in a later step; one lookup per prompt.
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ def computed(counters: dict) -> int:
 
 def test_second_engine_loads_the_first_ones_prefixes(model, start_daemon, tmp_path):
     daemon = start_daemon(chunk_tokens=CHUNK, client_timeout_s=20.0, heartbeat_interval_s=1.0)
+    # lookup_wait_ms 0: every lookup answers None first, so vLLM's skip-and-ask-again runs
     kvd = {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 1.0,
-           "async_load_min_tokens": ASYNC_MIN}
+           "async_load_min_tokens": ASYNC_MIN, "lookup_wait_ms": 0.0}
     base = run_engine(tmp_path, "baseline", {"model": str(model), "kvd": None,
                                              "phases": [{"prompts": SECOND}]})["phases"][0]
     assert computed(base["counters"]) == sum(map(len, SECOND)) and base["num_cached_tokens"] == [0, 0]
@@ -112,6 +115,7 @@ def test_second_engine_loads_the_first_ones_prefixes(model, start_daemon, tmp_pa
     assert c["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == sum(HITS)
     assert c["vllm:kvd_hit_tokens"] == sum(HITS) and c["vllm:kvd_loaded_tokens"] == sum(HITS)
     assert c["vllm:kvd_loads"] == 2 and "vllm:kvd_load_failures" not in c
+    assert c["vllm:kvd_lookups"] == 2  # one lookup per prompt, though vLLM asked again
 
     # loads that fail (a frozen daemon: deadline passed) are recomputed, never read
     assert same_outputs(fails, base), (fails, base)
@@ -119,6 +123,7 @@ def test_second_engine_loads_the_first_ones_prefixes(model, start_daemon, tmp_pa
     f = fails["counters"]
     assert f["vllm:kvd_load_failures"] == 2 and "vllm:kvd_loaded_tokens" not in f
     assert f["vllm:kvd_hit_tokens"] == sum(HITS)  # offered once; not again after the failure
+    assert f["vllm:kvd_lookups"] == 2
     # vLLM counts a failed async hit as computed, a failed sync hit as cached (its stats are
     # taken at admission), though both were recomputed
     assert computed(f) == computed(base["counters"]) - HITS[1]

@@ -1,33 +1,28 @@
 """kvd_client.vllm's parts that need no vLLM: options, geometry, and both halves on a real daemon.
 
 The scheduler and worker halves run here against a real ``kvd serve`` with
-real clients and a real pool in /dev/shm; only vLLM's own objects (a
-request, its blocks, a scheduler output) are small stand-ins with the
-attributes the connector reads. The engine tests (test_engine.py) run the
+real clients and a real pool in /dev/shm (tests/vllm/halves.py); only vLLM's
+own objects (a request, its blocks, a scheduler output) are small stand-ins
+with the attributes the connector reads. The scheduler's asynchronous
+lookups have their own tests (test_lookups.py). The engine tests (test_engine.py) run the
 same code inside vLLM.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from halves import CHUNK, Blocks, Request, fill, frozen, step_output, store_prompt
 
-from kvd_client import KvdClient, shm
 from kvd_client.vllm import geometry as G
 from kvd_client.vllm import spec as spec_mod
-from kvd_client.vllm.counters import Counters
-from kvd_client.vllm.pool import VllmKVPool
-from kvd_client.vllm.scheduler import SchedulerSide
 from kvd_client.vllm.settings import OPTIONS, Settings
-from kvd_client.vllm.worker import WorkerSide
 from kvd_protocol import layout as L
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
@@ -171,125 +166,6 @@ def test_layouts_kvd_cannot_map_say_why(shape, blocks, match):
 
 # ---- both halves on a real daemon ---------------------------------------------------
 
-BS, BLOCKS, CHUNK = 4, 64, 16    # vLLM blocks of 4 tokens; kvd chunks of 16 = 4 blocks
-
-
-@dataclass
-class Request:  # the attributes of vllm.v1.request.Request the connector reads
-    request_id: str
-    all_token_ids: list
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-    lora_request: object = None
-    num_prompt_tokens: int = field(default=0)
-
-    def __post_init__(self):
-        self.num_prompt_tokens = self.num_prompt_tokens or len(self.all_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-
-class Blocks:
-    def __init__(self, ids):
-        self.ids = ids
-
-    def get_block_ids(self):
-        return (self.ids,)
-
-
-def step_output(new=(), cached=(), scheduled=None, preempted=()):
-    """A scheduler output: new requests (id, blocks, computed) and cached ones."""
-    cr = SimpleNamespace(req_ids=[c[0] for c in cached], resumed_req_ids=set(),
-                         new_block_ids=[c[1] for c in cached],
-                         num_computed_tokens=[c[2] for c in cached])
-    return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
-                            for r, b, c in new],
-        scheduled_cached_reqs=cr, num_scheduled_tokens=scheduled or {},
-        preempted_req_ids=set(preempted))
-
-
-class Engine:
-    """One engine's two halves over one pool: what KvdConnector wires together."""
-
-    def __init__(self, runtime_dir, name, **settings):
-        self.s = Settings(**{"runtime_dir": str(runtime_dir), "timeout_s": 2.0,
-                             "async_load_min_tokens": 32, **settings})
-        self.geo = G.KVGeometry(model=f"test|{name}", kv_dtype="uint8", attention="opaque",
-                                num_layers=2, kv_heads=1, head_dim=8, tp_size=1, block_size=BS,
-                                interior="HNC")
-        size = 2 * BLOCKS * BS * 8
-        self.file = shm.ShmFile.create("kvd-pool", size, "/dev/shm")
-        self.path, self.map = self.file.path, self.file.map
-        self.kv = np.frombuffer(self.map, dtype=np.uint8).reshape(2, BLOCKS, 1, BS, 8)
-        refs_ = [L.TensorRef(0, l * BLOCKS * BS * 8, (BLOCKS, 1, BS, 8), (BS * 8, BS * 8, 8, 1), 1)
-                 for l in range(2)]
-        pool = VllmKVPool(self.geo, refs_, [{"kind": "shm", "path": str(self.path), "size": size}],
-                          BLOCKS)
-        self.counters = Counters()
-        self.sc, self.wc = (KvdClient(str(runtime_dir), timeout=2.0).connect() for _ in range(2))
-        self.sched = SchedulerSide(self.sc, self.sc.attach(**self.geo.attach_fields()), self.s, BS,
-                                   loads=True, stores=True, counters=self.counters)
-        self.worker = WorkerSide(self.wc, self.geo, ["l0", "l1"], 0, self.counters)
-        self.worker.register(pool)
-
-    def run_step(self, so, finished=()):
-        plan = self.sched.step(so)
-        self.worker.preempted(plan)
-        self.worker.start(plan)
-        for layer in ("l0", "l1"):
-            self.worker.wait_layer(layer)
-        self.worker.after_forward(plan)
-        sending, recving = self.worker.finished(set(finished))
-        errors = self.worker.load_errors()
-        self.sched.update(recving, self.worker.report())
-        return plan, sending, recving, errors
-
-    def close(self):
-        self.sched.close()
-        self.worker.close(2.0)
-        self.sc.close()
-        self.kv = self.map = None
-        self.file.close()
-
-
-@pytest.fixture
-def engines(start_daemon):
-    daemon = start_daemon(chunk_tokens=CHUNK)
-    made = []
-
-    def make(name="a", **settings):
-        made.append(Engine(daemon.runtime_dir, name, **settings))
-        return made[-1]
-
-    yield daemon, make
-    for e in made:
-        e.close()
-
-
-def fill(engine, blocks, seed):
-    engine.kv[:, blocks] = np.random.default_rng(seed).integers(0, 256, engine.kv[:, blocks].shape)
-
-
-def store_prompt(e, req_id, tokens, blocks):
-    """A request that computes ``tokens`` in one step into ``blocks``; its chunks go to kvd."""
-    req = Request(req_id, tokens)
-    assert e.sched.matched(req, 0) == (0, False)
-    e.sched.allocated(req, Blocks(blocks), 0)
-    fill(e, blocks, seed=len(tokens))
-    plan, *_ = e.run_step(step_output(new=[(req_id, blocks, 0)], scheduled={req_id: len(tokens)}))
-    assert [len(s.keys) for s in plan.stores] == [len(tokens) // CHUNK]
-    assert e.sched.finished(req, blocks) is True  # blocks wait for the store
-    for _ in range(500):
-        _, sending, _, _ = e.run_step(step_output(), finished=[req_id])
-        if sending:
-            return req
-        time.sleep(0.01)
-    raise AssertionError("the store was never reported done")
-
-
 def test_store_then_load_in_another_engine_including_a_local_hit(engines):
     daemon, make = engines
     a, b = make(), make()
@@ -338,17 +214,6 @@ def test_async_load_skips_the_chunks_vllm_holds(engines):
     assert b.counters.take()["loaded_tokens"] == 32
     assert np.array_equal(b.kv[:, ids[4:12]], a.kv[:, list(range(5, 13))])
     assert np.array_equal(b.kv[:, ids[:4]], before)     # the local chunk is not written
-
-
-def frozen(daemon):
-    """The daemon stops answering (SIGSTOP) until the block ends: loads miss their deadline."""
-    class Frozen:
-        def __enter__(self):
-            os.kill(daemon.proc.pid, signal.SIGSTOP)
-
-        def __exit__(self, *exc):
-            os.kill(daemon.proc.pid, signal.SIGCONT)
-    return Frozen()
 
 
 def test_failed_async_load_is_reported_and_not_offered_again(engines):

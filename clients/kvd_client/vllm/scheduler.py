@@ -9,9 +9,20 @@ tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
   prefix-cache hit ``local``, in whole chunks, never the whole request (at
   least one token must be computed), cut at the first key whose load failed
   recently. The hit is leased (pinned in kvd) until the request ends or the
-  lease runs out. Hits of ``async_load_min_tokens`` or more load
-  asynchronously, unless the load starts inside the local hit (its scratch
-  writes need a block of this step, see kvd_client.vllm.plan). A layer-wise
+  lease runs out. The lookup never blocks a step: the first call sends it
+  (kvd_client.lookup) and waits at most what is left of the step's
+  ``lookup_wait_ms`` (all requests of a step share it); no reply yet
+  answers None (vLLM skips the request this step and asks again in a later
+  one, scheduling the others meanwhile), a later call reads the reply. No
+  reply by ``timeout_s``, or no daemon, is a miss (the client then answers
+  further lookups at once with misses until the daemon answers again). An
+  answer stands while vLLM asks again (no blocks yet, a preemption) as long
+  as its lease is held and younger than half of ``lease_ms``; older, it is
+  asked again. A request that ends with its lookup out leaves it to the
+  client, which releases the lease when the reply comes. Hits of
+  ``async_load_min_tokens`` or more load asynchronously, unless the load
+  starts inside the local hit (its scratch writes need a block of this
+  step, see kvd_client.vllm.plan). A layer-wise
   load (inside the step) leaves at least ``layerwise_min_compute`` tokens to
   compute (2 + speculative tokens): its step then has a query longer than a
   decode's, which vLLM never runs as a full CUDA graph (whose replay would
@@ -19,7 +30,8 @@ tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
   up their last chunk where that cannot be. With ``layerwise`` off (vLLM runs
   prefills as full CUDA graphs too) every load is asynchronous, and a hit
   that cannot be is not offered.
-- ``allocated``: turns the hit into a ``LoadItem`` once vLLM gave blocks.
+- ``allocated``: turns the hit into a ``LoadItem`` once vLLM gave blocks
+  (none: the lookup and its lease are dropped).
 - ``step(scheduler_output)``: the ``StepPlan`` of the step: planned loads,
   stores of chunks this step computes (``store_policy = all``), stores of
   finished requests (``finish``), and preempted requests.
@@ -42,6 +54,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from kvd_client.lookup import Lookup
+from kvd_client.registration import ChunkKeys
 from kvd_protocol.keys import chain_root, chunk_keys, namespace_digest
 
 from .counters import Counters
@@ -59,6 +73,10 @@ class ReqState:
     keys: list[bytes] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     lease: int | None = None
+    lookup: Lookup | None = None  # in flight, or answered and not yet read
+    asked: int = 0          # chunks the last lookup asked for
+    found: int = 0          # tokens it found
+    found_at: float | None = None  # when it was answered (None: no answer to reuse)
     local: int = 0          # vLLM's own prefix-cache hit, tokens
     hit: int = 0            # local + what kvd adds, tokens
     asynchronous: bool = False
@@ -79,6 +97,7 @@ class SchedulerSide:
         self.reqs: dict[str, ReqState] = {}
         self.failed: dict[bytes, float] = {}   # key -> until when it is not offered
         self.finish_stores: list[StoreItem] = []
+        self.wait_left = settings.lookup_wait_ms / 1e3  # this step's wait for lookup replies
 
     @property
     def chunk(self) -> int:
@@ -114,25 +133,68 @@ class SchedulerSide:
 
     # ---- admission --------------------------------------------------------------
 
-    def matched(self, request, local: int) -> tuple[int, bool]:
+    def matched(self, request, local: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local, st.hit, st.load = local, local, None
-        self._release(st)
+        usable = self._usable(st, local)
+        if not usable:
+            self._forget(st)
+            return 0, False
+        found = self._found(st, usable)
+        if found is None:
+            return None, False  # vLLM skips the request this step and asks again later
+        return self._offer(st, min(found, usable * self.chunk))
+
+    def _usable(self, st: ReqState, local: int) -> int:
+        """Chunks worth looking up (0: none past the local hit)."""
         c = self.chunk
-        limit = (request.num_tokens - 1) // c  # whole chunks, and one token left to compute
+        limit = (st.request.num_tokens - 1) // c  # whole chunks, and one token left to compute
         if not self.loads or not st.cacheable or limit * c <= local or c % self.block_size:
-            return 0, False
+            return 0
         usable = self._before_failed(self._keys(st, limit))
-        if usable * c <= local:
-            return 0, False
-        self.counters.add(lookups=1, lookup_tokens=usable * c - local)
-        tokens, lease = self.client.lookup_lease(list(request.all_token_ids[:usable * c]),
-                                                 self.s.lease_ms, st.salt, self.reg)
-        st.lease = lease
+        return usable if usable * c > local else 0
+
+    def _found(self, st: ReqState, usable: int) -> int | None:
+        """Tokens kvd holds of the first ``usable`` chunks; None while the lookup is out."""
+        if st.lookup is not None and st.lookup.poll() and self._stale(st.lookup.answered_at):
+            st.lookup.cancel()  # answered too long ago: its lease may lapse before the load
+            st.lookup = None
+        if st.lookup is None and not self._reusable(st, usable):
+            self._release(st)
+            self.counters.add(lookups=1, lookup_tokens=usable * self.chunk - st.local)
+            st.asked, st.found_at = usable, None
+            st.lookup = self.client.submit_lookup(ChunkKeys(st.keys[:usable]), self.s.lease_ms,
+                                                  reg=self.reg)
+        if st.lookup is not None:
+            if not self._wait(st.lookup):
+                return None
+            st.found, st.lease = st.lookup.result()
+            st.found_at, st.lookup = st.lookup.answered_at or time.monotonic(), None
+        return st.found
+
+    def _reusable(self, st: ReqState, usable: int) -> bool:
+        """vLLM asks again (no blocks this step, a preemption): a recent answer for the same
+        chunks stands while its lease is held (or it found nothing)."""
+        return st.found_at is not None and st.asked == usable and not self._stale(st.found_at) \
+            and (st.lease is not None or st.found == 0)
+
+    def _stale(self, when: float | None) -> bool:
+        return when is not None and time.monotonic() - when > self.s.lease_ms / 2e3
+
+    def _wait(self, lookup) -> bool:
+        """Whether the lookup is done, waiting out what is left of this step's budget."""
+        start = time.monotonic()
+        done = lookup.wait(self.wait_left)
+        self.wait_left = max(0.0, self.wait_left - (time.monotonic() - start))
+        return done
+
+    def _offer(self, st: ReqState, tokens: int) -> tuple[int, bool]:
+        """What vLLM may load of a hit of ``tokens`` (layer-wise or asynchronously)."""
+        local, c = st.local, self.chunk
         if tokens <= local:
             self._release(st)
             return 0, False
-        short = request.num_tokens - tokens < self.layerwise_min_compute
+        short = st.request.num_tokens - tokens < self.layerwise_min_compute
         st.asynchronous = local % c == 0 and (tokens - local >= self.s.async_load_min_tokens
                                               or short or not self.layerwise)
         if not st.asynchronous and short:
@@ -159,7 +221,7 @@ class SchedulerSide:
         if st is None:
             return
         if external <= 0:  # no load (vLLM declined the hit), or an async load that ended
-            self._release(st)
+            self._forget(st)
             return
         if st.hit - st.local != external:
             log.warning("kvd: vLLM allocated %d external tokens for %s, kvd offered %d; not loading",
@@ -183,6 +245,7 @@ class SchedulerSide:
     # ---- each step ----------------------------------------------------------------
 
     def step(self, so) -> StepPlan:
+        self.wait_left = self.s.lookup_wait_ms / 1e3  # the next step's lookups
         plan = StepPlan(namespace_digest(self.reg.namespace))
         for st in self.reqs.values():
             if st.load is not None:
@@ -240,7 +303,7 @@ class SchedulerSide:
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False
-        self._release(st)
+        self._forget(st)
         if st.loading:
             return True  # the load lands in these blocks; finished_recving frees them
         if self.stores and self.s.store_policy == "finish" and self._worth_storing(st):
@@ -269,9 +332,17 @@ class SchedulerSide:
 
     def _release(self, st: ReqState) -> None:
         if st.lease is not None:
-            self.client.release(st.lease)
+            self.client.release(st.lease, wait=False)  # never stalls a step; a lost one expires
             st.lease = None
+
+    def _forget(self, st: ReqState) -> None:
+        """Drop the request's lookup state; a lease still to come is released on arrival."""
+        if st.lookup is not None:
+            st.lookup.cancel()
+            st.lookup = None
+        st.found_at = None
+        self._release(st)
 
     def close(self) -> None:
         for st in self.reqs.values():
-            self._release(st)
+            self._forget(st)

@@ -24,7 +24,11 @@ OPTIONS = {
     "model_id": Option(str, "", "the model identity in chunk keys; empty: vLLM's model name or path, "
                        "plus '@revision' when one is set. Engines that should share chunks must agree"),
     "timeout_s": Option(float, 5.0, "deadline of each kvd call and transfer, seconds; a load that misses "
-                        "it fails and vLLM recomputes"),
+                        "it fails and vLLM recomputes; a lookup unanswered by then is a miss"),
+    "lookup_wait_ms": Option(float, 2.0, "how long the scheduler may wait for lookup replies in one "
+                             "step, all requests together; a request whose reply is not there yet "
+                             "is skipped this step (vLLM asks again the next), so a slow or hung "
+                             "daemon never stalls a step longer"),
     "lease_ms": Option(int, 10000, "how long a lookup's hits stay pinned in kvd for the load that "
                        "follows (the scheduler releases the lease earlier when it can)"),
     "salt": Option(str, "", "a fixed salt in every key (a tenant or deployment): engines with other "
@@ -57,6 +61,7 @@ class Settings:
     runtime_dir: str = ""
     model_id: str = ""
     timeout_s: float = 5.0
+    lookup_wait_ms: float = 2.0
     lease_ms: int = 10000
     salt: str = ""
     salt_per_request: bool = True

@@ -1,0 +1,127 @@
+"""A lookup in flight: what ``KvdClient.submit_lookup`` returns.
+
+``Lookup`` asks kvd for the longest cached prefix of some chunk keys (and
+pins it under a lease) without waiting: the request goes out at once and
+its reply is routed to it by the client's pump (kvd_client.pump), like a
+transfer's. ``poll()`` never waits; ``wait(timeout)`` drives the client up
+to ``timeout``; both say whether the lookup is done: answered, failed, or
+past its deadline (the client's timeout after it was sent). ``result()``
+waits until it is done and returns ``(tokens, lease)``: unavailability (no
+daemon, no answer by the deadline) is a miss ``(0, None)``, a contract
+error raises (the client's rules, ``KvdClient._guard``). ``answered_at`` is
+when the reply came (monotonic seconds; None until then). Answered
+``no_session`` (the daemon restarted or reaped the client), it is sent again
+after hello as the client's ``Retry`` allows, by the next ``poll``/``wait``.
+
+No lookup leaks a lease. After ``cancel()`` (the caller will not read it),
+or once past its deadline, a lookup stays in the client's pending table
+until its reply comes, and a lease in that reply is released at once
+without waiting (``KvdClient.release(wait=False)``); the table forgets it
+``lease_ms`` after its deadline (a lease granted that late expires by
+itself). A lookup past its deadline also marks the daemon as not answering
+(``KvdClient.lookups_unanswered``): until any reply comes from it, new
+lookups are misses at once, so a hung daemon costs one deadline, not one
+per lookup.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvd_protocol.errors import NoSession, Timeout
+
+
+class Lookup:
+    def __init__(self, client, reg, keys: list[bytes], lease_ms: int, deadline: float):
+        self._client = client
+        self.reg = reg
+        self.keys, self.lease_ms = keys, lease_ms
+        self.deadline = deadline        # CLOCK_MONOTONIC seconds
+        self.forget_at = deadline + lease_ms / 1e3  # abandoned: the longest its reply is awaited
+        self.hits = 0                   # chunks found
+        self.lease: int | None = None
+        self.error: Exception | None = None
+        self.answered_at: float | None = None
+        self.sent_under = 0             # the client's hello count when sent (Pump.session_lost)
+        self.attempts = 0               # resends after no_session (the client's Retry)
+        self.resend_at: float | None = None
+        self.done = False
+        self.abandoned = False          # nobody reads it: a lease that comes is released
+        self._taken = False             # result() handed the lease to the caller
+
+    @property
+    def tokens(self) -> int:
+        return self.hits * self.reg.namespace.chunk_tokens
+
+    def poll(self) -> bool:
+        """Whether it is done, collecting replies that arrived; never waits."""
+        return self.wait(0.0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Drive the client until it is done, ``timeout`` passed or its deadline did."""
+        end = self.deadline if timeout is None else min(self.deadline, time.monotonic() + timeout)
+        while not self.done:
+            if self.resend_at is not None and time.monotonic() >= self.resend_at:
+                self.resend_at = None
+                self._client._pump.start_lookup(self)
+                continue
+            self._client.progress(None, max(0.0, end - time.monotonic()))
+            if time.monotonic() >= end:
+                break
+        if not self.done and time.monotonic() >= self.deadline:
+            with self._client._lock:
+                self.expire()
+        return self.done
+
+    def result(self) -> tuple[int, int | None]:
+        """``(tokens, lease)`` once done (waits until then); a miss when it failed."""
+        self.wait()
+        self._taken = True
+        return self._client._guard(self._answer, (0, None))
+
+    def cancel(self) -> None:
+        """The caller will not read it: its lease, now or when it comes, is released."""
+        with self._client._lock:
+            if self.abandoned or self._taken:
+                return
+            self.abandoned = True
+            self._stray(self.lease)
+
+    def _answer(self) -> tuple[int, int | None]:
+        if self.error is not None:
+            raise self.error
+        return self.tokens, self.lease
+
+    # ---- state changes (the client's lock is held) -----------------------------------
+
+    def resolve(self, result, error) -> None:
+        """The reply (or the pump's failure), routed by the pump."""
+        lease = None if result is None else result.get("lease")
+        if self.done:  # past its deadline: only its lease matters now
+            self._stray(lease)
+            return
+        if isinstance(error, NoSession):  # the daemon restarted or reaped us: hello next
+            self._client._pump.session_lost(self.sent_under)
+            retry = self._client.retry
+            if self.attempts < retry.attempts and not self.abandoned:
+                self.resend_at = time.monotonic() + retry.delay(self.attempts)  # by wait()
+                self.attempts += 1
+                return
+        self.error, self.answered_at = error, time.monotonic()
+        if error is None:
+            self.hits, self.lease = result["hits"], lease
+        if self.abandoned:
+            self._stray(self.lease)
+        self.done = True
+
+    def expire(self) -> None:
+        """Past its deadline, unanswered: a miss; a reply that still comes is not read."""
+        if self.done:
+            return
+        self.error = Timeout(f"kvd did not answer the lookup within {self._client.timeout:g} s")
+        self.abandoned = self.done = True
+        self._client.lookups_unanswered = True
+
+    def _stray(self, lease: int | None) -> None:
+        if lease is not None:
+            self._client._stray_leases.append(lease)
