@@ -6,8 +6,9 @@ TP shard in ``stored`` (landed), ``writing`` (a store copying it in) and
 ``unverified`` (adopted after a crash, checksum not checked yet), and the
 pins (``refs``) that keep it from eviction. It is ``ready`` (visible to
 lookups) once every shard is stored, and ``evictable`` with no pin and no
-shard being written. It carries its own LRU links (kvd/tiers/lru.py) and
-its index records (kvd/tiers/journal.py).
+shard being written. It carries its own LRU links (kvd/tiers/lru.py), its
+index records (kvd/tiers/journal.py) and its quota account (``acct``: an
+index into kvd/tiers/quota.py's table, 0 where no quota applies).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Entry:
     scan: int = 0          # the demotion scan generation that examined it
     scan_bytes: int = 0    # what it added to ``scanned_bytes`` then
     unverified: int = 0    # shards adopted after a crash whose checksum is not checked yet
+    acct: int = 0          # the quota account its bytes count in (kvd/tiers/quota.py)
     recs: list | None = field(default=None, repr=False)  # index record of each shard (journal)
     lru_prev: object = field(default=None, repr=False)
     lru_next: object = field(default=None, repr=False)

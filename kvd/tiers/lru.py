@@ -7,6 +7,12 @@ the head and never walks past entries in use. Items carry their own links
 node is allocated and membership is an attribute test. An item is in at
 most one queue. Iteration is from the LRU end; removing the item just
 yielded is allowed.
+
+The queue also answers the host tier's eviction questions: ``victim`` (the
+next entry to evict: the least recently used), ``cap_victims`` (entries a
+quota group must evict first: none) and ``reserved_bytes`` (evictable
+bytes kept for others: none), and hears of each eviction (``evicted``).
+kvd/tiers/quota.py's queue answers by the configured quotas and counts.
 """
 
 from __future__ import annotations
@@ -88,3 +94,21 @@ class LruQueue:
             nxt = item.lru_next
             yield item
             item = nxt
+
+    # ---- eviction policy: plain LRU (kvd/tiers/quota.py's queue applies quotas) ----------
+
+    def victim(self, passed, acct: int):
+        """(the next entry to evict for account ``acct``, the last one passed over; given
+        back as ``passed`` on the next call of one reservation): here the least recently used."""
+        return self.first(), None
+
+    def cap_victims(self, acct: int, need: int) -> tuple:
+        """Entries to evict before ``need`` bytes of account ``acct`` are allocated."""
+        return ()
+
+    def reserved_bytes(self, acct: int) -> int:
+        """Queued bytes eviction for account ``acct`` may not take."""
+        return 0
+
+    def evicted(self, item, sign: int) -> None:
+        """``item`` was evicted (``sign`` -1: the eviction was undone)."""
