@@ -77,6 +77,14 @@ def valid_tenant(v) -> bool:
     return isinstance(v, str) and len(v) <= MAX_TENANT_CHARS and v.isprintable()
 
 
+def checked_tenant(v: str | None) -> str | None:
+    """``v`` when it is None or a valid ``tenant`` label, else ``ValueError``."""
+    if v is not None and not valid_tenant(v):
+        raise ValueError(f"a tenant label is at most {MAX_TENANT_CHARS} printable characters, "
+                         f"got {describe(v)}")
+    return v
+
+
 def tenant_label(text: str | None) -> str | None:
     """A valid ``tenant`` label from any text (a salt): its first ``MAX_TENANT_CHARS``
     characters, each one that is not printable (a separator, a newline) as "?"; None for
