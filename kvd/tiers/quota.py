@@ -34,12 +34,15 @@ and answers the tier's eviction questions (kvd/tiers/lru.py):
 
 Disk (kvd/tiers/tiering.py calls): ``disk_admit`` before a demotion is
 queued: where a group of the chunk would pass ``disk_max``, the group's
-oldest written disk chunks are deleted first (``delete(key)``: False when
-the file is being read), else the chunk is not demoted (``disk_refused``);
-``disk_forget`` when a file leaves the disk tier (counted in
-``disk_evictions``) or its write failed. ``disk_account`` gives a promoted
-chunk its account back. Host chunks adopted at a warm restart and disk files
-found at start-up carry no label: they count in ``other`` and in no group.
+oldest disk chunks (by write, or promotion: ``disk_touch``) are deleted
+first, of the ``DISK_TRIES`` oldest those ``delete(key)`` may delete (the
+tiering deletes only files no one reads whose chunk left the host tier: a
+chunk still there would be demoted again, round and round); else the chunk
+is not demoted (``disk_refused``). ``disk_forget`` when a file leaves the
+disk tier (counted in ``disk_evictions``) or its write failed;
+``disk_account`` gives a promoted chunk its account back. Host chunks
+adopted at a warm restart and disk files found at start-up carry no label:
+they count in ``other`` and in no group.
 
 Runs on the event loop. ``stats()`` reads ints of a fixed tuple of buckets
 (the metrics thread calls it too).
@@ -49,12 +52,14 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from itertools import islice
 
 from kvd.tiers.lru import LruQueue
 from kvd_protocol.errors import OverQuota
 
 ANY = "*"          # the label of a rule's model or tenant left unnamed
 OTHER = "(other)"  # the labels of the bucket of chunks no rule matches
+DISK_TRIES = 8     # a group's oldest disk chunks one admission tries to delete, per round
 
 
 class Bucket:
@@ -199,11 +204,9 @@ class QuotaBook:
         counts from now (the write is queued next)."""
         account = self.accounts[e.acct]
         for b in account.buckets:
-            while b.disk_max and b.disk_used + size > b.disk_max:
-                oldest = self._oldest_on_disk(b) if size <= b.disk_max else None
-                if oldest is None or not delete(oldest):
-                    b.disk_refused += 1
-                    return False
+            if b.disk_max and not self._disk_room(b, size, delete):
+                b.disk_refused += 1
+                return False
         self.disk_writes += 1
         account.disk[e.key] = (self.disk_writes, size)
         self.disk_of[e.key] = e.acct
@@ -211,9 +214,29 @@ class QuotaBook:
             b.disk_used += size
         return True
 
-    def _oldest_on_disk(self, b: Bucket) -> bytes | None:
-        firsts = [next(iter(a.disk.items())) for a in b.accounts if a.disk]
-        return min(firsts, key=lambda item: item[1][0])[0] if firsts else None
+    def _disk_room(self, b: Bucket, size: int, delete) -> bool:
+        """Whether ``size`` more bytes fit ``b``'s ``disk_max`` once its oldest deletable
+        chunks are deleted (``delete`` forgets them here through ``disk_forget``)."""
+        while b.disk_used + size > b.disk_max and size <= b.disk_max:
+            oldest = sorted((number, key) for a in b.accounts
+                            for key, (number, _) in islice(a.disk.items(), DISK_TRIES))
+            deleted = False
+            for _, key in oldest[:DISK_TRIES]:
+                if b.disk_used + size <= b.disk_max:
+                    break
+                deleted = delete(key) or deleted
+            if not deleted:
+                break
+        return b.disk_used + size <= b.disk_max
+
+    def disk_touch(self, key: bytes) -> None:
+        """``key`` was promoted back to the host tier: its file is the newest of its account."""
+        acct = self.disk_of.get(key)
+        if acct is not None:
+            self.disk_writes += 1
+            disk = self.accounts[acct].disk
+            disk[key] = (self.disk_writes, disk[key][1])
+            disk.move_to_end(key)
 
     def disk_forget(self, key: bytes, dropped: bool = True) -> None:
         """``key``'s file left the disk tier (``dropped``), or its write failed."""

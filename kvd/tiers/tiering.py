@@ -29,8 +29,10 @@ Runs on the event loop; the disk tier does the IO on its threads.
   then commits; any failure aborts the reservation: a miss, never wrong bytes.
 - **Quotas** (kvd/tiers/quota.py, the host tier's ``quota``): a demotion
   whose quota groups would pass their ``disk_max`` first deletes those
-  groups' oldest written disk chunks, else it is passed over (counted); a
-  promotion reserves the host entry in the chunk's account again.
+  groups' oldest disk chunks that left the host tier and nobody reads (one
+  still in the host tier would be demoted again, round and round), else it
+  is passed over (counted); a promotion reserves the host entry in the
+  chunk's account again and makes its file the account's newest.
 - **After a warm restart** the host tier's ``on_disk`` marks come from the
   arena's index; once the disk tier's recovery scan is done, a mark whose
   file is no longer there is cleared (``_reconcile``).
@@ -171,7 +173,7 @@ class Tiering:
         if self.demoting and self.demoting_bytes + entry.size > PINNED_SHARE * cap:
             return "full"  # pinned for demotion: bounded, so stores still find room
         counted = self.quota is not None and entry.key not in self.disk.entries
-        if counted and not self.quota.disk_admit(entry, file_size(entry.size), self.disk.evict):
+        if counted and not self.quota.disk_admit(entry, file_size(entry.size), self._quota_delete):
             return "over_quota"
         payload = self.view[entry.offset:entry.offset + entry.size]
         fut = self.disk.submit_write(entry.ns, entry.key, payload, entry.shards,
@@ -191,6 +193,10 @@ class Tiering:
         pinned_at = self.host.clock
         fut.add_done_callback(lambda f, e=entry: self._demoted(e, f, pinned_at))
         return "queued"
+
+    def _quota_delete(self, key: bytes) -> bool:
+        """Delete ``key``'s file for its quota group's ``disk_max``: only a disk-only chunk."""
+        return key not in self.host.entries and self.disk.evict(key)
 
     def _demoted(self, entry, fut: asyncio.Future, pinned_at: int) -> None:
         self.demoting.discard(entry.key)
@@ -277,6 +283,8 @@ class Tiering:
         if ok:
             self.host.set_on_disk(entry, True)
             self.counters["promotions"] += 1
+            if self.quota is not None:
+                self.quota.disk_touch(key)
         else:
             self.counters["promotions_failed"] += 1
         return ok

@@ -164,24 +164,32 @@ def test_the_book_matches_the_entries_under_random_operations():
     assert sum(b.host_refused for b in book.buckets) > 0
 
 
-def test_a_disk_cap_deletes_the_groups_oldest_written_chunks_or_refuses():
+def test_a_disk_cap_deletes_the_groups_oldest_deletable_chunks_or_refuses():
     book = QuotaBook((Quota(tenant="a", disk_max=2 * 8192),))
-    a = book.account("m", "a")
-    e = [type("E", (), {"key": key(i), "acct": a})() for i in range(4)]
-    reading, deleted = {key(1)}, []
+    a, b = book.account("m", "a"), book.account("m", "b")
+    e = [type("E", (), {"key": key(i), "acct": a if i < 6 else b})() for i in range(7)]
+    kept, deleted = {key(1)}, []  # kept: being read, or its chunk is in the host tier
 
-    def delete(k: bytes) -> bool:  # the disk tier: no file being read; on_evict forgets it
-        if k in reading:
+    def delete(k: bytes) -> bool:  # the disk tier forgets a deleted file (on_evict)
+        if k in kept:
             return False
         deleted.append(k)
         book.disk_forget(k)
         return True
     assert book.disk_admit(e[0], 8192, delete) and book.disk_admit(e[1], 8192, delete)
     assert book.disk_admit(e[2], 8192, delete) and deleted == [key(0)]
-    assert not book.disk_admit(e[3], 8192, delete)  # the oldest (1) is being read
-    assert not book.disk_admit(e[3], 3 * 8192, delete)  # larger than the cap itself
+    assert book.disk_admit(e[3], 8192, delete) and deleted == [key(0), key(2)]  # 1 is kept
+    assert book.disk_admit(e[6], 8192, delete)  # another group: no cap
+    kept.add(key(3))
+    assert not book.disk_admit(e[4], 8192, delete)  # 1 and 3: nothing may go
+    assert not book.disk_admit(e[4], 3 * 8192, delete)  # larger than the cap itself
     group = book.buckets[0]
-    assert (group.disk_used, group.disk_evictions, group.disk_refused) == (2 * 8192, 1, 2)
-    assert book.disk_account(key(2)) == a and book.disk_account(key(0)) == 0
-    book.disk_forget(key(2), dropped=False)  # its write failed
-    assert (group.disk_used, group.disk_evictions) == (8192, 1)
+    assert (group.disk_used, group.disk_evictions, group.disk_refused) == (2 * 8192, 2, 2)
+    kept.discard(key(3))
+    book.disk_touch(key(1))  # promoted: the newest now, so 3 goes first
+    kept.discard(key(1))
+    assert book.disk_admit(e[5], 8192, delete) and deleted[-1] == key(3)
+    assert book.disk_account(key(5)) == a and book.disk_account(key(0)) == 0
+    book.disk_forget(key(5), dropped=False)  # its write failed
+    assert (group.disk_used, group.disk_evictions) == (8192, 3)
+    assert book.other.disk_used == 8192 and book.disk_account(key(6)) == b == 0
