@@ -24,6 +24,7 @@ class Entry:
     shard_bytes: int
     shards: int
     slot_bytes: int = 0    # the arena bytes it holds (size rounded to the alignment)
+    acct: int = 0          # the quota account its bytes count in (kvd/tiers/quota.py)
     stored: int = 0
     writing: int = 0
     refs: int = 0
@@ -34,7 +35,6 @@ class Entry:
     scan: int = 0          # the demotion scan generation that examined it
     scan_bytes: int = 0    # what it added to ``scanned_bytes`` then
     unverified: int = 0    # shards adopted after a crash whose checksum is not checked yet
-    acct: int = 0          # the quota account its bytes count in (kvd/tiers/quota.py)
     recs: list | None = field(default=None, repr=False)  # index record of each shard (journal)
     lru_prev: object = field(default=None, repr=False)
     lru_next: object = field(default=None, repr=False)

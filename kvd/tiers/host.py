@@ -132,10 +132,10 @@ class HostTier:
     # ---- reservations -----------------------------------------------------------------
 
     def reserve_many(self, keys: list, ns: bytes, shard_bytes: int, shards: int, rank: int, acct=0):
-        """Reserve shard ``rank`` of every distinct key, all or nothing: (todo, deduped) with
-        todo the ``(index, entry)`` pairs the caller must copy in, in key order, and
-        deduped ``len(keys) - len(todo)``; new entries in quota account ``acct``. Raises ``NoSpace``
-        (``OverQuota``), ``BadRequest`` (a key cached in another namespace or size): no change."""
+        """Reserve shard ``rank`` of every distinct key in quota account ``acct``, all or nothing:
+        (todo, deduped) with todo the ``(index, entry)`` pairs the caller must copy in, in key
+        order, and deduped ``len(keys) - len(todo)``. Raises ``NoSpace`` (``OverQuota``) or
+        ``BadRequest`` (a key cached under another namespace or size) having changed nothing."""
         bit, seen = 1 << rank, set()
         fresh, joins, dedups = [], [], []
         for i, key in enumerate(keys):
@@ -171,7 +171,7 @@ class HostTier:
             entry.writing |= bit
             todo.append((i, entry))
         for (i, key), offset in zip(fresh, offsets):
-            entry = Entry(key, ns, offset, shard_bytes, shards, slot, writing=bit, acct=acct)
+            entry = Entry(key, ns, offset, shard_bytes, shards, slot, acct, writing=bit)
             self.entries[key] = entry
             todo.append((i, entry))
         if joins:  # fresh keys alone are in key order already
@@ -198,21 +198,21 @@ class HostTier:
         """Offsets of ``count`` slots for ``acct``, evicting the queue's victims (the LRU end; a
         victim of the same slot size hands its slot straight over); all or nothing."""
         offsets, evicted, full = [], [], False  # full: no free extent fits (until one is freed)
-        lru, alloc, passed = self.lru, self.alloc, None
+        lru, alloc, victims = self.lru, self.alloc, self.lru.victims(acct)
         try:
             for victim in lru.cap_victims(acct, count * slot) if count else ():
-                self._evict(victim, free=True)
-                evicted.append(victim)
-            for _ in range(count):
+                same = victim.slot_bytes == slot and len(offsets) < count  # hands its slot over
+                self._evict(victim, not same, evicted)
+                offsets.extend([victim.offset] if same else [])
+            for _ in range(count - len(offsets)):
                 offset = None if full else alloc.alloc(slot)
                 while offset is None:
-                    victim, passed = lru.victim(passed, acct)
+                    victim = next(victims)
                     if victim is None:
                         raise NoSpace(f"host tier full: no free extent of {slot} bytes even "
                                       "after evicting everything evictable (fragmented)")
                     same = victim.slot_bytes == slot
-                    self._evict(victim, free=not same)
-                    evicted.append(victim)
+                    self._evict(victim, not same, evicted)
                     offset = victim.offset if same else alloc.alloc(slot)
                     full = same
                 offsets.append(offset)
@@ -223,11 +223,11 @@ class HostTier:
             raise
         return offsets
 
-    def _evict(self, e: Entry, free: bool) -> None:
+    def _evict(self, e: Entry, free: bool, evicted: list) -> None:
         self._drop(e, free)
+        evicted.append(e)  # to be put back if the reservation fails after all
         self.evictions += 1
         self.evicted_not_on_disk += not e.on_disk
-        self.lru.evicted(e, +1)
 
     def _unevict(self, evicted: list) -> None:
         """Put evicted entries back where they were: same bytes, same LRU order."""
@@ -241,7 +241,7 @@ class HostTier:
                 self.journal.restored(e)
             self.evictions -= 1
             self.evicted_not_on_disk -= not e.on_disk
-            self.lru.evicted(e, -1)
+            self.lru.evicted(e, -1)  # (counted by the queue as it chose them)
 
     def _drop(self, e: Entry, free: bool = True) -> None:
         """Forget ``e``; its slot goes back to the allocator unless ``free`` is False (the

@@ -8,10 +8,11 @@ node is allocated and membership is an attribute test. An item is in at
 most one queue. Iteration is from the LRU end; removing the item just
 yielded is allowed.
 
-The queue also answers the host tier's eviction questions: ``victim`` (the
-next entry to evict: the least recently used), ``cap_victims`` (entries a
-quota group must evict first: none) and ``reserved_bytes`` (evictable
-bytes kept for others: none), and hears of each eviction (``evicted``).
+The queue also answers the host tier's eviction questions: ``victims`` (the
+entries to evict, one at a time: the least recently used), ``cap_victims``
+(entries a quota group must evict first: none) and ``reserved_bytes``
+(evictable bytes kept for others: none); the caller evicts every victim it
+is given, and says so when it puts one back (``evicted(item, -1)``).
 kvd/tiers/quota.py's queue answers by the configured quotas and counts.
 """
 
@@ -97,10 +98,11 @@ class LruQueue:
 
     # ---- eviction policy: plain LRU (kvd/tiers/quota.py's queue applies quotas) ----------
 
-    def victim(self, passed, acct: int):
-        """(the next entry to evict for account ``acct``, the last one passed over; given
-        back as ``passed`` on the next call of one reservation): here the least recently used."""
-        return self.first(), None
+    def victims(self, acct: int):
+        """The entries one reservation of account ``acct`` evicts, as it asks for them (None:
+        nothing left): here the least recently used, each time."""
+        while True:
+            yield self.first()
 
     def cap_victims(self, acct: int, need: int) -> tuple:
         """Entries to evict before ``need`` bytes of account ``acct`` are allocated."""
@@ -111,4 +113,4 @@ class LruQueue:
         return 0
 
     def evicted(self, item, sign: int) -> None:
-        """``item`` was evicted (``sign`` -1: the eviction was undone)."""
+        """An eviction of ``item`` was undone (``sign`` -1)."""

@@ -25,10 +25,12 @@ and answers the tier's eviction questions (kvd/tiers/lru.py):
   another group's; when the bytes in use of such a group (leased, being
   loaded or written) leave no room it raises ``OverQuota`` having changed
   nothing (counted in ``host_refused``).
-- ``victim``: general eviction goes by the global LRU order but passes over
-  an entry whose eviction would take a group other than the requester's
-  below its ``host_reserve``; one reservation's walk resumes after the last
-  entry it passed, so it walks past protected entries once.
+- ``victims``: general eviction goes by the global LRU order but passes
+  over an entry whose eviction would take a group other than the
+  requester's below its ``host_reserve``; one reservation's walk resumes
+  after the last entry it passed, so it walks past protected entries once.
+  Both count each victim in its groups' ``host_evictions`` as they hand it
+  out (the tier evicts every one; ``evicted(e, -1)`` when it undoes one).
 - ``reserved_bytes``: those protected bytes, for the tier's room check
   before it evicts anything.
 
@@ -180,6 +182,8 @@ class QuotaBook:
                 if e.key not in chosen:
                     chosen[e.key] = e
                     over -= e.slot_bytes
+        for e in chosen.values():
+            self.evicted(e, +1)
         return list(chosen.values())
 
     def protects(self, e, acct: int) -> bool:
@@ -316,13 +320,15 @@ class _Queue(LruQueue):
         super().remove(item)
         self.book.unqueued(item)
 
-    def victim(self, passed, acct: int):
-        e = self.first() if passed is None else self.after(passed)
-        if not self.book.reserving:
-            return e, None
-        while e is not None and self.book.protects(e, acct):
-            passed, e = e, self.after(e)
-        return e, passed
+    def victims(self, acct: int):
+        book, passed = self.book, None  # passed: the last entry passed over (a reservation's)
+        while True:
+            e = self.first() if passed is None else self.after(passed)
+            while e is not None and book.reserving and book.protects(e, acct):
+                passed, e = e, self.after(e)
+            if e is not None:
+                book.evicted(e, +1)
+            yield e
 
     def cap_victims(self, acct: int, need: int) -> list:
         return self.book.cap_victims(acct, need)
