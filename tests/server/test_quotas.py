@@ -102,7 +102,10 @@ def test_a_reservation_keeps_other_stores_from_evicting_a_tenant(start_daemon):
 
 
 def test_a_model_whose_chunks_are_all_leased_gets_over_quota_and_loses_nothing(start_daemon):
-    d = start_daemon(host_capacity="64KiB", quota='[{model = "m", host_max = "8KiB"}]')
+    pytest.importorskip("prometheus_client")
+    port = free_port()
+    d = start_daemon(host_capacity="64KiB", metrics_port=port,
+                     quota='[{model = "m", host_max = "8KiB"}]')
     client, pool = engine(d, "m")
     strict, strict_pool = engine(d, "m", raise_errors=True)
     other, other_pool = engine(d, "n")
@@ -120,6 +123,9 @@ def test_a_model_whose_chunks_are_all_leased_gets_over_quota_and_loses_nothing(s
         assert [after["tiers"]["host"][k] for k in host] == [before["tiers"]["host"][k] for k in host]
         assert after["errors"] - before["errors"] == 2
         assert groups(after)["m", "*"]["host_refused"] == 2
+        m = scrape(port)
+        assert value(m, "kvd_quota_refusals_total", model="m", tenant="*", tier="host") == 2
+        assert value(m, "kvd_request_errors_total", op="store", code="over_quota") == 2
         assert lookup(client, 1, 4) == 4
         assert store(other, 3, 4) == 4 * CHUNK  # another model: not capped
         client.release(lease)
