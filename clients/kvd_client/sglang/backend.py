@@ -232,6 +232,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         return done
 
     def _store_op(self, keys, page_ids, reg):
+        """``client.store`` labelled for the daemon's quotas with the fixed salt."""
         return self.client.store(keys, page_ids, reg=reg, tenant=tenant_label(self.options.salt))
 
     def _batches(self, keys):
