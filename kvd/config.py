@@ -28,9 +28,10 @@ import tomllib
 from dataclasses import dataclass, field, make_dataclass
 from types import MappingProxyType
 
+from kvd import config_checks, quota_rules
 from kvd.sizes import parse_size, size_text
 from kvd_protocol.errors import ConfigError
-from kvd_protocol.limits import MAX_CHUNK_TOKENS
+from kvd_protocol.limits import MAX_TENANT_CHARS
 
 SOURCES = ("default", "file", "env", "flag")
 
@@ -38,7 +39,7 @@ SOURCES = ("default", "file", "env", "flag")
 @dataclass(frozen=True)
 class Knob:
     name: str
-    kind: str  # "size", "int", "float", "str", "bool"
+    kind: str  # "size", "int", "float", "str", "bool", "quotas" (kvd/quota_rules.py)
     default: object
     help: str
     minimum: float | None = None
@@ -207,6 +208,11 @@ KNOBS = (
     Knob("remote_mooncake_buffer_bytes", "size", 256 * 2**20, "Mooncake client's transfer "
          "buffer: values pass through it, so it must hold the chunks of remote_threads calls at "
          "once.", minimum=2**20),
+    Knob("quota", "quotas", (), "Caps and reservations per model and tenant, so one cannot evict "
+         "everyone else's cache (docs/operations.md, Quotas): [[quota]] tables at the end of the "
+         "file, in place of quota = [], of model (a registered model id), tenant (the label "
+         "stores carry; empty: any), host_max, host_reserve, disk_max (sizes). Environment and "
+         "flags: a TOML array of inline tables, " + quota_rules.EXAMPLE + "."),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
     Knob("warm_restart", "bool", True, "Keep the host tier across daemon restarts: it stays in "
          "shm_dir when the daemon exits and the next daemon of this runtime dir adopts it "
@@ -242,7 +248,7 @@ KNOB_BY_NAME = {k.name: k for k in KNOBS}
 
 
 HIDDEN = "<hidden>"
-_PY_TYPES = {"size": int, "int": int, "float": float, "str": str, "bool": bool}
+_PY_TYPES = {"size": int, "int": int, "float": float, "str": str, "bool": bool, "quotas": tuple}
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
@@ -279,6 +285,8 @@ def _typed(knob: Knob, value):
 
 
 def _coerce(knob: Knob, value, text: bool):
+    if knob.kind == "quotas":
+        return quota_rules.parse(value, text and isinstance(value, str), MAX_TENANT_CHARS)
     out = _from_text(knob, value) if text and isinstance(value, str) else _typed(knob, value)
     if knob.kind == "float" and not math.isfinite(out):
         raise ValueError(f"must be a finite number, got {out}")
@@ -355,18 +363,7 @@ def load_config(path: str | None = None, env: dict | None = None,
     _apply(values, sources, from_env, "env", "environment")
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     _apply(values, sources, flags, "flag", "command line")
-    if values["chunk_tokens"] > MAX_CHUNK_TOKENS:
-        raise ConfigError("chunk_tokens", f"must be <= {MAX_CHUNK_TOKENS}")
-    if values["disk_high_watermark"] > 1.0:
-        raise ConfigError("disk_high_watermark", "must be <= 1.0")
-    if values["metrics_port"] > 65535:
-        raise ConfigError("metrics_port", "must be <= 65535")
-    if values["remote_publish"] == "demote" and values["remote_backend"] != "off" \
-            and not values["disk_dir"]:
-        raise ConfigError("remote_publish", "demote follows the disk tier's demotions: set "
-                          "disk_dir, or use remote_publish = store")
-    if values["client_timeout_s"] <= values["heartbeat_interval_s"]:
-        raise ConfigError("client_timeout_s", "must be larger than heartbeat_interval_s")
+    config_checks.check(values)
     return Config(**values, sources=MappingProxyType(sources), file=path or None)
 
 
@@ -379,6 +376,8 @@ def toml_value(knob: Knob, value) -> str:
         return text if text.isdigit() else f'"{text}"'
     if knob.kind == "bool":
         return "true" if value else "false"
+    if knob.kind == "quotas":
+        return quota_rules.to_toml(value)
     if knob.kind == "str":
         return json.dumps(value)  # a TOML basic string for every value a knob takes
     return repr(value)

@@ -21,15 +21,16 @@ SOURCES = {"kvd": ROOT / "kvd", "kvd_client": ROOT / "clients" / "kvd_client",
 MAX_LINES = 420
 
 # package -> the packages its modules may import (besides its own modules); "kvd" is the
-# top package itself and its plain modules (its __version__, kvd.sizes; they import nothing)
+# top package itself and its plain modules (its __version__, kvd.quota_rules,
+# kvd.config_checks; of kvd's own they import only kvd.sizes)
 ALLOWED = {
     "kvd_protocol": set(),
     "kvd_client": {"kvd_protocol"},
     "kvd_client.vllm": {"kvd_client", "kvd_protocol"},
     "kvd_client.sglang": {"kvd_client", "kvd_protocol"},
-    "kvd": set(),
+    "kvd": {"kvd.sizes", "kvd_protocol"},
     "kvd.sizes": set(),
-    "kvd.config": {"kvd.sizes", "kvd_protocol"},
+    "kvd.config": {"kvd", "kvd.sizes", "kvd_protocol"},
     "kvd.tiers": {"kvd_protocol"},
     "kvd.copy": {"kvd_protocol"},
     "kvd.cuda": {"kvd.copy", "kvd.tiers", "kvd_protocol"},

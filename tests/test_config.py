@@ -221,7 +221,8 @@ def test_chunk_tokens_is_capped_as_the_namespace_caps_it():
 
 def test_every_knob_has_an_env_and_cli_spelling():
     for knob in KNOBS:
-        value = {"size": "8MiB", "int": "3", "float": "0.5", "str": "/x", "bool": "true"}[knob.kind]
+        value = {"size": "8MiB", "int": "3", "float": "0.5", "str": "/x", "bool": "true",
+                 "quotas": '[{tenant = "t", host_max = "8MiB"}]'}[knob.kind]
         if knob.choices:
             value = knob.choices[-1]
         if knob.name == "client_timeout_s":

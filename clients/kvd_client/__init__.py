@@ -19,6 +19,7 @@ from kvd_protocol.errors import (
                                  DaemonUnavailable,
                                  KvdError,
                                  NoSpace,
+                                 OverQuota,
                                  ServerError,
                                  Timeout,
                                  TransportError,
@@ -34,4 +35,4 @@ from .transfer import Transfer
 __all__ = ["KvdClient", "KVRegistration", "SharedKVPool", "ChunkKeys", "Transfer", "Lookup", "Retry",
            "connect",
            "KvdError", "TransportError", "DaemonUnavailable", "Timeout", "ServerError", "NoSpace",
-           "Busy", "Cancelled"]
+           "OverQuota", "Busy", "Cancelled"]

@@ -327,12 +327,13 @@ class KvdClient:
     # ---- transfers --------------------------------------------------------------
 
     def submit_store(self, tokens, page_ids, salt: str | None = None,
-                     reg: KVRegistration | None = None) -> Transfer:
-        """Offload the whole chunks of ``tokens`` (or ``ChunkKeys``) from ``page_ids``, asynchronously."""
+                     reg: KVRegistration | None = None, tenant: str | None = None) -> Transfer:
+        """Offload the whole chunks of ``tokens`` (or ``ChunkKeys``) from ``page_ids``, asynchronously;
+        ``tenant`` labels new chunks for the daemon's quotas (``kvd_protocol.wire.tenant_label``)."""
         reg = self._default(reg)
         keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
         t = Transfer(self, "store", reg, keys, pages, time.monotonic() + self.timeout)
-        t.collect = True
+        t.collect, t.tenant = True, wire.checked_tenant(tenant)
         self._pump.start(t)
         return t
 
@@ -354,9 +355,10 @@ class KvdClient:
         self._pump.start(t)
         return t
 
-    def store(self, tokens, page_ids, salt: str | None = None, reg: KVRegistration | None = None) -> int:
+    def store(self, tokens, page_ids, salt: str | None = None, reg: KVRegistration | None = None,
+              tenant: str | None = None) -> int:
         """Offload the whole chunks of ``tokens``; returns tokens now cached (0 on failure)."""
-        return self._blocking(self.submit_store(tokens, page_ids, salt, reg))
+        return self._blocking(self.submit_store(tokens, page_ids, salt, reg, tenant))
 
     def load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
              reg: KVRegistration | None = None) -> int:

@@ -97,6 +97,8 @@ class Pump:
         fields = {"reg": t.reg.id, "deadline_us": int(t.deadline * 1e6)}
         if getattr(t, "after", None) is not None:
             fields["after"] = t.after
+        if getattr(t, "tenant", None) is not None and c.limits.get("tenant_labels"):
+            fields["tenant"] = t.tenant  # a daemon before quotas refuses unknown fields
         if t.op == "load":
             fields.update(slot=t.slot, seq=t.seq, layerwise=t.layerwise)
             if getattr(t, "lease", None) is not None:

@@ -75,6 +75,14 @@ class NoSpace(ServerError):
     code = "no_space"
 
 
+class OverQuota(NoSpace):
+    """A store (or promotion) would pass its quota group's ``host_max`` even after evicting
+    every evictable chunk of that group: nothing was stored or evicted. A ``NoSpace``, so
+    code that treats a full tier as a miss treats this one alike."""
+
+    code = "over_quota"
+
+
 class TooLarge(ServerError):
     code = "too_large"
 
@@ -106,7 +114,7 @@ class Cancelled(ServerError):
 
 SERVER_ERRORS = {cls.code: cls for cls in (
     ServerError, BadRequest, VersionMismatch, UnknownOp, NoSession, NotFound, Forbidden,
-    OutOfRange, NoSpace, TooLarge, ShuttingDown, CopyFailed, DeadlineExceeded, Busy, Cancelled)}
+    OutOfRange, NoSpace, OverQuota, TooLarge, ShuttingDown, CopyFailed, DeadlineExceeded, Busy, Cancelled)}
 
 
 def server_error(code: str, message: str) -> ServerError:

@@ -20,3 +20,4 @@ MAX_PAGES = 2**32         # pages of one registered pool (SGLang token pools: pa
 MAX_BYTES = 2**48         # any byte size, offset or stride (256 TiB)
 MAX_EVENTS = 256          # CUDA IPC event handles of one registration
 MAX_NAME_BYTES = 512      # model and fingerprint strings, UTF-8
+MAX_TENANT_CHARS = 64     # a store's tenant label (quota accounting), printable characters

@@ -32,7 +32,7 @@ from kvd_protocol.errors import BadRequest, ServerError, TooLarge, UnknownOp, Ve
 from kvd_protocol.flags import FlagLayout
 from kvd_protocol.keys import KEY_BYTES, Namespace
 from kvd_protocol.layout import LayoutDescriptor
-from kvd_protocol.limits import MAX_BYTES, MAX_LAYERS
+from kvd_protocol.limits import MAX_BYTES, MAX_LAYERS, MAX_TENANT_CHARS
 
 VERSION = 2
 SUPPORTED_VERSIONS = (2,)
@@ -72,9 +72,32 @@ def _size(v):
     return _int(v) and v <= MAX_BYTES
 
 
+def valid_tenant(v) -> bool:
+    """A store's ``tenant`` label: a printable string of at most ``MAX_TENANT_CHARS``."""
+    return isinstance(v, str) and len(v) <= MAX_TENANT_CHARS and v.isprintable()
+
+
+def checked_tenant(v: str | None) -> str | None:
+    """``v`` when it is None or a valid ``tenant`` label, else ``ValueError``."""
+    if v is not None and not valid_tenant(v):
+        raise ValueError(f"a tenant label is at most {MAX_TENANT_CHARS} printable characters, "
+                         f"got {describe(v)}")
+    return v
+
+
+def tenant_label(text: str | None) -> str | None:
+    """A valid ``tenant`` label from any text (a salt): its first ``MAX_TENANT_CHARS``
+    characters, each one that is not printable (a separator, a newline) as "?"; None for
+    no text. Adapters label their stores with it (docs/protocol.md §5.6)."""
+    if not text:
+        return None
+    return "".join(c if c.isprintable() else "?" for c in text[:MAX_TENANT_CHARS])
+
+
 _TYPE_NAMES = {_int: "a non-negative integer", _str: "a string", _list: "a list", _map: "a map",
                _bool: "true or false", _u32: "an integer in [0, 2**32)",
-               _size: f"an integer between 0 and {MAX_BYTES}"}
+               _size: f"an integer between 0 and {MAX_BYTES}",
+               valid_tenant: f"a printable string of at most {MAX_TENANT_CHARS} characters"}
 
 
 @dataclass(frozen=True)
@@ -91,7 +114,8 @@ OPS = {
     "attach": Op({"namespace": _map, "tp_rank": _int}),
     "unregister": Op({"reg": _int}),
     "lookup": Op({"reg": _int}, {"lease_ms": _int}, frames=1),
-    "store": Op({"reg": _int}, {"after": _u32, "deadline_us": _int}, frames=2),
+    "store": Op({"reg": _int}, {"after": _u32, "deadline_us": _int, "tenant": valid_tenant},
+                 frames=2),
     "load": Op({"reg": _int, "slot": _int, "seq": _u32},
                {"after": _u32, "lease": _int, "layerwise": _bool, "deadline_us": _int}, frames=2),
     "release": Op({"lease": _int}),

@@ -63,6 +63,9 @@ def format_stats(s: dict) -> str:
     remote = s["tiers"].get("remote")
     if remote:
         lines.append(_remote(remote, s.get("remote_hits", 0)))
+    quotas = s.get("quotas")
+    for g in [*quotas["groups"], quotas["other"]] if quotas else ():
+        lines.append(_quota(g, disk is not None))
     lines.append("")
     foreign = s.get("foreign_ns_misses", 0)  # shown once there are any: worth a look
     lines.append(f"hits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
@@ -92,6 +95,18 @@ def _remote(r: dict, hits: int) -> str:
             f"{r['puts_present']} already there)  queued {r['publish_queued']} (dropped "
             f"{r['publish_dropped']})  corrupt {r['corrupt']}  errors {r['errors']}  timeouts "
             f"{r['timeouts']}  skipped {r['skipped']}")
+
+
+def _quota(g: dict, disk: bool) -> str:
+    """A quota group's line: its bytes against its limits, evictions, refusals."""
+    def tier(name: str) -> str:
+        cap = g[f"{name}_max_bytes"]
+        reserve = g.get(f"{name}_reserve_bytes")
+        return (f"{name} {size(g[f'{name}_used_bytes'])}" + (f" of {size(cap)}" if cap else "")
+                + (f" (reserve {size(reserve)})" if reserve else "")
+                + f", {g[f'{name}_evictions']} evicted, {g[f'{name}_refused']} refused")
+    return f"quota {g['model']} / {g['tenant']}: " + "; ".join(
+        tier(name) for name in (("host", "disk") if disk else ("host",)))
 
 
 def _recovery(rec: dict) -> str:

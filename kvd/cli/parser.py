@@ -34,7 +34,7 @@ def _metavar(knob) -> str:
         return "PATH" if knob.name.endswith("_dir") else "TEXT"
     if knob.kind == "float":
         return "SECONDS" if knob.name.endswith("_s") else "NUMBER"
-    return {"size": "SIZE", "int": "N"}[knob.kind]
+    return {"size": "SIZE", "int": "N", "quotas": "TOML"}[knob.kind]
 
 
 def _add_serve(sub) -> argparse.ArgumentParser:

@@ -3,7 +3,8 @@
 ``handle(service, op)`` answers ``health`` (liveness, pid, backends,
 uptime), ``stats`` (the snapshot documented in docs/protocol.md §6, with
 each client's kernel-reported uid/gid/pid),
-``clear`` (drop every host chunk nobody pins), ``flush_disk`` (write every
+``clear`` (drop every host chunk nobody pins; with quotas, ``stats`` has
+each group's bytes and counters), ``flush_disk`` (write every
 host chunk to the disk tier and wait) and ``clear_disk`` (delete every disk
 chunk nobody reads). The op is validated by the server (protocol.CONTROL_OPS).
 """
@@ -42,7 +43,8 @@ def snapshot(service) -> dict:
     if service.remote is not None:
         tiers["remote"] = service.remote.stats()
     sessions = service.sessions
-    return {"tiers": tiers, "disk_hits": service.stats.counters["disk_hit_chunks"],
+    quotas = {} if service.tier.quota is None else {"quotas": service.tier.quota.stats()}
+    return {"tiers": tiers, **quotas, "disk_hits": service.stats.counters["disk_hit_chunks"],
             "remote_hits": service.stats.counters["remote_hit_chunks"],
             **service.stats.summary(),
             "latency": service.stats.latency_ms(), "latency_histogram": service.stats.latency_histogram(),

@@ -42,6 +42,7 @@ from kvd.tiers.arena_index import CLEAN, ArenaIndex, IndexProblem, index_path, p
 from kvd.tiers.host import HostTier
 from kvd.tiers.journal import Hasher, Journal
 from kvd.tiers.progress import Progress
+from kvd.tiers.quota import QuotaBook
 from kvd_protocol.runtime import instance_tag
 
 log = logging.getLogger("kvd")
@@ -68,7 +69,7 @@ class HostTierSetup:
         """Adopt or allocate; False when a signal stopped it."""
         index = await self._adoptable()
         cap = self.cfg.host_capacity
-        self.tier = HostTier(cap, self.align)
+        self.tier = self._new_tier()
         if index is not None:
             self.arena = await self._map(adopt=True)
             if self.arena is None:
@@ -98,6 +99,11 @@ class HostTierSetup:
                 self.journal.verify = "waiting"
         return True
 
+    def _new_tier(self) -> HostTier:
+        """An empty host tier, keeping the ``quota`` knob's rules (kvd/tiers/quota.py)."""
+        book = QuotaBook(self.cfg.quota) if self.cfg.quota else None
+        return HostTier(self.cfg.host_capacity, self.align, book)
+
     async def _rebuild(self, index: ArenaIndex, crashed: bool) -> bool:
         """The host tier from ``index`` (on a thread: pure Python over every record). On a
         bug of ours: logged, the files deleted, False (a new arena is made): never a crash
@@ -115,7 +121,7 @@ class HostTierSetup:
             index.close(clean=False)
             self.arena.close(keep=False)
             self.index_path.unlink(missing_ok=True)
-            self.arena, self.adoption, self.tier = None, None, HostTier(cap, self.align)
+            self.arena, self.adoption, self.tier = None, None, self._new_tier()
             return False
         finally:
             gc.enable()

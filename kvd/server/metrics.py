@@ -150,6 +150,8 @@ class KvdCollector:
             yield from _counters(GDS_COUNTERS, dict(s.gds.counters))
         if s.remote is not None:
             yield from _remote(s.remote.stats())
+        if s.tier.quota is not None:
+            yield from _quotas(s.tier.quota.stats(), s.tiering is not None)
 
 
 def _version() -> str:
@@ -268,6 +270,31 @@ def _disk(tiering):
     yield _gauge("kvd_disk_queued_writes", "Demotions queued or being written.",
                  len(tiering.disk.writing))
     yield from _counters(TIERING_COUNTERS, dict(tiering.counters))
+
+
+def _quotas(stats: dict, disk: bool):
+    """Per quota group, labelled {model, tenant} ("*": any; "(other)": chunks no quota
+    matches), so the series are the config's rules plus one."""
+    labels = ["model", "tenant"]
+    used = _gauge("kvd_quota_used_bytes", "Bytes of a quota group's chunks, by tier.",
+                  labels=labels + ["tier"])
+    limit = _gauge("kvd_quota_limit_bytes", "A quota group's configured limits (host_max, "
+                   "host_reserve, disk_max; unset ones absent).", labels=labels + ["limit"])
+    evictions = _counter("kvd_quota_evictions_total", "Chunks of a quota group evicted, by tier "
+                         "(disk: deleted files).", labels=labels + ["tier"])
+    refusals = _counter("kvd_quota_refusals_total", "Stores and promotions (host) or demotions "
+                        "(disk) refused at a quota group's cap.", labels=labels + ["tier"])
+    tiers = ("host", "disk") if disk else ("host",)
+    for g in [*stats["groups"], stats["other"]]:
+        group = [g["model"], g["tenant"]]
+        for tier in tiers:
+            used.add_metric(group + [tier], g[f"{tier}_used_bytes"])
+            evictions.add_metric(group + [tier], g[f"{tier}_evictions"])
+            refusals.add_metric(group + [tier], g[f"{tier}_refused"])
+        for name in ("host_max", "host_reserve", "disk_max"):
+            if g[f"{name}_bytes"]:
+                limit.add_metric(group + [name], g[f"{name}_bytes"])
+    yield from (used, limit, evictions, refusals)
 
 
 def _remote(stats: dict):

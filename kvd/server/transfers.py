@@ -4,7 +4,9 @@ Both run their set-up inside the registration's ``turn``, so the copies of
 one registration are queued in the order its requests arrived, and wait for
 the copy outside it, so later requests queue while earlier copies run.
 
-Store: reserve the shards (dedup, all or nothing), wait on the host until
+Store: reserve the shards (dedup, all or nothing; new chunks count in the
+quota account of the registration's model and the store's ``tenant``
+label, kvd/tiers/quota.py), wait on the host until
 the engine's stream reached the store's ``seq`` in the flag page (the
 daemon's streams never wait on anything of the engine's; the wait ends at
 the client's deadline with ``deadline_exceeded`` and at reaping or shutdown
@@ -80,7 +82,7 @@ class Transfers:
         async with reg.turn:
             stamps["turn"] = time.perf_counter()
             _check_open(reg)
-            todo, deduped = self._reserve(reg, keys)
+            todo, deduped = self._reserve(reg, keys, req.fields.get("tenant"))
             self.stats.add("store_dedup", deduped)
             if not todo:
                 return {"stored": 0, "deduped": deduped}
@@ -135,10 +137,13 @@ class Transfers:
             reg.waiting.discard(waiter)
             waiter.cancel()
 
-    def _reserve(self, reg: Registration, keys: list):
-        """Reserve every shard to copy, all or nothing (kvd.tiers.host.HostTier.reserve_many)."""
+    def _reserve(self, reg: Registration, keys: list, tenant: str | None):
+        """Reserve every shard to copy, all or nothing (kvd.tiers.host.HostTier.reserve_many),
+        new chunks in the quota account of the registration's model and ``tenant``."""
+        quota = self.tier.quota
+        acct = 0 if quota is None else quota.account(reg.ns.model, tenant)
         return self.tier.reserve_many(keys, reg.ns_digest, reg.shard_bytes, reg.ns.shards,
-                                      reg.tp_rank)
+                                      reg.tp_rank, acct)
 
     def _abort(self, reg: Registration, todo: list) -> None:
         for _, entry in todo:

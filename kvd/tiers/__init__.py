@@ -8,7 +8,9 @@ arena outlive the daemon (``arena_index``: the index file's format;
 tier from it, verification), the disk tier's chunk files (``chunk_file``:
 format, checksums, crash-safe writes; ``disk_scan``: recovery scan; ``digest``: the segmented
 payload digest) and index (``disk``), and demotion/promotion between host
-and disk (``tiering``); the remote tier on an existing distributed store:
+and disk (``tiering``); quotas per model and tenant (``quota``: each
+group's bytes and counters, the eviction choices that keep caps and
+reservations); the remote tier on an existing distributed store:
 its store clients (``remote_store``: the interface and Valkey/Redis;
 ``remote_mooncake``: Mooncake Store), value format (``remote_value``), IO
 with timeouts and a circuit breaker (``remote``, ``breaker``,

@@ -230,8 +230,16 @@ class DiskTier:
             victim = next((e for e in self.entries.values() if e.refs == 0), None)
             if victim is None:
                 return False
-            self.counters["evictions"] += 1
-            self._forget(victim, delete=True)
+            self.evict(victim.key)
+        return True
+
+    def evict(self, key: bytes) -> bool:
+        """Delete ``key``'s file unless it is gone or being read (then False)."""
+        entry = self.entries.get(key)
+        if entry is None or entry.refs:
+            return False
+        self.counters["evictions"] += 1
+        self._forget(entry, delete=True)
         return True
 
     def _forget(self, entry: DiskEntry, delete: bool) -> None:

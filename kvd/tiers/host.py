@@ -19,7 +19,8 @@ use). The one exception is a demotion's pin: an entry the demoter copied to
 disk and nobody used meanwhile re-enters at the least recently used end,
 behind those that came back so before it (``unpin(..., cold_since=)``):
 demotions take the coldest entries first, so this keeps their order. An entry the disk tier also
-holds (``on_disk``) loses only its host copy.
+holds (``on_disk``) loses only its host copy. Quotas (kvd/tiers/quota.py): entries count in
+their store's ``acct``; the book's index and queue stand in for the plain ones, pick victims.
 
 No space: a reservation first counts the free and evictable bytes against
 what it needs and raises ``NoSpace`` before evicting anything when they fall
@@ -54,10 +55,11 @@ from kvd_protocol.errors import BadRequest, NoSpace
 
 
 class HostTier:
-    def __init__(self, capacity: int, align: int = 256):
+    def __init__(self, capacity: int, align: int = 256, quota=None):
         self.alloc = ExtentAllocator(capacity, align)
-        self.entries: dict[bytes, Entry] = {}
-        self.lru = LruQueue()  # evictable entries only, least recently used first
+        self.quota = quota  # kvd.tiers.quota.QuotaBook, or None: no quotas
+        self.entries: dict[bytes, Entry] = {} if quota is None else quota.index()
+        self.lru = LruQueue() if quota is None else quota.queue()  # evictable only, LRU first
         self.evictable_bytes = 0
         self.ready_count = 0
         self.on_disk_ready = 0
@@ -129,11 +131,11 @@ class HostTier:
 
     # ---- reservations -----------------------------------------------------------------
 
-    def reserve_many(self, keys: list, ns: bytes, shard_bytes: int, shards: int, rank: int):
-        """Reserve shard ``rank`` of every distinct key, all or nothing: (todo, deduped) with
-        todo the ``(index, entry)`` pairs the caller must copy in, in key order, and
-        deduped ``len(keys) - len(todo)``. Raises ``NoSpace`` or ``BadRequest`` (a key cached
-        under another namespace or size) having changed nothing."""
+    def reserve_many(self, keys: list, ns: bytes, shard_bytes: int, shards: int, rank: int, acct=0):
+        """Reserve shard ``rank`` of every distinct key in quota account ``acct``, all or nothing:
+        (todo, deduped) with todo the ``(index, entry)`` pairs the caller must copy in, in key
+        order, and deduped ``len(keys) - len(todo)``. Raises ``NoSpace`` (``OverQuota``) or
+        ``BadRequest`` (a key cached under another namespace or size) having changed nothing."""
         bit, seen = 1 << rank, set()
         fresh, joins, dedups = [], [], []
         for i, key in enumerate(keys):
@@ -151,11 +153,11 @@ class HostTier:
                 joins.append((i, entry))
         slot = self.alloc.rounded(shard_bytes * shards)
         held = [e for e in (*dedups, *(e for _, e in joins)) if self.lru.queued(e)]
-        self._check_room(len(fresh), slot, sum(e.slot_bytes for e in held))
+        self._check_room(len(fresh), slot, sum(e.slot_bytes for e in held), acct)
         for e in held:  # neither a dedup hit nor an entry gaining a shard may be evicted now
             self._dequeue(e)
         try:
-            offsets = self._allocate(len(fresh), slot)
+            offsets = self._allocate(len(fresh), slot, acct)
         except NoSpace:
             for e in held:
                 self._enqueue(e)
@@ -169,45 +171,48 @@ class HostTier:
             entry.writing |= bit
             todo.append((i, entry))
         for (i, key), offset in zip(fresh, offsets):
-            entry = Entry(key, ns, offset, shard_bytes, shards, slot, writing=bit)
+            entry = Entry(key, ns, offset, shard_bytes, shards, slot, acct, writing=bit)
             self.entries[key] = entry
             todo.append((i, entry))
         if joins:  # fresh keys alone are in key order already
             todo.sort(key=lambda item: item[0])
         return todo, len(keys) - len(todo)
 
-    def reserve(self, key: bytes, ns: bytes, shard_bytes: int, shards: int, rank: int):
+    def reserve(self, key: bytes, ns: bytes, shard_bytes: int, shards: int, rank: int, acct=0):
         """(entry, True) when the caller must copy the shard in; (entry, False) on dedup."""
-        todo, _ = self.reserve_many([key], ns, shard_bytes, shards, rank)
+        todo, _ = self.reserve_many([key], ns, shard_bytes, shards, rank, acct)
         return (todo[0][1], True) if todo else (self.entries[key], False)
 
-    def _check_room(self, count: int, slot: int, held: int) -> None:
+    def _check_room(self, count: int, slot: int, held: int, acct: int) -> None:
         if not count:
             return
         if slot > self.capacity:
             raise NoSpace(f"a chunk of {slot} bytes is larger than the host tier "
                           f"({self.capacity} bytes)")
-        room = self.capacity - self.alloc.used + self.evictable_bytes - held
+        room = self.capacity - self.alloc.used + self.evictable_bytes - held - self.lru.reserved_bytes(acct)
         if count * slot > room:
             raise NoSpace(f"host tier full: {count * slot} bytes needed, {room} free or "
-                          "evictable, everything else is in use")
+                          "evictable, everything else is in use (or reserved by quotas)")
 
-    def _allocate(self, count: int, slot: int) -> list[int]:
-        """Offsets of ``count`` slots, evicting from the LRU end (a victim of the same slot
-        size hands its slot straight over); all or nothing."""
+    def _allocate(self, count: int, slot: int, acct: int = 0) -> list[int]:
+        """Offsets of ``count`` slots for ``acct``, evicting the queue's victims (the LRU end; a
+        victim of the same slot size hands its slot straight over); all or nothing."""
         offsets, evicted, full = [], [], False  # full: no free extent fits (until one is freed)
-        lru, alloc = self.lru, self.alloc
+        lru, alloc, victims = self.lru, self.alloc, self.lru.victims(acct)
         try:
-            for _ in range(count):
+            for victim in lru.cap_victims(acct, count * slot) if count else ():
+                same = victim.slot_bytes == slot and len(offsets) < count  # hands its slot over
+                self._evict(victim, not same, evicted)
+                offsets.extend([victim.offset] if same else [])
+            for _ in range(count - len(offsets)):
                 offset = None if full else alloc.alloc(slot)
                 while offset is None:
-                    victim = lru.first()
+                    victim = next(victims)
                     if victim is None:
                         raise NoSpace(f"host tier full: no free extent of {slot} bytes even "
                                       "after evicting everything evictable (fragmented)")
                     same = victim.slot_bytes == slot
-                    self._evict(victim, free=not same)
-                    evicted.append(victim)
+                    self._evict(victim, not same, evicted)
                     offset = victim.offset if same else alloc.alloc(slot)
                     full = same
                 offsets.append(offset)
@@ -218,8 +223,9 @@ class HostTier:
             raise
         return offsets
 
-    def _evict(self, e: Entry, free: bool) -> None:
+    def _evict(self, e: Entry, free: bool, evicted: list) -> None:
         self._drop(e, free)
+        evicted.append(e)  # to be put back if the reservation fails after all
         self.evictions += 1
         self.evicted_not_on_disk += not e.on_disk
 
@@ -235,6 +241,7 @@ class HostTier:
                 self.journal.restored(e)
             self.evictions -= 1
             self.evicted_not_on_disk -= not e.on_disk
+            self.lru.evicted(e, -1)  # (counted by the queue as it chose them)
 
     def _drop(self, e: Entry, free: bool = True) -> None:
         """Forget ``e``; its slot goes back to the allocator unless ``free`` is False (the

@@ -7,6 +7,13 @@ the head and never walks past entries in use. Items carry their own links
 node is allocated and membership is an attribute test. An item is in at
 most one queue. Iteration is from the LRU end; removing the item just
 yielded is allowed.
+
+The queue also answers the host tier's eviction questions: ``victims`` (the
+entries to evict, one at a time: the least recently used), ``cap_victims``
+(entries a quota group must evict first: none) and ``reserved_bytes``
+(evictable bytes kept for others: none); the caller evicts every victim it
+is given, and says so when it puts one back (``evicted(item, -1)``).
+kvd/tiers/quota.py's queue answers by the configured quotas and counts.
 """
 
 from __future__ import annotations
@@ -88,3 +95,22 @@ class LruQueue:
             nxt = item.lru_next
             yield item
             item = nxt
+
+    # ---- eviction policy: plain LRU (kvd/tiers/quota.py's queue applies quotas) ----------
+
+    def victims(self, acct: int):
+        """The entries one reservation of account ``acct`` evicts, as it asks for them (None:
+        nothing left): here the least recently used, each time."""
+        while True:
+            yield self.first()
+
+    def cap_victims(self, acct: int, need: int) -> tuple:
+        """Entries to evict before ``need`` bytes of account ``acct`` are allocated."""
+        return ()
+
+    def reserved_bytes(self, acct: int) -> int:
+        """Queued bytes eviction for account ``acct`` may not take."""
+        return 0
+
+    def evicted(self, item, sign: int) -> None:
+        """An eviction of ``item`` was undone (``sign`` -1)."""

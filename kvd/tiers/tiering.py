@@ -27,6 +27,12 @@ Runs on the event loop; the disk tier does the IO on its threads.
   namespace or shard geometry than the reader's (its ``Scope``). A promotion reserves every shard of the host
   entry (invisible until the verified bytes are in), reads on an IO thread,
   then commits; any failure aborts the reservation: a miss, never wrong bytes.
+- **Quotas** (kvd/tiers/quota.py, the host tier's ``quota``): a demotion
+  whose quota groups would pass their ``disk_max`` first deletes those
+  groups' oldest disk chunks that left the host tier and nobody reads (one
+  still in the host tier would be demoted again, round and round), else it
+  is passed over (counted); a promotion reserves the host entry in the
+  chunk's account again and makes its file the account's newest.
 - **After a warm restart** the host tier's ``on_disk`` marks come from the
   arena's index; once the disk tier's recovery scan is done, a mark whose
   file is no longer there is cleared (``_reconcile``).
@@ -38,6 +44,7 @@ import asyncio
 import logging
 from collections import Counter
 
+from kvd.tiers.chunk_file import file_size
 from kvd.tiers.disk import DiskTier
 from kvd.tiers.host import HostTier
 from kvd_protocol.errors import ServerError
@@ -62,6 +69,7 @@ class Tiering:
         self.wake = asyncio.Event()
         self._task = self._reconciling = None
         self.on_demote = None  # callable(entry) for each demotion queued (remote_publish = demote)
+        self.quota = host.quota  # kvd.tiers.quota.QuotaBook or None
         disk.on_evict = self._off_disk
 
     def start(self) -> None:
@@ -90,6 +98,8 @@ class Tiering:
             log.info("disk tier: %d host chunks marked on disk are not there: unmarked", len(stale))
 
     def _off_disk(self, key: bytes) -> None:
+        if self.quota is not None:
+            self.quota.disk_forget(key)
         entry = self.host.entries.get(key)
         if entry is not None:
             self.host.set_on_disk(entry, False)
@@ -157,14 +167,20 @@ class Tiering:
         return True
 
     def _submit(self, entry) -> str:
-        """Queue a disk write of ``entry``: "queued", "on_disk" (already there) or "full"."""
+        """Queue a disk write of ``entry``: "queued", "on_disk" (already there), "full", or
+        "over_quota" (its quota groups' disk_max)."""
         cap = self.host.capacity
         if self.demoting and self.demoting_bytes + entry.size > PINNED_SHARE * cap:
             return "full"  # pinned for demotion: bounded, so stores still find room
+        counted = self.quota is not None and entry.key not in self.disk.entries
+        if counted and not self.quota.disk_admit(entry, file_size(entry.size), self._quota_delete):
+            return "over_quota"
         payload = self.view[entry.offset:entry.offset + entry.size]
         fut = self.disk.submit_write(entry.ns, entry.key, payload, entry.shards,
                                      entry.shard_bytes)
         if fut is None:
+            if counted:  # not written after all
+                self.quota.disk_forget(entry.key, dropped=False)
             if entry.key in self.disk.entries:
                 self.host.set_on_disk(entry, True)
                 return "on_disk"
@@ -178,6 +194,10 @@ class Tiering:
         fut.add_done_callback(lambda f, e=entry: self._demoted(e, f, pinned_at))
         return "queued"
 
+    def _quota_delete(self, key: bytes) -> bool:
+        """Delete ``key``'s file for its quota group's ``disk_max``: only a disk-only chunk."""
+        return key not in self.host.entries and self.disk.evict(key)
+
     def _demoted(self, entry, fut: asyncio.Future, pinned_at: int) -> None:
         self.demoting.discard(entry.key)
         self.demoting_bytes -= entry.size
@@ -186,6 +206,8 @@ class Tiering:
             self.counters["demotions"] += 1
             self.host.unpin([entry], cold_since=pinned_at)  # back where it was, unless used
         else:
+            if self.quota is not None:
+                self.quota.disk_forget(entry.key, dropped=False)
             self.host.unpin([entry])
 
     async def flush(self) -> int:
@@ -241,10 +263,10 @@ class Tiering:
         d = self.disk.get(key)
         if d is None:
             return False
-        ranks = []
+        ranks, acct = [], 0 if self.quota is None else self.quota.disk_account(key)
         try:
             for rank in range(d.shards):
-                entry, _ = self.host.reserve(key, d.ns, d.shard_bytes, d.shards, rank)
+                entry, _ = self.host.reserve(key, d.ns, d.shard_bytes, d.shards, rank, acct)
                 ranks.append(rank)
         except ServerError as exc:  # no room (everything pinned) or a clashing entry
             for rank in ranks:
@@ -261,6 +283,8 @@ class Tiering:
         if ok:
             self.host.set_on_disk(entry, True)
             self.counters["promotions"] += 1
+            if self.quota is not None:
+                self.quota.disk_touch(key)
         else:
             self.counters["promotions_failed"] += 1
         return ok

@@ -40,7 +40,7 @@ SAMPLES = {
     "attach": ({"namespace": NS_WIRE, "tp_rank": 0}, []),
     "unregister": ({"reg": 5}, []),
     "lookup": ({"reg": 5, "lease_ms": 100}, [KEYS2]),
-    "store": ({"reg": 5, "after": 1, "deadline_us": 10**12}, [KEYS2, PAGES]),
+    "store": ({"reg": 5, "after": 1, "deadline_us": 10**12, "tenant": "acme"}, [KEYS2, PAGES]),
     "load": ({"reg": 5, "slot": 3, "seq": 2**32 - 1, "after": 7, "lease": 9, "layerwise": True,
               "deadline_us": 10**12}, [KEYS2, PAGES]),
     "release": ({"lease": 9}, []),
@@ -107,6 +107,25 @@ def expect_error(parts, code, req_id=None, ops=P.OPS, match=None):
     assert isinstance(exc, (P.ProtocolError, SERVER_ERRORS[code]))
     assert getattr(exc, "req_id", None) == req_id
     return exc
+
+
+@pytest.mark.parametrize("tenant", ["x" * 65, "a\nb", "tab\there", 7, b"bytes", None])
+def test_a_store_tenant_label_is_a_short_printable_string(tenant):
+    fields = {"reg": 5, "tenant": tenant}
+    with pytest.raises(P.ProtocolError, match="tenant") as info:
+        P.parse_request(P.encode_request(1, "store", fields, [KEYS2, PAGES]), P.OPS)
+    assert info.value.code == "bad_request"
+    assert P.parse_request(P.encode_request(1, "store", {**fields, "tenant": "é" * 64},
+                                            [KEYS2, PAGES]), P.OPS).fields["tenant"] == "é" * 64
+    with pytest.raises(ValueError, match="64 printable"):
+        P.checked_tenant(tenant if isinstance(tenant, str) else "\x1f")
+
+
+def test_tenant_label_makes_a_valid_label_of_any_salt():
+    assert P.tenant_label(None) is None and P.tenant_label("") is None
+    assert P.tenant_label("acme") == "acme"
+    assert P.tenant_label("fixed\x1frequest:acme") == "fixed?request:acme"
+    assert P.tenant_label("y" * 100) == "y" * 64 and P.valid_tenant(P.tenant_label("\n" * 99))
 
 
 def test_unknown_op():
@@ -472,7 +491,7 @@ def test_error_reply_raises_typed_error(code):
 def test_error_codes_are_distinct_and_documented():
     from pathlib import Path
     doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
-    assert len(SERVER_ERRORS) == 15
+    assert len(SERVER_ERRORS) == 16
     for code, cls in SERVER_ERRORS.items():
         assert cls.code == code
         assert f"| `{code}` | `{cls.__name__}` |" in doc, f"{code} missing from docs/protocol.md"

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from halves import CHUNK, Blocks, Request, fill, frozen, step_output, store_prompt
+from halves import BS, CHUNK, Blocks, Engine, Request, fill, frozen, step_output, store_prompt
 
 from kvd_client.vllm import geometry as G
 from kvd_client.vllm import spec as spec_mod
@@ -279,3 +279,23 @@ def test_finish_policy_stores_once_when_the_request_ends(engines):
         time.sleep(0.01)
         _, sending, _, _ = e.run_step(step_output())
     assert sending == {"f1"} and daemon.stats()["tiers"]["host"]["chunks"] == 2
+
+
+def test_stores_are_labelled_with_the_requests_salt_for_the_daemons_quotas(start_daemon):
+    daemon = start_daemon(chunk_tokens=CHUNK, quota='[{tenant = "acme", host_max = "1MiB"}, '
+                                                    '{tenant = "deploy", host_max = "1MiB"}]')
+    e = Engine(daemon.runtime_dir, "labels", salt="deploy")
+    try:
+        for req_id, salt, first in (("s1", "acme", 500), ("s2", None, 600)):
+            req = Request(req_id, list(range(first, first + 33)), cache_salt=salt)  # 2 chunks
+            e.sched.matched(req, 0)
+            e.sched.allocated(req, Blocks(list(range(1, 10))), 0)
+            plan, *_ = e.run_step(step_output(new=[(req_id, list(range(1, 10)), 0)],
+                                              scheduled={req_id: 33}))
+            assert [s.tenant for s in plan.stores] == [salt or "deploy"]
+            e.worker.open_stores[req_id][0].wait(5)
+        quotas = daemon.stats()["quotas"]["groups"]
+        chunk_bytes = 2 * (CHUNK // BS) * BS * 8  # layers x blocks x block tokens x 8 bytes
+        assert [g["host_used_bytes"] for g in quotas] == [2 * chunk_bytes] * 2
+    finally:
+        e.close()

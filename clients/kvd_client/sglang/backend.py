@@ -26,7 +26,10 @@ unknown is a miss. With 'hashes' they come from SGLang's page hash.
 Failures are misses, never errors into SGLang: no daemon (yet, or any
 more), a timeout, no space: ``batch_exists`` says 0, loads and stores report
 the pages that did not move as failed, and SGLang recomputes or keeps them
-in host memory. The client reconnects and re-registers by itself. A
+in host memory. Stores carry the fixed salt (``kvd_salt``) as their tenant
+label for the daemon's quotas: a HiCache batch does not say which request
+(and so which cache_salt) its pages came from. The client reconnects and
+re-registers by itself. A
 configuration kvd cannot serve (an unsupported host layout, a chunk size
 that does not divide SGLang's page size) is a ``ValueError`` when SGLang
 attaches the backend, or, if the daemon is reached later, an error logged
@@ -45,6 +48,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvd_protocol.errors import KvdError
 from kvd_protocol.keys import namespace_digest
+from kvd_protocol.wire import tenant_label
 
 from .. import shm
 from ..client import KvdClient
@@ -219,13 +223,17 @@ class KvdHiCacheStorage(HiCacheStorage):
             for start, keyed, asked in self._batches(keys):
                 for j in range(len(keyed)):
                     self.staging.slot(per + j).copy_(source(start + j))
-                got = self._moved(self.client.store, keyed, per)
+                got = self._moved(self._store_op, keyed, per)
                 done = start + got
                 self.counters["stored_pages"] += got
                 self.counters["failed_stores"] += got < len(keyed)
                 if got < asked:
                     break
         return done
+
+    def _store_op(self, keys, page_ids, reg):
+        """``client.store`` labelled for the daemon's quotas with the fixed salt."""
+        return self.client.store(keys, page_ids, reg=reg, tenant=tenant_label(self.options.salt))
 
     def _batches(self, keys):
         """(first page, its pages' keys, pages asked) for each staging-pool batch of ``keys``,

@@ -14,7 +14,8 @@ to or come from. A page list holds ``blocks_per_chunk`` block ids per key.
   between steps.
 - ``StoreItem``: copy ``pages`` out under ``keys``; ``after_forward``: the
   step's forward writes that KV (submitted at ``wait_for_save``), else it
-  is final already (submitted at ``start_load_kv``).
+  is final already (submitted at ``start_load_kv``); ``tenant``: the label
+  the daemon's quotas count the chunks under (the request's salt name).
 - ``WorkerReport``: keys whose load failed, so the scheduler stops offering
   them for a while (re-offering a failed hit loops: vLLM asks again).
 """
@@ -43,6 +44,7 @@ class StoreItem:
     keys: list[bytes]
     pages: list[int]
     after_forward: bool = True
+    tenant: str | None = None
 
 
 @dataclass

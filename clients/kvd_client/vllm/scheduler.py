@@ -42,6 +42,10 @@ tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
   stored again once recomputed (a worker never stores what a step computed
   on top of a failed load: that KV is wrong).
 
+Stores carry a tenant label for the daemon's quotas: the request's
+``cache_salt`` (with ``salt_per_request``), else the configured ``salt``
+(kvd_protocol.wire.tenant_label); the salt itself is in the keys.
+
 Requests with images or prompt embeddings are neither looked up nor stored:
 their token ids do not say what their KV holds. Calls are duck-typed on
 vLLM's objects (``Request``, ``KVCacheBlocks``, ``SchedulerOutput``);
@@ -57,6 +61,7 @@ from dataclasses import dataclass, field
 from kvd_client.lookup import Lookup
 from kvd_client.registration import ChunkKeys
 from kvd_protocol.keys import chain_root, chunk_keys, namespace_digest
+from kvd_protocol.wire import tenant_label
 
 from .counters import Counters
 from .plan import LoadItem, StepPlan, StoreItem, WorkerReport
@@ -70,6 +75,7 @@ MAX_FAILED_KEYS = 1 << 16
 class ReqState:
     request: object
     salt: str | None
+    tenant: str | None = None  # the stores' label for the daemon's quotas
     keys: list[bytes] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     lease: int | None = None
@@ -108,7 +114,7 @@ class SchedulerSide:
     def _state(self, request) -> ReqState:
         st = self.reqs.get(request.request_id)
         if st is None:
-            st = ReqState(request, self._salt(request))
+            st = ReqState(request, self._salt(request), self._tenant(request))
             st.cacheable = not getattr(request, "mm_features", None) \
                 and getattr(request, "prompt_embeds", None) is None
             self.reqs[request.request_id] = st
@@ -122,6 +128,10 @@ class SchedulerSide:
         if self.s.salt_lora and lora is not None:
             parts.append(f"lora:{lora.lora_name}")
         return "\x1f".join(parts) or None
+
+    def _tenant(self, request) -> str | None:
+        cache_salt = getattr(request, "cache_salt", None) if self.s.salt_per_request else None
+        return tenant_label(cache_salt or self.s.salt)
 
     def _keys(self, st: ReqState, chunks: int) -> list[bytes]:
         """The first ``chunks`` keys of the request (tokens only ever get appended)."""
@@ -292,7 +302,7 @@ class SchedulerSide:
         if upto <= st.stored:
             return None
         item = StoreItem(st.request.request_id, self._keys(st, upto)[st.stored:],
-                         blocks[st.stored * bpc:upto * bpc], after_forward)
+                         blocks[st.stored * bpc:upto * bpc], after_forward, st.tenant)
         st.stored, st.stores_sent = upto, True
         return item
 

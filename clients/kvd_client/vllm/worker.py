@@ -142,7 +142,8 @@ class WorkerSide:
         if not ok:
             return
         try:
-            stores.append(self.client.submit_store(ChunkKeys(item.keys), item.pages, reg=self.reg))
+            stores.append(self.client.submit_store(ChunkKeys(item.keys), item.pages, reg=self.reg,
+                                                   tenant=item.tenant))
         except (KvdError, ValueError) as exc:  # e.g. page count of another chunk size
             log.warning("kvd: store for %s skipped: %s", item.req_id, exc)
 

@@ -1,0 +1,32 @@
+"""Checks of knob values against each other, after every source was applied.
+
+``check(values)`` takes the resolved knob values by name and raises
+``ConfigError`` naming the first knob whose value does not fit the others
+(or a fixed limit); it changes nothing. Single values are checked where they
+are parsed (kvd.config).
+"""
+
+from __future__ import annotations
+
+from kvd import quota_rules
+from kvd_protocol.errors import ConfigError
+from kvd_protocol.limits import MAX_CHUNK_TOKENS
+
+
+def check(values: dict) -> None:
+    if values["chunk_tokens"] > MAX_CHUNK_TOKENS:
+        raise ConfigError("chunk_tokens", f"must be <= {MAX_CHUNK_TOKENS}")
+    if values["disk_high_watermark"] > 1.0:
+        raise ConfigError("disk_high_watermark", "must be <= 1.0")
+    if values["metrics_port"] > 65535:
+        raise ConfigError("metrics_port", "must be <= 65535")
+    if values["remote_publish"] == "demote" and values["remote_backend"] != "off" \
+            and not values["disk_dir"]:
+        raise ConfigError("remote_publish", "demote follows the disk tier's demotions: set "
+                          "disk_dir, or use remote_publish = store")
+    if values["client_timeout_s"] <= values["heartbeat_interval_s"]:
+        raise ConfigError("client_timeout_s", "must be larger than heartbeat_interval_s")
+    try:
+        quota_rules.check(values["quota"], values["host_capacity"], values["disk_dir"])
+    except ValueError as exc:
+        raise ConfigError("quota", str(exc)) from None
