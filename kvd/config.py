@@ -157,7 +157,8 @@ KNOBS = (
          "dropped and counted, never waited for.", minimum=1),
     Knob("disk_high_watermark", "float", 0.9, "Host tier fill (fraction of host_capacity) above "
          "which the coldest chunks are copied to disk.", minimum=0.1),
-    Knob("disk_min_hits", "int", 0, "Demote only chunks looked up at least this often (0: all).",
+    Knob("disk_min_hits", "int", 0, "Demote only chunks looked up at least this often (0: all); "
+         "kvd ctl flush-disk writes every chunk whatever this says.",
          minimum=0),
     Knob("disk_gds", "bool", False, "Load disk-only chunks straight into GPU pages with GPU "
          "Direct Storage (KvikIO; its compatibility mode where the machine lacks GDS), verified on "

@@ -58,8 +58,14 @@ def _add_runtime(p: argparse.ArgumentParser, json_help: str) -> None:
     p.add_argument("--runtime-dir", default=None, metavar="PATH",
                    help="runtime directory of the daemon (default: $KVD_RUNTIME_DIR, then the "
                    "rules of docs/config.md)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds to wait for the daemon (default: 5)")
+    p.add_argument("--timeout", type=_positive, default=None, metavar="SECONDS",
+                   help="seconds to wait for the daemon's answer (default: 5; ctl flush-disk and "
+                   f"clear-disk: {LONG_TIMEOUT_S:g}, as they wait for the disk)")
+
+
+# flush-disk and clear-disk answer once the disk is done: a tier of GiBs takes seconds to minutes
+LONG_TIMEOUT_S = 600.0
+LONG_ACTIONS = ("flush-disk", "clear-disk")
 
 
 def _positive(text: str) -> float:
@@ -84,9 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                         help="exit 0 when the daemon is serving")
     _add_runtime(health, "print the reply as JSON")
     ctl = commands["ctl"] = sub.add_parser("ctl", help="operator actions", allow_abbrev=False)
-    ctl.add_argument("action", choices=["clear", "flush-disk", "clear-disk"],
+    ctl.add_argument("action", choices=["clear", *LONG_ACTIONS],
                      help="clear: drop every host-tier chunk not in use; flush-disk: copy every "
-                     "host chunk to the disk tier and wait until its write queue is empty; "
+                     "host chunk to the disk tier (whatever disk_min_hits says) and wait until "
+                     "its write queue is empty, with a progress line on stderr every few seconds; "
                      "clear-disk: delete every disk-tier chunk not being read")
     _add_runtime(ctl, "print the reply as JSON instead of one line")
     cfg = commands["config"] = sub.add_parser(
@@ -133,4 +140,6 @@ def parse(argv=None) -> argparse.Namespace:
         sub.error(_unknown_message(sub, extra))
     if args.command == "config" and args.config and not args.resolved:
         args.commands["config"].error("--config needs --resolved")
+    if getattr(args, "timeout", 0) is None:
+        args.timeout = LONG_TIMEOUT_S if getattr(args, "action", None) in LONG_ACTIONS else 5.0
     return args

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import workers_data as W
 import workers_disk as D
+from daemons import wait_for as until
 from disk_faults import SLOW_READ_S
 
 from kvd.cli.format import format_stats
@@ -187,15 +188,17 @@ def test_concurrent_stores_of_one_key_leave_one_file(start_daemon, procs, tmp_pa
     assert d.control("clear_disk")["deleted"] == 8 and chunk_files(tmp_path) == []
 
 
-@pytest.mark.parametrize("min_hits", [1])
-def test_min_hits_demotes_only_chunks_hit_before(start_daemon, procs, tmp_path, min_hits):
-    d = start_daemon(**disk_knobs(tmp_path, disk_min_hits=min_hits))
+def test_min_hits_demotes_only_chunks_hit_before(start_daemon, procs, tmp_path):
+    """The demoter (4 of 16 chunks: above a 0.1 watermark) skips chunks never looked up,
+    then takes those looked up once (an operator's flush writes all: test_disk_flush.py)."""
+    d = start_daemon(**disk_knobs(tmp_path, disk_min_hits=1, disk_high_watermark=0.1))
     rd = str(d.runtime_dir)
     assert procs.apply(D.store_seqs, (rd, SPEC, 91, 2, 2, "disk/hits", False)) == 4 * CHUNK
-    d.control("flush_disk")
-    assert disk_stats(d)["chunks"] == 0 and disk_stats(d)["demotions_skipped_cold"] > 0
+    until(lambda: disk_stats(d)["demotions_skipped_cold"] == 4, 10, "4 cold chunks skipped")
+    assert disk_stats(d)["chunks"] == 0
     procs.apply(D.load_seqs, (rd, SPEC, 91, 1, 2, "disk/hits"))  # one lookup of sequence 0
-    d.control("flush_disk")
+    until(lambda: disk_stats(d)["chunks"] == 2, 10, "the 2 chunks looked up on disk")
+    time.sleep(0.3)  # several demoter passes: sequence 1 stays off disk
     assert disk_stats(d)["chunks"] == 2
 
 
