@@ -7,6 +7,7 @@ runtime dir where none listens.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -196,3 +197,18 @@ def test_bench_daemon_profile_writes_the_daemons_stats(tmp_path):
     handled = [fn for (file, _, fn), row in pstats.Stats(str(path)).stats.items()
                if file.endswith("kvd/server/service.py") and fn == "handle"]
     assert handled, "the daemon's request handler is not in the profile"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
+@pytest.mark.parametrize("argv,install", [
+    (["--gpu"], "pip install torch 'kvd[gpu]'"),
+    (["--gpu", "--interference"], "pip install torch 'kvd[gpu]'"),
+    (["--gds", "--disk-dir", "{tmp}/gds"], "'kvd[gds]'"),
+])
+def test_bench_gpu_without_torch_says_what_to_install(tmp_path, argv, install):
+    """One line naming the packages and the pip command, exit 2, nothing made (no
+    --disk-dir), no traceback."""
+    out = kvd("bench", *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr.count("\n") == 1 and "PyTorch" in out.stderr and install in out.stderr
+    assert not (tmp_path / "gds").exists()

@@ -10,7 +10,9 @@ requests, request geometry); ``names_of`` parses a flag's list of names;
 ``plot`` draws a
 result table as a PNG (``--plot``). Benchmarks may import
 everything below them (kvd.server, kvd.tiers, kvd.config, kvd_client,
-kvd_protocol); nothing in the daemon imports kvd.bench. ``--disk-dir`` is created when
+kvd_protocol); nothing in the daemon imports kvd.bench. The GPU benchmarks
+(``--gpu``, ``--gds``) check their Python packages once their flags are
+checked: a missing one is one line naming what to install, exit status 2. ``--disk-dir`` is created when
 missing (one line and exit status 2 when it cannot be). They print medians
 and ratios against a baseline measured in the same run; they assert
 nothing about speed.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from kvd_protocol.keys import DTYPE_SIZES
 
-from .common import PAGE_ORDERS, size_arg
+from .common import PAGE_ORDERS, gpu_stack_problem, size_arg
 from .gpu import SHAPES
 from .pipeline import PHASES
 
@@ -134,6 +136,10 @@ def run(args) -> int:
         if problem:  # before minutes of benchmark, not after
             print(f"kvd bench: --json {args.json}: {problem}", file=sys.stderr)
             return 2
+    problem = gpu_stack_problem("--gds", ("torch", "cupy", "kvikio")) if args.gds else None
+    if problem:  # before --disk-dir is made
+        print(problem, file=sys.stderr)
+        return 2
     if args.disk_policy or args.gds or args.disk:
         problem = _usable_dir(args.disk_dir)
         if problem:

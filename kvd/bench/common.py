@@ -7,13 +7,15 @@ benchmarks run the default config, and leave nothing in /dev/shm);
 ``control`` sends one control
 request to it; ``request_bytes`` is the size of one request of a shape;
 ``start_scraper`` polls a daemon's ``/metrics`` from another process, as
-Prometheus would; ``on_stream`` runs one engine's calls on its own CUDA stream;
+Prometheus would; ``gpu_stack_problem`` says in one line what to install when
+a GPU benchmark's Python packages are missing (checked without importing them); ``on_stream`` runs one engine's calls on its own CUDA stream;
 ``page_sets`` picks the pages an engine stores from and loads into.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import subprocess
@@ -52,6 +54,23 @@ def control(rundir: str, op: str, timeout: float = 300.0):
         return ch.request(op)
     finally:
         ch.close()
+
+
+_PIP = {"torch": "torch", "cupy": "'kvd[gpu]'", "kvikio": "'kvd[gds]'"}  # module: what installs it
+_NAMES = {"torch": "PyTorch", "cupy": "CuPy", "kvikio": "KvikIO"}
+
+
+def gpu_stack_problem(flag: str, modules=("torch", "cupy")) -> str | None:
+    """One line naming what to ``pip install`` when one of ``modules`` is missing, or None."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    pkgs = dict.fromkeys(_PIP[m] for m in missing)
+    if _PIP["kvikio"] in pkgs:
+        pkgs.pop(_PIP["cupy"], None)  # kvd[gds] brings CuPy too
+    names = [_NAMES[m] for m in missing]
+    names = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+    return f"kvd bench {flag} needs {names}, not installed here: pip install {' '.join(pkgs)} (and a CUDA GPU)"
 
 
 def size_arg(text: str) -> int:
