@@ -147,13 +147,14 @@ def test_stats_watch_repeats_until_ctrl_c(daemon, as_json):
 
 
 def test_bench_disk_creates_its_dir_or_says_why(tmp_path):
-    new = tmp_path / "new" / "sub"
+    new = tmp_path / "new"
     out = kvd("bench", "--disk", "--disk-dir", new, "--disk-gib", "0.01", "--disk-chunk", "1MiB",
               "--repeat", "1", "--disk-threads", "1", timeout=120)
     assert out.returncode == 0, out.stderr
     assert new.is_dir() and "tier/raw" in out.stdout
     (tmp_path / "file").write_text("")
-    for bad, why in ((tmp_path / "file", "not a directory"), (tmp_path / "file" / "x", "cannot create")):
+    for bad, why in ((tmp_path / "file", "not a directory"), (tmp_path / "file" / "x", "cannot create"),
+                     (tmp_path / "typo" / "x", f"{tmp_path / 'typo'} does not exist")):
         out = kvd("bench", "--disk", "--disk-dir", bad)
         assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr
         assert out.stderr.count("\n") == 1

@@ -3,9 +3,11 @@
 ``check(cfg, runtime_dir)`` runs before anything expensive (the host tier's
 allocation takes minutes at 100 GiB): the runtime dir is creatable, ours
 and short enough for a socket path; ``shm_dir`` is a writable directory
-with room for ``host_capacity``; ``disk_dir`` is a directory (created if
-missing) we can write; with ``gpu = "on"``, CuPy is installed; with a ``remote_backend``, an
-address and the backend's client library. The room check counts the host tier a previous
+with room for ``host_capacity``; ``disk_dir`` is a directory we can write
+(its last component created if missing, never its parents: a typo must not
+fill another disk) with room for ``disk_capacity`` (free space plus what
+kvd's chunk files there hold); with ``gpu = "on"``, CuPy is installed; with
+a ``remote_backend``, an address and the backend's client library. The room check counts the host tier a previous
 daemon left as room (it is adopted or replaced). A problem
 with a knob's value raises ``ConfigError`` (one line, exit status 2);
 anything else ``StartupError`` (one line, exit status 1).
@@ -85,6 +87,9 @@ def check(cfg, runtime_dir: Path, group: int | None = None) -> None:
         raise ConfigError("host_capacity", problem)
     if cfg.disk_dir:
         _writable_dir("disk_dir", Path(cfg.disk_dir), create=True)
+        problem = disk_room_problem(Path(cfg.disk_dir), cfg.disk_capacity)
+        if problem:
+            raise ConfigError("disk_capacity", problem)
     if cfg.remote_backend != "off":
         _check_remote(cfg)
     if cfg.gpu == "on" and importlib.util.find_spec("cupy") is None:
@@ -107,7 +112,10 @@ def _left_behind(shm_dir: Path, runtime_dir: Path) -> int:
 def _writable_dir(key: str, path: Path, create: bool) -> None:
     if create and not os.path.lexists(path):
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(exist_ok=True)  # the last component only: see the module's docstring
+        except FileNotFoundError:
+            raise ConfigError(key, f"cannot create {path}: {path.parent} does not exist (kvd "
+                              "creates only the last directory; check the path)") from None
         except OSError as exc:
             raise ConfigError(key, f"cannot create {path}: {exc.strerror}") from None
     if not path.exists():
@@ -116,6 +124,39 @@ def _writable_dir(key: str, path: Path, create: bool) -> None:
         raise ConfigError(key, f"{path} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(key, f"{path} is not writable by uid {os.geteuid()}")
+
+
+def disk_room_problem(disk_dir: Path, capacity: int) -> str | None:
+    """Why a disk tier of ``capacity`` bytes cannot fit in ``disk_dir``, or None. kvd's
+    chunk files there count as room (the tier keeps or replaces them); they are only
+    counted when the free space alone falls short, as a large tier has millions."""
+    st = os.statvfs(disk_dir)
+    free = st.f_bavail * st.f_frsize
+    if free >= capacity:
+        return None
+    held = _chunk_file_bytes(disk_dir, capacity - free)
+    if free + held >= capacity:
+        return None
+    files = f" and {held / 2**30:.2f} GiB in kvd's chunk files" if held else ""
+    return (f"a disk tier of {capacity / 2**30:.2f} GiB does not fit: {disk_dir} has "
+            f"{free / 2**30:.2f} GiB free{files} (lower disk_capacity or make room)")
+
+
+def _chunk_file_bytes(root: Path, enough: int) -> int:
+    """Bytes of the chunk files under ``root`` (their sizes, as the disk tier counts them
+    against disk_capacity), counted until ``enough``."""
+    from kvd.tiers.chunk_file import SUFFIX
+    total = 0
+    for parent, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(SUFFIX):
+                try:
+                    total += os.stat(os.path.join(parent, name)).st_size
+                except OSError:
+                    continue  # gone meanwhile
+        if total >= enough:
+            break
+    return total
 
 
 REMOTE_CLIENTS = {"redis": ("redis", "redis"), "mooncake": ("mooncake", "mooncake")}  # module, extra

@@ -77,7 +77,8 @@ def test_a_signal_stops_the_allocation_at_once(start_daemon, sig):
 
 
 @pytest.mark.parametrize("case", ["disk_dir_is_a_file", "runtime_dir_in_proc", "no_shm_dir",
-                                  "shm_too_small", "disk_dir_uncreatable"])
+                                  "shm_too_small", "disk_dir_uncreatable", "disk_dir_parent_missing",
+                                  "disk_too_small"])
 def test_cheap_checks_fail_before_the_allocation(tmp_path, case):
     """One line, exit status 2, and nothing allocated (the allocation line never comes)."""
     (tmp_path / "file").write_text("")
@@ -86,6 +87,12 @@ def test_cheap_checks_fail_before_the_allocation(tmp_path, case):
         args["disk-dir"], want = tmp_path / "file", f"disk_dir: {tmp_path / 'file'} is not a directory"
     elif case == "disk_dir_uncreatable":
         args["disk-dir"], want = tmp_path / "file" / "d", "disk_dir: cannot create"
+    elif case == "disk_dir_parent_missing":  # a typo in a parent: nothing is created
+        args["disk-dir"] = tmp_path / "nvme-typo" / "kvd"
+        want = f"disk_dir: cannot create {args['disk-dir']}: {tmp_path / 'nvme-typo'} does not exist"
+    elif case == "disk_too_small":
+        args["disk-dir"], args["disk-capacity"] = tmp_path / "disk", "1024TiB"
+        want = f"disk_capacity: a disk tier of 1048576.00 GiB does not fit: {tmp_path / 'disk'} has "
     elif case == "runtime_dir_in_proc":
         args["runtime-dir"], want = "/proc/kvd-test/run", "runtime_dir: cannot create /proc/kvd-test"
     elif case == "no_shm_dir":
@@ -97,6 +104,26 @@ def test_cheap_checks_fail_before_the_allocation(tmp_path, case):
     errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and f"config error: {want}" in errors[0], out.stderr
     assert "Traceback" not in out.stderr and "allocating" not in out.stderr
+    assert not (tmp_path / "nvme-typo").exists()
+
+
+def test_chunk_files_in_disk_dir_count_as_room(start_daemon, tmp_path):
+    """disk_capacity above the free space starts when kvd's chunk files there make up the
+    difference (a restart keeps or replaces them); without them it is refused. A sparse
+    file stands for 2 GiB of chunk files; capacity is the free space plus 1 GiB."""
+    disk = tmp_path / "disk"
+    chunk = disk / "ab" / ("ab" * 16) / f"{'cd' * 16}.kvc"
+    chunk.parent.mkdir(parents=True)
+    st = os.statvfs(tmp_path)
+    capacity = st.f_bavail * st.f_frsize + 2**30
+    out = serve("--runtime-dir", tmp_path / "run0", "--host-capacity", "64MiB", "--disk-dir", disk,
+                "--disk-capacity", capacity)
+    assert out.returncode == 2 and "config error: disk_capacity: a disk tier of" in out.stderr
+    with open(chunk, "wb") as f:
+        f.truncate(2 * 2**30)
+    d = start_daemon(disk_dir=disk, disk_capacity=capacity)
+    assert d.stats()["tiers"]["disk"]["capacity_bytes"] == capacity
+    assert d.stop() == 0
 
 
 def test_the_config_is_logged_with_sources_before_the_allocation(start_daemon, tmp_path):
