@@ -213,3 +213,14 @@ def test_bench_gpu_without_torch_says_what_to_install(tmp_path, argv, install):
     assert out.returncode == 2 and out.stdout == "", out.stderr
     assert out.stderr.count("\n") == 1 and "PyTorch" in out.stderr and install in out.stderr
     assert not (tmp_path / "gds").exists()
+
+
+def test_a_misspelt_kvd_variable_gets_one_warning_naming_the_closest_knob():
+    """kvd config --resolved: one line on stderr per unknown KVD_* variable; the project's own
+    non-knob variables (KVD_VLLM_PYTHON, ...) are no typos."""
+    env = {"KVD_HOST_CAPACTIY": "8GiB", "KVD_VLLM_PYTHON": "/x", "KVD_SGLANG_PYTHON": "/y"}
+    out = kvd("config", "--resolved", env=env)
+    assert out.returncode == 0 and tomllib.loads(out.stdout)["host_capacity"] == "1GiB"
+    assert out.stderr == ("kvd: warning: environment variable KVD_HOST_CAPACTIY sets no kvd knob "
+                          "and is ignored (did you mean KVD_HOST_CAPACITY?)\n")
+    assert kvd("config", "--resolved", env={"KVD_VLLM_PYTHON": "/x"}).stderr == ""

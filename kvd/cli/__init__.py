@@ -10,7 +10,9 @@ usage and the closest flag, exit 2) and runs one subcommand:
   (kvd.cli.control), printed for people or, with ``--json``, for machines;
   exit 1 when no daemon answers.
 - ``config``: the default config file; ``--resolved``: what ``serve`` would
-  run with here, each value with its source.
+  run with here, each value with its source. Both ``serve`` and ``config
+  --resolved`` warn (one line each) about ``KVD_*`` variables that set no
+  knob, naming the closest (kvd.config_env).
 - ``top``: a live view of the daemon (kvd.cli.top).
 - ``bench``: benchmarks, each with a private daemon (kvd.bench).
 """
@@ -80,10 +82,17 @@ def _config(args) -> int:
         return 0
     try:
         print(resolved_toml(load_config(args.config)), end="")
+        warn_unknown_variables()
     except ConfigError as exc:
         print(f"kvd: config error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def warn_unknown_variables() -> None:
+    from kvd.config_env import unknown_variables
+    for line in unknown_variables():
+        print(f"kvd: warning: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

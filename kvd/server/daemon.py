@@ -1,7 +1,7 @@
 """``kvd serve``: start-up, the two ROUTER sockets, reaping, and shutdown.
 
-Start-up, cheapest first: log the resolved config (each knob and its
-source), check every cheap thing (kvd.server.startup: runtime dir, shm_dir,
+Start-up, cheapest first: log the resolved config (kvd.server.config_log:
+the knobs, and a warning for each misspelt ``KVD_*`` variable), check every cheap thing (kvd.server.startup: runtime dir, shm_dir,
 disk_dir, room for the host tier; exit status 2 with one line for a bad
 value), lock the runtime dir, reclaim what a dead daemon left, open the
 disk tier, adopt the host tier a previous daemon left or allocate a new
@@ -62,6 +62,7 @@ import zmq.asyncio
 from kvd import __version__
 from kvd.copy.host import HostCopyEngine
 from kvd.server import control, early_signals, logs, metrics, startup
+from kvd.server.config_log import log_config
 from kvd.server.host_tier import HostTierSetup
 from kvd.server.notify import Notifier
 from kvd.server.peers import AccessPolicy, ZapGate, credentials_available, recv_request, resolve_group
@@ -396,15 +397,6 @@ def _exit_now(code: int) -> None:
                 "closed)")
     logging.shutdown()
     os._exit(code)
-
-
-def log_config(cfg) -> None:
-    """One line per knob: its value and where it came from (default, file, env, flag)."""
-    if cfg.file:
-        log.info("config file %s", cfg.file)
-    for name, value, source in cfg.describe():
-        log.info("config %s = %s (%s)", name, value, source,
-                 extra={"knob": name, "value": cfg.public(name), "source": source})
 
 
 def _run(coro):

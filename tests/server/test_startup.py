@@ -139,6 +139,15 @@ def test_the_config_is_logged_with_sources_before_the_allocation(start_daemon, t
     assert log.index("allocating the host tier") < log.index("host tier: 64MiB at ")
 
 
+def test_a_misspelt_kvd_variable_is_one_warning_at_start(start_daemon):
+    d = start_daemon(env={"KVD_HOST_CAPACTIY": "8GiB", "KVD_VLLM_PYTHON": "/x"})
+    warnings = [line for line in d.log().splitlines() if "KVD_" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].endswith(" WARNING environment variable KVD_HOST_CAPACTIY sets no kvd knob "
+                                "and is ignored (did you mean KVD_HOST_CAPACITY?)")
+    assert d.stats()["tiers"]["host"]["capacity_bytes"] == 64 * 2**20  # the flag, not the typo
+
+
 def test_json_log_lines(start_daemon):
     d = start_daemon(log_format="json")
     assert d.stop() == 0
