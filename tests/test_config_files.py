@@ -48,6 +48,7 @@ def test_the_service_unit_waits_for_readiness_and_has_a_watchdog():
                     if "=" in line and not line.startswith("#"))
     assert settings["Type"] == "notify" and settings["NotifyAccess"] == "main"
     assert int(settings["WatchdogSec"]) >= 10 and settings["Restart"] == "on-failure"
+    assert settings["RestartPreventExitStatus"] == "2"  # config errors: no restart loop
     assert "tools/check_service.sh" in unit and "is not executable" in unit  # the header says so
 
 

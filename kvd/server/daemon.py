@@ -97,7 +97,7 @@ class Daemon:
         self.ctx = None
         self.sockets = []
         self.metrics = None  # the /metrics server (kvd.server.metrics), when one is configured
-        self.group = resolve_group(cfg.access_group)  # gid engines of other users connect with
+        self.group = None  # gid engines of other users connect with (access_group): start()
         self.gate = None  # kvd.server.peers.ZapGate: admits connections by their peer credentials
         self.liveness = Liveness(self)
         self.intake = self.control_intake = None  # kvd.server.peers_alive.Intake, per socket
@@ -135,6 +135,7 @@ class Daemon:
         if self.stopping.is_set():
             log.info("start-up interrupted by %s: stopped", self.stop_signal)
             return False
+        self.group = resolve_group(self.cfg.access_group)
         startup.check(self.cfg, self.runtime_dir, self.group)  # everything cheap, first
         self.lock.acquire()
         shm_dir = Path(self.cfg.shm_dir)

@@ -6,8 +6,9 @@ and short enough for a socket path; ``shm_dir`` is a writable directory
 with room for ``host_capacity``; ``disk_dir`` is a directory we can write
 (its last component created if missing, never its parents: a typo must not
 fill another disk) with room for ``disk_capacity`` (free space plus what
-kvd's chunk files there hold); with ``gpu = "on"``, CuPy is installed; with
-a ``remote_backend``, an address and the backend's client library. The room check counts the host tier a previous
+kvd's chunk files there hold); with ``metrics_port`` or ``metrics_socket``,
+prometheus-client imports; with ``gpu = "on"``, CuPy is installed; with a
+``remote_backend``, an address and the backend's client library. The room check counts the host tier a previous
 daemon left as room (it is adopted or replaced). A problem
 with a knob's value raises ``ConfigError`` (one line, exit status 2);
 anything else ``StartupError`` (one line, exit status 1).
@@ -36,6 +37,7 @@ import resource
 import sys
 from pathlib import Path
 
+from kvd.server import metrics
 from kvd.server.runtime_dir import prepare_runtime_dir
 from kvd.tiers.arena import arena_path, room_problem
 from kvd.tiers.arena_index import index_path
@@ -92,6 +94,9 @@ def check(cfg, runtime_dir: Path, group: int | None = None) -> None:
             raise ConfigError("disk_capacity", problem)
     if cfg.remote_backend != "off":
         _check_remote(cfg)
+    problem = metrics.library_problem(cfg)
+    if problem:
+        raise StartupError(problem)
     if cfg.gpu == "on" and importlib.util.find_spec("cupy") is None:
         raise StartupError("gpu = on but CuPy is not installed (pip install 'kvd[gpu]'), or "
                            "set gpu = auto or off")

@@ -78,7 +78,7 @@ def test_a_signal_stops_the_allocation_at_once(start_daemon, sig):
 
 @pytest.mark.parametrize("case", ["disk_dir_is_a_file", "runtime_dir_in_proc", "no_shm_dir",
                                   "shm_too_small", "disk_dir_uncreatable", "disk_dir_parent_missing",
-                                  "disk_too_small"])
+                                  "disk_too_small", "no_such_group"])
 def test_cheap_checks_fail_before_the_allocation(tmp_path, case):
     """One line, exit status 2, and nothing allocated (the allocation line never comes)."""
     (tmp_path / "file").write_text("")
@@ -93,6 +93,9 @@ def test_cheap_checks_fail_before_the_allocation(tmp_path, case):
     elif case == "disk_too_small":
         args["disk-dir"], args["disk-capacity"] = tmp_path / "disk", "1024TiB"
         want = f"disk_capacity: a disk tier of 1048576.00 GiB does not fit: {tmp_path / 'disk'} has "
+    elif case == "no_such_group":  # systemd's unit names group kvd: not made yet
+        args["access-group"] = "kvd-no-such-group"
+        want = "access_group: no such group 'kvd-no-such-group' (create it: groupadd"
     elif case == "runtime_dir_in_proc":
         args["runtime-dir"], want = "/proc/kvd-test/run", "runtime_dir: cannot create /proc/kvd-test"
     elif case == "no_shm_dir":
