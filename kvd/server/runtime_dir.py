@@ -35,7 +35,8 @@ def prepare_runtime_dir(runtime_dir: Path, group: int | None = None) -> None:
         raise ConfigError("runtime_dir", f"{runtime_dir} is not a directory")
     if st.st_uid != os.geteuid():
         raise ConfigError("runtime_dir", f"{runtime_dir} belongs to uid {st.st_uid}, not to "
-                          f"uid {os.geteuid()} that kvd runs as")
+                          f"uid {os.geteuid()} that kvd runs as (chown {os.geteuid()} "
+                          f"{runtime_dir}, or use another runtime_dir)")
     if not os.access(runtime_dir, os.W_OK | os.X_OK):
         raise ConfigError("runtime_dir", f"{runtime_dir} is not writable by uid {os.geteuid()}")
     if group is not None and st.st_gid != group:
