@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 
 from kvd.config import KNOBS
 
@@ -42,3 +43,9 @@ def unknown_variables(env=None) -> list[str]:
         hint = f"did you mean {close[0]}?" if close else "kvd config lists the knobs"
         lines.append(f"environment variable {name} sets no kvd knob and is ignored ({hint})")
     return lines
+
+
+def print_warnings() -> None:
+    """``unknown_variables`` on stderr, for the commands that load the config but log nothing."""
+    for line in unknown_variables():
+        print(f"kvd: warning: {line}", file=sys.stderr)

@@ -252,7 +252,7 @@ def test_every_kvd_variable_the_project_reads_is_a_knob_or_listed():
 def test_unknown_variables_name_the_closest_knob():
     env = {"KVD_HOST_CAPACTIY": "8GiB", "KVD_VLLM_PYTHON": "/x", "KVD_RUNTIME_DIR": "/r",
            "KVD_ZZZ": "1", "HOME": "/"}
-    assert unknown_variables(env) == [
-        "environment variable KVD_HOST_CAPACTIY sets no kvd knob and is ignored (did you mean "
-        "KVD_HOST_CAPACITY?)",
-        "environment variable KVD_ZZZ sets no kvd knob and is ignored (kvd config lists the knobs)"]
+    typo = ("environment variable KVD_HOST_CAPACTIY sets no kvd knob and is ignored (did you "
+            "mean KVD_HOST_CAPACITY?)")
+    other = "environment variable KVD_ZZZ sets no kvd knob and is ignored (kvd config lists the knobs)"
+    assert unknown_variables(env) == [typo, other]

@@ -1,9 +1,10 @@
 """What the benchmarks share: the private daemon, control requests, geometry.
 
 ``start_daemon`` runs ``kvd serve`` in a subprocess on a given runtime dir
-and returns once its control socket exists; ``stop_daemon`` stops it and
-removes the host tier it keeps for a next start (warm restart: the
-benchmarks run the default config, and leave nothing in /dev/shm);
+and returns once its control socket exists (or stops it again);
+``stop_daemon`` stops it and removes the host tier it keeps for a next
+start (warm restart: the benchmarks run the default config, and leave
+nothing in /dev/shm; every benchmark stops its daemons with it);
 ``control`` sends one control
 request to it; ``request_bytes`` is the size of one request of a shape;
 ``start_scraper`` polls a daemon's ``/metrics`` from another process, as
@@ -94,10 +95,14 @@ def start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),
     log = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(rundir, "control.sock")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the benchmark daemon did not start")
-        time.sleep(0.05)
+    try:
+        while not os.path.exists(os.path.join(rundir, "control.sock")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the benchmark daemon did not start")
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C too: no daemon and no host tier left behind
+        stop_daemon(proc, rundir)
+        raise
     return proc
 
 
@@ -114,12 +119,10 @@ def stop_daemon(proc: subprocess.Popen, rundir: str, timeout: float = 60.0,
 
 def remove_host_tier(rundir: str, shm_dir: str = "/dev/shm") -> None:
     """Delete the host tier (arena and index) the daemons of ``rundir`` keep across restarts."""
-    from kvd.tiers.arena import arena_path
-    from kvd.tiers.arena_index import index_path
+    from kvd.tiers.arena_index import kept_files
     from kvd_protocol.runtime import instance_tag
 
-    arena = arena_path(Path(shm_dir), instance_tag(Path(rundir)))
-    for path in (arena, index_path(arena)):
+    for path in kept_files(Path(shm_dir), instance_tag(Path(rundir))):
         path.unlink(missing_ok=True)
 
 

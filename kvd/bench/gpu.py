@@ -27,8 +27,15 @@ import time
 import numpy as np
 
 from . import pipeline
-from .common import (gpu_stack_problem, on_stream, page_sets, request_bytes, start_daemon, stop_daemon,
-                     write_json)
+from .common import (
+    gpu_stack_problem,
+    on_stream,
+    page_sets,
+    request_bytes,
+    start_daemon,
+    stop_daemon,
+    write_json,
+)
 
 OWN_SEGMENT = 12 << 20  # bytes: PyTorch gives a tensor of 10 MiB or more a cudaMalloc of its own
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)

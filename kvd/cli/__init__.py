@@ -1,4 +1,4 @@
-"""The ``kvd`` command: serve, stats, health, ctl, config, top, bench.
+"""The ``kvd`` command: serve, stats, health, ctl, config, top, bench, drop-tier.
 
 ``main(argv)`` parses (kvd.cli.parser: typo'd flags get the subcommand's
 usage and the closest flag, exit 2) and runs one subcommand:
@@ -15,6 +15,7 @@ usage and the closest flag, exit 2) and runs one subcommand:
   knob, naming the closest (kvd.config_env).
 - ``top``: a live view of the daemon (kvd.cli.top).
 - ``bench``: benchmarks, each with a private daemon (kvd.bench).
+- ``drop-tier``: free the host tier a stopped daemon kept (kvd.cli.drop_tier).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def _main(argv) -> int:
     if args.command == "bench":
         from kvd.bench import run
         return run(args)
+    if args.command == "drop-tier":
+        from kvd.cli.drop_tier import run as run_drop
+        return run_drop(args)
     if args.command == "top":
         from kvd.cli.top import run as run_top
         return run_top(args)
@@ -76,23 +80,18 @@ def _serve(args) -> int:
 
 def _config(args) -> int:
     from kvd.config import defaults_toml, load_config, resolved_toml
+    from kvd.config_env import print_warnings
     from kvd_protocol.errors import ConfigError
     if not args.resolved:
         print(defaults_toml(), end="")
         return 0
     try:
         print(resolved_toml(load_config(args.config)), end="")
-        warn_unknown_variables()
+        print_warnings()
     except ConfigError as exc:
         print(f"kvd: config error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def warn_unknown_variables() -> None:
-    from kvd.config_env import unknown_variables
-    for line in unknown_variables():
-        print(f"kvd: warning: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print the resolved config with each value's source")
     cfg.add_argument("--config", default=None, metavar="FILE",
                      help="with --resolved: the TOML file kvd serve would be given")
+    drop = commands["drop-tier"] = sub.add_parser(
+        "drop-tier", allow_abbrev=False,
+        help="free the host tier a stopped daemon keeps in shm_dir for a warm restart",
+        description="Delete the host tier a stopped daemon kept in shm_dir for the next start "
+        "(warm restart), freeing its memory. Refused while a daemon serves that runtime dir.")
+    drop.add_argument("--runtime-dir", default=None, metavar="PATH",
+                      help="runtime directory of the daemon (default: as kvd serve resolves it)")
+    drop.add_argument("--shm-dir", default=None, metavar="PATH",
+                      help="where the daemon kept it (default: shm_dir as kvd serve resolves it)")
+    drop.add_argument("--config", default=None, metavar="FILE",
+                      help="the TOML file kvd serve was given (for its runtime_dir and shm_dir)")
     top = commands["top"] = sub.add_parser(
         "top", help="live view: hit rate, GB/s, latencies, tier fill, clients", allow_abbrev=False)
     from kvd.cli.top import add_arguments as add_top_arguments

@@ -60,6 +60,15 @@ def _chgrp(path: Path, group: int) -> None:
                            "user must be a member of it") from None
 
 
+class InstanceBusy(RuntimeError):
+    """Another process holds the runtime dir's lock (``owner``: its pid as it wrote it)."""
+
+    def __init__(self, runtime_dir: Path, owner: str):
+        super().__init__(f"another kvd (pid {owner}) is serving {runtime_dir}; stop it or pass a "
+                         "different --runtime-dir")
+        self.owner = owner
+
+
 class InstanceLock:
     """flock on <runtime_dir>/kvd.lock holding the owner's pid."""
 
@@ -74,8 +83,7 @@ class InstanceLock:
         except BlockingIOError:
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise RuntimeError(f"another kvd (pid {owner}) is serving {self.path.parent}; "
-                               "stop it or pass a different --runtime-dir") from None
+            raise InstanceBusy(self.path.parent, owner) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd

@@ -38,11 +38,10 @@ import sys
 from pathlib import Path
 
 from kvd.server import metrics
+from kvd.server.kept_tier import kept_bytes
 from kvd.server.runtime_dir import prepare_runtime_dir
-from kvd.tiers.arena import arena_path, room_problem
-from kvd.tiers.arena_index import index_path
+from kvd.tiers.arena import room_problem
 from kvd_protocol.errors import ConfigError
-from kvd_protocol.runtime import instance_tag
 
 log = logging.getLogger("kvd")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, NUL included
@@ -84,7 +83,7 @@ def check(cfg, runtime_dir: Path, group: int | None = None) -> None:
     prepare_runtime_dir(runtime_dir, group)
     shm_dir = Path(cfg.shm_dir)
     _writable_dir("shm_dir", shm_dir, create=False)
-    problem = room_problem(shm_dir, cfg.host_capacity, _left_behind(shm_dir, runtime_dir))
+    problem = room_problem(shm_dir, cfg.host_capacity, kept_bytes(shm_dir, runtime_dir))
     if problem:
         raise ConfigError("host_capacity", problem)
     if cfg.disk_dir:
@@ -100,18 +99,6 @@ def check(cfg, runtime_dir: Path, group: int | None = None) -> None:
     if cfg.gpu == "on" and importlib.util.find_spec("cupy") is None:
         raise StartupError("gpu = on but CuPy is not installed (pip install 'kvd[gpu]'), or "
                            "set gpu = auto or off")
-
-
-def _left_behind(shm_dir: Path, runtime_dir: Path) -> int:
-    """Bytes the host tier a previous daemon of ``runtime_dir`` left in ``shm_dir`` holds."""
-    arena = arena_path(shm_dir, instance_tag(runtime_dir))
-    total = 0
-    for path in (arena, index_path(arena)):
-        try:
-            total += os.stat(path).st_blocks * 512
-        except OSError:
-            pass
-    return total
 
 
 def _writable_dir(key: str, path: Path, create: bool) -> None:
