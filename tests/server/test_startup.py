@@ -24,6 +24,8 @@ import pytest
 from daemons import wait_for as until
 from shm_files import arena_files
 
+from kvd.config import KNOBS
+
 SHM = Path("/dev/shm")
 BIG = 8 * 2**30  # takes seconds to allocate here (about 1 GiB/s on the 2-core CI machine)
 
@@ -130,16 +132,24 @@ def test_chunk_files_in_disk_dir_count_as_room(start_daemon, tmp_path):
 
 
 def test_the_config_is_logged_with_sources_before_the_allocation(start_daemon, tmp_path):
+    """At info level the knobs that differ from their defaults (from a file, env or flags;
+    a default set in the file is no change), and a count; at debug level every knob."""
     conf = tmp_path / "kvd.toml"
-    conf.write_text("lease_max_ms = 500\n")
+    conf.write_text("lease_max_ms = 500\nmax_clients = 1024\n")
     d = start_daemon(config=conf, env={"KVD_COPY_THREADS": "3"})
     log = d.log()
     assert f"config file {conf}" in log
     for line in ('config copy_threads = 3 (env)', 'config lease_max_ms = 500 (file)',
-                 'config host_capacity = "64MiB" (flag)', 'config max_clients = 1024 (default)'):
+                 'config host_capacity = "64MiB" (flag)', 'config chunk_tokens = 16 (flag)'):
         assert line in log
-    assert log.index("config log_format") < log.index("allocating the host tier: 64MiB")
+    assert "config max_clients" not in log and "config log_format" not in log
+    lines = [line for line in log.splitlines() if " kvd INFO config " in line]
+    assert len(lines) == 1 + 7  # the file; copy_threads, lease_max_ms, 5 flags of the fixture
+    summary = f"config: 7 of {len(KNOBS)} knobs differ from their defaults"
+    assert log.index(summary) < log.index("allocating the host tier: 64MiB")
     assert log.index("allocating the host tier") < log.index("host tier: 64MiB at ")
+    debug = start_daemon(config=conf, log_level="debug").log()
+    assert "config max_clients = 1024 (file)" in debug and "config log_format = " in debug
 
 
 def test_a_misspelt_kvd_variable_is_one_warning_at_start(start_daemon):
