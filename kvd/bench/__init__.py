@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvd_protocol.keys import DTYPE_SIZES
 
-from .common import PAGE_ORDERS, gpu_stack_problem, size_arg
+from .common import PAGE_ORDERS, size_arg, without_gpu_stack
 from .gpu import SHAPES
 from .pipeline import PHASES
 
@@ -136,10 +136,8 @@ def run(args) -> int:
         if problem:  # before minutes of benchmark, not after
             print(f"kvd bench: --json {args.json}: {problem}", file=sys.stderr)
             return 2
-    problem = gpu_stack_problem("--gds", ("torch", "cupy", "kvikio")) if args.gds else None
-    if problem:  # before --disk-dir is made
-        print(problem, file=sys.stderr)
-        return 2
+    if args.gds and without_gpu_stack("--gds", ("torch", "cupy", "kvikio")):
+        return 2  # before --disk-dir is made
     if args.disk_policy or args.gds or args.disk:
         problem = _usable_dir(args.disk_dir)
         if problem:

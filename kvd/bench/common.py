@@ -8,7 +8,7 @@ nothing in /dev/shm; every benchmark stops its daemons with it);
 ``control`` sends one control
 request to it; ``request_bytes`` is the size of one request of a shape;
 ``start_scraper`` polls a daemon's ``/metrics`` from another process, as
-Prometheus would; ``gpu_stack_problem`` says in one line what to install when
+Prometheus would; ``without_gpu_stack`` says in one line what to install when
 a GPU benchmark's Python packages are missing (checked without importing them); ``on_stream`` runs one engine's calls on its own CUDA stream;
 ``page_sets`` picks the pages an engine stores from and loads into.
 """
@@ -61,17 +61,20 @@ _PIP = {"torch": "torch", "cupy": "'kvd[gpu]'", "kvikio": "'kvd[gds]'"}  # modul
 _NAMES = {"torch": "PyTorch", "cupy": "CuPy", "kvikio": "KvikIO"}
 
 
-def gpu_stack_problem(flag: str, modules=("torch", "cupy")) -> str | None:
-    """One line naming what to ``pip install`` when one of ``modules`` is missing, or None."""
+def without_gpu_stack(flag: str, modules=("torch", "cupy")) -> bool:
+    """Whether one of ``modules`` is missing (looked up, not imported); if so, one line on
+    stderr naming what to ``pip install``."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if not missing:
-        return None
+        return False
     pkgs = dict.fromkeys(_PIP[m] for m in missing)
     if _PIP["kvikio"] in pkgs:
         pkgs.pop(_PIP["cupy"], None)  # kvd[gds] brings CuPy too
     names = [_NAMES[m] for m in missing]
     names = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
-    return f"kvd bench {flag} needs {names}, not installed here: pip install {' '.join(pkgs)} (and a CUDA GPU)"
+    print(f"kvd bench {flag} needs {names}, not installed here: pip install {' '.join(pkgs)} "
+          "(and a CUDA GPU)", file=sys.stderr)
+    return True
 
 
 def size_arg(text: str) -> int:

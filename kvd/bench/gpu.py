@@ -28,12 +28,12 @@ import numpy as np
 
 from . import pipeline
 from .common import (
-    gpu_stack_problem,
     on_stream,
     page_sets,
     request_bytes,
     start_daemon,
     stop_daemon,
+    without_gpu_stack,
     write_json,
 )
 
@@ -49,9 +49,7 @@ def run(args) -> int:
     cap = host_capacity(args, shapes)
     if cap is None:
         return 2
-    problem = gpu_stack_problem("--gpu")
-    if problem:
-        print(problem, file=sys.stderr)
+    if without_gpu_stack("--gpu"):
         return 2
     import torch
 
