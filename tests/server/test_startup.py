@@ -144,8 +144,8 @@ def test_the_config_is_logged_with_sources_before_the_allocation(start_daemon, t
         assert line in log
     assert "config max_clients" not in log and "config log_format" not in log
     lines = [line for line in log.splitlines() if " kvd INFO config " in line]
-    assert len(lines) == 1 + 7  # the file; copy_threads, lease_max_ms, 5 flags of the fixture
-    summary = f"config: 7 of {len(KNOBS)} knobs differ from their defaults"
+    assert len(lines) == 1 + 8  # the file; copy_threads, lease_max_ms, 6 flags of the fixture
+    summary = f"config: 8 of {len(KNOBS)} knobs differ from their defaults"
     assert log.index(summary) < log.index("allocating the host tier: 64MiB")
     assert log.index("allocating the host tier") < log.index("host tier: 64MiB at ")
     debug = start_daemon(config=conf, log_level="debug").log()
