@@ -90,6 +90,8 @@ def _disk(channel) -> dict | None:
 
 
 def _progress(name: str, elapsed: float, before: dict, now: dict) -> str:
+    if name == "clear-disk":
+        return f"{name}: {elapsed:.0f} s, {now['chunks']} chunks left on disk"
     written = now["writes"] - before["writes"]
     done = now["write_bytes"] - before["write_bytes"]
     return (f"{name}: {elapsed:.0f} s, {written} chunks written ({size(done)}), "
