@@ -8,8 +8,9 @@ nothing in /dev/shm; every benchmark stops its daemons with it);
 ``control`` sends one control
 request to it; ``request_bytes`` is the size of one request of a shape;
 ``start_scraper`` polls a daemon's ``/metrics`` from another process, as
-Prometheus would; ``without_gpu_stack`` says in one line what to install when
-a GPU benchmark's Python packages are missing (checked without importing them); ``on_stream`` runs one engine's calls on its own CUDA stream;
+Prometheus would; ``without_gpu_stack`` says in one line what to install
+when a GPU benchmark's Python packages are missing (looked up, not
+imported); ``on_stream`` runs one engine's calls on its own CUDA stream;
 ``page_sets`` picks the pages an engine stores from and loads into.
 """
 
