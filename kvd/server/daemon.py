@@ -1,9 +1,10 @@
 """``kvd serve``: start-up, the two ROUTER sockets, reaping, and shutdown.
 
 Start-up, cheapest first: log the resolved config (kvd.server.config_log:
-the knobs, and a warning for each misspelt ``KVD_*`` variable), check every cheap thing (kvd.server.startup: runtime dir, shm_dir,
-disk_dir, room for the host tier; exit status 2 with one line for a bad
-value), lock the runtime dir, reclaim what a dead daemon left, open the
+the knobs, and a warning for each misspelt ``KVD_*`` variable), resolve
+``access_group``, check every cheap thing (kvd.server.startup: runtime dir,
+shm_dir, disk_dir, room for the host tier and the disk tier, the metrics
+library; exit status 2 with one line for a bad value), lock the runtime dir, reclaim what a dead daemon left, open the
 disk tier, adopt the host tier a previous daemon left or allocate a new
 one on threads (kvd.server.host_tier; progress in the log and in systemd's
 STATUS=), start the backends, bind ``kvd.sock`` (engines) and

@@ -22,8 +22,9 @@
 computed; ``close`` (after the loop) stops the hashing threads and, with
 ``warm_restart``, writes the LRU order, marks the index clean and keeps
 both files for the next start (one line with what it kept, one with the
-``kvd drop-tier`` command that frees its memory); without it, removes them. A start-up interrupted by a signal removes an arena it made
-and keeps one it adopted. The index is marked clean only when no adopted
+``kvd drop-tier`` command that frees its memory); without it, removes
+them. A start-up interrupted by a signal removes an arena it made and keeps
+one it adopted. The index is marked clean only when no adopted
 chunk still waits for its verification.
 """
 
@@ -276,7 +277,8 @@ class HostTierSetup:
                      size_text(self.tier.alloc.used) if self.tier.alloc.used else "0 bytes")
             shm_dir = Path(self.cfg.shm_dir)  # the memory stays taken: say how to give it back
             log.info("the host tier (%s) stays in %s for a warm restart; `%s` frees it",
-                     size_text(self.cfg.host_capacity), shm_dir, drop_command(shm_dir, self.runtime_dir))
+                     size_text(self.cfg.host_capacity), shm_dir,
+                     drop_command(shm_dir, self.runtime_dir))
         else:
             self.index_path.unlink(missing_ok=True)
         self.arena = None
