@@ -1,8 +1,9 @@
 """``kvd top`` against a real daemon with a real engine process making traffic.
 
 Its output is not a terminal here, so it prints plain text: one view over
-one interval (``--once``); on a pty without ``rich`` it says what to install. The percentile arithmetic is checked on its own
-against hand-computed histograms.
+one interval (``--once``); on a pty without ``rich`` it says what to
+install. The percentile arithmetic is checked on its own against
+hand-computed histograms.
 """
 
 from __future__ import annotations

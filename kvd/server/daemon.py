@@ -4,12 +4,13 @@ Start-up, cheapest first: log the resolved config (kvd.server.config_log:
 the knobs, and a warning for each misspelt ``KVD_*`` variable), resolve
 ``access_group``, check every cheap thing (kvd.server.startup: runtime dir,
 shm_dir, disk_dir, room for the host tier and the disk tier, the metrics
-library; exit status 2 with one line for a bad value), lock the runtime dir, reclaim what a dead daemon left, open the
-disk tier, adopt the host tier a previous daemon left or allocate a new
-one on threads (kvd.server.host_tier; progress in the log and in systemd's
-STATUS=), start the backends, bind ``kvd.sock`` (engines) and
-``control.sock`` (operators) under umask 077, then tell systemd READY=1
-(kvd.server.notify; WATCHDOG=1 from the loop when systemd asks for it).
+library; exit status 2 with one line for a bad value), lock the runtime dir,
+reclaim what a dead daemon left, open the disk tier, adopt the host tier a
+previous daemon left or allocate a new one on threads (kvd.server.host_tier;
+progress in the log and in systemd's STATUS=), start the backends, bind
+``kvd.sock`` (engines) and ``control.sock`` (operators) under umask 077,
+then tell systemd READY=1 (kvd.server.notify; WATCHDOG=1 from the loop when
+systemd asks for it).
 With ``access_group`` the runtime dir and sockets are opened to that group
 (kvd.server.runtime_dir); every connection is admitted or refused by its
 kernel peer credentials (kvd.server.peers) before any of its messages is

@@ -1,17 +1,17 @@
 """What ``kvd serve`` checks and builds before it serves, cheapest checks first.
 
 ``check(cfg, runtime_dir)`` runs before anything expensive (the host tier's
-allocation takes minutes at 100 GiB): the runtime dir is creatable, ours
-and short enough for a socket path; ``shm_dir`` is a writable directory
-with room for ``host_capacity``; ``disk_dir`` is a directory we can write
-(its last component created if missing, never its parents: a typo must not
-fill another disk) with room for ``disk_capacity`` (free space plus what
-kvd's chunk files there hold); with ``metrics_port`` or ``metrics_socket``,
+allocation takes minutes at 100 GiB): the runtime dir is creatable, ours and
+short enough for a socket path; ``shm_dir`` is a writable directory with
+room for ``host_capacity``; ``disk_dir`` is a directory we can write (its
+last component created if missing, never its parents: a typo must not fill
+another disk) with room for ``disk_capacity`` (free space plus what kvd's
+chunk files there hold); with ``metrics_port`` or ``metrics_socket``,
 prometheus-client imports; with ``gpu = "on"``, CuPy is installed; with a
-``remote_backend``, an address and the backend's client library. The room check counts the host tier a previous
-daemon left as room (it is adopted or replaced). A problem
-with a knob's value raises ``ConfigError`` (one line, exit status 2);
-anything else ``StartupError`` (one line, exit status 1).
+``remote_backend``, an address and the backend's client library. The room
+check counts the host tier a previous daemon left as room (it is adopted or
+replaced). A problem with a knob's value raises ``ConfigError`` (one line,
+exit status 2); anything else ``StartupError`` (one line, exit status 1).
 
 ``raise_fd_limit`` raises the open files soft limit to the hard one (one
 log line when it moved).
