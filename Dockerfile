@@ -1,10 +1,21 @@
 # kvd in a container. The CUDA runtime base lets the GPU backend (cupy)
 # work with `--gpus all`; without GPUs the host backend serves as usual.
+# The base is CUDA 13.0: the GPU path needs a host NVIDIA driver for CUDA 13
+# (release 580 or newer; `nvidia-smi` shows "CUDA Version: 13.x"). With an
+# older driver the daemon logs "CUDA backend off: ..." and serves on the
+# host backend (gpu = on: it exits with that line).
 #
 #   docker build -t kvd .
+#   install -d -o 10001 -g 10001 -m 0700 /run/kvd    # on the host, once per boot
 #   docker run -d --name kvd --ipc=host --gpus all --ulimit memlock=-1 \
 #     -v /run/kvd:/run/kvd kvd
 #
+# /run/kvd on the host must exist and belong to uid 10001 (the kvd user
+# here) before the container starts: docker would make it root's, and the
+# daemon (not root) then stops at once with "runtime_dir: /run/kvd belongs to
+# uid 0, ...". /run is emptied at boot: a line `d /run/kvd 0700 10001 10001 -`
+# in /etc/tmpfiles.d/kvd.conf makes it at every boot (0750 with
+# KVD_ACCESS_GROUP=10001, below).
 # --ipc=host: the host tier and engines' host-backend pools live in
 #   /dev/shm and must be the same /dev/shm the engines see; CUDA IPC
 #   between engine containers and kvd also needs a shared IPC namespace.
@@ -47,6 +58,10 @@ RUN groupadd --gid 10001 --system kvd \
 USER kvd
 WORKDIR /tmp
 
-HEALTHCHECK --interval=10s --timeout=5s CMD ["/opt/kvd/bin/kvd", "health", "--timeout", "3"]
+# The host tier is allocated in full before kvd serves: about 1-2 minutes per 100 GiB
+# on 4 KiB pages. Failures during the start period do not count; the first success
+# ends it, so a long one costs nothing.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10m \
+  CMD ["/opt/kvd/bin/kvd", "health", "--timeout", "3"]
 ENTRYPOINT ["/opt/kvd/bin/kvd"]
 CMD ["serve", "--config", "/etc/kvd/kvd.toml"]

@@ -20,8 +20,9 @@ from kvd_protocol.runtime import control_endpoint
 
 SESSION_TAGS: set[str] = set()  # instance tags of the runtime dirs this session's daemons used
 
+# disk_capacity: kvd serve refuses one larger than the disk's free space (the default is 64 GiB)
 DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interval_s": 0.2,
-                 "client_timeout_s": 2.0, "log_level": "info"}
+                 "client_timeout_s": 2.0, "log_level": "info", "disk_capacity": "1GiB"}
 
 
 FAULT_DAEMON = Path(__file__).resolve().parent / "fault_daemon.py"

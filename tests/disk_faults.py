@@ -5,7 +5,8 @@
 
 - ``enospc``: every write fails with ENOSPC once its temp file exists;
 - ``eio_read``: every read fails with EIO;
-- ``slow_read``: every read first sleeps ``SLOW_READ_S``.
+- ``slow_read``: every read first sleeps ``SLOW_READ_S``;
+- ``slow_write``: every write first sleeps ``SLOW_WRITE_S``.
 
 ``EioKvikio`` stands in for the ``kvikio`` module given to the GPU Direct
 Storage loader: every ``CuFile`` open fails with EIO (fault ``gds_eio``).
@@ -25,8 +26,9 @@ from pathlib import Path
 
 from kvd.tiers.chunk_file import ChunkFiles
 
-FAULTS = ("enospc", "eio_read", "slow_read", "gds_eio", "rebuild_bug")
+FAULTS = ("enospc", "eio_read", "slow_read", "slow_write", "gds_eio", "rebuild_bug")
 SLOW_READ_S = 2.5
+SLOW_WRITE_S = 0.75
 
 
 class FaultyChunkFiles(ChunkFiles):
@@ -40,6 +42,8 @@ class FaultyChunkFiles(ChunkFiles):
     def write_parts(self, fd: int, parts: list) -> int:
         if "enospc" in self.faults:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if "slow_write" in self.faults:
+            time.sleep(SLOW_WRITE_S)
         return super().write_parts(fd, parts)
 
     def read_parts(self, fd: int, parts: list) -> int:

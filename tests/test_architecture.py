@@ -31,12 +31,15 @@ ALLOWED = {
     "kvd": {"kvd.sizes", "kvd_protocol"},
     "kvd.sizes": set(),
     "kvd.config": {"kvd", "kvd.sizes", "kvd_protocol"},
+    "kvd.config_env": {"kvd.config"},
     "kvd.tiers": {"kvd_protocol"},
     "kvd.copy": {"kvd_protocol"},
     "kvd.cuda": {"kvd.copy", "kvd.tiers", "kvd_protocol"},
-    "kvd.server": {"kvd", "kvd.cuda", "kvd.copy", "kvd.tiers", "kvd.config", "kvd_protocol"},
+    "kvd.server": {"kvd", "kvd.cuda", "kvd.copy", "kvd.tiers", "kvd.config", "kvd.config_env",
+                   "kvd_protocol"},
     "kvd.bench": {"kvd.server", "kvd.cuda", "kvd.tiers", "kvd.config", "kvd_client", "kvd_protocol"},
-    "kvd.cli": {"kvd", "kvd.bench", "kvd.server", "kvd.config", "kvd_client", "kvd_protocol"},
+    "kvd.cli": {"kvd", "kvd.bench", "kvd.server", "kvd.config", "kvd.config_env", "kvd_client",
+                "kvd_protocol"},
     "kvd.__main__": {"kvd.cli"},
 }
 OURS = ("kvd", "kvd_client", "kvd_protocol")

@@ -7,6 +7,7 @@ runtime dir where none listens.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -146,13 +147,14 @@ def test_stats_watch_repeats_until_ctrl_c(daemon, as_json):
 
 
 def test_bench_disk_creates_its_dir_or_says_why(tmp_path):
-    new = tmp_path / "new" / "sub"
+    new = tmp_path / "new"
     out = kvd("bench", "--disk", "--disk-dir", new, "--disk-gib", "0.01", "--disk-chunk", "1MiB",
               "--repeat", "1", "--disk-threads", "1", timeout=120)
     assert out.returncode == 0, out.stderr
     assert new.is_dir() and "tier/raw" in out.stdout
     (tmp_path / "file").write_text("")
-    for bad, why in ((tmp_path / "file", "not a directory"), (tmp_path / "file" / "x", "cannot create")):
+    for bad, why in ((tmp_path / "file", "not a directory"), (tmp_path / "file" / "x", "cannot create"),
+                     (tmp_path / "typo" / "x", f"{tmp_path / 'typo'} does not exist")):
         out = kvd("bench", "--disk", "--disk-dir", bad)
         assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr
         assert out.stderr.count("\n") == 1
@@ -196,3 +198,29 @@ def test_bench_daemon_profile_writes_the_daemons_stats(tmp_path):
     handled = [fn for (file, _, fn), row in pstats.Stats(str(path)).stats.items()
                if file.endswith("kvd/server/service.py") and fn == "handle"]
     assert handled, "the daemon's request handler is not in the profile"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
+@pytest.mark.parametrize("argv,install", [
+    (["--gpu"], "pip install torch 'kvd[gpu]'"),
+    (["--gpu", "--interference"], "pip install torch 'kvd[gpu]'"),
+    (["--gds", "--disk-dir", "{tmp}/gds"], "'kvd[gds]'"),
+])
+def test_bench_gpu_without_torch_says_what_to_install(tmp_path, argv, install):
+    """One line naming the packages and the pip command, exit 2, nothing made (no
+    --disk-dir), no traceback."""
+    out = kvd("bench", *[a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert out.stderr.count("\n") == 1 and "PyTorch" in out.stderr and install in out.stderr
+    assert not (tmp_path / "gds").exists()
+
+
+def test_a_misspelt_kvd_variable_gets_one_warning_naming_the_closest_knob():
+    """kvd config --resolved: one line on stderr per unknown KVD_* variable; the project's own
+    non-knob variables (KVD_VLLM_PYTHON, ...) are no typos."""
+    env = {"KVD_HOST_CAPACTIY": "8GiB", "KVD_VLLM_PYTHON": "/x", "KVD_SGLANG_PYTHON": "/y"}
+    out = kvd("config", "--resolved", env=env)
+    assert out.returncode == 0 and tomllib.loads(out.stdout)["host_capacity"] == "1GiB"
+    assert out.stderr == ("kvd: warning: environment variable KVD_HOST_CAPACTIY sets no kvd knob "
+                          "and is ignored (did you mean KVD_HOST_CAPACITY?)\n")
+    assert kvd("config", "--resolved", env={"KVD_VLLM_PYTHON": "/x"}).stderr == ""

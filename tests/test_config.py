@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from kvd.config import (
     parse_size,
     resolved_toml,
 )
+from kvd.config_env import OTHER_VARIABLES, knob_variables, unknown_variables
 from kvd_protocol.errors import (
     ConfigError,
 )
@@ -229,3 +232,28 @@ def test_every_knob_has_an_env_and_cli_spelling():
             value = "10"
         got = load_config(env={f"KVD_{knob.name.upper()}": value}).as_dict()[knob.name]
         assert got == load_config(env={}, overrides={knob.name: value}).as_dict()[knob.name]
+
+
+def test_every_kvd_variable_the_project_reads_is_a_knob_or_listed():
+    """The variables OTHER_VARIABLES lists are no typos: it must list every KVD_* variable
+    the code, tests, Makefile, scripts and Dockerfile read or set that is not a knob's."""
+    root = Path(__file__).resolve().parents[1]
+    read = re.compile(r"""environ(?:\.get)?\(?\[?["'](KVD_\w+)|\b(KVD_\w+)=|ARG (KVD_\w+)""")
+    found = set()
+    files = [*root.glob("kvd/**/*.py"), *root.glob("clients/**/*.py"), *root.glob("tests/**/*.py"),
+             *root.glob("tools/*"), root / "Makefile", root / "Dockerfile"]
+    for path in files:
+        for m in read.finditer(path.read_text(errors="replace")):
+            found.add(next(g for g in m.groups() if g))
+    assert {"KVD_VLLM_PYTHON", "KVD_TEST_LOG_DIR", "KVD_EXTRAS"} <= found  # the scan sees them
+    known = set(knob_variables()) | set(OTHER_VARIABLES)
+    assert found - known == set()
+
+
+def test_unknown_variables_name_the_closest_knob():
+    env = {"KVD_HOST_CAPACTIY": "8GiB", "KVD_VLLM_PYTHON": "/x", "KVD_RUNTIME_DIR": "/r",
+           "KVD_ZZZ": "1", "HOME": "/"}
+    typo = ("environment variable KVD_HOST_CAPACTIY sets no kvd knob and is ignored (did you "
+            "mean KVD_HOST_CAPACITY?)")
+    other = "environment variable KVD_ZZZ sets no kvd knob and is ignored (kvd config lists the knobs)"
+    assert unknown_variables(env) == [typo, other]

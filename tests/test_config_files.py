@@ -48,6 +48,7 @@ def test_the_service_unit_waits_for_readiness_and_has_a_watchdog():
                     if "=" in line and not line.startswith("#"))
     assert settings["Type"] == "notify" and settings["NotifyAccess"] == "main"
     assert int(settings["WatchdogSec"]) >= 10 and settings["Restart"] == "on-failure"
+    assert settings["RestartPreventExitStatus"] == "2"  # config errors: no restart loop
     assert "tools/check_service.sh" in unit and "is not executable" in unit  # the header says so
 
 
@@ -55,3 +56,17 @@ def test_the_license_is_an_spdx_expression():
     """PEP 639: a table (``{ text = ... }``) makes setuptools print a deprecation banner."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"
+
+
+def test_the_dockerfile_says_what_the_host_needs_and_waits_for_the_allocation():
+    """The GPU path's driver (the base image is CUDA 13), the host's /run/kvd for uid 10001,
+    and a health check that does not fail the container while the host tier is allocated."""
+    text = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^FROM nvidia/cuda:(\d+)\.", text, re.M)
+    header = text[:text.index("FROM ")]
+    assert base and f"CUDA {base.group(1)}" in header and "driver" in header
+    assert "install -d -o 10001 -g 10001" in header and "tmpfiles.d" in header
+    assert "useradd --uid 10001" in text[len(header):]  # the uid the header names
+    health = re.search(r"^HEALTHCHECK (.*?) CMD", text, re.M | re.S)
+    period = re.search(r"--start-period=(\d+)m", health.group(1))
+    assert period and int(period.group(1)) >= 5, health.group(0)

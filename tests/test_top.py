@@ -1,14 +1,19 @@
 """``kvd top`` against a real daemon with a real engine process making traffic.
 
 Its output is not a terminal here, so it prints plain text: one view over
-one interval (``--once``). The percentile arithmetic is checked on its own
-against hand-computed histograms.
+one interval (``--once``); on a pty without ``rich`` it says what to
+install. The percentile arithmetic is checked on its own against
+hand-computed histograms.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import pty
 import re
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -71,3 +76,31 @@ def test_quantile_interpolates_within_the_bucket_like_prometheus():
     assert abs(quantile(bounds, [0, 4, 0, 0], 0.25) - 0.00325) < 1e-12  # a quarter into (1, 10] ms
     assert quantile(bounds, [1, 0, 0, 99], 0.99) == 0.1        # in +Inf: the largest finite bound
     assert abs(quantile(bounds, [50, 50, 0, 0], 0.99) - (0.001 + 0.009 * 49 / 50)) < 1e-12
+
+
+def test_on_a_terminal_without_rich_it_says_what_to_install(daemon, tmp_path):
+    """stdout a terminal (a pty), ``rich`` not importable: one line on stderr naming
+    kvd[top], then the plain views."""
+    (tmp_path / "rich").mkdir()
+    (tmp_path / "rich" / "__init__.py").write_text("raise ImportError('hidden')\n")
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "kvd", "top", "--interval", "0.2",
+                             "--runtime-dir", str(daemon.runtime_dir)], stdout=follower,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    os.close(follower)
+    try:
+        seen = b""
+        while b"hit rate" not in seen:
+            assert select.select([leader], [], [], 30)[0], "no view on the terminal"
+            seen += os.read(leader, 65536)
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=30)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    assert proc.returncode == 0
+    assert err == ("kvd top: rich is not installed: plain text, one view per refresh (pip install "
+                   "'kvd[top]' for the live view)\n")

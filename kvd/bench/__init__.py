@@ -10,10 +10,12 @@ requests, request geometry); ``names_of`` parses a flag's list of names;
 ``plot`` draws a
 result table as a PNG (``--plot``). Benchmarks may import
 everything below them (kvd.server, kvd.tiers, kvd.config, kvd_client,
-kvd_protocol); nothing in the daemon imports kvd.bench. ``--disk-dir`` is created when
-missing (one line and exit status 2 when it cannot be). They print medians
-and ratios against a baseline measured in the same run; they assert
-nothing about speed.
+kvd_protocol); nothing in the daemon imports kvd.bench. The GPU benchmarks
+(``--gpu``, ``--gds``) check their Python packages once their flags are
+checked: a missing one is one line naming what to install, exit status 2.
+``--disk-dir`` is created when missing, its last component only (one line
+and exit status 2 when it cannot be). They print medians and ratios against
+a baseline measured in the same run; they assert nothing about speed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from kvd_protocol.keys import DTYPE_SIZES
 
-from .common import PAGE_ORDERS, size_arg
+from .common import PAGE_ORDERS, size_arg, without_gpu_stack
 from .gpu import SHAPES
 from .pipeline import PHASES
 
@@ -134,6 +136,8 @@ def run(args) -> int:
         if problem:  # before minutes of benchmark, not after
             print(f"kvd bench: --json {args.json}: {problem}", file=sys.stderr)
             return 2
+    if args.gds and without_gpu_stack("--gds", ("torch", "cupy", "kvikio")):
+        return 2  # before --disk-dir is made
     if args.disk_policy or args.gds or args.disk:
         problem = _usable_dir(args.disk_dir)
         if problem:
@@ -165,13 +169,15 @@ def run(args) -> int:
 
 
 def _usable_dir(path: str) -> str | None:
-    """Create ``path`` if missing (as ``kvd serve`` does its disk_dir); why it cannot be
-    benchmarked in, or None."""
+    """Create ``path`` if missing, its last component only (as ``kvd serve`` does its
+    disk_dir); why it cannot be benchmarked in, or None."""
     p = Path(path)
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        p.mkdir(exist_ok=True)
     except FileExistsError:
         return "not a directory"
+    except FileNotFoundError:
+        return f"cannot create it: {p.parent} does not exist (only the last directory is created)"
     except OSError as exc:
         return f"cannot create it: {exc.strerror}"
     if not os.access(p, os.W_OK | os.X_OK):

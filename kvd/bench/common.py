@@ -1,19 +1,23 @@
 """What the benchmarks share: the private daemon, control requests, geometry.
 
 ``start_daemon`` runs ``kvd serve`` in a subprocess on a given runtime dir
-and returns once its control socket exists; ``stop_daemon`` stops it and
-removes the host tier it keeps for a next start (warm restart: the
-benchmarks run the default config, and leave nothing in /dev/shm);
+and returns once its control socket exists (or stops it again);
+``stop_daemon`` stops it and removes the host tier it keeps for a next
+start (warm restart: the benchmarks run the default config, and leave
+nothing in /dev/shm; every benchmark stops its daemons with it);
 ``control`` sends one control
 request to it; ``request_bytes`` is the size of one request of a shape;
 ``start_scraper`` polls a daemon's ``/metrics`` from another process, as
-Prometheus would; ``on_stream`` runs one engine's calls on its own CUDA stream;
+Prometheus would; ``without_gpu_stack`` says in one line what to install
+when a GPU benchmark's Python packages are missing (looked up, not
+imported); ``on_stream`` runs one engine's calls on its own CUDA stream;
 ``page_sets`` picks the pages an engine stores from and loads into.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import subprocess
@@ -54,6 +58,26 @@ def control(rundir: str, op: str, timeout: float = 300.0):
         ch.close()
 
 
+_PIP = {"torch": "torch", "cupy": "'kvd[gpu]'", "kvikio": "'kvd[gds]'"}  # module: what installs it
+_NAMES = {"torch": "PyTorch", "cupy": "CuPy", "kvikio": "KvikIO"}
+
+
+def without_gpu_stack(flag: str, modules=("torch", "cupy")) -> bool:
+    """Whether one of ``modules`` is missing (looked up, not imported); if so, one line on
+    stderr naming what to ``pip install``."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return False
+    pkgs = dict.fromkeys(_PIP[m] for m in missing)
+    if _PIP["kvikio"] in pkgs:
+        pkgs.pop(_PIP["cupy"], None)  # kvd[gds] brings CuPy too
+    names = [_NAMES[m] for m in missing]
+    names = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+    print(f"kvd bench {flag} needs {names}, not installed here: pip install {' '.join(pkgs)} "
+          "(and a CUDA GPU)", file=sys.stderr)
+    return True
+
+
 def size_arg(text: str) -> int:
     """An argparse type: a size such as '4GiB', else a usage error (exit status 2) that
     says why (kvd.config.parse_size's message)."""
@@ -75,10 +99,14 @@ def start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),
     log = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     deadline = time.monotonic() + 60
-    while not os.path.exists(os.path.join(rundir, "control.sock")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the benchmark daemon did not start")
-        time.sleep(0.05)
+    try:
+        while not os.path.exists(os.path.join(rundir, "control.sock")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the benchmark daemon did not start")
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C too: no daemon and no host tier left behind
+        stop_daemon(proc, rundir)
+        raise
     return proc
 
 
@@ -95,12 +123,10 @@ def stop_daemon(proc: subprocess.Popen, rundir: str, timeout: float = 60.0,
 
 def remove_host_tier(rundir: str, shm_dir: str = "/dev/shm") -> None:
     """Delete the host tier (arena and index) the daemons of ``rundir`` keep across restarts."""
-    from kvd.tiers.arena import arena_path
-    from kvd.tiers.arena_index import index_path
+    from kvd.tiers.arena_index import kept_files
     from kvd_protocol.runtime import instance_tag
 
-    arena = arena_path(Path(shm_dir), instance_tag(Path(rundir)))
-    for path in (arena, index_path(arena)):
+    for path in kept_files(Path(shm_dir), instance_tag(Path(rundir))):
         path.unlink(missing_ok=True)
 
 

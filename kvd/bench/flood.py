@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .common import control, start_daemon
+from .common import control, start_daemon, stop_daemon
 
 GEOMETRY = ("vllm_flash_attn", 4, 256, 16, 8, 64, "float16")  # 64 KiB per 16-token chunk
 
@@ -50,8 +50,7 @@ def run(args) -> int:
                 client.close()
             if pool is not None:
                 pool.close()
-            daemon.terminate()
-            daemon.wait(30)
+            stop_daemon(daemon, rundir, 30)  # and the host tier it keeps: nothing left behind
     p50a, p50f = statistics.median(alone), statistics.median(flooded)
     p99a, p99f = np.percentile(alone, 99), np.percentile(flooded, 99)
     print(f"neighbour round trip (store + load of 4 chunks of 64 KiB), {len(alone)} each:")

@@ -27,7 +27,15 @@ import time
 import numpy as np
 
 from . import pipeline
-from .common import on_stream, page_sets, request_bytes, start_daemon, stop_daemon, write_json
+from .common import (
+    on_stream,
+    page_sets,
+    request_bytes,
+    start_daemon,
+    stop_daemon,
+    without_gpu_stack,
+    write_json,
+)
 
 OWN_SEGMENT = 12 << 20  # bytes: PyTorch gives a tensor of 10 MiB or more a cudaMalloc of its own
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
@@ -40,6 +48,8 @@ def run(args) -> int:
     shapes = {name: SHAPES[name] for name in args.gpu_shapes}
     cap = host_capacity(args, shapes)
     if cap is None:
+        return 2
+    if without_gpu_stack("--gpu"):
         return 2
     import torch
 

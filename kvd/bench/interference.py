@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from .common import request_bytes, start_daemon, stop_daemon
+from .common import request_bytes, start_daemon, stop_daemon, without_gpu_stack
 
 _K = ["--gpu-copy-path", "kernels"]
 _D = ["--gpu-copy-path", "dma"]
@@ -73,6 +73,8 @@ def run(args) -> int:
     if unknown:
         print(f"kvd bench --interference: unknown variant or workload {', '.join(map(repr, unknown))}"
               f"; variants: {'; '.join(VARIANTS)}; workloads: gemm, decode", file=sys.stderr)
+        return 2
+    if without_gpu_stack("--gpu --interference"):
         return 2
     rows = []
     modes = [False] + ([True] if args.mps else [])

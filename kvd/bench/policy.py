@@ -52,7 +52,7 @@ def run(args) -> int:
         for min_hits in (0, 1, 2):
             rundir = tempfile.mkdtemp(prefix="kvd-policy-run-")
             knobs = ["--disk-dir", str(base / f"disk{min_hits}"), "--disk-min-hits", str(min_hits),
-                     "--gpu", "off"]
+                     "--disk-capacity", "2GiB", "--gpu", "off"]  # writes < 1 GB; 64 GiB may not fit
             daemon = start_daemon(rundir, capacity=HOST_CHUNKS * SHARD, chunk_tokens=CHUNK,
                                    extra=knobs)
             pool = None

@@ -1,4 +1,4 @@
-"""The ``kvd`` command: serve, stats, health, ctl, config, top, bench.
+"""The ``kvd`` command: serve, stats, health, ctl, config, top, bench, drop-tier.
 
 ``main(argv)`` parses (kvd.cli.parser: typo'd flags get the subcommand's
 usage and the closest flag, exit 2) and runs one subcommand:
@@ -10,9 +10,12 @@ usage and the closest flag, exit 2) and runs one subcommand:
   (kvd.cli.control), printed for people or, with ``--json``, for machines;
   exit 1 when no daemon answers.
 - ``config``: the default config file; ``--resolved``: what ``serve`` would
-  run with here, each value with its source.
+  run with here, each value with its source. Both ``serve`` and ``config
+  --resolved`` warn (one line each) about ``KVD_*`` variables that set no
+  knob, naming the closest (kvd.config_env).
 - ``top``: a live view of the daemon (kvd.cli.top).
 - ``bench``: benchmarks, each with a private daemon (kvd.bench).
+- ``drop-tier``: free the host tier a stopped daemon kept (kvd.cli.drop_tier).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def _main(argv) -> int:
     if args.command == "bench":
         from kvd.bench import run
         return run(args)
+    if args.command == "drop-tier":
+        from kvd.cli.drop_tier import run as run_drop
+        return run_drop(args)
     if args.command == "top":
         from kvd.cli.top import run as run_top
         return run_top(args)
@@ -74,12 +80,14 @@ def _serve(args) -> int:
 
 def _config(args) -> int:
     from kvd.config import defaults_toml, load_config, resolved_toml
+    from kvd.config_env import print_warnings
     from kvd_protocol.errors import ConfigError
     if not args.resolved:
         print(defaults_toml(), end="")
         return 0
     try:
         print(resolved_toml(load_config(args.config)), end="")
+        print_warnings()
     except ConfigError as exc:
         print(f"kvd: config error: {exc}", file=sys.stderr)
         return 2

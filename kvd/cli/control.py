@@ -6,7 +6,11 @@ what to check when nothing listens there (no ``control.sock``, or a stale
 one a dead daemon left), else sends the request with ``--timeout``. It
 prints a human line or table (``--json``: the reply) and exits 0, or 1
 when the daemon is not reachable. ``stats --watch SECONDS`` repeats until
-Ctrl-C (exit 0).
+Ctrl-C (exit 0). ``ctl flush-disk`` and ``clear-disk`` wait as long as the
+disk takes (``--timeout``, 600 s by default: kvd.cli.parser) and, past
+``PROGRESS_AFTER_S``, say on stderr every ``PROGRESS_EVERY_S`` what the disk
+tier did meanwhile (from ``stats``, which also tells that the daemon is
+still there); a timeout says that the daemon goes on.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from kvd.cli.format import format_stats, summary, to_json
-from kvd_protocol.errors import KvdError
+from kvd.cli.format import format_stats, size, summary, to_json
+from kvd_protocol.errors import KvdError, Timeout
 from kvd_protocol.runtime import control_endpoint, resolve_runtime_dir
 
+PROGRESS_AFTER_S = 2.0  # a flush done sooner prints nothing but its result
+PROGRESS_EVERY_S = 2.0
 WHERE = ("pass the daemon's --runtime-dir, or set KVD_RUNTIME_DIR (kvd serve logs its runtime "
          "dir when it starts)")
 
@@ -38,7 +44,7 @@ def run(args) -> int:
             return _watch(channel, args)
         op = {"stats": "stats", "health": "health", "ctl": (getattr(args, "action", None) or "")
               .replace("-", "_")}[args.command]
-        result = channel.request(op)
+        result = _long(channel, op, args.timeout) if op in LONG_OPS else channel.request(op)
         if args.json:
             print(to_json(result))
         elif args.command == "stats":
@@ -51,6 +57,45 @@ def run(args) -> int:
         return 1
     finally:
         channel.close()
+
+
+LONG_OPS = ("flush_disk", "clear_disk")
+
+
+def _long(channel, op: str, timeout: float) -> dict:
+    """The reply to ``op``, waited for up to ``timeout`` s with progress lines on stderr."""
+    name = op.replace("_", "-")
+    t0 = time.monotonic()
+    before = _disk(channel)
+    req = channel.send(op)
+    deadline, report = t0 + timeout, t0 + PROGRESS_AFTER_S
+    while (now := time.monotonic()) < deadline:
+        for rid, result, error in channel.collect(min(deadline, report) - now):
+            if rid == req:
+                if error is not None:
+                    raise error
+                return result
+        if time.monotonic() >= report and before is not None:
+            print(_progress(name, time.monotonic() - t0, before, _disk(channel)),
+                  file=sys.stderr, flush=True)
+            report += PROGRESS_EVERY_S
+    channel.forget(req)
+    raise Timeout(f"{name} did not finish within {timeout:g} s; the daemon goes on with it "
+                  "(kvd stats shows the disk tier; --timeout SECONDS waits longer)")
+
+
+def _disk(channel) -> dict | None:
+    """The disk tier's stats (None without one); asking also shows the daemon is there."""
+    return channel.request("stats", timeout=PROGRESS_EVERY_S + 3)["tiers"].get("disk")
+
+
+def _progress(name: str, elapsed: float, before: dict, now: dict) -> str:
+    if name == "clear-disk":
+        return f"{name}: {elapsed:.0f} s, {now['chunks']} chunks left on disk"
+    written = now["writes"] - before["writes"]
+    done = now["write_bytes"] - before["write_bytes"]
+    return (f"{name}: {elapsed:.0f} s, {written} chunks written ({size(done)}), "
+            f"{now['queued_writes']} queued, {now['chunks']} chunks on disk")
 
 
 def unreachable(sock: Path) -> str | None:

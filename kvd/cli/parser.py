@@ -58,8 +58,14 @@ def _add_runtime(p: argparse.ArgumentParser, json_help: str) -> None:
     p.add_argument("--runtime-dir", default=None, metavar="PATH",
                    help="runtime directory of the daemon (default: $KVD_RUNTIME_DIR, then the "
                    "rules of docs/config.md)")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds to wait for the daemon (default: 5)")
+    p.add_argument("--timeout", type=_positive, default=None, metavar="SECONDS",
+                   help="seconds to wait for the daemon's answer (default: 5; ctl flush-disk and "
+                   f"clear-disk: {LONG_TIMEOUT_S:g}, as they wait for the disk)")
+
+
+# flush-disk and clear-disk answer once the disk is done: a tier of GiBs takes seconds to minutes
+LONG_TIMEOUT_S = 600.0
+LONG_ACTIONS = ("flush-disk", "clear-disk")
 
 
 def _positive(text: str) -> float:
@@ -84,9 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                         help="exit 0 when the daemon is serving")
     _add_runtime(health, "print the reply as JSON")
     ctl = commands["ctl"] = sub.add_parser("ctl", help="operator actions", allow_abbrev=False)
-    ctl.add_argument("action", choices=["clear", "flush-disk", "clear-disk"],
+    ctl.add_argument("action", choices=["clear", *LONG_ACTIONS],
                      help="clear: drop every host-tier chunk not in use; flush-disk: copy every "
-                     "host chunk to the disk tier and wait until its write queue is empty; "
+                     "host chunk to the disk tier (whatever disk_min_hits says) and wait until "
+                     "its write queue is empty, with a progress line on stderr every few seconds; "
                      "clear-disk: delete every disk-tier chunk not being read")
     _add_runtime(ctl, "print the reply as JSON instead of one line")
     cfg = commands["config"] = sub.add_parser(
@@ -98,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print the resolved config with each value's source")
     cfg.add_argument("--config", default=None, metavar="FILE",
                      help="with --resolved: the TOML file kvd serve would be given")
+    drop = commands["drop-tier"] = sub.add_parser(
+        "drop-tier", allow_abbrev=False,
+        help="free the host tier a stopped daemon keeps in shm_dir for a warm restart",
+        description="Delete the host tier a stopped daemon kept in shm_dir for the next start "
+        "(warm restart), freeing its memory. Refused while a daemon serves that runtime dir.")
+    drop.add_argument("--runtime-dir", default=None, metavar="PATH",
+                      help="runtime directory of the daemon (default: as kvd serve resolves it)")
+    drop.add_argument("--shm-dir", default=None, metavar="PATH",
+                      help="where the daemon kept it (default: shm_dir as kvd serve resolves it)")
+    drop.add_argument("--config", default=None, metavar="FILE",
+                      help="the TOML file kvd serve was given (for its runtime_dir and shm_dir)")
     top = commands["top"] = sub.add_parser(
         "top", help="live view: hit rate, GB/s, latencies, tier fill, clients", allow_abbrev=False)
     from kvd.cli.top import add_arguments as add_top_arguments
@@ -133,4 +151,6 @@ def parse(argv=None) -> argparse.Namespace:
         sub.error(_unknown_message(sub, extra))
     if args.command == "config" and args.config and not args.resolved:
         args.commands["config"].error("--config needs --resolved")
+    if getattr(args, "timeout", 0) is None:
+        args.timeout = LONG_TIMEOUT_S if getattr(args, "action", None) in LONG_ACTIONS else 5.0
     return args

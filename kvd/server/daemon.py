@@ -1,14 +1,16 @@
 """``kvd serve``: start-up, the two ROUTER sockets, reaping, and shutdown.
 
-Start-up, cheapest first: log the resolved config (each knob and its
-source), check every cheap thing (kvd.server.startup: runtime dir, shm_dir,
-disk_dir, room for the host tier; exit status 2 with one line for a bad
-value), lock the runtime dir, reclaim what a dead daemon left, open the
-disk tier, adopt the host tier a previous daemon left or allocate a new
-one on threads (kvd.server.host_tier; progress in the log and in systemd's
-STATUS=), start the backends, bind ``kvd.sock`` (engines) and
-``control.sock`` (operators) under umask 077, then tell systemd READY=1
-(kvd.server.notify; WATCHDOG=1 from the loop when systemd asks for it).
+Start-up, cheapest first: log the resolved config (kvd.server.config_log:
+the knobs, and a warning for each misspelt ``KVD_*`` variable), resolve
+``access_group``, check every cheap thing (kvd.server.startup: runtime dir,
+shm_dir, disk_dir, room for the host tier and the disk tier, the metrics
+library; exit status 2 with one line for a bad value), lock the runtime dir,
+reclaim what a dead daemon left, open the disk tier, adopt the host tier a
+previous daemon left or allocate a new one on threads (kvd.server.host_tier;
+progress in the log and in systemd's STATUS=), start the backends, bind
+``kvd.sock`` (engines) and ``control.sock`` (operators) under umask 077,
+then tell systemd READY=1 (kvd.server.notify; WATCHDOG=1 from the loop when
+systemd asks for it).
 With ``access_group`` the runtime dir and sockets are opened to that group
 (kvd.server.runtime_dir); every connection is admitted or refused by its
 kernel peer credentials (kvd.server.peers) before any of its messages is
@@ -62,6 +64,7 @@ import zmq.asyncio
 from kvd import __version__
 from kvd.copy.host import HostCopyEngine
 from kvd.server import control, early_signals, logs, metrics, startup
+from kvd.server.config_log import log_config
 from kvd.server.host_tier import HostTierSetup
 from kvd.server.notify import Notifier
 from kvd.server.peers import AccessPolicy, ZapGate, credentials_available, recv_request, resolve_group
@@ -96,7 +99,7 @@ class Daemon:
         self.ctx = None
         self.sockets = []
         self.metrics = None  # the /metrics server (kvd.server.metrics), when one is configured
-        self.group = resolve_group(cfg.access_group)  # gid engines of other users connect with
+        self.group = None  # gid engines of other users connect with (access_group): start()
         self.gate = None  # kvd.server.peers.ZapGate: admits connections by their peer credentials
         self.liveness = Liveness(self)
         self.intake = self.control_intake = None  # kvd.server.peers_alive.Intake, per socket
@@ -134,6 +137,7 @@ class Daemon:
         if self.stopping.is_set():
             log.info("start-up interrupted by %s: stopped", self.stop_signal)
             return False
+        self.group = resolve_group(self.cfg.access_group)
         startup.check(self.cfg, self.runtime_dir, self.group)  # everything cheap, first
         self.lock.acquire()
         shm_dir = Path(self.cfg.shm_dir)
@@ -396,15 +400,6 @@ def _exit_now(code: int) -> None:
                 "closed)")
     logging.shutdown()
     os._exit(code)
-
-
-def log_config(cfg) -> None:
-    """One line per knob: its value and where it came from (default, file, env, flag)."""
-    if cfg.file:
-        log.info("config file %s", cfg.file)
-    for name, value, source in cfg.describe():
-        log.info("config %s = %s (%s)", name, value, source,
-                 extra={"knob": name, "value": cfg.public(name), "source": source})
 
 
 def _run(coro):

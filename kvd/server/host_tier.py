@@ -21,9 +21,10 @@
 ``drain`` (on the loop, at shutdown) waits for the checksums still being
 computed; ``close`` (after the loop) stops the hashing threads and, with
 ``warm_restart``, writes the LRU order, marks the index clean and keeps
-both files for the next start (one line with what it kept); without it,
-removes them. A start-up interrupted by a signal removes an arena it made
-and keeps one it adopted. The index is marked clean only when no adopted
+both files for the next start (one line with what it kept, one with the
+``kvd drop-tier`` command that frees its memory); without it, removes
+them. A start-up interrupted by a signal removes an arena it made and keeps
+one it adopted. The index is marked clean only when no adopted
 chunk still waits for its verification.
 """
 
@@ -36,6 +37,7 @@ import time
 from pathlib import Path
 
 from kvd.config import size_text
+from kvd.server.kept_tier import drop_command
 from kvd.tiers.adopt import rebuild, verify
 from kvd.tiers.arena import AllocationStopped, SharedArena, arena_path
 from kvd.tiers.arena_index import CLEAN, ArenaIndex, IndexProblem, index_path, process_state
@@ -53,6 +55,7 @@ OWNER_EXIT_S = 30.0
 class HostTierSetup:
     def __init__(self, cfg, runtime_dir: Path, notifier, abort):
         self.cfg = cfg
+        self.runtime_dir = runtime_dir
         self.notifier = notifier
         self.abort = abort  # threading.Event: a signal came, stop the allocation
         self.path = arena_path(Path(cfg.shm_dir), instance_tag(runtime_dir))
@@ -275,10 +278,13 @@ class HostTierSetup:
             self.journal.index.close(clean=keep and not unverified)
         self.arena.close(keep=keep)
         if keep:
-            log.info("host tier kept at %s for the next start: %d chunks, %s used (delete %s "
-                     "and %s.index to free the memory)", self.path, self.tier.ready_count,
-                     size_text(self.tier.alloc.used) if self.tier.alloc.used else "0 bytes",
-                     self.path, self.path.name)
+            log.info("host tier kept at %s for the next start: %d chunks, %s used", self.path,
+                     self.tier.ready_count,
+                     size_text(self.tier.alloc.used) if self.tier.alloc.used else "0 bytes")
+            shm_dir = Path(self.cfg.shm_dir)  # the memory stays taken: say how to give it back
+            log.info("the host tier (%s) stays in %s for a warm restart; `%s` frees it",
+                     size_text(self.cfg.host_capacity), shm_dir,
+                     drop_command(shm_dir, self.runtime_dir))
         else:
             self.index_path.unlink(missing_ok=True)
         self.arena = None

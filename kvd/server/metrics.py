@@ -83,13 +83,11 @@ def start(cfg, service, runtime_dir: Path, group: int | None, policy):
     loop); returns the ``MetricsServer`` (``close()``) or None."""
     if not cfg.metrics_port and not cfg.metrics_socket:
         return None
-    try:
-        from prometheus_client import CollectorRegistry, generate_latest
-        from prometheus_client.process_collector import ProcessCollector
-    except ImportError:
-        knob = "metrics_port" if cfg.metrics_port else "metrics_socket"
-        raise RuntimeError(f"{knob} is set but prometheus-client is not installed: "
-                           f"pip install 'kvd[metrics]', or unset {knob}") from None
+    problem = library_problem(cfg)  # kvd.server.startup checked it before the allocation
+    if problem:
+        raise RuntimeError(problem)
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.process_collector import ProcessCollector
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     registry.register(KvdCollector(service))
@@ -109,6 +107,19 @@ def start(cfg, service, runtime_dir: Path, group: int | None, policy):
             raise
         log.info("metrics: unix socket %s (curl --unix-socket %s http://kvd/metrics)", path, path)
     return server
+
+
+def library_problem(cfg) -> str | None:
+    """Why /metrics, when configured, cannot be served for want of prometheus-client."""
+    if not cfg.metrics_port and not cfg.metrics_socket:
+        return None
+    try:
+        import prometheus_client  # noqa: F401 - imported, not just found: a broken one counts
+    except ImportError:
+        knob = "metrics_port" if cfg.metrics_port else "metrics_socket"
+        return (f"{knob} is set but prometheus-client is not installed: pip install "
+                f"'kvd[metrics]', or unset {knob}")
+    return None
 
 
 def connection_cap(wanted: int, listeners: int) -> int:

@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import zmq
 
+from kvd_protocol.errors import ConfigError
+
 log = logging.getLogger("kvd")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends ZAP requests (RFC 27)
 ZAP_DOMAIN = b"kvd"
@@ -71,7 +73,8 @@ def credentials_available() -> bool:
 
 
 def resolve_group(name: str) -> int | None:
-    """The gid of ``access_group`` (a name or a number); None when empty."""
+    """The gid of ``access_group`` (a name or a number); None when empty; ``ConfigError``
+    for a name no group has (one line, exit status 2)."""
     if not name:
         return None
     if name.isdigit():
@@ -79,7 +82,8 @@ def resolve_group(name: str) -> int | None:
     try:
         return grp.getgrnam(name).gr_gid
     except KeyError:
-        raise RuntimeError(f"access_group {name!r}: no such group") from None
+        raise ConfigError("access_group", f"no such group {name!r} (create it: groupadd {name}; "
+                          "or leave access_group empty)") from None
 
 
 def process_groups(pid: int) -> set[int]:

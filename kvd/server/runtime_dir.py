@@ -35,7 +35,8 @@ def prepare_runtime_dir(runtime_dir: Path, group: int | None = None) -> None:
         raise ConfigError("runtime_dir", f"{runtime_dir} is not a directory")
     if st.st_uid != os.geteuid():
         raise ConfigError("runtime_dir", f"{runtime_dir} belongs to uid {st.st_uid}, not to "
-                          f"uid {os.geteuid()} that kvd runs as")
+                          f"uid {os.geteuid()} that kvd runs as (chown {os.geteuid()} "
+                          f"{runtime_dir}, or use another runtime_dir)")
     if not os.access(runtime_dir, os.W_OK | os.X_OK):
         raise ConfigError("runtime_dir", f"{runtime_dir} is not writable by uid {os.geteuid()}")
     if group is not None and st.st_gid != group:
@@ -59,6 +60,15 @@ def _chgrp(path: Path, group: int) -> None:
                            "user must be a member of it") from None
 
 
+class InstanceBusy(RuntimeError):
+    """Another process holds the runtime dir's lock (``owner``: its pid as it wrote it)."""
+
+    def __init__(self, runtime_dir: Path, owner: str):
+        super().__init__(f"another kvd (pid {owner}) is serving {runtime_dir}; stop it or pass a "
+                         "different --runtime-dir")
+        self.owner = owner
+
+
 class InstanceLock:
     """flock on <runtime_dir>/kvd.lock holding the owner's pid."""
 
@@ -73,8 +83,7 @@ class InstanceLock:
         except BlockingIOError:
             owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise RuntimeError(f"another kvd (pid {owner}) is serving {self.path.parent}; "
-                               "stop it or pass a different --runtime-dir") from None
+            raise InstanceBusy(self.path.parent, owner) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd

@@ -1,14 +1,17 @@
 """What ``kvd serve`` checks and builds before it serves, cheapest checks first.
 
 ``check(cfg, runtime_dir)`` runs before anything expensive (the host tier's
-allocation takes minutes at 100 GiB): the runtime dir is creatable, ours
-and short enough for a socket path; ``shm_dir`` is a writable directory
-with room for ``host_capacity``; ``disk_dir`` is a directory (created if
-missing) we can write; with ``gpu = "on"``, CuPy is installed; with a ``remote_backend``, an
-address and the backend's client library. The room check counts the host tier a previous
-daemon left as room (it is adopted or replaced). A problem
-with a knob's value raises ``ConfigError`` (one line, exit status 2);
-anything else ``StartupError`` (one line, exit status 1).
+allocation takes minutes at 100 GiB): the runtime dir is creatable, ours and
+short enough for a socket path; ``shm_dir`` is a writable directory with
+room for ``host_capacity``; ``disk_dir`` is a directory we can write (its
+last component created if missing, never its parents: a typo must not fill
+another disk) with room for ``disk_capacity`` (free space plus what kvd's
+chunk files there hold); with ``metrics_port`` or ``metrics_socket``,
+prometheus-client imports; with ``gpu = "on"``, CuPy is installed; with a
+``remote_backend``, an address and the backend's client library. The room
+check counts the host tier a previous daemon left as room (it is adopted or
+replaced). A problem with a knob's value raises ``ConfigError`` (one line,
+exit status 2); anything else ``StartupError`` (one line, exit status 1).
 
 ``raise_fd_limit`` raises the open files soft limit to the hard one (one
 log line when it moved).
@@ -34,11 +37,11 @@ import resource
 import sys
 from pathlib import Path
 
+from kvd.server import metrics
+from kvd.server.kept_tier import kept_bytes
 from kvd.server.runtime_dir import prepare_runtime_dir
-from kvd.tiers.arena import arena_path, room_problem
-from kvd.tiers.arena_index import index_path
+from kvd.tiers.arena import room_problem
 from kvd_protocol.errors import ConfigError
-from kvd_protocol.runtime import instance_tag
 
 log = logging.getLogger("kvd")
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, NUL included
@@ -80,34 +83,31 @@ def check(cfg, runtime_dir: Path, group: int | None = None) -> None:
     prepare_runtime_dir(runtime_dir, group)
     shm_dir = Path(cfg.shm_dir)
     _writable_dir("shm_dir", shm_dir, create=False)
-    problem = room_problem(shm_dir, cfg.host_capacity, _left_behind(shm_dir, runtime_dir))
+    problem = room_problem(shm_dir, cfg.host_capacity, kept_bytes(shm_dir, runtime_dir))
     if problem:
         raise ConfigError("host_capacity", problem)
     if cfg.disk_dir:
         _writable_dir("disk_dir", Path(cfg.disk_dir), create=True)
+        problem = disk_room_problem(Path(cfg.disk_dir), cfg.disk_capacity)
+        if problem:
+            raise ConfigError("disk_capacity", problem)
     if cfg.remote_backend != "off":
         _check_remote(cfg)
+    problem = metrics.library_problem(cfg)
+    if problem:
+        raise StartupError(problem)
     if cfg.gpu == "on" and importlib.util.find_spec("cupy") is None:
         raise StartupError("gpu = on but CuPy is not installed (pip install 'kvd[gpu]'), or "
                            "set gpu = auto or off")
 
 
-def _left_behind(shm_dir: Path, runtime_dir: Path) -> int:
-    """Bytes the host tier a previous daemon of ``runtime_dir`` left in ``shm_dir`` holds."""
-    arena = arena_path(shm_dir, instance_tag(runtime_dir))
-    total = 0
-    for path in (arena, index_path(arena)):
-        try:
-            total += os.stat(path).st_blocks * 512
-        except OSError:
-            pass
-    return total
-
-
 def _writable_dir(key: str, path: Path, create: bool) -> None:
     if create and not os.path.lexists(path):
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            path.mkdir(exist_ok=True)  # the last component only: see the module's docstring
+        except FileNotFoundError:
+            raise ConfigError(key, f"cannot create {path}: {path.parent} does not exist (kvd "
+                              "creates only the last directory; check the path)") from None
         except OSError as exc:
             raise ConfigError(key, f"cannot create {path}: {exc.strerror}") from None
     if not path.exists():
@@ -116,6 +116,39 @@ def _writable_dir(key: str, path: Path, create: bool) -> None:
         raise ConfigError(key, f"{path} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(key, f"{path} is not writable by uid {os.geteuid()}")
+
+
+def disk_room_problem(disk_dir: Path, capacity: int) -> str | None:
+    """Why a disk tier of ``capacity`` bytes cannot fit in ``disk_dir``, or None. kvd's
+    chunk files there count as room (the tier keeps or replaces them); they are only
+    counted when the free space alone falls short, as a large tier has millions."""
+    st = os.statvfs(disk_dir)
+    free = st.f_bavail * st.f_frsize
+    if free >= capacity:
+        return None
+    held = _chunk_file_bytes(disk_dir, capacity - free)
+    if free + held >= capacity:
+        return None
+    files = f" and {held / 2**30:.2f} GiB in kvd's chunk files" if held else ""
+    return (f"a disk tier of {capacity / 2**30:.2f} GiB does not fit: {disk_dir} has "
+            f"{free / 2**30:.2f} GiB free{files} (lower disk_capacity or make room)")
+
+
+def _chunk_file_bytes(root: Path, enough: int) -> int:
+    """Bytes of the chunk files under ``root`` (their sizes, as the disk tier counts them
+    against disk_capacity), counted until ``enough``."""
+    from kvd.tiers.chunk_file import SUFFIX
+    total = 0
+    for parent, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(SUFFIX):
+                try:
+                    total += os.stat(os.path.join(parent, name)).st_size
+                except OSError:
+                    continue  # gone meanwhile
+        if total >= enough:
+            break
+    return total
 
 
 REMOTE_CLIENTS = {"redis": ("redis", "redis"), "mooncake": ("mooncake", "mooncake")}  # module, extra

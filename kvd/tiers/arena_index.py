@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvd.tiers.arena import arena_path
+
 MAGIC = b"kvd-host"
 VERSION = 1
 HEADER = 4096
@@ -74,6 +76,13 @@ class IndexProblem(Exception):
 
 def index_path(arena: Path) -> Path:
     return arena.with_name(arena.name + ".index")
+
+
+def kept_files(shm_dir: Path, tag: str) -> list[Path]:
+    """The host tier the daemons of instance ``tag`` keep in ``shm_dir`` across restarts:
+    the arena and its index (present or not)."""
+    arena = arena_path(shm_dir, tag)
+    return [arena, index_path(arena)]
 
 
 class ArenaIndex:

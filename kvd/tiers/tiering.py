@@ -19,7 +19,8 @@ Runs on the event loop; the disk tier does the IO on its threads.
   host tier. ``min_hits`` > 0 demotes only entries looked up at least that
   often (Dynamo's "second hit" rule). Leased entries are not evictable and
   wait for their lease to end; ``flush`` (an operator command) writes
-  every ready entry, leased or not.
+  every ready entry, leased or not, whatever ``min_hits`` says (before a
+  planned restart, everything is worth keeping).
 - **Promotion**: ``disk_prefix`` continues a lookup's host prefix with keys
   found on disk and starts their promotion (disk → a fresh host slot);
   ``promote_prefix`` (load) waits for those promotions and returns the
@@ -119,8 +120,8 @@ class Tiering:
                 log.exception("demotion pass failed")
 
     def demote_pass(self, force: bool = False, tried: set | None = None) -> int:
-        """Queue writes for the coldest entries; ``force``: every ready entry (each key at
-        most once per ``tried`` set). Returns how many were queued."""
+        """Queue writes for the coldest entries; ``force``: every ready entry, cold or not
+        (each key at most once per ``tried`` set). Returns how many were queued."""
         if force:
             return self._demote_all(tried)
         host, cap = self.host, self.host.capacity
@@ -147,7 +148,7 @@ class Tiering:
         for entry in list(self.host.entries.values()):  # an operator's flush: rare
             if not entry.ready or entry.on_disk or entry.key in self.demoting:
                 continue
-            if (tried is not None and entry.key in tried) or self._cold(entry):
+            if tried is not None and entry.key in tried:
                 continue
             state = self._submit(entry)
             if state == "full":
@@ -211,7 +212,8 @@ class Tiering:
             self.host.unpin([entry])
 
     async def flush(self) -> int:
-        """Queue every ready host entry not yet on disk, then wait for the queue to empty."""
+        """Queue every ready host entry not yet on disk (``min_hits`` aside), then wait for
+        the queue to empty."""
         waited, tried = 0, set()
         while True:  # several passes when the queue is shorter than the host tier
             queued = self.demote_pass(force=True, tried=tried)

@@ -160,6 +160,8 @@ def test_without_prometheus_client_a_set_port_fails_start_up(start_daemon, tmp_p
                      wrapper=["env", f"PYTHONPATH={tmp_path}"])
     assert d.proc.wait(30) == 1
     assert "metrics_port is set but prometheus-client is not installed" in d.log()
+    # before the host tier: under systemd's Restart=on-failure, a restart allocates nothing
+    assert "allocating the host tier" not in d.log() and "Traceback" not in d.log()
 
 
 def test_the_grafana_dashboard_uses_only_metrics_the_daemon_exports(start_daemon, tmp_path):

@@ -24,6 +24,8 @@ import pytest
 from daemons import wait_for as until
 from shm_files import arena_files
 
+from kvd.config import KNOBS
+
 SHM = Path("/dev/shm")
 BIG = 8 * 2**30  # takes seconds to allocate here (about 1 GiB/s on the 2-core CI machine)
 
@@ -77,7 +79,8 @@ def test_a_signal_stops_the_allocation_at_once(start_daemon, sig):
 
 
 @pytest.mark.parametrize("case", ["disk_dir_is_a_file", "runtime_dir_in_proc", "no_shm_dir",
-                                  "shm_too_small", "disk_dir_uncreatable"])
+                                  "shm_too_small", "disk_dir_uncreatable", "disk_dir_parent_missing",
+                                  "disk_too_small", "no_such_group"])
 def test_cheap_checks_fail_before_the_allocation(tmp_path, case):
     """One line, exit status 2, and nothing allocated (the allocation line never comes)."""
     (tmp_path / "file").write_text("")
@@ -86,6 +89,15 @@ def test_cheap_checks_fail_before_the_allocation(tmp_path, case):
         args["disk-dir"], want = tmp_path / "file", f"disk_dir: {tmp_path / 'file'} is not a directory"
     elif case == "disk_dir_uncreatable":
         args["disk-dir"], want = tmp_path / "file" / "d", "disk_dir: cannot create"
+    elif case == "disk_dir_parent_missing":  # a typo in a parent: nothing is created
+        args["disk-dir"] = tmp_path / "nvme-typo" / "kvd"
+        want = f"disk_dir: cannot create {args['disk-dir']}: {tmp_path / 'nvme-typo'} does not exist"
+    elif case == "disk_too_small":
+        args["disk-dir"], args["disk-capacity"] = tmp_path / "disk", "1024TiB"
+        want = f"disk_capacity: a disk tier of 1048576.00 GiB does not fit: {tmp_path / 'disk'} has "
+    elif case == "no_such_group":  # systemd's unit names group kvd: not made yet
+        args["access-group"] = "kvd-no-such-group"
+        want = "access_group: no such group 'kvd-no-such-group' (create it: groupadd"
     elif case == "runtime_dir_in_proc":
         args["runtime-dir"], want = "/proc/kvd-test/run", "runtime_dir: cannot create /proc/kvd-test"
     elif case == "no_shm_dir":
@@ -97,19 +109,56 @@ def test_cheap_checks_fail_before_the_allocation(tmp_path, case):
     errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and f"config error: {want}" in errors[0], out.stderr
     assert "Traceback" not in out.stderr and "allocating" not in out.stderr
+    assert not (tmp_path / "nvme-typo").exists()
+
+
+def test_chunk_files_in_disk_dir_count_as_room(start_daemon, tmp_path):
+    """disk_capacity above the free space starts when kvd's chunk files there make up the
+    difference (a restart keeps or replaces them); without them it is refused. A sparse
+    file stands for 2 GiB of chunk files; capacity is the free space plus 1 GiB."""
+    disk = tmp_path / "disk"
+    chunk = disk / "ab" / ("ab" * 16) / f"{'cd' * 16}.kvc"
+    chunk.parent.mkdir(parents=True)
+    st = os.statvfs(tmp_path)
+    capacity = st.f_bavail * st.f_frsize + 2**30
+    out = serve("--runtime-dir", tmp_path / "run0", "--host-capacity", "64MiB", "--disk-dir", disk,
+                "--disk-capacity", capacity)
+    assert out.returncode == 2 and "config error: disk_capacity: a disk tier of" in out.stderr
+    with open(chunk, "wb") as f:
+        f.truncate(2 * 2**30)
+    d = start_daemon(disk_dir=disk, disk_capacity=capacity)
+    assert d.stats()["tiers"]["disk"]["capacity_bytes"] == capacity
+    assert d.stop() == 0
 
 
 def test_the_config_is_logged_with_sources_before_the_allocation(start_daemon, tmp_path):
+    """At info level the knobs that differ from their defaults (from a file, env or flags;
+    a default set in the file is no change), and a count; at debug level every knob."""
     conf = tmp_path / "kvd.toml"
-    conf.write_text("lease_max_ms = 500\n")
+    conf.write_text("lease_max_ms = 500\nmax_clients = 1024\n")
     d = start_daemon(config=conf, env={"KVD_COPY_THREADS": "3"})
     log = d.log()
     assert f"config file {conf}" in log
     for line in ('config copy_threads = 3 (env)', 'config lease_max_ms = 500 (file)',
-                 'config host_capacity = "64MiB" (flag)', 'config max_clients = 1024 (default)'):
+                 'config host_capacity = "64MiB" (flag)', 'config chunk_tokens = 16 (flag)'):
         assert line in log
-    assert log.index("config log_format") < log.index("allocating the host tier: 64MiB")
+    assert "config max_clients" not in log and "config log_format" not in log
+    lines = [line for line in log.splitlines() if " kvd INFO config " in line]
+    assert len(lines) == 1 + 8  # the file; copy_threads, lease_max_ms, 6 flags of the fixture
+    summary = f"config: 8 of {len(KNOBS)} knobs differ from their defaults"
+    assert log.index(summary) < log.index("allocating the host tier: 64MiB")
     assert log.index("allocating the host tier") < log.index("host tier: 64MiB at ")
+    debug = start_daemon(config=conf, log_level="debug").log()
+    assert "config max_clients = 1024 (file)" in debug and "config log_format = " in debug
+
+
+def test_a_misspelt_kvd_variable_is_one_warning_at_start(start_daemon):
+    d = start_daemon(env={"KVD_HOST_CAPACTIY": "8GiB", "KVD_VLLM_PYTHON": "/x"})
+    warnings = [line for line in d.log().splitlines() if "KVD_" in line]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].endswith(" WARNING environment variable KVD_HOST_CAPACTIY sets no kvd knob "
+                                "and is ignored (did you mean KVD_HOST_CAPACITY?)")
+    assert d.stats()["tiers"]["host"]["capacity_bytes"] == 64 * 2**20  # the flag, not the typo
 
 
 def test_json_log_lines(start_daemon):

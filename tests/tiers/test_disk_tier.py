@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import workers_data as W
 import workers_disk as D
+from daemons import wait_for as until
 from disk_faults import SLOW_READ_S
 
 from kvd.cli.format import format_stats
@@ -187,15 +188,17 @@ def test_concurrent_stores_of_one_key_leave_one_file(start_daemon, procs, tmp_pa
     assert d.control("clear_disk")["deleted"] == 8 and chunk_files(tmp_path) == []
 
 
-@pytest.mark.parametrize("min_hits", [1])
-def test_min_hits_demotes_only_chunks_hit_before(start_daemon, procs, tmp_path, min_hits):
-    d = start_daemon(**disk_knobs(tmp_path, disk_min_hits=min_hits))
+def test_min_hits_demotes_only_chunks_hit_before(start_daemon, procs, tmp_path):
+    """The demoter (4 of 16 chunks: above a 0.1 watermark) skips chunks never looked up,
+    then takes those looked up once (an operator's flush writes all: test_disk_flush.py)."""
+    d = start_daemon(**disk_knobs(tmp_path, disk_min_hits=1, disk_high_watermark=0.1))
     rd = str(d.runtime_dir)
     assert procs.apply(D.store_seqs, (rd, SPEC, 91, 2, 2, "disk/hits", False)) == 4 * CHUNK
-    d.control("flush_disk")
-    assert disk_stats(d)["chunks"] == 0 and disk_stats(d)["demotions_skipped_cold"] > 0
+    until(lambda: disk_stats(d)["demotions_skipped_cold"] == 4, 10, "4 cold chunks skipped")
+    assert disk_stats(d)["chunks"] == 0
     procs.apply(D.load_seqs, (rd, SPEC, 91, 1, 2, "disk/hits"))  # one lookup of sequence 0
-    d.control("flush_disk")
+    until(lambda: disk_stats(d)["chunks"] == 2, 10, "the 2 chunks looked up on disk")
+    time.sleep(0.3)  # several demoter passes: sequence 1 stays off disk
     assert disk_stats(d)["chunks"] == 2
 
 
@@ -255,9 +258,10 @@ def test_gds_unavailable_falls_back_to_the_host_path_with_a_log_line(start_daemo
     assert d.stop() == 0
 
 
-def tmpfs_wrapper(mount_dir: Path, size: str) -> list | None:
+def tmpfs_wrapper(mount_dir: Path, size: str, meanwhile: str = "") -> list | None:
     """A command prefix that runs the daemon with a ``size``-limited tmpfs on
-    ``mount_dir`` (a private mount namespace), or None where that is not allowed."""
+    ``mount_dir`` (a private mount namespace; ``meanwhile``: a shell command run in the
+    background there, ``$0`` the mount), or None where that is not allowed."""
     script = f'mount -t tmpfs -o size={size} kvd-test "$0"'
     if shutil.which("unshare") is None:
         return None
@@ -265,19 +269,25 @@ def tmpfs_wrapper(mount_dir: Path, size: str) -> list | None:
                            capture_output=True, timeout=10)
     if probe.returncode != 0:
         return None
-    return ["unshare", "-rm", "sh", "-c", script + ' && exec "$@"', str(mount_dir)]
+    background = f" && {{ ( {meanwhile} ) & }}" if meanwhile else ""
+    return ["unshare", "-rm", "sh", "-c", script + background + ' && exec "$@"', str(mount_dir)]
 
 
 def test_full_filesystem_fails_demotions_cleanly(start_daemon, procs, tmp_path):
     """A real, small filesystem runs out of space: demotions fail with ENOSPC and are
-    counted, what is on disk stays correct, the host tier keeps serving."""
-    disk = tmp_path / "disk"
+    counted, what is on disk stays correct, the host tier keeps serving. The 512 KiB
+    tmpfs has room for disk_capacity (448 KiB) at start-up, then another writer takes
+    400 KiB of it once the daemon serves."""
+    disk, run = tmp_path / "disk", tmp_path / "run"
     disk.mkdir()
-    wrapper = tmpfs_wrapper(disk, "512k")
+    filler = (f'for _ in $(seq 600); do [ -S "{run}/control.sock" ] && break; sleep 0.05; done; '
+              f'head -c 400k /dev/zero > "$0/filler"; touch "{tmp_path / "filled"}"')
+    wrapper = tmpfs_wrapper(disk, "512k", filler)
     if wrapper is None:
         pytest.skip("cannot mount a size-limited tmpfs here (unshare -rm refused); "
                     "test_enospc_fails_demotion_cleanly_host_keeps_serving injects ENOSPC instead")
-    d = start_daemon(wrapper=wrapper, **disk_knobs(tmp_path))  # disk_capacity 64 MiB > 512 KiB
+    d = start_daemon(run, wrapper=wrapper, **disk_knobs(tmp_path, disk_capacity="448KiB"))
+    until((tmp_path / "filled").exists, 10, "the other writer")
     rd = str(d.runtime_dir)
     assert procs.apply(D.store_seqs, (rd, SPEC, 91, 12, 4, "disk/tmpfs")) == 48 * CHUNK
     st = disk_stats(d)
