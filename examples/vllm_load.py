@@ -36,14 +36,13 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_ttft import LLAMA3_8B, wait_ready, write_config  # noqa: E402
+from vllm_ttft import LLAMA3_8B, add_common_args, private_daemon, run_role, write_config  # noqa: E402
 
 
 def tokens(seed: str, n: int) -> list[int]:
@@ -104,13 +103,6 @@ async def role_main(args, role: str) -> dict:
         engine.shutdown()
 
 
-def run_role(args, role: str, tmp: Path) -> dict:
-    out = tmp / f"{role}.json"
-    cmd = [sys.executable, __file__, "--role", role, "--role-out", str(out), *sys.argv[1:]]
-    subprocess.run(cmd, check=True)
-    return json.loads(out.read_text())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
@@ -119,32 +111,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of a load request")
     ap.add_argument("--decode-tokens", type=int, default=256, help="output tokens of a decode request")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
-    ap.add_argument("--host-capacity", default="8GiB", help="the private daemon's host tier")
-    ap.add_argument("--daemon-python", default=sys.executable)
-    ap.add_argument("--out")
-    ap.add_argument("--role", help=argparse.SUPPRESS)
-    ap.add_argument("--role-out", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--runtime-dir", help=argparse.SUPPRESS)
+    add_common_args(ap)
     args = ap.parse_args()
     if args.role:
         Path(args.role_out).write_text(json.dumps(asyncio.run(role_main(args, args.role))))
         return
-    with tempfile.TemporaryDirectory(prefix="kvd-load-") as tmp:
-        tmp = Path(tmp)
-        model, run = tmp / "model", tmp / "run"
+    with tempfile.TemporaryDirectory(prefix="kvd-load-") as tmp, private_daemon(args, Path(tmp)) as model:
         write_config(model, LLAMA3_8B, args.layers, args.prefix + args.unique + args.max_tokens + 128)
-        sys.argv += ["--model", str(model), "--runtime-dir", str(run)]
-        daemon = subprocess.Popen([args.daemon_python, "-m", "kvd", "serve", "--runtime-dir", str(run),
-                                   "--host-capacity", args.host_capacity],
-                                  stdout=open(tmp / "kvd.log", "wb"), stderr=subprocess.STDOUT)
-        try:
-            wait_ready(args, run, daemon)
-            rows = {role: run_role(args, role, tmp) for role in ("none", "cold", "warm")}
-        finally:
-            daemon.terminate()
-            daemon.wait(30)
+        rows = {role: run_role(args, role, Path(tmp), __file__) for role in ("none", "cold", "warm")}
     report(args, rows)
 
 

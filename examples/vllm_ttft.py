@@ -39,6 +39,7 @@ progress; ``--out`` keeps every run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -156,11 +157,12 @@ def floor_s(args, prefix: int) -> float:
     return statistics.median(times)
 
 
-def run_role(args, role: str, tmp: Path) -> dict:
+def run_role(args, role: str, tmp: Path, script: str = __file__) -> dict:
+    """``script`` again as the ``role`` process; what it wrote (integer keys as ints)."""
     out = tmp / f"{role}.json"
-    cmd = [sys.executable, __file__, "--role", role, "--role-out", str(out), *sys.argv[1:]]
+    cmd = [sys.executable, script, "--role", role, "--role-out", str(out), *sys.argv[1:]]
     subprocess.run(cmd, check=True)
-    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+    return {int(k) if k.isdigit() else k: v for k, v in json.loads(out.read_text()).items()}
 
 
 def main() -> None:
@@ -171,48 +173,59 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy Llama (CPU engines)")
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config (JSON)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
-    ap.add_argument("--daemon-python", default=sys.executable)
-    ap.add_argument("--host-capacity", default="8GiB", help="the private daemon's host tier")
     ap.add_argument("--native-cpu-gib", type=float, default=8.0,
                     help="host memory of vLLM's own offloading (the native column), GiB")
-    ap.add_argument("--out")
-    ap.add_argument("--role", help=argparse.SUPPRESS)
-    ap.add_argument("--role-out", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--runtime-dir", help=argparse.SUPPRESS)
+    add_common_args(ap)
     args = ap.parse_args()
     args.prefix_list = [int(p) for p in args.prefixes.split(",")]
     if args.role:
         Path(args.role_out).write_text(json.dumps(engine(args, args.role)))
         return
-    with tempfile.TemporaryDirectory(prefix="kvd-ttft-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvd-ttft-") as tmp, private_daemon(args, Path(tmp)) as model:
         tmp = Path(tmp)
-        model, run = tmp / "model", tmp / "run"
         write_config(model, TINY if args.tiny else LLAMA3_8B, 2 if args.tiny else args.layers,
                      max(args.prefix_list) + args.suffix + 64)
-        sys.argv += ["--model", str(model), "--runtime-dir", str(run)]
-        daemon = subprocess.Popen([args.daemon_python, "-m", "kvd", "serve", "--runtime-dir", str(run),
-                                   "--host-capacity", args.host_capacity],
-                                  stdout=open(tmp / "kvd.log", "wb"), stderr=subprocess.STDOUT)
-        try:
-            wait_ready(args, run, daemon)
-            run_role(args, "store", tmp)
-            roles = ["kvd", "full"] + ([] if args.tiny else ["kvd-layerwise", "native"])
-            rows = {n: {} for n in args.prefix_list}
-            for role in roles:
-                try:
-                    got = run_role(args, role, tmp)
-                except subprocess.CalledProcessError as exc:
-                    print(f"[{role}] failed ({exc}); its column stays empty", flush=True)
-                    continue
-                for n in args.prefix_list:
-                    rows[n].update(got[n])
-                save(args, rows)  # what ran so far survives a later role's failure
-        finally:
-            daemon.terminate()
-            daemon.wait(30)
+        run_role(args, "store", tmp)
+        roles = ["kvd", "full"] + ([] if args.tiny else ["kvd-layerwise", "native"])
+        rows = {n: {} for n in args.prefix_list}
+        for role in roles:
+            try:
+                got = run_role(args, role, tmp)
+            except subprocess.CalledProcessError as exc:
+                print(f"[{role}] failed ({exc}); its column stays empty", flush=True)
+                continue
+            for n in args.prefix_list:
+                rows[n].update(got[n])
+            save(args, rows)  # what ran so far survives a later role's failure
     report(args, rows)
+
+
+def add_common_args(ap) -> None:
+    """The flags every example of this kind has: the GPU share, the private daemon, the
+    output file, and the hidden ones its role processes get."""
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--daemon-python", default=sys.executable)
+    ap.add_argument("--host-capacity", default="8GiB", help="the private daemon's host tier")
+    ap.add_argument("--out")
+    for hidden in ("--role", "--role-out", "--model", "--runtime-dir"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+
+
+@contextlib.contextmanager
+def private_daemon(args, tmp: Path):
+    """A ``kvd serve`` on ``tmp/run`` (log: ``tmp/kvd.log``) while the roles run; yields the
+    model directory to write, which the roles get with the runtime dir on their command line."""
+    model, run = tmp / "model", tmp / "run"
+    sys.argv += ["--model", str(model), "--runtime-dir", str(run)]
+    daemon = subprocess.Popen([args.daemon_python, "-m", "kvd", "serve", "--runtime-dir", str(run),
+                               "--host-capacity", args.host_capacity],
+                              stdout=open(tmp / "kvd.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_ready(args, run, daemon)
+        yield model
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
 
 
 def wait_ready(args, run: Path, daemon) -> None:

@@ -23,10 +23,10 @@ import json
 import os
 import sys
 
+from engine import snapshot  # tests/vllm/engine.py: vLLM's and the connector's counters
+
 from kvd_client.vllm.connector import KvdConnector
 
-COUNTERS = ("vllm:prompt_tokens_by_source", "vllm:external_prefix_cache_hits",
-            "vllm:external_prefix_cache_queries", "vllm:kvd_")
 TOP_LOGPROBS = 20
 
 
@@ -80,16 +80,6 @@ def _block_dim(kv, num_blocks: int) -> int:
         raise RuntimeError(f"cannot tell the block dimension of a KV tensor {tuple(kv.shape)} "
                            f"({num_blocks} blocks)")
     return dims[0]
-
-
-def snapshot(llm) -> dict[str, float]:
-    out = {}
-    for m in llm.get_metrics():
-        if m.name.startswith(COUNTERS) and hasattr(m, "value"):
-            labels = {k: v for k, v in m.labels.items() if k not in ("model_name", "engine")}
-            key = m.name + "".join(f"{{{k}={v}}}" for k, v in sorted(labels.items()))
-            out[key] = out.get(key, 0) + m.value
-    return out
 
 
 def run(spec: dict) -> dict:
