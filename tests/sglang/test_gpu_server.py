@@ -80,7 +80,7 @@ def spawn(tmp: Path, name: str, spec: dict):
 def finish(run) -> dict:
     proc, out, log = run
     try:
-        rc = proc.wait(900)
+        rc = proc.wait(540)  # one GPU run lasts 600 s at most
     finally:
         if proc.poll() is None:
             proc.kill()
