@@ -119,8 +119,21 @@ def engine(args, role: str) -> dict:
         if role == "store":
             wait_stored(args, 256 // PAGE + sum((n + sfx) // PAGE for n in args.prefix_list))
     finally:
+        if role != "full":
+            detach(llm)
         llm.shutdown()
     return out
+
+
+def detach(llm) -> None:
+    """SGLang detaches kvd's backend, which closes it: its staging pool leaves /dev/shm (the
+    scheduler process is killed at shutdown)."""
+    try:
+        out = llm.loop.run_until_complete(llm.tokenizer_manager.detach_hicache_storage())
+        if not out.success:
+            print(f"detaching the storage backend: {out.message}", flush=True)
+    except Exception as exc:  # an SGLang without it: the next kvd pool removes the file
+        print(f"detaching the storage backend failed ({exc})", flush=True)
 
 
 def flushed(result) -> bool:

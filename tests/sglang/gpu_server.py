@@ -21,6 +21,8 @@ FlashAttention 3 or flashinfer's JIT, which the staged SGLang lacks
 to that value first: a page kvd should have loaded and did not keeps it.
 ``wait_stored_pages``: before exiting, wait (60 s at most) until the backend
 stored that many pages (SGLang backs up to storage after the request ends).
+At the end SGLang detaches the backend, which closes it (the scheduler
+process is killed at shutdown, and would leave its staging pool behind).
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def run(spec: dict) -> dict:
             stats = wait_stored(probe, spec["wait_stored_pages"])
         else:
             stats = probe("stats")
-        return {"prompts": results, "backend": stats, "sglang": sglang.__version__}
+        detached = probe("detach")  # the backend closes: its staging pool leaves /dev/shm
+        return {"prompts": results, "backend": stats, "detached": detached, "sglang": sglang.__version__}
     finally:
         probe.close()
         engine.shutdown()

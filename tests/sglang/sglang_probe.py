@@ -11,7 +11,9 @@ through ``Engine.collective_rpc("kvd_probe", path=..., op=...)``:
 - ``op="digests"``: for the token ids in ``path + ".in"`` (``{"tokens": [...]}``),
   the GPU slots the radix tree holds for them (``match_prefix``) and the
   SHA-256 of each page over every layer's K and V rows;
-- ``op="stats"``: the kvd backend's counters (``kvd_stats()``).
+- ``op="stats"``: the kvd backend's counters (``kvd_stats()``);
+- ``op="detach"``: SGLang detaches its storage backend (its threads stop, the
+  backend closes: its staging pool leaves /dev/shm), as before an engine's end.
 
 The answer is written as JSON to ``path`` (RPC carries no return value).
 """
@@ -71,6 +73,11 @@ def _stats(scheduler) -> dict:
     return backend.kvd_stats() if backend is not None else {}
 
 
+def _detach(scheduler) -> dict:
+    ok, message = scheduler.tree_cache.detach_storage_backend()
+    return {"ok": ok, "message": message}
+
+
 def kvd_probe(self, path: str, op: str) -> None:
     args = {}
     if op in ("poison", "digests"):
@@ -82,6 +89,8 @@ def kvd_probe(self, path: str, op: str) -> None:
         result = _digests(self, args["tokens"])
     elif op == "stats":
         result = _stats(self)
+    elif op == "detach":
+        result = _detach(self)
     else:
         raise ValueError(f"unknown probe op {op!r}")
     with open(path, "w") as f:

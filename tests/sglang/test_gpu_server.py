@@ -143,3 +143,4 @@ def check(store: dict, load: dict) -> None:
     c, hit_pages = load["backend"], (HITS["long"] + HITS["short"]) // PAGE
     assert c["loaded_pages"] == hit_pages and c["hit_pages"] >= hit_pages, c
     assert c["failed_loads"] == 0 and c["refused"] is None, c
+    assert store["detached"]["ok"] and load["detached"]["ok"], (store["detached"], load["detached"])
