@@ -24,11 +24,13 @@ for the same prefix, model, dtype and TP size; a page whose tokens are
 unknown is a miss. With 'hashes' they come from SGLang's page hash.
 
 SGLang versions: 0.5.23's interface, and 0.5.16's, which differs where it
-matters here in three ways: its storage config has no ``dcp_size`` (no
+matters here: its storage config has no ``dcp_size`` (no
 decode context parallelism), its radix tree is always Python's (no
 ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``; ``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE``
-is the native one), and its page hashes carry no request namespace
-(kvd_client.sglang.hashing says what follows).
+is the native one), and its page hashes carry no request namespace and are
+also made through a ``get_hash_str`` reference taken before the backend
+exists (kvd_client.sglang.hashing says what follows); its MHA host pools
+have no ``v_head_dim`` (kvd_client.sglang.host_pages). docs/sglang.md lists it all.
 
 Failures are misses, never errors into SGLang: no daemon (yet, or any
 more), a timeout, no space: ``batch_exists`` says 0, loads and stores report
