@@ -86,9 +86,11 @@ def finish(run) -> dict:
             proc.kill()
             proc.wait()
         keep = os.environ.get("KVD_TEST_LOG_DIR")
-        if keep:  # on the GPU machine: the engine's log comes back
+        if keep:  # on the GPU machine: the engine's log and results come back
             Path(keep).mkdir(parents=True, exist_ok=True)
             (Path(keep) / log.name).write_bytes(log.read_bytes()[-200_000:])
+            if out.exists():
+                (Path(keep) / out.name).write_bytes(out.read_bytes())
     assert rc == 0, f"engine exited {rc}:\n{log.read_text()[-8000:]}"
     return json.loads(out.read_text())
 
