@@ -2,9 +2,10 @@
 
 An SGLang-side process (tests/sglang/sglang_worker.py, in the SGLang venv:
 ``make setup-sglang``, found through ``KVD_SGLANG_PYTHON`` or
-``.venv-sglang``) builds SGLang 0.5.23's own device and host pools on the
-CPU, creates the backend through ``StorageBackendFactory`` the ``dynamic``
-way, and hashes pages with SGLang's ``get_storage_hash_str``. The test
+``.venv-sglang``) builds SGLang's own device and host pools on the CPU
+(0.5.23; 0.5.16 too, where that venv holds it), creates the backend through
+``StorageBackendFactory`` the ``dynamic`` way, and hashes pages with
+SGLang's ``get_storage_hash_str`` (0.5.16: ``get_hash_str``). The test
 process drives it and, for the cross-engine tests, is itself a kvd client
 with a vLLM flash-attn layout, or vLLM 0.32's GPU blocks (heads or tokens
 outer, registered by the vLLM connector's own worker code,
@@ -225,7 +226,7 @@ def test_cross_engine_sglang_store_is_a_vllm_hit(daemon, engines):
     pool.close()
 
 
-def test_cross_engine_vllm_store_is_an_sglang_hit(daemon, engines):
+def test_cross_engine_vllm_store_is_an_sglang_hit(daemon, engines, sgl):
     a = engines(daemon.runtime_dir, "a", page_size=32, layout="layer_first")
     prompt = tokens(96)
     pool = vllm_pool()
@@ -242,8 +243,10 @@ def test_cross_engine_vllm_store_is_an_sglang_hit(daemon, engines):
     got = a.get(keys=keys)
     assert got["results"] == [True] * 3
     assert np.array_equal(sglang_pages_to_canonical(pages_bytes(got["pages"]), 32), vllm_blocks(pool, 6))
-    # SGLang's per-request cache_salt and vLLM's are the same kvd salt
-    assert a.exists(keys=a.hash(salted, cache_salt="t1")) == 2
+    if sgl("info")["namespaced"]:  # SGLang's per-request cache_salt and vLLM's: one kvd salt
+        assert a.exists(keys=a.hash(salted, cache_salt="t1")) == 2
+    else:  # 0.5.16's hashes of a namespaced request are the plain ones: misses, never those
+        assert a.exists(keys=a.hash(salted, extra_key="t1")) == 0
     assert a.exists(keys=a.hash(salted)) == 0
     pool.close()
 
@@ -304,6 +307,20 @@ def test_cross_engine_sglang_store_is_a_vllm_gpu_blocks_hit(daemon, engines, ord
     put_rows(pool, over(pool, before), blocks, want)
     assert np.array_equal(pool.raw, before)
     pool.close()
+
+
+def test_pages_hashed_through_a_reference_taken_early_are_keyed(daemon, engines):
+    """SGLang 0.5.16's cache controller hashes prefetch queries through its own reference to
+    ``get_hash_str``, taken before the backend exists: a fresh engine keys them all the same."""
+    a = engines(daemon.runtime_dir, "a")
+    prompt = tokens(48)
+    keys = a.hash_early(tokens=prompt)
+    stored = a.fill_set(keys=keys, seed=15)
+    assert stored["results"] == [True] * 3
+    a.close()
+    b = engines(daemon.runtime_dir, "b")
+    assert b.hash_early(tokens=prompt) == keys and b.exists(keys=keys) == 3
+    assert pages_bytes(b.get(keys=keys)["pages"]) == pages_bytes(stored["pages"])
 
 
 def test_pages_sglang_never_hashed_in_python_are_misses(daemon, engines):

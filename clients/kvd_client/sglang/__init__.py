@@ -6,8 +6,8 @@
             "module_path": "kvd_client.sglang.backend", "class_name": "KvdHiCacheStorage",
             "interface_v1": 1, "kvd_runtime_dir": "/run/kvd"}'
 
-Written against SGLang 0.5.23 (its ``HiCacheStorage`` interface and host
-pool classes). Modules: ``backend`` (the ``HiCacheStorage``), ``options``
+Written against SGLang 0.5.23 and 0.5.16 (their ``HiCacheStorage`` interface
+and host pool classes). Modules: ``backend`` (the ``HiCacheStorage``), ``options``
 (the ``kvd_*`` keys of the extra config), ``host_pages`` (SGLang's host pool
 layouts, one page at a time), ``staging`` (the /dev/shm pool kvd copies
 through), ``chain`` and ``hashing`` (SGLang page hashes to kvd keys).

@@ -1,4 +1,4 @@
-"""KvdHiCacheStorage: kvd as SGLang's HiCache storage tier (``HiCacheStorage``, SGLang 0.5.23).
+"""KvdHiCacheStorage: kvd as SGLang's HiCache storage tier (``HiCacheStorage``, SGLang 0.5.16 and 0.5.23).
 
 SGLang loads it with ``--hicache-storage-backend dynamic`` and the extra
 config ``{"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
@@ -22,6 +22,15 @@ With ``key_mode`` 'tokens' their keys come from the page's token ids
 (kvd_client.sglang.hashing, .chain), the same keys any kvd client computes
 for the same prefix, model, dtype and TP size; a page whose tokens are
 unknown is a miss. With 'hashes' they come from SGLang's page hash.
+
+SGLang versions: 0.5.23's interface, and 0.5.16's, which differs where it
+matters here: its storage config has no ``dcp_size`` (no
+decode context parallelism), its radix tree is always Python's (no
+``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``; ``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE``
+is the native one), and its page hashes carry no request namespace and are
+also made through a ``get_hash_str`` reference taken before the backend
+exists (kvd_client.sglang.hashing says what follows); its MHA host pools
+have no ``v_head_dim`` (kvd_client.sglang.host_pages). docs/sglang.md lists it all.
 
 Failures are misses, never errors into SGLang: no daemon (yet, or any
 more), a timeout, no space: ``batch_exists`` says 0, loads and stores report
@@ -63,6 +72,18 @@ log = logging.getLogger("kvd_client.sglang")
 RETRY_S = 1.0  # how often a backend without a daemon tries again
 
 
+def _native_radix_tree() -> str | None:
+    """The setting that makes SGLang's radix tree hash nodes natively, if it is on: 0.5.23's
+    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` (default ``rust``), 0.5.16's
+    ``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE`` (default off)."""
+    core = getattr(envs, "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", None)
+    if core is not None:
+        return None if core.get() == "python" else \
+            f"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND={core.get()}: set it to python"
+    cpp = getattr(envs, "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", None)
+    return "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE is on: unset it" if cpp is not None and cpp.get() else None
+
+
 class KvdHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config, kwargs=None):
         self.config = storage_config
@@ -70,7 +91,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         self.model = opts.model_id or storage_config.model_name or ""
         if not self.model:
             raise ValueError("kvd: SGLang gave no model name; set kvd_model_id")
-        if storage_config.attn_cp_size > 1 or storage_config.dcp_size > 1:
+        if storage_config.attn_cp_size > 1 or getattr(storage_config, "dcp_size", 1) > 1:
             raise ValueError("kvd: context parallelism splits every page across ranks; "
                              "not supported")
         self.client = KvdClient(opts.runtime_dir or None, timeout=opts.timeout_s,
@@ -80,11 +101,12 @@ class KvdHiCacheStorage(HiCacheStorage):
         if self.chain is not None:
             self._recorder = hashing.ChainRecorder(self.chain, opts.salt)
             hashing.listen(self._recorder)
-            if envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.get() != "python":
+            native = _native_radix_tree()
+            if native:
                 log.warning("kvd: key_mode 'tokens' learns token ids from SGLang's Python hashing; "
-                            "the Rust radix tree hashes nodes natively, so their pages will miss. "
-                            "Set SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python, or kvd_key_mode "
-                            "'hashes' (shared by SGLang engines only)")
+                            "the native radix tree hashes nodes out of sight, so their pages will "
+                            "miss (%s), or use kvd_key_mode 'hashes' (shared by SGLang engines "
+                            "only)", native)
         self.pages: HostPages | None = None
         self.staging: StagingPool | None = None
         self.reg = None

@@ -2,19 +2,26 @@
 
 SGLang's storage interface passes page hashes only. Every page hash SGLang
 computes in Python goes through ``sglang.srt.mem_cache.utils.get_hash_str``
-(token ids, prior hash, page size), looked up as a module global by
-``get_storage_hash_str`` (prefetch queries) and ``compute_node_hash_values``
-(the Python radix-tree core's node hashes). ``listen(recorder)`` replaces
-that global with a wrapper that returns exactly what the original returns
+(token ids, prior hash, page size), which calls the module global
+``get_native_hash`` (token ids, prior digest, page size) of the same module;
+its callers are ``get_storage_hash_str`` (0.5.23's prefetch queries),
+``compute_node_hash_values`` (the Python radix-tree core's node hashes) and
+0.5.16's cache controller, which keeps its own reference to
+``get_hash_str`` from before the backend exists. ``listen(recorder)``
+therefore replaces ``get_native_hash`` (``get_hash_str`` in a version
+without it) with a wrapper that returns exactly what the original returns
 and then tells the recorder what was hashed; ``unlisten`` restores it once
-the last recorder left. The Rust radix-tree core (SGLang's default) hashes
+the last recorder left. The Rust radix-tree core (0.5.23's default) hashes
 nodes natively, past this function: the backend warns about it at start-up.
 
 ``ChainRecorder`` turns one hashing call into ``PageChain.record``: a call
 whose prior hash is SGLang's namespace seed for the key's (extra_key,
 cache_salt), or none, starts a chain with the matching kvd salt; any other
-prior hash is the parent page. Bigram (EAGLE) keys and calls that hash a
-partial page are not recorded: those pages stay misses.
+prior hash is the parent page. SGLang 0.5.16 has no namespace seed: its
+page hashes of a request with an ``extra_key`` (LoRA, cache salt) equal
+those of the same tokens without one, so such keys are not recorded and
+their pages stay misses (never another namespace's keys). Bigram (EAGLE)
+keys and calls that hash a partial page are not recorded either.
 """
 
 from __future__ import annotations
@@ -30,14 +37,18 @@ log = logging.getLogger("kvd_client.sglang")
 _lock = threading.Lock()
 _recorders: list = []
 _original = None
+# whether SGLang's storage hashes start each request namespace's chain at its own seed (0.5.23)
+NAMESPACED = hasattr(sgl_utils, "storage_namespace_seed")
+# the hook: (name in sglang.srt.mem_cache.utils, whether it takes a prior digest, not a hex hash)
+HOOK = ("get_native_hash", True) if hasattr(sgl_utils, "get_native_hash") else ("get_hash_str", False)
 
 
 def listen(recorder) -> None:
     global _original
     with _lock:
         if _original is None:
-            _original = sgl_utils.get_hash_str
-            sgl_utils.get_hash_str = _hashed
+            _original = getattr(sgl_utils, HOOK[0])
+            setattr(sgl_utils, HOOK[0], _hashed)
         _recorders.append(recorder)
 
 
@@ -47,12 +58,13 @@ def unlisten(recorder) -> None:
         if recorder in _recorders:
             _recorders.remove(recorder)
         if not _recorders and _original is not None:
-            sgl_utils.get_hash_str = _original
+            setattr(sgl_utils, HOOK[0], _original)
             _original = None
 
 
-def _hashed(token_ids, prior_hash=None, page_size=None):
-    result = _original(token_ids, prior_hash, page_size=page_size)
+def _hashed(token_ids, prior=None, page_size=None):
+    result = _original(token_ids, prior, page_size)
+    prior_hash = (prior.hex() if prior else None) if HOOK[1] else prior
     for recorder in _recorders:
         try:
             recorder(token_ids, prior_hash, page_size, result)
@@ -76,14 +88,17 @@ class ChainRecorder:
         pages = [tokens[i * size:(i + 1) * size] for i in range(len(hashes))]
         if not pages or len(pages[-1]) != size or (size and isinstance(pages[0][0], tuple)):
             return
+        if not NAMESPACED and getattr(key, "extra_key", None) is not None:
+            return  # 0.5.16: the hash does not tell this namespace from the plain one
         parent, salt = self._start(key, prior_hash)
         self.chain.record(parent, salt, hashes, pages)
 
     def _start(self, key, prior_hash) -> tuple[str | None, str | None]:
+        """(parent hash, salt) of the call's first page; salt None: the parent's chain's."""
         extra_key, cache_salt = getattr(key, "extra_key", None), getattr(key, "cache_salt", None)
         if prior_hash is None:
             return None, request_salt(self.fixed_salt, None, None)
-        if (extra_key is not None or cache_salt is not None) and \
+        if NAMESPACED and (extra_key is not None or cache_salt is not None) and \
                 prior_hash == sgl_utils.storage_namespace_seed(extra_key, cache_salt):
             return None, request_salt(self.fixed_salt, cache_salt, extra_key)
         return prior_hash, None

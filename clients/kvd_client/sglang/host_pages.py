@@ -53,9 +53,10 @@ class HostPages:
         if isinstance(pool, MLATokenToKVPoolHost):
             self.attention, self.kv_heads, self.head_dim = "mla", 1, pool.kv_cache_dim
         elif isinstance(pool, MHATokenToKVPoolHost):
-            if pool.head_dim != pool.v_head_dim:
+            v_dim = getattr(pool, "v_head_dim", pool.head_dim)  # 0.5.16: only on split pools
+            if pool.head_dim != v_dim:
                 raise ValueError(f"kvd: K and V of different widths ({pool.head_dim}, "
-                                 f"{pool.v_head_dim}) are not supported")
+                                 f"{v_dim}) are not supported")
             self.attention, self.kv_heads, self.head_dim = "mha", pool.head_num, pool.head_dim
         else:
             raise ValueError(f"kvd: host pool {type(pool).__name__} is not supported; "

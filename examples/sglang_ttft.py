@@ -1,0 +1,248 @@
+"""Time to first token of SGLang with and without kvd, for long shared prefixes.
+
+    python examples/sglang_ttft.py --out /tmp/sgl-ttft.json          # GPU: Llama-3-8B shape
+
+Needs SGLang and kvd_client in this python (on the GPU machine: SGLang 0.5.16
+staged by tools/gpu/stage_sglang.sh, run through its call2.sh, which puts the
+checkout's ``clients`` on ``PYTHONPATH``); starts a private ``kvd serve``
+(``--chunk-tokens 64``, SGLang's page) with ``--daemon-python``. The model is a
+config.json only, Llama-3-8B shaped with ``--layers`` layers, run with
+``load_format="dummy"``: no download, and the timings are those of real
+weights. Attention is SGLang's triton backend (``--attention-backend``;
+``fa3`` needs FlashAttention 3, staged only with ``WITH_FA3=1``), sampling its
+pytorch one, no CUDA graphs (TTFT is one prefill). Each engine runs in its
+own process (this script again, with ``--role``):
+
+- ``store``: an engine with HiCache and kvd as its storage tier prefills each
+  prefix (plus a suffix); SGLang backs the pages up to kvd, and the role waits
+  until the daemon holds them all;
+- ``kvd``: a fresh engine with HiCache and kvd: before each repeat its GPU and
+  host caches are flushed, so each repeat's prefix comes from kvd (SGLang's
+  ``cached_tokens_details`` say how much); TTFT of the prefix plus a new
+  suffix;
+- ``full``: an engine without HiCache, radix cache on: TTFT of a fresh prefix
+  plus suffix (the whole prefill), then ``suffix``: the same prefix with another
+  suffix (SGLang's GPU cache holds the prefix: the cost of the suffix alone).
+
+TTFT is the wall time of ``generate`` of one prompt with one new token,
+median of ``--repeat`` runs; speedup = full / kvd. ``--out`` keeps every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0}
+PAGE = 64  # SGLang's page size here, and the daemon's chunk
+
+
+def write_config(path: Path, layers: int, max_len: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
+        "hidden_act": "silu", "max_position_embeddings": max_len, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+        "eos_token_id": 2, **LLAMA3_8B}))
+
+
+def tokens(name: str, n: int) -> list[int]:
+    """``n`` token ids drawn from the seed ``name`` (the same in every process)."""
+    import random
+
+    rng = random.Random(name)
+    return [rng.randrange(3, LLAMA3_8B["vocab_size"]) for _ in range(n)]
+
+
+def engine_args(args, role: str) -> dict:
+    longest = max(args.prefix_list) + args.suffix
+    kw = {"model_path": args.model, "load_format": "dummy", "dtype": "bfloat16", "random_seed": 0,
+          "skip_tokenizer_init": True, "page_size": PAGE, "attention_backend": args.attention_backend,
+          "sampling_backend": "pytorch", "disable_cuda_graph": True, "grammar_backend": "none",
+          "context_length": longest + 64, "max_total_tokens": 2 * longest + 4096,
+          "mem_fraction_static": args.mem_fraction_static, "log_level": "warning"}
+    if role != "full":
+        extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
+                 "class_name": "KvdHiCacheStorage", "interface_v1": 1,
+                 "kvd_runtime_dir": args.runtime_dir, **json.loads(args.extra)}
+        # the store role writes every page through to kvd; the kvd role writes back only on
+        # eviction, so that no store of its suffixes runs beside the next repeat
+        policy = "write_through" if role == "store" else "write_back"
+        kw.update(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_write_policy=policy,
+                  hicache_storage_backend="dynamic", hicache_storage_prefetch_policy="wait_complete",
+                  hicache_storage_backend_extra_config=json.dumps(extra))
+    return kw
+
+
+def engine(args, role: str) -> dict:
+    import sglang
+
+    llm = sglang.Engine(**engine_args(args, role))
+    one = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+
+    def ttft(prompt) -> tuple[float, dict]:
+        t0 = time.perf_counter()
+        out = llm.generate(input_ids=prompt, sampling_params=one)
+        return time.perf_counter() - t0, out["meta_info"].get("cached_tokens_details") or {}
+
+    try:
+        ttft(tokens("warm-up", 256))
+        out, sfx = {}, args.suffix
+        for n in args.prefix_list:
+            shared = tokens(f"shared/{n}", n)  # the prefix the store engine leaves in kvd
+            print(f"[{role}] prefix {n}", flush=True)
+            if role == "store":
+                ttft(shared + tokens("store", sfx))
+            elif role == "kvd":
+                runs, hits = [], []
+                for r in range(args.repeat):
+                    if not flushed(llm.flush_cache()):  # GPU and host copies gone: from kvd
+                        print(f"[kvd] flush_cache refused before repeat {r}", flush=True)
+                    t, details = ttft(shared + tokens(f"kvd/{r}", sfx))
+                    runs.append(t)
+                    hits.append(details.get("storage", 0))
+                out[n] = {"kvd": runs, "storage_hit_tokens": hits}
+            else:
+                full, suffix = [], []
+                for r in range(args.repeat):
+                    fresh = tokens(f"fresh/{n}/{r}", n)
+                    full.append(ttft(fresh + tokens(f"a/{r}", sfx))[0])    # the whole prefill
+                    suffix.append(ttft(fresh + tokens(f"b/{r}", sfx))[0])  # prefix cached on the GPU
+                out[n] = {"full": full, "suffix": suffix}
+        if role == "store":
+            wait_stored(args, 256 // PAGE + sum((n + sfx) // PAGE for n in args.prefix_list))
+    finally:
+        if role != "full":
+            detach(llm)
+        llm.shutdown()
+    return out
+
+
+def detach(llm) -> None:
+    """SGLang detaches kvd's backend, which closes it: its staging pool leaves /dev/shm (the
+    scheduler process is killed at shutdown)."""
+    try:
+        out = llm.loop.run_until_complete(llm.tokenizer_manager.detach_hicache_storage())
+        if not out.success:
+            print(f"detaching the storage backend: {out.message}", flush=True)
+    except Exception as exc:  # an SGLang without it: the next kvd pool removes the file
+        print(f"detaching the storage backend failed ({exc})", flush=True)
+
+
+def flushed(result) -> bool:
+    return bool(getattr(result, "success", result if result is not None else True))
+
+
+def wait_stored(args, chunks: int, timeout: float = 300.0) -> None:
+    """SGLang backs pages up to kvd after the requests end: wait until the daemon holds them."""
+    from kvd_client.transport import Channel
+    from kvd_protocol.runtime import control_endpoint
+
+    deadline = time.monotonic() + timeout
+    ch = Channel(control_endpoint(Path(args.runtime_dir)), 5.0)
+    try:
+        while (stored := ch.request("stats").get("chunks_stored", 0)) < chunks:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"[store] kvd holds {stored} of {chunks} chunks after {timeout} s")
+            time.sleep(0.5)
+    finally:
+        ch.close()
+    print(f"[store] kvd holds the {chunks} chunks", flush=True)
+
+
+def run_role(args, role: str, tmp: Path) -> dict:
+    out = tmp / f"{role}.json"
+    cmd = [sys.executable, __file__, "--role", role, "--role-out", str(out), *sys.argv[1:]]
+    subprocess.run(cmd, check=True)
+    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefixes", default="2048,8192,16384,32768")
+    ap.add_argument("--suffix", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.85)
+    ap.add_argument("--extra", default="{}", help="more of the storage backend's extra config (JSON)")
+    ap.add_argument("--daemon-python", default=sys.executable)
+    ap.add_argument("--host-capacity", default="10GiB", help="the private daemon's host tier")
+    ap.add_argument("--out")
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--role-out", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--runtime-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.prefix_list = [int(p) for p in args.prefixes.split(",")]
+    if any(n % PAGE for n in args.prefix_list):
+        raise SystemExit(f"prefixes must be whole pages of {PAGE} tokens")
+    if args.role:
+        Path(args.role_out).write_text(json.dumps(engine(args, args.role)))
+        return
+    with tempfile.TemporaryDirectory(prefix="kvd-sgl-ttft-") as tmp:
+        tmp = Path(tmp)
+        model, run = tmp / "model", tmp / "run"
+        write_config(model, args.layers, max(args.prefix_list) + args.suffix + 64)
+        sys.argv += ["--model", str(model), "--runtime-dir", str(run)]
+        args.runtime_dir = str(run)
+        daemon = subprocess.Popen([args.daemon_python, "-m", "kvd", "serve", "--runtime-dir", str(run),
+                                   "--host-capacity", args.host_capacity, "--chunk-tokens", str(PAGE),
+                                   "--warm-restart", "false"],
+                                  stdout=open(tmp / "kvd.log", "wb"), stderr=subprocess.STDOUT)
+        rows = {n: {} for n in args.prefix_list}
+        try:
+            wait_ready(args, run, daemon)
+            run_role(args, "store", tmp)
+            for role in ("kvd", "full"):
+                try:
+                    got = run_role(args, role, tmp)
+                except subprocess.CalledProcessError as exc:
+                    print(f"[{role}] failed ({exc}); its column stays empty", flush=True)
+                    continue
+                for n in args.prefix_list:
+                    rows[n].update(got[n])
+                save(args, rows)  # what ran so far survives a later role's failure
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+    report(args, rows)
+
+
+def wait_ready(args, run: Path, daemon) -> None:
+    for _ in range(300):
+        if daemon.poll() is not None:
+            raise SystemExit(f"kvd serve exited with {daemon.returncode}")
+        health = [args.daemon_python, "-m", "kvd", "health", "--runtime-dir", str(run), "--timeout", "0.5"]
+        if subprocess.run(health, capture_output=True).returncode == 0:
+            return
+        time.sleep(0.2)
+    raise SystemExit("kvd serve did not become healthy")
+
+
+def report(args, rows: dict) -> None:
+    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
+    print(f"{'prefix':>8}{'full ms':>12}{'suffix ms':>12}{'kvd ms':>12}{'kvd hit':>10}{'speedup':>9}")
+    for n, m in med.items():
+        cells = "".join(f"{m[k] * 1e3:>12.1f}" if k in m else f"{'-':>12}" for k in ("full", "suffix", "kvd"))
+        hit = f"{int(m['storage_hit_tokens']):>10d}" if "storage_hit_tokens" in m else f"{'-':>10}"
+        speed = f"{m['full'] / m['kvd']:>8.1f}x" if "full" in m and "kvd" in m else f"{'-':>9}"
+        print(f"{n:>8}{cells}{hit}{speed}")
+    save(args, rows, med)
+
+
+def save(args, rows: dict, med: dict | None = None) -> None:
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": rows, "median": med},
+                                             default=str, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# GPU machine, the last run, which runs SGLang (carry [".sgstage/curN"]; a run alone
+# when everything fits one): unpacks the parts beside it (call1.sh), checks that every
+# staged part is in /tmp/sgsite (exits 42 saying MACHINE LOST when an earlier run's
+# files are gone: make every run again, back to back), makes SGLang 0.5.16 and this
+# checkout importable, then runs "$@" from the repository root.
+#
+#   bash .sgstage/cur1/call2.sh python3 -m pytest -q -rs tests/sglang/test_gpu_server.py
+#   bash tools/gpu/sglang_call2.sh python3 examples/sglang_ttft.py   # a later run, nothing carried
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+unpack=$here/call1.sh; [ -f "$unpack" ] || unpack=$here/sglang_call1.sh  # .sgstage/curN, or tools/gpu
+bash "$unpack"
+for p in $(cat /tmp/sgsite/.sgparts/expected 2>/dev/null || echo partA); do
+  [ -f "/tmp/sgsite/.sgparts/$p" ] || { echo "MACHINE LOST: /tmp/sgsite lacks $p; make every run again, back to back"; exit 42; }
+done
+export PYTHONPATH=/tmp/sgsite:$PWD/clients:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1
+# SGLang 0.5.16 JIT-compiles its CUDA kernels (nvcc, through tvm-ffi) and Triton's at first use:
+# their caches live beside the site, so a later run on the same machine reuses them
+export TVM_FFI_CACHE_DIR=/tmp/sgsite/.cache/tvm-ffi TRITON_CACHE_DIR=/tmp/sgsite/.cache/triton
+# flashinfer is staged without its JIT sources: let SGLang take its other paths (it still imports it)
+export SGLANG_IS_FLASHINFER_AVAILABLE=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export KVD_TEST_LOG_DIR=${KVD_TEST_LOG_DIR:-${OUT:-/tmp}/logs}
+python3 -c 'import sglang, sgl_kernel, torch; print("sglang", sglang.__version__, "torch", torch.__version__,
+  torch.cuda.get_device_name())' || exit 1
+"$@"
