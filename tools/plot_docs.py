@@ -48,6 +48,7 @@ BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 POOLS = {"one": "one allocation (vLLM)", "per-layer": "one allocation per layer (SGLang)",
          "block-outer": "block-outer (vLLM `BLHNC`, opt-in)"}
 SHAPES = {"llama3-8b": "Llama-3-8B", "deepseek-mla": "DeepSeek MLA"}
+SUMMARY_COPIES = (("one", "llama3-8b", 16), ("per-layer", "deepseek-mla", 64))  # the README's rows
 
 
 # ---- the data ---------------------------------------------------------------------
@@ -152,7 +153,8 @@ def render_vllm_load(docs: list[dict]) -> str:
         rows.append([label, f"{load['tokens_per_s']:.0f}",
                      f"{load['tokens_per_s'] / base['load']['tokens_per_s']:.3f}",
                      f"{load['ttft_p50'] * 1e3:.0f} ms", f"{load['ttft_p99'] * 1e3:.0f} ms",
-                     f"{dec['tokens_per_s']:.0f}", f"{dec['tokens_per_s'] / base['decode']['tokens_per_s']:.3f}"])
+                     f"{dec['tokens_per_s']:.0f}",
+                     f"{dec['tokens_per_s'] / base['decode']['tokens_per_s']:.3f}"])
     lines = table(["engine", "load: output tokens/s", "vs none", "TTFT p50", "TTFT p99",
                    "decode: tokens/s", "vs none"], rows)
     a = doc["args"]
@@ -192,7 +194,7 @@ def render_summary(docs: list[dict]) -> str:
                  f"({roles['warm']['load']['tokens_per_s'] / roles['none']['load']['tokens_per_s']:.2f}×)",
                  f"{roles['none']['load']['tokens_per_s']:.0f} without kvd", load["gpu"]])
     for r in copies:
-        if (r["pool"], r["shape"], r["page"]) in (("one", "llama3-8b", 16), ("per-layer", "deepseek-mla", 64)):
+        if (r["pool"], r["shape"], r["page"]) in SUMMARY_COPIES:
             rows.append([f"copy speed, {POOLS[r['pool']]} pool, {SHAPES[r['shape']]}, pages of {r['page']}: "
                          "offload / load / both ways",
                          " / ".join(ratio(r[f"{p}_ratio"]) for p in ("store", "load", "both")),
@@ -221,7 +223,8 @@ def sync(root: Path, write: bool) -> list[str]:
         def redo(m: re.Match) -> str:
             name = m.group(2)
             if name not in RENDER:
-                problems.append(f"{path.relative_to(root)}: unknown table {name!r} (known: {', '.join(RENDER)})")
+                problems.append(f"{path.relative_to(root)}: unknown table {name!r} "
+                                f"(known: {', '.join(RENDER)})")
                 return m.group(0)
             if name not in rendered:
                 rendered[name] = RENDER[name](load(root, name))
@@ -264,7 +267,8 @@ def images(root: Path, out: Path) -> list[Path]:
 
     ttft = load(root, "vllm_ttft")[0]
     med = ttft_medians(ttft)
-    bars(out / "vllm_ttft.png", f"vLLM {ttft['vllm']}, time to first token after a cached prefix (lower is better)",
+    bars(out / "vllm_ttft.png",
+         f"vLLM {ttft['vllm']}, time to first token after a cached prefix (lower is better)",
          [f"{k(n)}-token prefix" for n in med],
          {"full prefill": [m["full"] * 1e3 for m in med.values()],
           "kvd hit (fresh engine)": [kvd_hit(m) * 1e3 for m in med.values()],
@@ -274,7 +278,8 @@ def images(root: Path, out: Path) -> list[Path]:
 
     copies = load(root, "gpu_copy")
     rows = copy_rows(copies)
-    bars(out / "gpu_copy.png", "kvd's GPU copies as a share of pinned cudaMemcpy (2 engines x 4 requests in flight)",
+    bars(out / "gpu_copy.png",
+         "kvd's GPU copies as a share of pinned cudaMemcpy (2 engines x 4 requests in flight)",
          [f"{r['pool']}\n{SHAPES[r['shape']]} p{r['page']}" for r in rows],
          {"offload": [r["store_ratio"] for r in rows], "load": [r["load_ratio"] for r in rows],
           "both ways": [r["both_ratio"] for r in rows]},
@@ -307,7 +312,8 @@ def images(root: Path, out: Path) -> list[Path]:
 def main(argv: list) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--check", action="store_true", help="exit 1 when a marked table differs from docs/data")
+    what.add_argument("--check", action="store_true",
+                      help="exit 1 when a marked table differs from docs/data")
     what.add_argument("--write", action="store_true", help="rewrite the marked tables from docs/data")
     what.add_argument("--images", nargs="?", const=str(ROOT / "docs" / "img"), metavar="OUT_DIR",
                       help="draw the docs' PNGs (default docs/img; needs matplotlib)")

@@ -17,7 +17,7 @@ bootstrap interval of that difference (each variant's runs resampled,
 difference. One call's runs swing with the machine (two identical variants
 differed by 0.06 at 20 runs each); pooling rounds that alternate variants
 in rotating order is how a difference of a few hundredths shows
-(docs/benchmarks.md).
+(docs/benchmarks.md in git history).
 """
 
 from __future__ import annotations

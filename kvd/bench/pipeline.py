@@ -14,7 +14,7 @@ the other half load, against both memcpys on two streams). The memcpys run
 right before each run of the phase, and the ratio is the median of each
 run's ratio to its own baseline: the PCIe rate of one machine drifts
 between runs (a both-ways memcpy of 144 MB from 44 to 90 GB/s within one
-call, docs/benchmarks.md), and a baseline minutes away from what it is
+call, docs/performance.md), and a baseline minutes away from what it is
 compared with measured that drift instead of kvd. Medians of ``--repeat``
 runs after one warm-up. Each run also reads the daemon's ``loop_cpu_s``
 (``kvd stats``) before and after: the share of the run its event loop was on
