@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_ttft import LLAMA3_8B, add_common_args, private_daemon, run_role, write_config  # noqa: E402
+from vllm_ttft import (LLAMA3_8B, add_common_args, environment, private_daemon,  # noqa: E402
+                       run_role, write_config)
 
 
 def tokens(seed: str, n: int) -> list[int]:
@@ -132,7 +133,8 @@ def report(args, rows: dict) -> None:
               f"{load['ttft_p50'] * 1e3:>8.1f}ms{load['ttft_p99'] * 1e3:>8.1f}ms"
               f"{dec['tokens_per_s']:>14.0f}{dec['tokens_per_s'] / base['decode']['tokens_per_s']:>9.3f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "roles": rows}, indent=1, default=str))
+        Path(args.out).write_text(json.dumps({**environment(), "args": vars(args), "roles": rows}, indent=1,
+                                              default=str))
 
 
 if __name__ == "__main__":

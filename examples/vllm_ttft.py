@@ -14,9 +14,11 @@ again, with ``--role``):
 - ``store``: an engine with the connector prefills each prefix (plus a
   suffix): kvd stores its chunks;
 - ``kvd``: a fresh engine with the connector (prefix caching off, so every
-  hit is kvd's): TTFT of each prefix plus a new suffix, ``--repeat`` times;
+  hit is kvd's), every hit loaded between steps (``async_load_min_tokens``
+  0): TTFT of each prefix plus a new suffix, ``--repeat`` times;
 - ``kvd-layerwise``: the same with every hit loaded layer by layer inside
-  the step (``async_load_min_tokens`` past any prompt), on a GPU only;
+  the step (``async_load_min_tokens`` past any prompt; the connector's
+  default up to 65,536 tokens), on a GPU only;
 - ``full``: an engine without the connector, prefix caching on: TTFT of a
   fresh prefix plus suffix (the whole prefill), then ``suffix``: the same
   prefix with another suffix (vLLM's own cache holds the prefix: the cost
@@ -32,8 +34,10 @@ TTFT is the wall time of ``generate`` of one prompt with ``max_tokens=1``,
 median of the repeats. The bound is what a perfect host cache could give:
 ``suffix + floor`` (the tokens it does not supply, computed, plus its bytes
 at pinned-memcpy speed); kvd / bound is the ratio the docs quote, speedup =
-full / kvd (docs/vllm.md, "Measuring TTFT on a GPU"). The roles print their
-progress; ``--out`` keeps every run.
+full / kvd (docs/vllm.md, "Time to first token on a GPU"). The roles print
+their progress; ``--out`` keeps every run, with the GPU, the vLLM version
+and the command: put it in docs/data/ and run ``tools/plot_docs.py --write``
+to update the docs' tables.
 """
 
 from __future__ import annotations
@@ -89,8 +93,7 @@ def engine(args, role: str) -> dict:
             kv_connector_extra_config={"cpu_bytes_to_use": int(args.native_cpu_gib * (1 << 30))})
     elif role != "full":
         extra = {"runtime_dir": args.runtime_dir, **json.loads(args.extra)}
-        if role == "kvd-layerwise":
-            extra["async_load_min_tokens"] = 1 << 30
+        extra.setdefault("async_load_min_tokens", 1 << 30 if role == "kvd-layerwise" else 0)
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvdConnector", kv_connector_module_path="kvd_client.vllm", kv_role="kv_both",
             kv_connector_extra_config=extra)
@@ -259,10 +262,25 @@ def report(args, rows: dict) -> None:
     save(args, rows, med)
 
 
+def environment() -> dict:
+    """What the figures were measured with: the command, the GPU, vLLM's version."""
+    import shlex
+    argv = sys.argv[:sys.argv.index("--model")] if "--model" in sys.argv else sys.argv  # ours, appended
+    out = {"command": "python " + " ".join(shlex.quote(a) for a in argv)}
+    try:
+        import vllm
+        out["vllm"] = vllm.__version__
+        import torch
+        out["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    except Exception:  # noqa: BLE001 - informative only
+        pass
+    return out
+
+
 def save(args, rows: dict, med: dict | None = None) -> None:
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": rows, "median": med},
-                                             default=str, indent=1))
+        Path(args.out).write_text(json.dumps({**environment(), "args": vars(args), "runs": rows,
+                                              "median": med}, default=str, indent=1))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ KNOBS = (
     Knob("max_message_bytes", "size", 64 * 2**20, "Largest request a client may send; larger "
          "messages drop that peer.", minimum=2**16),
     Knob("max_keys_per_request", "int", 2048, "Most chunk keys in one lookup, store or load "
-         "(their per-key work holds the event loop: docs/benchmarks.md).", minimum=1),
+         "(their per-key work holds the event loop: docs/performance.md).", minimum=1),
     Knob("heartbeat_interval_s", "float", 5.0, "How often clients are asked to send a heartbeat.",
          minimum=0.05),
     Knob("client_timeout_s", "float", 30.0, "A client silent for this long is reaped.",
@@ -84,7 +84,7 @@ KNOBS = (
          "chunks of DeepSeek-MLA, whose next copy the daemon may queue too late behind two). A "
          "client arriving later then waits behind at most max_queued_copies_alone copies of any "
          "size, or this many bytes. 0 (default): by count only; 512MiB kept loads queued but did "
-         "not raise throughput (docs/benchmarks.md).", minimum=0),
+         "not raise throughput.", minimum=0),
     Knob("shutdown_grace_s", "float", 8.0, "On SIGTERM/SIGINT, how long requests in flight may take "
          "to finish (copies, disk writes) before the daemon exits anyway.", minimum=0.1),
     Knob("copy_threads", "int", 2, "Threads of the host copy backend.", minimum=1),

@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvd.bench.common import write_json
-from kvd.bench.pipeline import report
+from kvd.bench.pipeline import PHASES, report
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
@@ -236,3 +237,85 @@ def test_the_blocking_table_names_its_pools_and_page_order(capsys):
     out = capsys.readouterr().out
     assert "per-layer pools, sorted page ids" in out
     assert "deepseek-mla     64    144     36.0   0.65    48.0   0.90    48.0   0.53" in out
+
+
+def bench_args(*argv):
+    import argparse
+
+    from kvd.bench import add_arguments
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def fake_gpu_run(monkeypatch, tmp_path, *argv):
+    """``kvd bench --gpu`` with its GPU work stubbed: which measurements it makes by default
+    (no GPU needed), and what its report and --json say."""
+    import types
+
+    from kvd.bench import gpu, pipeline
+    calls = []
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(init=lambda: None,
+                                                             get_device_name=lambda: "test GPU"))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(gpu, "without_gpu_stack", lambda flag: False)
+    monkeypatch.setattr(gpu, "start_daemon", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "stop_daemon", lambda *a, **k: None)
+
+    def blocking(torch, K, C, rundir, name, shape, page, args):
+        calls.append(("blocking", args.gpu_pool, name, page))
+        return {"shape": name, "page": page, "bytes": 10**8, "store": 0.004, "load": 0.004,
+                "both": 0.006, "memcpy_d2h": 0.002, "memcpy_h2d": 0.002, "memcpy_both": 0.003}
+
+    def piped(torch, K, C, make_pool, rundir, name, shape, page, args):
+        calls.append(("pipelined", args.gpu_pool, name, page, args.pipeline))
+        return {"shape": name, "page": page, "bytes": 10**8, "clients": 2, "depth": args.pipeline,
+                **{f"{p}_{k}": 0.9 if k == "ratio" else 5e10 for p in PHASES
+                   for k in ("Bps", "memcpy_Bps", "ratio")}}
+
+    def gemm(torch, K, C, rundir, args):
+        calls.append(("gemm", args.gpu_pool))
+        return {"alone_ms": 1.5, "with_copies_ms": 1.6, "slowdown": 0.06, "copy_GBps": 10.0}
+
+    monkeypatch.setattr(gpu, "_measure_shape", blocking)
+    monkeypatch.setattr(pipeline, "measure", piped)
+    monkeypatch.setattr(gpu, "_gemm_slowdown", gemm)
+    monkeypatch.setattr(sys, "argv", ["kvd", "bench", "--gpu", *argv])
+    args = bench_args("--gpu", *argv)
+    assert gpu.run(args) == 0
+    return calls
+
+
+def test_bench_gpu_defaults_to_what_engines_do(monkeypatch, tmp_path, capsys):
+    """Requests in flight on the pools vLLM and SGLang allocate; no blocking figures unless
+    asked for."""
+    out = tmp_path / "gpu.json"
+    calls = fake_gpu_run(monkeypatch, tmp_path, "--gpu-page-sizes", "16", "--json", str(out))
+    assert calls == [("pipelined", pool, shape, 16, 4) for pool in ("one", "per-layer")
+                     for shape in ("llama3-8b", "deepseek-mla")]
+    text = capsys.readouterr().out
+    assert "pipelined: 2 engines x 4 requests in flight" in text and "blocking" not in text
+    assert "one pools (all layers in one allocation, as vLLM's)" in text
+    assert "per-layer pools (each layer its own allocation, as SGLang's)" in text
+    doc = json.loads(out.read_text())
+    assert doc["pools"] == ["one", "per-layer"] and doc["blocking"] == [] and doc["gemm"] is None
+    assert [r["pool"] for r in doc["pipelined"]] == ["one", "one", "per-layer", "per-layer"]
+
+
+def test_bench_gpu_blocking_figures_only_when_asked(monkeypatch, tmp_path, capsys):
+    calls = fake_gpu_run(monkeypatch, tmp_path, "--gpu-page-sizes", "16", "--gpu-shapes", "llama3-8b",
+                         "--gpu-pool", "per-layer", "--blocking")
+    assert calls == [("blocking", "per-layer", "llama3-8b", 16),
+                     ("pipelined", "per-layer", "llama3-8b", 16, 4), ("gemm", "per-layer")]
+    text = capsys.readouterr().out
+    assert "blocking, one request at a time" in text and "per-layer pools, random page ids" in text
+    calls = fake_gpu_run(monkeypatch, tmp_path, "--gpu-page-sizes", "16", "--gpu-shapes", "llama3-8b",
+                         "--pipeline", "0")
+    assert calls == [("blocking", "one", "llama3-8b", 16), ("blocking", "per-layer", "llama3-8b", 16),
+                     ("gemm", "one")]
+
+
+def test_bench_gpu_refuses_an_unknown_pool_kind():
+    with pytest.raises(SystemExit):
+        bench_args("--gpu", "--gpu-pool", "one,two")
+    assert bench_args("--gpu", "--gpu-pool", "block-outer").gpu_pool == ["block-outer"]

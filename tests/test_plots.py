@@ -1,7 +1,8 @@
-"""Plots of measured tables: ``kvd bench --plot``, the TTFT chart, docs/img from docs/benchmarks.md.
+"""Plots of measured tables: ``kvd bench --plot``, the TTFT chart, docs/img.
 
 Real benchmark runs (small) draw real PNGs; the docs' pictures are drawn
-from the tables parsed out of docs/benchmarks.md, which must keep parsing.
+from docs/data/ and from the tables of docs/performance.md, which must keep
+parsing (tools/plot_docs.py --images).
 """
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ def test_prefix_reuse_replots_a_saved_result(tmp_path):
     assert "17.3" in proc.stdout and png_shape(out)[:2] == (480, 900)
 
 
-def test_docs_images_are_drawn_from_the_benchmark_tables(tmp_path):
-    doc = plot_docs.DOC.read_text()
-    ttft = plot_docs.table(doc, "## Time to first token")
+def test_docs_images_are_drawn_from_the_data_and_the_performance_tables(tmp_path):
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    ttft = plot_docs.md_table(doc, "## Prefix reuse with transformers")
     assert [r["prefix"] for r in ttft][:3] == ["2048", "8192", "32768"] and "kvd ms" in ttft[0]
-    disk = plot_docs.table(doc, "## Disk tier (`kvd bench --disk`)")
+    disk = plot_docs.md_table(doc, "## Disk tier")
     assert {"tier/raw", "tier/raw #2"} <= set(disk[0])  # write and read ratios, both kept
-    assert plot_docs.main([str(tmp_path)]) == 0
+    assert plot_docs.main(["--images", str(tmp_path)]) == 0
     drawn = sorted(p.name for p in tmp_path.glob("*.png"))
     assert drawn == sorted(p.name for p in (ROOT / "docs" / "img").glob("*.png"))
+    for name in drawn:
+        assert png_shape(tmp_path / name)[:2] == (480, 900)

@@ -20,8 +20,8 @@
 # run. TREE=DIR (no spaces; relative to the repository) among a variant's environment
 # runs that variant from another copy of kvd (e.g. `git worktree add DIR <commit>`:
 # the code before a change against this tree's), with DIR's kvd and kvd_client first
-# on PYTHONPATH. Runs on the GPU machine:
-#   bash .gpu/run.sh env VARIANTS=... bash tools/ab_runs.sh <flags>
+# on PYTHONPATH. Runs on a machine with a CUDA GPU:
+#   VARIANTS=... bash tools/ab_runs.sh <flags>
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${VARIANTS:?set VARIANTS, e.g. VARIANTS='new|;off|KVD_WARM_RESTART=0'}"

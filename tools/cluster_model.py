@@ -15,7 +15,7 @@ Two parts, both deterministic (fixed seeds, no timing):
 2. Break-even prefix length: fetching the prefix's KV over the network
    (``bytes per token x n / link rate`` plus a round trip) against what a
    cached prefix saves, full prefill minus the 256-token suffix's prefill
-   after it, both measured in docs/benchmarks.md (H200, Llama-3-8B shape,
+   after it, both measured in docs/performance.md (H200, Llama-3-8B shape,
    8 layers) and fitted with a quadratic (attention grows with n^2).
 
 Usage: ``python tools/cluster_model.py [--requests N] [--zipf S]`` prints
@@ -34,7 +34,7 @@ PREFIX_TOKENS = 4096
 CHUNK_TOKENS = 256
 KV_BYTES_PER_TOKEN_LAYER = 2 * 8 * 128 * 2  # K and V, 8 KV heads, head dim 128, bf16
 LAYERS_MEASURED = 8                         # the model of the measured prefill times
-# ms of the measured model (docs/benchmarks.md, prefix_reuse.py, H200): the full prefill of
+# ms of the measured model (docs/performance.md, prefix_reuse.py, H200): the full prefill of
 # prefix + 256-token suffix, and the suffix's prefill alone after the cached prefix
 MEASURED_PREFILL_MS = {2048: 17.3, 8192: 63.6, 32768: 346.7}
 MEASURED_SUFFIX_MS = {2048: 11.7, 8192: 15.1, 32768: 28.2}

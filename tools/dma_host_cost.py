@@ -5,7 +5,7 @@ The daemon plans and queues every DMA copy on its event loop; while it does,
 nothing else is queued, so where that host time nears the copy's PCIe time
 the daemon, not the bus, sets the rate ("enqueued in" in the daemon's debug
 log: 1.2-1.3 ms for a straight 268 MB store, 2.2-3.1 ms for a load, ~3 ms
-staged, on the H100 host, docs/benchmarks.md). This tool times kvd's own
+staged, on the H100 host, docs/benchmarks.md in git history). This tool times kvd's own
 part of it on any machine, no GPU: ``kvd.cuda.dma.DmaPath.store`` and
 ``load`` (straight and staged) with a stand-in for CuPy's streams, events and
 runtime calls and for the driver's batch calls, each of which returns at

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Everything GPU in one go, on the GPU machine:
-#   bash .gpu/run.sh bash tools/gpu_all.sh            (logs under $OUT)
+# Everything GPU in one go, on a machine with a CUDA GPU, torch and cupy, from the checkout:
+#   OUT=/tmp/gpu bash tools/gpu_all.sh                 (logs under $OUT)
 # 1. every GPU test (kernels in-process; daemon + engines over CUDA IPC);
-# 2. `kvd bench --gpu` (end-to-end offload/load vs pinned cudaMemcpy, GEMM slowdown;
-#    BENCH_ARGS adds flags, e.g. "--pipeline 4 --repeat 5 --plot $OUT/gpu.png");
+# 2. `kvd bench --gpu` (end-to-end offload/load vs pinned cudaMemcpy, requests in flight on
+#    the pools vLLM and SGLang allocate; BENCH_ARGS adds flags, e.g.
+#    "--blocking --repeat 5 --json $OUT/gpu.json --plot $OUT/gpu.png");
 # 3. `kvd bench --restart` (cold vs warm restart of a RESTART_GIB host tier, default 64);
 # 4. sweep: tools/ab_runs.sh with DAEMON_LOG=1, one round (the pipelined bench per
 #    daemon setting, with the daemon's phases; SWEEP_VARIANTS as ab_runs.sh's VARIANTS,
@@ -14,8 +15,8 @@
 #    flags, e.g. --mps).
 # 6. snapshot: the pipelined bench on every pool kind, each its own run and log under $OUT
 #    (block-outer with 16-token chunks of one page; one allocation and per-layer with
-#    256-token chunks), the issue-11 targets in one go.
-# 7. probe: the copy engines alone (tools/dma_probe.py, no daemon) for the cases kvd's
+#    256-token chunks), with --json, for docs/data.
+# 7. probe: the copy engines alone (tools/probes/dma_probe.py, no daemon) for the cases kvd's
 #    snapshot misses: pages of 64 and 16 as one copy per (layer, page) (per-layer pools)
 #    and as pitched ops, 1 and 8 streams (PROBE_CASES, PROBE_WAYS change them).
 # GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,sweep,interference).
@@ -74,8 +75,8 @@ if [[ $steps == *snapshot* ]]; then
   done
 fi
 if [[ $steps == *probe* ]]; then
-  echo "== tools/dma_probe.py"
-  timeout 300 python3 tools/dma_probe.py --reps 5 --cases "${PROBE_CASES:-mla:64,llama:64,mla:16,llama:16}" \
+  echo "== tools/probes/dma_probe.py"
+  timeout 300 python3 tools/probes/dma_probe.py --reps 5 --cases "${PROBE_CASES:-mla:64,llama:64,mla:16,llama:16}" \
     --ways "${PROBE_WAYS:-1d,3d}" --streams 1,8 2>"$OUT/probe.err" | tee "$OUT/probe.jsonl" \
     | grep -v '^{"gpu"'
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "PROBE FAILED"; tail -n 5 "$OUT/probe.err"; rc=1; }

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# GPU check of kvd's copy kernels; run on the GPU machine from anywhere in
-# the checkout, e.g. through the staged runner:
-#   bash .gpu/run.sh bash tools/gpu_check.sh
+# GPU check of kvd's copy kernels; run on a machine with a CUDA GPU, nvcc, torch
+# and cupy, from anywhere in the checkout:
+#   bash tools/gpu_check.sh
 # 1. nvcc builds kernels/kv_copy.cu for sm_80 and sm_90 with warnings as
 #    errors (resource report and 128-bit access count in $OUT/nvcc.log);
 # 2. the GPU tests (tests/cuda/test_gpu_kernels.py), isolated from the repo's
-#    pytest config so other people's half-written files cannot break them;
+#    pytest config;
 # 3. the throughput benchmark (tools/gpu_kernel_bench.py), table last;
 # 4. a short compute-sanitizer memcheck pass over a few test cases.
 # Logs go to $OUT (a temporary folder when OUT is unset). Exit status is

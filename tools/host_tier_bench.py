@@ -23,7 +23,7 @@ serves, per size: reading the index file and rebuilding the entries
 loop). Usage:
 ``.venv/bin/python tools/host_tier_bench.py [--sizes 1000,10000,100000] [--leased 0.5]``
 (the record delay's figures: ``--sizes 1500 --leased 0 --chunks 128 --requests 1000
---journal --journal-delay 0.1 --percentile 10``, docs/benchmarks.md).
+--journal --journal-delay 0.1 --percentile 10``, docs/benchmarks.md in git history).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ bootstrap interval of that difference (each variant's runs resampled,
 difference. One call's runs swing with the machine (two identical variants
 differed by 0.06 at 20 runs each); pooling rounds that alternate variants
 in rotating order is how a difference of a few hundredths shows
-(docs/benchmarks.md).
+(docs/benchmarks.md in git history).
 """
 
 from __future__ import annotations
@@ -55,7 +55,10 @@ def pooled(paths: list[Path]) -> tuple[dict, set]:
             for phase in PHASES:
                 ratios = row.get(f"{phase}_ratios")
                 if ratios:
-                    key = (row["shape"], row["page"], phase, variant_of(path))
+                    shape = row["shape"]  # with the pool where a file measured several
+                    if len(doc.get("pools", [])) > 1 and row.get("pool"):
+                        shape = f"{shape}/{row['pool']}"
+                    key = (shape, row["page"], phase, variant_of(path))
                     runs[key].append((round_of(path), ratios,
                                       row.get(f"{phase}_loop_busy") or []))
     return runs, gpus

@@ -3,7 +3,9 @@
 One module per benchmark, each with ``run(args)`` (and ``add_arguments``
 where it has flags of its own): ``host`` (the default: store/load through
 the host backend vs a numpy copy), ``gpu`` (``--gpu``: the CUDA path vs
-pinned cudaMemcpy), ``disk`` (``--disk``), ``gds`` (``--gds``), ``policy``
+pinned cudaMemcpy, by default as engines use it: requests in flight, the
+pool kinds vLLM and SGLang allocate; ``--blocking`` adds one request at a
+time), ``disk`` (``--disk``), ``gds`` (``--gds``), ``policy``
 (``--disk-policy``), ``restart`` (``--restart``: cold vs warm restarts).
 ``common`` holds what they share (starting the private daemon, control
 requests, request geometry); ``names_of`` parses a flag's list of names;
@@ -28,7 +30,7 @@ from pathlib import Path
 from kvd_protocol.keys import DTYPE_SIZES
 
 from .common import PAGE_ORDERS, size_arg, without_gpu_stack
-from .gpu import SHAPES
+from .gpu import POOLS, SHAPES
 from .pipeline import PHASES
 
 
@@ -58,11 +60,13 @@ def add_arguments(p) -> None:
                    "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
     p.add_argument("--spin-ms", type=float, default=0.0, help="with --gpu: the clients busy-poll "
                    "this long for each reply before sleeping (KvdClient spin_s)")
-    p.add_argument("--gpu-pool", choices=("per-layer", "one", "block-outer"), default="per-layer",
-                   help="with --gpu: each layer's KV its own allocation (SGLang's, older vLLM's; "
-                   "at least 12 MiB each, so that PyTorch does not pack layers into one), "
-                   "all layers in one (vLLM's single backing allocation), or one with a block's "
-                   "layers adjacent (vLLM 0.32's BLHNC-family layouts)")
+    p.add_argument("--gpu-pool", type=names_of(POOLS), default=["one", "per-layer"], metavar="A,B",
+                   help="with --gpu: the pool kinds to measure, comma-separated (default: the two "
+                   "engines allocate): one (all layers in one allocation, vLLM's), per-layer (each "
+                   "layer its own allocation, SGLang's; at least 12 MiB each, so that PyTorch does "
+                   "not pack layers into one), block-outer (one allocation with a block's layers "
+                   "adjacent, vLLM 0.32's BLHNC-family layouts, an opt-in); --interference uses "
+                   "the first")
     p.add_argument("--page-order", choices=PAGE_ORDERS, default="random",
                    help="with --gpu: the engines' page ids: a random permutation (a free list "
                    "after churn, the worst case), sorted (a free list kept sorted, SGLang's "
@@ -87,9 +91,13 @@ def add_arguments(p) -> None:
                    metavar="gemm,decode", help="with --interference: the engine's workloads")
     p.add_argument("--mps", action="store_true", help="with --interference: also run under CUDA MPS "
                    "(started and stopped by the benchmark when nvidia-cuda-mps-control is there)")
-    p.add_argument("--pipeline", type=int, default=0, metavar="N", help="with --gpu: also measure "
-                   "with N requests in flight per client (submit/poll), next to the blocking figures")
-    p.add_argument("--clients", type=int, default=2, metavar="M", help="with --pipeline: engines "
+    p.add_argument("--pipeline", type=int, default=4, metavar="N", help="with --gpu: requests "
+                   "in flight per engine (submit/poll), as serving engines keep them; 0: none, "
+                   "only blocking requests")
+    p.add_argument("--blocking", action="store_true", help="with --gpu: also measure one blocking "
+                   "request at a time (store() and load(), each waited for before the next), and "
+                   "a GEMM in this process while such copies run")
+    p.add_argument("--clients", type=int, default=2, metavar="M", help="with --gpu: engines "
                    "(at least 2: for both directions half store while half load)")
     p.add_argument("--pipeline-rounds", type=int, default=4, metavar="R", help="with --pipeline: "
                    "each client sends N x R requests per timed run")

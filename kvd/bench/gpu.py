@@ -1,22 +1,28 @@
 """``kvd bench --gpu``: end-to-end GPU offload and load through a private daemon.
 
-This process is the engine: it allocates torch KV pools on the GPU, exports
-them through CUDA IPC and times client calls to completion (``store``
-returns once the daemon's gather finished; ``load`` once its scatter did).
-Page ids are a random permutation by default (an engine's free list scatters them;
-``--page-order``: sorted, or contiguous as a fresh engine's).
-Baselines measured in the same run: one pinned ``cudaMemcpy`` of the same
-bytes in each direction, and both directions at once on two streams. Also
-the slowdown of a bf16 GEMM running on the engine's stream while copies
-run, and the copy throughput meanwhile (kernels of two processes time-slice
-the GPU unless MPS is on, so a small slowdown can mean starved copies).
-With ``--pipeline N``, each shape and page size is measured again with
-requests pipelined (kvd.bench.pipeline). Medians of ``--repeat`` runs. A
+This process is the engines: it allocates torch KV pools on the GPU, exports
+them through CUDA IPC and times client calls to completion. By default it
+measures what engines do: ``--pipeline 4`` requests in flight per engine
+(kvd.bench.pipeline), on each pool kind of ``--gpu-pool`` (default ``one``
+and ``per-layer``: the allocations of vLLM and SGLang), for each shape and
+page size. Page ids are a random permutation by default (an engine's free
+list scatters them; ``--page-order``: sorted, or contiguous as a fresh
+engine's).
+
+``--blocking`` (or ``--pipeline 0``) adds one blocking request at a time
+(``store`` returns once the daemon's gather finished; ``load`` once its
+scatter did), against one pinned ``cudaMemcpy`` of the same bytes in each
+direction and both directions at once on two streams, and the slowdown of
+a bf16 GEMM on this process's stream while such copies run, with the copy
+throughput meanwhile (kernels of two processes time-slice the GPU unless MPS
+is on, so a small slowdown can mean starved copies; ``--interference``
+measures an engine in its own process). Medians of ``--repeat`` runs. A
 benchmark, not a test.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import statistics
 import sys
@@ -38,6 +44,7 @@ from .common import (
 )
 
 OWN_SEGMENT = 12 << 20  # bytes: PyTorch gives a tensor of 10 MiB or more a cudaMalloc of its own
+POOLS = ("one", "per-layer", "block-outer")  # make_pool's alloc
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
     "llama3-8b": ("vllm_flash_attn", 32, 8, 128),
     "deepseek-mla": ("vllm_mla", 61, 1, 576),
@@ -57,28 +64,36 @@ def run(args) -> int:
     from kvd_client.torch_pool import CudaKVPool
 
     torch.cuda.init()
-    rows = []
+    rows, piped, gemm = [], [], None
     chunk = args.chunk_tokens
+    blocking = args.blocking or not args.pipeline
     with tempfile.TemporaryDirectory(prefix="kvd-gbench-") as rundir:
         daemon = start_daemon(rundir, capacity=cap, chunk_tokens=chunk, extra=["--gpu", "on"],
                                log_path=args.daemon_log, profile=args.daemon_profile)
-        piped = []
         try:
-            for name, shape in shapes.items():
-                for page in args.gpu_page_sizes:
-                    rows.append(_measure_shape(torch, KvdClient, CudaKVPool, rundir, name, shape,
-                                               page, args))
-                    if args.pipeline:
-                        piped.append(pipeline.measure(torch, KvdClient, CudaKVPool, make_pool,
-                                                      rundir, name, shape, page, args))
-            gemm = _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir, args)
+            for pool in args.gpu_pool:
+                each = argparse.Namespace(**{**vars(args), "gpu_pool": pool})
+                for name, shape in shapes.items():
+                    for page in args.gpu_page_sizes:
+                        if blocking:
+                            rows.append({"pool": pool, **_measure_shape(
+                                torch, KvdClient, CudaKVPool, rundir, name, shape, page, each)})
+                        if args.pipeline:
+                            piped.append({"pool": pool, **pipeline.measure(
+                                torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page,
+                                each)})
+            if blocking:
+                gemm = _gemm_slowdown(torch, KvdClient, CudaKVPool, rundir,
+                                      argparse.Namespace(**{**vars(args), "gpu_pool": args.gpu_pool[0]}))
         finally:
             stop_daemon(daemon, rundir, 60)
-    _report(torch, rows, gemm, args)
-    pipeline.report(piped)
+    pipeline.report(piped, args)
+    if blocking:
+        _report(torch, rows, gemm, args)
     if args.json:
-        write_json(args.json, gpu=torch.cuda.get_device_name(), pool=args.gpu_pool,
-                   page_order=args.page_order, blocking=rows, pipelined=piped, gemm=gemm)
+        write_json(args.json, gpu=torch.cuda.get_device_name(), pools=args.gpu_pool,
+                   page_order=args.page_order, repeat=args.repeat, chunk_tokens=chunk,
+                   chunks=args.chunks, blocking=rows, pipelined=piped, gemm=gemm)
         print(f"json: {args.json}")
     if args.plot:
         _plot(torch, rows, piped, args)
@@ -116,8 +131,10 @@ def _plot(torch, rows, piped, args) -> None:
                   "both / both memcpy": [r["memcpy_both"] / r["both"] for r in rows]}
         what = "blocking requests"
     shown = piped or rows
+    pools = len(args.gpu_pool) > 1
     bars(args.plot, f"kvd bench --gpu: CUDA path vs pinned cudaMemcpy ({what}), median of {args.repeat}",
-         [f"{r['shape']}\npage {r['page']}" for r in shown], series, "ratio to memcpy",
+         [(f"{r['pool']}\n" if pools else "") + f"{r['shape']}\npage {r['page']}" for r in shown], series,
+         "ratio to memcpy",
          f"{machine(torch.cuda.get_device_name())}; {command()}", reference=1.0)
     print(f"plot: {args.plot}")
 
@@ -297,18 +314,24 @@ def _catch(errors: list, fn) -> None:
 
 
 def _report(torch, rows, gemm, args) -> None:
-    print(f"\nGPU {torch.cuda.get_device_name()}; chunk {args.chunk_tokens} tokens, {args.chunks} chunks "
-          f"per request, bf16, {args.gpu_pool} pools, {args.page_order} page ids; median of "
-          f"{args.repeat}; GB/s = 1e9 B/s; ratio = memcpy time / kvd time")
-    print(f"{'shape':<14}{'page':>5}{'MB':>7}{'offload':>9}{'ratio':>7}{'load':>8}{'ratio':>7}"
-          f"{'both':>8}{'ratio':>7}   memcpy d2h/h2d/both GB/s")
-    for r in rows:
-        gb = r["bytes"] / 1e9
-        print(f"{r['shape']:<14}{r['page']:>5}{r['bytes'] / 1e6:>7.0f}"
-              f"{gb / r['store']:>9.1f}{r['memcpy_d2h'] / r['store']:>7.2f}"
-              f"{gb / r['load']:>8.1f}{r['memcpy_h2d'] / r['load']:>7.2f}"
-              f"{2 * gb / r['both']:>8.1f}{r['memcpy_both'] / r['both']:>7.2f}"
-              f"   {gb / r['memcpy_d2h']:.1f}/{gb / r['memcpy_h2d']:.1f}/{2 * gb / r['memcpy_both']:.1f}")
+    pools = list(dict.fromkeys(r.get("pool", args.gpu_pool) for r in rows)) or [args.gpu_pool]
+    for pool in pools:
+        print(f"\nblocking, one request at a time: GPU {torch.cuda.get_device_name()}; chunk "
+              f"{args.chunk_tokens} tokens, {args.chunks} chunks per request, bf16, {pool} pools, "
+              f"{args.page_order} page ids; median of {args.repeat}; GB/s = 1e9 B/s; ratio = memcpy "
+              "time / kvd time")
+        print(f"{'shape':<14}{'page':>5}{'MB':>7}{'offload':>9}{'ratio':>7}{'load':>8}{'ratio':>7}"
+              f"{'both':>8}{'ratio':>7}   memcpy d2h/h2d/both GB/s")
+        for r in rows:
+            if r.get("pool", args.gpu_pool) != pool:
+                continue
+            gb = r["bytes"] / 1e9
+            print(f"{r['shape']:<14}{r['page']:>5}{r['bytes'] / 1e6:>7.0f}"
+                  f"{gb / r['store']:>9.1f}{r['memcpy_d2h'] / r['store']:>7.2f}"
+                  f"{gb / r['load']:>8.1f}{r['memcpy_h2d'] / r['load']:>7.2f}"
+                  f"{2 * gb / r['both']:>8.1f}{r['memcpy_both'] / r['both']:>7.2f}"
+                  f"   {gb / r['memcpy_d2h']:.1f}/{gb / r['memcpy_h2d']:.1f}/{2 * gb / r['memcpy_both']:.1f}")
     print(f"\nbf16 GEMM 8192^3: {gemm['alone_ms']:.3f} ms alone, {gemm['with_copies_ms']:.3f} ms while "
-          f"kvd copies (llama3-8b, page 16): slowdown {gemm['slowdown']:+.1%}; the copies meanwhile "
-          f"{gemm['copy_GBps']:.1f} GB/s (store + load, whole requests inside the timed GEMMs)")
+          f"kvd copies (llama3-8b, page 16, {pools[0]} pool, blocking requests): slowdown "
+          f"{gemm['slowdown']:+.1%}; the copies meanwhile {gemm['copy_GBps']:.1f} GB/s (store + load, "
+          "whole requests inside the timed GEMMs)")

@@ -108,7 +108,7 @@ def _one(args, flags: list, copier_opts: dict, workload: str) -> dict:
             to_copier, copier_end = ctx.Pipe()
             engine = ctx.Process(target=_engine, args=(workload, engine_end))
             copier = ctx.Process(target=_copier, args=(rundir, args.chunks, chunk,
-                                                       {**copier_opts, "alloc": args.gpu_pool},
+                                                       {**copier_opts, "alloc": args.gpu_pool[0]},
                                                        copier_end))
             copier.start()
             copier_end.close()                    # a dead child's pipe reads EOF, not a hang

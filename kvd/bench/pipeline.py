@@ -1,5 +1,6 @@
 """``kvd bench --gpu --pipeline N``: the CUDA path with requests pipelined.
 
+What ``kvd bench --gpu`` measures by default (``--pipeline 4``).
 ``clients`` engines (threads of this process, one ``KvdClient``, pools and
 CUDA stream each: engines are separate processes in production, and on one
 shared stream a store's mark would wait behind another engine's load) keep
@@ -13,7 +14,7 @@ the other half load, against both memcpys on two streams). The memcpys run
 right before each run of the phase, and the ratio is the median of each
 run's ratio to its own baseline: the PCIe rate of one machine drifts
 between runs (a both-ways memcpy of 144 MB from 44 to 90 GB/s within one
-call, docs/benchmarks.md), and a baseline minutes away from what it is
+call, docs/performance.md), and a baseline minutes away from what it is
 compared with measured that drift instead of kvd. Medians of ``--repeat``
 runs after one warm-up. Each run also reads the daemon's ``loop_cpu_s``
 (``kvd stats``) before and after: the share of the run its event loop was on
@@ -34,6 +35,9 @@ import numpy as np
 from .common import control, on_stream, page_sets, request_bytes
 
 PHASES = ("store", "load", "both")
+POOL_NAMES = {"one": "all layers in one allocation, as vLLM's",
+              "per-layer": "each layer its own allocation, as SGLang's",
+              "block-outer": "one allocation, a block's layers adjacent"}
 
 
 def measure(torch, KvdClient, CudaKVPool, make_pool, rundir, name, shape, page, args) -> dict:
@@ -166,22 +170,28 @@ def _keep_in_flight(client, op: str, pages, todo: int, depth: int, fresh, n: int
             client.progress(None, 0.001)
 
 
-def report(rows: list) -> None:
+def report(rows: list, args=None) -> None:
     if not rows:
         return
     r0 = rows[0]
-    print(f"\npipelined: {r0['clients']} clients x {r0['depth']} requests in flight "
-          f"(both: half store, half load); GB/s = 1e9 B/s; ratio = median over runs of kvd "
-          f"GB/s / GB/s of back-to-back pinned memcpys of the same bytes right before the run")
-    print(f"{'shape':<14}{'page':>5}{'offload':>9}{'ratio':>7}{'load':>8}{'ratio':>7}"
-          f"{'both':>8}{'ratio':>7}   memcpy d2h/h2d/both GB/s")
-    for r in rows:
-        print(f"{r['shape']:<14}{r['page']:>5}"
-              + "".join(f"{r[f'{p}_Bps'] / 1e9:>{w}.1f}{r[f'{p}_ratio']:>7.2f}"
-                        for p, w in (("store", 9), ("load", 8), ("both", 8)))
-              + "   " + "/".join(f"{r[f'{p}_memcpy_Bps'] / 1e9:.1f}" for p in PHASES))
-        spread = [f"{p} {min(v):.2f}-{max(v):.2f}" for p in PHASES if (v := r.get(f"{p}_ratios"))]
-        print(f"{'':<19}ratio of each run: {', '.join(spread)}")
-        busy = [f"{p} {statistics.median(v):.2f}" for p in PHASES if (v := r.get(f"{p}_loop_busy"))]
-        if busy:
-            print(f"{'':<19}daemon's event loop busy (median of the runs): {', '.join(busy)}")
+    order = getattr(args, "page_order", None)
+    print(f"\npipelined: {r0['clients']} engines x {r0['depth']} requests in flight "
+          f"(both: half store, half load){f', {order} page ids' if order else ''}; GB/s = 1e9 B/s; "
+          "ratio = median over runs of kvd GB/s / GB/s of back-to-back pinned memcpys of the same "
+          "bytes right before the run")
+    pools = list(dict.fromkeys(r.get("pool") for r in rows))
+    for pool in pools:
+        if pool is not None:
+            print(f"{pool} pools ({POOL_NAMES.get(pool, pool)}):")
+        print(f"{'shape':<14}{'page':>5}{'offload':>9}{'ratio':>7}{'load':>8}{'ratio':>7}"
+              f"{'both':>8}{'ratio':>7}   memcpy d2h/h2d/both GB/s")
+        for r in (r for r in rows if r.get("pool") == pool):
+            print(f"{r['shape']:<14}{r['page']:>5}"
+                  + "".join(f"{r[f'{p}_Bps'] / 1e9:>{w}.1f}{r[f'{p}_ratio']:>7.2f}"
+                            for p, w in (("store", 9), ("load", 8), ("both", 8)))
+                  + "   " + "/".join(f"{r[f'{p}_memcpy_Bps'] / 1e9:.1f}" for p in PHASES))
+            spread = [f"{p} {min(v):.2f}-{max(v):.2f}" for p in PHASES if (v := r.get(f"{p}_ratios"))]
+            print(f"{'':<19}ratio of each run: {', '.join(spread)}")
+            busy = [f"{p} {statistics.median(v):.2f}" for p in PHASES if (v := r.get(f"{p}_loop_busy"))]
+            if busy:
+                print(f"{'':<19}daemon's event loop busy (median of the runs): {', '.join(busy)}")

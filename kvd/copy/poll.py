@@ -12,7 +12,7 @@ stream), where spinning would burn a core for nothing.
 
 Why poll: waiting in a helper thread on a blocking-sync event costs two OS
 wake-ups per copy (the thread, then the loop through its self-pipe), about
-0.2-0.3 ms on the virtualized hosts we measured (tools/request_breakdown.py),
+0.2-0.3 ms on the virtualized hosts we measured (tools/probes/request_breakdown.py),
 which is 4-5% of a 268 MB copy. Each idle pass yields the GIL
 (``time.sleep(0)``) so IO threads are never starved by the polling loop.
 A failed check (a CUDA error) fails that future; other futures go on. A

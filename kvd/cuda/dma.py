@@ -4,8 +4,8 @@ Why: without CUDA MPS, the engine's and the daemon's contexts share the GPU's
 SMs by time slices, and *any* kernel of the daemon's context costs the
 engine its slice: an empty kernel 500 times a second slowed a concurrent
 8192^3 GEMM by 16-20% on an H100, as much as kvd's copy kernels did, while
-batched DMA at 40-49 GB/s cost 0-3% (``tools/interference_probe.py``,
-docs/benchmarks.md). DMA runs on the copy engines, outside the time slices.
+batched DMA at 40-49 GB/s cost 0-3% (``tools/probes/interference_probe.py``,
+docs/benchmarks.md in git history). DMA runs on the copy engines, outside the time slices.
 
 Contract:
 

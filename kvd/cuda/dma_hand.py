@@ -3,7 +3,7 @@
 Why: a pool with one allocation per layer (SGLang's) is copied one row per
 (layer, page): 1,952 rows for a DeepSeek-MLA request of 8 chunks of 256
 tokens at pages of 64, and ``cuMemcpyBatchAsync`` costs the calling thread
-0.55-1.1 us a row on an H100 host (docs/benchmarks.md). On the event loop
+0.55-1.1 us a row on an H100 host (docs/benchmarks.md in git history). On the event loop
 that is 1-2 ms a copy, while the copy itself takes ~3 ms of PCIe, and the
 loop also serves requests and completions: both ways at once it saturates.
 The driver call releases the GIL (ctypes), so a thread of its own runs it

@@ -6,7 +6,7 @@ Why pitched: the copy engines pay per copy, not per byte, below ~64 KiB: one
 ``cuMemcpy3DBatchAsync`` op per page whose rows are all 64 (layer, plane)
 planes at one pitch moved the same bytes at 0.82-1.04 (2 KiB rows: 0.3) with
 1/64 as many ops; ops of 2-8 rows were slower than single copies, one-row 3D
-ops much slower (``tools/dma_probe.py``, H100, docs/benchmarks.md).
+ops much slower (``tools/probes/dma_probe.py``, H100, docs/benchmarks.md in git history).
 
 Contract:
 
@@ -35,7 +35,7 @@ Contract:
   block-outer pool (a page's planes adjacent, as vLLM 0.32's ``BLHNC``
   family) with chunks of one page copies each page as one range, 0.92-0.99
   of a memcpy at 18-32 KiB rows where pitched ops of the same rows move
-  0.79-0.93 (``tools/dma_probe.py`` way ``page1d``, H100).
+  0.79-0.93 (``tools/probes/dma_probe.py`` way ``page1d``, H100).
   Its ops come in run order (``op_run`` ascending), so the ops of a range of
   runs are one slice of the array. ``steps(most)`` are ``Step``s (pitched
   ops + single rows, ``dst``/``src`` sides already chosen) that cover the
@@ -48,7 +48,7 @@ a tenth of the copy's PCIe time; the usual copy (every group pitched, no
 row crossing a registration) is built in one pass without per-row arrays,
 and so are copies of single rows only (a block-outer chunk of one page; one
 allocation per layer): half the host time of the general pass (MLA both ways
-per layer +0.10 of a memcpy where the loop was the limit, docs/benchmarks.md).
+per layer +0.10 of a memcpy where the loop was the limit, docs/benchmarks.md in git history).
 """
 
 from __future__ import annotations

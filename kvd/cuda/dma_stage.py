@@ -6,7 +6,7 @@ between the pool and the arena move pages of 32 KiB rows at 0.82-0.90 of a
 pinned memcpy and 18 KiB rows (DeepSeek-MLA) at 0.81. The same ops between
 the pool and a device buffer run at 3-14x PCIe speed, so when they gather
 into (scatter from) a slot of the staging ring and PCIe moves the slot as
-one contiguous range, one direction reaches 0.93-0.99 (``tools/dma_probe.py``
+one contiguous range, one direction reaches 0.93-0.99 (``tools/probes/dma_probe.py``
 ``staged-3d``, H100). Both directions at once do worse staged (0.84-0.94
 against 0.91-1.06 straight), and 2 KiB rows stay slow inside the GPU too
 (0.46 of PCIe speed), so only pitched pages under ``gpu_dma_stage_below``

@@ -7,7 +7,7 @@ another client's; but with only one copy of its own queued at a time, the
 copy engines idle while the daemon notices that copy landed and queues the
 next: 1.35 ms (store) and 2.0 ms (load) per 268 MB copy on an H100 host,
 30-39% of the time when one client stores while another loads, each alone
-in its direction (daemon debug log, docs/benchmarks.md).
+in its direction (daemon debug log, docs/benchmarks.md in git history).
 
 Contract:
 
@@ -18,7 +18,7 @@ Contract:
   alone, when it has fewer than ``alone`` queued, or when its queued bytes
   plus ``nbytes`` (not 0) are at most ``alone_bytes`` (0, the default: never;
   meant for small copies, 144 MB for 128 chunks of DeepSeek-MLA, of which two
-  leave the daemon little time to queue the next, docs/benchmarks.md).
+  leave the daemon little time to queue the next, docs/benchmarks.md in git history).
   ``leave(session, queue, nbytes)`` when the copy landed, failed, or was
   never queued. A waiter that is cancelled leaves no trace.
 - ``queue`` None (the host backend: its copies run on a thread pool that

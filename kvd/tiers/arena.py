@@ -13,7 +13,7 @@ a thread maps them all in behind (MADV_POPULATE_READ: no zeroing; measured
 two to three times faster than WRITE on existing pages; the mapping is
 writable since tmpfs tracks no dirty pages); ``wait_populated``.
 
-Speed (docs/benchmarks.md, tools/arena_alloc_bench.py): the work goes in
+Speed (docs/performance.md, tools/probes/arena_alloc_bench.py): the work goes in
 pieces of ``PIECE`` bytes, ``threads`` pieces at once (page faults of
 different pieces run concurrently in the kernel; fallocate takes the
 file's lock). The mapping is advised MADV_HUGEPAGE first: where the tmpfs

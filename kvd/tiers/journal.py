@@ -52,7 +52,7 @@ tools/host_tier_bench.py), about 350 µs with a record at every commit, 40-80 µ
 with the delay. On an H100 (the pipelined GPU bench, MLA pages both ways,
 variants in rotating order) the journal costs 0.09-0.10 of memcpy in two
 calls of three with or without the delay; the delay gained 0.01-0.07, never
-beyond the noise of one call (docs/benchmarks.md).
+beyond the noise of one call (docs/benchmarks.md in git history).
 
 The store's reply does not wait for any of it: a shard committed in the last milliseconds
 before a crash has a record without a digest, which a new daemon trusts on

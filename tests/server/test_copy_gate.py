@@ -172,7 +172,7 @@ def test_large_copies_keep_the_count_and_others_keep_the_fair_share():
 
 def test_a_leave_lets_the_waiter_in_on_the_next_loop_turn():
     """Each loop turn between a copy's landing and the next copy's queuing can wait
-    behind another request's work (docs/benchmarks.md): the gate adds one, not two."""
+    behind another request's work (docs/benchmarks.md in git history): the gate adds one, not two."""
     async def body():
         gate, a, q = CopyGate(1, 1), Session(), (0, "load")
         await gate.enter(a, q)

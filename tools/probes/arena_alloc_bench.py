@@ -11,7 +11,7 @@ from round to round. Prints the medians in seconds and GiB/s and how
 much of the mapping the kernel gave huge pages (a tmpfs mounted ``huge=advise`` or
 ``within_size``: ``mount -o remount,huge=advise /dev/shm``; compare with a run on a
 plain /dev/shm). Usage (the GPU machine: ``--gib 64 --threads 1,4,8,16``):
-``.venv/bin/python tools/arena_alloc_bench.py [--dir /dev/shm] [--gib 4] [--threads 1,2]``.
+``.venv/bin/python tools/probes/arena_alloc_bench.py [--dir /dev/shm] [--gib 4] [--threads 1,2]``.
 """
 
 from __future__ import annotations

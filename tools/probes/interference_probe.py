@@ -1,8 +1,8 @@
 """Why kvd's copies slow an engine's GEMM, and what a copy-engine-only path gives.
 
-A measurement tool for issue 11, not part of kvd. On the GPU machine:
+A measurement probe, not part of kvd. On a machine with a CUDA GPU:
 
-    python3 tools/interference_probe.py [--quick]
+    python3 tools/probes/interference_probe.py [--quick]
 
 Part 1, batched DMA rate: ``cuMemcpyBatchAsync_v2`` over the (layer, plane,
 page) pieces of a paged pool (Llama-3-8B: 32 layers, 8 heads x 128, bf16;

@@ -1,8 +1,8 @@
 """Which copy-engine-only way moves paged KV fastest: 1D batches or pitched (3D) batches.
 
-A measurement tool for issue 11, not part of kvd. On the GPU machine:
+A measurement probe, not part of kvd. On a machine with a CUDA GPU:
 
-    python3 tools/dma_probe.py [--reps 5] [--cases llama:16,mla:16,llama:64,mla:64,llama:1]
+    python3 tools/probes/dma_probe.py [--reps 5] [--cases llama:16,mla:16,llama:64,mla:64,llama:1]
 
 A case ``shape:page:shm`` (or ``shape:page:bo:shm``) takes its host buffer
 from a registered /dev/shm file as kvd's arena is; ``:thp`` and ``:small``

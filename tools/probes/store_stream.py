@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A stream of stores through a small host tier: store GB/s and what the checksums did.
 
-    python3 tools/store_stream.py [--seconds 8] [--capacity 256MiB] [--requests-chunks 8]
+    python3 tools/probes/store_stream.py [--seconds 8] [--capacity 256MiB] [--requests-chunks 8]
 
 Starts a private daemon (host backend, default config but ``host_capacity``),
 then one client stores fresh Llama-3-8B-shaped chunks (256 tokens, 32 MiB

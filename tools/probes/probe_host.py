@@ -1,4 +1,4 @@
-"""Host buffers for the probes in tools/, registered with the driver as kvd's arena is.
+"""Host buffers for the probes in tools/probes/, registered with the driver as kvd's arena is.
 
 - ``registered(nbytes, kind)``: ``shm`` (a /dev/shm file, as the arena), ``thp`` or
   ``small`` (anonymous memory advised into 2 MiB or 4 KiB pages), registered portable +

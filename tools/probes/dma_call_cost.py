@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host time of queuing single-row DMA copies, by streams and rows per copy (GPU machine).
 
-    PYTHONPATH=$PWD/clients:$PWD python3 tools/dma_call_cost.py [--rows 16,128,1024]
+    PYTHONPATH=$PWD/clients:$PWD python3 tools/probes/dma_call_cost.py [--rows 16,128,1024]
         [--streams 1,2,8] [--row-bytes 1179648] [--repeat 21]
 
 What the daemon's event loop pays to queue one copy of N single rows

@@ -1,13 +1,13 @@
 """Both directions at steady state on the copy engines, without the daemon: is it the GPU?
 
-A measurement tool for issue 11, not part of kvd. On the GPU machine:
+A measurement probe, not part of kvd. On a machine with a CUDA GPU:
 
-    python3 tools/dma_steady.py [--case mla:16] [--copies 64] [--reps 3]
+    python3 tools/probes/dma_steady.py [--case mla:16] [--copies 64] [--reps 3]
 
 ``kvd bench --gpu --pipeline`` moves DeepSeek-MLA pages of 16 (block-outer
 pool, one page per chunk) at 0.94-0.98 of a memcpy one way but 0.6-0.8 both
 ways, even when the daemon keeps copies queued in both directions nearly
-all the time (docs/benchmarks.md, 2026-11-26). This replays what the
+all the time (docs/benchmarks.md in git history, 2026-11-26). This replays what the
 daemon queues, from one thread that never lets a queue run dry: a
 request's pages (``--pages``, 128 of 1.1 MB for MLA: 144 MB) as one
 ``cuMemcpyBatchAsync`` of one copy per page between a block-outer pool at

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the time of one CUDA store/load request goes (run on a GPU machine).
 
-    PYTHONPATH=$PWD/clients:$PWD python3 tools/request_breakdown.py [--chunks 8] [--n 30]
+    PYTHONPATH=$PWD/clients:$PWD python3 tools/probes/request_breakdown.py [--chunks 8] [--n 30]
 
 One private daemon (debug log), one engine pool (Llama-3-8B shape, page 16,
 chunk 256). Serial stores and loads of ``--chunks`` chunks; per op, medians
@@ -38,7 +38,7 @@ def main() -> int:
     from kvd.bench.gpu import SHAPES, make_pool, memcpy_s
     from kvd_client import KvdClient
     from kvd_client.torch_pool import CudaKVPool
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/, for daemon_timings
     from daemon_timings import summary
 
     shape, page, chunk = SHAPES["llama3-8b"], 16, 256

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How long an engine's stream mark takes to be seen while another process copies (GPU machine).
 
-    PYTHONPATH=$PWD/clients:$PWD python3 tools/mark_latency.py [--modes none,dma,dma-signal,kernel]
+    PYTHONPATH=$PWD/clients:$PWD python3 tools/probes/mark_latency.py [--modes none,dma,dma-signal,kernel]
         [--marks 300] [--row-bytes 1179648] [--rows 128] [--streams 2]
 
 The client marks the engine's stream (``cuStreamWriteValue32`` into a

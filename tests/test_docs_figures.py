@@ -1,0 +1,80 @@
+"""The docs' figures have one source: the benchmark JSON in docs/data/.
+
+README.md, docs/vllm.md, docs/gpu.md and docs/performance.md quote the same
+tables, rendered by tools/plot_docs.py between ``<!-- table: NAME -->``
+markers. A table edited by hand, or a JSON file replaced without
+re-rendering, fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "plot_docs.py"
+QUOTED = {"README.md": {"summary"}, "docs/vllm.md": {"vllm_ttft", "vllm_load"},
+          "docs/gpu.md": {"gpu_copy"}, "docs/performance.md": {"vllm_ttft", "vllm_load", "gpu_copy"}}
+
+
+def check(root: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TOOL), *flags, "--root", str(root)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def copy_docs(tmp: Path) -> Path:
+    shutil.copy(ROOT / "README.md", tmp / "README.md")
+    shutil.copytree(ROOT / "docs", tmp / "docs", ignore=shutil.ignore_patterns("img"))
+    return tmp
+
+
+def test_every_docs_table_matches_its_json():
+    proc = check(ROOT, "--check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_pages_quote_the_figures_from_the_data():
+    for page, names in QUOTED.items():
+        text = (ROOT / page).read_text()
+        for name in names:
+            assert f"<!-- table: {name} -->" in text, f"{page} lost its {name} table"
+
+
+def test_a_table_edited_by_hand_fails_the_check_and_write_restores_it(tmp_path):
+    root = copy_docs(tmp_path)
+    vllm = root / "docs" / "vllm.md"
+    text = vllm.read_text()
+    assert "| 32k | 1206.0 ms | 127.0 ms |" in text
+    vllm.write_text(text.replace("| 32k | 1206.0 ms | 127.0 ms |", "| 32k | 1206.0 ms | 120.0 ms |"))
+    proc = check(root, "--check")
+    assert proc.returncode == 1
+    assert "docs/vllm.md: table vllm_ttft differs" in proc.stdout
+    assert "performance.md" not in proc.stdout  # the other copies still agree with the data
+    assert check(root, "--write").returncode == 0
+    assert vllm.read_text() == text and check(root, "--check").returncode == 0
+
+
+def test_new_data_without_rendering_fails_every_page_that_quotes_it(tmp_path):
+    root = copy_docs(tmp_path)
+    path = root / "docs" / "data" / "vllm_ttft_h200.json"
+    doc = json.loads(path.read_text())
+    doc["runs"]["32768"]["full"] = [v * 2 for v in doc["runs"]["32768"]["full"]]
+    path.write_text(json.dumps(doc))
+    proc = check(root, "--check")
+    assert proc.returncode == 1
+    for page in ("README.md: table summary", "docs/vllm.md: table vllm_ttft",
+                 "docs/performance.md: table vllm_ttft"):
+        assert page in proc.stdout, proc.stdout
+    assert check(root, "--write").returncode == 0
+    assert "| 32k | 2411.9 ms |" in (root / "docs" / "vllm.md").read_text()
+    assert check(root, "--check").returncode == 0
+
+
+def test_an_unknown_table_name_is_an_error(tmp_path):
+    root = copy_docs(tmp_path)
+    (root / "docs" / "extra.md").write_text("<!-- table: nosuch -->\n<!-- /table -->\n")
+    proc = check(root, "--check")
+    assert proc.returncode == 1 and "unknown table 'nosuch'" in proc.stdout
