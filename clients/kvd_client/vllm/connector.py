@@ -99,7 +99,6 @@ class KvdConnector(KVConnectorBase_V1):
         if reason:  # before any allocation or connection: one line naming the setting
             raise ValueError(reason)
         cfg = self._kv_transfer_config
-        self.role = role
         self.settings = Settings.from_extra(cfg.kv_connector_extra_config)
         self.counters = Counters()
         self.source = f"{role.name.lower()}:{os.getpid()}"  # whose running totals (stats.py)
