@@ -29,15 +29,9 @@ from pathlib import Path
 
 import pytest
 import tiny_llama
-from test_engine import ENGINE, VLLM_PYTHON, engine_env, run_engine, same_outputs
+from test_engine import ENGINE, NEEDS_VLLM, VLLM_PYTHON, engine_env, run_engine, same_outputs
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                       reason=f"no vLLM venv at {VLLM_PYTHON}: `make setup-vllm` builds it "
-                              "(make test does), or set KVD_VLLM_PYTHON"),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), NEEDS_VLLM]
 
 CHUNK = 64
 PROMPTS = [list(range(10, 330)) + list(range(600, 640)), list(range(20, 188))]
