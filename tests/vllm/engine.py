@@ -3,7 +3,7 @@
     python engine.py run SPEC.json OUT.json
         SPEC: {"model": DIR, "kvd": null | {extra config}, "multiprocess": bool,
                "phases": [{"prompts": [[token ids]], "freeze_daemon": pid | null}],
-               "max_tokens": int}
+               "max_tokens": int, "kv_cache_dtype": str, "speculative": {config} | null}
         OUT: per phase the greedy tokens, the chosen tokens' logprobs, each
         request's num_cached_tokens, and the deltas of vLLM's own counters
 
@@ -45,6 +45,10 @@ def run(spec: dict) -> dict:
               skip_tokenizer_init=True, disable_log_stats=False, kv_cache_memory_bytes=64 << 20)
     if not spec.get("multiprocess"):
         kw["distributed_executor_backend"] = "uni"
+    if spec.get("kv_cache_dtype"):
+        kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if spec.get("speculative"):
+        kw["speculative_config"] = spec["speculative"]
     if spec.get("tp", 1) > 1:
         kw["tensor_parallel_size"] = spec["tp"]
     if spec.get("kvd") is not None:

@@ -35,13 +35,10 @@ import tiny_llama
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = Path(__file__).with_name("engine.py")
 VLLM_PYTHON = Path(os.environ.get("KVD_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                       reason=f"no vLLM venv at {VLLM_PYTHON}: `make setup-vllm` builds it "
-                              "(make test does), or set KVD_VLLM_PYTHON"),
-]
+NEEDS_VLLM = pytest.mark.skipif(not VLLM_PYTHON.exists(),
+                                reason=f"no vLLM venv at {VLLM_PYTHON}: `make setup-vllm` builds "
+                                       "it (make test does), or set KVD_VLLM_PYTHON")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), NEEDS_VLLM]
 
 CHUNK = 64            # kvd chunk: two vLLM blocks of 32
 PREFIX = list(range(10, 330))                       # 320 shared tokens: 5 chunks

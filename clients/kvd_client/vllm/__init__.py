@@ -10,8 +10,9 @@ differences). Use it with one flag::
 
 Modules: ``connector`` (the ``KVConnectorBase_V1`` subclass; imports vLLM),
 ``scheduler`` and ``worker`` (the two halves, plain Python), ``plan``
-(what travels between them), ``spec`` and ``geometry`` (vLLM's KV cache as a
-kvd namespace and layout), ``pool`` and ``shm_alloc`` (vLLM's tensors as a
+(what travels between them), ``support`` (what kvd refuses, and why),
+``layers`` (the target model's layers, a drafter's left out; fp8 scales),
+``spec`` and ``geometry`` (vLLM's KV cache as a kvd namespace and layout), ``pool`` and ``shm_alloc`` (vLLM's tensors as a
 kvd pool; CPU caches in /dev/shm), ``settings`` (``kv_connector_extra_config``),
 ``counters`` and ``stats`` (vLLM connector stats). This package may import
 ``kvd_client`` and ``kvd_protocol`` only; importing it does not import vLLM

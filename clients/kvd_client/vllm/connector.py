@@ -6,10 +6,16 @@ Loaded out of tree::
                            "kv_connector_module_path": "kvd_client.vllm",
                            "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
 
-vLLM builds one instance per role. The SCHEDULER instance (engine core)
+vLLM builds one instance per role. Both first ask kvd_client.vllm.support
+whether kvd can serve this engine at all, and raise its one-line reason if
+not, before vLLM allocates anything. The SCHEDULER instance (engine core)
 attaches kvd's namespace and plans (kvd_client.vllm.scheduler); each WORKER
 instance (one per TP rank) registers its rank's KV tensors and moves KV
-(kvd_client.vllm.worker). This module only translates vLLM's calls; the
+(kvd_client.vllm.worker). An fp8 cache's namespace carries the digest of
+the K and V scales the workers loaded (kvd_client.vllm.layers): the workers
+send it in vLLM's connector handshake (``get_handshake_metadata``), which
+vLLM's engine core hands the scheduler once after building it
+(``set_xfer_handshake_metadata``); the scheduler attaches then. This module only translates vLLM's calls; the
 namespace comes from vLLM's configs (kvd_client.vllm.spec), the options
 from ``kv_connector_extra_config`` (kvd_client.vllm.settings). ``kv_role``
 ``kv_consumer`` only loads, ``kv_producer`` only stores. The connector sets
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -39,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvd_client import shm
 from kvd_client.client import KvdClient
 
-from . import spec
+from . import layers, spec, support
 from .counters import Counters
 from .plan import StepPlan, WorkerReport
 from .pool import cuda_pool, host_pool
@@ -73,6 +80,13 @@ class KvdWorkerMetadata(KVConnectorWorkerMetadata):
         return self
 
 
+@dataclass
+class KvdHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once, at start-up: its fp8 KV scales' digest."""
+
+    kv_scales: str = ""
+
+
 class KvdConnector(KVConnectorBase_V1):
     if HIT_SOURCE is not None:
         _cache_hit_source = HIT_SOURCE  # vLLM's metrics label kvd's hits as host-tier hits
@@ -81,30 +95,68 @@ class KvdConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("kvd's connector needs vLLM's KVCacheConfig (vLLM >= 0.26)")
+        reason = support.refusal(vllm_config, kv_cache_config, os.environ)
+        if reason:  # before any allocation or connection: one line naming the setting
+            raise ValueError(reason)
         cfg = self._kv_transfer_config
         self.settings = Settings.from_extra(cfg.kv_connector_extra_config)
-        self.geometry = spec.geometry(vllm_config, kv_cache_config, self.settings.model_id)
         self.counters = Counters()
         self.source = f"{role.name.lower()}:{os.getpid()}"  # whose running totals (stats.py)
         self.client = KvdClient(runtime_dir=self.settings.runtime_dir or None,
                                 timeout=self.settings.timeout_s, load_slots=LOAD_SLOTS,
                                 name=f"vllm-{role.name.lower()}:{os.getpid()}",
                                 shm_dir=self.settings.shm_dir).connect()
-        self.sched = self.worker = self.alloc = None
+        self.sched = self.worker = self.alloc = self.geometry = None
+        self.kv_scales, self._told_unattached, self.closed = "", False, False
+        names = spec.target_layers(vllm_config, kv_cache_config)[0]
+        scaled = spec.needs_scales(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             cfg.kv_load_failure_policy = self.settings.load_failure_policy
-            reg = self.client.attach(**self.geometry.attach_fields())
-            stores = cfg.is_kv_producer and self.settings.store_policy != "off"
-            self.sched = SchedulerSide(self.client, reg, self.settings, self.geometry.block_size,
-                                       loads=cfg.is_kv_consumer, stores=stores, counters=self.counters,
-                                       layerwise_min_compute=2 + _speculative_tokens(vllm_config),
-                                       layerwise=not _prefills_in_full_graphs(vllm_config))
+            if not scaled:
+                self._attach()  # fp8: once the workers' handshake brought their scales
         else:
-            self.worker = WorkerSide(self.client, self.geometry,
-                                     list(kv_cache_config.kv_cache_groups[0].layer_names),
-                                     _tp_rank(), self.counters)
-        log.info("kvd connector (%s): namespace %s, runtime dir %s", role.name,
+            self.kv_scales = layers.kv_scales(vllm_config, names) if scaled else ""
+            self.geometry = spec.geometry(vllm_config, kv_cache_config, self.settings.model_id,
+                                          self.kv_scales)
+            self.worker = WorkerSide(self.client, self.geometry, names, _tp_rank(), self.counters)
+            self._log_namespace()
+
+    def _attach(self, kv_scales: str = "") -> None:
+        vllm_config, cfg = self._vllm_config, self._kv_transfer_config
+        self.geometry = spec.geometry(vllm_config, self._kv_cache_config, self.settings.model_id,
+                                      kv_scales)
+        reg = self.client.attach(**self.geometry.attach_fields())
+        stores = cfg.is_kv_producer and self.settings.store_policy != "off"
+        self.sched = SchedulerSide(self.client, reg, self.settings, self.geometry.block_size,
+                                   loads=cfg.is_kv_consumer, stores=stores, counters=self.counters,
+                                   layerwise_min_compute=2 + _speculative_tokens(vllm_config),
+                                   layerwise=not _prefills_in_full_graphs(vllm_config))
+        self._log_namespace()
+
+    def _log_namespace(self) -> None:
+        log.info("kvd connector (%s): namespace %s, runtime dir %s", self.role.name,
                  self.geometry.attach_fields(), self.client.runtime_dir)
+
+    def get_handshake_metadata(self):
+        """Worker: the fp8 scales' digest, for the scheduler's namespace (None: no fp8)."""
+        return KvdHandshake(self.kv_scales) if self.kv_scales else None
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        """Scheduler: every worker's handshake (vLLM's engine core, once, after the workers
+        loaded the model): an fp8 cache's namespace is attached now, with their scales."""
+        scales = {m.kv_scales for m in (metadata or {}).values() if isinstance(m, KvdHandshake)}
+        if self.sched is not None or not scales:
+            return
+        if len(scales) > 1:
+            raise ValueError(f"kvd: the workers' fp8 KV scales differ ({', '.join(sorted(scales))}); "
+                             "every TP rank must load the same checkpoint scales")
+        self._attach(scales.pop())
+
+    def _attached(self) -> bool:
+        if self.sched is None and not self._told_unattached:
+            self._told_unattached = True  # vLLM never sent the workers' handshake: kvd stays off
+            log.error("kvd: no fp8 KV scales came from the workers; no lookups, loads or stores")
+        return self.sched is not None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -174,21 +226,24 @@ class KvdConnector(KVConnectorBase_V1):
     # ==== scheduler side ===============================================================
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        return self.sched.matched(request, num_computed_tokens)
+        return self.sched.matched(request, num_computed_tokens) if self._attached() else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        self.sched.allocated(request, blocks, num_external_tokens)
+        if self._attached():
+            self.sched.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return KvdConnectorMetadata(self.sched.step(scheduler_output))
+        plan = self.sched.step(scheduler_output) if self._attached() else StepPlan()
+        return KvdConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output):
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        self.sched.update(connector_output.finished_recving,
-                          meta.report if isinstance(meta, KvdWorkerMetadata) else None)
+        if self._attached():
+            self.sched.update(connector_output.finished_recving,
+                              meta.report if isinstance(meta, KvdWorkerMetadata) else None)
 
     def request_finished(self, request, block_ids):
-        return self.sched.finished(request, block_ids), None
+        return (self._attached() and self.sched.finished(request, block_ids)), None
 
     # ==== both ========================================================================
 
@@ -205,11 +260,14 @@ class KvdConnector(KVConnectorBase_V1):
         return KvdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
-        worker, sched, self.worker, self.sched = self.worker, self.sched, None, None
-        if worker is not None:
-            worker.close(self.settings.timeout_s)
-        if sched is not None:
-            sched.close()
+        if self.closed:
+            return
+        self.closed = True
+        if self.worker is not None:
+            self.worker.close(self.settings.timeout_s)  # closes the client too
+        else:
+            if self.sched is not None:
+                self.sched.close()
             self.client.close()
         if self.alloc is not None:
             self.alloc.close()

@@ -24,7 +24,11 @@ kinds of vLLM cache exist in the pinned versions (0.26 to 0.32):
 
 ``describe(geometry, refs, num_blocks)`` turns the worker's tensors (as
 ``TensorRef``) into a kvd layout descriptor and checks them against the
-geometry; a layout kvd cannot map raises ``ValueError`` naming it.
+geometry; a layout kvd cannot map raises ``ValueError`` naming it. Kernel
+blocks smaller than vLLM's blocks (vLLM's block splitting for attention
+backends that need them) are merged back into vLLM's blocks first, where a
+block's tokens stay evenly spaced (``manager_blocks``): the namespace does
+not change, so such an engine shares chunks with one that does not split.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class KVGeometry:
     tp_size: int
     block_size: int     # tokens per vLLM block (a kvd page)
     interior: str = ""  # opaque: the physical order inside a block, "HNC" or "NHC"
+    fingerprint: str = ""  # fp8: "kv_scales=<digest>" (kvd_client.vllm.spec)
 
     @property
     def layout(self) -> str:
@@ -54,7 +59,7 @@ class KVGeometry:
     def attach_fields(self) -> dict:
         return {"model": self.model, "kv_dtype": self.kv_dtype, "attention": self.attention,
                 "num_layers": self.num_layers, "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "tp_size": self.tp_size}
+                "head_dim": self.head_dim, "tp_size": self.tp_size, "fingerprint": self.fingerprint}
 
 
 def page_format(engine: str, interior: str, block_size: int, isa: str = "") -> str:
@@ -82,16 +87,47 @@ def describe(geo: KVGeometry, refs: list[L.TensorRef], num_blocks: int) -> L.Lay
     """kvd's descriptor of the worker's per-layer tensors (in layer order)."""
     if len(refs) != geo.num_layers:
         raise ValueError(f"kvd: vLLM registered {len(refs)} KV layers, its config says {geo.num_layers}")
-    t = refs[0]
-    if not t.shape or t.shape[0] != num_blocks:
-        raise ValueError(f"kvd: vLLM's KV cache tensors (shape {t.shape}) split its {num_blocks} "
-                         "blocks into smaller kernel blocks; kvd needs one page per block: use a "
-                         "block size the attention backend supports natively")
+    refs = manager_blocks(geo, refs, num_blocks)
     if geo.attention == "mla":
         return _mla(geo, refs)
     if geo.attention == "mha":
         return _blocks(geo, refs)
     return _opaque(geo, refs)
+
+
+def manager_blocks(geo: KVGeometry, refs: list[L.TensorRef], num_blocks: int) -> list[L.TensorRef]:
+    """vLLM's kernel block splitting, undone: where the attention backend needs blocks smaller
+    than the scheduler's, vLLM views each of its ``num_blocks`` blocks as ``r`` kernel blocks
+    (kernel block ``b * r + j`` holds tokens ``j * k .. (j + 1) * k - 1`` of block ``b``; 0.26
+    and 0.32 alike). When one kernel block's tokens continue where the previous one's end
+    (tokens outermost inside a kernel block, or one head), the ``r`` kernel blocks are one
+    scheduler block with evenly spaced tokens: the same view with blocks ``r`` times as far
+    apart and ``r`` times as many tokens. Otherwise the tokens of a block are not evenly
+    spaced and kvd refuses, naming what to change."""
+    t = refs[0]
+    total = t.shape[0] if t.shape else 0
+    if total == num_blocks:
+        return refs
+    tok = 1 if geo.attention == "mla" and len(t.shape) == 3 else 2  # the token dimension
+    r = total // num_blocks if num_blocks and total % num_blocks == 0 else 0
+    kernel = t.shape[tok] if len(t.shape) > tok else 0
+    if r < 2 or geo.attention == "opaque" or kernel * r != geo.block_size \
+            or t.strides[0] != kernel * t.strides[tok]:
+        raise ValueError(f"kvd: vLLM splits each {geo.block_size}-token block into kernel blocks "
+                         f"(KV tensors of shape {t.shape}, byte strides {t.strides}, for "
+                         f"{num_blocks} blocks) whose tokens are not evenly spaced; use a "
+                         "tokens-outer layout (VLLM_KV_CACHE_LAYOUT LBNHC on 0.32, NHD on 0.26), "
+                         "a --block-size the attention backend supports, or run without the kvd "
+                         "connector")
+    return [_merge(ref, tok, r) for ref in refs]
+
+
+def _merge(ref: L.TensorRef, tok: int, r: int) -> L.TensorRef:
+    shape, strides = list(ref.shape), list(ref.strides)
+    shape[0] //= r
+    shape[tok] *= r
+    strides[0] *= r
+    return L.TensorRef(ref.buffer, ref.offset, tuple(shape), tuple(strides), ref.itemsize)
 
 
 def _mla(geo: KVGeometry, refs: list[L.TensorRef]) -> L.LayoutDescriptor:

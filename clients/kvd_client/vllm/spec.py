@@ -1,11 +1,16 @@
 """``KVGeometry`` from vLLM's configs, the same in the scheduler and every worker.
 
-Reads ``VllmConfig`` and ``KVCacheConfig`` by attribute (vLLM 0.26 to 0.32):
-one KV cache group (hybrid models with several groups are refused), its
-spec's block size, KV heads of this TP shard, head size and dtype, the
-cache dtype (``auto``, ``fp8``/``fp8_e4m3``, ``fp8_e5m2``; quantized formats
-with scales are refused) and the TP size (pipeline parallelism is refused:
-kvd's namespace here has no layer offset). MLA caches are attention
+Reads ``VllmConfig`` and ``KVCacheConfig`` by attribute (vLLM 0.26 to 0.32),
+once kvd_client.vllm.support found nothing to refuse: the target model's
+layers of the one KV cache group (a speculative drafter's layers are left
+out: kvd_client.vllm.layers), their spec's block size, KV heads of this TP
+shard, head size and dtype, the cache dtype (``auto``, ``fp8``/``fp8_e4m3``,
+``fp8_e5m2``) and the TP size. fp8 blocks are only meaningful with the
+scales they were quantised with: their namespace's ``fingerprint`` is
+``kv_scales=<digest>`` of every layer's K and V scale
+(``layers.kv_scales``, read by the workers from the loaded model; the
+scheduler learns it from them, kvd_client.vllm.connector), so engines
+with other scales never share. MLA caches are attention
 ``mla``; other caches on a GPU are attention ``mha`` under the plain model
 identity (token rows, whatever order the attention backend picked: the
 descriptor follows the tensors' strides), so their chunks are SGLang's too.
@@ -14,30 +19,42 @@ appended to the model names the physical order inside a block
 (``kv_cache_config.kv_cache_layout`` (0.32), else vLLM's
 ``get_kv_cache_layout()`` (0.26)), the vLLM version and the attention ISA
 vLLM picks (``amx``, ``vec``, ...), because CPU blocks are packed per ISA.
-Everything refused raises ``ValueError`` with the reason.
+A dtype kvd has no name for raises ``ValueError`` with the reason.
 """
 
 from __future__ import annotations
 
+from . import layers
 from .geometry import KVGeometry, interior_of, page_format
 
 KV_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
              "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+SCALED = ("float8_e4m3fn", "float8_e5m2")  # kvd dtypes whose blocks need their scales
 
 
-def geometry(vllm_config, kv_cache_config, model_id: str = "") -> KVGeometry:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ValueError(f"kvd supports models with one KV cache group; this one has {len(groups)} "
-                         "(hybrid attention): run vLLM with --disable-hybrid-kv-cache-manager")
-    spec, layers = groups[0].kv_cache_spec, list(groups[0].layer_names)
+def target_layers(vllm_config, kv_cache_config) -> tuple[list[str], object]:
+    """The target model's layer names and their (common) spec: support.py checked both."""
+    gid, names = layers.target_groups(vllm_config, kv_cache_config)[0]
+    return names, layers.layer_specs(kv_cache_config.kv_cache_groups[gid], names)[names[0]]
+
+
+def needs_scales(vllm_config, kv_cache_config) -> bool:
+    """Whether the namespace carries fp8 scales (the scheduler must learn them first)."""
+    spec = target_layers(vllm_config, kv_cache_config)[1]
+    return kv_dtype(vllm_config.cache_config.cache_dtype, spec.dtype) in SCALED
+
+
+def geometry(vllm_config, kv_cache_config, model_id: str = "", kv_scales: str = "") -> KVGeometry:
+    """The namespace and layout facts; ``kv_scales`` (``layers.kv_scales``) for fp8 caches."""
+    names, spec = target_layers(vllm_config, kv_cache_config)
     par = vllm_config.parallel_config
-    if getattr(par, "pipeline_parallel_size", 1) != 1:
-        raise ValueError("kvd's vLLM connector does not support pipeline parallelism yet")
     dtype = kv_dtype(vllm_config.cache_config.cache_dtype, spec.dtype)
+    if dtype in SCALED and not kv_scales:
+        raise ValueError("kvd: an fp8 KV cache's namespace needs its scales (layers.kv_scales)")
     model = model_id or model_identity(vllm_config.model_config)
-    common = dict(kv_dtype=dtype, num_layers=len(layers), tp_size=par.tensor_parallel_size,
-                  block_size=spec.block_size)
+    common = dict(kv_dtype=dtype, num_layers=len(names), tp_size=par.tensor_parallel_size,
+                  block_size=spec.block_size,
+                  fingerprint=f"kv_scales={kv_scales}" if dtype in SCALED else "")
     if _is_mla(spec, vllm_config):
         return KVGeometry(model=model, attention="mla", kv_heads=1, head_dim=spec.head_size, **common)
     if vllm_config.device_config.device_type != "cpu":
@@ -59,8 +76,9 @@ def model_identity(model_config) -> str:
 def kv_dtype(cache_dtype: str, spec_dtype) -> str:
     name = str(spec_dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
     if name not in KV_DTYPES:
-        raise ValueError(f"kvd does not support vLLM's KV cache dtype {name!r} (supported: auto, "
-                         "float16, bfloat16, float32, fp8, fp8_e4m3, fp8_e5m2)")
+        raise ValueError(f"kvd: kv_cache_dtype {cache_dtype!r} gives KV blocks of {name}, which "
+                         "kvd does not support; use auto (float16, bfloat16, float32), fp8, "
+                         "fp8_e4m3 or fp8_e5m2, or run without the kvd connector")
     return KV_DTYPES[name]
 
 

@@ -58,7 +58,7 @@ class WorkerSide:
 
     def register(self, pool) -> None:
         self.reg = self.client.register_kv(pool, model=self.geo.model, tp_size=self.geo.tp_size,
-                                           tp_rank=self.tp_rank)
+                                           tp_rank=self.tp_rank, fingerprint=self.geo.fingerprint)
         self.token_bytes = pool.descriptor.shard_bytes(1)
 
     @property

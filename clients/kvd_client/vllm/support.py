@@ -1,0 +1,192 @@
+"""What kvd's vLLM connector refuses, and why: one function per check.
+
+Each check takes ``(vllm_config, kv_cache_config, environ)``, reads vLLM's
+configs by attribute (vLLM 0.26 and 0.32) and returns the one line that
+refuses the configuration (the setting, why kvd cannot serve it, what to
+do), or None. ``refusal(...)`` runs them in order and returns the first
+reason; the connector raises it as ``ValueError`` from its ``__init__``, in
+both roles, before vLLM allocates its KV cache. Nothing here imports vLLM.
+
+Refused here: pipeline and context parallelism (decode and prefill), sleep
+mode and the cumem allocator, PyTorch's expandable segments (GPU),
+quantised KV formats other than per-tensor fp8, fp8 scales computed at run
+time (``calculate_kv_scales``), several KV cache groups, layer kinds other
+than full attention and MLA, and target layers of different shapes or
+dtypes. Refused later, where only the worker's tensors tell: block layouts
+kvd cannot map (kvd_client.vllm.geometry), memory CUDA IPC cannot export
+(kvd_client.vllm.pool). Supported with conditions elsewhere: drafter layers
+(kvd_client.vllm.layers), fp8 scales in the namespace (kvd_client.vllm.spec).
+"""
+
+from __future__ import annotations
+
+from . import layers
+
+NO_KVD = "run without the kvd connector"
+OR_NO_KVD = "or without the kvd connector"
+CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+LAYER_KINDS = ("FullAttentionSpec", "MLAAttentionSpec")
+QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+WHY_KIND = {
+    "SlidingWindowSpec": "vLLM frees the blocks that leave the window, so a prefix's blocks are "
+                         "not kept; models mixing sliding-window and full-attention layers work, "
+                         "vLLM then keeps every block",
+    "ChunkedLocalAttentionSpec": "vLLM frees the blocks of past attention chunks",
+    "MambaSpec": "a request's state is one block rewritten every step, not token rows",
+    "CrossAttentionSpec": "encoder KV does not follow the prompt's tokens",
+    "EncoderOnlyAttentionSpec": "encoder KV does not follow the prompt's tokens",
+}
+
+
+def _quant_why(name: str) -> str:
+    if name.endswith("per_token_head"):
+        return "its per-token, per-head scales live outside the blocks kvd moves"
+    if name == "fp8_ds_mla":
+        return "DeepSeek's packed MLA format, with scales inside the blocks"
+    if name.startswith(("nvfp4", "turboquant", "ultraquant")):
+        return "packed 4-bit values with block scales"
+    return "a format kvd does not know"
+
+
+# ---- the engine's settings ------------------------------------------------------------
+
+def pipeline_parallel(vllm_config, kv_cache_config, environ) -> str | None:
+    size = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1
+    if size > 1:
+        return (f"kvd: pipeline_parallel_size {size} is not supported (kvd's vLLM namespace has no "
+                f"per-stage layer offset); use tensor parallelism or {NO_KVD}")
+    return None
+
+
+def context_parallel(vllm_config, kv_cache_config, environ) -> str | None:
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(vllm_config.parallel_config, name, 1) or 1
+        if size > 1:
+            return (f"kvd: {name} {size} is not supported (each rank's blocks hold tokens "
+                    f"interleaved with other ranks', not the token runs kvd's chunks are); run "
+                    f"without it {OR_NO_KVD}")
+    return None
+
+
+def sleep_mode(vllm_config, kv_cache_config, environ) -> str | None:
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        return ("kvd: enable_sleep_mode is not supported (sleep frees the KV cache kvd registered, "
+                "and its allocator's memory cannot be shared through CUDA IPC); run without sleep "
+                f"mode {OR_NO_KVD}")
+    return None
+
+
+def cumem_allocator(vllm_config, kv_cache_config, environ) -> str | None:
+    if getattr(vllm_config.model_config, "enable_cumem_allocator", False):
+        return ("kvd: enable_cumem_allocator is not supported (CUDA virtual memory cannot be "
+                f"shared with kvd through CUDA IPC); run without it {OR_NO_KVD}")
+    return None
+
+
+def expandable_segments(vllm_config, kv_cache_config, environ) -> str | None:
+    if vllm_config.device_config.device_type == "cpu":
+        return None  # CPU KV caches live in the connector's /dev/shm file
+    for var in ALLOC_CONF:
+        for item in environ.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return (f"kvd: {var} sets expandable_segments:True, which is not supported (the KV "
+                        "cache then lives in CUDA virtual memory that CUDA IPC cannot share with "
+                        f"kvd); unset it for the engine or {NO_KVD}")
+    return None
+
+
+def cache_dtype(vllm_config, kv_cache_config, environ) -> str | None:
+    name = str(vllm_config.cache_config.cache_dtype)
+    if name in CACHE_DTYPES:
+        return None
+    return (f"kvd: kv_cache_dtype {name!r} is not supported ({_quant_why(name)}); use auto, fp8, "
+            f"fp8_e4m3 or fp8_e5m2, or {NO_KVD}")
+
+
+def dynamic_scales(vllm_config, kv_cache_config, environ) -> str | None:
+    cache = vllm_config.cache_config
+    if getattr(cache, "calculate_kv_scales", False) and str(cache.cache_dtype).startswith("fp8"):
+        return ("kvd: calculate_kv_scales is not supported (the fp8 KV scales are computed in the "
+                "first forward, after kvd named the cache by its scales); use the checkpoint's "
+                f"scales (drop calculate_kv_scales) or {NO_KVD}")
+    return None
+
+
+# ---- the KV cache vLLM planned --------------------------------------------------------
+
+def kv_cache_groups(vllm_config, kv_cache_config, environ) -> str | None:
+    groups = layers.target_groups(vllm_config, kv_cache_config)
+    if len(groups) == 1:
+        return None
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups})
+    return (f"kvd: this model has {len(groups)} KV cache groups ({', '.join(kinds) or 'none'}); "
+            "kvd's connector needs one (it is not SupportsHMA): run vLLM with "
+            f"--disable-hybrid-kv-cache-manager or {NO_KVD}")
+
+
+def _target_specs(vllm_config, kv_cache_config) -> dict:
+    gid, names = layers.target_groups(vllm_config, kv_cache_config)[0]
+    return layers.layer_specs(kv_cache_config.kv_cache_groups[gid], names)
+
+
+def layer_kinds(vllm_config, kv_cache_config, environ) -> str | None:
+    for name, spec in _target_specs(vllm_config, kv_cache_config).items():
+        kind = type(spec).__name__
+        if kind not in LAYER_KINDS:
+            why = WHY_KIND.get(kind, "kvd does not know what its blocks hold")
+            return f"kvd: {kind} layers ({name}) are not supported ({why}); {NO_KVD}"
+    return None
+
+
+def quant_mode(vllm_config, kv_cache_config, environ) -> str | None:
+    for name, spec in _target_specs(vllm_config, kv_cache_config).items():
+        mode = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+        if mode not in QUANT_MODES:
+            return (f"kvd: KV cache quantisation {mode} (layer {name}, from kv_cache_dtype or the "
+                    f"checkpoint's kv_cache_scheme) is not supported; use auto or fp8, or {NO_KVD}")
+    return None
+
+
+def _shape(spec) -> str:
+    mode = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    v = getattr(spec, "head_size_v", None) or spec.head_size
+    heads = f"{spec.num_kv_heads} heads x {spec.head_size}" + (f"/{v}" if v != spec.head_size else "")
+    return f"{type(spec).__name__} {heads} {str(spec.dtype).removeprefix('torch.')} {mode}"
+
+
+def mixed_layers(vllm_config, kv_cache_config, environ) -> str | None:
+    seen: dict[str, str] = {}
+    for name, spec in _target_specs(vllm_config, kv_cache_config).items():
+        seen.setdefault(_shape(spec), name)
+    if len(seen) < 2:
+        return None
+    (a, a_name), (b, b_name) = list(seen.items())[:2]
+    return (f"kvd: the KV cache's layers differ ({a_name}: {a}; {b_name}: {b}), e.g. from "
+            "kv_cache_dtype_skip_layers; kvd needs one shape and dtype for every layer: run "
+            f"without what makes them differ {OR_NO_KVD}")
+
+
+def kv_head_sizes(vllm_config, kv_cache_config, environ) -> str | None:
+    for name, spec in _target_specs(vllm_config, kv_cache_config).items():
+        v = getattr(spec, "head_size_v", None)
+        if type(spec).__name__ != "MLAAttentionSpec" and v and v != spec.head_size:
+            return (f"kvd: layer {name} has K heads of {spec.head_size} and V heads of {v} "
+                    f"elements; kvd needs K and V of one size: {NO_KVD}")
+    return None
+
+
+CHECKS = (pipeline_parallel, context_parallel, sleep_mode, cumem_allocator, expandable_segments,
+          cache_dtype, dynamic_scales, kv_cache_groups, layer_kinds, quant_mode, mixed_layers,
+          kv_head_sizes)
+
+
+def refusal(vllm_config, kv_cache_config, environ) -> str | None:
+    """The first check's reason, or None: kvd can serve this engine."""
+    for check in CHECKS:
+        reason = check(vllm_config, kv_cache_config, environ)
+        if reason:
+            return reason
+    return None

