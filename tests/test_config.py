@@ -241,8 +241,9 @@ def test_every_kvd_variable_the_project_reads_is_a_knob_or_listed():
     read = re.compile(r"""environ(?:\.get)?\(?\[?["'](KVD_\w+)|\b(KVD_\w+)=|ARG (KVD_\w+)""")
     found = set()
     files = [*root.glob("kvd/**/*.py"), *root.glob("clients/**/*.py"), *root.glob("tests/**/*.py"),
-             *root.glob("tools/*"), root / "Makefile", root / "Dockerfile"]
-    for path in files:
+             *root.glob("tools/**/*"), *root.glob("examples/*.py"), root / "Makefile",
+             root / "Dockerfile"]
+    for path in (p for p in files if p.is_file() and "__pycache__" not in p.parts):
         for m in read.finditer(path.read_text(errors="replace")):
             found.add(next(g for g in m.groups() if g))
     assert {"KVD_VLLM_PYTHON", "KVD_TEST_LOG_DIR", "KVD_EXTRAS"} <= found  # the scan sees them
