@@ -65,7 +65,9 @@ def run(spec: dict) -> dict:
         if phase.get("freeze_daemon"):
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            get_kv_transfer_group().freeze_pid = phase["freeze_daemon"]
+            connector = get_kv_transfer_group()
+            connector.freeze_pid = phase["freeze_daemon"]
+            type(connector).armed = True
         before = snapshot(llm)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], params,
                             use_tqdm=False)
