@@ -14,6 +14,8 @@ import numpy as np
 import workers_warm as W
 from test_warm_restart import Checker, flip_byte, host, record_offset, sealed
 
+from kvd.cli.format import format_stats
+
 KNOBS = {"chunk_tokens": W.CHUNK, "host_capacity": "64MiB"}
 BAD = 5  # the chunk of prompt 1 whose byte is flipped
 
@@ -57,6 +59,7 @@ def test_on_drops_the_corrupt_chunk_and_the_load_stops_before_it(start_daemon):
         assert host(d)["chunks"] == 3 * W.CHUNKS
         assert checker.served_exactly(1) == W.CHUNKS
     assert "failed its checksum on load: dropped" in d.log()
+    assert "corrupt host chunks dropped 1" in format_stats(d.stats())
     assert d.stats()["host_corrupt_dropped"] == 1
 
 
