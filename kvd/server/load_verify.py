@@ -38,7 +38,7 @@ class LoadVerifier:
         self.index = index  # kvd.tiers.arena_index.ArenaIndex: the shards' checksums
         self.view = view  # the arena's bytes (uint8)
         self.stats = stats
-        self.pool = DaemonThreads(threads, "kvd-verify")
+        self.pool = DaemonThreads(threads, "kvd-verify")  # normal priority: a load waits on them
 
     async def check(self, entries: list, rank: int) -> list:
         """The longest prefix of pinned ``entries`` whose shard ``rank`` is intact; the
