@@ -227,7 +227,11 @@ KNOBS = (
     Knob("cold_start", "bool", False, "Start with an empty host tier: delete the one a previous "
          "daemon left instead of adopting it (kvd serve --cold)."),
     Knob("verify_threads", "int", 2, "Threads computing the host tier's chunk checksums (for "
-         "warm restarts) and verifying them after a crash.", minimum=1),
+         "warm restarts) and verifying them after a crash or on load.", minimum=1),
+    Knob("verify_loads", "str", "off", "on: check every host tier chunk a load reads against "
+         "its warm_restart checksum first (off the loop; a mismatch is dropped and the load "
+         "ends before it; docs/operations.md has the cost); off: trust the daemon's own memory.",
+         choices=("off", "on")),
     Knob("log_level", "str", "info", "Logging level.", choices=("debug", "info", "warning", "error")),
     Knob("metrics_port", "int", 0, "TCP port of the Prometheus /metrics endpoint (needs kvd[metrics]); "
          "0: off.", minimum=0),

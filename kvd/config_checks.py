@@ -24,6 +24,9 @@ def check(values: dict) -> None:
             and not values["disk_dir"]:
         raise ConfigError("remote_publish", "demote follows the disk tier's demotions: set "
                           "disk_dir, or use remote_publish = store")
+    if values["verify_loads"] == "on" and not values["warm_restart"]:
+        raise ConfigError("verify_loads", "on compares the checksums warm_restart keeps: set "
+                          "warm_restart = true")
     if values["client_timeout_s"] <= values["heartbeat_interval_s"]:
         raise ConfigError("client_timeout_s", "must be larger than heartbeat_interval_s")
     try:

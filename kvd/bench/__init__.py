@@ -56,6 +56,8 @@ def add_arguments(p) -> None:
                    "bar chart (host, --gpu, --disk, --gds; needs kvd[plot]: matplotlib)")
     p.add_argument("--scrape-hz", type=float, default=0.0, help="host benchmark: the daemon serves "
                    "/metrics and another process scrapes it this often meanwhile (0: metrics off)")
+    p.add_argument("--verify-loads", action="store_true", help="host benchmark: the daemon runs "
+                   "with verify_loads = on and each load waits for its chunks' checksums first")
     p.add_argument("--gpu", action="store_true", help="benchmark the CUDA path (needs torch, cupy, "
                    "a GPU): Llama-3-8B and DeepSeek-MLA shaped pools vs pinned cudaMemcpy")
     p.add_argument("--spin-ms", type=float, default=0.0, help="with --gpu: the clients busy-poll "

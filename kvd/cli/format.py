@@ -71,8 +71,10 @@ def format_stats(s: dict) -> str:
     lines.append(f"hits {s['hits']}  misses {s['misses']}  hit rate {s['hit_rate']:.1%}  "
                  f"dedup {s['store_dedup']}"
                  + (f"  other-namespace keys {foreign}" if foreign else ""))
+    corrupt = s.get("host_corrupt_dropped", 0)  # verify_loads: shown once there are any
     lines.append(f"stored {size(s['bytes_stored'])} ({s['chunks_stored']} chunks)  "
-                 f"loaded {size(s['bytes_loaded'])} ({s['chunks_loaded']} chunks)")
+                 f"loaded {size(s['bytes_loaded'])} ({s['chunks_loaded']} chunks)"
+                 + (f"  corrupt host chunks dropped {corrupt}" if corrupt else ""))
     lines.append(f"clients {s['clients']}  registrations {s['registrations']}  leases {s['leases']}  "
                  f"errors {s['errors']}  uptime {s['uptime_s']} s  backend {s['backend']}")
     for c in s.get("sessions", []):

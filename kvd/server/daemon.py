@@ -66,6 +66,7 @@ from kvd.copy.host import HostCopyEngine
 from kvd.server import control, early_signals, logs, metrics, startup
 from kvd.server.config_log import log_config
 from kvd.server.host_tier import HostTierSetup
+from kvd.server.load_verify import LoadVerifier
 from kvd.server.notify import Notifier
 from kvd.server.peers import AccessPolicy, ZapGate, credentials_available, recv_request, resolve_group
 from kvd.server.peers_alive import Intake, Liveness, reply
@@ -156,6 +157,10 @@ class Daemon:
         self.service = Service(self.cfg, self.host.tier, engines, arena_id, os.urandom(8).hex())
         if self.host.journal is not None:  # checksums wait while copies are queued
             self.host.journal.hasher.idle = self.service.transfers.gate.idle
+        if self.cfg.verify_loads == "on":  # warm_restart is on (config_checks): sums exist
+            self.service.transfers.verifier = LoadVerifier(
+                self.host.tier, self.host.journal.index, arena.view, self.cfg.verify_threads,
+                self.service.stats)
         if self.disk is not None:
             self.service.tiering = Tiering(self.service.tier, self.disk, arena.view,
                                            self.cfg.disk_high_watermark, self.cfg.disk_min_hits)
@@ -305,6 +310,8 @@ class Daemon:
         if self.service is not None:
             for engine in self.service.engines.values():
                 engine.close()
+            if self.service.transfers.verifier is not None:
+                self.service.transfers.verifier.close()
         self.host.close(served=bool(self.sockets))
         self.lock.release()
 

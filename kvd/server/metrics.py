@@ -222,6 +222,9 @@ def _cache(scraped: dict, s):
     yield _counter("kvd_foreign_ns_misses_total", "Lookups and loads that sent the key of a chunk "
                    "of another namespace or shard geometry (a miss from there on).",
                    c.get("foreign_ns_misses", 0))
+    yield _counter("kvd_host_corrupt_dropped_total", "Host tier chunks a load found failing their "
+                   "checksum (verify_loads = on): dropped, recomputed by the engine.",
+                   c.get("host_corrupt_dropped", 0))
     backends = sorted({*s.backends.split(","), *(b for _, b in scraped["moved"])})
     for what in ("stored", "loaded"):
         for unit, doc in (("chunks", "Chunks"), ("bytes", "Bytes")):

@@ -115,6 +115,8 @@ class Stats:
                 "bytes_stored": c["bytes_stored"], "bytes_loaded": c["bytes_loaded"],
                 "chunks_stored": c["chunks_stored"], "chunks_loaded": c["chunks_loaded"],
                 "store_dedup": c["store_dedup"], "foreign_ns_misses": c["foreign_ns_misses"],
+                "host_corrupt_dropped": c["host_corrupt_dropped"],
+                "host_verify_unsealed": c["host_verify_unsealed"],
                 "errors": c["errors"], "busy": c["busy"],
                 "replies_dropped": c["replies_dropped"],
                 "clients_reaped": c["clients_reaped"], "uptime_s": round(time.monotonic() - self.started, 1),

@@ -16,7 +16,8 @@ reused the pages after it). The reply means the pages may be reused.
 
 Load: pin the longest ready prefix of chunks of the registration's namespace
 and shard geometry (kvd.tiers.scope: another namespace's chunk is a miss,
-counted in ``foreign_ns_misses``; host entries, then disk: promotions
+counted in ``foreign_ns_misses``; host entries (with ``verify_loads``, up to
+the first that fails its checksum: kvd.server.load_verify), then disk: promotions
 into host slots, or GPU Direct Storage reads queued on the load stream,
 then the remote store: fetches into host slots, kvd.tiers.remote_tiering),
 then queue the scatter with the load's ``LoadSignal``: layer words as
@@ -66,6 +67,7 @@ class Transfers:
         self.tiering = None  # kvd.tiers.tiering.Tiering when the disk tier is on
         self.gds = None      # kvd.cuda.gds.GdsLoader when disk_gds is on and available
         self.remote = None   # kvd.tiers.remote_tiering.RemoteTiering when remote_backend is set
+        self.verifier = None  # kvd.server.load_verify.LoadVerifier when verify_loads is on
         self.stopping = False
         # a store may wait a whole forward pass for the engine: poll gently when idle
         self.flag_poller = EventPoller(idle_after_s=0.001, idle_sleep_s=0.0002)
@@ -191,12 +193,19 @@ class Transfers:
                           scope):
         """(host entries, pinned; chunks GDS queued; the host entries' page ids): the host
         prefix, continued from disk, then from the remote store; each tier ends it at a
-        chunk ``scope`` may not read (kvd/tiers/scope.py)."""
+        chunk ``scope`` may not read (kvd/tiers/scope.py). With ``verify_loads`` the host
+        prefix ends before a chunk that fails its checksum (kvd/server/load_verify.py)."""
         entries = self.tier.ready_prefix(keys, scope)
         self.tier.pin(entries)
         ppc = reg.pages_per_chunk
-        host_pages, direct = pages[:len(entries) * ppc], 0
+        direct = 0
         try:
+            if self.verifier is not None and entries:
+                hits = len(entries)
+                entries = await self.verifier.check(entries, reg.tp_rank)  # unpins the rest
+                if len(entries) < hits:  # a corrupt chunk ends the prefix: no tier goes past it
+                    return entries, 0, pages[:len(entries) * ppc]
+            host_pages = pages[:len(entries) * ppc]
             if self.tiering is not None and len(entries) < len(keys):
                 direct, promoted, promoted_pages = await self._from_disk(
                     reg, req, keys, pages, len(entries), signal, scope)

@@ -211,6 +211,13 @@ class ArenaIndex:
         _DIGEST.pack_into(self._map, at + 56, digest)
         _FLAGS.pack_into(self._map, at + 4, flags | SEALED)
 
+    def sealed_digest(self, n: int) -> int | None:
+        """Record ``n``'s digest, or None while it is not ``SEALED``."""
+        at = HEADER + n * RECORD
+        if not _FLAGS.unpack_from(self._map, at + 4)[0] & SEALED:
+            return None
+        return _DIGEST.unpack_from(self._map, at + 56)[0]
+
     def set_flag(self, n: int, flag: int, on: bool) -> None:
         at = HEADER + n * RECORD + 4
         flags = _FLAGS.unpack_from(self._map, at)[0]

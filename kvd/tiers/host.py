@@ -40,7 +40,7 @@ committed, entry dropped or put back and ``on_disk`` change, so the
 arena's index file describes the committed shards. ``adopt`` starts from
 the entries a previous daemon left; shards adopted after a crash stay
 ``unverified`` until checked (``verified``): no hits, a store of one is a
-dedup (a miss at worst, never wrong bytes), a bad one is dropped.
+dedup (a miss at worst, never wrong bytes), a bad one is dropped (``drop_shard``).
 
 ``stats()`` reads counters kept up to date (O(1)). Runs on the event loop
 only: no locks.
@@ -60,15 +60,10 @@ class HostTier:
         self.quota = quota  # kvd.tiers.quota.QuotaBook, or None: no quotas
         self.entries: dict[bytes, Entry] = {} if quota is None else quota.index()
         self.lru = LruQueue() if quota is None else quota.queue()  # evictable only, LRU first
-        self.evictable_bytes = 0
-        self.ready_count = 0
-        self.on_disk_ready = 0
-        self.clock = 0
+        self.evictable_bytes = self.ready_count = self.on_disk_ready = self.clock = 0
         self.scan_gen, self.scan_last, self.scanned_bytes = 1, None, 0
         self.cold_tail = None  # the last entry queued cold: the front run they form ends there
-        self.evictions = 0
-        self.evicted_not_on_disk = 0
-        self.dedup_hits = 0
+        self.evictions = self.evicted_not_on_disk = self.dedup_hits = 0
         self.journal = None  # kvd.tiers.journal.Journal: keeps the arena's index file
 
     @property
@@ -372,18 +367,14 @@ class HostTier:
             self.clock = max(self.clock, e.used)
 
     def verified(self, e: Entry, rank: int, ok: bool) -> bool | None:
-        """Shard ``rank`` of adopted ``e`` was checked: ``ok`` stores it (the entry is a hit
-        once every shard is), else the entry is dropped. None when ``e`` is gone or that
-        shard was not waiting for its check; else ``ok``."""
+        """Shard ``rank`` of adopted ``e`` was checked: ``ok`` stores it (a hit once every shard
+        is), else ``drop_shard``; ``ok``, or None when ``e`` is gone or that shard was not waiting."""
         bit = 1 << rank
         if self.entries.get(e.key) is not e or not e.unverified & bit:
             return None
         e.unverified &= ~bit
         if not ok:
-            if self.lru.queued(e):
-                self._drop(e)
-            elif self.journal is not None:  # another shard is being stored: drop this one
-                self.journal.dropped_shard(e, rank)
+            self.drop_shard(e, rank)
             return False
         e.stored |= bit
         if e.ready:
@@ -391,6 +382,15 @@ class HostTier:
             if e.scan == self.scan_gen:  # examined while not ready: examine it again
                 self.reset_scan()
         return True
+
+    def drop_shard(self, e: Entry, rank: int) -> None:
+        """Shard ``rank`` of ``e`` failed its checksum: the entry goes, or the shard if in use."""
+        self._count_ready(e, -1)
+        e.stored &= ~(1 << rank)
+        if self.lru.queued(e):
+            self._drop(e)
+        elif self.journal is not None:
+            self.journal.dropped_shard(e, rank)
 
     # ---- the demotion scan ------------------------------------------------------------
 

@@ -240,6 +240,28 @@ def test_tp_shards_make_an_entry_ready_together():
     check_invariants(tier)
 
 
+def test_a_shard_that_failed_its_checksum_is_never_a_hit_again():
+    """``drop_shard`` (verify_loads): an entry nobody uses goes with its slot; one another
+    load still pins stays, not ready, until a store writes that shard again."""
+    tier, reader = HostTier(8 * SLOT, SLOT), Scope(NS, 1, SLOT)
+    store(tier, [0, 1, 2])
+    while (e := tier.scan_next()) is not None:  # examined by a demotion pass: books follow
+        tier.scan_mark(e)
+    tier.drop_shard(tier.entries[key(1)], 0)
+    assert key(1) not in tier.entries and tier.alloc.used == 2 * SLOT
+    check_invariants(tier)
+    pinned = tier.entries[key(2)]
+    tier.pin([pinned])
+    tier.drop_shard(pinned, 0)
+    assert tier.ready_prefix([key(2)], reader) == [] and tier.stats()["chunks"] == 1
+    tier.unpin([pinned])
+    check_invariants(tier)
+    todo, deduped = store(tier, [2])
+    assert [e for _, e in todo] == [pinned] and deduped == 0
+    assert tier.ready_prefix([key(2)], reader) == [pinned]
+    check_invariants(tier)
+
+
 class Model:
     """The documented policy in the plainest form: a list in LRU order of evictable keys."""
 
