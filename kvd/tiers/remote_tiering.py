@@ -19,7 +19,8 @@ the link's bandwidth, so it is asked only for what no local tier holds.
 - **Promotion**: ``lookup`` asks the store which keys past the local prefix
   it holds (one round trip) and starts fetching them; ``promote_prefix``
   (load) waits only for the fetches of its own keys and returns the ready
-  host entries, pinned; a host entry of another namespace or shard geometry
+  host entries, pinned (``fetches`` gives the fetches themselves, for a load
+  that copies each run of chunks as it lands, kvd/server/remote_load.py); a host entry of another namespace or shard geometry
   than the reader's (its ``Scope``) ends the prefix, and the store is asked
   only under the reader's namespace. Fetches queue on the loop for their threads, in
   key order, so a long prefix is fetched whole, never refused for want of
@@ -141,6 +142,15 @@ class RemoteTiering:
     async def promote_prefix(self, scope, keys: list) -> list:
         """Host entries, pinned, for the longest prefix of ``keys`` fetched from the store
         (or in the host tier already) as chunks ``scope`` may read."""
+        futs = await self.fetches(scope, keys)
+        # shielded: a cancelled load must not cancel fetches other requests wait for
+        await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
+        return hold_ready(self.host, keys[:len(futs)], scope)
+
+    async def fetches(self, scope, keys: list) -> list:
+        """The fetches (futures, True once the chunk is a ready host entry) of the longest
+        prefix of ``keys`` that a lookup started, that the host tier holds, or that the store
+        holds now (asked once); they land in any order, the caller awaits them in key order."""
         n, foreign = 0, False
         for key in keys:  # fetches a lookup started, or chunks they already brought
             entry = self.host.entries.get(key)
@@ -152,10 +162,7 @@ class RemoteTiering:
             n += 1
         if n < len(keys) and not foreign:
             n += await self.lookup(scope, keys[n:])
-        futs = [self._promotion(scope, key) for key in keys[:n]]
-        # shielded: a cancelled load must not cancel fetches other requests wait for
-        await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
-        return hold_ready(self.host, keys[:n], scope)
+        return [self._promotion(scope, key) for key in keys[:n]]
 
     def _promotion(self, scope, key: bytes) -> asyncio.Future:
         fut = self.promoting.get(key)
@@ -230,5 +237,5 @@ class RemoteTiering:
                 "publish_queued": len(self.publishing), "published": c["published"],
                 "publish_dropped": c["publish_dropped"], "publish_skipped": c["publish_skipped"],
                 "publish_lost": c["publish_lost"], "promotions": c["promotions"],
-                "promotions_failed": c["promotions_failed"],
+                "promotions_failed": c["promotions_failed"], "load_pieces": c["load_pieces"],
                 "promotions_running": len(self.promoting)}
