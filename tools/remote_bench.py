@@ -77,7 +77,7 @@ async def tier_round(url: str, view, host: HostTier, entries: list, threads: int
     tiering = RemoteTiering(host, remote, view, "store", len(entries), seal)
     # as many puts and fetches at once as the raw side has threads (the daemon gives a
     # quarter of remote_threads to puts and half to fetches)
-    tiering.put_slots, tiering.fetch_slots = asyncio.Semaphore(threads), asyncio.Semaphore(threads)
+    tiering.parallel(threads, threads)
     tiering.start()
     while not remote.breaker.allow():
         await asyncio.sleep(0.01)

@@ -181,28 +181,46 @@ class RemoteTier:
         self.counters["get_bytes"] += len(value)
         return value
 
-    async def put(self, ns: bytes, key: bytes, value) -> bool:
-        """Store ``value`` unless the store has the chunk already; True when it was sent."""
+    async def present(self, names: list):
+        """Which of ``names`` the store holds, one round trip for all; None when it cannot
+        say now."""
+        try:
+            return await self.call(self.store.exists, names)
+        except RemoteUnavailable:
+            return None
+
+    def there(self, name: str) -> None:
+        """A put found ``name`` in the store already (another node sent it)."""
+        self.remember(name)
+        self.counters["puts_present"] += 1
+
+    async def put(self, ns: bytes, key: bytes, value, checked: bool = False) -> bool:
+        """Store ``value`` unless the store has the chunk already (``checked``: the caller
+        asked, ``present``); True when it was sent."""
         name = self.name(ns, key)
         size = memoryview(value).nbytes
         try:
-            sent = await self.call(self._put_absent, name, value, nbytes=size)
+            sent = await self.call(self._put if checked else self._put_absent, name, value,
+                                   nbytes=size)
         except RemoteUnavailable:
             self.counters["puts_failed"] += 1
             return False
+        if not sent:
+            self.there(name)
+            return False
         self.remember(name)
-        if sent:
-            self.counters["puts"] += 1
-            self.counters["put_bytes"] += size
-        else:
-            self.counters["puts_present"] += 1
-        return sent
+        self.counters["puts"] += 1
+        self.counters["put_bytes"] += size
+        return True
+
+    def _put(self, name: str, value) -> bool:
+        self.store.put(name, value)
+        return True
 
     def _put_absent(self, name: str, value) -> bool:
         if self.store.exists([name])[0]:  # another node put it: save the upload
             return False
-        self.store.put(name, value)
-        return True
+        return self._put(name, value)
 
     def dropped_corrupt(self, ns: bytes, key: bytes, why: str = "") -> None:
         """A value that failed verification: counted, forgotten, deleted from the store."""

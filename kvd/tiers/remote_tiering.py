@@ -12,10 +12,13 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   ``disk_high_watermark``: cold chunks only, less traffic, later sharing).
   Queued or in flight at most ``queue_chunks`` (more are dropped and
   counted; nothing is queued while the breaker is open). At most a quarter
-  of the remote threads put at once (half fetch, the rest answer lookups);
-  each put pins its host entry only while a CPU thread packs it into a
-  private buffer (kvd/tiers/remote_value.py), never during network IO. A
-  chunk the store already holds is not sent again.
+  of the remote threads put at once (half fetch, the rest answer lookups),
+  and as many more values are packed meanwhile, so a put slot never waits
+  for a pack; each put pins its host entry only while a CPU thread packs it
+  into a private buffer (kvd/tiers/remote_value.py), never during network IO. A
+  chunk the store already holds is not sent again: the chunks of one store
+  (or demotion) are asked in one exists round trip before their puts, not
+  one each.
 - **Promotion**: ``lookup`` asks the store which keys past the local prefix
   it holds (one round trip) and starts fetching them; ``promote_prefix``
   (load) waits only for the fetches of its own keys and returns the ready
@@ -64,9 +67,15 @@ class RemoteTiering:
         self.shard_bytes: dict[bytes, int] = {}  # per namespace, for fetches of lookups without a layout
         self.publishing: dict[bytes, asyncio.Task] = {}
         # threads: at most a quarter put, half fetch, the rest answer lookups' exists calls
-        self.put_slots = asyncio.Semaphore(max(1, remote.net.size // 4))
-        self.fetch_slots = asyncio.Semaphore(max(1, remote.net.size // 2))
+        self.parallel(max(1, remote.net.size // 4), max(1, remote.net.size // 2))
         self.counters: Counter = Counter()
+
+    def parallel(self, puts: int, fetches: int) -> None:
+        """At most ``puts`` puts and ``fetches`` fetches in flight (twice ``puts`` values
+        packed or being sent)."""
+        self.put_slots = asyncio.Semaphore(puts)
+        self.pack_slots = asyncio.Semaphore(2 * puts)
+        self.fetch_slots = asyncio.Semaphore(fetches)
 
     def start(self) -> None:
         self.remote.start()
@@ -83,29 +92,40 @@ class RemoteTiering:
     def stored(self, entries) -> None:
         """A store committed ``entries``: queue the ready ones (``publish = "store"``)."""
         if self.publish == "store":
-            for entry in entries:
-                if entry.ready:
-                    self.offer(entry)
+            self.offer_many([e for e in entries if e.ready])
 
     def demoting(self, entry) -> None:
         """The disk tier's demoter took ``entry`` (``publish = "demote"``)."""
         if self.publish == "demote":
-            self.offer(entry, cold=True)
+            self.offer_many([entry], cold=True)
 
     def offer(self, entry, cold: bool = False) -> None:
-        """Queue a put of ``entry`` unless it is queued, known remote, or cannot be now."""
-        if entry.key in self.publishing or self.remote.name(entry.ns, entry.key) in self.remote.known:
+        self.offer_many([entry], cold)
+
+    def offer_many(self, entries: list, cold: bool = False) -> None:
+        """Queue puts of ``entries`` but those queued, known remote, or that cannot be now;
+        one exists round trip for them all decides which the store lacks."""
+        todo: dict = {}
+        for entry in entries:
+            if entry.key in self.publishing or entry.key in todo or \
+                    self.remote.name(entry.ns, entry.key) in self.remote.known:
+                continue
+            if not self.remote.breaker.allow():
+                self.counters["publish_skipped"] += 1  # local-only while the store is away
+                continue
+            if len(self.publishing) + len(todo) >= self.queue_chunks:
+                self.counters["publish_dropped"] += 1
+                continue
+            todo[entry.key] = entry
+        if not todo:
             return
-        if not self.remote.breaker.allow():
-            self.counters["publish_skipped"] += 1  # local-only while the store is away
-            return
-        if len(self.publishing) >= self.queue_chunks:
-            self.counters["publish_dropped"] += 1
-            return
-        self.shard_bytes[entry.ns] = entry.shard_bytes
-        task = asyncio.ensure_future(self._publish(entry, cold))
-        self.publishing[entry.key] = task
-        task.add_done_callback(lambda t, k=entry.key: self._published(k, t))
+        check = asyncio.ensure_future(self.remote.present(
+            [self.remote.name(e.ns, e.key) for e in todo.values()]))
+        for i, entry in enumerate(todo.values()):
+            self.shard_bytes[entry.ns] = entry.shard_bytes
+            task = asyncio.ensure_future(self._publish(entry, cold, check, i))
+            self.publishing[entry.key] = task
+            task.add_done_callback(lambda t, k=entry.key: self._published(k, t))
 
     def _published(self, key: bytes, task: asyncio.Task) -> None:
         if self.publishing.get(key) is task:
@@ -113,8 +133,12 @@ class RemoteTiering:
         if not task.cancelled() and task.exception() is not None:
             log.error("remote publication failed", exc_info=task.exception())
 
-    async def _publish(self, entry, cold: bool) -> None:
-        async with self.put_slots:
+    async def _publish(self, entry, cold: bool, check: asyncio.Future, i: int) -> None:
+        present = await asyncio.shield(check)  # the batch's exists answer (None: unknown)
+        if present is not None and present[i]:
+            self.remote.there(self.remote.name(entry.ns, entry.key))
+            return
+        async with self.pack_slots:  # packed values in memory: at most twice the puts
             if self.host.entries.get(entry.key) is not entry or not entry.ready:
                 self.counters["publish_lost"] += 1  # evicted while queued
                 return
@@ -126,7 +150,10 @@ class RemoteTiering:
                                               entry.shards, entry.shard_bytes, self.seal)
             finally:  # a demoted entry nobody used meanwhile goes back to the cold end
                 self.host.unpin([entry], cold_since=pinned_at if cold else None)
-            if await self.remote.put(entry.ns, entry.key, value):
+            async with self.put_slots:  # the next value packs while this one is sent
+                sent = await self.remote.put(entry.ns, entry.key, value,
+                                             checked=present is not None)
+            if sent:
                 self.counters["published"] += 1
 
     # ---- promotion -----------------------------------------------------------------
