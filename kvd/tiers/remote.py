@@ -173,12 +173,7 @@ class RemoteTier:
             value = await self.call(self.store.get, name, nbytes=nbytes)
         except RemoteUnavailable:
             return None
-        if value is None:
-            self.counters["gets_missing"] += 1
-            self.forget(name)
-            return None
-        self.counters["gets"] += 1
-        self.counters["get_bytes"] += len(value)
+        self._got(name, value)
         return value
 
     async def present(self, names: list):
@@ -193,6 +188,26 @@ class RemoteTier:
         """A put found ``name`` in the store already (another node sent it)."""
         self.remember(name)
         self.counters["puts_present"] += 1
+
+    async def get_many(self, ns: bytes, keys: list, nbytes: int = 0) -> list:
+        """The stored values of ``keys`` (each unverified bytes or None), one round trip
+        (the store's ``get_many``); all None when the store failed."""
+        try:
+            values = await self.call(self.store.get_many, [self.name(ns, k) for k in keys],
+                                     nbytes=nbytes)
+        except RemoteUnavailable:
+            return [None] * len(keys)
+        for key, value in zip(keys, values):
+            self._got(self.name(ns, key), value)
+        return values
+
+    def _got(self, name: str, value) -> None:
+        if value is None:
+            self.counters["gets_missing"] += 1
+            self.forget(name)
+        else:
+            self.counters["gets"] += 1
+            self.counters["get_bytes"] += len(value)
 
     async def put(self, ns: bytes, key: bytes, value, checked: bool = False) -> bool:
         """Store ``value`` unless the store has the chunk already (``checked``: the caller

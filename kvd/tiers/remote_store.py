@@ -13,6 +13,8 @@ reports one itself):
 - ``ping()``: raise unless the store answers now;
 - ``exists(names) -> list[bool]``: one round trip for all names;
 - ``get(name) -> bytes | None`` (None: not there);
+- optional ``get_many(names) -> list`` (each bytes or None): one round trip for
+  all (Redis: MGET); the tier asks it for runs of small values only;
 - ``put(name, value)``: store ``value`` (a buffer) under ``name``, replacing
   any value there;
 - ``delete(name)``: best effort;
@@ -75,6 +77,9 @@ class RedisStore:
 
     def get(self, name: str):
         return self.client.get(name)
+
+    def get_many(self, names: list) -> list:
+        return self.client.mget(names)
 
     def put(self, name: str, value) -> None:
         self.client.set(name, value, ex=self.ttl_s)
