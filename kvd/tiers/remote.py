@@ -17,7 +17,7 @@ queueing behind them.
 Payload work (packing values, verifying them, copying into host slots) runs
 on separate CPU threads, never behind network calls, and is always waited
 for: it touches the arena. Failures are never raised to requests: ``exists_prefix``
-returns 0, ``get`` None, ``put`` False. ``known`` remembers (bounded, LRU)
+returns 0, ``get`` None, ``put`` None. ``known`` remembers (bounded, LRU)
 the names this node saw present, so chunks are not put twice.
 Runs on the event loop.
 """
@@ -209,9 +209,10 @@ class RemoteTier:
             self.counters["gets"] += 1
             self.counters["get_bytes"] += len(value)
 
-    async def put(self, ns: bytes, key: bytes, value, checked: bool = False) -> bool:
+    async def put(self, ns: bytes, key: bytes, value, checked: bool = False):
         """Store ``value`` unless the store has the chunk already (``checked``: the caller
-        asked, ``present``); True when it was sent."""
+        asked, ``present``): True when it was sent, False when it was there, None when
+        the call failed (a call abandoned at its timeout may still read ``value``)."""
         name = self.name(ns, key)
         size = memoryview(value).nbytes
         try:
@@ -219,7 +220,7 @@ class RemoteTier:
                                    nbytes=size)
         except RemoteUnavailable:
             self.counters["puts_failed"] += 1
-            return False
+            return None
         if not sent:
             self.there(name)
             return False

@@ -15,7 +15,8 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   of the remote threads put at once (half fetch, the rest answer lookups),
   and as many more values are packed meanwhile, so a put slot never waits
   for a pack; each put pins its host entry only while a CPU thread packs it
-  into a private buffer (kvd/tiers/remote_value.py), never during network IO. A
+  into a private buffer (kvd/tiers/remote_value.py; reused across puts,
+  kvd/tiers/remote_buffers.py), never during network IO. A
   chunk the store already holds is not sent again: the chunks of one store
   (or demotion) are asked in one exists round trip before their puts, not
   one each.
@@ -46,7 +47,8 @@ from collections import Counter
 from kvd.tiers.chunk_file import ChunkCorrupt
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
-from kvd.tiers.remote_value import Seal, copy_verified, pack, parse
+from kvd.tiers.remote_buffers import ValueBuffers
+from kvd.tiers.remote_value import Seal, copy_verified, pack, parse, value_bytes
 from kvd.tiers.tiering import hold_ready
 from kvd_protocol.errors import ServerError
 
@@ -78,6 +80,7 @@ class RemoteTiering:
         packed or being sent)."""
         self.put_slots = asyncio.Semaphore(puts)
         self.pack_slots = asyncio.Semaphore(2 * puts)
+        self.buffers = ValueBuffers(2 * puts)
         self.fetch_slots = asyncio.Semaphore(fetches)
 
     def start(self) -> None:
@@ -145,19 +148,30 @@ class RemoteTiering:
             if self.host.entries.get(entry.key) is not entry or not entry.ready:
                 self.counters["publish_lost"] += 1  # evicted while queued
                 return
-            self.host.pin([entry])
-            pinned_at = self.host.clock
-            try:
-                value = await self.remote.cpu(pack, entry.ns, entry.key,
-                                              self.view[entry.offset:entry.offset + entry.size],
-                                              entry.shards, entry.shard_bytes, self.seal)
-            finally:  # a demoted entry nobody used meanwhile goes back to the cold end
-                self.host.unpin([entry], cold_since=pinned_at if cold else None)
+            value = await self._pack(entry, cold)
             async with self.put_slots:  # the next value packs while this one is sent
                 sent = await self.remote.put(entry.ns, entry.key, value,
                                              checked=present is not None)
+            if sent is not None:  # finished: nothing reads the buffer any more
+                self.buffers.give(value.obj)
             if sent:
                 self.counters["published"] += 1
+
+    async def _pack(self, entry, cold: bool) -> memoryview:
+        """The entry's value, packed on a CPU thread into a reused buffer while the entry
+        is pinned."""
+        self.host.pin([entry])
+        pinned_at = self.host.clock
+        buf = self.buffers.take(value_bytes(entry.size, self.seal))
+        try:
+            return await self.remote.cpu(pack, entry.ns, entry.key,
+                                         self.view[entry.offset:entry.offset + entry.size],
+                                         entry.shards, entry.shard_bytes, self.seal, buf)
+        except BaseException:
+            self.buffers.give(buf)  # ``cpu`` waited for the pack: nothing reads it
+            raise
+        finally:  # a demoted entry nobody used meanwhile goes back to the cold end
+            self.host.unpin([entry], cold_since=pinned_at if cold else None)
 
     # ---- promotion -----------------------------------------------------------------
 

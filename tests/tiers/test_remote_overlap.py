@@ -7,7 +7,8 @@ local prefix's copy is queued before any remote fetch landed, each remote
 run's copy is queued as its fetch lands, in key order, and the load's signal
 goes only with the last piece after every earlier one landed; a fetch that
 times out (or fails) ends the load there: later chunks, fetched or not, are
-never copied, no error is raised, and the signal still goes out.
+never copied, no error is raised, and the signal still goes out. And a put's
+value buffer is reused only after a put that finished, never a failed one.
 """
 
 from __future__ import annotations
@@ -155,5 +156,47 @@ def test_a_fetch_that_times_out_ends_the_load_there_without_an_error():
         assert [(n, sig) for n, sig, _ in engine.plans] == [(2, False), (1, False), (0, True)]
         assert tiering.remote.counters["timeouts"] == 1
         host.unpin(entries)
+        await tiering.stop()
+    asyncio.run(go())
+
+
+class FailingPuts(HeldStore):
+    """Puts of names in ``fail`` raise (after the probe's put went through)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail = set()
+
+    def put(self, name, value):
+        if name in self.fail:
+            raise ConnectionError("put refused")
+        super().put(name, value)
+
+
+def test_put_buffers_are_reused_only_after_a_finished_put():
+    """A value buffer goes back to the pool after a put that finished (sent or found
+    there), never after one that failed: an abandoned call may still read it."""
+    async def go():
+        store = FailingPuts()
+        view = np.zeros(8 * SIZE, np.uint8)
+        host = HostTier(len(view), 4096)
+        remote = RemoteTier(store, "t", TIMEOUT_S, 8, 1000, 0.05)
+        tiering = RemoteTiering(host, remote, view)
+        tiering.start()
+        while not remote.breaker.allow():
+            await asyncio.sleep(0.01)
+        keys = [bytes([i]) * 16 for i in range(2)]
+        todo, _ = host.reserve_many(keys, NS, SIZE, 1, 0)
+        for _, entry in todo:
+            host.commit(entry, 0)
+        store.fail.add(store_name("t", NS, keys[1]))
+        tiering.offer(todo[1][1])
+        await asyncio.gather(*list(tiering.publishing.values()))
+        assert remote.counters["puts_failed"] == 1 and not any(tiering.buffers.free.values())
+        tiering.offer(todo[0][1])
+        await asyncio.gather(*list(tiering.publishing.values()))
+        assert remote.counters["puts"] == 1 and sum(map(len, tiering.buffers.free.values())) == 1
+        reused = tiering.buffers.free[len(store.values[store_name("t", NS, keys[0])])][0]
+        assert bytes(reused) == store.values[store_name("t", NS, keys[0])]
         await tiering.stop()
     asyncio.run(go())
