@@ -1,4 +1,5 @@
-"""Real remote stores on loopback for the remote tier's tests: Valkey/Redis and Mooncake.
+"""Real remote stores on loopback for the remote tier's tests and ``kvd bench --remote``:
+Valkey/Redis and Mooncake.
 
 ``RedisServer`` runs ``valkey-server`` or ``redis-server`` (whichever is on
 PATH; Debian's packages, installed by tools/install_test_stores.sh in CI)
