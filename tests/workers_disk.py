@@ -45,9 +45,10 @@ def store_seqs(runtime_dir: str, spec: dict, seed: int, count: int, chunks: int,
 
 
 def load_seqs(runtime_dir: str, spec: dict, src_seed: int, count: int, chunks: int,
-              model: str) -> list:
-    """Lookup and load every sequence into other pages; what was loaded must be the
-    storer's bytes and the pages not loaded keep their poison. Returns [(lookup, loaded)]."""
+              model: str, lookup: bool = True) -> list:
+    """Lookup (unless ``lookup`` is False: hit None) and load every sequence into other
+    pages; what was loaded must be the storer's bytes and the pages not loaded keep their
+    poison. Returns [(lookup, loaded)]."""
     src_pages = _pages(spec, src_seed, count, chunks)
     shadow = W.make_pool(spec, src_seed)
     pool = W.make_pool(spec, src_seed + 1)
@@ -59,7 +60,7 @@ def load_seqs(runtime_dir: str, spec: dict, src_seed: int, count: int, chunks: i
                 before = W.poison(pool)
                 lp = np.random.default_rng([src_seed, i, 3]).permutation(spec["num_pages"])
                 lp = lp[:chunks * W.ppc(spec)]
-                hit = c.lookup(tokens)
+                hit = c.lookup(tokens) if lookup else None
                 loaded = c.load(tokens, lp)
                 k = loaded // CHUNK
                 want = W.read_rows(spec, shadow.tensors, src_pages[i], k * CHUNK) if k else None

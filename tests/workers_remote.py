@@ -61,3 +61,20 @@ def load_unchecked(runtime_dir: str, spec: dict, seed: int, count: int, chunks: 
                     for tokens in D.seqs(seed, count, chunks)]
     finally:
         pool.close()
+
+
+def load_prefix(runtime_dir: str, spec: dict, seed: int, count: int, chunks: int, local: int,
+                model: str) -> list:
+    """Load the first ``local`` chunks of each sequence (bytes not checked here): the node
+    holds them in its host tier afterwards, the rest stays remote."""
+    pool = W.make_pool(spec, seed + 2)
+    try:
+        with W.client(runtime_dir) as c:
+            c.register_kv(pool, model=model)
+            out = []
+            for tokens in D.seqs(seed, count, chunks):
+                head = tokens[:local * W.CHUNK]
+                out.append((c.lookup(head), c.load(head, range(local * W.ppc(spec)))))
+            return out
+    finally:
+        pool.close()

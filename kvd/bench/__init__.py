@@ -6,7 +6,9 @@ the host backend vs a numpy copy), ``gpu`` (``--gpu``: the CUDA path vs
 pinned cudaMemcpy, by default as engines use it: requests in flight, the
 pool kinds vLLM and SGLang allocate; ``--blocking`` adds one request at a
 time), ``disk`` (``--disk``), ``gds`` (``--gds``), ``policy``
-(``--disk-policy``), ``restart`` (``--restart``: cold vs warm restarts).
+(``--disk-policy``), ``restart`` (``--restart``: cold vs warm restarts),
+``remote`` (``--remote``: the remote tier vs the store's own client, and a
+half-local, half-remote load vs its halves; stores from ``stores``).
 ``common`` holds what they share (starting the private daemon, control
 requests, request geometry); ``names_of`` parses a flag's list of names;
 ``plot`` draws a
@@ -111,8 +113,10 @@ def add_arguments(p) -> None:
                    "torch, cupy, KvikIO, a GPU; uses --disk-dir, --disk-gib, --disk-threads, --chunks)")
     from .disk import add_arguments as add_disk_arguments
     from .policy import add_arguments as add_policy_arguments
+    from .remote import add_arguments as add_remote_arguments
     from .restart import add_arguments as add_restart_arguments
     add_disk_arguments(p)
+    add_remote_arguments(p)
     add_policy_arguments(p)
     add_restart_arguments(p)
 
@@ -156,6 +160,9 @@ def run(args) -> int:
     if args.disk_policy:
         from .policy import run as run_policy
         return run_policy(args)
+    if args.remote:
+        from .remote import run as run_remote
+        return run_remote(args)
     if args.restart:
         from .restart import run as run_restart
         return run_restart(args)

@@ -20,7 +20,9 @@ counted in ``foreign_ns_misses``; host entries (with ``verify_loads``, up to
 the first that fails its checksum: kvd.server.load_verify), then disk: promotions
 into host slots, or GPU Direct Storage reads queued on the load stream,
 then the remote store: fetches into host slots, kvd.tiers.remote_tiering),
-then queue the scatter with the load's ``LoadSignal``: layer words as
+then queue the scatter with the load's ``LoadSignal`` (with remote hits and not
+layer-wise: the local part's copy at once, each remote run's as it lands, the
+signal with the last, kvd/server/remote_load.py): layer words as
 layers land (layer-wise), the done word after the last copy, and kernels
 that skip the engine's pages once the client wrote the slot's cancel word.
 If anything fails before the scatter is queued, the slot's words are
@@ -43,6 +45,7 @@ from kvd.copy.flags import LoadSignal
 from kvd.copy.plan import CopyPlan
 from kvd.copy.poll import EventPoller
 from kvd.server.copy_gate import CopyGate
+from kvd.server.remote_load import Pieces, queue_pieces
 from kvd.server.sessions import Registration
 from kvd_protocol import wire
 from kvd_protocol.errors import (
@@ -160,6 +163,7 @@ class Transfers:
         reg.flags.check_slot(f["slot"])
         signal = LoadSignal(reg.flags, f["slot"], f["seq"], bool(f.get("layerwise")))
         entries, direct, stamps, scope = [], 0, {}, reg.scope()
+        pieces = Pieces()
         try:
             async with reg.turn:
                 stamps["turn"] = time.perf_counter()
@@ -168,17 +172,24 @@ class Transfers:
                     if "after" in f:  # the pages' last users on the engine's stream are done
                         await self._engine_reached(reg, f["after"], f.get("deadline_us"))
                     stamps["mark"] = time.perf_counter()
-                    entries, direct, host_pages = await self._pin_prefix(reg, req, keys, pages,
-                                                                         signal, scope)
+                    entries, direct, host_pages, fetches = await self._pin_prefix(
+                        reg, req, keys, pages, signal, scope)
                     _check_open(reg)  # reaped during the disk reads: its pool goes next
-                    landed = await self._queue_scatter(reg, req, entries, direct, host_pages,
-                                                       signal, stamps)
+                    if fetches:  # remote hits: each run's copy queued as its fetches land
+                        self._check_start(req, signal, direct)
+                        await queue_pieces(self, reg, pages, keys, entries, direct, host_pages,
+                                           fetches, signal, stamps, pieces, scope)
+                    else:
+                        one = await self._queue_scatter(reg, req, entries, direct, host_pages,
+                                                        signal, stamps)
+                        pieces.landed += [] if one is None else [one]
                 except BaseException:
-                    await self._release_unqueued(reg, signal, direct)
+                    if not pieces.signalled:
+                        await self._release_unqueued(reg, signal, direct, pieces.landed)
                     raise
-            if landed is None:
+            if not pieces.landed:
                 return {"loaded": 0}
-            waited = await _landed(landed)
+            waited = await _landed_all(pieces.landed)
         finally:
             self.tier.unpin(entries)
             self.stats.add("foreign_ns_misses", scope.refused > 0)
@@ -191,20 +202,23 @@ class Transfers:
 
     async def _pin_prefix(self, reg: Registration, req, keys: list, pages, signal: LoadSignal,
                           scope):
-        """(host entries, pinned; chunks GDS queued; the host entries' page ids): the host
-        prefix, continued from disk, then from the remote store; each tier ends it at a
-        chunk ``scope`` may not read (kvd/tiers/scope.py). With ``verify_loads`` the host
-        prefix ends before a chunk that fails its checksum (kvd/server/load_verify.py)."""
+        """(host entries, pinned; chunks GDS queued; the host entries' page ids; remote
+        fetches still landing): the host prefix, continued from disk, then from the remote
+        store; each tier ends it at a chunk ``scope`` may not read (kvd/tiers/scope.py). With
+        ``verify_loads`` the host prefix ends before a chunk that fails its checksum
+        (kvd/server/load_verify.py). A layer-wise load waits for its fetches here (one plan
+        carries its layer words); another gets them to copy each run as it lands
+        (kvd/server/remote_load.py)."""
         entries = self.tier.ready_prefix(keys, scope)
         self.tier.pin(entries)
         ppc = reg.pages_per_chunk
-        direct = 0
+        direct, fetches = 0, []
         try:
             if self.verifier is not None and entries:
                 hits = len(entries)
                 entries = await self.verifier.check(entries, reg.tp_rank)  # unpins the rest
                 if len(entries) < hits:  # a corrupt chunk ends the prefix: no tier goes past it
-                    return entries, 0, pages[:len(entries) * ppc]
+                    return entries, 0, pages[:len(entries) * ppc], []
             host_pages = pages[:len(entries) * ppc]
             if self.tiering is not None and len(entries) < len(keys):
                 direct, promoted, promoted_pages = await self._from_disk(
@@ -212,7 +226,9 @@ class Transfers:
                 entries += promoted
                 host_pages = np.concatenate([host_pages, promoted_pages])
             done = len(entries) + direct
-            if self.remote is not None and done < len(keys):
+            if self.remote is not None and done < len(keys) and not signal.layerwise:
+                fetches = await self.remote.fetches(scope, keys[done:])
+            elif self.remote is not None and done < len(keys):
                 fetched = await self.remote.promote_prefix(scope, keys[done:])
                 entries += fetched
                 host_pages = np.concatenate([host_pages,
@@ -220,7 +236,7 @@ class Transfers:
         except BaseException:
             self.tier.unpin(entries)
             raise
-        return entries, direct, host_pages
+        return entries, direct, host_pages, fetches
 
     async def _from_disk(self, reg: Registration, req, keys: list, pages, hits: int,
                          signal: LoadSignal, scope):
@@ -245,19 +261,26 @@ class Transfers:
         if not entries and not direct:
             signal.release()
             return None
-        if signal.cancelled:
-            raise Cancelled("the client cancelled the load before it started; nothing written")
-        if not direct:  # GDS kernels already queued must be followed by the signals
-            _check_deadline(req.fields.get("deadline_us"))
+        self._check_start(req, signal, direct)
         plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, host_pages,
                         [e.shard_offset(reg.tp_rank) for e in entries], signal=signal,
                         after_device=direct > 0)
         return await self._start(reg, reg.engine.scatter(plan), "load",
                                  len(entries) * reg.shard_bytes, stamps)
 
-    async def _release_unqueued(self, reg: Registration, signal: LoadSignal, direct: int) -> None:
-        """A load that failed before its scatter was queued still releases every wait on
-        its slot: after GDS kernels it already queued (on their stream), else at once."""
+    @staticmethod
+    def _check_start(req, signal: LoadSignal, direct: int) -> None:
+        if signal.cancelled:
+            raise Cancelled("the client cancelled the load before it started; nothing written")
+        if not direct:  # GDS kernels already queued must be followed by the signals
+            _check_deadline(req.fields.get("deadline_us"))
+
+    async def _release_unqueued(self, reg: Registration, signal: LoadSignal, direct: int,
+                                landed: list = ()) -> None:
+        """A load that failed before its signal was queued still releases every wait on
+        its slot: after the pieces it queued landed, and after GDS kernels it queued (on
+        their stream), else at once."""
+        await asyncio.gather(*landed, return_exceptions=True)
         if not direct:
             signal.release()
             return
@@ -330,6 +353,19 @@ async def _landed(landed: asyncio.Future) -> float:
     except Exception as exc:
         raise CopyFailed(f"copy failed: {type(exc).__name__}: {exc}") from None
     return time.perf_counter() - t0
+
+
+async def _landed_all(landed: list) -> float:
+    """``_landed`` for each queued piece of a load; all of them land before an error goes
+    out (their entries are unpinned after)."""
+    waited = 0.0
+    try:
+        for fut in landed:
+            waited += await _landed(fut)
+    except BaseException:
+        await asyncio.gather(*landed, return_exceptions=True)
+        raise
+    return waited
 
 
 def _check_open(reg: Registration) -> None:

@@ -17,7 +17,7 @@ queueing behind them.
 Payload work (packing values, verifying them, copying into host slots) runs
 on separate CPU threads, never behind network calls, and is always waited
 for: it touches the arena. Failures are never raised to requests: ``exists_prefix``
-returns 0, ``get`` None, ``put`` False. ``known`` remembers (bounded, LRU)
+returns 0, ``get`` None, ``put`` None. ``known`` remembers (bounded, LRU)
 the names this node saw present, so chunks are not put twice.
 Runs on the event loop.
 """
@@ -173,36 +173,70 @@ class RemoteTier:
             value = await self.call(self.store.get, name, nbytes=nbytes)
         except RemoteUnavailable:
             return None
+        self._got(name, value)
+        return value
+
+    async def present(self, names: list):
+        """Which of ``names`` the store holds, one round trip for all; None when it cannot
+        say now."""
+        try:
+            return await self.call(self.store.exists, names)
+        except RemoteUnavailable:
+            return None
+
+    def there(self, name: str) -> None:
+        """A put found ``name`` in the store already (another node sent it)."""
+        self.remember(name)
+        self.counters["puts_present"] += 1
+
+    async def get_many(self, ns: bytes, keys: list, nbytes: int = 0) -> list:
+        """The stored values of ``keys`` (each unverified bytes or None), one round trip
+        (the store's ``get_many``); all None when the store failed."""
+        try:
+            values = await self.call(self.store.get_many, [self.name(ns, k) for k in keys],
+                                     nbytes=nbytes)
+        except RemoteUnavailable:
+            return [None] * len(keys)
+        for key, value in zip(keys, values):
+            self._got(self.name(ns, key), value)
+        return values
+
+    def _got(self, name: str, value) -> None:
         if value is None:
             self.counters["gets_missing"] += 1
             self.forget(name)
-            return None
-        self.counters["gets"] += 1
-        self.counters["get_bytes"] += len(value)
-        return value
+        else:
+            self.counters["gets"] += 1
+            self.counters["get_bytes"] += len(value)
 
-    async def put(self, ns: bytes, key: bytes, value) -> bool:
-        """Store ``value`` unless the store has the chunk already; True when it was sent."""
+    async def put(self, ns: bytes, key: bytes, value, checked: bool = False):
+        """Store ``value`` unless the store has the chunk already (``checked``: the caller
+        asked, ``present``): True when it was sent, False when it was there, None when
+        the call failed (a call abandoned at its timeout may still read ``value``)."""
         name = self.name(ns, key)
         size = memoryview(value).nbytes
         try:
-            sent = await self.call(self._put_absent, name, value, nbytes=size)
+            sent = await self.call(self._put if checked else self._put_absent, name, value,
+                                   nbytes=size)
         except RemoteUnavailable:
             self.counters["puts_failed"] += 1
+            return None
+        if not sent:
+            self.there(name)
             return False
         self.remember(name)
-        if sent:
-            self.counters["puts"] += 1
-            self.counters["put_bytes"] += size
-        else:
-            self.counters["puts_present"] += 1
-        return sent
+        self.counters["puts"] += 1
+        self.counters["put_bytes"] += size
+        return True
+
+    def _put(self, name: str, value) -> bool:
+        self.store.put(name, value)
+        return True
 
     def _put_absent(self, name: str, value) -> bool:
         if self.store.exists([name])[0]:  # another node put it: save the upload
             return False
-        self.store.put(name, value)
-        return True
+        return self._put(name, value)
 
     def dropped_corrupt(self, ns: bytes, key: bytes, why: str = "") -> None:
         """A value that failed verification: counted, forgotten, deleted from the store."""

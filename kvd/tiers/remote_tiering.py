@@ -12,23 +12,30 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   ``disk_high_watermark``: cold chunks only, less traffic, later sharing).
   Queued or in flight at most ``queue_chunks`` (more are dropped and
   counted; nothing is queued while the breaker is open). At most a quarter
-  of the remote threads put at once (half fetch, the rest answer lookups);
-  each put pins its host entry only while a CPU thread packs it into a
-  private buffer (kvd/tiers/remote_value.py), never during network IO. A
-  chunk the store already holds is not sent again.
-- **Promotion**: ``lookup`` asks the store which keys past the local prefix
-  it holds (one round trip) and starts fetching them; ``promote_prefix``
-  (load) waits only for the fetches of its own keys and returns the ready
-  host entries, pinned; a host entry of another namespace or shard geometry
-  than the reader's (its ``Scope``) ends the prefix, and the store is asked
-  only under the reader's namespace. Fetches queue on the loop for their threads, in
-  key order, so a long prefix is fetched whole, never refused for want of
-  a thread. A fetch reads the value into private memory, checks its header
-  against the key, namespace and shard sizes, reserves the host entry,
-  verifies the payload digest (and, with a ``seal``, the keyed tag of
-  ``remote_secret``) while copying it in and commits; any failure aborts
-  the reservation (a miss, never wrong bytes), and a value that fails
-  verification is counted and deleted from the store.
+  of the remote threads put at once (half fetch, the rest answer lookups),
+  and as many more values are packed meanwhile, so a put slot never waits
+  for a pack; each put pins its host entry only while a CPU thread packs it
+  into a private buffer (kvd/tiers/remote_value.py; reused across puts,
+  kvd/tiers/remote_buffers.py), never during network IO. A
+  chunk the store already holds is not sent again: the chunks of one store
+  (or demotion) are asked in one exists round trip before their puts, not
+  one each.
+- **Promotion**: ``lookup`` asks the store which keys past the local prefix it
+  holds (one round trip) and starts fetching them; ``promote_prefix`` (load)
+  waits only for the fetches of its own keys and returns the ready host
+  entries, pinned (``fetches`` gives the fetches themselves, for a load that
+  copies each run of chunks as it lands, kvd/server/remote_load.py); a host
+  entry of another namespace or shard geometry than the reader's (its
+  ``Scope``) ends the prefix, and the store is asked only under the reader's
+  namespace. Values of at most 2 MiB are fetched 4 MiB at a time in one round
+  trip (the store's ``get_many``: Redis MGET), larger ones one a call. Fetches
+  queue on the loop for their threads, in key order, so a long prefix is
+  fetched whole, never refused for want of a thread. A fetch reads the value
+  into private memory, checks its header against the key, namespace and shard
+  sizes, reserves the host entry, verifies the payload digest (and, with a
+  ``seal``, the keyed tag of ``remote_secret``) while copying it in and
+  commits; any failure aborts the reservation (a miss, never wrong bytes), and
+  a value that fails verification is counted and deleted from the store.
 """
 
 from __future__ import annotations
@@ -40,12 +47,14 @@ from collections import Counter
 from kvd.tiers.chunk_file import ChunkCorrupt
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
-from kvd.tiers.remote_value import Seal, copy_verified, pack, parse
+from kvd.tiers.remote_buffers import ValueBuffers
+from kvd.tiers.remote_value import Seal, copy_verified, pack, parse, value_bytes
 from kvd.tiers.tiering import hold_ready
 from kvd_protocol.errors import ServerError
 
 log = logging.getLogger("kvd")
 PUBLISH = ("store", "demote")
+BATCH_BYTES = 4 << 20  # one get_many round trip fetches at most this much
 
 
 class RemoteTiering:
@@ -63,9 +72,16 @@ class RemoteTiering:
         self.shard_bytes: dict[bytes, int] = {}  # per namespace, for fetches of lookups without a layout
         self.publishing: dict[bytes, asyncio.Task] = {}
         # threads: at most a quarter put, half fetch, the rest answer lookups' exists calls
-        self.put_slots = asyncio.Semaphore(max(1, remote.net.size // 4))
-        self.fetch_slots = asyncio.Semaphore(max(1, remote.net.size // 2))
+        self.parallel(max(1, remote.net.size // 4), max(1, remote.net.size // 2))
         self.counters: Counter = Counter()
+
+    def parallel(self, puts: int, fetches: int) -> None:
+        """At most ``puts`` puts and ``fetches`` fetches in flight (twice ``puts`` values
+        packed or being sent)."""
+        self.put_slots = asyncio.Semaphore(puts)
+        self.pack_slots = asyncio.Semaphore(2 * puts)
+        self.buffers = ValueBuffers(2 * puts)
+        self.fetch_slots = asyncio.Semaphore(fetches)
 
     def start(self) -> None:
         self.remote.start()
@@ -82,29 +98,40 @@ class RemoteTiering:
     def stored(self, entries) -> None:
         """A store committed ``entries``: queue the ready ones (``publish = "store"``)."""
         if self.publish == "store":
-            for entry in entries:
-                if entry.ready:
-                    self.offer(entry)
+            self.offer_many([e for e in entries if e.ready])
 
     def demoting(self, entry) -> None:
         """The disk tier's demoter took ``entry`` (``publish = "demote"``)."""
         if self.publish == "demote":
-            self.offer(entry, cold=True)
+            self.offer_many([entry], cold=True)
 
     def offer(self, entry, cold: bool = False) -> None:
-        """Queue a put of ``entry`` unless it is queued, known remote, or cannot be now."""
-        if entry.key in self.publishing or self.remote.name(entry.ns, entry.key) in self.remote.known:
+        self.offer_many([entry], cold)
+
+    def offer_many(self, entries: list, cold: bool = False) -> None:
+        """Queue puts of ``entries`` but those queued, known remote, or that cannot be now;
+        one exists round trip for them all decides which the store lacks."""
+        todo: dict = {}
+        for entry in entries:
+            if entry.key in self.publishing or entry.key in todo or \
+                    self.remote.name(entry.ns, entry.key) in self.remote.known:
+                continue
+            if not self.remote.breaker.allow():
+                self.counters["publish_skipped"] += 1  # local-only while the store is away
+                continue
+            if len(self.publishing) + len(todo) >= self.queue_chunks:
+                self.counters["publish_dropped"] += 1
+                continue
+            todo[entry.key] = entry
+        if not todo:
             return
-        if not self.remote.breaker.allow():
-            self.counters["publish_skipped"] += 1  # local-only while the store is away
-            return
-        if len(self.publishing) >= self.queue_chunks:
-            self.counters["publish_dropped"] += 1
-            return
-        self.shard_bytes[entry.ns] = entry.shard_bytes
-        task = asyncio.ensure_future(self._publish(entry, cold))
-        self.publishing[entry.key] = task
-        task.add_done_callback(lambda t, k=entry.key: self._published(k, t))
+        check = asyncio.ensure_future(self.remote.present(
+            [self.remote.name(e.ns, e.key) for e in todo.values()]))
+        for i, entry in enumerate(todo.values()):
+            self.shard_bytes[entry.ns] = entry.shard_bytes
+            task = asyncio.ensure_future(self._publish(entry, cold, check, i))
+            self.publishing[entry.key] = task
+            task.add_done_callback(lambda t, k=entry.key: self._published(k, t))
 
     def _published(self, key: bytes, task: asyncio.Task) -> None:
         if self.publishing.get(key) is task:
@@ -112,21 +139,39 @@ class RemoteTiering:
         if not task.cancelled() and task.exception() is not None:
             log.error("remote publication failed", exc_info=task.exception())
 
-    async def _publish(self, entry, cold: bool) -> None:
-        async with self.put_slots:
+    async def _publish(self, entry, cold: bool, check: asyncio.Future, i: int) -> None:
+        present = await asyncio.shield(check)  # the batch's exists answer (None: unknown)
+        if present is not None and present[i]:
+            self.remote.there(self.remote.name(entry.ns, entry.key))
+            return
+        async with self.pack_slots:  # packed values in memory: at most twice the puts
             if self.host.entries.get(entry.key) is not entry or not entry.ready:
                 self.counters["publish_lost"] += 1  # evicted while queued
                 return
-            self.host.pin([entry])
-            pinned_at = self.host.clock
-            try:
-                value = await self.remote.cpu(pack, entry.ns, entry.key,
-                                              self.view[entry.offset:entry.offset + entry.size],
-                                              entry.shards, entry.shard_bytes, self.seal)
-            finally:  # a demoted entry nobody used meanwhile goes back to the cold end
-                self.host.unpin([entry], cold_since=pinned_at if cold else None)
-            if await self.remote.put(entry.ns, entry.key, value):
+            value = await self._pack(entry, cold)
+            async with self.put_slots:  # the next value packs while this one is sent
+                sent = await self.remote.put(entry.ns, entry.key, value,
+                                             checked=present is not None)
+            if sent is not None:  # finished: nothing reads the buffer any more
+                self.buffers.give(value.obj)
+            if sent:
                 self.counters["published"] += 1
+
+    async def _pack(self, entry, cold: bool) -> memoryview:
+        """The entry's value, packed on a CPU thread into a reused buffer while the entry
+        is pinned."""
+        self.host.pin([entry])
+        pinned_at = self.host.clock
+        buf = self.buffers.take(value_bytes(entry.size, self.seal))
+        try:
+            return await self.remote.cpu(pack, entry.ns, entry.key,
+                                         self.view[entry.offset:entry.offset + entry.size],
+                                         entry.shards, entry.shard_bytes, self.seal, buf)
+        except BaseException:
+            self.buffers.give(buf)  # ``cpu`` waited for the pack: nothing reads it
+            raise
+        finally:  # a demoted entry nobody used meanwhile goes back to the cold end
+            self.host.unpin([entry], cold_since=pinned_at if cold else None)
 
     # ---- promotion -----------------------------------------------------------------
 
@@ -134,13 +179,42 @@ class RemoteTiering:
         """How many of ``keys`` (in order) the store holds under the namespace of ``scope``
         (kvd/tiers/scope.py); starts fetching them."""
         n = await self.remote.exists_prefix(scope.ns, keys)
-        for key in keys[:n]:
-            self._promotion(scope, key)
+        self._start_fetches(scope, keys[:n])
         return n
+
+    def _start_fetches(self, scope, keys: list) -> None:
+        """Promotions of ``keys``; values of at most half ``BATCH_BYTES`` are fetched
+        ``BATCH_BYTES`` at a time in one round trip (the store's ``get_many``, one fetch
+        slot), larger ones one a call (no round trip to save, and a batch would delay its
+        first chunk)."""
+        expect = scope.shards * (scope.shard_bytes or self.shard_bytes.get(scope.ns, 0))
+        per = BATCH_BYTES // expect if expect and hasattr(self.remote.store, "get_many") else 0
+        if per >= 2:
+            todo = [k for k in keys if k not in self.promoting and k not in self.host.entries]
+            for i in range(0, len(todo), per):
+                part = todo[i:i + per]
+                batch = asyncio.ensure_future(self._get_batch(scope.ns, part, expect))
+                for key in part:
+                    self._promotion(scope, key, batch)
+        for key in keys:
+            self._promotion(scope, key)
+
+    async def _get_batch(self, ns: bytes, keys: list, expect: int) -> dict:
+        async with self.fetch_slots:
+            return dict(zip(keys, await self.remote.get_many(ns, keys, expect * len(keys))))
 
     async def promote_prefix(self, scope, keys: list) -> list:
         """Host entries, pinned, for the longest prefix of ``keys`` fetched from the store
         (or in the host tier already) as chunks ``scope`` may read."""
+        futs = await self.fetches(scope, keys)
+        # shielded: a cancelled load must not cancel fetches other requests wait for
+        await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
+        return hold_ready(self.host, keys[:len(futs)], scope)
+
+    async def fetches(self, scope, keys: list) -> list:
+        """The fetches (futures, True once the chunk is a ready host entry) of the longest
+        prefix of ``keys`` that a lookup started, that the host tier holds, or that the store
+        holds now (asked once); they land in any order, the caller awaits them in key order."""
         n, foreign = 0, False
         for key in keys:  # fetches a lookup started, or chunks they already brought
             entry = self.host.entries.get(key)
@@ -152,27 +226,27 @@ class RemoteTiering:
             n += 1
         if n < len(keys) and not foreign:
             n += await self.lookup(scope, keys[n:])
-        futs = [self._promotion(scope, key) for key in keys[:n]]
-        # shielded: a cancelled load must not cancel fetches other requests wait for
-        await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
-        return hold_ready(self.host, keys[:n], scope)
+        return [self._promotion(scope, key) for key in keys[:n]]
 
-    def _promotion(self, scope, key: bytes) -> asyncio.Future:
+    def _promotion(self, scope, key: bytes, batch=None) -> asyncio.Future:
         fut = self.promoting.get(key)
         if fut is None:
             fut = asyncio.ensure_future(self._promote(scope.ns, key, scope.shards,
-                                                      scope.shard_bytes))
+                                                      scope.shard_bytes, batch))
             self.promoting[key] = fut
             fut.add_done_callback(lambda f, k=key: self.promoting.pop(k, None))
         return fut
 
-    async def _promote(self, ns: bytes, key: bytes, shards: int, shard_bytes) -> bool:
+    async def _promote(self, ns: bytes, key: bytes, shards: int, shard_bytes, batch) -> bool:
         entry = self.host.entries.get(key)
         if entry is not None:  # whose it is, the reader's ``hold_ready`` checks
             return entry.ready
         expect = shard_bytes or self.shard_bytes.get(ns, 0)  # the fetch's timeout grows with it
-        async with self.fetch_slots:  # in key order: a load's first chunks come first
-            value = await self.remote.get(ns, key, shards * expect)
+        if batch is not None:  # shared by the batch's promotions
+            value = (await asyncio.shield(batch)).get(key)
+        else:
+            async with self.fetch_slots:  # in key order: a load's first chunks come first
+                value = await self.remote.get(ns, key, shards * expect)
         if value is None:
             self.counters["promotions_failed"] += 1
             return False
@@ -230,5 +304,5 @@ class RemoteTiering:
                 "publish_queued": len(self.publishing), "published": c["published"],
                 "publish_dropped": c["publish_dropped"], "publish_skipped": c["publish_skipped"],
                 "publish_lost": c["publish_lost"], "promotions": c["promotions"],
-                "promotions_failed": c["promotions_failed"],
+                "promotions_failed": c["promotions_failed"], "load_pieces": c["load_pieces"],
                 "promotions_running": len(self.promoting)}

@@ -24,8 +24,9 @@ digest and the salt (kvd_protocol.keys), so two clusters, tenants or models
 never read each other's chunks.
 
 Contracts:
-- ``pack`` copies the payload once into a new buffer the caller owns (the
-  host slot may be reused as soon as it returns); it blocks (digest, tag
+- ``pack`` copies the payload once into a new buffer the caller owns, or
+  into the caller's ``out`` (the host slot may be reused as soon as it
+  returns); it blocks (digest, tag
   and copy of the whole payload): call it from a thread.
 - ``parse`` checks the header (magic, versions, header digest, shard sizes)
   and that it names this namespace and key and the value's length (with a
@@ -82,19 +83,26 @@ def store_name(prefix: str, ns: bytes, key: bytes) -> str:
     return f"{prefix}/{ns.hex()}/{key.hex()}"
 
 
+def value_bytes(payload_bytes: int, seal: Seal | None = None) -> int:
+    return HEADER.size + tag_bytes(seal) + payload_bytes
+
+
 def pack(ns: bytes, key: bytes, payload, shards: int, shard_bytes: int,
-         seal: Seal | None = None) -> memoryview:
-    """The value of one chunk (a view of a new buffer): header, tag (with a seal), then a
-    copy of ``payload``."""
+         seal: Seal | None = None, out: bytearray | None = None) -> memoryview:
+    """The value of one chunk (a view of a new buffer, or of the first ``value_bytes`` of
+    ``out``): header, tag (with a seal), then a copy of ``payload``."""
     src = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
     start = HEADER.size + tag_bytes(seal)
-    out = bytearray(start + src.nbytes)
+    if out is None:
+        out = bytearray(start + src.nbytes)
+    elif len(out) < start + src.nbytes:
+        raise ValueError(f"a {len(out)}-byte buffer cannot hold a {start + src.nbytes}-byte value")
     header = pack_header(ns, key, src.nbytes, shards, shard_bytes, payload_digest(src))
     out[:HEADER.size] = header
     if seal is not None:
         out[HEADER.size:start] = seal.tag(header, src)
     np.copyto(np.frombuffer(out, np.uint8, src.nbytes, start), src)  # releases the GIL
-    return memoryview(out)
+    return memoryview(out)[:start + src.nbytes]
 
 
 def parse(value, ns: bytes, key: bytes, seal: Seal | None = None) -> ChunkHeader:

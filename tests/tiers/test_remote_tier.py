@@ -7,7 +7,8 @@ TCP transport; skipped with the reason when the binary is missing) and real
 one cluster; engines run in spawned processes and check every loaded byte
 against the storer's seed (tests/workers_disk.py). No part of the store is
 mocked. Covered: node A stores, node B hits with exact bytes and another
-cluster's prefix sees nothing; a corrupted value is dropped, counted and
+cluster's prefix sees nothing; a half-local, half-remote load through the
+overlapped path, byte exact, cut short where a value fails; a corrupted value is dropped, counted and
 deleted; a frozen (Redis) or killed store makes kvd local-only within its
 timeout (the breaker opens), and the breaker closes again when the store is
 back, after which sharing works again.
@@ -100,6 +101,46 @@ def test_node_b_hits_what_node_a_stored_with_exact_bytes(store, start_daemon, pr
     assert other.stats()["remote_hits"] == 0
     # what B holds now is not sent again
     assert remote(b)["puts"] == 0
+
+
+def test_a_half_local_half_remote_load_copies_each_part_with_exact_bytes(store, start_daemon,
+                                                                          procs):
+    """Node B holds the first half of each prefix and loads it all without a lookup first:
+    the load finds the remote half, copies the local half at once and each remote run as it
+    lands (``load_pieces``), every byte the storer's; a value that fails mid-load (the fifth
+    chunk) gives a shorter load, no error, and the pages after it keep their poison. Small
+    values come from Redis in MGET batches, not a GET each."""
+    a, b = node(start_daemon, store), node(start_daemon, store)
+    ra, rb, model = str(a.runtime_dir), str(b.runtime_dir), f"remote/half/{store.backend}"
+    count, chunks, local = 3, 6, 3
+    names = procs.apply(R.store_names, (ra, SPEC, 65, count, chunks, model, PREFIX))
+    assert procs.apply(D.store_seqs, (ra, SPEC, 65, count, chunks, model, False)) \
+        == count * chunks * CHUNK
+    wait_remote(a, lambda r: r["puts"] == count * chunks, "node A's puts")
+    assert procs.apply(R.load_prefix, (rb, SPEC, 65, count, chunks, local, model)) \
+        == [(local * CHUNK, local * CHUNK)] * count
+    pieces = remote(b)["load_pieces"]
+    corrupt(store, [names[chunks * (count - 1) + 4]])  # the last sequence's fifth chunk
+    before = calls(store)
+    got = procs.apply(D.load_seqs, (rb, SPEC, 65, count, chunks, model, False))
+    assert got == [(None, chunks * CHUNK)] * (count - 1) + [(None, 4 * CHUNK)]
+    r = remote(b)
+    assert r["load_pieces"] >= pieces + count and r["corrupt"] == 1
+    assert r["errors"] == 0 and r["timeouts"] == 0
+    assert b.stats()["tiers"]["remote"]["promotions"] == count * chunks - 1
+    if store.backend == "redis":  # 16 KiB values: fetched in MGET batches, never one GET each
+        after = calls(store)
+        assert after["mget"] >= before["mget"] + count and after["get"] == before["get"]
+
+
+def calls(store) -> dict:
+    """Redis GET and MGET calls so far (INFO commandstats); zeros for Mooncake."""
+    if store.backend != "redis":
+        return {"get": 0, "mget": 0}
+    client = store.client()
+    stats = client.info("commandstats")
+    client.close()
+    return {c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("get", "mget")}
 
 
 def corrupt(store, names: list) -> None:

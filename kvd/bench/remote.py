@@ -1,0 +1,191 @@
+"""``kvd bench --remote``: the remote tier against the store's own client, same objects.
+
+For each store of ``--remote-stores`` (``redis``: a ``redis-server`` or
+``valkey-server``; ``mooncake``: a ``mooncake_master`` with the TCP
+transport; both started on loopback by kvd/bench/stores.py, skipped with
+the reason when missing), ``--repeat`` rounds alternating which side goes
+first: kvd's remote tier publishes ``--remote-chunks`` chunks of
+``--remote-chunk-mib`` MiB from a host tier (pack with header and digest,
+exists check, put) and promotes them back into fresh host slots (get,
+header check, digest verified while copying in), ``--remote-threads`` puts
+and fetches at a time; the store's own client (redis-py with its defaults;
+Mooncake's ``MooncakeDistributedStore``, the tier's own instance: one per
+process) puts and gets the same bytes on as many threads. Prints the
+median GB/s of each and kvd/client. Then the end-to-end load
+(kvd/bench/remote_load.py, Redis): a prefix half local, half remote,
+against each half loaded alone. A benchmark: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvd.tiers.host import HostTier
+from kvd.tiers.remote import RemoteTier
+from kvd.tiers.remote_tiering import RemoteTiering
+from kvd.tiers.remote_value import Seal
+from kvd.tiers.scope import Scope
+
+from .stores import MooncakeMaster, RedisServer, mooncake_env
+
+NS = bytes(range(16))
+STORES = ("redis", "mooncake")
+
+
+class BenchFailed(Exception):
+    """A round moved fewer chunks than it was given: its figures would mean nothing."""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--remote", action="store_true", help="benchmark the remote tier against the "
+                   "store's own client (redis-py, Mooncake) on loopback, and a half-local, "
+                   "half-remote load against its halves (see --remote-*)")
+    p.add_argument("--remote-stores", default=",".join(STORES), help="with --remote: stores, "
+                   "comma-separated (redis, mooncake)")
+    p.add_argument("--remote-chunks", type=int, default=32, help="with --remote: chunks per round")
+    p.add_argument("--remote-chunk-mib", type=float, default=4.0, help="with --remote: MiB per chunk")
+    p.add_argument("--remote-threads", type=int, default=4,
+                   help="with --remote: puts and gets at a time, on each side")
+    p.add_argument("--remote-secret", default="", help="with --remote: the tier with this "
+                   "remote_secret (values carry a keyed tag, checked on every get)")
+
+
+def run(args) -> int:
+    size = int(args.remote_chunk_mib * 2**20)
+    for name in args.remote_stores.split(","):
+        if name not in STORES:
+            print(f"kvd bench --remote: unknown store {name!r} (known: {', '.join(STORES)})")
+            return 2
+        why = (RedisServer if name == "redis" else MooncakeMaster).missing()
+        if why:
+            print(f"{name}: skipped: {why}")
+            continue
+        seal = Seal(args.remote_secret) if args.remote_secret else None
+        _report(name, _store_runs(name, args.remote_chunks, size, args.remote_threads,
+                                  args.repeat, seal), args)
+    from .remote_load import run as run_load
+    return run_load(args)
+
+
+def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, seal) -> dict:
+    server = (RedisServer if name == "redis" else MooncakeMaster)().start()
+    try:
+        view = np.zeros(2 * chunks * size, np.uint8)
+        host = HostTier(len(view), 4096)
+        return asyncio.run(_rounds(server, name, view, host, chunks, size, threads, repeat, seal))
+    finally:
+        server.stop()
+
+
+def _tier_store(server, name: str, nbytes: int, repeat: int):
+    if name == "redis":
+        from kvd.tiers.remote_store import RedisStore
+        return RedisStore(server.url, 5.0)
+    import os
+    os.environ.update(mooncake_env())
+    from kvd.tiers.remote_mooncake import MooncakeStore
+    # its segment holds both sides' values of every round (a removed value's space may come
+    # back only after its lease ends)
+    return MooncakeStore(server.address, 5.0, server.metadata, "127.0.0.1",
+                         2 * (repeat + 1) * nbytes + (64 << 20), 64 << 20)
+
+
+async def _rounds(server, name, view, host, chunks, size, threads, repeat, seal) -> dict:
+    remote = RemoteTier(_tier_store(server, name, chunks * size, repeat), "bench", 5.0, 2 * threads + 2,
+                        3, 1.0)
+    runs: dict = {"kvd put": [], "kvd get": [], "client put": [], "client get": []}
+    tiering = RemoteTiering(host, remote, view, "store", chunks, seal)
+    tiering.parallel(threads, threads)  # as many as the client side (the daemon: 1/4, 1/2)
+    tiering.start()
+    try:
+        while not remote.breaker.allow():
+            await asyncio.sleep(0.01)
+        raw = _raw_client(server, name, remote, threads)
+        for r in range(repeat):
+            entries = _fill(host, view, chunks, size, r)
+            values = [bytes(view[e.offset:e.offset + size]) for e in entries]
+            for side in (("kvd", "client") if r % 2 == 0 else ("client", "kvd")):
+                if side == "kvd":
+                    put_s, get_s = await _tier_round(tiering, host, entries)
+                else:
+                    put_s, get_s = await asyncio.to_thread(raw, values, r)
+                runs[f"{side} put"].append(chunks * size / put_s / 1e9)
+                runs[f"{side} get"].append(chunks * size / get_s / 1e9)
+            host.clear()
+    finally:
+        await tiering.stop()
+    return runs
+
+
+def _fill(host: HostTier, view: np.ndarray, n: int, size: int, round_: int) -> list:
+    keys = [round_.to_bytes(8, "big") + i.to_bytes(8, "big") for i in range(n)]
+    todo, _ = host.reserve_many(keys, NS, size, 1, 0)
+    rng = np.random.default_rng(round_)
+    for _, e in todo:
+        view[e.offset:e.offset + size] = rng.integers(0, 256, size, dtype=np.uint8)
+        host.commit(e, 0)
+    return [e for _, e in todo]
+
+
+async def _tier_round(tiering: RemoteTiering, host: HostTier, entries: list) -> tuple:
+    t0 = time.perf_counter()
+    tiering.stored(entries)
+    await asyncio.gather(*list(tiering.publishing.values()))
+    put_s = time.perf_counter() - t0
+    keys = [e.key for e in entries]
+    host.clear()
+    t0 = time.perf_counter()
+    got = await tiering.promote_prefix(Scope(NS, 1, entries[0].shard_bytes), keys)
+    get_s = time.perf_counter() - t0
+    host.unpin(got)
+    if len(got) != len(keys):
+        raise BenchFailed(f"kvd fetched {len(got)} of {len(keys)} chunks: {tiering.stats()}")
+    for key in keys:
+        await tiering.remote.call(tiering.remote.store.delete, tiering.remote.name(NS, key))
+    return put_s, get_s
+
+
+def _raw_client(server, name: str, remote: RemoteTier, threads: int):
+    """round(values, r) -> (put s, get s): the store's own client, ``threads`` at a time."""
+    if name == "redis":
+        import redis
+        client = redis.Redis.from_url(server.url, max_connections=threads + 1)
+        put, get, delete = client.set, client.get, client.delete
+    else:  # the tier's own MooncakeDistributedStore: one instance per process
+        store = remote.store.store
+        put, get = store.put, store.get
+
+        def delete(name):
+            store.remove(name, True)
+
+    def round_(values: list, r: int) -> tuple:
+        names = [f"raw/{r}/{i}" for i in range(len(values))]
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(put, names, values))
+            put_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            got = list(pool.map(get, names))
+            get_s = time.perf_counter() - t0
+        if [len(g) for g in got] != [len(v) for v in values]:
+            raise BenchFailed("the store's client got other sizes back")
+        for n in names:
+            delete(n)
+        return put_s, get_s
+    return round_
+
+
+def _report(name: str, runs: dict, args) -> None:
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"{name}: kvd's remote tier vs the store's own client on loopback, "
+          f"{args.remote_chunks} chunks of {args.remote_chunk_mib:g} MiB, {args.remote_threads} "
+          f"at a time, median of {args.repeat}" + (", keyed" if args.remote_secret else ""))
+    print(f"{'direction':<10}{'kvd GB/s':>10}{'client GB/s':>13}{'kvd/client':>12}")
+    for d in ("put", "get"):
+        print(f"{d:<10}{med['kvd ' + d]:>10.3f}{med['client ' + d]:>13.3f}"
+              f"{med['kvd ' + d] / med['client ' + d]:>12.2f}", flush=True)

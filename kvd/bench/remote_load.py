@@ -1,0 +1,129 @@
+"""``kvd bench --remote``, end to end: a load whose prefix is half local, half remote.
+
+Two private daemons share one loopback ``redis-server`` (kvd/bench/stores.py):
+A stores, per run, a prefix S of ``2h`` chunks and a prefix T of ``h``
+chunks (``h`` = ``--chunks`` / 2; the engine shape of ``--layers`` etc.,
+``--chunk-tokens`` tokens a chunk) and publishes them; B first loads S's
+first half (now in its host tier). Then B, without a lookup before each
+load (so every fetch happens inside the load, the worst case for overlap),
+times: ``local`` (S's first half again: host hits), ``remote`` (T: every
+chunk fetched) and ``mixed`` (S: half local, half fetched), ``mixed`` and
+``remote`` alternating which goes first. Prints medians of ``--repeat``
+runs and ``mixed`` against the sum and the max of the halves alone: a
+load that copies its local part while the remote part is fetched, and each
+remote chunk as it lands, comes near the max; one that fetches, then
+copies, near the sum. A benchmark: it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from kvd_protocol.keys import DTYPE_SIZES
+
+from .common import control, start_daemon, stop_daemon
+from .stores import RedisServer
+
+
+def run(args) -> int:
+    why = RedisServer.missing()
+    if why:
+        print(f"half-local, half-remote load: skipped: {why}")
+        return 0
+    half = max(1, args.chunks // 2)
+    row = args.kv_heads * args.head_dim * DTYPE_SIZES[args.dtype]
+    shard = args.layers * (1 if args.layout.endswith("mla") else 2) * args.chunk_tokens * row
+    server = RedisServer().start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvd-bench-remote-") as tmp:
+            times = _runs(args, server.url, tmp, half, shard)
+    finally:
+        server.stop()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    total, most = med["local"] + med["remote"], max(med["local"], med["remote"])
+    print(f"\nhalf-local, half-remote load (redis, loopback): {half} + {half} chunks of "
+          f"{shard / 2**20:.1f} MiB, no lookup first, median of {args.repeat}")
+    print(f"{'load':<28}{'median ms':>11}")
+    for name, label in (("local", "local half alone"), ("remote", "remote half alone"),
+                        ("mixed", "half local + half remote")):
+        print(f"{label:<28}{med[name] * 1e3:>11.2f}")
+    print(f"{'sum of the halves':<28}{total * 1e3:>11.2f}")
+    print(f"{'max of the halves':<28}{most * 1e3:>11.2f}")
+    print(f"mixed / sum {med['mixed'] / total:.2f}, mixed / max {med['mixed'] / most:.2f}")
+    return 0
+
+
+def _runs(args, url: str, tmp: str, half: int, shard: int) -> dict:
+    # a loaded 2-core VM can take longer than the default 0.1 s for an 8 MiB value
+    knobs = ["--remote-backend", "redis", "--remote-address", url, "--remote-prefix", "bench",
+             "--remote-timeout-s", "2"]
+    capacity = 3 * half * shard * (args.repeat + 1) + (64 << 20)
+    dirs = [f"{tmp}/a", f"{tmp}/b"]
+    procs = []
+    try:
+        for d in dirs:
+            procs.append(start_daemon(d, capacity, args.chunk_tokens, knobs))
+        for d in dirs:
+            _wait(lambda: control(d, "stats")["tiers"]["remote"]["breaker"] == "closed", d)
+        return _measure(args, dirs, half)
+    finally:
+        for proc, d in zip(procs, dirs):
+            stop_daemon(proc, d, 30)
+
+
+def _wait(ok, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:g} s for {what}")
+        time.sleep(0.02)
+
+
+def _measure(args, dirs: list, half: int) -> dict:
+    from kvd_client import KvdClient, SharedKVPool
+    ppc = args.chunk_tokens // args.page_size
+    pool = SharedKVPool(args.layout, args.layers, 4 * half * ppc, args.page_size, args.kv_heads,
+                        args.head_dim, args.dtype)
+    pool.raw[:] = np.random.default_rng(0).integers(0, 256, pool.raw.size, dtype=np.uint8)
+    clients = [KvdClient(runtime_dir=d, timeout=120, raise_errors=True, heartbeat=False).connect()
+               for d in dirs]
+    out: dict = {"local": [], "remote": [], "mixed": []}
+    try:
+        for c in clients:
+            c.register_kv(pool, model="kvd-bench-remote")
+        a, b = clients
+        src, dst = np.arange(2 * half * ppc), np.arange(2 * half * ppc, 4 * half * ppc)
+        for r in range(args.repeat):
+            s = np.arange(2 * half * args.chunk_tokens) + (2 * r + 1) * 10**7
+            t = np.arange(half * args.chunk_tokens) + (2 * r + 2) * 10**7
+            head = s[:half * args.chunk_tokens]
+            a.store(s, src)
+            a.store(t, src[:half * ppc])
+            want = 3 * half * (r + 1)
+            _wait(lambda: control(dirs[0], "stats")["tiers"]["remote"]["puts"] >= want, "A's puts")
+            b.lookup(head)
+            b.load(head, dst[:half * ppc])  # the local half, from now on
+            for name in ("remote", "mixed") if r % 2 == 0 else ("mixed", "remote"):
+                tokens = t if name == "remote" else s
+                out[name].append(_timed(b, tokens, dst, len(tokens) // args.chunk_tokens * ppc))
+            out["local"].append(_timed(b, head, dst, half * ppc))
+            print(f"  run {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in out.items()),
+                  flush=True)
+    finally:
+        for c in clients:
+            c.close()
+        pool.close()
+    return out
+
+
+def _timed(client, tokens, pages, n_pages: int) -> float:
+    t0 = time.perf_counter()
+    loaded = client.load(tokens, pages[:n_pages])
+    took = time.perf_counter() - t0
+    if loaded != len(tokens):
+        raise RuntimeError(f"loaded {loaded} of {len(tokens)} tokens")
+    return took
