@@ -33,24 +33,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-LLAMA3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-             "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_ttft import (LLAMA3_8B, add_common_args, private_daemon, run_role,  # noqa: E402
+                       run_roles, write_config)
+
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
-
-
-def write_config(path: Path, layers: int, max_len: int) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
-        "hidden_act": "silu", "max_position_embeddings": max_len, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
-        "eos_token_id": 2, **LLAMA3_8B}))
 
 
 def tokens(name: str, n: int) -> list[int]:
@@ -157,13 +149,6 @@ def wait_stored(args, chunks: int, timeout: float = 300.0) -> None:
     print(f"[store] kvd holds the {chunks} chunks", flush=True)
 
 
-def run_role(args, role: str, tmp: Path) -> dict:
-    out = tmp / f"{role}.json"
-    cmd = [sys.executable, __file__, "--role", role, "--role-out", str(out), *sys.argv[1:]]
-    subprocess.run(cmd, check=True)
-    return {int(k): v for k, v in json.loads(out.read_text()).items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefixes", default="2048,8192,16384,32768")
@@ -173,13 +158,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
     ap.add_argument("--extra", default="{}", help="more of the storage backend's extra config (JSON)")
-    ap.add_argument("--daemon-python", default=sys.executable)
-    ap.add_argument("--host-capacity", default="10GiB", help="the private daemon's host tier")
-    ap.add_argument("--out")
-    ap.add_argument("--role", help=argparse.SUPPRESS)
-    ap.add_argument("--role-out", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--runtime-dir", help=argparse.SUPPRESS)
+    add_common_args(ap, gpu_share=False)
+    ap.set_defaults(host_capacity="10GiB")
     args = ap.parse_args()
     args.prefix_list = [int(p) for p in args.prefixes.split(",")]
     if any(n % PAGE for n in args.prefix_list):
@@ -187,44 +167,14 @@ def main() -> None:
     if args.role:
         Path(args.role_out).write_text(json.dumps(engine(args, args.role)))
         return
-    with tempfile.TemporaryDirectory(prefix="kvd-sgl-ttft-") as tmp:
+    flags = ("--chunk-tokens", str(PAGE), "--warm-restart", "false")
+    with tempfile.TemporaryDirectory(prefix="kvd-sgl-ttft-") as tmp, \
+            private_daemon(args, Path(tmp), flags) as model:
         tmp = Path(tmp)
-        model, run = tmp / "model", tmp / "run"
-        write_config(model, args.layers, max(args.prefix_list) + args.suffix + 64)
-        sys.argv += ["--model", str(model), "--runtime-dir", str(run)]
-        args.runtime_dir = str(run)
-        daemon = subprocess.Popen([args.daemon_python, "-m", "kvd", "serve", "--runtime-dir", str(run),
-                                   "--host-capacity", args.host_capacity, "--chunk-tokens", str(PAGE),
-                                   "--warm-restart", "false"],
-                                  stdout=open(tmp / "kvd.log", "wb"), stderr=subprocess.STDOUT)
-        rows = {n: {} for n in args.prefix_list}
-        try:
-            wait_ready(args, run, daemon)
-            run_role(args, "store", tmp)
-            for role in ("kvd", "full"):
-                try:
-                    got = run_role(args, role, tmp)
-                except subprocess.CalledProcessError as exc:
-                    print(f"[{role}] failed ({exc}); its column stays empty", flush=True)
-                    continue
-                for n in args.prefix_list:
-                    rows[n].update(got[n])
-                save(args, rows)  # what ran so far survives a later role's failure
-        finally:
-            daemon.terminate()
-            daemon.wait(30)
+        write_config(model, LLAMA3_8B, args.layers, max(args.prefix_list) + args.suffix + 64)
+        run_role(args, "store", tmp, __file__)
+        rows = run_roles(args, ["kvd", "full"], tmp, __file__, save)
     report(args, rows)
-
-
-def wait_ready(args, run: Path, daemon) -> None:
-    for _ in range(300):
-        if daemon.poll() is not None:
-            raise SystemExit(f"kvd serve exited with {daemon.returncode}")
-        health = [args.daemon_python, "-m", "kvd", "health", "--runtime-dir", str(run), "--timeout", "0.5"]
-        if subprocess.run(health, capture_output=True).returncode == 0:
-            return
-        time.sleep(0.2)
-    raise SystemExit("kvd serve did not become healthy")
 
 
 def report(args, rows: dict) -> None:

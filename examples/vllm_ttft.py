@@ -190,23 +190,31 @@ def main() -> None:
                      max(args.prefix_list) + args.suffix + 64)
         run_role(args, "store", tmp)
         roles = ["kvd", "full"] + ([] if args.tiny else ["kvd-layerwise", "native"])
-        rows = {n: {} for n in args.prefix_list}
-        for role in roles:
-            try:
-                got = run_role(args, role, tmp)
-            except subprocess.CalledProcessError as exc:
-                print(f"[{role}] failed ({exc}); its column stays empty", flush=True)
-                continue
-            for n in args.prefix_list:
-                rows[n].update(got[n])
-            save(args, rows)  # what ran so far survives a later role's failure
+        rows = run_roles(args, roles, tmp, __file__, save)
     report(args, rows)
 
 
-def add_common_args(ap) -> None:
-    """The flags every example of this kind has: the GPU share, the private daemon, the
-    output file, and the hidden ones its role processes get."""
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+def run_roles(args, roles: list, tmp: Path, script: str, save) -> dict:
+    """Each role in turn (``script``'s role processes): its figures by prefix length. A role
+    that fails leaves its column empty; ``save(args, rows)`` after each keeps what ran."""
+    rows = {n: {} for n in args.prefix_list}
+    for role in roles:
+        try:
+            got = run_role(args, role, tmp, script)
+        except subprocess.CalledProcessError as exc:
+            print(f"[{role}] failed ({exc}); its column stays empty", flush=True)
+            continue
+        for n in args.prefix_list:
+            rows[n].update(got[n])
+        save(args, rows)
+    return rows
+
+
+def add_common_args(ap, gpu_share: bool = True) -> None:
+    """The flags every example of this kind has: vLLM's GPU share (``gpu_share``), the
+    private daemon, the output file, and the hidden ones its role processes get."""
+    if gpu_share:
+        ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     ap.add_argument("--daemon-python", default=sys.executable)
     ap.add_argument("--host-capacity", default="8GiB", help="the private daemon's host tier")
     ap.add_argument("--out")
@@ -215,13 +223,15 @@ def add_common_args(ap) -> None:
 
 
 @contextlib.contextmanager
-def private_daemon(args, tmp: Path):
-    """A ``kvd serve`` on ``tmp/run`` (log: ``tmp/kvd.log``) while the roles run; yields the
-    model directory to write, which the roles get with the runtime dir on their command line."""
+def private_daemon(args, tmp: Path, flags: tuple = ()):
+    """A ``kvd serve`` on ``tmp/run`` (log: ``tmp/kvd.log``; more ``flags`` for it) while the
+    roles run; yields the model directory to write, which the roles get with the runtime dir
+    on their command line (``args.runtime_dir`` is set here too)."""
     model, run = tmp / "model", tmp / "run"
     sys.argv += ["--model", str(model), "--runtime-dir", str(run)]
+    args.runtime_dir = str(run)
     daemon = subprocess.Popen([args.daemon_python, "-m", "kvd", "serve", "--runtime-dir", str(run),
-                               "--host-capacity", args.host_capacity],
+                               "--host-capacity", args.host_capacity, *flags],
                               stdout=open(tmp / "kvd.log", "wb"), stderr=subprocess.STDOUT)
     try:
         wait_ready(args, run, daemon)
