@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import engine_procs
+from engine_procs import top_diff
 import pytest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1500)]
@@ -78,27 +80,7 @@ def spawn(tmp: Path, name: str, spec: dict):
 
 
 def finish(run) -> dict:
-    proc, out, log = run
-    try:
-        rc = proc.wait(540)  # one GPU run lasts 600 s at most
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        keep = os.environ.get("KVD_TEST_LOG_DIR")
-        if keep:  # on the GPU machine: the engine's log and results come back
-            Path(keep).mkdir(parents=True, exist_ok=True)
-            (Path(keep) / log.name).write_bytes(log.read_bytes()[-200_000:])
-            if out.exists():
-                (Path(keep) / out.name).write_bytes(out.read_bytes())
-    assert rc == 0, f"engine exited {rc}:\n{log.read_text()[-8000:]}"
-    return json.loads(out.read_text())
-
-
-def top_diff(a: dict, b: dict) -> float:
-    """The largest logprob difference over ``a``'s five likeliest tokens (absent in ``b``: inf)."""
-    best = sorted(a, key=a.get, reverse=True)[:5]
-    return max(abs(a[t] - b[t]) if t in b else float("inf") for t in best)
+    return engine_procs.result(run, 540)  # one GPU run lasts 600 s at most
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import engine_procs
+from engine_procs import top_diff
 import pytest
 import tiny_llama
 
@@ -81,23 +83,7 @@ def spawn(tmp: Path, name: str, spec: dict, runner: str) -> tuple:
 
 
 def finish(runs: list) -> list[dict]:
-    results = []
-    for proc, out, log in runs:
-        try:
-            rc = proc.wait(900)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert rc == 0, f"engine exited {rc}:\n{log.read_text()[-8000:]}"
-        results.append(json.loads(out.read_text()))
-    return results
-
-
-def top_diff(a: dict, b: dict) -> float:
-    """The largest logprob difference over ``a``'s five likeliest tokens (absent in ``b``: inf)."""
-    best = sorted(a, key=a.get, reverse=True)[:5]
-    return max(abs(a[t] - b[t]) if t in b else float("inf") for t in best)
+    return [engine_procs.result(run, 900) for run in runs]
 
 
 @pytest.fixture(scope="module")
