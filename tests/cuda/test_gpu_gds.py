@@ -1,9 +1,11 @@
 """GPU Direct Storage loads (kvd/cuda/gds.py) and the GPU digest kernel.
 
 Needs torch, cupy, a GPU and KvikIO (on the GPU machine: staged with
-``bash ../shared/gpu/stage.sh kvikio-cu13 libkvikio-cu13 ...``, see
-docs/gpu.md); GDS runs there in KvikIO's compatibility mode, which is what
-these tests need: the path, the verification and the fallbacks.
+``bash ../shared/gpu/stage.sh kvikio-cu13 libkvikio-cu13 rapids-logger
+cuda-pathfinder nvidia-cufile``: the wheel of libkvikio loads cuFile and the
+RAPIDS logger through those, and ``import kvikio`` fails without them).
+GDS runs there in KvikIO's compatibility mode, which is what these tests
+need: the path, the verification and the fallbacks.
 """
 
 from __future__ import annotations
