@@ -14,6 +14,8 @@ Tensors:
   logical ``[blocks, kv_heads, block_size, 2 * head_size]`` in any order
 - ``sglang_mha``: one ``(k, v)`` pair per layer; ``sglang_mla``: one per layer
 - ``page_first``: a single tensor
+- ``opaque``: one tensor per layer ``[pages, ...]`` whose pages are dense byte
+  ranges (e.g. vLLM's GPU blocks kept whole), with ``page_size``
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class CudaKVPool:
             raise ValueError("CudaKVPool takes CUDA tensors; use SharedKVPool for host memory")
         self.device = first.device
         self.kv_dtype = str(first.dtype).removeprefix("torch.")
-        self.attention = "mla" if layout.endswith("mla") else "mha"
+        self.attention = "mla" if layout.endswith("mla") else "opaque" if layout == "opaque" else "mha"
         self.num_layers = len(flat) // (2 if layout == "sglang_mha" else 1)
         if layout == "page_first":
             self.num_layers = first.shape[1]
@@ -41,6 +43,8 @@ class CudaKVPool:
         self.head_dim = first.shape[-1]
         if layout == "vllm_kv_blocks":  # K and V side by side in each head
             self.kv_heads, self.head_dim = first.shape[1], first.shape[-1] // 2
+        if layout == "opaque":  # [pages, kv_heads, page_size, row]: the head dim is the row
+            self.kv_heads = first.shape[1]
         self.buffers, refs, index = [], [], {}
         for t in flat:
             alloc = export_allocation(t.data_ptr())

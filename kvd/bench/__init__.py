@@ -32,7 +32,7 @@ from pathlib import Path
 from kvd_protocol.keys import DTYPE_SIZES
 
 from .common import PAGE_ORDERS, size_arg, without_gpu_stack
-from .gpu import POOLS, SHAPES
+from .gpu import DEFAULT_SHAPES, POOLS, SHAPES
 from .pipeline import PHASES
 
 
@@ -81,8 +81,11 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu-host-capacity", type=size_arg, default=None, metavar="SIZE",
                    help="with --gpu: the private daemon's host tier (e.g. 4GiB; default: room "
                    "for every request in flight of the largest shape measured)")
-    p.add_argument("--gpu-shapes", type=names_of(SHAPES), default=list(SHAPES), metavar="A,B",
-                   help=f"with --gpu: the model shapes to measure ({', '.join(SHAPES)})")
+    p.add_argument("--gpu-shapes", type=names_of(SHAPES), default=DEFAULT_SHAPES, metavar="A,B",
+                   help=f"with --gpu: the model shapes to measure ({', '.join(SHAPES)}; default "
+                   f"{','.join(DEFAULT_SHAPES)}); --interference uses the first. The "
+                   "llama3-8b-vllm-* shapes are vLLM's GPU blocks as kvd's vLLM connector keeps "
+                   "them: token rows (gpu_block_format rows) or whole blocks (blocks, its default)")
     p.add_argument("--flood", action="store_true", help="a well-behaved client's latency alone and "
                    "next to a client flooding the daemon with requests (kvd.bench.flood)")
     p.add_argument("--interference", action="store_true", help="with --gpu: the slowdown of an "

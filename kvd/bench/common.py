@@ -134,7 +134,7 @@ def request_bytes(shape, chunks: int, chunk: int) -> int:
     """Bytes of one request of ``chunks`` chunks of a (layout, layers, kv_heads, head_dim)
     shape in a 2-byte dtype."""
     layout, layers, heads, dim = shape
-    planes = 1 if layout.endswith("mla") else 2
+    planes = 1 if layout.endswith("mla") or layout == "opaque" else 2
     return layers * planes * chunk * heads * dim * 2 * chunks
 
 

@@ -48,7 +48,12 @@ POOLS = ("one", "per-layer", "block-outer")  # make_pool's alloc
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
     "llama3-8b": ("vllm_flash_attn", 32, 8, 128),
     "deepseek-mla": ("vllm_mla", 61, 1, 576),
+    # vLLM's GPU blocks [blocks, heads, block, 2 x head]: as token rows (gpu_block_format
+    # rows: head-strided, SM kernels) and kept whole (blocks: one range per block, DMA)
+    "llama3-8b-vllm-rows": ("vllm_kv_blocks", 32, 8, 128),
+    "llama3-8b-vllm-blocks": ("opaque", 32, 8, 256),
 }
+DEFAULT_SHAPES = ["llama3-8b", "deepseek-mla"]
 
 
 def run(args) -> int:
@@ -145,17 +150,19 @@ def make_pool(torch, CudaKVPool, shape, pages: int, page: int, alloc: str = "per
     the blocks outermost (``"block-outer"``: a block's layers adjacent, as vLLM 0.32's
     ``BLHNC`` family lays them out)."""
     layout, layers, heads, dim = shape
-    per_layer = (pages, page, dim) if layout == "vllm_mla" else (2, pages, page, heads, dim)
+    per_layer = {"vllm_mla": (pages, page, dim), "vllm_kv_blocks": (pages, heads, page, 2 * dim),
+                 "opaque": (pages, heads, page, dim)}.get(layout, (2, pages, page, heads, dim))
+    size = page if layout == "opaque" else None
     if alloc == "block-outer":
-        axis = 1 if layout == "vllm_mla" else 2  # the block axis of (layers, *per_layer)
+        axis = 2 if len(per_layer) == 5 else 1  # the block axis of (layers, *per_layer)
         inner = (layers, *per_layer[:axis - 1], *per_layer[axis:])
         whole = torch.randn(pages, *inner, dtype=torch.bfloat16, device="cuda").movedim(0, axis)
-        return CudaKVPool(layout, list(whole.unbind(0)))
+        return CudaKVPool(layout, list(whole.unbind(0)), size)
     if alloc == "one":
         whole = torch.randn(layers, *per_layer, dtype=torch.bfloat16, device="cuda")
-        return CudaKVPool(layout, list(whole.unbind(0)))
+        return CudaKVPool(layout, list(whole.unbind(0)), size)
     torch.cuda.empty_cache()  # a cached free segment would be split between layers
-    return CudaKVPool(layout, own_allocations(torch, per_layer, layers))
+    return CudaKVPool(layout, own_allocations(torch, per_layer, layers), size)
 
 
 def own_allocations(torch, shape: tuple, n: int) -> list:

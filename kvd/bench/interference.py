@@ -4,7 +4,9 @@ Three processes, as in production: the private daemon, an **engine**
 process that only computes (a bf16 8192³ GEMM, or a decode-like step: 32
 layers of a batch-64 4096×4096 matmul and an activation), and a **copier**
 process, a client that keeps stores and loads (or, per variant, only one of
-them) of the Llama-3-8B shape (page 16) in flight through the daemon.
+them) of the first ``--gpu-shapes`` shape (page 16; Llama-3-8B by default,
+``llama3-8b-vllm-rows`` / ``-blocks`` for vLLM's GPU blocks) in flight
+through the daemon.
 After computing for WARMUP_S (clocks up; the decode step as one CUDA graph,
 as engines replay it), the engine times its work with CUDA events alone and while the copier runs,
 in turns (ROUNDS busy windows between ROUNDS + 1 alone ones; the copier
@@ -31,12 +33,14 @@ import tempfile
 import time
 
 from .common import request_bytes, start_daemon, stop_daemon, without_gpu_stack
+from .gpu import SHAPES
 
 _K = ["--gpu-copy-path", "kernels"]
 _D = ["--gpu-copy-path", "dma"]
 _STAGED = [*_D, "--gpu-dma-stage-below", "64KiB"]  # DMA through the slots
 VARIANTS = {  # name -> (daemon flags, copier options)
     "none (control)": (_D, {"idle": True}),
+    "auto (default)": ([], {}),  # the daemon's own choice: DMA where pages are byte ranges
     "dma": (_D, {}),
     "dma, stores only": (_D, {"direction": "d2h"}),
     "dma, loads only": (_D, {"direction": "h2d"}),
@@ -61,7 +65,6 @@ VARIANTS = {  # name -> (daemon flags, copier options)
     "zero-copy, 8 blocks": ([*_K, "--gpu-max-blocks", "8", "--gpu-stage-slots", "0"], {}),
     "zero-copy, full width": ([*_K, "--gpu-max-blocks", "1024", "--gpu-stage-slots", "0"], {}),
 }
-SHAPE = ("vllm_flash_attn", 32, 8, 128)
 SAMPLES = 15
 ROUNDS = 4     # alone / busy turns of the engine
 WARMUP_S = 2.0  # the engine computes this long first, so the GPU clocks are up
@@ -77,6 +80,8 @@ def run(args) -> int:
     if without_gpu_stack("--gpu --interference"):
         return 2
     rows = []
+    print(f"interference: shape {args.gpu_shapes[0]} {SHAPES[args.gpu_shapes[0]]}, "
+          f"pool {args.gpu_pool[0]}", flush=True)
     modes = [False] + ([True] if args.mps else [])
     for mps in modes:
         if mps and not _start_mps():
@@ -98,8 +103,8 @@ def run(args) -> int:
 
 def _one(args, flags: list, copier_opts: dict, workload: str) -> dict:
     ctx = multiprocessing.get_context("spawn")
-    chunk = args.chunk_tokens
-    nbytes = request_bytes(SHAPE, args.chunks, chunk)
+    chunk, shape = args.chunk_tokens, SHAPES[args.gpu_shapes[0]]
+    nbytes = request_bytes(shape, args.chunks, chunk)
     with tempfile.TemporaryDirectory(prefix="kvd-ibench-") as rundir:
         daemon = start_daemon(rundir, capacity=8 * nbytes + 2**24, chunk_tokens=chunk,
                               extra=["--gpu", "on", *flags])
@@ -108,7 +113,7 @@ def _one(args, flags: list, copier_opts: dict, workload: str) -> dict:
             to_copier, copier_end = ctx.Pipe()
             engine = ctx.Process(target=_engine, args=(workload, engine_end))
             copier = ctx.Process(target=_copier, args=(rundir, args.chunks, chunk,
-                                                       {**copier_opts, "alloc": args.gpu_pool[0]},
+                                                       {**copier_opts, "alloc": args.gpu_pool[0], "shape": shape},
                                                        copier_end))
             copier.start()
             copier_end.close()                    # a dead child's pipe reads EOF, not a hang
@@ -211,12 +216,13 @@ def _copier(rundir: str, chunks: int, chunk: int, opts: dict, pipe) -> None:
     from kvd.bench.gpu import make_pool, memcpy_s
     from kvd_client import KvdClient
     from kvd_client.torch_pool import CudaKVPool
-    nbytes = request_bytes(SHAPE, chunks, chunk)
+    shape = tuple(opts["shape"])
+    nbytes = request_bytes(shape, chunks, chunk)
     # Stores and loads in turns run both ways at once: then the baseline is both ways.
     way = opts.get("direction", "both")
     pipe.send((2 if way == "both" else 1) * nbytes / memcpy_s(torch, nbytes, 5)[way])
     ppc = chunk // 16
-    pool = make_pool(torch, CudaKVPool, SHAPE, 2 * chunks * ppc, 16, opts.get("alloc", "per-layer"))
+    pool = make_pool(torch, CudaKVPool, shape, 2 * chunks * ppc, 16, opts.get("alloc", "per-layer"))
     client = KvdClient(runtime_dir=rundir, timeout=120, raise_errors=True, heartbeat=False).connect()
     client.register_kv(pool, model="bench-interference")
     if not opts.get("marks", True):  # diagnosis: copies not ordered after this stream

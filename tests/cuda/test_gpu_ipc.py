@@ -3,7 +3,8 @@
 The pytest process is an engine (torch tensors exported through CUDA IPC);
 ``kvd serve --gpu on`` runs in a subprocess; a second engine runs in a
 spawned process. vLLM's GPU blocks (``vllm_kv_blocks``: heads outer, or
-``vllm_kv_blocks_nhc``: tokens outer) are also registered through the vLLM
+``vllm_kv_blocks_nhc``: tokens outer; as token rows and kept whole, by DMA)
+are also registered through the vLLM
 connector's own pool code. Skipped without torch, cupy or a GPU.
 """
 
@@ -215,6 +216,45 @@ def test_vllm_gpu_blocks_share_chunks_through_the_connectors_pool(gpu_daemon, sr
         for p in dst_pages:
             _fill_page(dst, b_t, p, page_size, 0xA5)
         assert torch.equal(all_bytes(dst, b_t), before)
+
+
+@pytest.mark.parametrize("layout", ["vllm_kv_blocks", "vllm_kv_blocks_nhc"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_whole_vllm_gpu_blocks_move_by_dma_bit_exact(gpu_daemon, layout, page_size):
+    """vLLM's blocks kept whole (the connector's default gpu_block_format): the daemon's
+    default copy path picks the copy engines for them (Llama-3-8B's 8 KV heads of 128: a
+    block of 16 tokens is 64 KiB, gpu_dma_min_piece), and another engine of that block
+    format loads every block byte for byte, nothing but its target blocks written."""
+    heads, dim, layers = 8, 128, 3
+    ppc = CHUNK // page_size
+    pages = 4 * ppc + 3
+    interior = "NHC" if layout.endswith("_nhc") else "HNC"
+    geo = G.KVGeometry(model=f"m|vllm-gpu {interior} bs={page_size}", kv_dtype="bfloat16",
+                       attention="opaque", num_layers=layers, kv_heads=heads, head_dim=2 * dim,
+                       tp_size=1, block_size=page_size, interior=interior)
+    a_t, b_t = (make_tensors(layout, layers, pages, page_size, heads, dim, torch.bfloat16)
+                for _ in range(2))
+    with kvd_client.KvdClient(runtime_dir=str(gpu_daemon.runtime_dir), raise_errors=True) as client:
+        a = client.register_kv(cuda_pool(geo, a_t, pages), model=geo.model)
+        b = client.register_kv(cuda_pool(geo, b_t, pages), model=geo.model)
+        assert a.namespace == b.namespace
+        tokens = np.random.default_rng().integers(0, 50000, 2 * CHUNK)
+        perm = torch.randperm(pages).tolist()
+        src, dst = perm[:2 * ppc], perm[2 * ppc:4 * ppc]
+        want = [page_rows(layout, a_t, p, page_size).clone() for p in src]
+        torch.cuda.synchronize()
+        assert client.store(tokens, src, reg=a) == 2 * CHUNK
+        for p in dst:
+            _fill_page(layout, b_t, p, page_size, 0xA5)
+        before = all_bytes(layout, b_t).clone()
+        assert client.load(tokens, dst, reg=b) == 2 * CHUNK
+        torch.cuda.synchronize()
+        for p, w in zip(dst, want):
+            assert torch.equal(page_rows(layout, b_t, p, page_size), w), f"block {p}"
+        for p in dst:
+            _fill_page(layout, b_t, p, page_size, 0xA5)
+        assert torch.equal(all_bytes(layout, b_t), before)
+    assert "copies by DMA" in gpu_daemon.log()
 
 
 def test_store_waits_for_the_engine_stream(gpu_daemon):

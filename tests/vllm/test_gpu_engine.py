@@ -7,9 +7,10 @@ Llama written at test time with seeded random weights (FlashAttention's head
 size 128), so logits depend on the prefix, unlike vLLM's dummy weights.
 
 Two storing engines run side by side, one on each of vLLM's model runners,
-each on its own prompts; then two fresh loading engines, each on the other
-runner than the engine that stored its prompts, with every KV byte poisoned
-first. For each prompt (one hit loaded between steps, one layer by layer
+each on its own prompts and in one of the connector's ``gpu_block_format``s
+(whole blocks, token rows); then two fresh loading engines, each on the
+other runner than the engine that stored its prompts (same block format),
+with every KV byte poisoned first. For each prompt (one hit loaded between steps, one layer by layer
 inside the step):
 
 - the loader's KV blocks of the hit tokens are byte-identical to the storer's
@@ -92,22 +93,25 @@ def model(tmp_path_factory) -> Path:
 
 
 def test_engines_on_both_runners_share_kv_byte_for_byte(model, start_daemon, tmp_path):
-    daemon = start_daemon(gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB",
+    # copy engines wherever pages are byte ranges (whole blocks; this model's 16 KiB blocks are
+    # under auto's gpu_dma_min_piece), SM kernels for token rows
+    daemon = start_daemon(gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB", gpu_copy_path="dma",
                           client_timeout_s=30.0, heartbeat_interval_s=1.0)
     kvd = {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 10.0, "async_load_min_tokens": ASYNC_MIN}
     sets = {"v2": prompts("stored-by-v2"), "v1": prompts("stored-by-v1")}
+    formats = {"v2": "blocks", "v1": "rows"}  # each set in one gpu_block_format, both covered
 
-    def spec(p: dict, batches: list, poison=None) -> dict:
-        return {"model": str(model), "kvd": kvd, "poison": poison,
-                "batches": [[p[name]] for name in batches]}
+    def spec(r: str, batches: list, poison=None) -> dict:
+        return {"model": str(model), "kvd": {**kvd, "gpu_block_format": formats[r]},
+                "poison": poison, "batches": [[sets[r][name]] for name in batches]}
 
-    stored = finish([spawn(tmp_path, f"store-{r}", spec(sets[r], ["long", "short"]), r)
+    stored = finish([spawn(tmp_path, f"store-{r}", spec(r, ["long", "short"]), r)
                      for r in ("v2", "v1")])
     # the last store ends after the engine's last step (counted by the daemon, not by vLLM)
     assert daemon.stats()["chunks_stored"] == 2 * (1024 + 512) // CHUNK
 
     other = {"v2": "v1", "v1": "v2"}  # a set stored by one runner is loaded by the other
-    loaded = finish([spawn(tmp_path, f"load-{other[r]}", spec(sets[r], ["long", "short", "control"],
+    loaded = finish([spawn(tmp_path, f"load-{other[r]}", spec(r, ["long", "short", "control"],
                                                                poison=0.75), other[r])
                      for r in ("v2", "v1")])
     for store, load in zip(stored, loaded):
@@ -115,6 +119,7 @@ def test_engines_on_both_runners_share_kv_byte_for_byte(model, start_daemon, tmp
     st = daemon.stats()
     assert st["chunks_loaded"] == 2 * (1024 + 512) // CHUNK, st
     assert daemon.proc.poll() is None and daemon.control("health")["status"] == "ok"
+    assert daemon.log().count("copies by DMA") == 2, daemon.log()  # the two whole-block engines
 
 
 def check_pair(store: dict, load: dict) -> None:

@@ -116,16 +116,53 @@ def configs(device: str, layout: str = "LBNHC", tp: int = 2):
     return vllm_config, kv_cache_config
 
 
+ROWS = {"block_format": "rows"}
+
+
 @pytest.mark.parametrize("layout", ["LBNHC", "LBHNC", "LHBNC", "BHLNC"])
-def test_gpu_blocks_are_mha_token_rows_under_the_plain_model_id(layout):
+def test_gpu_blocks_as_rows_are_mha_token_rows_under_the_plain_model_id(layout):
     """Whatever order the attention backend picked (even layers inside blocks): the
     namespace SGLang's MHA pools of the model register (attention mha, kv heads of the
     shard, head size), so their chunks are one cache."""
-    geo = spec_mod.geometry(*configs("cuda", layout))
+    geo = spec_mod.geometry(*configs("cuda", layout), **ROWS)
     assert geo == G.KVGeometry(model="org/m", kv_dtype="bfloat16", attention="mha", num_layers=3,
                                kv_heads=2, head_dim=64, tp_size=2, block_size=16)
     assert geo.layout == "vllm_kv_blocks" and geo.layout in L.LAYOUTS
-    assert spec_mod.geometry(*configs("cuda"), model_id="tiny").model == "tiny"
+    assert spec_mod.geometry(*configs("cuda"), model_id="tiny", **ROWS).model == "tiny"
+
+
+@pytest.mark.parametrize("layout,interior", [("LBNHC", "NHC"), ("LBHNC", "HNC"), ("BLHNC", "HNC"),
+                                             ("NHD", "NHC"), ("HND", "HNC")])
+def test_gpu_blocks_by_default_are_whole_blocks_in_their_own_page_format(layout, interior):
+    """The default: one byte range per (layer, block), a namespace of its own (page format
+    with the order inside a block and the block size, no vLLM version: GPU blocks are laid
+    out alike from 0.26 to 0.32), so the copy engines move them."""
+    geo = spec_mod.geometry(*configs("cuda", layout))
+    assert geo == G.KVGeometry(model=f"org/m|vllm-gpu {interior} bs=16", kv_dtype="bfloat16",
+                               attention="opaque", num_layers=3, kv_heads=2, head_dim=128,
+                               tp_size=2, block_size=16, interior=interior)
+    assert geo.layout == "opaque"
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_gpu_blocks_that_are_not_one_range_each_fall_back_to_rows(layout):
+    assert spec_mod.geometry(*configs("cuda", layout)) == spec_mod.geometry(*configs("cuda", layout),
+                                                                            **ROWS)
+
+
+@pytest.mark.parametrize("layout,order", [("LBHNC", None), ("LBNHC", (0, 2, 1, 3))])
+def test_whole_gpu_blocks_describe_as_dense_pages(layout, order):
+    geo = spec_mod.geometry(*configs("cuda", layout))
+    r = refs((8, 2, 16, 128), layers=3, order=order)
+    d = G.describe(geo, r, 8)
+    # a page is the block's 8 KiB, its "rows" consecutive slices: DMA-eligible (heads == 1)
+    assert (d.planes, d.num_pages, d.page_size, d.row_bytes, d.heads) == (1, 8, 16, 512, 1)
+    assert (d.page_stride, d.token_stride) == (8192, 512)
+    other = refs((8, 2, 16, 128), layers=3, order=None if order else (0, 2, 1, 3))
+    with pytest.raises(ValueError, match="order inside a block"):
+        G.describe(geo, other, 8)  # the engine's tensors are not in the order its config names
+    with pytest.raises(ValueError, match="gpu_block_format"):
+        G.describe(geo, refs((16, 2, 8, 128), layers=3, order=order), 8)  # split kernel blocks
 
 
 def test_cpu_blocks_stay_opaque_in_their_page_format(monkeypatch):
@@ -140,7 +177,7 @@ def test_cpu_blocks_stay_opaque_in_their_page_format(monkeypatch):
 
 @pytest.mark.parametrize("order", [None, (0, 2, 1, 3)], ids=["HNC", "NHC"])
 def test_gpu_blocks_describe_as_head_strided_rows(order):
-    geo = spec_mod.geometry(*configs("cuda"))
+    geo = spec_mod.geometry(*configs("cuda"), **ROWS)
     r = refs((8, 2, 16, 128), layers=3, order=order)
     d = G.describe(geo, r, 8)
     assert (d.planes, d.num_pages, d.page_size, d.row_bytes) == (2, 8, 16, 2 * 64 * 2)
@@ -299,3 +336,20 @@ def test_stores_are_labelled_with_the_requests_salt_for_the_daemons_quotas(start
         assert [g["host_used_bytes"] for g in quotas] == [2 * chunk_bytes] * 2
     finally:
         e.close()
+
+
+def test_the_scheduler_waits_for_the_workers_order_only_for_whole_gpu_blocks():
+    """The order inside a GPU block is the workers' (an attention backend may set it in their
+    processes only): the scheduler names it from their handshake, never from its config."""
+    assert spec_mod.gpu_blocks(*configs("cuda"), "blocks")
+    assert not spec_mod.gpu_blocks(*configs("cuda"), "rows")
+    assert not spec_mod.gpu_blocks(*configs("cuda", "LHBNC"), "blocks")  # rows anyway
+    assert not spec_mod.gpu_blocks(*configs("cpu", "LBHNC"), "blocks")   # CPU: its own format
+    told = spec_mod.geometry(*configs("cuda", "LBNHC"), interior="HNC")  # config says NHC
+    assert (told.interior, told.model) == ("HNC", "org/m|vllm-gpu HNC bs=16")
+
+
+@pytest.mark.parametrize("order,interior", [(None, "HNC"), ((0, 2, 1, 3), "NHC")])
+def test_tensor_interior_reads_the_strides(order, interior):
+    assert spec_mod.tensor_interior(refs((8, 2, 16, 128), order=order)[0]) == interior
+    assert spec_mod.tensor_interior(refs((8, 1, 16, 128), order=order)[0]) == "HNC"  # one head

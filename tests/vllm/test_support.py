@@ -72,7 +72,8 @@ def configs(device="cuda", cache_dtype="auto", groups=None, drafter=False, **set
         cache_config=SimpleNamespace(**cache), device_config=SimpleNamespace(device_type=device),
         speculative_config=SimpleNamespace(num_speculative_tokens=2) if drafter else None)
     names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-    return vllm_config, SimpleNamespace(kv_cache_groups=groups or [group(names)])
+    return vllm_config, SimpleNamespace(kv_cache_groups=groups or [group(names)],
+                                        kv_cache_layout="LBNHC")
 
 
 def refusal(vllm_config, kv_cache_config, environ=None):
@@ -220,7 +221,7 @@ def split_cache(order: str, layers_=2, blocks=4, r=4, kernel=4, heads=2, width=1
 
 def test_split_blocks_with_evenly_spaced_tokens_map_to_vllms_blocks_byte_for_byte():
     geo = spec_mod.geometry(*configs(groups=[group(NAMES, FullAttentionSpec(
-        block_size=16, num_kv_heads=2, head_size=8))]))
+        block_size=16, num_kv_heads=2, head_size=8))]), block_format="rows")
     refs, logical, raw = split_cache("NHC")
     d = G.describe(geo, refs, 4)
     assert (d.num_pages, d.page_size, d.heads) == (4, 16, 2)
@@ -246,10 +247,10 @@ def test_split_mla_blocks_merge_in_both_vllm_shapes():
 
 def test_split_blocks_with_heads_outside_the_tokens_are_refused_in_one_line():
     geo = spec_mod.geometry(*configs(groups=[group(NAMES, FullAttentionSpec(
-        block_size=16, num_kv_heads=2, head_size=8))]))
+        block_size=16, num_kv_heads=2, head_size=8))]), block_format="rows")
     with pytest.raises(ValueError, match="not evenly spaced") as err:
         G.describe(geo, split_cache("HNC")[0], 4)
     assert "\n" not in str(err.value) and "VLLM_KV_CACHE_LAYOUT" in str(err.value)
     opaque = replace(geo, attention="opaque", interior="HNC", head_dim=16)
-    with pytest.raises(ValueError, match="not evenly spaced"):      # CPU pages never split
+    with pytest.raises(ValueError, match="whole blocks"):      # whole blocks never split
         G.describe(opaque, split_cache("NHC")[0], 4)

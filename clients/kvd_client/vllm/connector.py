@@ -15,7 +15,10 @@ instance (one per TP rank) registers its rank's KV tensors and moves KV
 the K and V scales the workers loaded (kvd_client.vllm.layers): the workers
 send it in vLLM's connector handshake (``get_handshake_metadata``), which
 vLLM's engine core hands the scheduler once after building it
-(``set_xfer_handshake_metadata``); the scheduler attaches then. This module only translates vLLM's calls; the
+(``set_xfer_handshake_metadata``); the scheduler attaches then. So does a
+namespace of whole GPU blocks (``gpu_block_format = "blocks"``), whose
+order inside a block is what the workers' tensors have: an attention
+backend may pick it in the workers' processes only. This module only translates vLLM's calls; the
 namespace comes from vLLM's configs (kvd_client.vllm.spec), the options
 from ``kv_connector_extra_config`` (kvd_client.vllm.settings). ``kv_role``
 ``kv_consumer`` only loads, ``kv_producer`` only stores. The connector sets
@@ -45,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvd_client import shm
 from kvd_client.client import KvdClient
+from kvd_protocol.layout import TensorRef
 
 from . import layers, spec, support
 from .counters import Counters
@@ -82,9 +86,11 @@ class KvdWorkerMetadata(KVConnectorWorkerMetadata):
 
 @dataclass
 class KvdHandshake(KVConnectorHandshakeMetadata):
-    """What a worker tells the scheduler once, at start-up: its fp8 KV scales' digest."""
+    """What a worker tells the scheduler once, at start-up: its fp8 KV scales' digest and
+    the order inside its GPU blocks kept whole (what its tensors have)."""
 
     kv_scales: str = ""
+    interior: str = ""
 
 
 class KvdConnector(KVConnectorBase_V1):
@@ -110,21 +116,22 @@ class KvdConnector(KVConnectorBase_V1):
         self.kv_scales, self._told_unattached, self.closed = "", False, False
         names = spec.target_layers(vllm_config, kv_cache_config)[0]
         scaled = spec.needs_scales(vllm_config, kv_cache_config)
+        blocks = spec.gpu_blocks(vllm_config, kv_cache_config, self.settings.gpu_block_format)
         if role == KVConnectorRole.SCHEDULER:
             cfg.kv_load_failure_policy = self.settings.load_failure_policy
-            if not scaled:
-                self._attach()  # fp8: once the workers' handshake brought their scales
+            if not scaled and not blocks:
+                self._attach()  # else once the workers' handshake brought scales and order
         else:
             self.kv_scales = layers.kv_scales(vllm_config, names) if scaled else ""
             self.geometry = spec.geometry(vllm_config, kv_cache_config, self.settings.model_id,
-                                          self.kv_scales)
+                                          self.kv_scales, self.settings.gpu_block_format)
             self.worker = WorkerSide(self.client, self.geometry, names, _tp_rank(), self.counters)
             self._log_namespace()
 
-    def _attach(self, kv_scales: str = "") -> None:
+    def _attach(self, kv_scales: str = "", interior: str = "") -> None:
         vllm_config, cfg = self._vllm_config, self._kv_transfer_config
         self.geometry = spec.geometry(vllm_config, self._kv_cache_config, self.settings.model_id,
-                                      kv_scales)
+                                      kv_scales, self.settings.gpu_block_format, interior)
         reg = self.client.attach(**self.geometry.attach_fields())
         stores = cfg.is_kv_producer and self.settings.store_policy != "off"
         self.sched = SchedulerSide(self.client, reg, self.settings, self.geometry.block_size,
@@ -138,24 +145,30 @@ class KvdConnector(KVConnectorBase_V1):
                  self.geometry.attach_fields(), self.client.runtime_dir)
 
     def get_handshake_metadata(self):
-        """Worker: the fp8 scales' digest, for the scheduler's namespace (None: no fp8)."""
-        return KvdHandshake(self.kv_scales) if self.kv_scales else None
+        """Worker: the fp8 scales' digest and the order inside whole GPU blocks, for the
+        scheduler's namespace (None: neither applies)."""
+        gpu = self._vllm_config.device_config.device_type != "cpu"
+        interior = self.geometry.interior if gpu and self.geometry.attention == "opaque" else ""
+        return KvdHandshake(self.kv_scales, interior) if self.kv_scales or interior else None
 
     def set_xfer_handshake_metadata(self, metadata) -> None:
         """Scheduler: every worker's handshake (vLLM's engine core, once, after the workers
-        loaded the model): an fp8 cache's namespace is attached now, with their scales."""
-        scales = {m.kv_scales for m in (metadata or {}).values() if isinstance(m, KvdHandshake)}
-        if self.sched is not None or not scales:
+        registered their KV caches): the namespace is attached now, with their facts."""
+        facts = {(m.kv_scales, m.interior) for m in (metadata or {}).values()
+                 if isinstance(m, KvdHandshake)}
+        if self.sched is not None or not facts:
             return
-        if len(scales) > 1:
-            raise ValueError(f"kvd: the workers' fp8 KV scales differ ({', '.join(sorted(scales))}); "
-                             "every TP rank must load the same checkpoint scales")
-        self._attach(scales.pop())
+        if len(facts) > 1:
+            raise ValueError(f"kvd: the workers' fp8 KV scales or block layouts differ "
+                             f"({', '.join(map(str, sorted(facts)))}); every TP rank must load "
+                             "the same checkpoint scales and lay out its blocks alike")
+        self._attach(*facts.pop())
 
     def _attached(self) -> bool:
         if self.sched is None and not self._told_unattached:
             self._told_unattached = True  # vLLM never sent the workers' handshake: kvd stays off
-            log.error("kvd: no fp8 KV scales came from the workers; no lookups, loads or stores")
+            log.error("kvd: the workers' handshake (fp8 KV scales, block layout) never came; "
+                      "no lookups, loads or stores")
         return self.sched is not None
 
     @property
@@ -193,8 +206,23 @@ class KvdConnector(KVConnectorBase_V1):
             pool = host_pool(self.geometry, tensors, str(self.alloc.path), self.alloc.base,
                              self.alloc.size, blocks)
         else:
+            self._follow_tensors(tensors[0])
             pool = cuda_pool(self.geometry, tensors, blocks)
         self.worker.register(pool)
+
+    def _follow_tensors(self, t) -> None:
+        """Whole GPU blocks: the namespace names the order the tensors have (an attention
+        backend may set it in this process only); the handshake tells the scheduler."""
+        if self.geometry.attention != "opaque":
+            return
+        ref = TensorRef(0, 0, tuple(t.shape), tuple(t.stride()), 1)
+        interior = spec.tensor_interior(ref) if len(ref.shape) == 4 else self.geometry.interior
+        if interior != self.geometry.interior:
+            self.geometry = spec.geometry(self._vllm_config, self._kv_cache_config,
+                                          self.settings.model_id, self.kv_scales,
+                                          self.settings.gpu_block_format, interior)
+            self.worker.geo = self.geometry
+            self._log_namespace()
 
     def handle_preemptions(self, kv_connector_metadata):
         self.worker.preempted(kv_connector_metadata.plan)

@@ -14,9 +14,13 @@ kinds of vLLM cache exist in the pinned versions (0.26 to 0.32):
   V side by side inside each head, in a physical order the attention
   backend picks (``HNC``: heads outer; ``NHC``: tokens outer; blocks of all
   layers interleaved). A token's K (or V) row is ``kv_heads`` pieces, one
-  per head: kvd's ``vllm_kv_blocks`` layout (head-strided rows), attention
-  ``mha`` under the plain model identity, so a chunk is the same entry as
-  SGLang's (or any MHA engine's) of the same model, dtype and TP size.
+  per head. By default (``gpu_block_format = "blocks"``) kvd keeps whole
+  blocks, as for CPU attention below but under the page format
+  ``vllm-gpu <interior> bs=<block size>``: a (layer, block) is one byte range,
+  which the copy engines move. With ``"rows"``: kvd's ``vllm_kv_blocks``
+  layout (head-strided rows), attention ``mha`` under the plain model
+  identity, so a chunk is the same entry as SGLang's (or any MHA engine's) of
+  the same model, dtype and TP size.
 - **CPU attention**: the same logical shape, but K is transposed inside a
   block and packed per CPU ISA: no token rows. kvd moves whole blocks:
   attention ``opaque`` with the page format in the model string
@@ -111,8 +115,12 @@ def manager_blocks(geo: KVGeometry, refs: list[L.TensorRef], num_blocks: int) ->
     tok = 1 if geo.attention == "mla" and len(t.shape) == 3 else 2  # the token dimension
     r = total // num_blocks if num_blocks and total % num_blocks == 0 else 0
     kernel = t.shape[tok] if len(t.shape) > tok else 0
-    if r < 2 or geo.attention == "opaque" or kernel * r != geo.block_size \
-            or t.strides[0] != kernel * t.strides[tok]:
+    if geo.attention == "opaque":
+        raise ValueError(f"kvd: vLLM splits each {geo.block_size}-token block into kernel blocks "
+                         f"(KV tensors of shape {t.shape} for {num_blocks} blocks), which kvd "
+                         "cannot keep as whole blocks; use a --block-size the attention backend "
+                         "supports (or, on a GPU, the kvd connector's gpu_block_format 'rows')")
+    if r < 2 or kernel * r != geo.block_size or t.strides[0] != kernel * t.strides[tok]:
         raise ValueError(f"kvd: vLLM splits each {geo.block_size}-token block into kernel blocks "
                          f"(KV tensors of shape {t.shape}, byte strides {t.strides}, for "
                          f"{num_blocks} blocks) whose tokens are not evenly spaced; use a "

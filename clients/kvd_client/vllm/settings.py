@@ -16,6 +16,7 @@ from kvd_client.adapter_options import Option, checked
 
 STORE_POLICIES = ("all", "finish", "off")
 FAILURE_POLICIES = ("recompute", "fail")
+BLOCK_FORMATS = ("blocks", "rows")
 
 
 OPTIONS = {
@@ -51,6 +52,13 @@ OPTIONS = {
                                   "request ends with an error)", FAILURE_POLICIES),
     "retry_failed_after_s": Option(float, 30.0, "keys whose load failed are not offered again for "
                                    "this long (a failed hit offered again would loop)"),
+    "gpu_block_format": Option(str, "blocks", "how kvd keeps a GPU engine's (non-MLA) KV blocks: "
+                               "'blocks' (whole vLLM blocks, moved by the GPU's copy engines with no "
+                               "kernel of kvd's on the engine's GPU; shared with vLLM GPU engines of "
+                               "the same model, block size and block layout) or 'rows' (token rows, "
+                               "shared with SGLang and any engine of the model, but moved by kvd's "
+                               "SM kernels, which cost the engine GPU time while they run)",
+                               BLOCK_FORMATS),
     "shm_dir": Option(str, "/dev/shm", "CPU engines: where the KV cache file goes (the daemon's "
                       "shm_dir; must hold the whole KV cache)"),
 }
@@ -71,6 +79,7 @@ class Settings:
     async_load_min_tokens: int = 65536
     load_failure_policy: str = "recompute"
     retry_failed_after_s: float = 30.0
+    gpu_block_format: str = "blocks"
     shm_dir: str = "/dev/shm"
 
     @classmethod

@@ -11,9 +11,15 @@ scales they were quantised with: their namespace's ``fingerprint`` is
 (``layers.kv_scales``, read by the workers from the loaded model; the
 scheduler learns it from them, kvd_client.vllm.connector), so engines
 with other scales never share. MLA caches are attention
-``mla``; other caches on a GPU are attention ``mha`` under the plain model
-identity (token rows, whatever order the attention backend picked: the
-descriptor follows the tensors' strides), so their chunks are SGLang's too.
+``mla``. Other caches on a GPU, with ``block_format = "blocks"`` (the
+connector's ``gpu_block_format``, default), are attention ``opaque`` whole
+blocks under the page format ``vllm-gpu <interior> bs=<block size>``: one
+byte range per (layer, block), which the daemon moves with the copy engines,
+shared by vLLM GPU engines of that format. With ``"rows"`` (or a layout whose
+blocks are not one byte range each) they are attention ``mha`` under the
+plain model identity (token rows, whatever order the attention backend
+picked: the descriptor follows the tensors' strides), so their chunks are
+SGLang's too, moved by SM kernels (head-strided rows).
 On CPU (``device_type == "cpu"``) blocks stay ``opaque``: the page format
 appended to the model names the physical order inside a block
 (``kv_cache_config.kv_cache_layout`` (0.32), else vLLM's
@@ -44,8 +50,12 @@ def needs_scales(vllm_config, kv_cache_config) -> bool:
     return kv_dtype(vllm_config.cache_config.cache_dtype, spec.dtype) in SCALED
 
 
-def geometry(vllm_config, kv_cache_config, model_id: str = "", kv_scales: str = "") -> KVGeometry:
-    """The namespace and layout facts; ``kv_scales`` (``layers.kv_scales``) for fp8 caches."""
+def geometry(vllm_config, kv_cache_config, model_id: str = "", kv_scales: str = "",
+             block_format: str = "blocks", interior: str = "") -> KVGeometry:
+    """The namespace and layout facts; ``kv_scales`` (``layers.kv_scales``) for fp8 caches,
+    ``block_format`` (``"blocks"`` or ``"rows"``) for GPU blocks, and their ``interior``
+    as the workers' tensors have it (``tensor_interior``; default: what vLLM's config says,
+    which an attention backend may override in the workers' processes only)."""
     names, spec = target_layers(vllm_config, kv_cache_config)
     par = vllm_config.parallel_config
     dtype = kv_dtype(vllm_config.cache_config.cache_dtype, spec.dtype)
@@ -58,14 +68,41 @@ def geometry(vllm_config, kv_cache_config, model_id: str = "", kv_scales: str = 
     if _is_mla(spec, vllm_config):
         return KVGeometry(model=model, attention="mla", kv_heads=1, head_dim=spec.head_size, **common)
     if vllm_config.device_config.device_type != "cpu":
-        return KVGeometry(model=model, attention="mha", kv_heads=spec.num_kv_heads,
-                          head_dim=spec.head_size, **common)
-    # CPU attention packs K transposed inside a block, per ISA: whole blocks, own namespace
-    interior = interior_of(kv_cache_layout(vllm_config, kv_cache_config))
-    engine, isa = f"vllm-cpu {vllm_version()}", cpu_isa(spec, vllm_config)
+        if block_format == "blocks":
+            interior = interior or block_interior(vllm_config, kv_cache_config)
+        if block_format != "blocks" or not interior:
+            return KVGeometry(model=model, attention="mha", kv_heads=spec.num_kv_heads,
+                              head_dim=spec.head_size, **common)
+        engine, isa = "vllm-gpu", ""
+    else:  # CPU attention packs K transposed inside a block, per ISA: whole blocks, own namespace
+        interior = interior_of(kv_cache_layout(vllm_config, kv_cache_config))
+        engine, isa = f"vllm-cpu {vllm_version()}", cpu_isa(spec, vllm_config)
     fmt = page_format(engine, interior, spec.block_size, isa)
     return KVGeometry(model=f"{model}|{fmt}", attention="opaque", kv_heads=spec.num_kv_heads,
                       head_dim=2 * spec.head_size, interior=interior, **common)
+
+
+def gpu_blocks(vllm_config, kv_cache_config, block_format: str) -> bool:
+    """Whether the namespace names the order inside GPU blocks: known for sure only once
+    the workers hold their tensors (their handshake tells the scheduler)."""
+    return vllm_config.device_config.device_type != "cpu" and block_format == "blocks" \
+        and not _is_mla(target_layers(vllm_config, kv_cache_config)[1], vllm_config) \
+        and bool(block_interior(vllm_config, kv_cache_config))
+
+
+def tensor_interior(ref) -> str:
+    """The order inside the blocks of a ``[blocks, heads, block_size, 2 * head]`` tensor
+    (a ``TensorRef``): heads outer (``HNC``) or tokens outer (``NHC``)."""
+    return "HNC" if ref.shape[1] == 1 or ref.strides[1] >= ref.strides[2] else "NHC"
+
+
+def block_interior(vllm_config, kv_cache_config) -> str:
+    """The order inside a GPU block, or "" where a (layer, block) is not one byte range
+    (heads or tokens outside the blocks): such caches go as token rows."""
+    try:
+        return interior_of(kv_cache_layout(vllm_config, kv_cache_config))
+    except ValueError:
+        return ""
 
 
 def model_identity(model_config) -> str:
