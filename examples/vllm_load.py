@@ -63,7 +63,7 @@ def make_engine(args, role: str):
     if role != "none":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvdConnector", kv_connector_module_path="kvd_client.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"runtime_dir": args.runtime_dir})
+            kv_connector_extra_config={**json.loads(args.extra), "runtime_dir": args.runtime_dir})
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
 
 
@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of a load request")
     ap.add_argument("--decode-tokens", type=int, default=256, help="output tokens of a decode request")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--extra", default="{}", help="kv_connector_extra_config (JSON)")
     add_common_args(ap)
     args = ap.parse_args()
     if args.role:

@@ -13,7 +13,9 @@ rm -rf bin share                                   # console scripts, Jupyter da
 rm -rf sgl_kernel/sm100                            # common_ops for compute capability != 9.0, 19 MB
 rm -f sgl_kernel/flashmla_ops.abi3.so              # MLA models only, 15 MB (loaded lazily)
 rm -f sgl_kernel/infllm_ops.*.so                   # InfLLM-v2 attention, 29 MB (loaded lazily)
-rm -rf flashinfer/data                             # JIT sources (CUTLASS, CCCL), 66 MB: no JIT
+rm -rf flashinfer/data/cutlass flashinfer/data/cccl  # 55 MB of JIT sources no Llama op needs;
+                                                   # csrc/include stay: 0.5.16's RMSNorm is
+                                                   # flashinfer's, JIT-built at first use
 rm -rf xgrammar/lib                                # a static library, 62 MB
 strip --strip-debug xgrammar/libxgrammar_bindings.so   # 53 MB -> 3 MB
 rm -f zstandard/_cffi.*.so                         # the C backend stays (its default)

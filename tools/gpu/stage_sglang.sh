@@ -18,8 +18,8 @@
 #
 # Left out (measured; docs/sglang.md): sgl_kernel/flash_ops.abi3.so (FlashAttention 3 and 2,
 # 1.12 GB, 141 MiB as xz) unless WITH_FA3=1: runs use --attention-backend triton; the sm100
-# (Blackwell) ops, FlashMLA and InfLLM ops; flashinfer's JIT sources (nothing of flashinfer
-# runs with triton attention and --sampling-backend pytorch; it is only imported);
+# (Blackwell) ops, FlashMLA and InfLLM ops; flashinfer's copies of CUTLASS and CCCL (its own
+# sources stay: SGLang 0.5.16's RMSNorm JIT-builds flashinfer's norm kernel at first use);
 # xgrammar's static library; heavy optional requirements (SKIP below).
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
