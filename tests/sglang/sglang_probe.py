@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 
 import torch
 from sglang.srt.managers.scheduler import Scheduler
@@ -52,9 +53,16 @@ def _match_params(key):
     return {"params": MatchPrefixParams(key=key)}
 
 
+def _token_ids(tokens: list[int]):
+    """What this SGLang's RadixKey holds: 0.5.16 an ``array("q")`` (its radix tree refuses a
+    list), newer ones a list."""
+    wants = str(RadixKey.__init__.__annotations__.get("token_ids", ""))
+    return array("q", tokens) if wants.startswith("array") else list(tokens)
+
+
 def _digests(scheduler, tokens: list[int]) -> dict:
     tree = scheduler.tree_cache
-    match = tree.match_prefix(**_match_params(RadixKey(list(tokens))))
+    match = tree.match_prefix(**_match_params(RadixKey(_token_ids(tokens))))
     slots = match.device_indices.to(torch.int64)
     pool, page = _kv_pool(scheduler), tree.page_size
     out = []
