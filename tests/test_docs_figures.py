@@ -78,3 +78,24 @@ def test_an_unknown_table_name_is_an_error(tmp_path):
     (root / "docs" / "extra.md").write_text("<!-- table: nosuch -->\n<!-- /table -->\n")
     proc = check(root, "--check")
     assert proc.returncode == 1 and "unknown table 'nosuch'" in proc.stdout
+
+
+def test_a_new_gpu_bench_json_replaces_a_copy_table(tmp_path, monkeypatch):
+    """What ``kvd bench --gpu --json`` writes (its own writer, rows as kvd.bench.pipeline
+    makes them) is what the copy tables render: a re-run updates every page quoting it."""
+    from kvd.bench.common import write_json
+    root = copy_docs(tmp_path)
+    data = root / "docs" / "data"
+    old = json.loads((data / "gpu_copy_h100_one.json").read_text())
+    rows = [{**r, "store_ratio": 0.5, "load_ratio": 0.6, "both_ratio": 0.7,
+             "store_ratios": [0.5], "bytes": 1, "store_Bps": 1.0}
+            for r in old["pipelined"]]
+    monkeypatch.setattr(sys, "argv", ["kvd", "bench", "--gpu", "--gpu-pool", "one", "--json", "x.json"])
+    write_json(str(data / "gpu_copy_h100_one.json"), gpu="NVIDIA H100 80GB HBM3", pools=["one"],
+               page_order="random", repeat=5, chunk_tokens=256, chunks=8, blocking=[],
+               pipelined=rows, gemm=None)
+    assert check(root, "--check").returncode == 1
+    assert check(root, "--write").returncode == 0, "render failed"
+    perf = (root / "docs" / "performance.md").read_text()
+    assert "| 0.50 | 0.60 | 0.70 |" in perf and "kvd bench --gpu --gpu-pool one --json x.json" in perf
+    assert check(root, "--check").returncode == 0
