@@ -13,32 +13,14 @@ tokens and logprobs as the engine that computed everything.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from daemons import wait_for
-from shm_files import arena_files
+from shm_files import flip_chunk
 from test_engine import NEEDS_VLLM, run_engine, same_outputs
 from test_models import CHUNK, HITS, PROMPTS, kvd_options, model  # noqa: F401 - the fixture
 
-from kvd.tiers.arena_index import HEADER, LIVE, RECORD_DTYPE
-
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), NEEDS_VLLM]
 BAD = 2  # the first prompt's chunk whose byte is flipped
-
-
-def flip_chunk(runtime_dir, n: int) -> None:
-    """Flip a byte of the ``n``-th shard stored (the index's records by their use clock)."""
-    files = arena_files(runtime_dir)
-    (index,) = [p for p in files if p.suffix == ".index"]
-    (arena,) = [p for p in files if p.suffix != ".index"]
-    table = np.frombuffer(index.read_bytes()[HEADER:], RECORD_DTYPE)
-    live = np.sort(table[table["state"] == LIVE], order="used")
-    at = int(live["offset"][n] + live["shard_bytes"][n] // 3)
-    with open(arena, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x5A]))
 
 
 def test_a_corrupt_chunk_is_recomputed_never_served(model, start_daemon, tmp_path):  # noqa: F811

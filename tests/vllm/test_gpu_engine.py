@@ -19,6 +19,9 @@ inside the step):
   prompt that differs only in its prefix (no hit) gives other logprobs;
 - the connector's counters, vLLM's prompt tokens by source and the daemon's
   counters agree on the hit.
+
+With ``verify_loads = on``, a byte flipped in the daemon's host tier is
+caught: the load stops before that chunk and vLLM recomputes the rest.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ import sys
 from pathlib import Path
 
 import engine_procs
+from daemons import wait_for
 from engine_procs import top_diff
 import pytest
+from shm_files import flip_chunk
 import tiny_llama
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -144,3 +149,32 @@ def check_pair(store: dict, load: dict) -> None:
     # vLLM's own connector-cache counter misses steps without request outputs (its offline
     # LLM records no stats for them): at most the hit, never more
     assert c.get("vllm:external_prefix_cache_hits", 0) <= hits, c
+
+
+def test_a_corrupt_host_chunk_is_recomputed_never_served(model, start_daemon, tmp_path):
+    """``verify_loads = on``: a byte flipped in the host tier after the store ends the load
+    before that chunk; vLLM recomputes the rest (the same first token), never reads it."""
+    daemon = start_daemon(gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB", gpu_copy_path="dma",
+                          verify_loads="on", client_timeout_s=30.0, heartbeat_interval_s=1.0)
+    kvd = {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 10.0, "async_load_min_tokens": ASYNC_MIN}
+    long = prompts("corrupt")["long"]
+
+    def spec(poison=None) -> dict:
+        return {"model": str(model), "kvd": kvd, "poison": poison, "batches": [[long]]}
+    (store,) = finish([spawn(tmp_path, "store-c", spec(), "v2")])
+    chunks, bad = HITS["long"] // CHUNK, 2
+
+    def host() -> dict:
+        return daemon.stats()["tiers"]["host"]["warm"]
+    wait_for(lambda: host()["sealed_shards"] >= chunks and host()["unsealed_shards"] == 0, 10,
+             "the checksums")
+    flip_chunk(daemon.runtime_dir, bad)
+    (load,) = finish([spawn(tmp_path, "load-c", spec(poison=0.75), "v1")])
+    a, b = store["prompts"][0], load["prompts"][0]
+    assert b["token"] == a["token"] and top_diff(a["logprobs"], b["logprobs"]) <= LOGPROB_TOL
+    good = bad * CHUNK // BLOCK  # the blocks before the corrupt chunk were loaded, exact
+    assert b["digests"][:good] == a["digests"][:good]
+    c = load["counters"]
+    assert c["vllm:kvd_hit_tokens"] == HITS["long"] and c["vllm:kvd_load_failures"] == 1, c
+    assert c["vllm:kvd_loaded_tokens"] == bad * CHUNK, c
+    assert daemon.stats()["host_corrupt_dropped"] == 1
