@@ -37,7 +37,9 @@ def test_a_corrupt_chunk_is_recomputed_never_served(model, start_daemon, tmp_pat
     flip_chunk(daemon.runtime_dir, BAD)
 
     second = run_engine(tmp_path, "load", {**spec, "phases": [{"prompts": PROMPTS}]})["phases"][0]
-    assert same_outputs(second, base), (second, base)
+    # a prefix recomputed in other batches than the storing engine's: decode logprobs drift by
+    # up to ~0.02 in bf16; the counters below prove the corrupt chunk was not served
+    assert same_outputs(second, base, tol=0.05), (second, base)
     c = second["counters"]
     assert c["vllm:kvd_hit_tokens"] == sum(HITS)  # the lookup found it: the load did not
     assert c["vllm:kvd_loaded_tokens"] == BAD * CHUNK + HITS[1]
