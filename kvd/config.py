@@ -159,8 +159,7 @@ KNOBS = (
     Knob("disk_high_watermark", "float", 0.9, "Host tier fill (fraction of host_capacity) above "
          "which the coldest chunks are copied to disk.", minimum=0.1),
     Knob("disk_min_hits", "int", 0, "Demote only chunks looked up at least this often (0: all); "
-         "kvd ctl flush-disk writes every chunk whatever this says.",
-         minimum=0),
+         "kvd ctl flush-disk writes every chunk whatever this says.", minimum=0),
     Knob("disk_gds", "bool", False, "Load disk-only chunks straight into GPU pages with GPU "
          "Direct Storage (KvikIO; its compatibility mode where the machine lacks GDS), verified on "
          "the GPU. Without KvikIO, a GPU or a disk tier: a log line, and the host tier path."),
@@ -209,6 +208,9 @@ KNOBS = (
     Knob("remote_mooncake_buffer_bytes", "size", 256 * 2**20, "Mooncake client's transfer "
          "buffer: values pass through it, so it must hold the chunks of remote_threads calls at "
          "once.", minimum=2**20),
+    Knob("remote_mooncake_zero_copy", "bool", True, "Register the host arena with Mooncake and "
+         "move chunks between it and the store without a copy (docs/cluster.md); false, or a "
+         "registration Mooncake refuses (logged once): values go through Python bytes."),
     Knob("quota", "quotas", (), "Caps and reservations per model and tenant, so one cannot evict "
          "everyone else's cache (docs/operations.md, Quotas): [[quota]] tables at the end of the "
          "file, in place of quota = [], of model (a registered model id), tenant (the label "

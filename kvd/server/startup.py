@@ -179,7 +179,8 @@ def make_remote(cfg, host, view):
             store = MooncakeStore(cfg.remote_address, cfg.remote_timeout_s,
                                   cfg.remote_mooncake_metadata, cfg.remote_mooncake_local_host,
                                   cfg.remote_mooncake_segment_bytes,
-                                  cfg.remote_mooncake_buffer_bytes)
+                                  cfg.remote_mooncake_buffer_bytes,
+                                  cfg.remote_mooncake_zero_copy)
     except ValueError as exc:
         raise ConfigError("remote_address", str(exc)) from None
     seal = Seal(cfg.remote_secret) if cfg.remote_secret else None

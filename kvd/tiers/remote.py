@@ -19,7 +19,11 @@ on separate CPU threads, never behind network calls, and is always waited
 for: it touches the arena. Failures are never raised to requests: ``exists_prefix``
 returns 0, ``get`` None, ``put`` None. ``known`` remembers (bounded, LRU)
 the names this node saw present, so chunks are not put twice.
-Runs on the event loop.
+``put_from`` and ``get_into`` are the zero-copy calls of a store that has
+them (Mooncake, kvd/tiers/remote_mooncake.py): the payload moves between
+registered arena memory and the store, and their ``on_done`` tells the
+caller when the thread left the call (an abandoned call may still read or
+write that memory until then). Runs on the event loop.
 """
 
 from __future__ import annotations
@@ -108,19 +112,32 @@ class RemoteTier:
             log.warning("remote store %s: %s", self.store.address, text)
         self.last_error = text
 
-    async def _run(self, fn, timeout: float, *args):
-        return await asyncio.wait_for(asyncio.wrap_future(self.net.submit(fn, *args)), timeout)
+    async def _run(self, fn, timeout: float, *args, on_done=None):
+        loop = asyncio.get_running_loop()
+        try:
+            job = self.net.submit(fn, *args)
+        except BaseException:
+            _soon(loop, on_done)
+            raise
+        if on_done is not None:
+            job.add_done_callback(lambda _: _soon(loop, on_done))
+        return await asyncio.wait_for(asyncio.wrap_future(job), timeout)
 
-    async def call(self, fn, *args, nbytes: int = 0):
-        """``fn(*args)`` on a network thread, through the breaker, within the timeout."""
+    async def call(self, fn, *args, nbytes: int = 0, on_done=None):
+        """``fn(*args)`` on a network thread, through the breaker, within the timeout.
+        ``on_done()`` runs on the loop exactly once, when ``fn`` returned (also after the
+        call was abandoned at its timeout), or at once when the call was refused."""
         if not self.breaker.allow():
             self.counters["skipped"] += 1
+            _soon(asyncio.get_running_loop(), on_done)
             raise RemoteUnavailable("breaker open")
         if self.net.busy >= self.net.size:
             self.counters["busy"] += 1
+            _soon(asyncio.get_running_loop(), on_done)
             raise RemoteUnavailable("every remote thread is busy")
         try:
-            result = await self._run(fn, self.timeout_s + nbytes / FLOOR_BYTES_S, *args)
+            result = await self._run(fn, self.timeout_s + nbytes / FLOOR_BYTES_S, *args,
+                                     on_done=on_done)
         except TimeoutError:
             self.counters["timeouts"] += 1
             self._failed(TimeoutError(f"no answer within {self.timeout_s:g} s"), fn)
@@ -207,7 +224,7 @@ class RemoteTier:
             self.forget(name)
         else:
             self.counters["gets"] += 1
-            self.counters["get_bytes"] += len(value)
+            self.counters["get_bytes"] += value if isinstance(value, int) else len(value)
 
     async def put(self, ns: bytes, key: bytes, value, checked: bool = False):
         """Store ``value`` unless the store has the chunk already (``checked``: the caller
@@ -228,6 +245,51 @@ class RemoteTier:
         self.counters["puts"] += 1
         self.counters["put_bytes"] += size
         return True
+
+    async def put_from(self, ns: bytes, key: bytes, head: bytes, ptr: int, size: int,
+                       checked: bool, on_done) -> bool | None:
+        """``put`` of a value whose payload is ``size`` bytes of registered memory at ``ptr``
+        (the store's ``put_from``), sent without a copy; ``on_done`` as ``call``'s: the
+        payload must stay as it is until then."""
+        name = self.name(ns, key)
+        try:
+            sent = await self.call(self._put_from, name, head, ptr, size, checked,
+                                   nbytes=size, on_done=on_done)
+        except RemoteUnavailable:
+            self.counters["puts_failed"] += 1
+            return None
+        if not sent:
+            self.there(name)
+            return False
+        self.remember(name)
+        self.counters["puts"] += 1
+        self.counters["zero_copy_puts"] += 1
+        self.counters["put_bytes"] += len(head) + size
+        return True
+
+    def _put_from(self, name: str, head: bytes, ptr: int, size: int, checked: bool) -> bool:
+        if not checked and self.store.exists([name])[0]:
+            return False
+        self.store.put_from(name, head, ptr, size)
+        return True
+
+    async def get_into(self, ns: bytes, key: bytes, head_len: int, ptr: int, size: int,
+                       on_done):
+        """A value's head, its payload fetched into registered memory at ``ptr`` (the store's
+        ``get_into``); None when absent or failed, an int (the stored size) when the value
+        has another size. ``on_done`` as ``call``'s: the memory may be written until then."""
+        name = self.name(ns, key)
+        try:
+            head = await self.call(self.store.get_into, name, head_len, ptr, size,
+                                   nbytes=size, on_done=on_done)
+        except RemoteUnavailable:
+            return None
+        if isinstance(head, bytes):
+            self.counters["zero_copy_gets"] += 1
+            self._got(name, memoryview(head).nbytes + size)
+        elif head is None:
+            self._got(name, None)
+        return head
 
     def _put(self, name: str, value) -> bool:
         self.store.put(name, value)
@@ -287,9 +349,19 @@ class RemoteTier:
         c = self.counters
         out = {"backend": self.store.name, "address": self.store.address, "prefix": self.prefix,
                "breaker": self.breaker.state, "breaker_opened": self.breaker.opened,
-               "last_error": self.last_error, "threads_busy": self.net.busy}
+               "last_error": self.last_error, "threads_busy": self.net.busy,
+               "zero_copy": getattr(self.store, "zero_copy", False)}
         for name in ("exists_calls", "gets", "get_bytes", "gets_missing", "puts", "put_bytes",
                      "puts_present", "puts_failed", "corrupt", "errors", "timeouts", "skipped",
-                     "busy", "probes", "probe_failures"):
+                     "busy", "probes", "probe_failures", "zero_copy_puts", "zero_copy_gets"):
             out[name] = c[name]
         return out
+
+
+def _soon(loop, fn) -> None:
+    """``fn()`` on ``loop`` from any thread; nothing when there is no ``fn`` or no loop."""
+    if fn is not None:
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop closed: the process is ending
+            pass

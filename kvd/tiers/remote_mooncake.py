@@ -21,17 +21,63 @@ reconnects to a restarted master by itself, and its data calls release
 the GIL. ``get`` cannot tell "absent" from "failed" (both give no bytes):
 either is a miss. The master's own objects are gone when it restarts
 without high availability: the remote tier is a cache.
+
+Zero-copy (``zero_copy``, on by default): ``lend(ptr, size)`` names the
+host arena before ``connect``; once set up, ``connect`` registers it and a
+small side buffer of value heads (``HEADS`` slots of ``HEAD_SLOT`` bytes)
+with ``register_buffer``, and ``put_from`` / ``get_into`` then move a value
+as two parts, its head through a head slot and its payload straight from or
+into arena memory (``batch_put_from_multi_buffers``,
+``batch_get_into_multi_buffers``: the stored object is the same header,
+tag and payload as a ``put`` of the packed value, so nodes on either path
+share values). ``zero_copy_off`` says why the path is off ("" when on:
+registration refused, a client without these calls, no arena lent, or the
+knob); it is logged once. A head slot is given back only when its call
+returned, never while an abandoned call may still use it; the caller keeps
+the arena bytes of a call alive the same way (kvd/tiers/remote_zero_copy.py).
+``get_into`` returns the head (bytes), None when the store lacks the value,
+or the stored value's size when it is not the size asked (a value of another
+geometry, or damaged: never copied anywhere); a failed transfer raises.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import threading
 from urllib.parse import urlsplit
+
+import numpy as np
 
 from kvd.tiers.remote_store import RemoteError
 
+log = logging.getLogger("kvd")
 DEFAULT_METADATA_PORT = 8080
+HEADS, HEAD_SLOT = 256, 128  # value heads in flight at once, and the bytes of one (92 + 32 tag)
+NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
+ZERO_COPY_CALLS = ("register_buffer", "unregister_buffer", "batch_put_from_multi_buffers",
+                   "batch_get_into_multi_buffers")
+
+
+class HeadSlots:
+    """Registered memory for the heads of values in flight; any thread takes and gives."""
+
+    def __init__(self):
+        self.buf = np.zeros(HEADS * HEAD_SLOT, np.uint8)
+        self.ptr = self.buf.ctypes.data
+        self._free = list(range(HEADS))
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise RemoteError(f"all {HEADS} value head slots are in use")
+            return self._free.pop()
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
 
 
 def _host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
@@ -47,7 +93,7 @@ class MooncakeStore:
     name = "mooncake"
 
     def __init__(self, address: str, timeout_s: float, metadata: str = "", local_host: str = "",
-                 segment_bytes: int = 0, buffer_bytes: int = 256 << 20):
+                 segment_bytes: int = 0, buffer_bytes: int = 256 << 20, zero_copy: bool = True):
         self.master = _host_port(address)
         self.address = address
         self.metadata = metadata or f"http://{self.master[0]}:{DEFAULT_METADATA_PORT}/metadata"
@@ -56,6 +102,19 @@ class MooncakeStore:
         self.segment_bytes = segment_bytes
         self.buffer_bytes = buffer_bytes
         self.store = None
+        self.want_zero_copy = zero_copy
+        self.lent: tuple | None = None  # (pointer, bytes) of the host arena
+        self.heads = HeadSlots()
+        self.registered: list = []
+        self.zero_copy_off = "not connected"
+
+    @property
+    def zero_copy(self) -> bool:
+        return not self.zero_copy_off
+
+    def lend(self, ptr: int, size: int) -> None:
+        """The host arena, registered by ``connect`` for the zero-copy path."""
+        self.lent = (ptr, size)
 
     def _reachable(self) -> None:
         """Raise unless the master (and an HTTP metadata server) accept TCP connections."""
@@ -89,6 +148,38 @@ class MooncakeStore:
             store.close()
             raise RemoteError(f"Mooncake setup failed with code {rc}")
         self.store = store
+        self.zero_copy_off = self._register()
+        if self.zero_copy_off:
+            log.info("remote tier: Mooncake zero-copy path off (%s): values go through Python "
+                     "bytes", self.zero_copy_off)
+        else:
+            log.info("remote tier: Mooncake zero-copy path on: the host arena (%d bytes) is "
+                     "registered, chunks move straight between it and the store", self.lent[1])
+
+    def _register(self) -> str:
+        """Register the arena and the head slots: "" when done, else why not."""
+        if not self.want_zero_copy:
+            return "remote_mooncake_zero_copy = false"
+        if self.lent is None:
+            return "no host arena lent"
+        missing = [c for c in ZERO_COPY_CALLS if not hasattr(self.store, c)]
+        if missing:
+            return f"this Mooncake client lacks {', '.join(missing)}"
+        for ptr, size in (self.lent, (self.heads.ptr, self.heads.buf.nbytes)):
+            try:
+                rc = self.store.register_buffer(ptr, size)
+            except Exception as exc:  # noqa: BLE001 - any refusal means: no zero-copy
+                rc = f"{type(exc).__name__}: {exc}"
+            if rc != 0:
+                self._unregister(self.store)
+                return f"register_buffer of {size} bytes at {ptr:#x} failed: {rc}"
+            self.registered.append(ptr)
+        return ""
+
+    def _unregister(self, store) -> None:
+        for ptr in self.registered:
+            store.unregister_buffer(ptr)
+        self.registered.clear()
 
     def ping(self) -> None:
         code = self.store.health_check()
@@ -110,6 +201,38 @@ class MooncakeStore:
         if rc != 0:
             raise RemoteError(f"Mooncake put failed with code {rc}")
 
+    def put_from(self, name: str, head: bytes, ptr: int, size: int) -> None:
+        """Store ``head`` then the ``size`` arena bytes at ``ptr`` as one value."""
+        slot = self.heads.take()
+        try:
+            at = self.heads.ptr + slot * HEAD_SLOT
+            self.heads.buf[slot * HEAD_SLOT:slot * HEAD_SLOT + len(head)] = np.frombuffer(head,
+                                                                                       np.uint8)
+            rc = self.store.batch_put_from_multi_buffers([name], [[at, ptr]], [[len(head), size]])
+        finally:
+            self.heads.give(slot)
+        if not rc or rc[0] != 0:
+            raise RemoteError(f"Mooncake put_from failed with code {rc}")
+
+    def get_into(self, name: str, head_len: int, ptr: int, size: int):
+        """Fetch a value of ``head_len + size`` bytes: its head (returned) and its payload,
+        into the arena at ``ptr``; None when absent, the value's size when another."""
+        slot = self.heads.take()
+        try:
+            at = self.heads.ptr + slot * HEAD_SLOT
+            rc = self.store.batch_get_into_multi_buffers([name], [[at, ptr]], [[head_len, size]])
+            got = rc[0] if rc else -1
+            if got == head_len + size:
+                return self.heads.buf[slot * HEAD_SLOT:slot * HEAD_SLOT + head_len].tobytes()
+        finally:
+            self.heads.give(slot)
+        if got == NOT_FOUND:
+            return None
+        stored = self.store.get_size(name)  # a value of another size is never transferred
+        if stored >= 0 and stored != head_len + size:
+            return stored
+        raise RemoteError(f"Mooncake get_into failed with code {got}")
+
     def delete(self, name: str) -> None:
         self.store.remove(name)
 
@@ -120,5 +243,7 @@ class MooncakeStore:
         if self.store is None:
             return
         store, self.store = self.store, None
+        self.zero_copy_off = "closed"
         self._reachable()
+        self._unregister(store)
         store.close()

@@ -36,6 +36,12 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   ``seal``, the keyed tag of ``remote_secret``) while copying it in and
   commits; any failure aborts the reservation (a miss, never wrong bytes), and
   a value that fails verification is counted and deleted from the store.
+- **Zero-copy** (a store with a registered arena, Mooncake:
+  kvd/tiers/remote_zero_copy.py): puts send the payload from the host slot
+  (pinned until the store's call returned) and fetches land in a reserved
+  host slot, verified there before the entry is committed; no payload
+  goes through Python bytes. Fetches whose geometry is not known yet (a
+  namespace no store or layout of this node named) take the bytes path.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import logging
 from collections import Counter
 
 from kvd.tiers.chunk_file import ChunkCorrupt
+from kvd.tiers import remote_zero_copy as zero_copy
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
 from kvd.tiers.remote_buffers import ValueBuffers
@@ -65,6 +72,9 @@ class RemoteTiering:
         self.host = host
         self.remote = remote
         self.view = view  # the arena's bytes (numpy uint8)
+        self.base = view.ctypes.data
+        if hasattr(remote.store, "lend"):  # registered by the store for the zero-copy path
+            remote.store.lend(self.base, view.nbytes)
         self.publish = publish
         self.queue_chunks = queue_chunks
         self.seal = seal  # remote_secret: values carry a keyed tag, and need a valid one
@@ -74,6 +84,12 @@ class RemoteTiering:
         # threads: at most a quarter put, half fetch, the rest answer lookups' exists calls
         self.parallel(max(1, remote.net.size // 4), max(1, remote.net.size // 2))
         self.counters: Counter = Counter()
+
+    @property
+    def zero_copy(self) -> bool:
+        """Chunks move between the arena and the store without copies (the store registered
+        the arena; kvd/tiers/remote_zero_copy.py)."""
+        return getattr(self.remote.store, "zero_copy", False)
 
     def parallel(self, puts: int, fetches: int) -> None:
         """At most ``puts`` puts and ``fetches`` fetches in flight (twice ``puts`` values
@@ -147,6 +163,10 @@ class RemoteTiering:
         async with self.pack_slots:  # packed values in memory: at most twice the puts
             if self.host.entries.get(entry.key) is not entry or not entry.ready:
                 self.counters["publish_lost"] += 1  # evicted while queued
+                return
+            if self.zero_copy:
+                sent = await zero_copy.publish(self, entry, cold, present is not None)
+                self.counters["published"] += bool(sent)
                 return
             value = await self._pack(entry, cold)
             async with self.put_slots:  # the next value packs while this one is sent
@@ -242,6 +262,8 @@ class RemoteTiering:
         if entry is not None:  # whose it is, the reader's ``hold_ready`` checks
             return entry.ready
         expect = shard_bytes or self.shard_bytes.get(ns, 0)  # the fetch's timeout grows with it
+        if self.zero_copy and expect and batch is None:
+            return await zero_copy.promote(self, ns, key, shards, expect)
         if batch is not None:  # shared by the batch's promotions
             value = (await asyncio.shield(batch)).get(key)
         else:

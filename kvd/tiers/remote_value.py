@@ -35,6 +35,12 @@ Contracts:
 - ``copy_verified`` recomputes the payload digest (and with a seal the
   tag), then copies the payload into ``dest``; ``ChunkCorrupt`` leaves
   ``dest`` untouched.
+- The zero-copy path (kvd/tiers/remote_zero_copy.py) sends and fetches a
+  value in two parts, its head (header and tag, ``head_bytes``) and its
+  payload, with no copy of the payload: ``make_head`` is the head of a
+  payload (digest and tag computed where the payload lies), and
+  ``verify_in_place`` checks a fetched head and the payload already in a
+  host slot nobody can see yet (``ChunkCorrupt``: the caller frees it).
 """
 
 from __future__ import annotations
@@ -87,20 +93,30 @@ def value_bytes(payload_bytes: int, seal: Seal | None = None) -> int:
     return HEADER.size + tag_bytes(seal) + payload_bytes
 
 
+def head_bytes(seal: Seal | None = None) -> int:
+    """Bytes of a value before its payload: the header, then the tag of a seal."""
+    return HEADER.size + tag_bytes(seal)
+
+
+def make_head(ns: bytes, key: bytes, payload, shards: int, shard_bytes: int,
+              seal: Seal | None = None) -> bytes:
+    """Header (and tag) of the value of ``payload``, read where it lies."""
+    src = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
+    header = pack_header(ns, key, src.nbytes, shards, shard_bytes, payload_digest(src))
+    return header if seal is None else header + seal.tag(header, src)
+
+
 def pack(ns: bytes, key: bytes, payload, shards: int, shard_bytes: int,
          seal: Seal | None = None, out: bytearray | None = None) -> memoryview:
     """The value of one chunk (a view of a new buffer, or of the first ``value_bytes`` of
     ``out``): header, tag (with a seal), then a copy of ``payload``."""
     src = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
-    start = HEADER.size + tag_bytes(seal)
+    start = head_bytes(seal)
     if out is None:
         out = bytearray(start + src.nbytes)
     elif len(out) < start + src.nbytes:
         raise ValueError(f"a {len(out)}-byte buffer cannot hold a {start + src.nbytes}-byte value")
-    header = pack_header(ns, key, src.nbytes, shards, shard_bytes, payload_digest(src))
-    out[:HEADER.size] = header
-    if seal is not None:
-        out[HEADER.size:start] = seal.tag(header, src)
+    out[:start] = make_head(ns, key, src, shards, shard_bytes, seal)
     np.copyto(np.frombuffer(out, np.uint8, src.nbytes, start), src)  # releases the GIL
     return memoryview(out)[:start + src.nbytes]
 
@@ -109,27 +125,51 @@ def parse(value, ns: bytes, key: bytes, seal: Seal | None = None) -> ChunkHeader
     """The verified header of ``value`` (a chunk of ``ns``/``key``); payload and tag
     unchecked."""
     view = memoryview(value).cast("B")
-    head = unpack_header(view[:HEADER.size])
+    return _check_head(view[:HEADER.size], ns, key, seal, view.nbytes)
+
+
+def _check_head(header, ns: bytes, key: bytes, seal: Seal | None, nbytes: int) -> ChunkHeader:
+    head = unpack_header(header)
     if head.ns != ns or head.key != key:
         raise ChunkCorrupt("value names another chunk")
-    want = HEADER.size + tag_bytes(seal) + head.length
-    if view.nbytes != want:
-        raise ChunkCorrupt(f"value is {view.nbytes} bytes, its header says {want}"
+    want = head_bytes(seal) + head.length
+    if nbytes != want:
+        raise ChunkCorrupt(f"value is {nbytes} bytes, its header says {want}"
                            + ("" if seal is None else " with a keyed tag"))
     return head
+
+
+def _check_payload(head_view, head: ChunkHeader, payload, seal: Seal | None) -> None:
+    if payload_digest(payload) != head.digest:
+        raise ChunkCorrupt("payload checksum mismatch")
+    if seal is not None and not hmac.compare_digest(head_view[HEADER.size:],
+                                                    seal.tag(head_view[:HEADER.size], payload)):
+        raise ChunkCorrupt("keyed tag mismatch: not written by a node with this remote_secret")
+
+
+def verify_in_place(head, ns: bytes, key: bytes, shards: int, shard_bytes: int, payload,
+                    seal: Seal | None = None) -> ChunkHeader:
+    """Check a fetched value's ``head`` (``head_bytes``) against ``ns``/``key`` and the
+    geometry, and its payload digest (and tag) over ``payload``, where the payload landed."""
+    view = memoryview(head).cast("B")
+    body = memoryview(payload).cast("B")
+    if view.nbytes != head_bytes(seal):
+        raise ChunkCorrupt(f"a head of {view.nbytes} bytes, {head_bytes(seal)} expected")
+    parsed = _check_head(view[:HEADER.size], ns, key, seal, view.nbytes + body.nbytes)
+    if parsed.shards != shards or parsed.shard_bytes != shard_bytes:
+        raise ChunkCorrupt(f"{parsed.shards} shards of {parsed.shard_bytes} bytes, this "
+                           f"namespace has {shards} of {shard_bytes}")
+    _check_payload(view, parsed, body, seal)
+    return parsed
 
 
 def copy_verified(value, head: ChunkHeader, dest, seal: Seal | None = None) -> None:
     """Check the payload digest of ``value`` (parsed as ``head``) and, with a seal, its tag;
     then copy the payload into ``dest``."""
     view = memoryview(value).cast("B")
-    start = HEADER.size + tag_bytes(seal)
+    start = head_bytes(seal)
     payload = view[start:start + head.length]
-    if payload_digest(payload) != head.digest:
-        raise ChunkCorrupt("payload checksum mismatch")
-    if seal is not None and not hmac.compare_digest(view[HEADER.size:start],
-                                                    seal.tag(view[:HEADER.size], payload)):
-        raise ChunkCorrupt("keyed tag mismatch: not written by a node with this remote_secret")
+    _check_payload(view[:start], head, payload, seal)
     out = np.frombuffer(memoryview(dest).cast("B"), np.uint8)
     if out.nbytes != head.length:
         raise ChunkCorrupt(f"payload is {head.length} bytes, the slot {out.nbytes}")

@@ -1,0 +1,124 @@
+"""The zero-copy Mooncake path against a real ``mooncake_master`` and real daemons.
+
+Each daemon registers its host arena with its Mooncake client
+(kvd/tiers/remote_mooncake.py) and moves chunks between the arena and the
+store with Mooncake's multi-buffer batch calls (kvd/tiers/remote_zero_copy.py);
+``kvd stats`` shows it (``zero_copy``, ``zero_copy_puts``, ``zero_copy_gets``)
+and its log says so once. Proved here, engines checking every loaded byte
+against the storer's seed (tests/workers_disk.py): two daemons share chunks
+byte for byte on the zero-copy path; a value damaged in the store (a
+payload byte, a header byte, a value of another size) is a miss, counted
+and never served, and its host slot is freed; a daemon with the path off
+(``remote_mooncake_zero_copy = false``, the bytes path a failed
+registration also falls back to) says why once and shares chunks both ways
+with a zero-copy one (the stored values are the same). Skipped, with the
+reason, without the Mooncake wheel or ``libibverbs.so.1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import workers_disk as D
+import workers_remote as R
+from remote_servers import MooncakeMaster
+from test_remote_tier import PREFIX, SPEC, corrupt, node, remote, wait_remote
+
+CHUNK = D.CHUNK
+ON = "Mooncake zero-copy path on"
+OFF = "Mooncake zero-copy path off (remote_mooncake_zero_copy = false)"
+
+
+@pytest.fixture
+def store():
+    why = MooncakeMaster.missing()
+    if why:
+        pytest.skip(why)
+    server = MooncakeMaster().start()
+    server.backend = "mooncake"
+    yield server
+    server.stop()
+
+
+def rewrite(store, names: list, change) -> None:
+    """Replace each value by ``change(bytearray of it)``, through Mooncake's own client."""
+    from mooncake.store import MooncakeDistributedStore
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", store.address) == 0
+    try:
+        for name in names:
+            value = change(bytearray(client.get(name)))
+            assert client.remove(name, True) == 0 and client.put(name, bytes(value)) == 0
+    finally:
+        client.close()
+
+
+def test_two_daemons_share_chunks_byte_exact_on_the_zero_copy_path(store, start_daemon, procs):
+    a, b = node(start_daemon, store), node(start_daemon, store)
+    for d in (a, b):
+        assert remote(d)["zero_copy"] is True
+        assert d.log().count(ON) == 1
+    count, chunks, model = 3, 4, "remote/zero-copy/share"
+    n = count * chunks
+    assert procs.apply(D.store_seqs, (str(a.runtime_dir), SPEC, 41, count, chunks, model,
+                                      False)) == n * CHUNK
+    sent = wait_remote(a, lambda r: r["puts"] == n, "node A's puts")
+    assert sent["zero_copy_puts"] == n and sent["puts_failed"] == 0
+    got = procs.apply(D.load_seqs, (str(b.runtime_dir), SPEC, 41, count, chunks, model))
+    assert got == [(chunks * CHUNK, chunks * CHUNK)] * count  # bytes checked in the worker
+    r = remote(b)
+    assert r["zero_copy_gets"] == r["gets"] == r["promotions"] == n
+    assert r["corrupt"] == 0 and r["errors"] == 0 and r["timeouts"] == 0
+    assert b.stats()["remote_hits"] == n
+    for d in (a, b):
+        assert d.stop() == 0
+
+
+def test_a_damaged_value_is_a_miss_never_served_and_its_slot_is_freed(store, start_daemon,
+                                                                      procs):
+    """Three chunks of one sequence, each damaged in the store another way: a payload byte, a
+    header byte, a byte cut off. The lookup trusts the store's exists answer; the load
+    fetches, refuses and loads nothing: its pages keep their poison (checked in the worker)."""
+    a, b = node(start_daemon, store), node(start_daemon, store)
+    ra, rb, model = str(a.runtime_dir), str(b.runtime_dir), "remote/zero-copy/damaged"
+    names = procs.apply(R.store_names, (ra, SPEC, 43, 3, 1, model, PREFIX))
+    assert procs.apply(D.store_seqs, (ra, SPEC, 43, 3, 1, model, False)) == 3 * CHUNK
+    wait_remote(a, lambda r: r["puts"] == 3, "node A's puts")
+
+    def flip(at: int):
+        def change(value: bytearray) -> bytearray:
+            value[at] ^= 0x40
+            return value
+        return change
+    rewrite(store, names[:1], flip(-1))  # the payload's last byte
+    rewrite(store, names[1:2], flip(40))  # inside the header's key
+    rewrite(store, names[2:], lambda v: v[:-1])  # a value of another size
+    got = procs.apply(D.load_seqs, (rb, SPEC, 43, 3, 1, model))
+    assert got == [(CHUNK, 0)] * 3  # the store said yes; verification said no
+    r = wait_remote(b, lambda r: r["corrupt"] == 3, "the three values counted corrupt")
+    assert r["promotions"] == 0 and r["zero_copy_gets"] == 2  # the short one never moved
+    host = b.stats()["tiers"]["host"]
+    assert host["chunks"] == host["entries"] == host["used_bytes"] == 0  # every reserved slot was freed
+    assert "failed verification" in b.log()
+    # node A still holds the good bytes: a load there is exact
+    assert procs.apply(D.load_seqs, (ra, SPEC, 43, 3, 1, model)) == [(CHUNK, CHUNK)] * 3
+
+
+def test_a_daemon_without_the_path_falls_back_and_shares_both_ways(store, start_daemon, procs):
+    """The bytes path (what a refused registration falls back to) and the zero-copy path put
+    the same values: each node loads what the other stored, byte for byte."""
+    plain = node(start_daemon, store, remote_mooncake_zero_copy="false")
+    fast = node(start_daemon, store)
+    assert remote(plain)["zero_copy"] is False and plain.log().count(OFF) == 1
+    assert ON not in plain.log() and remote(fast)["zero_copy"] is True
+    rp, rf, model = str(plain.runtime_dir), str(fast.runtime_dir), "remote/zero-copy/fallback"
+    assert procs.apply(D.store_seqs, (rp, SPEC, 45, 2, 3, model, False)) == 6 * CHUNK
+    wait_remote(plain, lambda r: r["puts"] == 6, "the plain node's puts")
+    assert procs.apply(D.load_seqs, (rf, SPEC, 45, 2, 3, model)) == [(3 * CHUNK, 3 * CHUNK)] * 2
+    assert remote(fast)["zero_copy_gets"] == 6
+    assert procs.apply(D.store_seqs, (rf, SPEC, 46, 2, 3, model, False)) == 6 * CHUNK
+    wait_remote(fast, lambda r: r["zero_copy_puts"] == 6, "the zero-copy node's puts")
+    assert procs.apply(D.load_seqs, (rp, SPEC, 46, 2, 3, model)) == [(3 * CHUNK, 3 * CHUNK)] * 2
+    r = remote(plain)
+    assert r["gets"] == r["promotions"] == 6 and r["zero_copy_gets"] == r["zero_copy_puts"] == 0
+    for d in (plain, fast):
+        assert d.stop() == 0
