@@ -3,15 +3,20 @@
 For each store of ``--remote-stores`` (``redis``: a ``redis-server`` or
 ``valkey-server``; ``mooncake``: a ``mooncake_master`` with the TCP
 transport; both started on loopback by kvd/bench/stores.py, skipped with
-the reason when missing), ``--repeat`` rounds alternating which side goes
+the reason when missing), ``--repeat`` rounds rotating which side goes
 first: kvd's remote tier publishes ``--remote-chunks`` chunks of
-``--remote-chunk-mib`` MiB from a host tier (pack with header and digest,
-exists check, put) and promotes them back into fresh host slots (get,
-header check, digest verified while copying in), ``--remote-threads`` puts
-and fetches at a time; the store's own client (redis-py with its defaults;
-Mooncake's ``MooncakeDistributedStore``, the tier's own instance: one per
-process) puts and gets the same bytes on as many threads. Prints the
-median GB/s of each and kvd/client. Then the end-to-end load
+``--remote-chunk-mib`` MiB from a host tier (header and digest, exists
+check, put) and promotes them back into fresh host slots (get, header
+check, digest verified), ``--remote-threads`` puts and fetches at a time;
+the store's own client puts and gets the same bytes on as many threads.
+Redis: kvd's tier against redis-py with its defaults. Mooncake (Mooncake's
+``MooncakeDistributedStore``, the tier's own instance: one per process):
+kvd's zero-copy path (the host arena registered, kvd/tiers/remote_zero_copy.py)
+and its bytes path (``remote_mooncake_zero_copy = false``), against the
+client's ``put``/``get`` of bytes and its own zero-copy calls
+(``batch_put_from``/``batch_get_into`` of one object each, from and into
+registered memory). Prints the median GB/s of each and kvd's first side over
+the client's matching one. Then the end-to-end load
 (kvd/bench/remote_load.py, Redis): a prefix half local, half remote,
 against each half loaded alone. A benchmark: it asserts nothing about speed.
 """
@@ -35,6 +40,9 @@ from .stores import MooncakeMaster, RedisServer, mooncake_env
 
 NS = bytes(range(16))
 STORES = ("redis", "mooncake")
+SIDES = {"redis": ("kvd", "client"),
+         "mooncake": ("kvd zero-copy", "kvd bytes", "client bytes", "client zero-copy")}
+MATCH = {"redis": "client", "mooncake": "client zero-copy"}  # what kvd's first side is set against
 
 
 class BenchFailed(Exception):
@@ -75,8 +83,8 @@ def run(args) -> int:
 def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, seal) -> dict:
     server = (RedisServer if name == "redis" else MooncakeMaster)().start()
     try:
-        view = np.zeros(2 * chunks * size, np.uint8)
-        host = HostTier(len(view), 4096)
+        view = np.zeros(3 * chunks * size, np.uint8)  # the last third: the client's own memory
+        host = HostTier(2 * chunks * size, 4096)
         return asyncio.run(_rounds(server, name, view, host, chunks, size, threads, repeat, seal))
     finally:
         server.stop()
@@ -89,30 +97,35 @@ def _tier_store(server, name: str, nbytes: int, repeat: int):
     import os
     os.environ.update(mooncake_env())
     from kvd.tiers.remote_mooncake import MooncakeStore
-    # its segment holds both sides' values of every round (a removed value's space may come
+    # its segment holds every side's values of every round (a removed value's space may come
     # back only after its lease ends)
     return MooncakeStore(server.address, 5.0, server.metadata, "127.0.0.1",
-                         2 * (repeat + 1) * nbytes + (64 << 20), 64 << 20)
+                         len(SIDES[name]) * (repeat + 1) * nbytes + (64 << 20), 64 << 20)
 
 
 async def _rounds(server, name, view, host, chunks, size, threads, repeat, seal) -> dict:
     remote = RemoteTier(_tier_store(server, name, chunks * size, repeat), "bench", 5.0, 2 * threads + 2,
                         3, 1.0)
-    runs: dict = {"kvd put": [], "kvd get": [], "client put": [], "client get": []}
+    sides = SIDES[name]
+    runs: dict = {f"{side} {d}": [] for side in sides for d in ("put", "get")}
     tiering = RemoteTiering(host, remote, view, "store", chunks, seal)
     tiering.parallel(threads, threads)  # as many as the client side (the daemon: 1/4, 1/2)
     tiering.start()
     try:
         while not remote.breaker.allow():
             await asyncio.sleep(0.01)
-        raw = _raw_client(server, name, remote, threads)
+        if name == "mooncake" and not tiering.zero_copy:
+            raise BenchFailed(f"the zero-copy path is off: {remote.store.zero_copy_off}")
         for r in range(repeat):
             entries = _fill(host, view, chunks, size, r)
             values = [bytes(view[e.offset:e.offset + size]) for e in entries]
-            for side in (("kvd", "client") if r % 2 == 0 else ("client", "kvd")):
-                if side == "kvd":
-                    put_s, get_s = await _tier_round(tiering, host, entries)
+            for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+                if side.startswith("kvd"):  # the entries the last kvd side fetched back
+                    entries = [host.entries[e.key] for e in entries]
+                    put_s, get_s = await _tier_round(tiering, host, entries, side == "kvd bytes")
                 else:
+                    raw = _raw_client(server, name, remote, threads, view[2 * chunks * size:],
+                                      side == "client zero-copy")
                     put_s, get_s = await asyncio.to_thread(raw, values, r)
                 runs[f"{side} put"].append(chunks * size / put_s / 1e9)
                 runs[f"{side} get"].append(chunks * size / get_s / 1e9)
@@ -132,7 +145,21 @@ def _fill(host: HostTier, view: np.ndarray, n: int, size: int, round_: int) -> l
     return [e for _, e in todo]
 
 
-async def _tier_round(tiering: RemoteTiering, host: HostTier, entries: list) -> tuple:
+async def _tier_round(tiering: RemoteTiering, host: HostTier, entries: list,
+                      bytes_path: bool) -> tuple:
+    """(put s, get s) of kvd's tier; ``bytes_path``: with the zero-copy path switched off."""
+    store = tiering.remote.store
+    off = getattr(store, "zero_copy_off", None)
+    if bytes_path:
+        store.zero_copy_off = "kvd bench: the bytes path"
+    try:
+        return await _tier_moves(tiering, host, entries)
+    finally:
+        if bytes_path:
+            store.zero_copy_off = off
+
+
+async def _tier_moves(tiering: RemoteTiering, host: HostTier, entries: list) -> tuple:
     t0 = time.perf_counter()
     tiering.stored(entries)
     await asyncio.gather(*list(tiering.publishing.values()))
@@ -145,13 +172,24 @@ async def _tier_round(tiering: RemoteTiering, host: HostTier, entries: list) -> 
     host.unpin(got)
     if len(got) != len(keys):
         raise BenchFailed(f"kvd fetched {len(got)} of {len(keys)} chunks: {tiering.stats()}")
-    for key in keys:
-        await tiering.remote.call(tiering.remote.store.delete, tiering.remote.name(NS, key))
+    for key in keys:  # gone: the next side puts them again
+        await tiering.remote.call(_remover(tiering.remote.store), tiering.remote.name(NS, key))
+        tiering.remote.forget(tiering.remote.name(NS, key))
     return put_s, get_s
 
 
-def _raw_client(server, name: str, remote: RemoteTier, threads: int):
-    """round(values, r) -> (put s, get s): the store's own client, ``threads`` at a time."""
+def _remover(store):
+    """Delete at once (Mooncake: ``force``, its lease would keep the value a few seconds)."""
+    if store.name == "mooncake":
+        return lambda name: store.store.remove(name, True)
+    return store.delete
+
+
+def _raw_client(server, name: str, remote: RemoteTier, threads: int, own: np.ndarray,
+                zero_copy: bool):
+    """round(values, r) -> (put s, get s): the store's own client, ``threads`` at a time;
+    ``zero_copy``: Mooncake's put_from/get_into from and into ``own`` (registered memory:
+    the arena's tail), one object a call."""
     if name == "redis":
         import redis
         client = redis.Redis.from_url(server.url, max_connections=threads + 1)
@@ -164,7 +202,9 @@ def _raw_client(server, name: str, remote: RemoteTier, threads: int):
             store.remove(name, True)
 
     def round_(values: list, r: int) -> tuple:
-        names = [f"raw/{r}/{i}" for i in range(len(values))]
+        names = [f"raw/{r}/{zero_copy:d}/{i}" for i in range(len(values))]
+        if zero_copy:
+            return _zero_copy_round(remote.store.store, names, values, own, threads)
         with ThreadPoolExecutor(threads) as pool:
             t0 = time.perf_counter()
             list(pool.map(put, names, values))
@@ -180,12 +220,38 @@ def _raw_client(server, name: str, remote: RemoteTier, threads: int):
     return round_
 
 
+def _zero_copy_round(store, names: list, values: list, own: np.ndarray, threads: int) -> tuple:
+    size = len(values[0])
+    for i, v in enumerate(values):
+        own[i * size:(i + 1) * size] = np.frombuffer(v, np.uint8)
+    ptrs = [own.ctypes.data + i * size for i in range(len(values))]
+
+    def put(name, ptr):
+        return store.batch_put_from([name], [ptr], [size])[0]
+
+    def get(name, ptr):
+        return store.batch_get_into([name], [ptr], [size])[0]
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        codes = list(pool.map(put, names, ptrs))
+        put_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = list(pool.map(get, names, ptrs))
+        get_s = time.perf_counter() - t0
+    if any(codes) or got != [size] * len(values):
+        raise BenchFailed(f"Mooncake's zero-copy calls failed: put {codes}, get {got}")
+    for name in names:
+        store.remove(name, True)
+    return put_s, get_s
+
+
 def _report(name: str, runs: dict, args) -> None:
     med = {k: statistics.median(v) for k, v in runs.items()}
+    sides, match = SIDES[name], MATCH[name]
     print(f"{name}: kvd's remote tier vs the store's own client on loopback, "
           f"{args.remote_chunks} chunks of {args.remote_chunk_mib:g} MiB, {args.remote_threads} "
-          f"at a time, median of {args.repeat}" + (", keyed" if args.remote_secret else ""))
-    print(f"{'direction':<10}{'kvd GB/s':>10}{'client GB/s':>13}{'kvd/client':>12}")
+          f"at a time, median of {args.repeat} GB/s" + (", keyed" if args.remote_secret else ""))
+    print(f"{'direction':<10}" + "".join(f"{s:>18}" for s in sides) + f"{sides[0] + '/' + match:>34}")
     for d in ("put", "get"):
-        print(f"{d:<10}{med['kvd ' + d]:>10.3f}{med['client ' + d]:>13.3f}"
-              f"{med['kvd ' + d] / med['client ' + d]:>12.2f}", flush=True)
+        print(f"{d:<10}" + "".join(f"{med[f'{s} {d}']:>18.3f}" for s in sides)
+              + f"{med[f'{sides[0]} {d}'] / med[f'{match} {d}']:>34.2f}", flush=True)
