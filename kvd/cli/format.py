@@ -91,6 +91,7 @@ def format_stats(s: dict) -> str:
 
 def _remote(r: dict, hits: int) -> str:
     keyed = " (keyed)" if r.get("keyed") else ""
+    keyed += " zero-copy" if r.get("zero_copy") else ""
     return (f"remote: {r['backend']} {r['address']} prefix {r['prefix']}{keyed}  breaker {r['breaker']} "
             f"(opened {r['breaker_opened']})  hits {hits}  fetched {r['gets']} "
             f"({size(r['get_bytes'])})  sent {r['puts']} ({size(r['put_bytes'])}, "

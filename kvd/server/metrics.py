@@ -66,6 +66,10 @@ REMOTE_COUNTERS = (  # (metric name, help, key of the remote tier's stats)
      "publish_dropped"),
     ("kvd_remote_breaker_opened_total", "Times the remote store's circuit breaker opened.",
      "breaker_opened"),
+    ("kvd_remote_zero_copy_puts_total", "Chunks sent from the host arena without a copy "
+     "(Mooncake's zero-copy path).", "zero_copy_puts"),
+    ("kvd_remote_zero_copy_gets_total", "Chunks fetched straight into host slots (Mooncake's "
+     "zero-copy path).", "zero_copy_gets"),
 )
 REMOTE_FAILURES = (("error", "errors"), ("timeout", "timeouts"), ("skipped", "skipped"),
                    ("busy", "busy"))
