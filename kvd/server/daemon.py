@@ -282,7 +282,8 @@ class Daemon:
 
     async def _finish_disk_io(self) -> None:
         """Disk and remote tier IO finish before the arena goes, within what is left of the
-        grace (remote calls stuck in a dead store are abandoned: they hold no arena bytes)."""
+        grace (remote calls stuck in a dead store are abandoned; a zero-copy one still points
+        into the arena, whose mapping the remote tier's view keeps until the process ends)."""
         left = self._left()
         try:
             if self.service is not None and self.service.remote is not None:
