@@ -36,8 +36,10 @@ class FullAttentionSpec:
     kv_quant_mode: object = None
 
 
+@dataclass(frozen=True)
 class SlidingWindowSpec(FullAttentionSpec):
-    pass
+    sliding_window: int = 64
+    extra_retained_tokens: int = 0
 
 
 class MambaSpec(FullAttentionSpec):
@@ -99,11 +101,12 @@ REFUSED = {
     "fp8-inc": (dict(cache_dtype="fp8_inc"), "'fp8_inc' is not supported"),
     "dynamic-scales": (dict(cache_dtype="fp8", calculate_kv_scales=True),
                        "calculate_kv_scales is not supported"),
-    "two-groups": (dict(groups=[group(NAMES[:1]), group(NAMES[1:], SlidingWindowSpec())]),
-                   "2 KV cache groups (FullAttentionSpec, SlidingWindowSpec)"),
-    "sliding-window": (dict(groups=[group(NAMES, SlidingWindowSpec())]),
-                       "SlidingWindowSpec layers (model.layers.0.self_attn.attn) are not"),
+    "group-block-sizes": (dict(groups=[group(NAMES[:1]),
+                                       group(NAMES[1:], SlidingWindowSpec(block_size=32))]),
+                          "KV cache groups have blocks of different sizes"),
     "mamba": (dict(groups=[group(NAMES, MambaSpec())]), "MambaSpec layers"),
+    "mamba-hybrid": (dict(groups=[group(NAMES[:1]), group(NAMES[1:], MambaSpec(block_size=999))]),
+                     "MambaSpec layers (model.layers.1.self_attn.attn) are not supported (Mamba"),
     "mixed-heads": (dict(groups=[group(NAMES, UniformTypeKVCacheSpecs({
         NAMES[0]: FullAttentionSpec(), NAMES[1]: FullAttentionSpec(num_kv_heads=4)}))]),
         "layers differ (model.layers.0.self_attn.attn: FullAttentionSpec 2 heads x 64 bfloat16"),

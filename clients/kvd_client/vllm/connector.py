@@ -25,6 +25,14 @@ from ``kv_connector_extra_config`` (kvd_client.vllm.settings). ``kv_role``
 vLLM's ``kv_load_failure_policy`` to its ``load_failure_policy`` option
 (``recompute``): a kvd failure costs a recompute, never a request.
 
+KV cache groups: the connector is ``SupportsHMA`` (where vLLM has it: 0.32),
+so vLLM keeps its hybrid KV cache manager on; each group (full attention,
+sliding window) is a kvd namespace of its own (kvd_client.vllm.groups), with
+one registration per group in the scheduler and in every worker. vLLM hands
+block ids per group (``request_finished_all_groups``) and takes the load
+failures of several groups per request (``get_transfer_results``'s
+``failed_recving``); without that API (vLLM 0.26) several groups are refused.
+
 CPU engines: ``get_mem_pool_context`` places vLLM's KV cache in a /dev/shm
 file kvd maps (kvd_client.vllm.shm_alloc), so kvd copies blocks with no
 staging copy; GPU engines register vLLM's CUDA tensors through CUDA IPC
@@ -52,6 +60,7 @@ from kvd_protocol.layout import TensorRef
 
 from . import layers, spec, support
 from .counters import Counters
+from .groups import kv_groups
 from .plan import StepPlan, WorkerReport
 from .pool import cuda_pool, host_pool
 from .scheduler import SchedulerSide
@@ -65,6 +74,17 @@ try:
     HIT_SOURCE = CacheHitSource.HOST
 except ImportError:  # vLLM 0.26 does not label hits
     HIT_SOURCE = None
+
+try:  # vLLM 0.32: several KV cache groups (the hybrid manager), failures per request
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults,
+        SupportsHMA,
+    )
+except ImportError:  # vLLM 0.26: one group (vLLM turns its hybrid manager off)
+    KVConnectorTransferResults = None
+
+    class SupportsHMA:  # noqa: D101 - a stand-in base that vLLM does not recognise
+        pass
 
 log = logging.getLogger("vllm.kvd")  # under vLLM's logger: its format and level
 LOAD_SLOTS = 256  # the most a flag page has: async loads in flight at once
@@ -93,7 +113,7 @@ class KvdHandshake(KVConnectorHandshakeMetadata):
     interior: str = ""
 
 
-class KvdConnector(KVConnectorBase_V1):
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     if HIT_SOURCE is not None:
         _cache_hit_source = HIT_SOURCE  # vLLM's metrics label kvd's hits as host-tier hits
 
@@ -114,7 +134,11 @@ class KvdConnector(KVConnectorBase_V1):
                                 shm_dir=self.settings.shm_dir).connect()
         self.sched = self.worker = self.alloc = self.geometry = None
         self.kv_scales, self._told_unattached, self.closed = "", False, False
-        names = spec.target_layers(vllm_config, kv_cache_config)[0]
+        self.groups, self.geometries = kv_groups(vllm_config, kv_cache_config), []
+        if len(self.groups) > 1 and KVConnectorTransferResults is None:
+            raise ValueError("kvd: several KV cache groups need vLLM's per-request load failures "
+                             "(vLLM 0.32); run vLLM with --disable-hybrid-kv-cache-manager")
+        names = spec.all_target_layers(vllm_config, kv_cache_config)
         scaled = spec.needs_scales(vllm_config, kv_cache_config)
         blocks = spec.gpu_blocks(vllm_config, kv_cache_config, self.settings.gpu_block_format)
         if role == KVConnectorRole.SCHEDULER:
@@ -123,26 +147,38 @@ class KvdConnector(KVConnectorBase_V1):
                 self._attach()  # else once the workers' handshake brought scales and order
         else:
             self.kv_scales = layers.kv_scales(vllm_config, names) if scaled else ""
-            self.geometry = spec.geometry(vllm_config, kv_cache_config, self.settings.model_id,
-                                          self.kv_scales, self.settings.gpu_block_format)
-            self.worker = WorkerSide(self.client, self.geometry, names, _tp_rank(), self.counters)
+            self._geometries()
+            fenced = frozenset(g for g, group in enumerate(self.groups) if group.window)
+            self.worker = WorkerSide(self.client, self.geometries,
+                                     [list(g.names) for g in self.groups], _tp_rank(),
+                                     self.counters, fenced)
             self._log_namespace()
+
+    def _geometries(self, interior: str = "") -> None:
+        """Each group's namespace; ``geometry``: the first group's."""
+        self.geometries = [spec.geometry(self._vllm_config, self._kv_cache_config,
+                                         self.settings.model_id, self.kv_scales,
+                                         self.settings.gpu_block_format, interior, group)
+                           for group in self.groups]
+        self.geometry = self.geometries[0]
 
     def _attach(self, kv_scales: str = "", interior: str = "") -> None:
         vllm_config, cfg = self._vllm_config, self._kv_transfer_config
-        self.geometry = spec.geometry(vllm_config, self._kv_cache_config, self.settings.model_id,
-                                      kv_scales, self.settings.gpu_block_format, interior)
-        reg = self.client.attach(**self.geometry.attach_fields())
+        self.kv_scales = kv_scales
+        self._geometries(interior)
+        regs = [self.client.attach(**g.attach_fields()) for g in self.geometries]
         stores = cfg.is_kv_producer and self.settings.store_policy != "off"
-        self.sched = SchedulerSide(self.client, reg, self.settings, self.geometry.block_size,
+        self.sched = SchedulerSide(self.client, regs, self.settings, self.geometry.block_size,
                                    loads=cfg.is_kv_consumer, stores=stores, counters=self.counters,
                                    layerwise_min_compute=2 + _speculative_tokens(vllm_config),
-                                   layerwise=not _prefills_in_full_graphs(vllm_config))
+                                   layerwise=not _prefills_in_full_graphs(vllm_config),
+                                   groups=self.groups)
         self._log_namespace()
 
     def _log_namespace(self) -> None:
-        log.info("kvd connector (%s): namespace %s, runtime dir %s", self.role.name,
-                 self.geometry.attach_fields(), self.client.runtime_dir)
+        for g in self.geometries:
+            log.info("kvd connector (%s): namespace %s, runtime dir %s", self.role.name,
+                     g.attach_fields(), self.client.runtime_dir)
 
     def get_handshake_metadata(self):
         """Worker: the fp8 scales' digest and the order inside whole GPU blocks, for the
@@ -197,18 +233,22 @@ class KvdConnector(KVConnectorBase_V1):
         return self.alloc
 
     def register_kv_caches(self, kv_caches):
-        tensors = [kv_caches[name] for name in self.worker.layer_index]
+        """One kvd pool per KV cache group: the group's layers (with several groups their
+        tensors share memory, each group's blocks being its own)."""
+        per_group = [[kv_caches[name] for name in g.names] for g in self.groups]
         blocks = self._kv_cache_config.num_blocks
         if self._vllm_config.device_config.device_type == "cpu":
             if self.alloc is None or self.alloc.tensor is None:
                 raise ValueError("kvd: on CPU, vLLM must allocate its KV cache inside the "
                                  "connector's get_mem_pool_context (vLLM 0.32 does)")
-            pool = host_pool(self.geometry, tensors, str(self.alloc.path), self.alloc.base,
-                             self.alloc.size, blocks)
+            pools = [host_pool(geo, tensors, str(self.alloc.path), self.alloc.base,
+                               self.alloc.size, blocks)
+                     for geo, tensors in zip(self.geometries, per_group)]
         else:
-            self._follow_tensors(tensors[0])
-            pool = cuda_pool(self.geometry, tensors, blocks)
-        self.worker.register(pool)
+            self._follow_tensors(per_group[0][0])
+            pools = [cuda_pool(geo, tensors, blocks)
+                     for geo, tensors in zip(self.geometries, per_group)]
+        self.worker.register(pools)
 
     def _follow_tensors(self, t) -> None:
         """Whole GPU blocks: the namespace names the order the tensors have (an attention
@@ -218,10 +258,8 @@ class KvdConnector(KVConnectorBase_V1):
         ref = TensorRef(0, 0, tuple(t.shape), tuple(t.stride()), 1)
         interior = spec.tensor_interior(ref) if len(ref.shape) == 4 else self.geometry.interior
         if interior != self.geometry.interior:
-            self.geometry = spec.geometry(self._vllm_config, self._kv_cache_config,
-                                          self.settings.model_id, self.kv_scales,
-                                          self.settings.gpu_block_format, interior)
-            self.worker.geo = self.geometry
+            self._geometries(interior)
+            self.worker.geos = list(self.geometries)
             self._log_namespace()
 
     def handle_preemptions(self, kv_connector_metadata):
@@ -243,6 +281,14 @@ class KvdConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids):
         return self.worker.finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids):
+        """vLLM 0.32: ``get_finished`` plus the requests whose async load failed (several
+        KV cache groups: vLLM recomputes them whole; one group reports blocks instead)."""
+        sending, recving = self.worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=self.worker.take_failed_recving())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors()
@@ -271,7 +317,11 @@ class KvdConnector(KVConnectorBase_V1):
                               meta.report if isinstance(meta, KvdWorkerMetadata) else None)
 
     def request_finished(self, request, block_ids):
-        return (self._attached() and self.sched.finished(request, block_ids)), None
+        return (self._attached() and self.sched.finished(request, (list(block_ids),))), None
+
+    def request_finished_all_groups(self, request, block_ids):
+        """vLLM's hybrid manager: the request's block ids per KV cache group."""
+        return (self._attached() and self.sched.finished(request, tuple(block_ids))), None
 
     # ==== both ========================================================================
 

@@ -4,6 +4,9 @@ Plain, picklable data (vLLM ships the step's metadata to worker processes):
 chunk keys are computed once, by the scheduler, with the same namespace the
 workers register, and travel as 16-byte strings with the block ids they go
 to or come from. A page list holds ``blocks_per_chunk`` block ids per key.
+``group`` is the item's KV cache group (its index in the connector's list,
+kvd_client.vllm.groups): each group has its own namespace and block ids.
+``StepPlan.namespace`` joins the groups' namespace digests.
 
 - ``LoadItem``: copy ``keys`` into ``pages``. ``pages[:scratch]`` are writes
   to throw away: the first chunk of a load that starts inside a local
@@ -32,6 +35,7 @@ class LoadItem:
     pages: list[int]
     scratch: int = 0
     layerwise: bool = True
+    group: int = 0
 
     def real_pages(self, from_chunk: int, blocks_per_chunk: int) -> set[int]:
         """The request's own blocks from chunk ``from_chunk`` of this load on."""
@@ -45,11 +49,12 @@ class StoreItem:
     pages: list[int]
     after_forward: bool = True
     tenant: str | None = None
+    group: int = 0
 
 
 @dataclass
 class StepPlan:
-    namespace: bytes = b""                      # the scheduler's namespace digest
+    namespace: bytes = b""                      # the scheduler's namespace digests, joined
     loads: list[LoadItem] = field(default_factory=list)
     stores: list[StoreItem] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)

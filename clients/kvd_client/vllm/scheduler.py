@@ -42,6 +42,16 @@ tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
   stored again once recomputed (a worker never stores what a step computed
   on top of a failed load: that KV is wrong).
 
+KV cache groups (vLLM's hybrid manager, kvd_client.vllm.groups): each
+group has its own namespace, keys, block ids and lookup; a hit is the
+shortest of the groups' (every group must hold its chunks), a load fills
+each group's blocks from the first one vLLM allocated for it (a
+sliding-window group: the window before the hit) and a store takes a
+sliding-window group's chunks only while vLLM still holds their blocks.
+With several groups every load is asynchronous (vLLM takes load failures
+of several groups per request only, ``failed_recving``) and starts on a
+chunk: a hit that cannot is not offered.
+
 Stores carry a tenant label for the daemon's quotas: the request's
 ``cache_salt`` (with ``salt_per_request``), else the configured ``salt``
 (kvd_protocol.wire.tenant_label); the salt itself is in the keys.
@@ -64,6 +74,7 @@ from kvd_protocol.keys import chain_root, chunk_keys, namespace_digest
 from kvd_protocol.wire import tenant_label
 
 from .counters import Counters
+from .groups import NULL_BLOCK, KVGroup
 from .plan import LoadItem, StepPlan, StoreItem, WorkerReport
 from .settings import Settings
 
@@ -76,27 +87,34 @@ class ReqState:
     request: object
     salt: str | None
     tenant: str | None = None  # the stores' label for the daemon's quotas
-    keys: list[bytes] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    lease: int | None = None
-    lookup: Lookup | None = None  # in flight, or answered and not yet read
+    keys: list[list[bytes]] = field(default_factory=list)     # per group
+    blocks: list[list[int]] = field(default_factory=list)     # per group
+    leases: list[int | None] = field(default_factory=list)   # per group, of the last answer
+    lookups: list[Lookup] | None = None  # per group: in flight, or answered and not yet read
     asked: int = 0          # chunks the last lookup asked for
     found: int = 0          # tokens it found
     found_at: float | None = None  # when it was answered (None: no answer to reuse)
     local: int = 0          # vLLM's own prefix-cache hit, tokens
     hit: int = 0            # local + what kvd adds, tokens
     asynchronous: bool = False
-    load: LoadItem | None = None
+    loads: list[LoadItem] = field(default_factory=list)  # per group, for the next step
     loading: bool = False   # an async load was sent and has not been reported
-    stored: int = 0         # chunks known to be in kvd (loaded or stored by this engine)
+    stored: list[int] = field(default_factory=list)  # per group: chunks known to be in kvd
     stores_sent: bool = False
     cacheable: bool = True  # token ids say it all (no images, no prompt embeddings)
 
 
 class SchedulerSide:
     def __init__(self, client, reg, settings: Settings, block_size: int, loads: bool, stores: bool,
-                 counters: Counters, layerwise_min_compute: int = 2, layerwise: bool = True):
-        self.client, self.reg, self.s = client, reg, settings
+                 counters: Counters, layerwise_min_compute: int = 2, layerwise: bool = True,
+                 groups: list[KVGroup] | None = None):
+        """``reg``: the namespace's registration, or one per group of ``groups`` (default: one
+        full-attention group, vLLM's group 0)."""
+        self.regs = list(reg) if isinstance(reg, (list, tuple)) else [reg]
+        self.groups = groups or [KVGroup(0, (), "FullAttentionSpec")]
+        if len(self.groups) != len(self.regs):
+            raise ValueError("kvd: one registration per KV cache group is needed")
+        self.client, self.reg, self.s = client, self.regs[0], settings
         self.layerwise_min_compute, self.layerwise = layerwise_min_compute, layerwise
         self.block_size, self.loads, self.stores = block_size, loads, stores
         self.counters = counters
@@ -114,7 +132,10 @@ class SchedulerSide:
     def _state(self, request) -> ReqState:
         st = self.reqs.get(request.request_id)
         if st is None:
-            st = ReqState(request, self._salt(request), self._tenant(request))
+            n = len(self.groups)
+            st = ReqState(request, self._salt(request), self._tenant(request),
+                          keys=[[] for _ in range(n)], blocks=[[] for _ in range(n)],
+                          leases=[None] * n, stored=[0] * n)
             st.cacheable = not getattr(request, "mm_features", None) \
                 and getattr(request, "prompt_embeds", None) is None
             self.reqs[request.request_id] = st
@@ -133,19 +154,20 @@ class SchedulerSide:
         cache_salt = getattr(request, "cache_salt", None) if self.s.salt_per_request else None
         return tenant_label(cache_salt or self.s.salt)
 
-    def _keys(self, st: ReqState, chunks: int) -> list[bytes]:
-        """The first ``chunks`` keys of the request (tokens only ever get appended)."""
-        have, c = len(st.keys), self.chunk
+    def _keys(self, st: ReqState, chunks: int, g: int = 0) -> list[bytes]:
+        """The first ``chunks`` keys of the request in group ``g`` (tokens only get appended)."""
+        keys, c = st.keys[g], self.chunk
+        have = len(keys)
         if chunks > have:
-            prev = st.keys[-1] if st.keys else chain_root(namespace_digest(self.reg.namespace), st.salt)
-            st.keys += chunk_keys(prev, list(st.request.all_token_ids[have * c:chunks * c]), c)
-        return st.keys[:chunks]
+            prev = keys[-1] if keys else chain_root(namespace_digest(self.regs[g].namespace), st.salt)
+            keys += chunk_keys(prev, list(st.request.all_token_ids[have * c:chunks * c]), c)
+        return keys[:chunks]
 
     # ---- admission --------------------------------------------------------------
 
     def matched(self, request, local: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        st.local, st.hit, st.load = local, local, None
+        st.local, st.hit, st.loads = local, local, []
         usable = self._usable(st, local)
         if not usable:
             self._forget(st)
@@ -161,32 +183,36 @@ class SchedulerSide:
         limit = (st.request.num_tokens - 1) // c  # whole chunks, and one token left to compute
         if not self.loads or not st.cacheable or limit * c <= local or c % self.block_size:
             return 0
-        usable = self._before_failed(self._keys(st, limit))
+        usable = min(self._before_failed(self._keys(st, limit, g)) for g in range(len(self.groups)))
         return usable if usable * c > local else 0
 
     def _found(self, st: ReqState, usable: int) -> int | None:
         """Tokens kvd holds of the first ``usable`` chunks; None while the lookup is out."""
-        if st.lookup is not None and st.lookup.poll() and self._stale(st.lookup.answered_at):
-            st.lookup.cancel()  # answered too long ago: its lease may lapse before the load
-            st.lookup = None
-        if st.lookup is None and not self._reusable(st, usable):
+        if st.lookups is not None and all(x.poll() for x in st.lookups) \
+                and any(self._stale(x.answered_at) for x in st.lookups):
+            self._cancel(st)  # answered too long ago: its lease may lapse before the load
+        if st.lookups is None and not self._reusable(st, usable):
             self._release(st)
             self.counters.add(lookups=1, lookup_tokens=usable * self.chunk - st.local)
             st.asked, st.found_at = usable, None
-            st.lookup = self.client.submit_lookup(ChunkKeys(st.keys[:usable]), self.s.lease_ms,
-                                                  reg=self.reg)
-        if st.lookup is not None:
-            if not self._wait(st.lookup):
+            st.lookups = [self.client.submit_lookup(ChunkKeys(keys[:usable]), self.s.lease_ms,
+                                                    reg=reg)
+                          for keys, reg in zip(st.keys, self.regs)]
+        if st.lookups is not None:
+            if not all(self._wait(x) for x in st.lookups):
                 return None
-            st.found, st.lease = st.lookup.result()
-            st.found_at, st.lookup = st.lookup.answered_at or time.monotonic(), None
+            answers = [x.result() for x in st.lookups]
+            st.leases = [lease for _, lease in answers]
+            st.found = min(found for found, _ in answers)  # every group must hold its chunks
+            st.found_at = min(x.answered_at or time.monotonic() for x in st.lookups)
+            st.lookups = None
         return st.found
 
     def _reusable(self, st: ReqState, usable: int) -> bool:
         """vLLM asks again (no blocks this step, a preemption): a recent answer for the same
         chunks stands while its lease is held (or it found nothing)."""
         return st.found_at is not None and st.asked == usable and not self._stale(st.found_at) \
-            and (st.lease is not None or st.found == 0)
+            and (all(lease is not None for lease in st.leases) or st.found == 0)
 
     def _stale(self, when: float | None) -> bool:
         return when is not None and time.monotonic() - when > self.s.lease_ms / 2e3
@@ -205,8 +231,12 @@ class SchedulerSide:
             self._release(st)
             return 0, False
         short = st.request.num_tokens - tokens < self.layerwise_min_compute
+        several = len(self.groups) > 1  # vLLM takes their failures per request: async only
         st.asynchronous = local % c == 0 and (tokens - local >= self.s.async_load_min_tokens
-                                              or short or not self.layerwise)
+                                              or short or not self.layerwise or several)
+        if st.asynchronous and not self._on_chunks(tokens) or several and not st.asynchronous:
+            self._release(st)  # an async load cannot throw writes away (no block of this step)
+            return 0, False
         if not st.asynchronous and short:
             tokens -= c  # a layer-wise load's step must not be a pure-decode one (a full CUDA graph)
         if not st.asynchronous and (tokens <= local or not self.layerwise):
@@ -215,6 +245,11 @@ class SchedulerSide:
         st.hit = tokens
         self.counters.add(hit_tokens=tokens - local)
         return tokens - local, st.asynchronous
+
+    def _on_chunks(self, tokens: int) -> bool:
+        """Whether every group's load of a hit of ``tokens`` starts on a chunk."""
+        bpc = self.chunk // self.block_size
+        return all(g.first_block(tokens, self.block_size) % bpc == 0 for g in self.groups)
 
     def _before_failed(self, keys: list[bytes]) -> int:
         now = time.monotonic()
@@ -237,30 +272,33 @@ class SchedulerSide:
             log.warning("kvd: vLLM allocated %d external tokens for %s, kvd offered %d; not loading",
                         external, request.request_id, st.hit - st.local)
             return
-        ids = list(blocks.get_block_ids()[0])
-        bs, c = self.block_size, self.chunk
-        first, last = st.local // c, st.hit // c
-        own = st.local // bs                       # the first block this load really fills
-        scratch = own - first * (c // bs)          # pages of the first chunk vLLM already holds
-        if scratch and len(ids) <= st.hit // bs:
-            log.warning("kvd: no block past the hit of %s to take scratch writes; not loading",
-                        request.request_id)
-            st.hit = st.local
-            return
-        pages = ([ids[st.hit // bs]] * scratch if scratch else []) + ids[own:st.hit // bs]
-        st.load = LoadItem(request.request_id, self._keys(st, last)[first:], pages, scratch,
-                           layerwise=not st.asynchronous)
-        st.stored = max(st.stored, last)
+        all_ids, bs, c = blocks.get_block_ids(), self.block_size, self.chunk
+        last, end, loads = st.hit // c, st.hit // bs, []
+        for g, group in enumerate(self.groups):
+            ids = list(all_ids[group.gid])
+            # the first block this load really fills: past the local hit, and in the window
+            own = max(st.local // bs, group.first_block(st.hit, bs))
+            first = own // (c // bs)
+            scratch = own - first * (c // bs)      # pages of the first chunk not to fill
+            if scratch and len(ids) <= end or NULL_BLOCK in ids[own:end]:
+                log.warning("kvd: no block past the hit of %s to take scratch writes, or a null "
+                            "block in it; not loading", request.request_id)
+                st.hit = st.local
+                return
+            pages = ([ids[end]] * scratch if scratch else []) + ids[own:end]
+            loads.append(LoadItem(request.request_id, self._keys(st, last, g)[first:], pages,
+                                  scratch, layerwise=not st.asynchronous, group=g))
+        st.loads, st.stored = loads, [max(n, last) for n in st.stored]
 
     # ---- each step ----------------------------------------------------------------
 
     def step(self, so) -> StepPlan:
         self.wait_left = self.s.lookup_wait_ms / 1e3  # the next step's lookups
-        plan = StepPlan(namespace_digest(self.reg.namespace))
+        plan = StepPlan(b"".join(namespace_digest(r.namespace) for r in self.regs))
         for st in self.reqs.values():
-            if st.load is not None:
-                plan.loads.append(st.load)
-                st.loading, st.load = not st.load.layerwise, None
+            if st.loads:
+                plan.loads += st.loads
+                st.loading, st.loads = not st.loads[0].layerwise, []
         self._track_blocks(so)
         if self.stores and self.s.store_policy == "all":
             self._store_computed(so, plan)
@@ -272,13 +310,15 @@ class SchedulerSide:
     def _track_blocks(self, so) -> None:
         for nr in so.scheduled_new_reqs:
             if nr.req_id in self.reqs:
-                self.reqs[nr.req_id].blocks = list(nr.block_ids[0])
+                self.reqs[nr.req_id].blocks = [list(nr.block_ids[g.gid]) for g in self.groups]
         cr = so.scheduled_cached_reqs
         for i, req_id in enumerate(cr.req_ids):
             st, new = self.reqs.get(req_id), cr.new_block_ids[i]
             if st is None or new is None:
                 continue
-            st.blocks = list(new[0]) if req_id in cr.resumed_req_ids else st.blocks + list(new[0])
+            resumed = req_id in cr.resumed_req_ids
+            st.blocks = [list(new[g.gid]) if resumed else st.blocks[k] + list(new[g.gid])
+                         for k, g in enumerate(self.groups)]
 
     def _store_computed(self, so, plan: StepPlan) -> None:
         computed = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
@@ -289,27 +329,35 @@ class SchedulerSide:
             if st is None or not self._worth_storing(st):
                 continue
             end = min(before + so.num_scheduled_tokens.get(req_id, 0), st.request.num_tokens)
-            item = self._store_item(st, end // self.chunk, st.blocks, after_forward=True)
-            if item is not None:
-                plan.stores.append(item)
+            for g, group in enumerate(self.groups):  # a window's blocks vLLM freed are not kept
+                held = group.held_chunk(before, self.block_size, self.chunk)
+                item = self._store_item(st, g, end // self.chunk, st.blocks[g], True, held)
+                if item is not None:
+                    plan.stores.append(item)
 
     def _worth_storing(self, st: ReqState) -> bool:
         return st.cacheable and st.request.num_prompt_tokens >= max(self.s.store_min_tokens, self.chunk)
 
-    def _store_item(self, st: ReqState, upto: int, blocks: list[int], after_forward: bool):
+    def _store_item(self, st: ReqState, g: int, upto: int, blocks: list[int], after_forward: bool,
+                    held: int = 0):
+        """Group ``g``'s chunks from the first not in kvd (and not before ``held``) to ``upto``."""
         bpc = self.chunk // self.block_size
         upto = min(upto, len(blocks) // bpc)
-        if upto <= st.stored:
+        start = max(st.stored[g], held)
+        if upto <= start:
             return None
-        item = StoreItem(st.request.request_id, self._keys(st, upto)[st.stored:],
-                         blocks[st.stored * bpc:upto * bpc], after_forward, st.tenant)
-        st.stored, st.stores_sent = upto, True
+        item = StoreItem(st.request.request_id, self._keys(st, upto, g)[start:],
+                         blocks[start * bpc:upto * bpc], after_forward, st.tenant, g)
+        st.stored[g], st.stores_sent = upto, True
         return item
 
     # ---- the end of a request, and the workers' news -------------------------------
 
-    def finished(self, request, block_ids: list[int]) -> bool:
-        """True: keep the blocks until the workers report the request."""
+    def finished(self, request, block_ids) -> bool:
+        """True: keep the blocks until the workers report the request. ``block_ids``: per
+        vLLM KV cache group (a tuple of lists), or group 0's list."""
+        if not block_ids or not isinstance(block_ids[0], (list, tuple)):
+            block_ids = (list(block_ids),)
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False
@@ -318,9 +366,14 @@ class SchedulerSide:
             return True  # the load lands in these blocks; finished_recving frees them
         if self.stores and self.s.store_policy == "finish" and self._worth_storing(st):
             computed = min(request.num_computed_tokens, request.num_tokens)
-            item = self._store_item(st, computed // self.chunk, list(block_ids), after_forward=False)
-            if item is not None:
-                self.finish_stores.append(item)
+            bpc = self.chunk // self.block_size
+            for g, group in enumerate(self.groups):
+                ids = list(block_ids[group.gid])
+                nulls = [i for i, b in enumerate(ids) if b == NULL_BLOCK]  # freed window blocks
+                held = (nulls[-1] // bpc + 1) if nulls else 0
+                item = self._store_item(st, g, computed // self.chunk, ids, False, held)
+                if item is not None:
+                    self.finish_stores.append(item)
         return st.stores_sent
 
     def update(self, finished_recving, report: WorkerReport | None) -> None:
@@ -336,20 +389,25 @@ class SchedulerSide:
             self.failed.clear()
         self.failed.update(dict.fromkeys(report.failed_keys, until))
         for st in self.reqs.values():  # those chunks are not in kvd: store them once recomputed
-            bad = [i for i, key in enumerate(st.keys[:st.stored]) if key in report.failed_keys]
-            if bad:
-                st.stored = bad[0]
+            for g, keys in enumerate(st.keys):
+                bad = [i for i, key in enumerate(keys[:st.stored[g]]) if key in report.failed_keys]
+                if bad:
+                    st.stored[g] = bad[0]
 
     def _release(self, st: ReqState) -> None:
-        if st.lease is not None:
-            self.client.release(st.lease, wait=False)  # never stalls a step; a lost one expires
-            st.lease = None
+        for lease in st.leases:
+            if lease is not None:  # never stalls a step; a lost release expires
+                self.client.release(lease, wait=False)
+        st.leases = [None] * len(self.groups)
+
+    def _cancel(self, st: ReqState) -> None:
+        for lookup in st.lookups or ():
+            lookup.cancel()
+        st.lookups = None
 
     def _forget(self, st: ReqState) -> None:
         """Drop the request's lookup state; a lease still to come is released on arrival."""
-        if st.lookup is not None:
-            st.lookup.cancel()
-            st.lookup = None
+        self._cancel(st)
         st.found_at = None
         self._release(st)
 

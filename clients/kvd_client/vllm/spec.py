@@ -1,8 +1,9 @@
 """``KVGeometry`` from vLLM's configs, the same in the scheduler and every worker.
 
 Reads ``VllmConfig`` and ``KVCacheConfig`` by attribute (vLLM 0.26 to 0.32),
-once kvd_client.vllm.support found nothing to refuse: the target model's
-layers of the one KV cache group (a speculative drafter's layers are left
+once kvd_client.vllm.support found nothing to refuse, one per KV cache
+group (kvd_client.vllm.groups: a group's tag joins the fingerprint): the
+target model's layers of the group (a speculative drafter's layers are left
 out: kvd_client.vllm.layers), their spec's block size, KV heads of this TP
 shard, head size and dtype, the cache dtype (``auto``, ``fp8``/``fp8_e4m3``,
 ``fp8_e5m2``) and the TP size. fp8 blocks are only meaningful with the
@@ -32,16 +33,24 @@ from __future__ import annotations
 
 from . import layers
 from .geometry import KVGeometry, interior_of, page_format
+from .groups import KVGroup, group_tag, joined_fingerprint, kv_groups
 
 KV_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
              "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 SCALED = ("float8_e4m3fn", "float8_e5m2")  # kvd dtypes whose blocks need their scales
 
 
-def target_layers(vllm_config, kv_cache_config) -> tuple[list[str], object]:
-    """The target model's layer names and their (common) spec: support.py checked both."""
-    gid, names = layers.target_groups(vllm_config, kv_cache_config)[0]
-    return names, layers.layer_specs(kv_cache_config.kv_cache_groups[gid], names)[names[0]]
+def target_layers(vllm_config, kv_cache_config, group: KVGroup | None = None) -> tuple[list[str], object]:
+    """A group's target layer names and their (common) spec (default: the first of
+    ``groups.kv_groups``): support.py checked both."""
+    group = group or kv_groups(vllm_config, kv_cache_config)[0]
+    names = list(group.names)
+    return names, layers.layer_specs(kv_cache_config.kv_cache_groups[group.gid], names)[names[0]]
+
+
+def all_target_layers(vllm_config, kv_cache_config) -> list[str]:
+    """Every group's target layers, group after group (the fp8 scales' digest covers them all)."""
+    return [n for g in kv_groups(vllm_config, kv_cache_config) for n in g.names]
 
 
 def needs_scales(vllm_config, kv_cache_config) -> bool:
@@ -51,12 +60,16 @@ def needs_scales(vllm_config, kv_cache_config) -> bool:
 
 
 def geometry(vllm_config, kv_cache_config, model_id: str = "", kv_scales: str = "",
-             block_format: str = "blocks", interior: str = "") -> KVGeometry:
+             block_format: str = "blocks", interior: str = "",
+             group: KVGroup | None = None) -> KVGeometry:
     """The namespace and layout facts; ``kv_scales`` (``layers.kv_scales``) for fp8 caches,
     ``block_format`` (``"blocks"`` or ``"rows"``) for GPU blocks, and their ``interior``
     as the workers' tensors have it (``tensor_interior``; default: what vLLM's config says,
-    which an attention backend may override in the workers' processes only)."""
-    names, spec = target_layers(vllm_config, kv_cache_config)
+    which an attention backend may override in the workers' processes only); ``group``: the
+    KV cache group (default: the first), whose tag joins the fingerprint (kvd_client.vllm.groups)."""
+    every = kv_groups(vllm_config, kv_cache_config)
+    group = group or every[0]
+    names, spec = target_layers(vllm_config, kv_cache_config, group)
     par = vllm_config.parallel_config
     dtype = kv_dtype(vllm_config.cache_config.cache_dtype, spec.dtype)
     if dtype in SCALED and not kv_scales:
@@ -64,7 +77,8 @@ def geometry(vllm_config, kv_cache_config, model_id: str = "", kv_scales: str = 
     model = model_id or model_identity(vllm_config.model_config)
     common = dict(kv_dtype=dtype, num_layers=len(names), tp_size=par.tensor_parallel_size,
                   block_size=spec.block_size,
-                  fingerprint=f"kv_scales={kv_scales}" if dtype in SCALED else "")
+                  fingerprint=joined_fingerprint(f"kv_scales={kv_scales}" if dtype in SCALED else "",
+                                                 group_tag(group, len(every))))
     if _is_mla(spec, vllm_config):
         return KVGeometry(model=model, attention="mla", kv_heads=1, head_dim=spec.head_size, **common)
     if vllm_config.device_config.device_type != "cpu":

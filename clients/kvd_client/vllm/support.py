@@ -10,9 +10,12 @@ both roles, before vLLM allocates its KV cache. Nothing here imports vLLM.
 Refused here: pipeline and context parallelism (decode and prefill), sleep
 mode and the cumem allocator, PyTorch's expandable segments (GPU),
 quantised KV formats other than per-tensor fp8, fp8 scales computed at run
-time (``calculate_kv_scales``), several KV cache groups, layer kinds other
-than full attention and MLA, and target layers of different shapes or
-dtypes. Refused later, where only the worker's tensors tell: block layouts
+time (``calculate_kv_scales``), KV cache groups of different block sizes,
+layer kinds other than full attention, MLA and sliding window (Mamba and
+other state-space or linear-attention layers among them), and target layers
+of one group of different shapes or dtypes. Several KV cache groups (vLLM's
+hybrid manager: sliding-window layers next to full attention) are served,
+each in a namespace of its own (kvd_client.vllm.groups). Refused later, where only the worker's tensors tell: block layouts
 kvd cannot map (kvd_client.vllm.geometry), memory CUDA IPC cannot export
 (kvd_client.vllm.pool). Supported with conditions elsewhere: drafter layers
 (kvd_client.vllm.layers), fp8 scales in the namespace (kvd_client.vllm.spec).
@@ -25,16 +28,14 @@ from . import layers
 NO_KVD = "run without the kvd connector"
 OR_NO_KVD = "or without the kvd connector"
 CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-LAYER_KINDS = ("FullAttentionSpec", "MLAAttentionSpec")
+LAYER_KINDS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
 QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 WHY_KIND = {
-    "SlidingWindowSpec": "vLLM frees the blocks that leave the window, so a prefix's blocks are "
-                         "not kept; models mixing sliding-window and full-attention layers work, "
-                         "vLLM then keeps every block",
     "ChunkedLocalAttentionSpec": "vLLM frees the blocks of past attention chunks",
-    "MambaSpec": "a request's state is one block rewritten every step, not token rows",
+    "MambaSpec": "Mamba and linear-attention layers keep a request's state in one block "
+                 "rewritten every step, not token rows",
     "CrossAttentionSpec": "encoder KV does not follow the prompt's tokens",
     "EncoderOnlyAttentionSpec": "encoder KV does not follow the prompt's tokens",
 }
@@ -119,17 +120,28 @@ def dynamic_scales(vllm_config, kv_cache_config, environ) -> str | None:
 
 def kv_cache_groups(vllm_config, kv_cache_config, environ) -> str | None:
     groups = layers.target_groups(vllm_config, kv_cache_config)
-    if len(groups) == 1:
+    if not groups:
+        return f"kvd: this model has no KV cache layers kvd could keep; {NO_KVD}"
+    sizes = {}
+    for specs in _group_specs(vllm_config, kv_cache_config):
+        for name, spec in specs.items():
+            sizes.setdefault(getattr(spec, "block_size", None), name)
+    if len(sizes) < 2:
         return None
-    kinds = sorted({type(g.kv_cache_spec).__name__ for g in kv_cache_config.kv_cache_groups})
-    return (f"kvd: this model has {len(groups)} KV cache groups ({', '.join(kinds) or 'none'}); "
-            "kvd's connector needs one (it is not SupportsHMA): run vLLM with "
+    (a, a_name), (b, b_name) = list(sizes.items())[:2]
+    return (f"kvd: the KV cache groups have blocks of different sizes ({a_name}: {a} tokens; "
+            f"{b_name}: {b}); kvd's chunks need one block size: run vLLM with "
             f"--disable-hybrid-kv-cache-manager or {NO_KVD}")
 
 
+def _group_specs(vllm_config, kv_cache_config) -> list[dict]:
+    """Per KV cache group holding target layers: each target layer's spec."""
+    return [layers.layer_specs(kv_cache_config.kv_cache_groups[gid], names)
+            for gid, names in layers.target_groups(vllm_config, kv_cache_config)]
+
+
 def _target_specs(vllm_config, kv_cache_config) -> dict:
-    gid, names = layers.target_groups(vllm_config, kv_cache_config)[0]
-    return layers.layer_specs(kv_cache_config.kv_cache_groups[gid], names)
+    return {n: s for specs in _group_specs(vllm_config, kv_cache_config) for n, s in specs.items()}
 
 
 def layer_kinds(vllm_config, kv_cache_config, environ) -> str | None:
@@ -158,10 +170,13 @@ def _shape(spec) -> str:
 
 
 def mixed_layers(vllm_config, kv_cache_config, environ) -> str | None:
-    seen: dict[str, str] = {}
-    for name, spec in _target_specs(vllm_config, kv_cache_config).items():
-        seen.setdefault(_shape(spec), name)
-    if len(seen) < 2:
+    for specs in _group_specs(vllm_config, kv_cache_config):  # a namespace per group
+        seen: dict[str, str] = {}
+        for name, spec in specs.items():
+            seen.setdefault(_shape(spec), name)
+        if len(seen) > 1:
+            break
+    else:
         return None
     (a, a_name), (b, b_name) = list(seen.items())[:2]
     return (f"kvd: the KV cache's layers differ ({a_name}: {a}; {b_name}: {b}), e.g. from "
@@ -179,7 +194,7 @@ def kv_head_sizes(vllm_config, kv_cache_config, environ) -> str | None:
 
 
 CHECKS = (pipeline_parallel, context_parallel, sleep_mode, cumem_allocator, expandable_segments,
-          cache_dtype, dynamic_scales, kv_cache_groups, layer_kinds, quant_mode, mixed_layers,
+          cache_dtype, dynamic_scales, layer_kinds, kv_cache_groups, quant_mode, mixed_layers,
           kv_head_sizes)
 
 

@@ -20,8 +20,16 @@ rank's KV pool with kvd and carries out the scheduler's ``StepPlan``
 - ``load_errors()``: the blocks of loads that failed or came back short, so
   vLLM recomputes them; their keys go back in ``report()``.
 
-The scheduler's namespace digest rides in every plan: a worker whose own
-registration differs refuses to move anything (and says so once), instead
+KV cache groups (kvd_client.vllm.groups): the worker registers one pool
+per group (the group's layers, a namespace each) and moves each item with
+its group's registration. vLLM frees a sliding-window group's blocks while
+the request runs, and hands them to other requests at once: stores from
+such ``fenced`` groups end before the next step's loads and forward
+(``start``). With several groups a failed load is reported per request
+(``failed_recving``: vLLM recomputes it whole), not per block.
+
+The scheduler's namespace digests ride in every plan: a worker whose own
+registrations differ refuses to move anything (and says so once), instead
 of mixing chunks. Nothing here imports vLLM.
 """
 
@@ -41,14 +49,22 @@ log = logging.getLogger("vllm.kvd")  # under vLLM's logger: its format and level
 
 
 class WorkerSide:
-    def __init__(self, client, geometry: KVGeometry, layer_names: list[str], tp_rank: int,
-                 counters: Counters):
-        self.client, self.geo, self.tp_rank, self.counters = client, geometry, tp_rank, counters
-        self.layer_index = {name: i for i, name in enumerate(layer_names)}
-        self.reg = None
-        self.token_bytes = 0   # bytes of one token's KV in this rank's pool (all layers)
+    def __init__(self, client, geometry, layer_names: list, tp_rank: int, counters: Counters,
+                 fenced: frozenset = frozenset()):
+        """``geometry`` and ``layer_names``: one group's, or a list per group; ``fenced``: the
+        groups whose blocks vLLM frees while a request runs (sliding windows)."""
+        several = isinstance(geometry, (list, tuple))
+        self.geos = list(geometry) if several else [geometry]
+        groups = layer_names if several else [layer_names]
+        self.client, self.tp_rank, self.counters, self.fenced = client, tp_rank, counters, fenced
+        self.layer_index = {name: (g, i) for g, names in enumerate(groups)
+                            for i, name in enumerate(names)}
+        self.regs: list = []
+        self.token_bytes: list[int] = []  # per group: one token's KV in this rank's pool
         self.sync: list[tuple[LoadItem, object]] = []      # this step's layer-wise loads
-        self.async_loads: dict[str, tuple[LoadItem, object]] = {}
+        self.async_loads: dict[str, list[tuple[LoadItem, object]]] = {}
+        self.failed_recving: set[str] = set()
+        self.fence: list = []                               # stores of fenced groups
         self.open_stores: dict[str, list] = {}              # request -> stores not yet done
         self.finishing: set[str] = set()
         self.failed_sync: set[str] = set()
@@ -56,10 +72,21 @@ class WorkerSide:
         self.failed_keys: set[bytes] = set()
         self._mismatch_told = False
 
-    def register(self, pool) -> None:
-        self.reg = self.client.register_kv(pool, model=self.geo.model, tp_size=self.geo.tp_size,
-                                           tp_rank=self.tp_rank, fingerprint=self.geo.fingerprint)
-        self.token_bytes = pool.descriptor.shard_bytes(1)
+    @property
+    def geo(self) -> KVGeometry:
+        return self.geos[0]
+
+    @property
+    def reg(self):
+        return self.regs[0] if self.regs else None
+
+    def register(self, pools) -> None:
+        """One pool per group (or the one group's pool), in group order."""
+        for geo, pool in zip(self.geos, pools if isinstance(pools, (list, tuple)) else [pools]):
+            self.regs.append(self.client.register_kv(pool, model=geo.model, tp_size=geo.tp_size,
+                                                     tp_rank=self.tp_rank,
+                                                     fingerprint=geo.fingerprint))
+            self.token_bytes.append(pool.descriptor.shard_bytes(1))
 
     @property
     def chunk(self) -> int:
@@ -68,7 +95,7 @@ class WorkerSide:
     def _usable(self, plan: StepPlan) -> bool:
         if self.reg is None:
             return False
-        if plan.namespace == namespace_digest(self.reg.namespace):
+        if plan.namespace == b"".join(namespace_digest(r.namespace) for r in self.regs):
             return True
         if not self._mismatch_told:
             self._mismatch_told = True
@@ -80,6 +107,9 @@ class WorkerSide:
 
     def start(self, plan: StepPlan) -> None:
         self.failed_sync.clear()
+        for t in self.fence:  # blocks freed since may be another request's in this step
+            t.wait()
+        self.fence = []
         usable = self._usable(plan)
         for item in plan.stores:
             if not item.after_forward:
@@ -89,8 +119,8 @@ class WorkerSide:
                 self._failed_load(item, 0)
                 continue
             try:
-                t = self.client.submit_load(ChunkKeys(item.keys), item.pages, reg=self.reg,
-                                            layerwise=item.layerwise)
+                t = self.client.submit_load(ChunkKeys(item.keys), item.pages,
+                                            reg=self.regs[item.group], layerwise=item.layerwise)
             except (KvdError, ValueError) as exc:  # no free load slot in time; a page count
                 log.warning("kvd: load for %s not sent: %s", item.req_id, exc)
                 self._failed_load(item, 0)
@@ -98,14 +128,15 @@ class WorkerSide:
             if item.layerwise:
                 self.sync.append((item, t))
             else:
-                self.async_loads[item.req_id] = (item, t)
+                self.async_loads.setdefault(item.req_id, []).append((item, t))
 
     def wait_layer(self, layer_name: str) -> None:
-        layer = self.layer_index.get(layer_name)
-        if layer is None:
+        where = self.layer_index.get(layer_name)
+        if where is None:
             return
-        for _, t in self.sync:
-            self.client.wait_for_layer(layer, t)
+        for item, t in self.sync:
+            if item.group == where[0]:
+                self.client.wait_for_layer(where[1], t)
 
     def after_forward(self, plan: StepPlan) -> None:
         self._end_sync_loads()
@@ -123,8 +154,9 @@ class WorkerSide:
 
     def _check_load(self, item: LoadItem, t) -> bool:
         loaded = t.tokens // self.chunk if t.ok else 0
-        self.counters.add(loads=1, loaded_tokens=loaded * self.chunk,
-                          loaded_bytes=loaded * self.chunk * self.token_bytes)
+        if item.group == 0:  # a request's load counts once: its first group's
+            self.counters.add(loads=1, loaded_tokens=loaded * self.chunk)
+        self.counters.add(loaded_bytes=loaded * self.chunk * self.token_bytes[item.group])
         if loaded >= len(item.keys):
             return True
         if t.error is not None:
@@ -134,7 +166,10 @@ class WorkerSide:
 
     def _failed_load(self, item: LoadItem, loaded: int) -> None:
         self.counters.add(load_failures=1)
-        self.errors |= item.real_pages(loaded, self.chunk // self.geo.block_size if loaded else 0)
+        if len(self.regs) > 1:  # vLLM maps no block ids of several groups back: the request
+            self.failed_recving.add(item.req_id)
+        else:
+            self.errors |= item.real_pages(loaded, self.chunk // self.geo.block_size if loaded else 0)
         self.failed_keys |= set(item.keys[loaded:])
 
     def _store(self, item: StoreItem, ok: bool) -> None:
@@ -142,8 +177,11 @@ class WorkerSide:
         if not ok:
             return
         try:
-            stores.append(self.client.submit_store(ChunkKeys(item.keys), item.pages, reg=self.reg,
-                                                   tenant=item.tenant))
+            t = self.client.submit_store(ChunkKeys(item.keys), item.pages,
+                                         reg=self.regs[item.group], tenant=item.tenant)
+            stores.append(t)
+            if item.group in self.fenced:
+                self.fence.append(t)
         except (KvdError, ValueError) as exc:  # e.g. page count of another chunk size
             log.warning("kvd: store for %s skipped: %s", item.req_id, exc)
 
@@ -165,19 +203,26 @@ class WorkerSide:
             del self.open_stores[req_id]
         self.finishing -= sending
         recving = set()
-        for req_id, (item, t) in list(self.async_loads.items()):
-            if t.done:
-                self._check_load(item, t)
+        for req_id, loads in list(self.async_loads.items()):
+            if all(t.done for _, t in loads):  # every group's load of the request
+                for item, t in loads:
+                    self._check_load(item, t)
                 recving.add(req_id)
                 del self.async_loads[req_id]
         return sending or None, recving or None
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose async load failed (several groups: vLLM recomputes them whole)."""
+        failed, self.failed_recving = self.failed_recving, set()
+        return failed
 
     def _count_stores(self, stores: list) -> None:
         for t in [t for t in stores if t.done]:
             stores.remove(t)
             if t.ok:
-                self.counters.add(stores=1, stored_tokens=t.tokens,
-                                  stored_bytes=len(t.keys) * self.chunk * self.token_bytes)
+                group = next((g for g, r in enumerate(self.regs) if r is t.reg), 0)
+                self.counters.add(stores=1, stored_tokens=t.tokens if group == 0 else 0,
+                                  stored_bytes=len(t.keys) * self.chunk * self.token_bytes[group])
             else:
                 self.counters.add(stores=1, store_failures=1)
 
@@ -195,8 +240,8 @@ class WorkerSide:
     def close(self, timeout: float) -> None:
         """Let transfers in flight end (bounded), then leave kvd."""
         for t in [t for stores in self.open_stores.values() for t in stores] + \
-                [t for _, t in self.sync] + [t for _, t in self.async_loads.values()]:
+                [t for _, t in self.sync] + [t for ts in self.async_loads.values() for _, t in ts]:
             t.wait(timeout)
-        if self.reg is not None:
-            self.client.unregister(self.reg)
+        for reg in self.regs:
+            self.client.unregister(reg)
         self.client.close()

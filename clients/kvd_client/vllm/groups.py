@@ -1,0 +1,91 @@
+"""vLLM's KV cache groups as kvd namespaces, and which blocks of each a hit needs.
+
+With vLLM's hybrid KV cache manager on (kvd's connector is ``SupportsHMA``),
+a model that mixes full-attention and sliding-window layers has several KV
+cache groups: each group holds some layers, and vLLM gives every request one
+list of block ids per group (from one shared block pool). kvd keeps each
+group in a namespace of its own, so a chunk of one group never stands for
+another's: the namespace's ``fingerprint`` carries ``group_tag`` (the group's
+kind, its window, its target layers' indices). A model with one
+full-attention group keeps the plain namespace (no tag), as before.
+
+- **full attention** (``FullAttentionSpec``, MLA): every block of a prefix is
+  kept; a hit of N tokens loads every chunk below N.
+- **sliding window** (``SlidingWindowSpec``, window W): vLLM frees a
+  request's blocks once they leave the window and puts its null block
+  (block id 0) in their place. For N computed tokens it keeps blocks from
+  ``first_block(N) = max(0, N - W + 1 - extra) // block_size`` on (``extra``:
+  the spec's ``extra_retained_tokens``; vLLM's ``get_num_skipped_tokens``),
+  and for a hit of N tokens it allocates exactly those (the ones below are
+  null placeholders). So a load fills only the chunks from the one holding
+  ``first_block(N)``, and a store takes a chunk only while all its blocks are
+  still the request's: at a step whose allocation saw ``before`` computed
+  tokens, chunks from ``held_chunk(before)`` on.
+
+A hit counts only up to the longest prefix every group holds (the scheduler
+takes the minimum over the groups' lookups), so a group that lost a chunk
+shortens the hit instead of leaving wrong KV. Reads vLLM's objects by
+attribute; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from . import layers
+
+NULL_BLOCK = 0  # vLLM's null block: the first block its pool hands out, never a request's own
+SLIDING = "SlidingWindowSpec"
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    gid: int                # vLLM's KV cache group index
+    names: tuple[str, ...]  # the target model's layers in the group
+    kind: str               # the spec's class name
+    window: int = 0         # sliding window, tokens (0: every block is kept)
+    extra: int = 0          # extra_retained_tokens: kept below the window
+
+    def first_block(self, tokens: int, block_size: int) -> int:
+        """The first block vLLM keeps (and a hit of ``tokens`` needs) in this group."""
+        if not self.window:
+            return 0
+        return max(0, tokens - self.window + 1 - self.extra) // block_size
+
+    def held_chunk(self, tokens: int, block_size: int, chunk: int) -> int:
+        """The first chunk whose blocks are all still held after ``tokens`` were computed."""
+        bpc = chunk // block_size
+        return -(-self.first_block(tokens, block_size) // bpc)
+
+
+def kv_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
+    """The groups holding target layers, full-attention groups first (kvd_client.vllm.support
+    checked their kinds)."""
+    out = []
+    for gid, names in layers.target_groups(vllm_config, kv_cache_config):
+        group = kv_cache_config.kv_cache_groups[gid]
+        spec = layers.layer_specs(group, names)[names[0]]
+        kind = type(spec).__name__
+        window = int(getattr(spec, "sliding_window", 0) or 0) if kind == SLIDING else 0
+        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0) if window else 0
+        out.append(KVGroup(gid, tuple(names), kind, window, extra))
+    return sorted(out, key=lambda g: (g.window > 0, g.gid))
+
+
+def group_tag(group: KVGroup, count: int) -> str:
+    """The group's part of its namespace's fingerprint: "" for the one full-attention group of
+    a model (the namespace of engines without groups), else kind, window and layers."""
+    if count == 1 and not group.window:
+        return ""
+    kind = f"swa{group.window}" + (f"+{group.extra}" if group.extra else "") if group.window \
+        else "full"
+    index = [layers.layer_index(n) for n in group.names]
+    names = ",".join(str(i) if i is not None else n for i, n in zip(index, group.names))
+    if len(names) > 160:  # the fingerprint holds 512 bytes: long layer lists go as a digest
+        names = "sha256-" + hashlib.sha256(names.encode()).hexdigest()[:16]
+    return f"group={kind}:{names}"
+
+
+def joined_fingerprint(*parts: str) -> str:
+    return " ".join(p for p in parts if p)
