@@ -36,6 +36,7 @@ class LoadItem:
     scratch: int = 0
     layerwise: bool = True
     group: int = 0
+    tokens: int = 0         # tokens of the hit it serves (a sliding window loads fewer)
 
     def real_pages(self, from_chunk: int, blocks_per_chunk: int) -> set[int]:
         """The request's own blocks from chunk ``from_chunk`` of this load on."""

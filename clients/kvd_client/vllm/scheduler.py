@@ -287,7 +287,7 @@ class SchedulerSide:
                 return
             pages = ([ids[end]] * scratch if scratch else []) + ids[own:end]
             loads.append(LoadItem(request.request_id, self._keys(st, last, g)[first:], pages,
-                                  scratch, layerwise=not st.asynchronous, group=g))
+                                  scratch, not st.asynchronous, g, (last - st.local // c) * c))
         st.loads, st.stored = loads, [max(n, last) for n in st.stored]
 
     # ---- each step ----------------------------------------------------------------

@@ -154,8 +154,9 @@ class WorkerSide:
 
     def _check_load(self, item: LoadItem, t) -> bool:
         loaded = t.tokens // self.chunk if t.ok else 0
-        if item.group == 0:  # a request's load counts once: its first group's
-            self.counters.add(loads=1, loaded_tokens=loaded * self.chunk)
+        if item.group == 0:  # a request's load counts once, as the tokens of its hit
+            whole = loaded >= len(item.keys) and item.tokens
+            self.counters.add(loads=1, loaded_tokens=item.tokens if whole else loaded * self.chunk)
         self.counters.add(loaded_bytes=loaded * self.chunk * self.token_bytes[item.group])
         if loaded >= len(item.keys):
             return True
