@@ -134,7 +134,8 @@ def test_the_window_group_stores_only_chunks_whose_blocks_are_still_held():
     sched.matched(req, 0)
     full, window = list(range(1, 9)), list(range(11, 19))
     new = SimpleNamespace(req_id="r", block_ids=(window, full), num_computed_tokens=80)
-    plan = sched.step(output([new], {"r": 48}))     # computed 80 before: vLLM freed window blocks 0..3 (chunks 0, 1)
+    # 80 computed before this step: vLLM freed the window's blocks 0..2, so chunks 0 and 1 go
+    plan = sched.step(output([new], {"r": 48}))
     by_group = {s.group: s for s in plan.stores}
     assert by_group[0].pages == full and len(by_group[0].keys) == 4
     assert by_group[1].pages == window[4:] and len(by_group[1].keys) == 2

@@ -12,6 +12,7 @@ Modules: ``connector`` (the ``KVConnectorBase_V1`` subclass; imports vLLM),
 ``scheduler`` and ``worker`` (the two halves, plain Python), ``plan``
 (what travels between them), ``support`` (what kvd refuses, and why),
 ``layers`` (the target model's layers, a drafter's left out; fp8 scales),
+``groups`` (vLLM's KV cache groups, e.g. sliding windows, a namespace each),
 ``spec`` and ``geometry`` (vLLM's KV cache as a kvd namespace and layout), ``pool`` and ``shm_alloc`` (vLLM's tensors as a
 kvd pool; CPU caches in /dev/shm), ``settings`` (``kv_connector_extra_config``),
 ``counters`` and ``stats`` (vLLM connector stats). This package may import

@@ -15,8 +15,8 @@ layer kinds other than full attention, MLA and sliding window (Mamba and
 other state-space or linear-attention layers among them), and target layers
 of one group of different shapes or dtypes. Several KV cache groups (vLLM's
 hybrid manager: sliding-window layers next to full attention) are served,
-each in a namespace of its own (kvd_client.vllm.groups). Refused later, where only the worker's tensors tell: block layouts
-kvd cannot map (kvd_client.vllm.geometry), memory CUDA IPC cannot export
+each in a namespace of its own (kvd_client.vllm.groups). Refused later,
+where only the worker's tensors tell: block layouts kvd cannot map (kvd_client.vllm.geometry), memory CUDA IPC cannot export
 (kvd_client.vllm.pool). Supported with conditions elsewhere: drafter layers
 (kvd_client.vllm.layers), fp8 scales in the namespace (kvd_client.vllm.spec).
 """
