@@ -24,8 +24,8 @@ KV cache groups (kvd_client.vllm.groups): the worker registers one pool
 per group (the group's layers, a namespace each) and moves each item with
 its group's registration. vLLM frees a sliding-window group's blocks while
 the request runs, and hands them to other requests at once: stores from
-such ``fenced`` groups end before the next step's loads and forward
-(``start``). With several groups a failed load is reported per request
+such ``fenced`` groups end before the next step's forward and loads
+(``preempted``, which vLLM calls before every forward, and ``start``). With several groups a failed load is reported per request
 (``failed_recving``: vLLM recomputes it whole), not per block.
 
 The scheduler's namespace digests ride in every plan: a worker whose own
@@ -107,9 +107,7 @@ class WorkerSide:
 
     def start(self, plan: StepPlan) -> None:
         self.failed_sync.clear()
-        for t in self.fence:  # blocks freed since may be another request's in this step
-            t.wait()
-        self.fence = []
+        self._end_fenced()
         usable = self._usable(plan)
         for item in plan.stores:
             if not item.after_forward:
@@ -186,8 +184,18 @@ class WorkerSide:
         except (KvdError, ValueError) as exc:  # e.g. page count of another chunk size
             log.warning("kvd: store for %s skipped: %s", item.req_id, exc)
 
+    def _end_fenced(self) -> None:
+        """Window blocks vLLM freed since the last step may be another request's in this one:
+        the stores that read them end first."""
+        for t in self.fence:
+            t.wait()
+        self.fence = []
+
     def preempted(self, plan: StepPlan) -> None:
-        """Blocks of preempted requests go to other requests now: stores from them end first."""
+        """Before every step's forward (vLLM's ``handle_preemptions``; ``start`` may come after
+        it): fenced stores end, and blocks of preempted requests go to other requests now, so
+        stores from them end first."""
+        self._end_fenced()
         for req_id in plan.preempted:
             for t in self.open_stores.get(req_id, ()):
                 t.wait()
