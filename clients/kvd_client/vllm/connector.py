@@ -285,7 +285,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids):
         """vLLM 0.32: ``get_finished`` plus the requests whose async load failed (several
         KV cache groups: vLLM recomputes them whole; one group reports blocks instead)."""
-        sending, recving = self.worker.finished(finished_req_ids)
+        sending, recving = self.get_finished(finished_req_ids)  # what a subclass adds, too
         return KVConnectorTransferResults(finished_sending=set(sending or ()),
                                           finished_recving=set(recving or ()),
                                           failed_recving=self.worker.take_failed_recving())
