@@ -62,7 +62,9 @@ def store_then_load(tmp: Path, daemon, spec: dict, loader: dict | None = None,
     assert "vllm:kvd_hit_tokens" not in first["counters"] and first["num_cached_tokens"] == [0, 0]
     second = run_engine(tmp, "load", {**spec, **(loader or {})})["phases"][0]
     mine = {k: v[:len(PROMPTS)] if isinstance(v, list) else v for k, v in second.items()}
-    assert same_outputs(mine, first), (second, first)
+    # the suffix computed against a loaded prefix (other kernels and batches than a whole
+    # prefill): decode logprobs drift up to ~0.016 in bf16/fp8 on CI's VM; tokens stay exact
+    assert same_outputs(mine, first, tol=0.03), (second, first)
     assert second["num_cached_tokens"][:len(PROMPTS)] == HITS
     assert second["counters"]["vllm:kvd_loaded_tokens"] == sum(HITS)
     return first, second
