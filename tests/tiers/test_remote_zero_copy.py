@@ -94,8 +94,10 @@ def test_a_damaged_value_is_a_miss_never_served_and_its_slot_is_freed(store, sta
     rewrite(store, names[2:], lambda v: v[:-1])  # a value of another size
     got = procs.apply(D.load_seqs, (rb, SPEC, 43, 3, 1, model))
     assert got == [(CHUNK, 0)] * 3  # the store said yes; verification said no
-    r = wait_remote(b, lambda r: r["corrupt"] == 3, "the three values counted corrupt")
-    assert r["promotions"] == 0 and r["zero_copy_gets"] == 2  # the short one never moved
+    # Mooncake refuses the short value's get, or (seen once on CI's VM) moves it and then it
+    # fails its size check too: counted once or twice, never served either way
+    r = wait_remote(b, lambda r: r["corrupt"] >= 3, "the three values counted corrupt")
+    assert r["promotions"] == 0 and r["zero_copy_gets"] in (2, 3)
     host = b.stats()["tiers"]["host"]
     assert host["chunks"] == host["entries"] == host["used_bytes"] == 0  # every reserved slot was freed
     assert "failed verification" in b.log()
