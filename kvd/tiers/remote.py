@@ -236,15 +236,8 @@ class RemoteTier:
             sent = await self.call(self._put if checked else self._put_absent, name, value,
                                    nbytes=size)
         except RemoteUnavailable:
-            self.counters["puts_failed"] += 1
-            return None
-        if not sent:
-            self.there(name)
-            return False
-        self.remember(name)
-        self.counters["puts"] += 1
-        self.counters["put_bytes"] += size
-        return True
+            sent = None
+        return self._put_result(name, sent, size)
 
     async def put_from(self, ns: bytes, key: bytes, head: bytes, ptr: int, size: int,
                        checked: bool, on_done) -> bool | None:
@@ -256,6 +249,14 @@ class RemoteTier:
             sent = await self.call(self._put_from, name, head, ptr, size, checked,
                                    nbytes=size, on_done=on_done)
         except RemoteUnavailable:
+            sent = None
+        if sent:
+            self.counters["zero_copy_puts"] += 1
+        return self._put_result(name, sent, len(head) + size)
+
+    def _put_result(self, name: str, sent: bool | None, nbytes: int) -> bool | None:
+        """Count a put's outcome: None failed, False the store had it, True sent."""
+        if sent is None:
             self.counters["puts_failed"] += 1
             return None
         if not sent:
@@ -263,8 +264,7 @@ class RemoteTier:
             return False
         self.remember(name)
         self.counters["puts"] += 1
-        self.counters["zero_copy_puts"] += 1
-        self.counters["put_bytes"] += len(head) + size
+        self.counters["put_bytes"] += nbytes
         return True
 
     def _put_from(self, name: str, head: bytes, ptr: int, size: int, checked: bool) -> bool:
