@@ -6,7 +6,8 @@
         OUT: per prompt the first token's top logprobs, the prompt's block ids and
         the SHA-256 of each block's bytes over every layer (read right after the
         batch that computed or loaded them), num_cached_tokens; the deltas of
-        vLLM's and the connector's counters over the whole run
+        vLLM's and the connector's counters over the whole run; the block size
+        vLLM chose (MLA backends pick 64) and the number of KV cache groups
 
 The engine core and the worker run in this process (uni executor, no engine
 process), so the recording connector below sees the block ids vLLM gives each
@@ -32,13 +33,16 @@ TOP_LOGPROBS = 20
 
 class RecordingKvdConnector(KvdConnector):
     """The real connector; its scheduler half also keeps the block ids vLLM gave each
-    request (at admission: every block of a prompt that fits one step)."""
+    request (at admission: every block of a prompt that fits one step; the first KV
+    cache group's where there are several)."""
 
     blocks: dict[tuple, list[int]] = {}
+    groups = 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        RecordingKvdConnector.blocks[prompt_key(request.prompt_token_ids)] = \
-            list(blocks.get_block_ids()[0])
+        ids = blocks.get_block_ids()
+        RecordingKvdConnector.groups = len(ids)
+        RecordingKvdConnector.blocks[prompt_key(request.prompt_token_ids)] = list(ids[0])
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
 
@@ -114,7 +118,9 @@ def run(spec: dict) -> dict:
     after = snapshot(llm)
     counters = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     llm.llm_engine.engine_core.shutdown()
-    return {"prompts": results, "counters": counters, "runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER")}
+    vllm_config = llm.llm_engine.vllm_config
+    return {"prompts": results, "counters": counters, "runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+            "block_size": vllm_config.cache_config.block_size, "groups": RecordingKvdConnector.groups}
 
 
 if __name__ == "__main__":

@@ -127,11 +127,11 @@ def test_engines_on_both_runners_share_kv_byte_for_byte(model, start_daemon, tmp
     assert daemon.log().count("copies by DMA") == 2, daemon.log()  # the two whole-block engines
 
 
-def check_pair(store: dict, load: dict) -> None:
+def check_pair(store: dict, load: dict, block: int = BLOCK) -> None:
     src = dict(zip(["long", "short"], store["prompts"]))
     dst = dict(zip(["long", "short", "control"], load["prompts"]))
     for name in ("long", "short"):
-        a, b, hit_blocks = src[name], dst[name], HITS[name] // BLOCK
+        a, b, hit_blocks = src[name], dst[name], HITS[name] // block
         assert b["num_cached_tokens"] == HITS[name], (name, b["num_cached_tokens"])
         # byte for byte: every hit block of the loader holds the storer's bytes
         bad = [i for i in range(hit_blocks) if a["digests"][i] != b["digests"][i]]
