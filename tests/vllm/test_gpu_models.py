@@ -6,17 +6,22 @@ time, every KV byte of a loading engine poisoned first); skipped without a
 CUDA GPU and a GPU build of vLLM.
 
 - **Sliding-window hybrid** (Llama with ``layer_types`` alternating sliding
-  and full attention): vLLM keeps its hybrid KV cache manager on (two KV
-  cache groups), each group has its own namespace, the full-attention layers
-  load every hit chunk and the sliding ones only the chunk of the window
-  before the hit. The first token's logprobs with the poisoned engine prove
-  that every block the window reads was loaded.
+  and full attention). Where vLLM takes load failures per request (0.32),
+  vLLM keeps its hybrid KV cache manager on (two KV cache groups), each
+  group has its own namespace, the full-attention layers load every hit
+  chunk and the sliding ones only the chunk of the window before the hit.
+  Elsewhere (0.26) vLLM turns the manager off and every layer loads every
+  hit chunk. The first token's logprobs with the poisoned engine prove that
+  every block attention reads was loaded.
 - **MLA** (DeepSeek-V2-shaped): the latent blocks vLLM's MLA backend picks
   (64 tokens) load byte-identical to the storing engine's, across the two
   model runners.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 from test_gpu_engine import (ASYNC_MIN, CHUNK, HITS, LOGPROB_TOL, MODEL, check_pair, finish,
@@ -27,6 +32,13 @@ import tiny_llama
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.timeout(1500)]
 WINDOW = 128            # under one kvd chunk: each hit loads one chunk of the sliding layers
 TOKEN_LAYER_BYTES = 2 * MODEL["num_key_value_heads"] * MODEL["head_dim"] * 2  # K and V, bf16
+
+
+def vllm_takes_failures_per_request() -> bool:
+    """vLLM 0.32's KVConnectorTransferResults, without importing vLLM (30 s)."""
+    base = Path(importlib.util.find_spec("vllm").origin).parent / \
+        "distributed/kv_transfer/kv_connector/v1/base.py"
+    return "class KVConnectorTransferResults" in base.read_text()
 
 
 def daemon_and_settings(start_daemon) -> tuple:
@@ -55,10 +67,11 @@ def test_a_sliding_window_hybrid_keeps_vllms_hybrid_manager(start_daemon, tmp_pa
     model = tiny_llama.write(tmp_path_factory.mktemp("gpu-swa"), config=config, std=0.05)
     daemon, kvd = daemon_and_settings(start_daemon)
     store, load = store_then_load(tmp_path, model, kvd, "swa")
-    assert store["groups"] == load["groups"] == 2, (store["groups"], load["groups"])
+    hybrid = vllm_takes_failures_per_request()
+    assert store["groups"] == load["groups"] == (2 if hybrid else 1), (store["groups"], load["groups"])
     log = (tmp_path / "load-swa.log").read_text()
-    assert "Turning off hybrid kv cache manager" not in log
-    assert "group=full:" in log and f"group=swa{WINDOW}:" in log
+    assert ("Turning off hybrid kv cache manager" in log) is not hybrid
+    assert ("group=full:" in log and f"group=swa{WINDOW}:" in log) is hybrid
     src, dst = store["prompts"], load["prompts"]
     for a, b, name in zip(src, dst, ("long", "short")):
         assert b["num_cached_tokens"] == HITS[name], (name, b["num_cached_tokens"])
@@ -68,7 +81,9 @@ def test_a_sliding_window_hybrid_keeps_vllms_hybrid_manager(start_daemon, tmp_pa
     c, hits = load["counters"], HITS["long"] + HITS["short"]
     assert c["vllm:kvd_hit_tokens"] == hits and "vllm:kvd_load_failures" not in c, c
     # two full-attention layers load every hit token, two sliding ones one chunk per hit
-    assert c["vllm:kvd_loaded_bytes"] == (hits + 2 * CHUNK) * 2 * TOKEN_LAYER_BYTES, c
+    # (with the hybrid manager off: every layer every token)
+    loaded = (hits + 2 * CHUNK) * 2 if hybrid else hits * 4
+    assert c["vllm:kvd_loaded_bytes"] == loaded * TOKEN_LAYER_BYTES, c
     assert daemon.proc.poll() is None
 
 
