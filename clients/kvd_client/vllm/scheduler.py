@@ -189,7 +189,7 @@ class SchedulerSide:
                 return None
             # every group must hold its chunks (a state group: a state at the hit's end)
             st.found, st.leases, spare = states.combine([x.result() for x in st.lookups],
-                                                        st.questions, len(self.groups), self.chunk)
+                                                        st.questions, self.groups, self.chunk)
             for lease in spare:
                 self.client.release(lease, wait=False)
             st.found_at = min(x.answered_at or time.monotonic() for x in st.lookups)

@@ -53,10 +53,10 @@ def submit(client, groups: list[KVGroup], regs: list, keys: list[list[bytes]], u
 
 
 def combine(answers: list[tuple[int, int | None]], asked: list[tuple[int, int | None]],
-            groups: int, chunk: int) -> tuple[int, list[int | None], list[int]]:
+            groups: list[KVGroup], chunk: int) -> tuple[int, list[int | None], list[int]]:
     """``(tokens of the hit, a lease per group, leases to release)`` from the lookups' answers
     (``(tokens, lease)`` each, in ``submit``'s order)."""
-    prefix, present, leases = None, {}, [None] * groups
+    prefix, present, leases = None, {}, [None] * len(groups)
     spare: list[int] = []
     for (found, lease), (g, i) in zip(answers, asked):
         if i is None:
@@ -64,9 +64,9 @@ def combine(answers: list[tuple[int, int | None]], asked: list[tuple[int, int | 
             leases[g] = lease
         elif found:
             present.setdefault(g, {})[i] = lease
-    if not any(i is not None for _, i in asked):
+    state_groups = {g for g, group in enumerate(groups) if group.state}
+    if not state_groups:
         return prefix or 0, leases, spare
-    state_groups = {g for g, i in asked if i is not None}
     common = set.intersection(*(set(present.get(g, {})) for g in state_groups))
     best = max((i for i in common if (i + 1) * chunk <= (prefix or 0)), default=None)
     for g in state_groups:
