@@ -3,7 +3,8 @@
     python engine.py run SPEC.json OUT.json
         SPEC: {"model": DIR, "kvd": null | {extra config}, "multiprocess": bool,
                "phases": [{"prompts": [[token ids]], "freeze_daemon": pid | null}],
-               "max_tokens": int, "kv_cache_dtype": str, "speculative": {config} | null}
+               "max_tokens": int, "kv_cache_dtype": str, "speculative": {config} | null,
+               "kv_role": "kv_both" (default) | "kv_producer" (stores only) | "kv_consumer"}
         OUT: per phase the greedy tokens, the chosen tokens' logprobs, each
         request's num_cached_tokens, and the deltas of vLLM's own counters
 
@@ -56,7 +57,7 @@ def run(spec: dict) -> dict:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="FaultyKvdConnector" if faulty else "KvdConnector",
             kv_connector_module_path="engine_faults" if faulty else "kvd_client.vllm",
-            kv_role="kv_both", kv_connector_extra_config=spec["kvd"])
+            kv_role=spec.get("kv_role", "kv_both"), kv_connector_extra_config=spec["kvd"])
     llm = LLM(**kw)
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 12), ignore_eos=True,
                             detokenize=False, logprobs=0)

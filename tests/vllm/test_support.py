@@ -42,8 +42,24 @@ class SlidingWindowSpec(FullAttentionSpec):
     extra_retained_tokens: int = 0
 
 
-class MambaSpec(FullAttentionSpec):
-    pass
+@dataclass(frozen=True)
+class Dtype:
+    name: str
+    itemsize: int
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+
+@dataclass(frozen=True)
+class MambaSpec:  # vLLM 0.32's with prefix caching off: one state block of max_model_len tokens
+    block_size: int = 2048
+    shapes: tuple = ((3, 160), (8, 16, 16))          # conv state (SD), SSM state
+    dtypes: tuple = (Dtype("bfloat16", 2), Dtype("float32", 4))
+    page_size_bytes: int = 16384                     # padded to the attention page
+    mamba_type: str = "MAMBA2"                       # vLLM's enum; its name goes in the format
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
 
 
 class MLAAttentionSpec(FullAttentionSpec):
@@ -104,9 +120,23 @@ REFUSED = {
     "group-block-sizes": (dict(groups=[group(NAMES[:1]),
                                        group(NAMES[1:], SlidingWindowSpec(block_size=32))]),
                           "KV cache groups have blocks of different sizes"),
-    "mamba": (dict(groups=[group(NAMES, MambaSpec())]), "MambaSpec layers"),
-    "mamba-hybrid": (dict(groups=[group(NAMES[:1]), group(NAMES[1:], MambaSpec(block_size=999))]),
-                     "MambaSpec layers (model.layers.1.self_attn.attn) are not supported (Mamba"),
+    "mamba": (dict(device="cpu", groups=[group(NAMES, MambaSpec())]),
+              "state layers (model.layers.0.self_attn.attn, MambaSpec) are not supported here: "
+              "kvd keeps a state only next to attention layers"),
+    "mamba-gpu": (dict(groups=[group(NAMES[:1]), group(NAMES[1:], MambaSpec())]),
+                  "served on vLLM's CPU build only"),
+    "mamba-align": (dict(device="cpu", groups=[group(NAMES[:1]),
+                                               group(NAMES[1:], MambaSpec(mamba_cache_mode="align"))]),
+                    "mamba_cache_mode 'align' (vLLM's prefix caching on)"),
+    "mamba1": (dict(device="cpu", groups=[group(NAMES[:1]),
+                                          group(NAMES[1:], MambaSpec(mamba_type="MAMBA1"))]),
+               "only Mamba-2 state layers are tested with kvd (these are MAMBA1)"),
+    "linear-attention": (dict(device="cpu", groups=[
+        group(NAMES[:1]), group(NAMES[1:], MambaSpec(mamba_type="LINEAR"))]),
+        "only Mamba-2 state layers are tested with kvd (these are LINEAR)"),
+    "mamba-speculative": (dict(device="cpu", groups=[
+        group(NAMES[:1]), group(NAMES[1:], MambaSpec(num_speculative_blocks=2))]),
+        "with speculative decoding a step's state depends on the drafts accepted"),
     "mixed-heads": (dict(groups=[group(NAMES, UniformTypeKVCacheSpecs({
         NAMES[0]: FullAttentionSpec(), NAMES[1]: FullAttentionSpec(num_kv_heads=4)}))]),
         "layers differ (model.layers.0.self_attn.attn: FullAttentionSpec 2 heads x 64 bfloat16"),

@@ -80,15 +80,18 @@ def bf16(x: np.ndarray) -> bytes:
     return rounded.astype("<u2").tobytes()
 
 
-def write(path: Path, seed: int = 0, config: dict | None = None, std: float = 0.08) -> Path:
-    """The checkpoint in ``path``: ``CONFIG`` (or ``config``), weights ~ N(0, ``std``)."""
+def write(path: Path, seed: int = 0, config: dict | None = None, std: float = 0.08,
+          shapes=shapes, constants: dict | None = None) -> Path:
+    """The checkpoint in ``path``: ``CONFIG`` (or ``config``), weights ~ N(0, ``std``); 1-D
+    weights are 1, or ``constants[suffix]`` for a name ending in that suffix."""
     config = config or CONFIG
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     rng = np.random.default_rng(seed)
     header, blobs, offset = {}, [], 0
     for name, shape in sorted(shapes(config).items()):
-        x = np.ones(shape) if len(shape) == 1 else rng.normal(0.0, std, shape)
+        fill = next((v for k, v in (constants or {}).items() if name.endswith(k)), 1.0)
+        x = np.full(shape, fill) if len(shape) == 1 else rng.normal(0.0, std, shape)
         blob = bf16(x)
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
         blobs.append(blob)

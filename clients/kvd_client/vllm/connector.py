@@ -27,7 +27,8 @@ vLLM's ``kv_load_failure_policy`` to its ``load_failure_policy`` option
 
 KV cache groups: the connector is ``SupportsHMA`` (where vLLM has it: 0.32),
 so vLLM keeps its hybrid KV cache manager on; each group (full attention,
-sliding window) is a kvd namespace of its own (kvd_client.vllm.groups), with
+sliding window, Mamba / linear-attention state) is a kvd namespace of its own
+(kvd_client.vllm.groups; states: kvd_client.vllm.states), with
 one registration per group in the scheduler and in every worker. vLLM hands
 block ids per group (``request_finished_all_groups``) and takes the load
 failures of several groups per request (``get_transfer_results``'s
@@ -56,13 +57,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvd_client import shm
 from kvd_client.client import KvdClient
+from kvd_protocol.errors import KvdError
 from kvd_protocol.layout import TensorRef
 
 from . import layers, spec, support
 from .counters import Counters
 from .groups import kv_groups
 from .plan import StepPlan, WorkerReport
-from .pool import cuda_pool, host_pool
+from .pool import cuda_pool, host_pool, state_block
 from .scheduler import SchedulerSide
 from .settings import Settings
 from .stats import KvdConnectorStats, KvdPromMetrics
@@ -88,6 +90,7 @@ except ImportError:  # vLLM 0.26: one group (vLLM turns its hybrid manager off)
 
 log = logging.getLogger("vllm.kvd")  # under vLLM's logger: its format and level
 LOAD_SLOTS = 256  # the most a flag page has: async loads in flight at once
+DEFAULT_CHUNK_TOKENS = 256  # the daemon's default chunk_tokens
 
 
 @dataclass
@@ -148,7 +151,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.kv_scales = layers.kv_scales(vllm_config, names) if scaled else ""
             self._geometries()
-            fenced = frozenset(g for g, group in enumerate(self.groups) if group.window)
+            fenced = frozenset(g for g, group in enumerate(self.groups)  # blocks vLLM rewrites
+                               if group.window or group.state)
             self.worker = WorkerSide(self.client, self.geometries,
                                      [list(g.names) for g in self.groups], _tp_rank(),
                                      self.counters, fenced)
@@ -156,11 +160,22 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _geometries(self, interior: str = "") -> None:
         """Each group's namespace; ``geometry``: the first group's."""
+        chunk = self._chunk_tokens() if any(g.state for g in self.groups) else 0
         self.geometries = [spec.geometry(self._vllm_config, self._kv_cache_config,
                                          self.settings.model_id, self.kv_scales,
-                                         self.settings.gpu_block_format, interior, group)
+                                         self.settings.gpu_block_format, interior, group, chunk)
                            for group in self.groups]
         self.geometry = self.geometries[0]
+
+    def _chunk_tokens(self) -> int:
+        """The daemon's chunk size (a state group's page), or its default while it is away:
+        a state pool then registers only with a daemon of that chunk size (the log says)."""
+        try:
+            return self.client.chunk_tokens
+        except KvdError as exc:
+            log.warning("kvd: no daemon to ask its chunk_tokens (%s); state groups assume %d",
+                        exc, DEFAULT_CHUNK_TOKENS)
+            return DEFAULT_CHUNK_TOKENS
 
     def _attach(self, kv_scales: str = "", interior: str = "") -> None:
         vllm_config, cfg = self._vllm_config, self._kv_transfer_config
@@ -235,7 +250,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches):
         """One kvd pool per KV cache group: the group's layers (with several groups their
         tensors share memory, each group's blocks being its own)."""
-        per_group = [[kv_caches[name] for name in g.names] for g in self.groups]
+        per_group = [[state_block(kv_caches[n]) if g.state else kv_caches[n] for n in g.names]
+                     for g in self.groups]
         blocks = self._kv_cache_config.num_blocks
         if self._vllm_config.device_config.device_type == "cpu":
             if self.alloc is None or self.alloc.tensor is None:

@@ -33,6 +33,13 @@ blocks smaller than vLLM's blocks (vLLM's block splitting for attention
 backends that need them) are merged back into vLLM's blocks first, where a
 block's tokens stay evenly spaced (``manager_blocks``): the namespace does
 not change, so such an engine shares chunks with one that does not split.
+
+- **State blocks** (``interior == "state"``, a Mamba / linear-attention
+  group, kvd_client.vllm.spec): per layer one block per request holding its
+  state (vLLM 0.32 CPU: an int8 view ``[num_blocks, 1, 1, state bytes]``;
+  a list of state tensors: the first one starts the block). kvd moves the
+  first ``block_size x row`` bytes of each block (the state, rounded up to
+  whole rows, within the block's stride) as one opaque page per chunk key.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvd_protocol import layout as L
+
+STATE = "state"  # KVGeometry.interior of a state group's pages
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,8 @@ def describe(geo: KVGeometry, refs: list[L.TensorRef], num_blocks: int) -> L.Lay
     """kvd's descriptor of the worker's per-layer tensors (in layer order)."""
     if len(refs) != geo.num_layers:
         raise ValueError(f"kvd: vLLM registered {len(refs)} KV layers, its config says {geo.num_layers}")
+    if geo.interior == STATE:
+        return _states(geo, refs, num_blocks)
     refs = manager_blocks(geo, refs, num_blocks)
     if geo.attention == "mla":
         return _mla(geo, refs)
@@ -179,6 +190,19 @@ def _opaque(geo: KVGeometry, refs: list[L.TensorRef]) -> L.LayoutDescriptor:
     except ValueError as exc:
         raise ValueError(f"kvd cannot map this vLLM KV cache layout ({geo.interior}, shape "
                          f"{t.shape}, byte strides {t.strides}): {exc}") from None
+
+
+def _states(geo: KVGeometry, refs: list[L.TensorRef], num_blocks: int) -> L.LayoutDescriptor:
+    """Each layer's state blocks as opaque pages of ``page`` bytes (the state, whole rows)."""
+    t, page = refs[0], geo.block_size * geo.kv_heads * geo.head_dim
+    _check(bool(t.shape) and t.shape[0] == num_blocks and t.strides[0] >= page, STATE, t,
+           f"{num_blocks} state blocks of at least {page} bytes")
+    pages = [L.TensorRef(r.buffer, r.offset, (r.shape[0], page), (r.strides[0], 1), 1) for r in refs]
+    try:
+        return L.opaque_pages(pages, geo.block_size)
+    except ValueError as exc:
+        raise ValueError(f"kvd cannot map this vLLM state cache (shape {t.shape}, byte strides "
+                         f"{t.strides}): {exc}") from None
 
 
 def _check(ok: bool, layout: str, t: L.TensorRef, expected: str) -> None:

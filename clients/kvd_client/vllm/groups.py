@@ -22,10 +22,20 @@ full-attention group keeps the plain namespace (no tag), as before.
   still the request's: at a step whose allocation saw ``before`` computed
   tokens, chunks from ``held_chunk(before)`` on.
 
+- **state** (``MambaSpec``: Mamba, linear attention, short convolutions):
+  with prefix caching off (vLLM's ``mamba_cache_mode`` ``none``) a request
+  holds one block of the group, the state after its last computed token,
+  rewritten in place by every step. Only a state at a chunk end can be
+  kept: kvd stores it under that chunk's key (the key of the chunk that ends
+  there) when a step ends exactly there, and a hit of N tokens loads the
+  state under chunk N's key into the request's block
+  (kvd_client.vllm.states).
+
 A hit counts only up to the longest prefix every group holds (the scheduler
-takes the minimum over the groups' lookups), so a group that lost a chunk
-shortens the hit instead of leaving wrong KV. Reads vLLM's objects by
-attribute; nothing here imports vLLM.
+takes the minimum over the groups' lookups; a state group: the last chunk
+end below that with a state), so a group that lost a chunk shortens the hit
+instead of leaving wrong KV. Reads vLLM's objects by attribute; nothing here
+imports vLLM.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from . import layers
 
 NULL_BLOCK = 0  # vLLM's null block: the first block its pool hands out, never a request's own
 SLIDING = "SlidingWindowSpec"
+STATE = "MambaSpec"
 
 
 @dataclass(frozen=True)
@@ -47,11 +58,29 @@ class KVGroup:
     window: int = 0         # sliding window, tokens (0: every block is kept)
     extra: int = 0          # extra_retained_tokens: kept below the window
 
+    @property
+    def state(self) -> bool:
+        """A state group: one block per request holds the state after its last token."""
+        return self.kind == STATE
+
     def first_block(self, tokens: int, block_size: int) -> int:
         """The first block vLLM keeps (and a hit of ``tokens`` needs) in this group."""
         if not self.window:
-            return 0
+            return 0  # a state group's load fills its one block, whatever the hit
         return max(0, tokens - self.window + 1 - self.extra) // block_size
+
+    def load_pages(self, ids: list[int], local: int, hit: int, block_size: int,
+                   chunk: int) -> tuple[int, list[int], int] | None:
+        """An attention group's load of a hit of ``hit`` tokens past a local hit of ``local``
+        into the request's blocks ``ids``: ``(first chunk, pages, scratch pages)``; None when a
+        page would be a null block, or no block past the hit takes the scratch writes."""
+        bpc, end = chunk // block_size, hit // block_size
+        own = max(local // block_size, self.first_block(hit, block_size))  # past the local hit
+        first = own // bpc
+        scratch = own - first * bpc   # pages of the first chunk not to fill (kvd_client.vllm.plan)
+        if scratch and len(ids) <= end or NULL_BLOCK in ids[own:end]:
+            return None
+        return first, ([ids[end]] * scratch if scratch else []) + ids[own:end], scratch
 
     def held_chunk(self, tokens: int, block_size: int, chunk: int) -> int:
         """The first chunk whose blocks are all still held after ``tokens`` were computed."""
@@ -60,8 +89,8 @@ class KVGroup:
 
 
 def kv_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
-    """The groups holding target layers, full-attention groups first (kvd_client.vllm.support
-    checked their kinds)."""
+    """The groups holding target layers: full attention first, then sliding windows, then
+    states (kvd_client.vllm.support checked their kinds)."""
     out = []
     for gid, names in layers.target_groups(vllm_config, kv_cache_config):
         group = kv_cache_config.kv_cache_groups[gid]
@@ -70,7 +99,7 @@ def kv_groups(vllm_config, kv_cache_config) -> list[KVGroup]:
         window = int(getattr(spec, "sliding_window", 0) or 0) if kind == SLIDING else 0
         extra = int(getattr(spec, "extra_retained_tokens", 0) or 0) if window else 0
         out.append(KVGroup(gid, tuple(names), kind, window, extra))
-    return sorted(out, key=lambda g: (g.window > 0, g.gid))
+    return sorted(out, key=lambda g: (g.state, g.window > 0, g.gid))
 
 
 def group_tag(group: KVGroup, count: int) -> str:
@@ -79,7 +108,7 @@ def group_tag(group: KVGroup, count: int) -> str:
     if count == 1 and not group.window:
         return ""
     kind = f"swa{group.window}" + (f"+{group.extra}" if group.extra else "") if group.window \
-        else "full"
+        else "state" if group.state else "full"
     index = [layers.layer_index(n) for n in group.names]
     names = ",".join(str(i) if i is not None else n for i, n in zip(index, group.names))
     if len(names) > 160:  # the fingerprint holds 512 bytes: long layer lists go as a digest

@@ -7,7 +7,9 @@ that file as the one ``shm`` buffer; ``cuda_pool`` exports, per distinct
 CUDA allocation the tensors live in, a ``cuda_ipc`` buffer (as
 kvd_client.torch_pool does for its layouts). Both return a ``VllmKVPool``
 whose descriptor comes from kvd_client.vllm.geometry. A tensor outside the
-memory it should be in raises ``ValueError``.
+memory it should be in raises ``ValueError``. ``state_block(t)``: the tensor
+that starts a state layer's blocks (vLLM 0.32 CPU hands one int8 view per
+layer; a list of state tensors starts with the first).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class CudaVllmKVPool(VllmKVPool):
         import torch
 
         return torch.cuda.current_stream(self.device_index).cuda_stream
+
+
+def state_block(t):
+    return t[0] if isinstance(t, (list, tuple)) else t
 
 
 def tensor_ref(t, buffer: int, base: int) -> L.TensorRef:

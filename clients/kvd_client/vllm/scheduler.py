@@ -47,14 +47,15 @@ group has its own namespace, keys, block ids and lookup; a hit is the
 shortest of the groups' (every group must hold its chunks), a load fills
 each group's blocks from the first one vLLM allocated for it (a
 sliding-window group: the window before the hit) and a store takes a
-sliding-window group's chunks only while vLLM still holds their blocks.
-With several groups every load is asynchronous (vLLM takes load failures
+sliding-window group's chunks only while vLLM still holds their blocks. A
+state group (Mamba, linear attention: kvd_client.vllm.states) keeps one
+state per chunk end a step ended on; a hit ends on a chunk end whose state
+it holds, and loads that state. With several groups every load is asynchronous (vLLM takes load failures
 of several groups per request only, ``failed_recving``) and starts on a
 chunk: a hit that cannot is not offered.
 
-Stores carry a tenant label for the daemon's quotas: the request's
-``cache_salt`` (with ``salt_per_request``), else the configured ``salt``
-(kvd_protocol.wire.tenant_label); the salt itself is in the keys.
+Stores carry a tenant label for the daemon's quotas, keys a salt
+(kvd_client.vllm.labels).
 
 Requests with images or prompt embeddings are neither looked up nor stored:
 their token ids do not say what their KV holds. Calls are duck-typed on
@@ -69,17 +70,15 @@ import time
 from dataclasses import dataclass, field
 
 from kvd_client.lookup import Lookup
-from kvd_client.registration import ChunkKeys
 from kvd_protocol.keys import chain_root, chunk_keys, namespace_digest
-from kvd_protocol.wire import tenant_label
 
+from . import labels, states
 from .counters import Counters
 from .groups import NULL_BLOCK, KVGroup
 from .plan import LoadItem, StepPlan, StoreItem, WorkerReport
 from .settings import Settings
 
 log = logging.getLogger("vllm.kvd")  # under vLLM's logger: its format and level
-MAX_FAILED_KEYS = 1 << 16
 
 
 @dataclass
@@ -90,7 +89,8 @@ class ReqState:
     keys: list[list[bytes]] = field(default_factory=list)     # per group
     blocks: list[list[int]] = field(default_factory=list)     # per group
     leases: list[int | None] = field(default_factory=list)   # per group, of the last answer
-    lookups: list[Lookup] | None = None  # per group: in flight, or answered and not yet read
+    lookups: list[Lookup] | None = None  # in flight, or answered and not yet read
+    questions: list = field(default_factory=list)  # per lookup: (group, chunk) (kvd_client.vllm.states)
     asked: int = 0          # chunks the last lookup asked for
     found: int = 0          # tokens it found
     found_at: float | None = None  # when it was answered (None: no answer to reuse)
@@ -119,7 +119,7 @@ class SchedulerSide:
         self.block_size, self.loads, self.stores = block_size, loads, stores
         self.counters = counters
         self.reqs: dict[str, ReqState] = {}
-        self.failed: dict[bytes, float] = {}   # key -> until when it is not offered
+        self.failed = labels.FailedKeys()
         self.finish_stores: list[StoreItem] = []
         self.wait_left = settings.lookup_wait_ms / 1e3  # this step's wait for lookup replies
 
@@ -133,26 +133,13 @@ class SchedulerSide:
         st = self.reqs.get(request.request_id)
         if st is None:
             n = len(self.groups)
-            st = ReqState(request, self._salt(request), self._tenant(request),
+            st = ReqState(request, labels.salt(self.s, request), labels.tenant(self.s, request),
                           keys=[[] for _ in range(n)], blocks=[[] for _ in range(n)],
                           leases=[None] * n, stored=[0] * n)
             st.cacheable = not getattr(request, "mm_features", None) \
                 and getattr(request, "prompt_embeds", None) is None
             self.reqs[request.request_id] = st
         return st
-
-    def _salt(self, request) -> str | None:
-        parts = [self.s.salt] if self.s.salt else []
-        if self.s.salt_per_request and getattr(request, "cache_salt", None):
-            parts.append(f"request:{request.cache_salt}")
-        lora = getattr(request, "lora_request", None)
-        if self.s.salt_lora and lora is not None:
-            parts.append(f"lora:{lora.lora_name}")
-        return "\x1f".join(parts) or None
-
-    def _tenant(self, request) -> str | None:
-        cache_salt = getattr(request, "cache_salt", None) if self.s.salt_per_request else None
-        return tenant_label(cache_salt or self.s.salt)
 
     def _keys(self, st: ReqState, chunks: int, g: int = 0) -> list[bytes]:
         """The first ``chunks`` keys of the request in group ``g`` (tokens only get appended)."""
@@ -183,7 +170,7 @@ class SchedulerSide:
         limit = (st.request.num_tokens - 1) // c  # whole chunks, and one token left to compute
         if not self.loads or not st.cacheable or limit * c <= local or c % self.block_size:
             return 0
-        usable = min(self._before_failed(self._keys(st, limit, g)) for g in range(len(self.groups)))
+        usable = min(self.failed.before(self._keys(st, limit, g)) for g in range(len(self.groups)))
         return usable if usable * c > local else 0
 
     def _found(self, st: ReqState, usable: int) -> int | None:
@@ -195,15 +182,16 @@ class SchedulerSide:
             self._release(st)
             self.counters.add(lookups=1, lookup_tokens=usable * self.chunk - st.local)
             st.asked, st.found_at = usable, None
-            st.lookups = [self.client.submit_lookup(ChunkKeys(keys[:usable]), self.s.lease_ms,
-                                                    reg=reg)
-                          for keys, reg in zip(st.keys, self.regs)]
+            st.lookups, st.questions = states.submit(self.client, self.groups, self.regs, st.keys,
+                                                     usable, st.local // self.chunk, self.s.lease_ms)
         if st.lookups is not None:
             if not all(self._wait(x) for x in st.lookups):
                 return None
-            answers = [x.result() for x in st.lookups]
-            st.leases = [lease for _, lease in answers]
-            st.found = min(found for found, _ in answers)  # every group must hold its chunks
+            # every group must hold its chunks (a state group: a state at the hit's end)
+            st.found, st.leases, spare = states.combine([x.result() for x in st.lookups],
+                                                        st.questions, self.groups, self.chunk)
+            for lease in spare:
+                self.client.release(lease, wait=False)
             st.found_at = min(x.answered_at or time.monotonic() for x in st.lookups)
             st.lookups = None
         return st.found
@@ -251,16 +239,6 @@ class SchedulerSide:
         bpc = self.chunk // self.block_size
         return all(g.first_block(tokens, self.block_size) % bpc == 0 for g in self.groups)
 
-    def _before_failed(self, keys: list[bytes]) -> int:
-        now = time.monotonic()
-        for i, key in enumerate(keys):
-            until = self.failed.get(key)
-            if until is not None:
-                if until > now:
-                    return i
-                del self.failed[key]
-        return len(keys)
-
     def allocated(self, request, blocks, external: int) -> None:
         st = self.reqs.get(request.request_id)
         if st is None:
@@ -272,22 +250,23 @@ class SchedulerSide:
             log.warning("kvd: vLLM allocated %d external tokens for %s, kvd offered %d; not loading",
                         external, request.request_id, st.hit - st.local)
             return
-        all_ids, bs, c = blocks.get_block_ids(), self.block_size, self.chunk
-        last, end, loads = st.hit // c, st.hit // bs, []
+        all_ids, c, rid = blocks.get_block_ids(), self.chunk, request.request_id
+        last, loads = st.hit // c, []
+        tokens = (last - st.local // c) * c
         for g, group in enumerate(self.groups):
-            ids = list(all_ids[group.gid])
-            # the first block this load really fills: past the local hit, and in the window
-            own = max(st.local // bs, group.first_block(st.hit, bs))
-            first = own // (c // bs)
-            scratch = own - first * (c // bs)      # pages of the first chunk not to fill
-            if scratch and len(ids) <= end or NULL_BLOCK in ids[own:end]:
+            ids, keys = list(all_ids[group.gid]), self._keys(st, last, g)
+            if group.state:  # the state after the hit, into the request's state block
+                item = states.load_item(rid, keys, ids, last, g, tokens)
+            else:  # from the first block past the local hit, and in the window
+                where = group.load_pages(ids, st.local, st.hit, self.block_size, c)
+                item = where and LoadItem(rid, keys[where[0]:], where[1], where[2],
+                                          not st.asynchronous, g, tokens)
+            if not item:
                 log.warning("kvd: no block past the hit of %s to take scratch writes, or a null "
-                            "block in it; not loading", request.request_id)
+                            "block in it; not loading", rid)
                 st.hit = st.local
                 return
-            pages = ([ids[end]] * scratch if scratch else []) + ids[own:end]
-            loads.append(LoadItem(request.request_id, self._keys(st, last, g)[first:], pages,
-                                  scratch, not st.asynchronous, g, (last - st.local // c) * c))
+            loads.append(item)
         st.loads, st.stored = loads, [max(n, last) for n in st.stored]
 
     # ---- each step ----------------------------------------------------------------
@@ -331,12 +310,22 @@ class SchedulerSide:
             end = min(before + so.num_scheduled_tokens.get(req_id, 0), st.request.num_tokens)
             for g, group in enumerate(self.groups):  # a window's blocks vLLM freed are not kept
                 held = group.held_chunk(before, self.block_size, self.chunk)
-                item = self._store_item(st, g, end // self.chunk, st.blocks[g], True, held)
+                item = self._state_item(st, g, end, True) if group.state else \
+                    self._store_item(st, g, end // self.chunk, st.blocks[g], True, held)
                 if item is not None:
                     plan.stores.append(item)
 
     def _worth_storing(self, st: ReqState) -> bool:
         return st.cacheable and st.request.num_prompt_tokens >= max(self.s.store_min_tokens, self.chunk)
+
+    def _state_item(self, st: ReqState, g: int, end: int, after_forward: bool, blocks=None):
+        """Group ``g``'s state after ``end`` tokens, at a chunk end not yet stored."""
+        item = states.store_item(st.request.request_id, self._keys(st, end // self.chunk, g),
+                                 st.blocks[g] if blocks is None else blocks, end, self.chunk,
+                                 st.stored[g], after_forward, st.tenant, g)
+        if item is not None:
+            st.stored[g], st.stores_sent = end // self.chunk, True
+        return item
 
     def _store_item(self, st: ReqState, g: int, upto: int, blocks: list[int], after_forward: bool,
                     held: int = 0):
@@ -371,7 +360,8 @@ class SchedulerSide:
                 ids = list(block_ids[group.gid])
                 nulls = [i for i, b in enumerate(ids) if b == NULL_BLOCK]  # freed window blocks
                 held = (nulls[-1] // bpc + 1) if nulls else 0
-                item = self._store_item(st, g, computed // self.chunk, ids, False, held)
+                item = self._state_item(st, g, computed, False, ids) if group.state else \
+                    self._store_item(st, g, computed // self.chunk, ids, False, held)
                 if item is not None:
                     self.finish_stores.append(item)
         return st.stores_sent
@@ -384,10 +374,7 @@ class SchedulerSide:
                 self._release(st)
         if report is None or not report.failed_keys:
             return
-        until = time.monotonic() + self.s.retry_failed_after_s
-        if len(self.failed) + len(report.failed_keys) > MAX_FAILED_KEYS:
-            self.failed.clear()
-        self.failed.update(dict.fromkeys(report.failed_keys, until))
+        self.failed.add(report.failed_keys, self.s.retry_failed_after_s)
         for st in self.reqs.values():  # those chunks are not in kvd: store them once recomputed
             for g, keys in enumerate(st.keys):
                 bad = [i for i, key in enumerate(keys[:st.stored[g]]) if key in report.failed_keys]

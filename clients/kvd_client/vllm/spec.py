@@ -27,12 +27,21 @@ appended to the model names the physical order inside a block
 ``get_kv_cache_layout()`` (0.26)), the vLLM version and the attention ISA
 vLLM picks (``amx``, ``vec``, ...), because CPU blocks are packed per ISA.
 A dtype kvd has no name for raises ``ValueError`` with the reason.
+
+A state group (``MambaSpec``, kvd_client.vllm.groups) is whole state blocks:
+attention ``opaque``, dtype ``uint8``, one page per chunk key (``block_size``
+= the daemon's ``chunk_tokens``: the page holds the state after that chunk,
+not its tokens), its bytes the state's (the spec's shapes and dtypes,
+rounded up to whole rows) under the page format ``vllm-cpu <version> state
+<mamba type> <shapes> <dtypes>``.
 """
 
 from __future__ import annotations
 
+from kvd_protocol.limits import MAX_HEAD_DIM, MAX_KV_HEADS
+
 from . import layers
-from .geometry import KVGeometry, interior_of, page_format
+from .geometry import STATE, KVGeometry, interior_of, page_format
 from .groups import KVGroup, group_tag, joined_fingerprint, kv_groups
 
 KV_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
@@ -49,8 +58,9 @@ def target_layers(vllm_config, kv_cache_config, group: KVGroup | None = None) ->
 
 
 def all_target_layers(vllm_config, kv_cache_config) -> list[str]:
-    """Every group's target layers, group after group (the fp8 scales' digest covers them all)."""
-    return [n for g in kv_groups(vllm_config, kv_cache_config) for n in g.names]
+    """Every attention group's target layers, group after group (the fp8 scales' digest covers
+    them all; state layers have no KV scales)."""
+    return [n for g in kv_groups(vllm_config, kv_cache_config) if not g.state for n in g.names]
 
 
 def needs_scales(vllm_config, kv_cache_config) -> bool:
@@ -61,16 +71,20 @@ def needs_scales(vllm_config, kv_cache_config) -> bool:
 
 def geometry(vllm_config, kv_cache_config, model_id: str = "", kv_scales: str = "",
              block_format: str = "blocks", interior: str = "",
-             group: KVGroup | None = None) -> KVGeometry:
+             group: KVGroup | None = None, chunk_tokens: int = 0) -> KVGeometry:
     """The namespace and layout facts; ``kv_scales`` (``layers.kv_scales``) for fp8 caches,
     ``block_format`` (``"blocks"`` or ``"rows"``) for GPU blocks, and their ``interior``
     as the workers' tensors have it (``tensor_interior``; default: what vLLM's config says,
     which an attention backend may override in the workers' processes only); ``group``: the
-    KV cache group (default: the first), whose tag joins the fingerprint (kvd_client.vllm.groups)."""
+    KV cache group (default: the first), whose tag joins the fingerprint (kvd_client.vllm.groups);
+    ``chunk_tokens``: the daemon's, which a state group's page is (one state per chunk key)."""
     every = kv_groups(vllm_config, kv_cache_config)
     group = group or every[0]
     names, spec = target_layers(vllm_config, kv_cache_config, group)
     par = vllm_config.parallel_config
+    if group.state:
+        return state_geometry(vllm_config, spec, names, model_id, chunk_tokens,
+                              group_tag(group, len(every)))
     dtype = kv_dtype(vllm_config.cache_config.cache_dtype, spec.dtype)
     if dtype in SCALED and not kv_scales:
         raise ValueError("kvd: an fp8 KV cache's namespace needs its scales (layers.kv_scales)")
@@ -94,6 +108,43 @@ def geometry(vllm_config, kv_cache_config, model_id: str = "", kv_scales: str = 
     fmt = page_format(engine, interior, spec.block_size, isa)
     return KVGeometry(model=f"{model}|{fmt}", attention="opaque", kv_heads=spec.num_kv_heads,
                       head_dim=2 * spec.head_size, interior=interior, **common)
+
+
+def state_geometry(vllm_config, spec, names: list[str], model_id: str, chunk_tokens: int,
+                   tag: str) -> KVGeometry:
+    """A state group's namespace: the state's bytes, as ``chunk_tokens`` rows of a page."""
+    if chunk_tokens < 1:
+        raise ValueError("kvd: a state group's namespace needs the daemon's chunk_tokens")
+    content = sum(_prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
+    row = -(-content // chunk_tokens)
+    if row * chunk_tokens > spec.page_size_bytes:
+        raise ValueError(f"kvd: a state of {content} bytes in blocks of {spec.page_size_bytes} "
+                         f"does not fit whole rows of a {chunk_tokens}-token chunk; use a "
+                         "chunk_tokens that divides the state's size, or run without the kvd "
+                         "connector")
+    heads = next((h for h in range(1, MAX_KV_HEADS + 1) if row % h == 0
+                  and row // h <= MAX_HEAD_DIM), 0)
+    if not heads:
+        raise ValueError(f"kvd: a state row of {row} bytes has no split into at most "
+                         f"{MAX_KV_HEADS} pieces of at most {MAX_HEAD_DIM}; use a larger "
+                         "chunk_tokens, or run without the kvd connector")
+    kind = getattr(spec.mamba_type, "name", spec.mamba_type)  # an enum in vLLM
+    dtypes = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+    shapes = ",".join("x".join(map(str, s)) for s in spec.shapes)
+    fmt = f"vllm-{vllm_config.device_config.device_type} {vllm_version()} {STATE} {kind} " \
+          f"{shapes} {dtypes}"
+    model = model_id or model_identity(vllm_config.model_config)
+    return KVGeometry(model=f"{model}|{fmt}", kv_dtype="uint8", attention="opaque",
+                      num_layers=len(names), kv_heads=heads, head_dim=row // heads,
+                      tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                      block_size=chunk_tokens, interior=STATE, fingerprint=tag)
+
+
+def _prod(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= int(n)
+    return out
 
 
 def gpu_blocks(vllm_config, kv_cache_config, block_format: str) -> bool:

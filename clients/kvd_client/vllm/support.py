@@ -10,12 +10,15 @@ both roles, before vLLM allocates its KV cache. Nothing here imports vLLM.
 Refused here: pipeline and context parallelism (decode and prefill), sleep
 mode and the cumem allocator, PyTorch's expandable segments (GPU),
 quantised KV formats other than per-tensor fp8, fp8 scales computed at run
-time (``calculate_kv_scales``), KV cache groups of different block sizes,
-layer kinds other than full attention, MLA and sliding window (Mamba and
-other state-space or linear-attention layers among them), and target layers
-of one group of different shapes or dtypes. Several KV cache groups (vLLM's
-hybrid manager: sliding-window layers next to full attention) are served,
-each in a namespace of its own (kvd_client.vllm.groups). Refused later,
+time (``calculate_kv_scales``), attention KV cache groups of different block
+sizes, layer kinds other than full attention, MLA, sliding window and state
+(``MambaSpec``), and target layers of one group of different shapes or
+dtypes. Several KV cache groups (vLLM's hybrid manager: sliding-window or
+state layers next to full attention) are served, each in a namespace of its
+own (kvd_client.vllm.groups). State groups (Mamba, linear attention) are
+served with prefix caching off only (``mamba_cache_mode`` ``none``: one
+state block per request), next to attention layers, without speculative
+decoding, on vLLM's CPU build (the one tested; on a GPU they are refused). Refused later,
 where only the worker's tensors tell: block layouts kvd cannot map (kvd_client.vllm.geometry), memory CUDA IPC cannot export
 (kvd_client.vllm.pool). Supported with conditions elsewhere: drafter layers
 (kvd_client.vllm.layers), fp8 scales in the namespace (kvd_client.vllm.spec).
@@ -28,14 +31,12 @@ from . import layers
 NO_KVD = "run without the kvd connector"
 OR_NO_KVD = "or without the kvd connector"
 CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-LAYER_KINDS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
+LAYER_KINDS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "MambaSpec")
 QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
 ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 WHY_KIND = {
     "ChunkedLocalAttentionSpec": "vLLM frees the blocks of past attention chunks",
-    "MambaSpec": "Mamba and linear-attention layers keep a request's state in one block "
-                 "rewritten every step, not token rows",
     "CrossAttentionSpec": "encoder KV does not follow the prompt's tokens",
     "EncoderOnlyAttentionSpec": "encoder KV does not follow the prompt's tokens",
 }
@@ -125,7 +126,8 @@ def kv_cache_groups(vllm_config, kv_cache_config, environ) -> str | None:
     sizes = {}
     for specs in _group_specs(vllm_config, kv_cache_config):
         for name, spec in specs.items():
-            sizes.setdefault(getattr(spec, "block_size", None), name)
+            if not _is_state(spec):  # a state block holds no tokens: its size is not a chunk's
+                sizes.setdefault(getattr(spec, "block_size", None), name)
     if len(sizes) < 2:
         return None
     (a, a_name), (b, b_name) = list(sizes.items())[:2]
@@ -138,6 +140,44 @@ def _group_specs(vllm_config, kv_cache_config) -> list[dict]:
     """Per KV cache group holding target layers: each target layer's spec."""
     return [layers.layer_specs(kv_cache_config.kv_cache_groups[gid], names)
             for gid, names in layers.target_groups(vllm_config, kv_cache_config)]
+
+
+def _is_state(spec) -> bool:
+    return type(spec).__name__ == "MambaSpec"
+
+
+def _state_kind(spec) -> str:
+    kind = getattr(spec, "mamba_type", "MAMBA2")  # an enum member in vLLM 0.32
+    return str(getattr(kind, "name", kind)).upper()
+
+
+def state_groups(vllm_config, kv_cache_config, environ) -> str | None:
+    """Mamba / linear-attention state: what kvd_client.vllm.states can keep."""
+    specs = _target_specs(vllm_config, kv_cache_config)
+    states = {n: s for n, s in specs.items() if _is_state(s)}
+    if not states:
+        return None
+    name, spec = next(iter(states.items()))
+    why = None
+    if len(states) == len(specs):
+        why = ("kvd keeps a state only next to attention layers, whose chunks say which prefix "
+               f"it belongs to; {NO_KVD}")
+    elif str(getattr(spec, "mamba_cache_mode", "none")) != "none":
+        why = (f"with mamba_cache_mode {spec.mamba_cache_mode!r} (vLLM's prefix caching on) "
+               "vLLM's own prefix cache places the states in its blocks; turn prefix caching "
+               "off (--no-enable-prefix-caching: kvd is then the prefix cache) or run without "
+               "the kvd connector")
+    elif _state_kind(spec) != "MAMBA2":
+        why = (f"only Mamba-2 state layers are tested with kvd (these are "
+               f"{_state_kind(spec)}); {NO_KVD}")
+    elif getattr(spec, "num_speculative_blocks", 0):
+        why = ("with speculative decoding a step's state depends on the drafts accepted; run "
+               f"without a speculative config {OR_NO_KVD}")
+    elif vllm_config.device_config.device_type != "cpu":
+        why = f"they are served on vLLM's CPU build only (not tested on a GPU); {NO_KVD}"
+    if why is None:
+        return None
+    return f"kvd: state layers ({name}, MambaSpec) are not supported here: {why}"
 
 
 def _target_specs(vllm_config, kv_cache_config) -> dict:
@@ -163,6 +203,8 @@ def quant_mode(vllm_config, kv_cache_config, environ) -> str | None:
 
 
 def _shape(spec) -> str:
+    if _is_state(spec):
+        return f"MambaSpec {spec.shapes} {[str(d).removeprefix('torch.') for d in spec.dtypes]}"
     mode = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     v = getattr(spec, "head_size_v", None) or spec.head_size
     heads = f"{spec.num_kv_heads} heads x {spec.head_size}" + (f"/{v}" if v != spec.head_size else "")
@@ -187,15 +229,15 @@ def mixed_layers(vllm_config, kv_cache_config, environ) -> str | None:
 def kv_head_sizes(vllm_config, kv_cache_config, environ) -> str | None:
     for name, spec in _target_specs(vllm_config, kv_cache_config).items():
         v = getattr(spec, "head_size_v", None)
-        if type(spec).__name__ != "MLAAttentionSpec" and v and v != spec.head_size:
+        if type(spec).__name__ not in ("MLAAttentionSpec", "MambaSpec") and v and v != spec.head_size:
             return (f"kvd: layer {name} has K heads of {spec.head_size} and V heads of {v} "
                     f"elements; kvd needs K and V of one size: {NO_KVD}")
     return None
 
 
 CHECKS = (pipeline_parallel, context_parallel, sleep_mode, cumem_allocator, expandable_segments,
-          cache_dtype, dynamic_scales, layer_kinds, kv_cache_groups, quant_mode, mixed_layers,
-          kv_head_sizes)
+          cache_dtype, dynamic_scales, layer_kinds, state_groups, kv_cache_groups, quant_mode,
+          mixed_layers, kv_head_sizes)
 
 
 def refusal(vllm_config, kv_cache_config, environ) -> str | None:

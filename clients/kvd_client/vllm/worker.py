@@ -23,8 +23,9 @@ rank's KV pool with kvd and carries out the scheduler's ``StepPlan``
 KV cache groups (kvd_client.vllm.groups): the worker registers one pool
 per group (the group's layers, a namespace each) and moves each item with
 its group's registration. vLLM frees a sliding-window group's blocks while
-the request runs, and hands them to other requests at once: stores from
-such ``fenced`` groups end before the next step's forward and loads
+the request runs, and hands them to other requests at once, and rewrites a
+state group's block (Mamba) in every step: stores from such ``fenced``
+groups end before the next step's forward and loads
 (``preempted``, which vLLM calls before every forward, and ``start``). With several groups a failed load is reported per request
 (``failed_recving``: vLLM recomputes it whole), not per block.
 

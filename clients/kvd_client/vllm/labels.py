@@ -1,0 +1,59 @@
+"""What the scheduler labels a request's chunks with, and which keys it does not offer.
+
+- ``salt(settings, request)``: the text mixed into the request's chunk keys
+  (kvd_protocol.keys.chain_root): the configured ``salt``, the request's
+  ``cache_salt`` (with ``salt_per_request``), its LoRA (with ``salt_lora``);
+  None when there is none.
+- ``tenant(settings, request)``: the label the daemon's quotas count its
+  stores under (kvd_protocol.wire.tenant_label): the request's
+  ``cache_salt`` (with ``salt_per_request``), else the configured ``salt``.
+- ``FailedKeys``: keys whose load failed, not offered again until their time
+  is up (re-offering a failed hit loops: vLLM asks again at once); bounded
+  (``MAX_FAILED_KEYS``: past it, the table starts over).
+
+Reads vLLM's ``Request`` by attribute; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvd_protocol.wire import tenant_label
+
+MAX_FAILED_KEYS = 1 << 16
+
+
+def salt(s, request) -> str | None:
+    parts = [s.salt] if s.salt else []
+    if s.salt_per_request and getattr(request, "cache_salt", None):
+        parts.append(f"request:{request.cache_salt}")
+    lora = getattr(request, "lora_request", None)
+    if s.salt_lora and lora is not None:
+        parts.append(f"lora:{lora.lora_name}")
+    return "\x1f".join(parts) or None
+
+
+def tenant(s, request) -> str | None:
+    cache_salt = getattr(request, "cache_salt", None) if s.salt_per_request else None
+    return tenant_label(cache_salt or s.salt)
+
+
+class FailedKeys:
+    def __init__(self):
+        self.until: dict[bytes, float] = {}   # key -> when it may be offered again
+
+    def before(self, keys: list[bytes]) -> int:
+        """How many of ``keys`` come before the first one not to offer yet."""
+        now = time.monotonic()
+        for i, key in enumerate(keys):
+            until = self.until.get(key)
+            if until is not None:
+                if until > now:
+                    return i
+                del self.until[key]
+        return len(keys)
+
+    def add(self, keys, for_s: float) -> None:
+        if len(self.until) + len(keys) > MAX_FAILED_KEYS:
+            self.until.clear()
+        self.until.update(dict.fromkeys(keys, time.monotonic() + for_s))
