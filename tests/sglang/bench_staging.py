@@ -13,7 +13,9 @@ deduplicated), and, in the same run, the copies between the host pool and
 the staging pool alone (what registering SGLang's pool in place would save),
 a plain contiguous copy of the same bytes as the baseline for them, plus
 SGLang's generic interface (``batch_set``/``batch_get`` of flat pages,
-without ``interface_v1``). Medians of ``--rounds``; GB/s of KV moved.
+without ``interface_v1``). Medians of ``--rounds``; GB/s of KV moved. Each
+value of ``--load-pipeline-pages`` (the backend's ``kvd_load_pipeline_pages``)
+is a run of every layout of its own: the loads with and without overlap.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 
-def build(args, layout):
+def build(args, layout, pipeline: int):
     tokens = 2 * args.pages * args.page_size
     dev = MHATokenToKVPool(size=tokens, page_size=args.page_size, dtype=torch.bfloat16,
                            head_num=args.heads, head_dim=args.dim, layer_num=args.layers,
@@ -46,7 +48,8 @@ def build(args, layout):
     extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
              "class_name": "KvdHiCacheStorage", "interface_v1": 1,
              "kvd_runtime_dir": args.runtime_dir, "kvd_key_mode": "hashes",
-             "kvd_staging_pages": args.pages, "kvd_timeout_s": 60.0}
+             "kvd_staging_pages": args.pages, "kvd_timeout_s": 60.0,
+             "kvd_load_pipeline_pages": pipeline}
     config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                   attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
                                   is_page_first_layout=layout == "page_first",
@@ -62,8 +65,8 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def run_layout(args, layout, round_keys):
-    host, be = build(args, layout)
+def run_layout(args, layout, round_keys, pipeline: int):
+    host, be = build(args, layout, pipeline)
     idx = host.alloc(args.pages * args.page_size)
     host.kv_buffer.view(torch.uint8).random_()
     slots = be.pages.page_slots(idx, args.pages)
@@ -109,6 +112,9 @@ def main():
     ap.add_argument("--pages", type=int, default=32, help="pages per batch")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layouts", default="layer_first,page_first,page_first_direct,page_head")
+    ap.add_argument("--load-pipeline-pages", default="8",
+                    help="comma list of kvd_load_pipeline_pages values, each a run of its own "
+                         "(--pages or more: one kvd request per batch)")
     args = ap.parse_args()
     page_bytes = args.layers * 2 * args.page_size * args.heads * args.dim * 2
     total = page_bytes * args.pages
@@ -126,10 +132,12 @@ def main():
 
     print(f"{'layout':18} {'copy out':>9} {'store':>9} {'copy in':>9} {'load':>9} "
           f"{'gen store':>9} {'gen load':>9}   GB/s; copy share of store / load")
-    for layout in args.layouts.split(","):
-        m = run_layout(args, layout, round_keys)
+    runs = [(layout, int(p)) for p in args.load_pipeline_pages.split(",")
+            for layout in args.layouts.split(",")]
+    for layout, pipeline in runs:
+        m = run_layout(args, layout, lambda lay, r: round_keys(f"{lay}/{pipeline}", r), pipeline)
         gbs = {k: total / v / 1e9 for k, v in m.items()}
-        print(f"{layout:18} " + " ".join(f"{gbs[k]:9.2f}" for k in
+        print(f"{layout + '/' + str(pipeline):18} " + " ".join(f"{gbs[k]:9.2f}" for k in
                                          ("copy_out", "store", "copy_in", "load", "generic_store",
                                           "generic_load"))
               + f"   {m['copy_out'] / m['store']:.0%} / {m['copy_in'] / m['load']:.0%}")

@@ -2,7 +2,7 @@
 
     python gpu_engine.py SPEC.json OUT.json
         SPEC: {"model": DIR, "kvd": {extra config}, "runner": "v1" | "v2", "poison": float | null,
-               "batches": [[[token ids], ...], ...], "kv_bytes": int}
+               "batches": [[[token ids], ...], ...], "kv_bytes": int, "tp": int (default 1)}
         OUT: per prompt the first token's top logprobs, the prompt's block ids and
         the SHA-256 of each block's bytes over every layer (read right after the
         batch that computed or loaded them), num_cached_tokens; the deltas of
@@ -12,6 +12,8 @@
 The engine core and the worker run in this process (uni executor, no engine
 process), so the recording connector below sees the block ids vLLM gives each
 request and the worker extension reads the same engine's KV tensors. With
+``tp`` > 1 the workers are processes of their own (mp executor), one per GPU;
+``rank_digests`` then holds every rank's digests (``digests`` rank 0's). With
 ``poison`` every KV byte is set to that value before the first batch: a block
 kvd should have loaded and did not keeps it. Prefix caching is off (every hit
 is kvd's). ``runner`` picks vLLM's model runner (``VLLM_USE_V2_MODEL_RUNNER``).
@@ -93,8 +95,9 @@ def run(spec: dict) -> dict:
 
     llm = LLM(model=spec["model"], load_format="safetensors", dtype="bfloat16", seed=0,
               max_model_len=spec.get("max_model_len", 4096), enable_prefix_caching=False,
-              skip_tokenizer_init=True, disable_log_stats=False,
-              kv_cache_memory_bytes=spec.get("kv_bytes", 2 << 30), distributed_executor_backend="uni",
+              skip_tokenizer_init=True, disable_log_stats=False, tensor_parallel_size=spec.get("tp", 1),
+              kv_cache_memory_bytes=spec.get("kv_bytes", 2 << 30),
+              distributed_executor_backend="uni" if spec.get("tp", 1) == 1 else "mp",
               worker_extension_cls="gpu_engine.KVProbe",
               kv_transfer_config=KVTransferConfig(
                   kv_connector="RecordingKvdConnector", kv_connector_module_path="gpu_engine",
@@ -110,11 +113,12 @@ def run(spec: dict) -> dict:
             if blocks is None:
                 raise RuntimeError(f"no block ids recorded for a prompt of {len(prompt)} tokens; "
                                    f"recorded: {[k[0] for k in RecordingKvdConnector.blocks]}")
-            digests = llm.collective_rpc("block_digests", args=(blocks,))[0]
+            ranks = llm.collective_rpc("block_digests", args=(blocks,))
             top = o.outputs[0].logprobs[0]
             results.append({"logprobs": {str(t): lp.logprob for t, lp in top.items()},
                             "token": o.outputs[0].token_ids[0], "blocks": blocks,
-                            "digests": digests, "num_cached_tokens": o.num_cached_tokens})
+                            "digests": ranks[0], "rank_digests": ranks,
+                            "num_cached_tokens": o.num_cached_tokens})
     after = snapshot(llm)
     counters = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
     llm.llm_engine.engine_core.shutdown()

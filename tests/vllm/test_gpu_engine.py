@@ -127,7 +127,7 @@ def test_engines_on_both_runners_share_kv_byte_for_byte(model, start_daemon, tmp
     assert daemon.log().count("copies by DMA") == 2, daemon.log()  # the two whole-block engines
 
 
-def check_pair(store: dict, load: dict, block: int = BLOCK) -> None:
+def check_pair(store: dict, load: dict, block: int = BLOCK, counters: bool = True) -> None:
     src = dict(zip(["long", "short"], store["prompts"]))
     dst = dict(zip(["long", "short", "control"], load["prompts"]))
     for name in ("long", "short"):
@@ -141,6 +141,8 @@ def check_pair(store: dict, load: dict, block: int = BLOCK) -> None:
     assert control["num_cached_tokens"] == 0
     # the prefix moves the first token's distribution: the check above can fail
     assert top_diff(dst["long"]["logprobs"], control["logprobs"]) > 4 * LOGPROB_TOL
+    if not counters:
+        return
     c, hits = load["counters"], HITS["long"] + HITS["short"]
     assert c["vllm:kvd_hit_tokens"] == hits and c["vllm:kvd_loaded_tokens"] == hits, c
     assert c["vllm:prompt_tokens_by_source{source=external_kv_transfer}"] == hits, c

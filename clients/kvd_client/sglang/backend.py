@@ -13,7 +13,9 @@ Operations, each on a batch of SGLang pages (hashes + host slots):
 - ``batch_exists``: pages of the longest prefix kvd holds (one ``lookup``).
 - ``batch_get_v1`` / ``batch_set_v1`` (``interface_v1``: SGLang's zero-copy
   path): kvd loads into / stores from the staging pool, one copy between
-  it and SGLang's host pool; per-page success, a prefix.
+  it and SGLang's host pool; per-page success, a prefix. A load asks kvd
+  for ``load_pipeline_pages`` pages at a time; a copy thread moves each
+  request's pages on into the host pool while kvd moves the next.
 - ``get``/``batch_get``/``set``/``batch_set``/``exists``: the generic
   interface over SGLang's flat pages (SGLang copies each page once more).
 
@@ -51,6 +53,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -113,6 +116,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         self._session_lock, self._load_lock, self._store_lock = (threading.Lock() for _ in range(3))
         self._retry_at = 0.0
         self._refused: str | None = None
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvd-sglang-copy")
         self.counters = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "stored_pages": 0,
                          "unkeyed_pages": 0, "failed_loads": 0, "failed_stores": 0}
 
@@ -227,15 +231,35 @@ class KvdHiCacheStorage(HiCacheStorage):
         done = 0
         with self._load_lock:
             for start, keyed, asked in self._batches(keys):
-                got = self._moved(self.client.load, keyed, 0)
-                for j in range(got):
-                    deliver(start + j, self.staging.slot(j))
+                got = self._load_batch(start, keyed, deliver)
                 done = start + got
                 self.counters["loaded_pages"] += got
                 self.counters["failed_loads"] += got < len(keyed)
                 if got < asked:
                     break
         return done
+
+    def _load_batch(self, start: int, keyed: list, deliver) -> int:
+        """Pages of one staging batch loaded and delivered (a prefix), ``load_pipeline_pages``
+        per kvd request: the copy thread delivers a request's pages while kvd moves the
+        next request's into other slots; all delivered before the batch's slots are reused."""
+        step, got, copies = self.options.load_pipeline_pages, 0, []
+        try:
+            for first in range(0, len(keyed), step):
+                part = keyed[first:first + step]
+                n = self._moved(self.client.load, part, first)
+                copies.append(self._copier.submit(self._deliver, deliver, start, first, n))
+                got += n
+                if n < len(part):
+                    break
+        finally:
+            for c in copies:
+                c.result()  # re-raises a failed copy, as a copy in this thread would
+        return got
+
+    def _deliver(self, deliver, start: int, first: int, n: int) -> None:
+        for j in range(first, first + n):
+            deliver(start + j, self.staging.slot(j))
 
     def _store(self, keys, source) -> int:
         """Store the leading pages of ``keys``; ``source(i)`` is page ``i`` in page order.
@@ -291,6 +315,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         return out
 
     def close(self) -> None:
+        self._copier.shutdown(wait=True)
         if self._recorder is not None:
             hashing.unlisten(self._recorder)
             self._recorder = None

@@ -42,6 +42,11 @@ OPTIONS = {
     "staging_pages": Option(int, 128, "SGLang pages per direction in the staging pool (the "
                             "/dev/shm file kvd copies from and into): the most pages one kvd "
                             "request moves; SGLang's batches are 128 pages", positive=True),
+    "load_pipeline_pages": Option(int, 8, "SGLang pages per kvd load request inside a batch: "
+                                  "while kvd moves one request's pages into the staging pool, "
+                                  "the backend copies the previous one's into SGLang's host "
+                                  "pool; staging_pages or more: one request per batch, no "
+                                  "overlap", positive=True),
     "key_map_pages": Option(int, 65536, "key_mode 'tokens': SGLang page hashes whose tokens "
                             "are remembered (least recently used forgotten first); a page whose "
                             "hash was forgotten is a miss", positive=True),
@@ -59,6 +64,7 @@ class Options:
     kv_dtype: str = ""
     timeout_s: float = 5.0
     staging_pages: int = 128
+    load_pipeline_pages: int = 8
     key_map_pages: int = 65536
     shm_dir: str = "/dev/shm"
 
