@@ -193,9 +193,13 @@ def kv_cache_layout(vllm_config, kv_cache_config) -> str:
         or getattr(vllm_config.cache_config, "kv_cache_layout", None)
     if name:
         return str(name)
+    from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.utils import get_kv_cache_layout  # vLLM 0.26
 
-    return str(get_kv_cache_layout())
+    # the scheduler of a multi-process (TP > 1) engine builds its connector outside vLLM's
+    # config context, which get_kv_cache_layout reads
+    with set_current_vllm_config(vllm_config):
+        return str(get_kv_cache_layout())
 
 
 def vllm_version() -> str:
