@@ -16,7 +16,9 @@ queueing behind them.
 
 Payload work (packing values, verifying them, copying into host slots) runs
 on separate CPU threads, never behind network calls, and is always waited
-for: it touches the arena. Failures are never raised to requests: ``exists_prefix``
+for: it touches the arena. Checksums hold the GIL (xxhash), so ``start``
+lowers the interpreter's switch interval to ``SWITCH_S`` for the process's
+life: other threads wait for the GIL a fraction of a millisecond, not 5 ms. Failures are never raised to requests: ``exists_prefix``
 returns 0, ``get`` None, ``put`` None. ``known`` remembers (bounded, LRU)
 the names this node saw present, so chunks are not put twice.
 ``put_from`` and ``get_into`` are the zero-copy calls of a store that has
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections import Counter, OrderedDict
 
@@ -45,7 +48,10 @@ KNOWN_NAMES = 1 << 16
 CPU_THREADS = 2
 PROBE_VALUE = b"kvd probe"
 BAD_HOLD_S = 10.0  # a value dropped as corrupt is no hit here for this long (its delete may lag)
-CLOSE_TIMEOUT_S = 5.0  # Mooncake unmounts this node's segment from the master on close: ~1-2 s
+CLOSE_TIMEOUT_S = 5.0
+# a thread waiting for the GIL gets it within this (CPython's default, 5 ms, stalls the loop
+# and every network thread returning from the store while a CPU thread checks a payload)
+SWITCH_S = 0.0002  # Mooncake unmounts this node's segment from the master on close: ~1-2 s
 
 
 class RemoteUnavailable(Exception):
@@ -76,6 +82,7 @@ class RemoteTier:
     # ---- the breaker and its probe -------------------------------------------------------
 
     def start(self) -> None:
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))  # for the daemon's life
         log.info("remote tier: %s at %s, prefix %r; local-only until it answers", self.store.name,
                  self.store.address, self.prefix)
         self._prober = asyncio.ensure_future(self._probe_loop())
@@ -238,8 +245,7 @@ class RemoteTier:
         name = self.name(ns, key)
         size = memoryview(value).nbytes
         try:
-            sent = await self.call(self._put if checked else self._put_absent, name, value,
-                                   nbytes=size)
+            sent = await self.call(self._put, name, value, checked, nbytes=size)
         except RemoteUnavailable:
             sent = None
         return self._put_result(name, sent, size)
@@ -316,14 +322,11 @@ class RemoteTier:
             out.append(head)
         return out
 
-    def _put(self, name: str, value) -> bool:
+    def _put(self, name: str, value, checked: bool) -> bool:
+        if not checked and self.store.exists([name])[0]:  # another node put it: save the upload
+            return False
         self.store.put(name, value)
         return True
-
-    def _put_absent(self, name: str, value) -> bool:
-        if self.store.exists([name])[0]:  # another node put it: save the upload
-            return False
-        return self._put(name, value)
 
     def dropped_corrupt(self, ns: bytes, key: bytes, why: str = "") -> None:
         """A value that failed verification: counted, forgotten, deleted from the store, and
