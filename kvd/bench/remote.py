@@ -17,8 +17,11 @@ client's ``put``/``get`` of bytes and its own zero-copy calls
 (``batch_put_from``/``batch_get_into`` of one object each, from and into
 registered memory). Prints the median GB/s of each and kvd's first side over
 the client's matching one. Then the end-to-end load
-(kvd/bench/remote_load.py, Redis): a prefix half local, half remote,
-against each half loaded alone. A benchmark: it asserts nothing about speed.
+(kvd/bench/remote_load.py, each store): a prefix half local, half remote,
+against each half loaded alone. ``--json PATH`` also writes every run's
+figures there (``moves_gbps``: GB/s of each side and direction per round;
+``remote_load_s``: seconds of each load). A benchmark: it asserts nothing
+about speed.
 """
 
 from __future__ import annotations
@@ -65,19 +68,31 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     size = int(args.remote_chunk_mib * 2**20)
-    for name in args.remote_stores.split(","):
-        if name not in STORES:
-            print(f"kvd bench --remote: unknown store {name!r} (known: {', '.join(STORES)})")
-            return 2
+    stores = args.remote_stores.split(",")
+    unknown = [n for n in stores if n not in STORES]
+    if unknown:
+        print(f"kvd bench --remote: unknown store {unknown[0]!r} (known: {', '.join(STORES)})")
+        return 2
+    moves = {}
+    for name in stores:
         why = (RedisServer if name == "redis" else MooncakeMaster).missing()
         if why:
             print(f"{name}: skipped: {why}")
             continue
         seal = Seal(args.remote_secret) if args.remote_secret else None
-        _report(name, _store_runs(name, args.remote_chunks, size, args.remote_threads,
-                                  args.repeat, seal), args)
+        moves[name] = _store_runs(name, args.remote_chunks, size, args.remote_threads,
+                                  args.repeat, seal)
+        _report(name, moves[name], args)
     from .remote_load import run as run_load
-    return run_load(args)
+    loads = run_load(args)
+    if args.json:
+        from .common import write_json
+        write_json(args.json, remote={"chunks": args.remote_chunks, "chunk_bytes": size,
+                                      "threads": args.remote_threads, "repeat": args.repeat,
+                                      "keyed": bool(args.remote_secret), "moves_gbps": moves,
+                                      "kvd_vs": MATCH},
+                   remote_load_s=loads)
+    return 0
 
 
 def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, seal) -> dict:
