@@ -122,16 +122,20 @@ async def _promote(t, ns: bytes, shards: int, shard_bytes: int, futs: dict) -> N
             heads = dict(zip(todo, await remote.get_into(
                 ns, list(todo), head_bytes(t.seal), [t.base + e.offset for e, _ in todo.values()],
                 shards * shard_bytes, on_done)))
-        for key in [k for k in todo if isinstance(heads[k], bytes)]:  # in key order
+        checks = {key: asyncio.ensure_future(remote.cpu(  # every CPU thread at once
+            verify_in_place, heads[key], ns, key, shards, shard_bytes, _slot(t, todo[key][0]),
+            t.seal)) for key in todo if isinstance(heads[key], bytes)}
+        for key, check in checks.items():  # committed in key order
             entry, ranks = todo.pop(key)
             ok = False
             try:
-                await remote.cpu(verify_in_place, heads[key], ns, key, shards, shard_bytes,
-                                 _slot(t, entry), t.seal)
+                await check
                 ok = True
             except ChunkCorrupt as exc:
                 t._corrupt(ns, key, exc)
             finally:
+                if not ok:  # cancelled: wait for the others, which read their slots
+                    await asyncio.gather(*checks.values(), return_exceptions=True)
                 settle(entry, ranks, ok)
             t.counters["promotions"] += ok
             futs[key].set_result(ok)
