@@ -97,6 +97,7 @@ def _host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
 
 class MooncakeStore:
     name = "mooncake"
+    head_slots = HEADS  # value heads of the calls in flight at once, all together
 
     def __init__(self, address: str, timeout_s: float, metadata: str = "", local_host: str = "",
                  segment_bytes: int = 0, buffer_bytes: int = 256 << 20, zero_copy: bool = True):

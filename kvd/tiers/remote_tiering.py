@@ -146,7 +146,7 @@ class RemoteTiering:
         check = asyncio.ensure_future(self.remote.present(
             [self.remote.name(e.ns, e.key) for e in todo.values()]))
         entries = list(todo.values())
-        per = zero_copy.batch_chunks(entries[0].size) if self.zero_copy else 1
+        per = zero_copy.batch_chunks(self, entries[0].size) if self.zero_copy else 1
         for i in range(0, len(entries), per):  # zero-copy: a run of chunks a store call
             run = entries[i:i + per]
             task = asyncio.ensure_future(self._publish(run, cold, check, i))
@@ -234,7 +234,7 @@ class RemoteTiering:
         expect = scope.shard_bytes or self.shard_bytes.get(scope.ns, 0)
         todo = [k for k in keys if k not in self.promoting and k not in self.host.entries]
         if self.zero_copy and expect:
-            per = zero_copy.batch_chunks(scope.shards * expect)
+            per = zero_copy.batch_chunks(self, scope.shards * expect)
             for i in range(0, len(todo), per):
                 futs = zero_copy.promote(self, scope.ns, todo[i:i + per], scope.shards, expect)
                 for key, fut in futs.items():

@@ -41,12 +41,15 @@ from kvd.tiers.chunk_file import ChunkCorrupt
 from kvd.tiers.remote_value import head_bytes, make_head, verify_in_place
 
 BATCH_BYTES = 16 << 20  # payload bytes one store call moves at most (a single larger chunk alone)
-BATCH_CHUNKS = 32  # and chunks (the store's head slots are shared by every call in flight)
+BATCH_CHUNKS = 32  # and chunks
 
 
-def batch_chunks(chunk_bytes: int) -> int:
-    """Chunks of ``chunk_bytes`` one store call moves."""
-    return max(1, min(BATCH_CHUNKS, BATCH_BYTES // max(1, chunk_bytes)))
+def batch_chunks(t, chunk_bytes: int) -> int:
+    """Chunks of ``chunk_bytes`` one store call of tiering ``t`` moves: also few enough that
+    every network thread's call (an abandoned one too) has its heads' slots."""
+    slots = getattr(t.remote.store, "head_slots", BATCH_CHUNKS * t.remote.net.size)
+    return max(1, min(BATCH_CHUNKS, BATCH_BYTES // max(1, chunk_bytes),
+                      slots // t.remote.net.size))
 
 
 async def publish(t, entries: list, cold: bool, checked: bool) -> list:
