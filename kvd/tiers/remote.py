@@ -18,14 +18,16 @@ Payload work (packing values, verifying them, copying into host slots) runs
 on separate CPU threads, never behind network calls, and is always waited
 for: it touches the arena. Checksums hold the GIL (xxhash), so ``start``
 lowers the interpreter's switch interval to ``SWITCH_S`` for the process's
-life: other threads wait for the GIL a fraction of a millisecond, not 5 ms. Failures are never raised to requests: ``exists_prefix``
-returns 0, ``get`` None, ``put`` None. ``known`` remembers (bounded, LRU)
-the names this node saw present, so chunks are not put twice.
-``put_from`` and ``get_into`` are the zero-copy calls of a store that has
-them (Mooncake, kvd/tiers/remote_mooncake.py): the payload moves between
-registered arena memory and the store, and their ``on_done`` tells the
-caller when the thread left the call (an abandoned call may still read or
-write that memory until then). Runs on the event loop.
+life: other threads wait for the GIL a fraction of a millisecond, not 5 ms.
+Failures are never raised to requests: ``exists_prefix`` returns 0, ``get``
+None, ``put`` None. ``known`` remembers (bounded, LRU) the names this node
+saw present, so chunks are not put twice; ``bad`` those dropped as corrupt
+(no hit for ``BAD_HOLD_S``: a bad value is fetched and counted once).
+``put_from``/``get_into``: the zero-copy calls of a store that has them
+(Mooncake, kvd/tiers/remote_mooncake.py), several values' payloads between
+registered arena memory and the store in one call, each value's outcome its
+own; ``on_done`` tells when the thread left the call (an abandoned call may
+still read or write that memory until then). Runs on the event loop.
 """
 
 from __future__ import annotations
@@ -206,8 +208,7 @@ class RemoteTier:
         return value
 
     async def present(self, names: list):
-        """Which of ``names`` the store holds, one round trip for all; None when it cannot
-        say now."""
+        """Which of ``names`` the store holds (one round trip); None when it cannot say."""
         try:
             return await self.call(self.store.exists, names)
         except RemoteUnavailable:
@@ -384,11 +385,10 @@ class RemoteTier:
                "breaker": self.breaker.state, "breaker_opened": self.breaker.opened,
                "last_error": self.last_error, "threads_busy": self.net.busy,
                "zero_copy": getattr(self.store, "zero_copy", False)}
-        for name in ("exists_calls", "gets", "get_bytes", "gets_missing", "puts", "put_bytes",
-                     "puts_present", "puts_failed", "corrupt", "errors", "timeouts", "skipped",
-                     "busy", "probes", "probe_failures", "zero_copy_puts", "zero_copy_gets"):
-            out[name] = c[name]
-        return out
+        return {**out, **{name: c[name] for name in (
+            "exists_calls", "gets", "get_bytes", "gets_missing", "puts", "put_bytes",
+            "puts_present", "puts_failed", "corrupt", "errors", "timeouts", "skipped", "busy",
+            "probes", "probe_failures", "zero_copy_puts", "zero_copy_gets")}}
 
 
 def _soon(loop, fn) -> None:

@@ -299,7 +299,7 @@ class RemoteTiering:
             return entry.ready
         expect = shard_bytes or self.shard_bytes.get(ns, 0)  # the fetch's timeout grows with it
         if self.zero_copy and expect and batch is None:
-            return await zero_copy.promote(self, ns, [key], shards, expect)[key]
+            return await asyncio.shield(zero_copy.promote(self, ns, [key], shards, expect)[key])
         if batch is not None:  # shared by the batch's promotions
             value = (await asyncio.shield(batch)).get(key)
         else:

@@ -37,7 +37,8 @@ def test_a_layerwise_half_local_half_remote_load_lands_every_layer_in_order(stor
     expect = [chunks] * (count - 1) + [4]
     got = procs.apply(R.load_layerwise, (rb, SPEC, 67, count, chunks, model, expect))
     r = remote(b)
-    assert got == [n * CHUNK for n in expect], r  # each load copied its local half, then its remote runs, as pieces
+    assert got == [n * CHUNK for n in expect], r
+    # each load copied its local half, then its remote runs, as pieces
     assert r["load_pieces"] >= pieces + count and r["corrupt"] == 1
     assert r["promotions"] == count * chunks - 1  # the local halves came from the store too
     assert r["errors"] == 0 and r["timeouts"] == 0
