@@ -10,7 +10,8 @@ abandoned call returned, and is freed then, never committed; a put that
 times out keeps its entry pinned (never evicted or reused) until the call
 returned; once calls answer, a fetch lands byte for byte. A bad value the
 store keeps (its delete lags) counts once: later lookups do not fetch it
-again.
+again. A value whose transfer fails alone inside a call of several is a
+miss for that chunk only, counted in ``errors``; the others land.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
 from kvd.tiers.remote_tiering import RemoteTiering
+from kvd.tiers.remote_store import RemoteError
 from kvd.tiers.remote_value import pack, store_name
 from kvd.tiers.scope import Scope
 
@@ -42,6 +44,7 @@ class ArenaStore:
     def __init__(self):
         self.values, self.hold, self.returned = {}, {}, set()
         self.kept = set()  # names whose delete does nothing (a lease or a lagging store)
+        self.failing = set()  # names whose transfer fails alone, inside a call of several
 
     def connect(self):
         pass
@@ -70,14 +73,22 @@ class ArenaStore:
 
     def put_from(self, names, heads, ptrs, sizes):
         self._wait(names)
+        out = []
         for name, head, ptr, size in zip(names, heads, ptrs, sizes):
+            if name in self.failing:
+                out.append(RemoteError(f"{name}: transfer failed"))
+                continue
             self.values[name] = bytes(head) + ctypes.string_at(ptr, size)
-        return [None] * len(names)
+            out.append(None)
+        return out
 
     def get_into(self, names, head_len, ptrs, size):
         self._wait(names)
         out = []
         for name, ptr in zip(names, ptrs):
+            if name in self.failing:
+                out.append(RemoteError(f"{name}: transfer failed"))
+                continue
             value = self.values.get(name)
             if value is None or len(value) != head_len + size:
                 out.append(None if value is None else len(value))
@@ -174,6 +185,39 @@ def test_a_bad_value_whose_delete_lags_is_fetched_and_counted_once():
             r = tiering.stats()
             assert r["corrupt"] == 1 and r["zero_copy_gets"] == 1 and r["promotions"] == 0
             assert name in store.values and host.alloc.used == 0
+        finally:
+            await tiering.stop()
+    asyncio.run(main())
+
+
+def test_one_failed_value_of_a_batch_is_a_miss_for_it_alone():
+    async def main():
+        store, view, host, tiering = await tier()
+        keys = [bytes([i]) * 16 for i in range(1, 5)]
+        for i, key in enumerate(keys):
+            (_, entry), = host.reserve_many([key], NS, SIZE, 1, 0, 0)[0]
+            view[entry.offset:entry.offset + SIZE] = i + 1
+            host.commit(entry, 0)
+        store.failing.add(store_name("t", NS, keys[1]))
+        try:
+            tiering.stored([host.entries[k] for k in keys])  # one put call for the four
+            await until(lambda: tiering.stats()["puts"] + tiering.stats()["puts_failed"] == 4)
+            r = tiering.stats()
+            assert r["zero_copy_puts"] == 3 and r["puts_failed"] == 1 and r["errors"] == 1
+            store.failing.clear()
+            store.values[store_name("t", NS, keys[1])] = bytes(
+                pack(NS, keys[1], np.full(SIZE, 2, np.uint8), 1, SIZE))
+            assert host.clear() == (4, 0)
+            store.failing.add(store_name("t", NS, keys[2]))
+            got = await tiering.promote_prefix(Scope(NS, 1, SIZE), keys)  # one get call
+            assert [e.key for e in got] == keys[:2]  # the prefix ends at the failed value
+            for i, e in enumerate(got):
+                assert (view[e.offset:e.offset + SIZE] == i + 1).all()
+            host.unpin(got)
+            await until(lambda: keys[3] in host.entries and host.entries[keys[3]].ready)
+            r = tiering.stats()
+            assert r["zero_copy_gets"] == 3 and r["errors"] == 2 and r["breaker"] == "closed"
+            assert keys[2] not in host.entries  # its slot was freed
         finally:
             await tiering.stop()
     asyncio.run(main())
