@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import workers_disk as D
 import workers_remote as R
-from test_remote_tier import PREFIX, SPEC, corrupt, node, remote, store, wait_remote  # noqa: F401
+from test_remote_tier import PREFIX, SPEC, corrupt, remote, store, wait_remote  # noqa: F401
+from test_remote_zero_copy import node
 
 CHUNK = D.CHUNK
 

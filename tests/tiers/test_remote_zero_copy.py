@@ -22,9 +22,16 @@ import pytest
 import workers_disk as D
 import workers_remote as R
 from remote_servers import MooncakeMaster
-from test_remote_tier import PREFIX, SPEC, corrupt, node, remote, wait_remote
+from test_remote_tier import PREFIX, SPEC, corrupt, remote, wait_remote
+from test_remote_tier import node as tier_node
 
 CHUNK = D.CHUNK
+
+
+def node(start_daemon, store, **extra):
+    """A node whose store calls may take 2 s (nothing here tests timeouts, and a loaded
+    2-core VM has stalled a 16 KiB put past 0.2 s)."""
+    return tier_node(start_daemon, store, remote_timeout_s=2.0, **extra)
 ON = "Mooncake zero-copy path on"
 OFF = "Mooncake zero-copy path off (remote_mooncake_zero_copy = false)"
 

@@ -3,7 +3,8 @@
 # no network): kvd's zero-copy and bytes paths against Mooncake's own client on the same objects
 # and parallelism, then the half-local, half-remote load against its halves; the bench starts
 # mooncake_master from the staged wheel on loopback itself (kvd/bench/stores.py). Writes to $OUT
-# (a temporary directory without it): machine.txt, remote_t<N>.json and .log per thread count.
+# (a temporary directory without it): machine.txt, remote_t<N>.json and .log per thread count,
+# then remote_tests.log: the Mooncake zero-copy and layer-wise remote tests (real daemons).
 #
 # Stage here, from the checkout (wheels and Mooncake's system libraries into .gpu/, ~50 MiB):
 #   bash tools/gpu/stage_remote.sh
@@ -11,7 +12,7 @@
 #   bash .gpu/run.sh bash tools/gpu/remote_bench.sh
 # REMOTE_THREADS (default "4 8"): the bench's --remote-threads, one run each; REMOTE_ARGS adds
 # flags to every run (default: 32 chunks of 4 MiB, 7 rounds, an 8-layer Llama-3-8B shape for the
-# load). Each run is cut at 240 s.
+# load). Each run is cut at 240 s; REMOTE_TESTS=0 skips the tests (300 s at most).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(mktemp -d)}
@@ -50,5 +51,12 @@ for threads in ${REMOTE_THREADS:-4 8}; do
     | tee "$OUT/remote_t$threads.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "REMOTE BENCH FAILED (threads $threads)"; rc=1; }
 done
+if [ "${REMOTE_TESTS:-1}" = 1 ]; then  # the zero-copy path's real-daemon tests, on these cores
+  echo "== pytest (Mooncake zero-copy and layer-wise remote loads)"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k "not redis" \
+    tests/tiers/test_remote_zero_copy.py tests/tiers/test_remote_layerwise.py 2>&1 \
+    | grep -v -E '^[IWE][0-9]{4} ' | tee "$OUT/remote_tests.log" | tail -n 15
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "REMOTE TESTS FAILED"; rc=1; }
+fi
 echo "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit $rc
