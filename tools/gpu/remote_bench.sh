@@ -6,9 +6,11 @@
 # (a temporary directory without it): machine.txt, remote_t<N>.json and .log per thread count,
 # then remote_tests.log: the Mooncake zero-copy and layer-wise remote tests (real daemons).
 #
-# Stage here, from the checkout (wheels and Mooncake's system libraries into .gpu/, ~50 MiB):
+# Stage here, from the checkout (it runs `bash ../shared/gpu/stage.sh
+# mooncake-transfer-engine-non-cuda` and packs the system libraries Mooncake links into
+# .gpu/mooncake-libs.tar.xz; .gpu/ is then ~50 MiB):
 #   bash tools/gpu/stage_remote.sh
-# Run there (device tool, carry [".gpu"]):
+# Run there (device tool: command below, carry [".gpu"], about 5 minutes):
 #   bash .gpu/run.sh bash tools/gpu/remote_bench.sh
 # REMOTE_THREADS (default "4 8"): the bench's --remote-threads, one run each; REMOTE_ARGS adds
 # flags to every run (default: 32 chunks of 4 MiB, 7 rounds, an 8-layer Llama-3-8B shape for the
