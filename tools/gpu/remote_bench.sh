@@ -12,9 +12,10 @@
 #   bash tools/gpu/stage_remote.sh
 # Run there (device tool: command below, carry [".gpu"], about 5 minutes):
 #   bash .gpu/run.sh bash tools/gpu/remote_bench.sh
-# REMOTE_THREADS (default "4 8"): the bench's --remote-threads, one run each; REMOTE_ARGS replaces
-# the other flags of every run (default: 32 chunks of 4 MiB, 7 rounds, an 8-layer Llama-3-8B shape for the
-# load). Each run is cut at 240 s; REMOTE_TESTS=0 skips the tests (300 s at most).
+# REMOTE_THREADS (default "4 8"): the bench's --remote-threads, one run each; REMOTE_ARGS
+# replaces the other flags of every run (default: 32 chunks of 4 MiB, 7 rounds, an 8-layer
+# Llama-3-8B shape for the load). Each run is cut at 240 s; REMOTE_TESTS=0 skips the tests
+# (300 s at most).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(mktemp -d)}
