@@ -4,14 +4,16 @@ spawned processes.
 Sequences, pools and the byte checks are those of tests/workers_disk.py
 (expected bytes regenerated from the storer's seed, read by the engine's own
 tensor indexing). Here: the store names of a sequence's chunks (what a
-test corrupts in the store), lookups timed from the engine's side, and
-loads whose bytes are not checked (values forged in the store).
+test corrupts in the store), lookups timed from the engine's side, loads
+whose bytes are not checked (values forged in the store), and layer-wise
+loads checked layer by layer as each layer's word arrives.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import workers_data as W
 import workers_disk as D
 
@@ -78,3 +80,44 @@ def load_prefix(runtime_dir: str, spec: dict, seed: int, count: int, chunks: int
             return out
     finally:
         pool.close()
+
+
+def load_layerwise(runtime_dir: str, spec: dict, src_seed: int, count: int, chunks: int,
+                   model: str, expect: list) -> list:
+    """Layer-wise loads of each sequence (no lookup first) into other pages: as each layer's
+    word arrives, that layer of the ``expect[i]`` chunks loaded must already hold the
+    storer's bytes; at the end every loaded byte is the storer's and the pages not loaded
+    keep their poison. Returns the tokens each load loaded."""
+    src_pages = D._pages(spec, src_seed, count, chunks)
+    shadow = W.make_pool(spec, src_seed)
+    pool = W.make_pool(spec, src_seed + 3)
+    out = []
+    try:
+        with W.client(runtime_dir) as c:
+            c.register_kv(pool, model=model)
+            for i, tokens in enumerate(D.seqs(src_seed, count, chunks)):
+                before = W.poison(pool)
+                lp = np.random.default_rng([src_seed, i, 5]).permutation(spec["num_pages"])
+                lp = lp[:chunks * W.ppc(spec)]
+                n = expect[i] * W.CHUNK
+                want = W.read_rows(spec, shadow.tensors, src_pages[i], n)
+                t = c.submit_load(tokens, lp, layerwise=True)
+                for layer in range(spec["layers"]):
+                    c.wait_for_layer(layer, t)
+                    got = W.read_rows(spec, pool.tensors, lp, n)[:, layer]
+                    if (got != want[:, layer]).any():  # wrong bytes, or a shorter load
+                        t.wait()
+                        if t.tokens == n:
+                            W.assert_rows(got, want[:, layer], f"sequence {i} layer {layer}")
+                        break
+                t.wait()
+                assert t.error is None, t.error
+                if t.tokens != n:
+                    return out + [t.tokens]  # the test says why, with the daemon's stats
+                exp = W.expect_after_load(pool, spec, before, [(lp, want)])
+                W.assert_pool(pool, exp, f"layer-wise load of sequence {i}")
+                out.append(t.tokens)
+    finally:
+        pool.close()
+        shadow.close()
+    return out

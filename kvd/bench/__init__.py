@@ -53,7 +53,8 @@ def add_arguments(p) -> None:
                    "when it stops (read them with python3 -m pstats PATH); slows the daemon")
     p.add_argument("--json", default=None, metavar="PATH", help="with --gpu: also write every "
                    "result row as JSON to PATH (the pipelined rows with each run's ratio); "
-                   "tools/ratio_runs.py summarises several")
+                   "tools/ratio_runs.py summarises several; with --remote: every run's GB/s "
+                   "and load times")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the result table as a "
                    "bar chart (host, --gpu, --disk, --gds; needs kvd[plot]: matplotlib)")
     p.add_argument("--scrape-hz", type=float, default=0.0, help="host benchmark: the daemon serves "
@@ -145,8 +146,9 @@ def run(args) -> int:
         except PlotUnavailable as exc:
             print(f"kvd bench: {exc}")
             return 2
-    if args.json and not (args.gpu and not args.interference):
-        print("kvd bench: --json is for --gpu (without --interference)", file=sys.stderr)
+    if args.json and not (args.gpu and not args.interference) and not args.remote:
+        print("kvd bench: --json is for --gpu (without --interference) and --remote",
+              file=sys.stderr)
         return 2
     if args.json:
         problem = _writable_file(args.json)

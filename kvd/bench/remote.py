@@ -15,10 +15,16 @@ kvd's zero-copy path (the host arena registered, kvd/tiers/remote_zero_copy.py)
 and its bytes path (``remote_mooncake_zero_copy = false``), against the
 client's ``put``/``get`` of bytes and its own zero-copy calls
 (``batch_put_from``/``batch_get_into`` of one object each, from and into
-registered memory). Prints the median GB/s of each and kvd's first side over
-the client's matching one. Then the end-to-end load
-(kvd/bench/remote_load.py, Redis): a prefix half local, half remote,
-against each half loaded alone. A benchmark: it asserts nothing about speed.
+registered memory), and those zero-copy calls with kvd's checksum work
+added (``client zc+digest``: the payload digest of each object computed
+before its put and checked after its get, as kvd does; what a verified
+transfer costs with no kvd machinery). Prints the median GB/s of each and
+kvd's first side over the client's matching ones. Then the end-to-end load
+(kvd/bench/remote_load.py, each store): a prefix half local, half remote,
+against each half loaded alone. ``--json PATH`` also writes every run's
+figures there (``moves_gbps``: GB/s of each side and direction per round;
+``remote_load_s``: seconds of each load). A benchmark: it asserts nothing
+about speed.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvd.tiers.digest import payload_digest
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
 from kvd.tiers.remote_tiering import RemoteTiering
@@ -41,8 +48,10 @@ from .stores import MooncakeMaster, RedisServer, mooncake_env
 NS = bytes(range(16))
 STORES = ("redis", "mooncake")
 SIDES = {"redis": ("kvd", "client"),
-         "mooncake": ("kvd zero-copy", "kvd bytes", "client bytes", "client zero-copy")}
-MATCH = {"redis": "client", "mooncake": "client zero-copy"}  # what kvd's first side is set against
+         "mooncake": ("kvd zero-copy", "kvd bytes", "client bytes", "client zero-copy",
+                      "client zc+digest")}
+# what kvd's first side is set against; Mooncake also against its client doing kvd's checksums
+MATCH = {"redis": ("client",), "mooncake": ("client zero-copy", "client zc+digest")}
 
 
 class BenchFailed(Exception):
@@ -65,19 +74,31 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     size = int(args.remote_chunk_mib * 2**20)
-    for name in args.remote_stores.split(","):
-        if name not in STORES:
-            print(f"kvd bench --remote: unknown store {name!r} (known: {', '.join(STORES)})")
-            return 2
+    stores = args.remote_stores.split(",")
+    unknown = [n for n in stores if n not in STORES]
+    if unknown:
+        print(f"kvd bench --remote: unknown store {unknown[0]!r} (known: {', '.join(STORES)})")
+        return 2
+    moves = {}
+    for name in stores:
         why = (RedisServer if name == "redis" else MooncakeMaster).missing()
         if why:
             print(f"{name}: skipped: {why}")
             continue
         seal = Seal(args.remote_secret) if args.remote_secret else None
-        _report(name, _store_runs(name, args.remote_chunks, size, args.remote_threads,
-                                  args.repeat, seal), args)
+        moves[name] = _store_runs(name, args.remote_chunks, size, args.remote_threads,
+                                  args.repeat, seal)
+        _report(name, moves[name], args)
     from .remote_load import run as run_load
-    return run_load(args)
+    loads = run_load(args)
+    if args.json:
+        from .common import write_json
+        write_json(args.json, remote={"chunks": args.remote_chunks, "chunk_bytes": size,
+                                      "threads": args.remote_threads, "repeat": args.repeat,
+                                      "keyed": bool(args.remote_secret), "moves_gbps": moves,
+                                      "kvd_vs": MATCH},
+                   remote_load_s=loads)
+    return 0
 
 
 def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, seal) -> dict:
@@ -125,7 +146,7 @@ async def _rounds(server, name, view, host, chunks, size, threads, repeat, seal)
                     put_s, get_s = await _tier_round(tiering, host, entries, side == "kvd bytes")
                 else:
                     raw = _raw_client(server, name, remote, threads, view[2 * chunks * size:],
-                                      side == "client zero-copy")
+                                      side.startswith("client z"), side.endswith("digest"))
                     put_s, get_s = await asyncio.to_thread(raw, values, r)
                 runs[f"{side} put"].append(chunks * size / put_s / 1e9)
                 runs[f"{side} get"].append(chunks * size / get_s / 1e9)
@@ -186,7 +207,7 @@ def _remover(store):
 
 
 def _raw_client(server, name: str, remote: RemoteTier, threads: int, own: np.ndarray,
-                zero_copy: bool):
+                zero_copy: bool, digest: bool = False):
     """round(values, r) -> (put s, get s): the store's own client, ``threads`` at a time;
     ``zero_copy``: Mooncake's put_from/get_into from and into ``own`` (registered memory:
     the arena's tail), one object a call."""
@@ -202,9 +223,9 @@ def _raw_client(server, name: str, remote: RemoteTier, threads: int, own: np.nda
             store.remove(name, True)
 
     def round_(values: list, r: int) -> tuple:
-        names = [f"raw/{r}/{zero_copy:d}/{i}" for i in range(len(values))]
+        names = [f"raw/{r}/{zero_copy:d}{digest:d}/{i}" for i in range(len(values))]
         if zero_copy:
-            return _zero_copy_round(remote.store.store, names, values, own, threads)
+            return _zero_copy_round(remote.store.store, names, values, own, threads, digest)
         with ThreadPoolExecutor(threads) as pool:
             t0 = time.perf_counter()
             list(pool.map(put, names, values))
@@ -220,17 +241,28 @@ def _raw_client(server, name: str, remote: RemoteTier, threads: int, own: np.nda
     return round_
 
 
-def _zero_copy_round(store, names: list, values: list, own: np.ndarray, threads: int) -> tuple:
+def _zero_copy_round(store, names: list, values: list, own: np.ndarray, threads: int,
+                     digest: bool) -> tuple:
+    """Mooncake's zero-copy calls, one object a call; ``digest``: each put computes, and each
+    get checks, the payload digest kvd puts in a value's header (the same XXH3 work)."""
     size = len(values[0])
     for i, v in enumerate(values):
         own[i * size:(i + 1) * size] = np.frombuffer(v, np.uint8)
     ptrs = [own.ctypes.data + i * size for i in range(len(values))]
 
+    sums = [payload_digest(own[i * size:(i + 1) * size]) for i in range(len(values))]
+
     def put(name, ptr):
+        if digest:
+            payload_digest(own[ptr - own.ctypes.data:ptr - own.ctypes.data + size])
         return store.batch_put_from([name], [ptr], [size])[0]
 
     def get(name, ptr):
-        return store.batch_get_into([name], [ptr], [size])[0]
+        got = store.batch_get_into([name], [ptr], [size])[0]
+        at = ptr - own.ctypes.data
+        if digest and payload_digest(own[at:at + size]) != sums[at // size]:
+            raise BenchFailed("Mooncake's zero-copy get brought other bytes")
+        return got
     with ThreadPoolExecutor(threads) as pool:
         t0 = time.perf_counter()
         codes = list(pool.map(put, names, ptrs))
@@ -251,7 +283,9 @@ def _report(name: str, runs: dict, args) -> None:
     print(f"{name}: kvd's remote tier vs the store's own client on loopback, "
           f"{args.remote_chunks} chunks of {args.remote_chunk_mib:g} MiB, {args.remote_threads} "
           f"at a time, median of {args.repeat} GB/s" + (", keyed" if args.remote_secret else ""))
-    print(f"{'direction':<10}" + "".join(f"{s:>18}" for s in sides) + f"{sides[0] + '/' + match:>34}")
+    print(f"{'direction':<10}" + "".join(f"{s:>18}" for s in sides)
+          + "".join(f"{'kvd/' + m:>22}" for m in match))
     for d in ("put", "get"):
         print(f"{d:<10}" + "".join(f"{med[f'{s} {d}']:>18.3f}" for s in sides)
-              + f"{med[f'{sides[0]} {d}'] / med[f'{match} {d}']:>34.2f}", flush=True)
+              + "".join(f"{med[f'{sides[0]} {d}'] / med[f'{m} {d}']:>22.2f}" for m in match),
+              flush=True)

@@ -1,22 +1,26 @@
 """``kvd bench --remote``, end to end: a load whose prefix is half local, half remote.
 
-Two private daemons share one loopback ``redis-server`` (kvd/bench/stores.py):
-A stores, per run, a prefix S of ``2h`` chunks and a prefix T of ``h``
-chunks (``h`` = ``--chunks`` / 2; the engine shape of ``--layers`` etc.,
-``--chunk-tokens`` tokens a chunk) and publishes them; B first loads S's
-first half (now in its host tier). Then B, without a lookup before each
-load (so every fetch happens inside the load, the worst case for overlap),
-times: ``local`` (S's first half again: host hits), ``remote`` (T: every
-chunk fetched) and ``mixed`` (S: half local, half fetched), ``mixed`` and
-``remote`` alternating which goes first. Prints medians of ``--repeat``
-runs and ``mixed`` against the sum and the max of the halves alone: a
-load that copies its local part while the remote part is fetched, and each
-remote chunk as it lands, comes near the max; one that fetches, then
-copies, near the sum. A benchmark: it asserts nothing about speed.
+For each store of ``--remote-stores`` (a loopback ``redis-server``, or a
+``mooncake_master`` with the TCP transport: kvd/bench/stores.py; skipped
+with the reason when missing), two private daemons share it: A stores, per
+run, a prefix S of ``2h`` chunks and a prefix T of ``h`` chunks (``h`` =
+``--chunks`` / 2; the engine shape of ``--layers`` etc., ``--chunk-tokens``
+tokens a chunk) and publishes them; B first loads S's first half (now in
+its host tier). Then B, without a lookup before each load (so every fetch
+happens inside the load, the worst case for overlap), times: ``local``
+(S's first half again: host hits), ``remote`` (T: every chunk fetched) and
+``mixed`` (S: half local, half fetched), ``mixed`` and ``remote``
+alternating which goes first. Prints medians of ``--repeat`` runs and
+``mixed`` against the sum and the max of the halves alone: a load that
+copies its local part while the remote part is fetched, and each remote
+chunk as it lands, comes near the max; one that fetches, then copies, near
+the sum. ``run`` returns, per store, every run's times (for ``--json``). A
+benchmark: it asserts nothing about speed.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -26,42 +30,61 @@ import numpy as np
 from kvd_protocol.keys import DTYPE_SIZES
 
 from .common import control, start_daemon, stop_daemon
-from .stores import RedisServer
+from .stores import MooncakeMaster, RedisServer, mooncake_env
+
+SERVERS = {"redis": RedisServer, "mooncake": MooncakeMaster}
 
 
-def run(args) -> int:
-    why = RedisServer.missing()
-    if why:
-        print(f"half-local, half-remote load: skipped: {why}")
-        return 0
+def run(args) -> dict:
+    """{store: {"local"|"remote"|"mixed": [seconds of each run], "chunk_bytes": n}}."""
+    out = {}
+    for name in args.remote_stores.split(","):
+        why = SERVERS[name].missing()
+        if why:
+            print(f"\nhalf-local, half-remote load ({name}): skipped: {why}")
+            continue
+        out[name] = _store(args, name)
+    return out
+
+
+def _store(args, name: str) -> dict:
     half = max(1, args.chunks // 2)
     row = args.kv_heads * args.head_dim * DTYPE_SIZES[args.dtype]
     shard = args.layers * (1 if args.layout.endswith("mla") else 2) * args.chunk_tokens * row
-    server = RedisServer().start()
+    server = SERVERS[name]().start()
     try:
         with tempfile.TemporaryDirectory(prefix="kvd-bench-remote-") as tmp:
-            times = _runs(args, server.url, tmp, half, shard)
+            capacity = 3 * half * shard * (args.repeat + 1) + (64 << 20)
+            times = _runs(args, _knobs(server, name, capacity), capacity, tmp, half)
     finally:
         server.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
     total, most = med["local"] + med["remote"], max(med["local"], med["remote"])
-    print(f"\nhalf-local, half-remote load (redis, loopback): {half} + {half} chunks of "
+    print(f"\nhalf-local, half-remote load ({name}, loopback): {half} + {half} chunks of "
           f"{shard / 2**20:.1f} MiB, no lookup first, median of {args.repeat}")
     print(f"{'load':<28}{'median ms':>11}")
-    for name, label in (("local", "local half alone"), ("remote", "remote half alone"),
-                        ("mixed", "half local + half remote")):
-        print(f"{label:<28}{med[name] * 1e3:>11.2f}")
+    for key, label in (("local", "local half alone"), ("remote", "remote half alone"),
+                       ("mixed", "half local + half remote")):
+        print(f"{label:<28}{med[key] * 1e3:>11.2f}")
     print(f"{'sum of the halves':<28}{total * 1e3:>11.2f}")
     print(f"{'max of the halves':<28}{most * 1e3:>11.2f}")
-    print(f"mixed / sum {med['mixed'] / total:.2f}, mixed / max {med['mixed'] / most:.2f}")
-    return 0
+    print(f"mixed / sum {med['mixed'] / total:.2f}, mixed / max {med['mixed'] / most:.2f}",
+          flush=True)
+    return {**times, "chunk_bytes": shard, "chunks_per_half": half}
 
 
-def _runs(args, url: str, tmp: str, half: int, shard: int) -> dict:
+def _knobs(server, name: str, capacity: int) -> list:
     # a loaded 2-core VM can take longer than the default 0.1 s for an 8 MiB value
-    knobs = ["--remote-backend", "redis", "--remote-address", url, "--remote-prefix", "bench",
-             "--remote-timeout-s", "2"]
-    capacity = 3 * half * shard * (args.repeat + 1) + (64 << 20)
+    knobs = ["--remote-backend", name, "--remote-prefix", "bench", "--remote-timeout-s", "2"]
+    if name == "redis":
+        return knobs + ["--remote-address", server.url]
+    os.environ.update(mooncake_env())  # the daemons inherit it; each lends half the values' room
+    return knobs + ["--remote-address", server.address, "--remote-mooncake-metadata",
+                    server.metadata, "--remote-mooncake-local-host", "127.0.0.1",
+                    "--remote-mooncake-segment-bytes", str(capacity // 2 + (64 << 20))]
+
+
+def _runs(args, knobs: list, capacity: int, tmp: str, half: int) -> dict:
     dirs = [f"{tmp}/a", f"{tmp}/b"]
     procs = []
     try:

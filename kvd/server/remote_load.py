@@ -1,8 +1,8 @@
 """A load whose prefix goes on in the remote store: the local part's copy first, then each
 remote run's copy as its fetches land.
 
-Contract (kvd.server.transfers.Transfers.load calls ``queue_pieces`` for a load that is not
-layer-wise and has remote hits past its local prefix; ``fetches`` are the remote tier's
+Contract (kvd.server.transfers.Transfers.load calls ``queue_pieces`` for a load that has
+remote hits past its local prefix, layer-wise or not; ``fetches`` are the remote tier's
 futures for those hits, in key order, kvd.tiers.remote_tiering.RemoteTiering.fetches):
 
 - the copy of the local prefix (host entries, disk promotions) is queued at once, without
@@ -12,14 +12,14 @@ futures for those hits, in key order, kvd.tiers.remote_tiering.RemoteTiering.fet
   queued at once, so the remote part costs about max(fetch, copy) instead of their sum;
 - a fetch that failed or timed out ends the prefix at that chunk: no later chunk is
   copied (a shorter load, never an error);
-- the load's signal (its done word) goes with the last piece, queued once every earlier
-  piece landed, so on any backend it follows every byte of the load; a piece that lands
+- the load's signal goes with the last piece, queued once every earlier piece landed, so
+  on any backend its done word follows every byte of the load, and a layer-wise load's
+  word of layer l follows every earlier piece and layer l of the last (the engine's
+  layers stay in order; a load with a remote part signals its first layer only once
+  that part landed, never before its bytes); a piece that lands
   with an error still lets the signal go out (the load then fails with ``CopyFailed``);
 - ``pieces.landed`` holds every queued copy; ``pieces.signalled`` says whether the
   signal was queued (if not, the caller releases the slot after the landed pieces).
-
-Layer-wise loads do not come here: their layer words would have to follow every piece of
-every layer, so they keep one plan after all fetches (kvd/server/transfers.py).
 """
 
 from __future__ import annotations

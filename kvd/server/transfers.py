@@ -20,9 +20,9 @@ counted in ``foreign_ns_misses``; host entries (with ``verify_loads``, up to
 the first that fails its checksum: kvd.server.load_verify), then disk: promotions
 into host slots, or GPU Direct Storage reads queued on the load stream,
 then the remote store: fetches into host slots, kvd.tiers.remote_tiering),
-then queue the scatter with the load's ``LoadSignal`` (with remote hits and not
-layer-wise: the local part's copy at once, each remote run's as it lands, the
-signal with the last, kvd/server/remote_load.py): layer words as
+then queue the scatter with the load's ``LoadSignal`` (with remote hits: the
+local part's copy at once, each remote run's as it lands, the signal with
+the last, after every earlier piece landed, kvd/server/remote_load.py): layer words as
 layers land (layer-wise), the done word after the last copy, and kernels
 that skip the engine's pages once the client wrote the slot's cancel word.
 If anything fails before the scatter is queued, the slot's words are
@@ -206,9 +206,8 @@ class Transfers:
         fetches still landing): the host prefix, continued from disk, then from the remote
         store; each tier ends it at a chunk ``scope`` may not read (kvd/tiers/scope.py). With
         ``verify_loads`` the host prefix ends before a chunk that fails its checksum
-        (kvd/server/load_verify.py). A layer-wise load waits for its fetches here (one plan
-        carries its layer words); another gets them to copy each run as it lands
-        (kvd/server/remote_load.py)."""
+        (kvd/server/load_verify.py). The remote fetches are returned still landing: the
+        load copies each run as it lands (kvd/server/remote_load.py)."""
         entries = self.tier.ready_prefix(keys, scope)
         self.tier.pin(entries)
         ppc = reg.pages_per_chunk
@@ -226,13 +225,8 @@ class Transfers:
                 entries += promoted
                 host_pages = np.concatenate([host_pages, promoted_pages])
             done = len(entries) + direct
-            if self.remote is not None and done < len(keys) and not signal.layerwise:
+            if self.remote is not None and done < len(keys):
                 fetches = await self.remote.fetches(scope, keys[done:])
-            elif self.remote is not None and done < len(keys):
-                fetched = await self.remote.promote_prefix(scope, keys[done:])
-                entries += fetched
-                host_pages = np.concatenate([host_pages,
-                                             pages[done * ppc:(done + len(fetched)) * ppc]])
         except BaseException:
             self.tier.unpin(entries)
             raise

@@ -16,14 +16,18 @@ queueing behind them.
 
 Payload work (packing values, verifying them, copying into host slots) runs
 on separate CPU threads, never behind network calls, and is always waited
-for: it touches the arena. Failures are never raised to requests: ``exists_prefix``
-returns 0, ``get`` None, ``put`` None. ``known`` remembers (bounded, LRU)
-the names this node saw present, so chunks are not put twice.
-``put_from`` and ``get_into`` are the zero-copy calls of a store that has
-them (Mooncake, kvd/tiers/remote_mooncake.py): the payload moves between
-registered arena memory and the store, and their ``on_done`` tells the
-caller when the thread left the call (an abandoned call may still read or
-write that memory until then). Runs on the event loop.
+for: it touches the arena. Checksums hold the GIL (xxhash), so ``start``
+lowers the interpreter's switch interval to ``SWITCH_S`` for the process's
+life: other threads wait for the GIL a fraction of a millisecond, not 5 ms.
+Failures are never raised to requests: ``exists_prefix`` returns 0, ``get``
+None, ``put`` None. ``known`` remembers (bounded, LRU) the names this node
+saw present, so chunks are not put twice; ``bad`` those dropped as corrupt
+(no hit for ``BAD_HOLD_S``: a bad value is fetched and counted once).
+``put_from``/``get_into``: the zero-copy calls of a store that has them
+(Mooncake, kvd/tiers/remote_mooncake.py), several values' payloads between
+registered arena memory and the store in one call, each value's outcome its
+own; ``on_done`` tells when the thread left the call (an abandoned call may
+still read or write that memory until then). Runs on the event loop.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
+import time
 from collections import Counter, OrderedDict
 
 from kvd.tiers.breaker import Breaker
@@ -43,7 +49,11 @@ FLOOR_BYTES_S = 1e9  # a store slower than 8 Gb/s for one value is treated as fa
 KNOWN_NAMES = 1 << 16
 CPU_THREADS = 2
 PROBE_VALUE = b"kvd probe"
-CLOSE_TIMEOUT_S = 5.0  # Mooncake unmounts this node's segment from the master on close: ~1-2 s
+BAD_HOLD_S = 10.0  # a value dropped as corrupt is no hit here for this long (its delete may lag)
+CLOSE_TIMEOUT_S = 5.0
+# a thread waiting for the GIL gets it within this (CPython's default, 5 ms, stalls the loop
+# and every network thread returning from the store while a CPU thread checks a payload)
+SWITCH_S = 0.0002  # Mooncake unmounts this node's segment from the master on close: ~1-2 s
 
 
 class RemoteUnavailable(Exception):
@@ -61,6 +71,7 @@ class RemoteTier:
         self.breaker = Breaker(breaker_failures, breaker_retry_s)
         self.counters: Counter = Counter()
         self.known: OrderedDict[str, None] = OrderedDict()
+        self.bad: OrderedDict[str, float] = OrderedDict()  # name: until when it is no hit
         self.last_error = ""
         self.node = os.urandom(6).hex()  # this daemon's probe value's name
         self.closed = False  # the client was closed by ``stop`` (see kvd.server.daemon.serve)
@@ -73,6 +84,7 @@ class RemoteTier:
     # ---- the breaker and its probe -------------------------------------------------------
 
     def start(self) -> None:
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_S))  # for the daemon's life
         log.info("remote tier: %s at %s, prefix %r; local-only until it answers", self.store.name,
                  self.store.address, self.prefix)
         self._prober = asyncio.ensure_future(self._probe_loop())
@@ -177,7 +189,9 @@ class RemoteTier:
             found = await self.call(self.store.exists, names)
         except RemoteUnavailable:
             return 0
-        n = next((i for i, there in enumerate(found) if not there), len(found))
+        now = time.monotonic()
+        n = next((i for i, (there, name) in enumerate(zip(found, names))
+                  if not there or self.bad.get(name, 0) > now), len(found))
         for name in names[:n]:
             self.remember(name)
         self.counters["exists_calls"] += 1
@@ -194,8 +208,7 @@ class RemoteTier:
         return value
 
     async def present(self, names: list):
-        """Which of ``names`` the store holds, one round trip for all; None when it cannot
-        say now."""
+        """Which of ``names`` the store holds (one round trip); None when it cannot say."""
         try:
             return await self.call(self.store.exists, names)
         except RemoteUnavailable:
@@ -233,26 +246,32 @@ class RemoteTier:
         name = self.name(ns, key)
         size = memoryview(value).nbytes
         try:
-            sent = await self.call(self._put if checked else self._put_absent, name, value,
-                                   nbytes=size)
+            sent = await self.call(self._put, name, value, checked, nbytes=size)
         except RemoteUnavailable:
             sent = None
         return self._put_result(name, sent, size)
 
-    async def put_from(self, ns: bytes, key: bytes, head: bytes, ptr: int, size: int,
-                       checked: bool, on_done) -> bool | None:
-        """``put`` of a value whose payload is ``size`` bytes of registered memory at ``ptr``
-        (the store's ``put_from``), sent without a copy; ``on_done`` as ``call``'s: the
-        payload must stay as it is until then."""
-        name = self.name(ns, key)
+    async def put_from(self, names: list, heads: list, ptrs: list, sizes: list,
+                       checked: bool, on_done) -> list:
+        """``put`` of values whose payloads are ``sizes[i]`` bytes of registered memory at
+        ``ptrs[i]`` (the store's ``put_from``: one call for all, and one exists round trip
+        first unless ``checked``), sent without a copy: per value True sent, False the store
+        had it, None failed. ``on_done`` as ``call``'s: the payloads must stay as they are
+        until then."""
         try:
-            sent = await self.call(self._put_from, name, head, ptr, size, checked,
-                                   nbytes=size, on_done=on_done)
+            sent = await self.call(self._put_from, names, heads, ptrs, sizes, checked,
+                                   nbytes=sum(sizes), on_done=on_done)
         except RemoteUnavailable:
-            sent = None
-        if sent:
-            self.counters["zero_copy_puts"] += 1
-        return self._put_result(name, sent, len(head) + size)
+            sent = [None] * len(names)
+        out = []
+        for name, head, size, one in zip(names, heads, sizes, sent):
+            if isinstance(one, Exception):  # this value failed, others of the call did not
+                self.counters["errors"] += 1
+                self._note(one, "put_from")
+                one = None
+            self.counters["zero_copy_puts"] += one is True
+            out.append(self._put_result(name, one, len(head) + size))
+        return out
 
     def _put_result(self, name: str, sent: bool | None, nbytes: int) -> bool | None:
         """Count a put's outcome: None failed, False the store had it, True sent."""
@@ -267,44 +286,59 @@ class RemoteTier:
         self.counters["put_bytes"] += nbytes
         return True
 
-    def _put_from(self, name: str, head: bytes, ptr: int, size: int, checked: bool) -> bool:
-        if not checked and self.store.exists([name])[0]:
-            return False
-        self.store.put_from(name, head, ptr, size)
-        return True
+    def _put_from(self, names: list, heads: list, ptrs: list, sizes: list,
+                  checked: bool) -> list:
+        there = [False] * len(names) if checked else self.store.exists(names)
+        todo = [i for i, t in enumerate(there) if not t]
+        out: list = [False] * len(names)
+        if todo:
+            for i, one in zip(todo, self.store.put_from(*([x[i] for i in todo] for x in
+                                                          (names, heads, ptrs, sizes)))):
+                out[i] = True if one is None else one
+        return out
 
-    async def get_into(self, ns: bytes, key: bytes, head_len: int, ptr: int, size: int,
-                       on_done):
-        """A value's head, its payload fetched into registered memory at ``ptr`` (the store's
-        ``get_into``); None when absent or failed, an int (the stored size) when the value
-        has another size. ``on_done`` as ``call``'s: the memory may be written until then."""
-        name = self.name(ns, key)
+    async def get_into(self, ns: bytes, keys: list, head_len: int, ptrs: list, size: int,
+                       on_done) -> list:
+        """Values of ``keys``, one store call (the store's ``get_into``): per value its head,
+        its payload fetched into registered memory at ``ptrs[i]``; None when absent or
+        failed, an int (the stored size) when the value has another size. ``on_done`` as
+        ``call``'s: the memory may be written until then."""
+        names = [self.name(ns, k) for k in keys]
         try:
-            head = await self.call(self.store.get_into, name, head_len, ptr, size,
-                                   nbytes=size, on_done=on_done)
+            heads = await self.call(self.store.get_into, names, head_len, ptrs, size,
+                                    nbytes=size * len(names), on_done=on_done)
         except RemoteUnavailable:
-            return None
-        if isinstance(head, bytes):
-            self.counters["zero_copy_gets"] += 1
-            self._got(name, memoryview(head).nbytes + size)
-        elif head is None:
-            self._got(name, None)
-        return head
+            return [None] * len(names)
+        out = []
+        for name, head in zip(names, heads):
+            if isinstance(head, Exception):  # this value failed, others of the call did not
+                self.counters["errors"] += 1
+                self._note(head, "get_into")
+                head = None
+            elif isinstance(head, bytes):
+                self.counters["zero_copy_gets"] += 1
+                self._got(name, len(head) + size)
+            elif head is None:
+                self._got(name, None)
+            out.append(head)
+        return out
 
-    def _put(self, name: str, value) -> bool:
+    def _put(self, name: str, value, checked: bool) -> bool:
+        if not checked and self.store.exists([name])[0]:  # another node put it: save the upload
+            return False
         self.store.put(name, value)
         return True
 
-    def _put_absent(self, name: str, value) -> bool:
-        if self.store.exists([name])[0]:  # another node put it: save the upload
-            return False
-        return self._put(name, value)
-
     def dropped_corrupt(self, ns: bytes, key: bytes, why: str = "") -> None:
-        """A value that failed verification: counted, forgotten, deleted from the store."""
+        """A value that failed verification: counted, forgotten, deleted from the store, and
+        no hit of a lookup for ``BAD_HOLD_S`` (not fetched and counted again meanwhile)."""
         name = self.name(ns, key)
         self.counters["corrupt"] += 1
         self.forget(name)
+        self.bad[name] = time.monotonic() + BAD_HOLD_S
+        self.bad.move_to_end(name)
+        if len(self.bad) > KNOWN_NAMES:
+            self.bad.popitem(last=False)
         log.warning("remote chunk %s failed verification (%s): dropped", name, why or "corrupt")
         if self.breaker.allow():
             asyncio.ensure_future(self._delete(name))
@@ -351,11 +385,10 @@ class RemoteTier:
                "breaker": self.breaker.state, "breaker_opened": self.breaker.opened,
                "last_error": self.last_error, "threads_busy": self.net.busy,
                "zero_copy": getattr(self.store, "zero_copy", False)}
-        for name in ("exists_calls", "gets", "get_bytes", "gets_missing", "puts", "put_bytes",
-                     "puts_present", "puts_failed", "corrupt", "errors", "timeouts", "skipped",
-                     "busy", "probes", "probe_failures", "zero_copy_puts", "zero_copy_gets"):
-            out[name] = c[name]
-        return out
+        return {**out, **{name: c[name] for name in (
+            "exists_calls", "gets", "get_bytes", "gets_missing", "puts", "put_bytes",
+            "puts_present", "puts_failed", "corrupt", "errors", "timeouts", "skipped", "busy",
+            "probes", "probe_failures", "zero_copy_puts", "zero_copy_gets")}}
 
 
 def _soon(loop, fn) -> None:

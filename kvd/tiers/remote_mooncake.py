@@ -25,19 +25,23 @@ without high availability: the remote tier is a cache.
 Zero-copy (``zero_copy``, on by default): ``lend(ptr, size)`` names the
 host arena before ``connect``; once set up, ``connect`` registers it and a
 small side buffer of value heads (``HEADS`` slots of ``HEAD_SLOT`` bytes)
-with ``register_buffer``, and ``put_from`` / ``get_into`` then move a value
-as two parts, its head through a head slot and its payload straight from or
-into arena memory (``batch_put_from_multi_buffers``,
-``batch_get_into_multi_buffers``: the stored object is the same header,
+with ``register_buffer``, and ``put_from`` / ``get_into`` then move values,
+several in one batch call, each as two parts, its head through a head slot
+and its payload straight from or into arena memory
+(``batch_put_from_multi_buffers``, ``batch_get_into_multi_buffers``: one
+call moves a run of chunks, the transfer engine's parallelism instead of
+one Python thread a chunk; the stored object is the same header,
 tag and payload as a ``put`` of the packed value, so nodes on either path
 share values). ``zero_copy_off`` says why the path is off ("" when on:
 registration refused, a client without these calls, no arena lent, or the
 knob); it is logged once. A head slot is given back only when its call
 returned, never while an abandoned call may still use it; the caller keeps
 the arena bytes of a call alive the same way (kvd/tiers/remote_zero_copy.py).
-``get_into`` returns the head (bytes), None when the store lacks the value,
-or the stored value's size when it is not the size asked (a value of another
-geometry, or damaged: never copied anywhere); a failed transfer raises.
+Per value, ``get_into`` returns the head (bytes), None when the store lacks
+the value, or the stored value's size when it is not the size asked (a
+value of another geometry, or damaged: the caller must not trust its slot),
+and ``put_from`` None once stored; a value whose transfer failed gets its
+``RemoteError`` (a return value), and a call whose every value failed raises.
 """
 
 from __future__ import annotations
@@ -69,15 +73,17 @@ class HeadSlots:
         self._free = list(range(HEADS))
         self._lock = threading.Lock()
 
-    def take(self) -> int:
+    def take(self, n: int) -> list:
         with self._lock:
-            if not self._free:
-                raise RemoteError(f"all {HEADS} value head slots are in use")
-            return self._free.pop()
+            if len(self._free) < n:
+                raise RemoteError(f"{n} value head slots wanted, {len(self._free)} of {HEADS} "
+                                  "free")
+            taken, self._free[-n:] = self._free[-n:], []
+            return taken
 
-    def give(self, slot: int) -> None:
+    def give(self, slots: list) -> None:
         with self._lock:
-            self._free.append(slot)
+            self._free += slots
 
 
 def _host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
@@ -91,6 +97,7 @@ def _host_port(text: str, default_port: int | None = None) -> tuple[str, int]:
 
 class MooncakeStore:
     name = "mooncake"
+    head_slots = HEADS  # value heads of the calls in flight at once, all together
 
     def __init__(self, address: str, timeout_s: float, metadata: str = "", local_host: str = "",
                  segment_bytes: int = 0, buffer_bytes: int = 256 << 20, zero_copy: bool = True):
@@ -201,40 +208,62 @@ class MooncakeStore:
         if rc != 0:
             raise RemoteError(f"Mooncake put failed with code {rc}")
 
-    def put_from(self, name: str, head: bytes, ptr: int, size: int) -> None:
-        """Store ``head`` then the ``size`` arena bytes at ``ptr`` as one value."""
-        slot = self.heads.take()
+    def put_from(self, names: list, heads: list, ptrs: list, sizes: list) -> list:
+        """Store, for each ``names[i]``, ``heads[i]`` then the ``sizes[i]`` arena bytes at
+        ``ptrs[i]`` as one value, all in one batch call: per value None (stored) or the
+        ``RemoteError`` of its failure; raises when every value failed."""
+        slots = self.heads.take(len(names))
         try:
-            at = self.heads.ptr + slot * HEAD_SLOT
-            self.heads.buf[slot * HEAD_SLOT:slot * HEAD_SLOT + len(head)] = np.frombuffer(head,
-                                                                                       np.uint8)
-            rc = self.store.batch_put_from_multi_buffers([name], [[at, ptr]], [[len(head), size]])
+            at = []
+            for slot, head in zip(slots, heads):
+                self.heads.buf[slot * HEAD_SLOT:slot * HEAD_SLOT + len(head)] = \
+                    np.frombuffer(head, np.uint8)
+                at.append(self.heads.ptr + slot * HEAD_SLOT)
+            rc = self.store.batch_put_from_multi_buffers(
+                list(names), [[a, p] for a, p in zip(at, ptrs)],
+                [[len(h), n] for h, n in zip(heads, sizes)])
         finally:
-            self.heads.give(slot)
-        if not rc or rc[0] != 0:
-            raise RemoteError(f"Mooncake put_from failed with code {rc}")
+            self.heads.give(slots)
+        if not rc or len(rc) != len(names):
+            raise RemoteError(f"Mooncake put_from of {len(names)} values answered {rc!r}")
+        out = [None if c == 0 else RemoteError(f"Mooncake put_from failed with code {c}")
+               for c in rc]
+        if all(out):
+            raise out[0]
+        return out
 
-    def get_into(self, name: str, head_len: int, ptr: int, size: int):
-        """Fetch a value of ``head_len + size`` bytes: its head (returned) and its payload,
-        into the arena at ``ptr``; None when absent, the value's size when another."""
-        slot = self.heads.take()
+    def get_into(self, names: list, head_len: int, ptrs: list, size: int) -> list:
+        """Fetch values of ``head_len + size`` bytes, all in one batch call: each one's head
+        and its payload, into the arena at ``ptrs[i]``. Per value: its head (bytes), None
+        when absent, the stored size when another (some of its bytes may be in the
+        slot), or the ``RemoteError`` of its failure; raises when every value failed."""
+        slots = self.heads.take(len(names))
         try:
-            at = self.heads.ptr + slot * HEAD_SLOT
-            rc = self.store.batch_get_into_multi_buffers([name], [[at, ptr]], [[head_len, size]])
-            got = rc[0] if rc else -1
-            if got == head_len + size:
-                return self.heads.buf[slot * HEAD_SLOT:slot * HEAD_SLOT + head_len].tobytes()
+            at = [self.heads.ptr + slot * HEAD_SLOT for slot in slots]
+            rc = self.store.batch_get_into_multi_buffers(
+                list(names), [[a, p] for a, p in zip(at, ptrs)], [[head_len, size]] * len(names))
+            if not rc or len(rc) != len(names):
+                raise RemoteError(f"Mooncake get_into of {len(names)} values answered {rc!r}")
+            out = [self.heads.buf[slot * HEAD_SLOT:slot * HEAD_SLOT + head_len].tobytes()
+                   if got == head_len + size else got for slot, got in zip(slots, rc)]
         finally:
-            self.heads.give(slot)
-        if got == NOT_FOUND:
-            return None
-        stored = self.store.get_size(name)  # a value of another size is never transferred
-        if stored >= 0 and stored != head_len + size:
-            return stored
-        raise RemoteError(f"Mooncake get_into failed with code {got}")
+            self.heads.give(slots)
+        for i, got in enumerate(out):
+            if isinstance(got, bytes):
+                continue
+            if got == NOT_FOUND:
+                out[i] = None
+                continue
+            stored = self.store.get_size(names[i])  # its own size: a damaged or other value
+            out[i] = stored if stored >= 0 and stored != head_len + size else \
+                RemoteError(f"Mooncake get_into failed with code {got}")
+        if all(isinstance(v, RemoteError) for v in out):
+            raise out[0]
+        return out
 
     def delete(self, name: str) -> None:
-        self.store.remove(name)
+        """Remove at once (``force``: a lease another read took would keep it seconds)."""
+        self.store.remove(name, True)
 
     def close(self) -> None:
         """Unmount and close, when the master is there: with it gone, Mooncake's close retries

@@ -40,7 +40,8 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   kvd/tiers/remote_zero_copy.py): puts send the payload from the host slot
   (pinned until the store's call returned) and fetches land in a reserved
   host slot, verified there before the entry is committed; no payload
-  goes through Python bytes. Fetches whose geometry is not known yet (a
+  goes through Python bytes, and a run of chunks (up to 16 MiB) moves in
+  one store call, put or fetch. Fetches whose geometry is not known yet (a
   namespace no store or layout of this node named) take the bytes path.
 """
 
@@ -80,7 +81,8 @@ class RemoteTiering:
         self.seal = seal  # remote_secret: values carry a keyed tag, and need a valid one
         self.promoting: dict[bytes, asyncio.Future] = {}
         self.shard_bytes: dict[bytes, int] = {}  # per namespace, for fetches of lookups without a layout
-        self.publishing: dict[bytes, asyncio.Task] = {}
+        self.publishing: dict[bytes, asyncio.Task] = {}  # a task may put a run of chunks
+        self.batches: set = set()  # zero-copy fetches of runs of chunks
         # threads: at most a quarter put, half fetch, the rest answer lookups' exists calls
         self.parallel(max(1, remote.net.size // 4), max(1, remote.net.size // 2))
         self.counters: Counter = Counter()
@@ -106,7 +108,7 @@ class RemoteTiering:
         for task in list(self.publishing.values()):
             task.cancel()
         await asyncio.gather(*self.publishing.values(), *self.promoting.values(),
-                             return_exceptions=True)
+                             *self.batches, return_exceptions=True)
         await self.remote.stop()
 
     # ---- publication ---------------------------------------------------------------
@@ -143,11 +145,15 @@ class RemoteTiering:
             return
         check = asyncio.ensure_future(self.remote.present(
             [self.remote.name(e.ns, e.key) for e in todo.values()]))
-        for i, entry in enumerate(todo.values()):
-            self.shard_bytes[entry.ns] = entry.shard_bytes
-            task = asyncio.ensure_future(self._publish(entry, cold, check, i))
-            self.publishing[entry.key] = task
-            task.add_done_callback(lambda t, k=entry.key: self._published(k, t))
+        entries = list(todo.values())
+        per = zero_copy.batch_chunks(self, entries[0].size) if self.zero_copy else 1
+        for i in range(0, len(entries), per):  # zero-copy: a run of chunks a store call
+            run = entries[i:i + per]
+            task = asyncio.ensure_future(self._publish(run, cold, check, i))
+            for entry in run:
+                self.shard_bytes[entry.ns] = entry.shard_bytes
+                self.publishing[entry.key] = task
+                task.add_done_callback(lambda t, k=entry.key: self._published(k, t))
 
     def _published(self, key: bytes, task: asyncio.Task) -> None:
         if self.publishing.get(key) is task:
@@ -155,23 +161,40 @@ class RemoteTiering:
         if not task.cancelled() and task.exception() is not None:
             log.error("remote publication failed", exc_info=task.exception())
 
-    async def _publish(self, entry, cold: bool, check: asyncio.Future, i: int) -> None:
+    async def _publish(self, run: list, cold: bool, check: asyncio.Future, first: int) -> None:
         present = await asyncio.shield(check)  # the batch's exists answer (None: unknown)
-        if present is not None and present[i]:
-            self.remote.there(self.remote.name(entry.ns, entry.key))
+        todo = []
+        for i, entry in enumerate(run, first):
+            if present is not None and present[i]:
+                self.remote.there(self.remote.name(entry.ns, entry.key))
+            else:
+                todo.append(entry)
+        if not todo:
             return
+        if not self.zero_copy:
+            await asyncio.gather(*(self._publish_bytes(e, cold, present is not None)
+                                   for e in todo))
+            return
+        async with self.pack_slots:
+            live = self._live(todo)
+            if live:
+                sent = await zero_copy.publish(self, live, cold, present is not None)
+                self.counters["published"] += sum(1 for one in sent if one)
+
+    def _live(self, entries: list) -> list:
+        """Those of ``entries`` still ready in the host tier (the rest were evicted while
+        queued)."""
+        live = [e for e in entries if self.host.entries.get(e.key) is e and e.ready]
+        self.counters["publish_lost"] += len(entries) - len(live)
+        return live
+
+    async def _publish_bytes(self, entry, cold: bool, checked: bool) -> None:
         async with self.pack_slots:  # packed values in memory: at most twice the puts
-            if self.host.entries.get(entry.key) is not entry or not entry.ready:
-                self.counters["publish_lost"] += 1  # evicted while queued
-                return
-            if self.zero_copy:
-                sent = await zero_copy.publish(self, entry, cold, present is not None)
-                self.counters["published"] += bool(sent)
+            if not self._live([entry]):
                 return
             value = await self._pack(entry, cold)
             async with self.put_slots:  # the next value packs while this one is sent
-                sent = await self.remote.put(entry.ns, entry.key, value,
-                                             checked=present is not None)
+                sent = await self.remote.put(entry.ns, entry.key, value, checked=checked)
             if sent is not None:  # finished: nothing reads the buffer any more
                 self.buffers.give(value.obj)
             if sent:
@@ -203,19 +226,29 @@ class RemoteTiering:
         return n
 
     def _start_fetches(self, scope, keys: list) -> None:
-        """Promotions of ``keys``; values of at most half ``BATCH_BYTES`` are fetched
-        ``BATCH_BYTES`` at a time in one round trip (the store's ``get_many``, one fetch
-        slot), larger ones one a call (no round trip to save, and a batch would delay its
-        first chunk)."""
-        expect = scope.shards * (scope.shard_bytes or self.shard_bytes.get(scope.ns, 0))
-        per = BATCH_BYTES // expect if expect and hasattr(self.remote.store, "get_many") else 0
-        if per >= 2:
-            todo = [k for k in keys if k not in self.promoting and k not in self.host.entries]
+        """Promotions of ``keys``. Zero-copy: runs of chunks a store call
+        (kvd/tiers/remote_zero_copy.py). Else values of at most half ``BATCH_BYTES`` are
+        fetched ``BATCH_BYTES`` at a time in one round trip (the store's ``get_many``, one
+        fetch slot), larger ones one a call (no round trip to save, and a batch would delay
+        its first chunk)."""
+        expect = scope.shard_bytes or self.shard_bytes.get(scope.ns, 0)
+        todo = [k for k in keys if k not in self.promoting and k not in self.host.entries]
+        if self.zero_copy and expect:
+            per = zero_copy.batch_chunks(self, scope.shards * expect)
+            for i in range(0, len(todo), per):
+                futs = zero_copy.promote(self, scope.ns, todo[i:i + per], scope.shards, expect)
+                for key, fut in futs.items():
+                    self._promotion(scope, key, lambda f=fut: asyncio.shield(f))
+        elif expect and hasattr(self.remote.store, "get_many") and \
+                BATCH_BYTES // (scope.shards * expect) >= 2:
+            per = BATCH_BYTES // (scope.shards * expect)
             for i in range(0, len(todo), per):
                 part = todo[i:i + per]
-                batch = asyncio.ensure_future(self._get_batch(scope.ns, part, expect))
+                batch = asyncio.ensure_future(self._get_batch(scope.ns, part,
+                                                              scope.shards * expect))
                 for key in part:
-                    self._promotion(scope, key, batch)
+                    self._promotion(scope, key, lambda k=key, b=batch: self._promote(
+                        scope.ns, k, scope.shards, scope.shard_bytes, b))
         for key in keys:
             self._promotion(scope, key)
 
@@ -248,11 +281,14 @@ class RemoteTiering:
             n += await self.lookup(scope, keys[n:])
         return [self._promotion(scope, key) for key in keys[:n]]
 
-    def _promotion(self, scope, key: bytes, batch=None) -> asyncio.Future:
+    def _promotion(self, scope, key: bytes, fetch=None) -> asyncio.Future:
+        """The promotion of ``key``: the one running, or a new one (``fetch()``, an
+        awaitable; by default a fetch of this chunk alone)."""
         fut = self.promoting.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._promote(scope.ns, key, scope.shards,
-                                                      scope.shard_bytes, batch))
+            fut = asyncio.ensure_future(
+                fetch() if fetch is not None else
+                self._promote(scope.ns, key, scope.shards, scope.shard_bytes, None))
             self.promoting[key] = fut
             fut.add_done_callback(lambda f, k=key: self.promoting.pop(k, None))
         return fut
@@ -263,7 +299,7 @@ class RemoteTiering:
             return entry.ready
         expect = shard_bytes or self.shard_bytes.get(ns, 0)  # the fetch's timeout grows with it
         if self.zero_copy and expect and batch is None:
-            return await zero_copy.promote(self, ns, key, shards, expect)
+            return await asyncio.shield(zero_copy.promote(self, ns, [key], shards, expect)[key])
         if batch is not None:  # shared by the batch's promotions
             value = (await asyncio.shield(batch)).get(key)
         else:

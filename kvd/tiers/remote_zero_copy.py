@@ -1,30 +1,35 @@
 """The zero-copy remote path: chunks move between the host arena and Mooncake, no bytes copy.
 
-Taken by kvd/tiers/remote_tiering.py for each put and fetch while the
-store says ``zero_copy`` (the arena is registered with it,
+Taken by kvd/tiers/remote_tiering.py for puts and fetches while the store
+says ``zero_copy`` (the arena is registered with it,
 kvd/tiers/remote_mooncake.py); otherwise values go through Python bytes.
 The stored value is the same on both paths (kvd/tiers/remote_value.py:
-header, tag with a seal, payload), so nodes on either path share it.
+header, tag with a seal, payload), so nodes on either path share it. A run
+of chunks (``batch_chunks``: at most ``BATCH_BYTES`` and ``BATCH_CHUNKS``)
+moves in one store call: the transfer engine moves them in parallel,
+instead of one network thread and one round of thread hops a chunk.
 
-- **Put** (``publish``): the entry is pinned, a CPU thread computes the
-  value's head over the payload where it lies in the arena (digest, and the
-  keyed tag of a seal), and the store sends head and payload from their
-  registered memory. The pin is dropped only when the store's call
+- **Put** (``publish``): the entries are pinned, a CPU thread computes each
+  value's head over its payload where it lies in the arena (digest, and the
+  keyed tag of a seal), and the store sends heads and payloads from their
+  registered memory. The pins are dropped only when the store's call
   returned, not when the tier gave up on it at its timeout: an abandoned
-  call may still be reading the slot, and a slot must not be reused under
+  call may still be reading the slots, and a slot must not be reused under
   it (the other bytes would go out under this chunk's head; readers would
-  refuse them, but they would cost a fetch). So the entry stays pinned for
+  refuse them, but they would cost a fetch). So the entries stay pinned for
   the network IO too, unlike on the bytes path.
-- **Fetch** (``promote``, the chunk's geometry known): the host entry is
-  reserved first (invisible to lookups and loads), the store writes the
-  value's payload straight into its slot and its head into a head slot, a
-  CPU thread checks the head (key, namespace, geometry, length) and the
-  payload digest (and tag) over the slot, and only then is the entry
-  committed. Anything else (absent, a failed or timed-out call, a value of
-  another size, a failed check) aborts the reservation: a miss, never
-  served. A value that fails its check, or has another size, is counted
-  ``corrupt`` and deleted from the store. An abandoned call may still write
-  into the slot, so the slot is freed only when the call returned.
+- **Fetch** (``promote``, the chunks' geometry known): each host entry is
+  reserved first (invisible to lookups and loads), the store writes each
+  value's payload straight into its slot and its head into a head slot; then,
+  in key order, a CPU thread checks each head (key, namespace, geometry,
+  length) and the payload digest (and tag) over the slot, and only then is
+  that entry committed and its future set (a load copies it while later
+  ones are checked). Anything else (absent, a failed or timed-out call, a
+  value of another size, a failed check) aborts the reservation: a miss,
+  never served. A value that fails its check, or has another size, is
+  counted ``corrupt`` once and deleted from the store. An abandoned call may
+  still write into the slots, so a miss's slot is freed only when the call
+  returned.
 Runs on the event loop; the store's calls on the remote tier's threads.
 """
 
@@ -35,40 +40,65 @@ import asyncio
 from kvd.tiers.chunk_file import ChunkCorrupt
 from kvd.tiers.remote_value import head_bytes, make_head, verify_in_place
 
+BATCH_BYTES = 16 << 20  # payload bytes one store call moves at most (a single larger chunk alone)
+BATCH_CHUNKS = 32  # and chunks
 
-async def publish(t, entry, cold: bool, checked: bool) -> bool | None:
-    """Put ``entry`` (ready, in the host tier) through tiering ``t`` without copying its
-    payload: True sent, False the store had it, None failed."""
+
+def batch_chunks(t, chunk_bytes: int) -> int:
+    """Chunks of ``chunk_bytes`` one store call of tiering ``t`` moves: also few enough that
+    every network thread's call (an abandoned one too) has its heads' slots."""
+    slots = getattr(t.remote.store, "head_slots", BATCH_CHUNKS * t.remote.net.size)
+    return max(1, min(BATCH_CHUNKS, BATCH_BYTES // max(1, chunk_bytes),
+                      slots // t.remote.net.size))
+
+
+async def publish(t, entries: list, cold: bool, checked: bool) -> list:
+    """Put ``entries`` (ready, in the host tier) through tiering ``t`` in one store call
+    without copying their payloads: per entry True sent, False the store had it, None
+    failed."""
     host, remote = t.host, t.remote
-    host.pin([entry])
+    host.pin(entries)
     pinned_at = host.clock
 
     def unpin() -> None:  # a demoted entry nobody used meanwhile goes back to the cold end
-        host.unpin([entry], cold_since=pinned_at if cold else None)
+        host.unpin(entries, cold_since=pinned_at if cold else None)
 
     asked = False
     try:
-        head = await remote.cpu(make_head, entry.ns, entry.key, _slot(t, entry), entry.shards,
-                                entry.shard_bytes, t.seal)
+        heads = await remote.cpu(_heads, t, entries)
         async with t.put_slots:
             asked = True  # from here ``put_from`` calls ``unpin`` once, when the store is done
-            return await remote.put_from(entry.ns, entry.key, head, t.base + entry.offset,
-                                         entry.size, checked, unpin)
+            return await remote.put_from([remote.name(e.ns, e.key) for e in entries], heads,
+                                         [t.base + e.offset for e in entries],
+                                         [e.size for e in entries], checked, unpin)
     finally:
         if not asked:
             unpin()
 
 
-async def promote(t, ns: bytes, key: bytes, shards: int, shard_bytes: int) -> bool:
-    """Fetch chunk ``key`` of ``ns`` into a new host entry through tiering ``t``; True once
-    it is committed, verified."""
-    entry, ranks = t._reserve(key, ns, shard_bytes, shards)
-    if entry is None:
-        return False
+def _heads(t, entries: list) -> list:
+    return [make_head(e.ns, e.key, _slot(t, e), e.shards, e.shard_bytes, t.seal)
+            for e in entries]
+
+
+def promote(t, ns: bytes, keys: list, shards: int, shard_bytes: int) -> dict:
+    """Start fetching ``keys`` of ``ns`` into new host entries through tiering ``t``, one
+    store call: a future per key, True once its entry is committed, verified."""
+    loop = asyncio.get_running_loop()
+    futs = {key: loop.create_future() for key in keys}
+    task = asyncio.ensure_future(_promote(t, ns, shards, shard_bytes, futs))
+    t.batches.add(task)
+    task.add_done_callback(t.batches.discard)
+    return futs
+
+
+async def _promote(t, ns: bytes, shards: int, shard_bytes: int, futs: dict) -> None:
     host, remote = t.host, t.remote
+    todo: dict = {}  # key: (entry, shard ranks), reserved and not settled yet
+    heads: dict = {}  # key: what the store answered for it
     landed = asyncio.get_running_loop().create_future()  # the store's call returned
 
-    def settle(ok: bool) -> None:
+    def settle(entry, ranks, ok: bool) -> None:
         for rank in ranks:
             (host.commit if ok else host.abort)(entry, rank)
 
@@ -76,36 +106,57 @@ async def promote(t, ns: bytes, key: bytes, shards: int, shard_bytes: int) -> bo
         if not landed.done():
             landed.set_result(None)
 
-    asked, head = False, None
+    asked = False
     try:
+        for key, fut in futs.items():
+            entry = host.entries.get(key)
+            if entry is not None:  # stored or fetched meanwhile: whose, ``hold_ready`` checks
+                fut.set_result(entry.ready)
+                continue
+            entry, ranks = t._reserve(key, ns, shard_bytes, shards)
+            if entry is None:
+                fut.set_result(False)
+            else:
+                todo[key] = (entry, ranks)
+        if not todo:
+            return
         async with t.fetch_slots:  # in key order: a load's first chunks come first
             asked = True  # from here ``get_into`` calls ``on_done`` once
-            head = await remote.get_into(ns, key, head_bytes(t.seal), t.base + entry.offset,
-                                         entry.size, on_done)
-    finally:
-        if not isinstance(head, bytes):  # a miss; the slot is freed once nothing writes it
+            heads = dict(zip(todo, await remote.get_into(
+                ns, list(todo), head_bytes(t.seal), [t.base + e.offset for e, _ in todo.values()],
+                shards * shard_bytes, on_done)))
+        checks = {key: asyncio.ensure_future(remote.cpu(  # every CPU thread at once
+            verify_in_place, heads[key], ns, key, shards, shard_bytes, _slot(t, todo[key][0]),
+            t.seal)) for key in todo if isinstance(heads[key], bytes)}
+        for key, check in checks.items():  # committed in key order
+            entry, ranks = todo.pop(key)
+            ok = False
+            try:
+                await check
+                ok = True
+            except ChunkCorrupt as exc:
+                t._corrupt(ns, key, exc)
+            finally:
+                if not ok:  # cancelled: wait for the others, which read their slots
+                    await asyncio.gather(*checks.values(), return_exceptions=True)
+                settle(entry, ranks, ok)
+            t.counters["promotions"] += ok
+            futs[key].set_result(ok)
+    finally:  # misses, and what a failure or cancellation left: freed once nothing writes them
+        for key, (entry, ranks) in todo.items():
             if asked:
-                landed.add_done_callback(lambda _: settle(False))
+                landed.add_done_callback(lambda _, e=entry, r=ranks: settle(e, r, False))
             else:
-                settle(False)
-    if head is None:
-        t.counters["promotions_failed"] += 1
-        return False
-    if isinstance(head, int):
-        return t._corrupt(ns, key, ChunkCorrupt(f"value is {head} bytes, this namespace's "
-                                                f"are {head_bytes(t.seal) + entry.size}"))
-    ok = False
-    try:
-        await remote.cpu(verify_in_place, head, ns, key, shards, shard_bytes, _slot(t, entry),
-                         t.seal)
-        ok = True
-    except ChunkCorrupt as exc:
-        t._corrupt(ns, key, exc)
-    finally:
-        settle(ok)
-    if ok:
-        t.counters["promotions"] += 1
-    return ok
+                settle(entry, ranks, False)
+            stored = heads.get(key)
+            if isinstance(stored, int):  # a value of another size: counted once, deleted
+                t._corrupt(ns, key, ChunkCorrupt(f"value is {stored} bytes, this namespace's "
+                                                 f"are {head_bytes(t.seal) + entry.size}"))
+            else:
+                t.counters["promotions_failed"] += 1
+        for fut in futs.values():
+            if not fut.done():
+                fut.set_result(False)
 
 
 def _slot(t, entry):

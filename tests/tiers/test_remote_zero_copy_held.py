@@ -2,12 +2,16 @@
 
 A real ``RemoteTiering`` and ``HostTier`` over a numpy arena, and an
 in-process store with the zero-copy calls (``put_from`` reads the arena at
-the pointer it is given, ``get_into`` writes it) whose calls a test holds
+the pointers it is given, ``get_into`` writes them, several values a call)
+whose calls a test holds
 past the remote timeout. Proved: a fetch that times out is a miss at once,
 but its host slot stays reserved (nothing else can be put there) until the
 abandoned call returned, and is freed then, never committed; a put that
 times out keeps its entry pinned (never evicted or reused) until the call
-returned; once calls answer, a fetch lands byte for byte.
+returned; once calls answer, a fetch lands byte for byte. A bad value the
+store keeps (its delete lags) counts once: later lookups do not fetch it
+again. A value whose transfer fails alone inside a call of several is a
+miss for that chunk only, counted in ``errors``; the others land.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
 from kvd.tiers.remote_tiering import RemoteTiering
+from kvd.tiers.remote_store import RemoteError
 from kvd.tiers.remote_value import pack, store_name
 from kvd.tiers.scope import Scope
 
@@ -38,6 +43,8 @@ class ArenaStore:
 
     def __init__(self):
         self.values, self.hold, self.returned = {}, {}, set()
+        self.kept = set()  # names whose delete does nothing (a lease or a lagging store)
+        self.failing = set()  # names whose transfer fails alone, inside a call of several
 
     def connect(self):
         pass
@@ -52,29 +59,43 @@ class ArenaStore:
         self.values[name] = bytes(value)
 
     def delete(self, name):
-        self.values.pop(name, None)
+        if name not in self.kept:
+            self.values.pop(name, None)
 
     def close(self):
         pass
 
-    def _wait(self, name):
-        if name in self.hold:
-            self.hold[name].wait(10)
-            self.returned.add(name)
+    def _wait(self, names):
+        for name in names:
+            if name in self.hold:
+                self.hold[name].wait(10)
+                self.returned.add(name)
 
-    def put_from(self, name, head, ptr, size):
-        self._wait(name)
-        self.values[name] = bytes(head) + ctypes.string_at(ptr, size)
+    def put_from(self, names, heads, ptrs, sizes):
+        self._wait(names)
+        out = []
+        for name, head, ptr, size in zip(names, heads, ptrs, sizes):
+            if name in self.failing:
+                out.append(RemoteError(f"{name}: transfer failed"))
+                continue
+            self.values[name] = bytes(head) + ctypes.string_at(ptr, size)
+            out.append(None)
+        return out
 
-    def get_into(self, name, head_len, ptr, size):
-        self._wait(name)
-        value = self.values.get(name)
-        if value is None:
-            return None
-        if len(value) != head_len + size:
-            return len(value)
-        ctypes.memmove(ptr, value[head_len:], size)
-        return value[:head_len]
+    def get_into(self, names, head_len, ptrs, size):
+        self._wait(names)
+        out = []
+        for name, ptr in zip(names, ptrs):
+            if name in self.failing:
+                out.append(RemoteError(f"{name}: transfer failed"))
+                continue
+            value = self.values.get(name)
+            if value is None or len(value) != head_len + size:
+                out.append(None if value is None else len(value))
+                continue
+            ctypes.memmove(ptr, value[head_len:], size)
+            out.append(value[:head_len])
+        return out
 
 
 async def tier():
@@ -145,5 +166,58 @@ def test_a_timed_out_put_keeps_its_entry_pinned_until_the_call_returned():
             assert host.clear() == (1, 0)
         finally:
             store.hold[name].set()
+            await tiering.stop()
+    asyncio.run(main())
+
+
+def test_a_bad_value_whose_delete_lags_is_fetched_and_counted_once():
+    async def main():
+        store, view, host, tiering = await tier()
+        key, data = bytes(16), np.arange(SIZE, dtype=np.uint64).astype(np.uint8)
+        name = store_name("t", NS, key)
+        value = bytearray(pack(NS, key, data, 1, SIZE))
+        value[-1] ^= 0x40
+        store.values[name] = bytes(value)
+        store.kept.add(name)  # the store still says it has it after the delete
+        try:
+            for _ in range(3):
+                assert await tiering.promote_prefix(Scope(NS, 1, SIZE), [key]) == []
+            r = tiering.stats()
+            assert r["corrupt"] == 1 and r["zero_copy_gets"] == 1 and r["promotions"] == 0
+            assert name in store.values and host.alloc.used == 0
+        finally:
+            await tiering.stop()
+    asyncio.run(main())
+
+
+def test_one_failed_value_of_a_batch_is_a_miss_for_it_alone():
+    async def main():
+        store, view, host, tiering = await tier()
+        keys = [bytes([i]) * 16 for i in range(1, 5)]
+        for i, key in enumerate(keys):
+            (_, entry), = host.reserve_many([key], NS, SIZE, 1, 0, 0)[0]
+            view[entry.offset:entry.offset + SIZE] = i + 1
+            host.commit(entry, 0)
+        store.failing.add(store_name("t", NS, keys[1]))
+        try:
+            tiering.stored([host.entries[k] for k in keys])  # one put call for the four
+            await until(lambda: tiering.stats()["puts"] + tiering.stats()["puts_failed"] == 4)
+            r = tiering.stats()
+            assert r["zero_copy_puts"] == 3 and r["puts_failed"] == 1 and r["errors"] == 1
+            store.failing.clear()
+            store.values[store_name("t", NS, keys[1])] = bytes(
+                pack(NS, keys[1], np.full(SIZE, 2, np.uint8), 1, SIZE))
+            assert host.clear() == (4, 0)
+            store.failing.add(store_name("t", NS, keys[2]))
+            got = await tiering.promote_prefix(Scope(NS, 1, SIZE), keys)  # one get call
+            assert [e.key for e in got] == keys[:2]  # the prefix ends at the failed value
+            for i, e in enumerate(got):
+                assert (view[e.offset:e.offset + SIZE] == i + 1).all()
+            host.unpin(got)
+            await until(lambda: keys[3] in host.entries and host.entries[keys[3]].ready)
+            r = tiering.stats()
+            assert r["zero_copy_gets"] == 3 and r["errors"] == 2 and r["breaker"] == "closed"
+            assert keys[2] not in host.entries  # its slot was freed
+        finally:
             await tiering.stop()
     asyncio.run(main())
