@@ -13,9 +13,10 @@ Operations, each on a batch of SGLang pages (hashes + host slots):
 - ``batch_exists``: pages of the longest prefix kvd holds (one ``lookup``).
 - ``batch_get_v1`` / ``batch_set_v1`` (``interface_v1``: SGLang's zero-copy
   path): kvd loads into / stores from the staging pool, one copy between
-  it and SGLang's host pool; per-page success, a prefix. A load asks kvd
-  for ``load_pipeline_pages`` pages at a time; a copy thread moves each
-  request's pages on into the host pool while kvd moves the next.
+  it and SGLang's host pool, page by page on ``copy_threads`` threads;
+  per-page success, a prefix. A load asks kvd for ``load_pipeline_pages``
+  pages at a time; the copy threads move each request's pages on into the
+  host pool while kvd moves the next.
 - ``get``/``batch_get``/``set``/``batch_set``/``exists``: the generic
   interface over SGLang's flat pages (SGLang copies each page once more).
 
@@ -116,7 +117,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         self._session_lock, self._load_lock, self._store_lock = (threading.Lock() for _ in range(3))
         self._retry_at = 0.0
         self._refused: str | None = None
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvd-sglang-copy")
+        self._copier = ThreadPoolExecutor(opts.copy_threads, thread_name_prefix="kvd-sglang-copy")
         self.counters = {"lookups": 0, "hit_pages": 0, "loaded_pages": 0, "stored_pages": 0,
                          "unkeyed_pages": 0, "failed_loads": 0, "failed_stores": 0}
 
@@ -241,14 +242,15 @@ class KvdHiCacheStorage(HiCacheStorage):
 
     def _load_batch(self, start: int, keyed: list, deliver) -> int:
         """Pages of one staging batch loaded and delivered (a prefix), ``load_pipeline_pages``
-        per kvd request: the copy thread delivers a request's pages while kvd moves the
+        per kvd request: the copy threads deliver a request's pages while kvd moves the
         next request's into other slots; all delivered before the batch's slots are reused."""
         step, got, copies = self.options.load_pipeline_pages, 0, []
         try:
             for first in range(0, len(keyed), step):
                 part = keyed[first:first + step]
                 n = self._moved(self.client.load, part, first)
-                copies.append(self._copier.submit(self._deliver, deliver, start, first, n))
+                copies += [self._copier.submit(deliver, start + j, self.staging.slot(j))
+                           for j in range(first, first + n)]
                 got += n
                 if n < len(part):
                     break
@@ -257,18 +259,14 @@ class KvdHiCacheStorage(HiCacheStorage):
                 c.result()  # re-raises a failed copy, as a copy in this thread would
         return got
 
-    def _deliver(self, deliver, start: int, first: int, n: int) -> None:
-        for j in range(first, first + n):
-            deliver(start + j, self.staging.slot(j))
-
     def _store(self, keys, source) -> int:
         """Store the leading pages of ``keys``; ``source(i)`` is page ``i`` in page order.
         Returns how many pages kvd now holds."""
         per, done = self.options.staging_pages, 0
         with self._store_lock:
             for start, keyed, asked in self._batches(keys):
-                for j in range(len(keyed)):
-                    self.staging.slot(per + j).copy_(source(start + j))
+                list(self._copier.map(lambda j: self.staging.slot(per + j).copy_(source(start + j)),
+                                      range(len(keyed))))
                 got = self._moved(self._store_op, keyed, per)
                 done = start + got
                 self.counters["stored_pages"] += got

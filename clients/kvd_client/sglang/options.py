@@ -47,6 +47,8 @@ OPTIONS = {
                                   "the backend copies the previous one's into SGLang's host "
                                   "pool; staging_pages or more: one request per batch, no "
                                   "overlap", positive=True),
+    "copy_threads": Option(int, 4, "threads copying pages between the staging pool and "
+                           "SGLang's host pool (torch copies, the GIL released)", positive=True),
     "key_map_pages": Option(int, 65536, "key_mode 'tokens': SGLang page hashes whose tokens "
                             "are remembered (least recently used forgotten first); a page whose "
                             "hash was forgotten is a miss", positive=True),
@@ -65,6 +67,7 @@ class Options:
     timeout_s: float = 5.0
     staging_pages: int = 128
     load_pipeline_pages: int = 8
+    copy_threads: int = 4
     key_map_pages: int = 65536
     shm_dir: str = "/dev/shm"
 
