@@ -39,6 +39,9 @@ LAYERS_MEASURED = 8                         # the model of the measured prefill 
 MEASURED_PREFILL_MS = {2048: 17.3, 8192: 63.6, 32768: 346.7}
 MEASURED_SUFFIX_MS = {2048: 11.7, 8192: 15.1, 32768: 28.2}
 LINKS_GBPS = (25, 100, 400)
+# what kvd's remote tier moved per second in `kvd bench --remote` (docs/cluster.md: gets, the
+# lower of its two runs; loopback on a 2-core VM, four fetches in flight), in Gb/s
+MEASURED_GBPS = {"kvd + Mooncake (TCP), measured": 2.559 * 8, "kvd + Redis, measured": 0.323 * 8}
 RTT_MS = 0.2  # one lookup round trip plus the store's own overhead per fetch
 
 
@@ -134,16 +137,18 @@ def break_even_table() -> str:
            f"{a:.2f} + {b * 1e3:.4f}e-3 n + {c * 1e6:.4f}e-6 n^2 through the measured "
            f"{saved} ms at {' / '.join(map(str, lengths))} tokens. Fetch: {RTT_MS} ms + n x "
            f"{per_token // 1024} KiB / link rate."), "",
-           ("| link | fetch 1k tokens | fetch 2k / 8k / 32k tokens | saved 2k / 8k / 32k | "
+           ("| link or path | fetch 1k tokens | fetch 2k / 8k / 32k tokens | saved 2k / 8k / 32k | "
            "fetching wins from |"), "|---|---|---|---|---|"]
-    for gbps in LINKS_GBPS:
+    rows = [(f"{g} Gb/s (the link's full rate)", g) for g in LINKS_GBPS] + \
+        [(f"{name}: {g / 8:.2f} GB/s", g) for name, g in MEASURED_GBPS.items()]
+    for label, gbps in rows:
         fetch = fetch_ms(n, gbps)
         wins = n[fetch < saving]
         first = f"{int(wins[0]):,} tokens" if len(wins) else "never (up to 128k)"
         if len(wins) and not np.all(fetch[n >= wins[0]] < saving[n >= wins[0]]):
             first += " (not at every longer length)"
         row = " / ".join(f"{float(fetch_ms(k, gbps)):.1f}" for k in lengths)
-        out.append(f"| {gbps} Gb/s | {float(fetch_ms(1024, gbps)) - RTT_MS:.2f} ms | {row} ms | "
+        out.append(f"| {label} | {float(fetch_ms(1024, gbps)) - RTT_MS:.2f} ms | {row} ms | "
                    f"{saved} ms | {first} |")
     return "\n".join(out)
 
