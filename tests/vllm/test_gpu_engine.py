@@ -76,8 +76,8 @@ def prompts(name: str) -> dict[str, list[int]]:
 HITS = {"long": 1024, "short": 512, "control": 0}
 
 
-def spawn(tmp: Path, name: str, spec: dict, runner: str) -> tuple:
-    env = {**os.environ, "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
+def spawn(tmp: Path, name: str, spec: dict, runner: str, env: dict | None = None) -> tuple:
+    env = {**os.environ, **(env or {}), "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "clients"),
                                           os.environ.get("PYTHONPATH", "")])}

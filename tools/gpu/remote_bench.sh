@@ -12,7 +12,7 @@
 #   bash tools/gpu/stage_remote.sh
 # Run there (device tool: command below, carry [".gpu"], about 5 minutes):
 #   bash .gpu/run.sh bash tools/gpu/remote_bench.sh
-# REMOTE_THREADS (default "4 8"): the bench's --remote-threads, one run each; REMOTE_ARGS
+# REMOTE_THREADS (default "4 8"; empty: set-up only): the bench's --remote-threads, one run each; REMOTE_ARGS
 # replaces the other flags of every run (default: 32 chunks of 4 MiB, 7 rounds, an 8-layer
 # Llama-3-8B shape for the load). Each run is cut at 240 s; REMOTE_TESTS=0 skips the tests
 # (300 s at most).
@@ -45,7 +45,7 @@ done
 } 2>&1 | tee "$OUT/machine.txt"
 grep -q 'mooncake_master: ok' "$OUT/machine.txt" || { echo "mooncake_master cannot run here"; exit 2; }
 rc=0
-for threads in ${REMOTE_THREADS:-4 8}; do
+for threads in ${REMOTE_THREADS-4 8}; do
   echo "== kvd bench --remote --remote-stores mooncake --remote-threads $threads"
   # shellcheck disable=SC2086
   timeout 240 python3 -m kvd bench --remote --remote-stores mooncake --remote-threads "$threads" \
