@@ -25,7 +25,10 @@ own process (this script again, with ``--role``):
   suffix (SGLang's GPU cache holds the prefix: the cost of the suffix alone).
 
 TTFT is the wall time of ``generate`` of one prompt with one new token,
-median of ``--repeat`` runs; speedup = full / kvd. ``--out`` keeps every run.
+median of ``--repeat`` runs; speedup = full / kvd. "in kvd" is the time the
+daemon spent on the repeat's load requests (its ``load`` latencies summed):
+the rest of a hit's TTFT beyond the suffix is the backend's copies and
+SGLang's own. ``--out`` keeps every run.
 """
 
 from __future__ import annotations
@@ -93,14 +96,16 @@ def engine(args, role: str) -> dict:
             if role == "store":
                 ttft(shared + tokens("store", sfx))
             elif role == "kvd":
-                runs, hits = [], []
+                runs, hits, daemon = [], [], []
                 for r in range(args.repeat):
                     if not flushed(llm.flush_cache()):  # GPU and host copies gone: from kvd
                         print(f"[kvd] flush_cache refused before repeat {r}", flush=True)
+                    before = load_seconds(args)
                     t, details = ttft(shared + tokens(f"kvd/{r}", sfx))
                     runs.append(t)
                     hits.append(details.get("storage", 0))
-                out[n] = {"kvd": runs, "storage_hit_tokens": hits}
+                    daemon.append(load_seconds(args) - before)
+                out[n] = {"kvd": runs, "storage_hit_tokens": hits, "daemon_load": daemon}
             else:
                 full, suffix = [], []
                 for r in range(args.repeat):
@@ -126,6 +131,15 @@ def detach(llm) -> None:
             print(f"detaching the storage backend: {out.message}", flush=True)
     except Exception as exc:  # an SGLang without it: the next kvd pool removes the file
         print(f"detaching the storage backend failed ({exc})", flush=True)
+
+
+def load_seconds(args) -> float:
+    """Seconds the daemon spent on load requests so far (its latency histogram's sum)."""
+    ch = Channel(control_endpoint(Path(args.runtime_dir)), 5.0)
+    try:
+        return ch.request("stats")["latency_histogram"].get("sum_s", {}).get("load", 0.0)
+    finally:
+        ch.close()
 
 
 def flushed(result) -> bool:
@@ -179,9 +193,11 @@ def main() -> None:
 
 def report(args, rows: dict) -> None:
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
-    print(f"{'prefix':>8}{'full ms':>12}{'suffix ms':>12}{'kvd ms':>12}{'kvd hit':>10}{'speedup':>9}")
+    print(f"{'prefix':>8}{'full ms':>12}{'suffix ms':>12}{'kvd ms':>12}{'in kvd ms':>12}"
+          f"{'kvd hit':>10}{'speedup':>9}")
     for n, m in med.items():
-        cells = "".join(f"{m[k] * 1e3:>12.1f}" if k in m else f"{'-':>12}" for k in ("full", "suffix", "kvd"))
+        cells = "".join(f"{m[k] * 1e3:>12.1f}" if k in m else f"{'-':>12}"
+                        for k in ("full", "suffix", "kvd", "daemon_load"))
         hit = f"{int(m['storage_hit_tokens']):>10d}" if "storage_hit_tokens" in m else f"{'-':>10}"
         speed = f"{m['full'] / m['kvd']:>8.1f}x" if "full" in m and "kvd" in m else f"{'-':>9}"
         print(f"{n:>8}{cells}{hit}{speed}")

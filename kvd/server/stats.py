@@ -103,9 +103,11 @@ class Stats:
         return out
 
     def latency_histogram(self) -> dict:
-        """Bucket bounds and counts per op (for ``kvd top``'s percentiles over an interval)."""
+        """Bucket bounds, counts and summed seconds per op (``kvd top``'s percentiles over an
+        interval; the time requests of an op took over one, e.g. a benchmark's loads)."""
         return {"bounds_s": list(LATENCY_BUCKETS_S),
-                "counts": {op: list(h.counts) for op, h in self.histograms.items()}}
+                "counts": {op: list(h.counts) for op, h in self.histograms.items()},
+                "sum_s": {op: h.sum for op, h in self.histograms.items()}}
 
     def summary(self) -> dict:
         c = self.counters
