@@ -135,6 +135,9 @@ def detach(llm) -> None:
 
 def load_seconds(args) -> float:
     """Seconds the daemon spent on load requests so far (its latency histogram's sum)."""
+    from kvd_client.transport import Channel
+    from kvd_protocol.runtime import control_endpoint
+
     ch = Channel(control_endpoint(Path(args.runtime_dir)), 5.0)
     try:
         return ch.request("stats")["latency_histogram"].get("sum_s", {}).get("load", 0.0)
