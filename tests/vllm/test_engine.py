@@ -103,8 +103,10 @@ def test_second_engine_loads_the_first_ones_prefixes(model, start_daemon, tmp_pa
     hits, fails = run_engine(tmp_path, "load", {"model": str(model), "kvd": kvd, "phases": [
         {"prompts": SECOND}, {"prompts": SECOND, "freeze_daemon": daemon.proc.pid}]})["phases"]
 
-    # kvd's hits, loaded for real: the same tokens and logprobs as without kvd
-    assert same_outputs(hits, base), (hits, base)
+    # kvd's hits, loaded for real: the same tokens and logprobs as without kvd (the suffix
+    # computed against a loaded prefix, in batches the lookups' timing decides: decode
+    # logprobs drift up to ~0.016 in bf16 on a loaded 2-core VM, as in test_models)
+    assert same_outputs(hits, base, tol=0.03), (hits, base)
     assert hits["num_cached_tokens"] == HITS
     c = hits["counters"]
     assert computed(c) == computed(base["counters"]) - sum(HITS)
