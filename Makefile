@@ -60,12 +60,15 @@ check-disk:
 	         "$(TEST_DISK_GIB) GiB (TEST_DISK_GIB=N to override)" >&2; exit 1; fi; fi
 
 # The three virtualenvs are independent: built side by side (about 6 minutes one after
-# another on a 2-core machine, most of it waiting on pip).
+# another on a 2-core machine, most of it waiting on pip). pytest runs the suite on
+# TEST_JOBS workers (pytest-xdist; most tests wait on daemons and sockets, so 2 fill a
+# 2-core machine), grouped as tests/xdist_groups.py says; TEST_JOBS=0 runs it in one process.
+TEST_JOBS ?= 2
 test: check-disk
 	$(MAKE) --no-print-directory -j3 setup-dev setup-vllm setup-sglang
 	bash tools/install_test_stores.sh
 	KVD_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVD_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python \
-	  $(VENV)/bin/python -m pytest -q
+	  $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup
 	bash tools/check_kernels.sh
 	bash tools/check_service.sh $(VENV)
 	bash tools/check_install.sh
