@@ -100,8 +100,9 @@ def pytest_sessionfinish(session):
     shutil.rmtree(tags_dir, ignore_errors=True)
     leaked = _leaked(before, tags)
     if leaked:
-        session.config.get_terminal_writer().line(
-            f"the test suite left these in /dev/shm: {leaked}", red=True)
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.write("\n")
+        reporter.write_line(f"FAILED: the test suite left these in /dev/shm: {leaked}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
