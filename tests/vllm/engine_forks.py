@@ -49,34 +49,42 @@ class EngineForks:
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             if not sel.select(timeout):
-                self.close()
+                self.close(wait_s=0)
                 raise TimeoutError(f"no answer from the vLLM engine server in {timeout} s")
         line = self.proc.stdout.readline()
         if not line:
-            code = self.proc.wait()
-            self.close()
-            raise RuntimeError(f"the vLLM engine server exited {code}:\n"
-                               f"{self.log_path.read_text()[-6000:]}")
+            self._died()
         return json.loads(line)
+
+    def _died(self) -> None:
+        code = self.proc.wait()
+        self.close()
+        raise RuntimeError(f"the vLLM engine server exited {code}:\n"
+                           f"{self.log_path.read_text()[-6000:]}")
 
     def run(self, spec: Path, out: Path, log: Path, env: dict, timeout: float) -> int:
         if self.proc is None:
             self._start()
         job = {"spec": str(spec), "out": str(out), "log": str(log), "env": env}
-        self.proc.stdin.write((json.dumps(job) + "\n").encode())
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write((json.dumps(job) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self._died()
         return self._reply(timeout)["rc"]
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 30) -> None:
+        """Ends the server: stdin closed, ``wait_s`` for it to exit, then its whole process
+        group killed (whatever its engines left: nothing, when they shut down as they should)."""
         if self.proc is None:
             return
         proc, self.proc = self.proc, None
-        proc.stdin.close()
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
+            proc.stdin.close()
+            proc.wait(wait_s)
+        except (BrokenPipeError, subprocess.TimeoutExpired):
             pass
-        try:  # whatever its engines left (none, when they shut down as they should)
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
