@@ -7,7 +7,7 @@ VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
 ARGS ?=
 
-.PHONY: serve test setup setup-dev setup-vllm setup-sglang check-disk clean
+.PHONY: serve test setup setup-dev setup-vllm setup-sglang check-disk check-install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,14 +60,21 @@ check-disk:
 	         "$(TEST_DISK_GIB) GiB (TEST_DISK_GIB=N to override)" >&2; exit 1; fi; fi
 
 # The three virtualenvs are independent: built side by side (about 6 minutes one after
-# another on a 2-core machine, most of it waiting on pip).
+# another on a 2-core machine, most of it waiting on pip); the clean install's check (a
+# venv of its own, its pip waiting too) runs beside the two engine venvs. pytest runs the suite on
+# TEST_JOBS workers (pytest-xdist; most tests wait on daemons and sockets, so 2 fill a
+# 2-core machine), grouped as tests/xdist_groups.py says; TEST_JOBS=0 runs it in one process.
+TEST_JOBS ?= 2
 test: check-disk
-	$(MAKE) --no-print-directory -j3 setup-dev setup-vllm setup-sglang
+	$(MAKE) --no-print-directory -j4 setup-dev setup-vllm setup-sglang check-install
 	bash tools/install_test_stores.sh
 	KVD_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVD_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python \
-	  $(VENV)/bin/python -m pytest -q
+	  $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup
 	bash tools/check_kernels.sh
 	bash tools/check_service.sh $(VENV)
+
+# After the dev venv: its editable install and this clean one both build in the source tree.
+check-install: $(VENV)/.installed-dev
 	bash tools/check_install.sh
 
 clean:

@@ -3,13 +3,22 @@
 ``engines`` starts a daemon with kvd chunks of ``halves.CHUNK`` tokens and
 yields ``(daemon, make)``: ``make(name, **settings)`` builds an
 ``halves.Engine`` on it; every engine made is closed after the test (its
-pool file removed from /dev/shm).
+pool file removed from /dev/shm). At the end of the session the vLLM engine
+server (tests/vllm/engine_forks.py), where an engine test started one, is
+closed and its log removed.
 """
 
 from __future__ import annotations
 
+import engine_forks
 import pytest
 from halves import CHUNK, Engine
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_server():
+    yield
+    engine_forks.close_shared()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A real vLLM engine for the connector's end-to-end tests (run with the vLLM venv's python).
 
-    python engine.py run SPEC.json OUT.json
+    python engine.py SPEC.json OUT.json
         SPEC: {"model": DIR, "kvd": null | {extra config}, "multiprocess": bool,
                "phases": [{"prompts": [[token ids]], "freeze_daemon": pid | null}],
                "max_tokens": int, "kv_cache_dtype": str, "speculative": {config} | null,
@@ -17,8 +17,11 @@ tests/vllm/tiny_llama.py's.
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import sys
+import traceback
 
 BLOCK_SIZE = 32
 COUNTERS = ("vllm:prompt_tokens_by_source", "vllm:prompt_tokens", "vllm:external_prefix_cache_hits",
@@ -59,6 +62,8 @@ def run(spec: dict) -> dict:
             kv_connector_module_path="engine_faults" if faulty else "kvd_client.vllm",
             kv_role=spec.get("kv_role", "kv_both"), kv_connector_extra_config=spec["kvd"])
     llm = LLM(**kw)
+    inproc = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
+    assert inproc != bool(spec.get("multiprocess")), f"asked multiprocess={spec.get('multiprocess')}"
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 12), ignore_eos=True,
                             detokenize=False, logprobs=0)
     phases = []
@@ -86,8 +91,53 @@ def run(spec: dict) -> dict:
     return {"phases": phases}
 
 
-if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
+def run_files(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
         result = run(json.load(f))
-    with open(sys.argv[2], "w") as f:
+    with open(out_path, "w") as f:
         json.dump(result, f)
+
+
+def serve() -> None:
+    from vllm import LLM, SamplingParams  # noqa: F401 - imported once, before the forks
+    from vllm.config import KVTransferConfig  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(job)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def _child(job: dict) -> None:
+    """One job in the forked child, as ``python engine.py SPEC OUT`` would run it; never returns."""
+    code = 1
+    try:
+        null, log = os.open(os.devnull, os.O_RDONLY), os.open(job["log"], os.O_WRONLY | os.O_CREAT
+                                                              | os.O_TRUNC, 0o644)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(null)
+        os.close(log)
+        os.environ.update(job["env"])
+        run_files(job["spec"], job["out"])
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()  # what the interpreter's exit would run
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    serve() if sys.argv[1:] == ["serve"] else run_files(sys.argv[1], sys.argv[2])

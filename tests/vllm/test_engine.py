@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
+import engine_forks
 import pytest
 import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = Path(__file__).with_name("engine.py")
 VLLM_PYTHON = Path(os.environ.get("KVD_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
 NEEDS_VLLM = pytest.mark.skipif(not VLLM_PYTHON.exists(),
                                 reason=f"no vLLM venv at {VLLM_PYTHON}: `make setup-vllm` builds "
@@ -51,21 +50,21 @@ ASYNC_MIN = 256       # the 320-token hit loads between steps, the 128-token hit
 
 def engine_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PYTHON"))}
-    env.update(PYTHONPATH=f"{ROOT / 'clients'}{os.pathsep}{ENGINE.parent}", HF_HUB_OFFLINE="1",
+    env.update(PYTHONPATH=f"{ROOT / 'clients'}{os.pathsep}{engine_forks.ENGINE.parent}",
+               HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_DO_NOT_TRACK="1",
                OMP_NUM_THREADS="2")
     return env
 
 
 def run_engine(tmp: Path, name: str, spec: dict, multiprocess: bool = False) -> dict:
-    env = engine_env()
-    if not multiprocess:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    """Engine ``name`` runs ``spec`` (forked from the session's engine server,
+    tests/vllm/engine_forks.py); its log is ``tmp/name.log``. Returns its result."""
     spec_path, out_path, log_path = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
     spec_path.write_text(json.dumps({**spec, "multiprocess": multiprocess}))
-    with open(log_path, "wb") as log:
-        rc = subprocess.run([str(VLLM_PYTHON), str(ENGINE), str(spec_path), str(out_path)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600).returncode
+    server = engine_forks.shared(str(VLLM_PYTHON), engine_env())
+    rc = server.run(spec_path, out_path, log_path, timeout=600,
+                    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"})
     assert rc == 0, f"engine {name} exited {rc}:\n{log_path.read_text()[-6000:]}"
     return json.loads(out_path.read_text())
 
@@ -104,8 +103,10 @@ def test_second_engine_loads_the_first_ones_prefixes(model, start_daemon, tmp_pa
     hits, fails = run_engine(tmp_path, "load", {"model": str(model), "kvd": kvd, "phases": [
         {"prompts": SECOND}, {"prompts": SECOND, "freeze_daemon": daemon.proc.pid}]})["phases"]
 
-    # kvd's hits, loaded for real: the same tokens and logprobs as without kvd
-    assert same_outputs(hits, base), (hits, base)
+    # kvd's hits, loaded for real: the same tokens and logprobs as without kvd (the suffix
+    # computed against a loaded prefix, in batches the lookups' timing decides: decode
+    # logprobs drift up to ~0.016 in bf16 on a loaded 2-core VM, as in test_models)
+    assert same_outputs(hits, base, tol=0.03), (hits, base)
     assert hits["num_cached_tokens"] == HITS
     c = hits["counters"]
     assert computed(c) == computed(base["counters"]) - sum(HITS)

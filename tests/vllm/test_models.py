@@ -29,14 +29,12 @@ each prompt) and must give the same greedy tokens and logprobs:
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import tiny_llama
 import tiny_nemotron_h
-from test_engine import ENGINE, NEEDS_VLLM, VLLM_PYTHON, engine_env, run_engine, same_outputs
+from test_engine import NEEDS_VLLM, run_engine, same_outputs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), NEEDS_VLLM]
 
