@@ -64,6 +64,37 @@ class VllmBlocksPool(VllmKVPool):
         self._file = None
 
 
+class VllmMLAPool(VllmKVPool):
+    """vLLM's MLA cache (0.26's shape: per layer ``[blocks, block_size, C]``, one latent row
+    per token) in a /dev/shm file, layer after layer, described by the connector's code
+    (attention ``mla``). ``rows(pages)``: ``[token, layer, C bytes]`` by plain indexing."""
+
+    layout_name = "vllm_mla"
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, dim: int,
+                 dtype: str = "bfloat16", model: str = "tiny", shm_dir: str = "/dev/shm"):
+        item = DTYPE_SIZES[dtype]
+        layer_bytes = num_blocks * block_size * dim * item
+        self.size = num_layers * layer_bytes
+        self._file = shm.ShmFile.create("kvd-pool", self.size, shm_dir)
+        self.raw = np.frombuffer(self._file.map, dtype=np.uint8)
+        self.tensors = [self.raw[i * layer_bytes:(i + 1) * layer_bytes].view(STORAGE[dtype])
+                        .reshape(num_blocks, block_size, dim) for i in range(num_layers)]
+        self.geo = G.KVGeometry(model=model, kv_dtype=dtype, attention="mla", num_layers=num_layers,
+                                kv_heads=1, head_dim=dim, tp_size=1, block_size=block_size)
+        refs = [L.TensorRef(0, i * layer_bytes, t.shape, t.strides, item)
+                for i, t in enumerate(self.tensors)]
+        super().__init__(self.geo, refs, [{"kind": "shm", "path": str(self._file.path),
+                                           "size": self.size}], num_blocks)
+
+    def rows(self, pages) -> np.ndarray:
+        rows = np.stack([t[np.asarray(pages)] for t in self.tensors])  # [L, n, bs, C]
+        rows = rows.transpose(1, 2, 0, 3).reshape(-1, len(self.tensors), rows.shape[-1])
+        return np.ascontiguousarray(rows).view(np.uint8)
+
+    close = VllmBlocksPool.close
+
+
 def over(pool, raw: np.ndarray) -> list[np.ndarray]:
     """The pool's tensors, same offsets, shapes and strides, over ``raw`` (a copy of its bytes)."""
     base = pool.raw.ctypes.data

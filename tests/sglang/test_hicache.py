@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from daemons import SESSION_TAGS, DaemonProc
-from vllm_blocks import VllmBlocksPool, over, put_rows, token_rows
+from vllm_blocks import VllmBlocksPool, VllmMLAPool, over, put_rows, token_rows
 
 from kvd_client import KvdClient, SharedKVPool
 from kvd_client.vllm.counters import Counters
@@ -249,6 +249,34 @@ def test_cross_engine_vllm_store_is_an_sglang_hit(daemon, engines, sgl):
         assert a.exists(keys=a.hash(salted, extra_key="t1")) == 0
     assert a.exists(keys=a.hash(salted)) == 0
     pool.close()
+
+
+def test_vllm_mla_blocks_and_sglang_mla_pages_are_one_entry(daemon, engines):
+    """SGLang's MLA pages ([L, P, latent] in page order) and vLLM's MLA blocks hold the same
+    latent rows: a store of either is the other's hit, row for row."""
+    a = engines(daemon.runtime_dir, "a", page_size=32, layout="page_first", mla=True)
+    prompt, back = tokens(128), tokens(64)
+    stored = a.fill_set(keys=a.hash(prompt), seed=21)
+    assert stored["results"] == [True] * 4
+
+    def sglang_rows(pages: list[bytes]) -> np.ndarray:  # [token, layer, latent bytes]
+        arr = np.stack([np.frombuffer(p, np.uint8).reshape(LAYERS, 32, DIM * 2) for p in pages])
+        return np.ascontiguousarray(arr.transpose(0, 2, 1, 3).reshape(-1, LAYERS, DIM * 2))
+    pool = VllmMLAPool(LAYERS, num_blocks=16, block_size=16, dim=DIM)
+    try:
+        with KvdClient(str(daemon.runtime_dir), raise_errors=True) as client:
+            client.register_kv(pool, model="tiny")
+            pool.raw[:] = 0xA5
+            blocks = [3, 9, 0, 12, 5, 7, 1, 14]
+            assert client.load(prompt, blocks) == 128
+            assert np.array_equal(pool.rows(blocks), sglang_rows(pages_bytes(stored["pages"])))
+            pool.raw[:] = np.random.default_rng(22).integers(0, 256, pool.raw.size, dtype=np.uint8)
+            assert client.store(back, blocks[:4]) == 64
+        got = a.get(keys=a.hash(back))
+        assert got["results"] == [True] * 2
+        assert np.array_equal(sglang_rows(pages_bytes(got["pages"])), pool.rows(blocks[:4]))
+    finally:
+        pool.close()
 
 
 def sglang_token_rows(pages: list[bytes], page_size: int) -> np.ndarray:
