@@ -181,13 +181,17 @@ def test_generic_flat_page_interface(daemon, engines):
     assert a.get_flat(keys=a.hash(tokens(48)))["results"] == [False] * 3
 
 
-def test_a_prefix_hit_stops_at_the_first_miss(daemon, engines):
-    a = engines(daemon.runtime_dir, "a")
-    keys = a.hash(tokens(64))
-    assert a.fill_set(keys=keys[:2], seed=3)["results"] == [True, True]
-    assert a.exists(keys=keys) == 2
+@pytest.mark.parametrize("pipeline", [8, 2, 3])
+def test_a_prefix_hit_stops_at_the_first_miss(daemon, engines, pipeline):
+    """Loads go to kvd ``pipeline`` pages a request while the copy threads deliver the last
+    request's pages: the pages before the miss arrive whole, whichever request it falls in."""
+    a = engines(daemon.runtime_dir, "a", extra={"kvd_load_pipeline_pages": pipeline})
+    keys = a.hash(tokens(128))
+    stored = a.fill_set(keys=keys[:5], seed=3)
+    assert stored["results"] == [True] * 5 and a.exists(keys=keys) == 5
     got = a.get(keys=keys)
-    assert got["results"] == [True, True, False, False]
+    assert got["results"] == [True] * 5 + [False] * 3
+    assert pages_bytes(got["pages"]) == pages_bytes(stored["pages"])
 
 
 def vllm_pool(num_pages=16):
