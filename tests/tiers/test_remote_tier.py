@@ -22,7 +22,7 @@ import time
 import pytest
 import workers_disk as D
 import workers_remote as R
-from remote_servers import MooncakeMaster, RedisServer, free_port, mooncake_env
+from remote_servers import SERVERS, RedisServer, free_port, remote_knobs, running
 
 from kvd.cli.format import format_stats
 
@@ -32,34 +32,18 @@ SPEC = {"layout": "vllm_flash_attn", "layers": 2, "page_size": 16, "dtype": "flo
 SHARD = 2 * 2 * CHUNK * 2 * 64 * 2  # 16 KiB
 PREFIX = "kvd-test"
 TIMEOUT_S = 0.2
-SERVERS = {"redis": RedisServer, "mooncake": MooncakeMaster}
 
 
 @pytest.fixture(params=sorted(SERVERS))
 def store(request):
     """The store; tests name it before ``start_daemon`` so their daemons stop before it does."""
-    cls = SERVERS[request.param]
-    why = cls.missing()
-    if why:
-        pytest.skip(why)
-    server = cls().start()
-    server.backend = request.param
-    yield server
-    server.stop()
+    yield from running(request.param)
 
 
 def node(start_daemon, store, prefix: str = PREFIX, **extra):
     """A kvd daemon of the cluster on ``store`` (connected: its breaker closed)."""
-    knobs = {"remote_backend": store.backend, "remote_prefix": prefix,
-             "remote_timeout_s": TIMEOUT_S, "remote_breaker_retry_s": 0.2, **extra}
-    env = None
-    if store.backend == "redis":
-        knobs["remote_address"] = store.url
-    else:
-        knobs.update(remote_address=store.address, remote_mooncake_metadata=store.metadata,
-                     remote_mooncake_local_host="127.0.0.1",
-                     remote_mooncake_segment_bytes="32MiB", remote_mooncake_buffer_bytes="16MiB")
-        env = mooncake_env()
+    knobs, env = remote_knobs(store, **{"remote_prefix": prefix, "remote_timeout_s": TIMEOUT_S,
+                                        "remote_breaker_retry_s": 0.2, **extra})
     d = start_daemon(env=env, **knobs)
     wait_remote(d, lambda r: r["breaker"] == "closed", "the store to answer")
     return d

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import workers_disk as D
 import workers_remote as R
-from remote_servers import MooncakeMaster
+from remote_servers import running
 from test_remote_tier import PREFIX, SPEC, corrupt, remote, wait_remote
 from test_remote_tier import node as tier_node
 
@@ -38,13 +38,7 @@ OFF = "Mooncake zero-copy path off (remote_mooncake_zero_copy = false)"
 
 @pytest.fixture
 def store():
-    why = MooncakeMaster.missing()
-    if why:
-        pytest.skip(why)
-    server = MooncakeMaster().start()
-    server.backend = "mooncake"
-    yield server
-    server.stop()
+    yield from running("mooncake")
 
 
 def rewrite(store, names: list, change) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pytest
 from daemons import wait_for
-from remote_servers import MooncakeMaster, mooncake_env
+from remote_servers import remote_knobs, running
 from test_gpu_engine import ASYNC_MIN, CHUNK, HITS, MODEL, check_pair, finish, prompts, spawn
 import tiny_llama
 
@@ -38,23 +38,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.timeout(1500),
 
 @pytest.fixture
 def store():
-    why = MooncakeMaster.missing()
-    if why:
-        pytest.skip(why)
-    server = MooncakeMaster().start()
-    yield server
-    server.stop()
+    yield from running("mooncake")
 
 
 def node(start_daemon, store, gpu: int):
     """A daemon on GPU ``gpu`` with the remote tier on ``store``, its breaker closed."""
-    env = {**mooncake_env(), "CUDA_VISIBLE_DEVICES": str(gpu)}
-    d = start_daemon(env=env, gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB",
-                     client_timeout_s=30.0, heartbeat_interval_s=1.0,
-                     remote_backend="mooncake", remote_prefix="two-nodes", remote_timeout_s=5.0,
-                     remote_address=store.address, remote_mooncake_metadata=store.metadata,
-                     remote_mooncake_local_host="127.0.0.1",
-                     remote_mooncake_segment_bytes="256MiB", remote_mooncake_buffer_bytes="64MiB")
+    knobs, env = remote_knobs(store, segment="256MiB", buffer="64MiB", remote_prefix="two-nodes",
+                              remote_timeout_s=5.0)
+    d = start_daemon(env={**env, "CUDA_VISIBLE_DEVICES": str(gpu)}, gpu="on", chunk_tokens=CHUNK,
+                     host_capacity="1GiB", client_timeout_s=30.0, heartbeat_interval_s=1.0, **knobs)
     wait_for(lambda: remote(d)["breaker"] == "closed", 30, "the store to answer")
     return d
 
