@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_ttft import (LLAMA3_8B, add_common_args, private_daemon, run_role,  # noqa: E402
-                       run_roles, write_config)
+from vllm_ttft import (LLAMA3_8B, add_common_args, add_prompt_args, control,  # noqa: E402
+                       private_daemon, run_role, run_roles, write_config)
 
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
 
@@ -135,14 +135,7 @@ def detach(llm) -> None:
 
 def load_seconds(args) -> float:
     """Seconds the daemon spent on load requests so far (its latency histogram's sum)."""
-    from kvd_client.transport import Channel
-    from kvd_protocol.runtime import control_endpoint
-
-    ch = Channel(control_endpoint(Path(args.runtime_dir)), 5.0)
-    try:
-        return ch.request("stats")["latency_histogram"].get("sum_s", {}).get("load", 0.0)
-    finally:
-        ch.close()
+    return control(Path(args.runtime_dir), "stats")["latency_histogram"].get("sum_s", {}).get("load", 0.0)
 
 
 def flushed(result) -> bool:
@@ -168,10 +161,7 @@ def wait_stored(args, chunks: int, timeout: float = 300.0) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prefixes", default="2048,8192,16384,32768")
-    ap.add_argument("--suffix", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=5)
+    add_prompt_args(ap, "2048,8192,16384,32768", layers=32, repeat=5)
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
     ap.add_argument("--extra", default="{}", help="more of the storage backend's extra config (JSON)")

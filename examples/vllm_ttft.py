@@ -170,10 +170,7 @@ def run_role(args, role: str, tmp: Path, script: str = __file__) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prefixes", default="2048,8192,32768")
-    ap.add_argument("--suffix", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3)
+    add_prompt_args(ap, "2048,8192,32768", layers=4, repeat=3)
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy Llama (CPU engines)")
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config (JSON)")
     ap.add_argument("--native-cpu-gib", type=float, default=8.0,
@@ -208,6 +205,26 @@ def run_roles(args, roles: list, tmp: Path, script: str, save) -> dict:
             rows[n].update(got[n])
         save(args, rows)
     return rows
+
+
+def add_prompt_args(ap, prefixes: str, layers: int, repeat: int) -> None:
+    """The prompts' flags of every example of this kind, with its defaults."""
+    ap.add_argument("--prefixes", default=prefixes)
+    ap.add_argument("--suffix", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--repeat", type=int, default=repeat)
+
+
+def control(run: Path, op: str) -> dict:
+    """One request (``stats``, ``clear``, ...) to the daemon of runtime dir ``run``."""
+    from kvd_client.transport import Channel
+    from kvd_protocol.runtime import control_endpoint
+
+    ch = Channel(control_endpoint(run), 5.0)
+    try:
+        return ch.request(op)
+    finally:
+        ch.close()
 
 
 def add_common_args(ap, gpu_share: bool = True) -> None:

@@ -39,17 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_ttft as T  # noqa: E402
 
 
-def control(run: Path, op: str) -> dict:
-    from kvd_client.transport import Channel
-    from kvd_protocol.runtime import control_endpoint
-
-    ch = Channel(control_endpoint(run), 5.0)
-    try:
-        return ch.request(op)
-    finally:
-        ch.close()
-
-
 @contextlib.contextmanager
 def node(args, tmp: Path, name: str, gpu: int, store):
     """A ``kvd serve`` on GPU ``gpu`` with the remote tier on ``store``; yields its runtime dir."""
@@ -90,7 +79,7 @@ def remote_engine(args) -> dict:
         print(f"[remote] prefix {n}", flush=True)
         runs = []
         for r in range(args.repeat):
-            control(Path(args.runtime_dir), "clear")  # node B keeps nothing: the store serves it
+            T.control(Path(args.runtime_dir), "clear")  # node B keeps nothing: the store serves it
             t0 = time.perf_counter()
             llm.generate([TokensPrompt(prompt_token_ids=shared + T.tokens(args, f"remote/{r}", args.suffix))],
                          one, use_tqdm=False)
@@ -109,10 +98,7 @@ def role(args, name: str, run: Path, gpu: int, tmp: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prefixes", default="2048,8192,16384,32768")
-    ap.add_argument("--suffix", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=5)
+    T.add_prompt_args(ap, "2048,8192,16384,32768", layers=32, repeat=5)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config (JSON)")
     ap.add_argument("--segment", default="8GiB", help="memory each node lends the store")
     ap.add_argument("--daemon-gpu", default="on", help="the daemons' --gpu (off: a check of the "
@@ -143,7 +129,7 @@ def main() -> None:
             for name in ("remote", "full"):
                 for n, got in role(args, name, b, 1, tmp).items():
                     rows[n].update(got)
-            report(args, rows, control(b, "stats")["tiers"].get("remote", {}))
+            report(args, rows, T.control(b, "stats")["tiers"].get("remote", {}))
     finally:
         store.stop()
 
@@ -153,7 +139,7 @@ def wait_published(run: Path, chunks: int, timeout: float = 300.0) -> None:
     its puts stopped for 2 s."""
     deadline, last, since = time.monotonic() + timeout, -1, time.monotonic()
     while time.monotonic() < deadline:
-        puts = control(run, "stats")["tiers"]["remote"]["puts"]
+        puts = T.control(run, "stats")["tiers"]["remote"]["puts"]
         if puts != last:
             last, since = puts, time.monotonic()
         elif puts >= chunks and time.monotonic() - since > 2.0:
