@@ -50,6 +50,16 @@ SLIDING = "SlidingWindowSpec"
 STATE = "MambaSpec"
 
 
+def is_state(spec) -> bool:
+    return type(spec).__name__ == STATE
+
+
+def state_kind(spec) -> str:
+    """A state spec's layer kind: vLLM 0.32's ``mamba_type`` enum name (``MAMBA2``, ...)."""
+    kind = getattr(spec, "mamba_type", "MAMBA2")
+    return str(getattr(kind, "name", kind)).upper()
+
+
 @dataclass(frozen=True)
 class KVGroup:
     gid: int                # vLLM's KV cache group index

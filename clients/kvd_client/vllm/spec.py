@@ -38,11 +38,13 @@ rounded up to whole rows) under the page format ``vllm-cpu <version> state
 
 from __future__ import annotations
 
+import math
+
 from kvd_protocol.limits import MAX_HEAD_DIM, MAX_KV_HEADS
 
 from . import layers
 from .geometry import STATE, KVGeometry, interior_of, page_format
-from .groups import KVGroup, group_tag, joined_fingerprint, kv_groups
+from .groups import KVGroup, group_tag, joined_fingerprint, kv_groups, state_kind
 
 KV_DTYPES = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32",
              "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -115,7 +117,7 @@ def state_geometry(vllm_config, spec, names: list[str], model_id: str, chunk_tok
     """A state group's namespace: the state's bytes, as ``chunk_tokens`` rows of a page."""
     if chunk_tokens < 1:
         raise ValueError("kvd: a state group's namespace needs the daemon's chunk_tokens")
-    content = sum(_prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
+    content = sum(math.prod(int(n) for n in shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
     row = -(-content // chunk_tokens)
     if row * chunk_tokens > spec.page_size_bytes:
         raise ValueError(f"kvd: a state of {content} bytes in blocks of {spec.page_size_bytes} "
@@ -128,7 +130,7 @@ def state_geometry(vllm_config, spec, names: list[str], model_id: str, chunk_tok
         raise ValueError(f"kvd: a state row of {row} bytes has no split into at most "
                          f"{MAX_KV_HEADS} pieces of at most {MAX_HEAD_DIM}; use a larger "
                          "chunk_tokens, or run without the kvd connector")
-    kind = getattr(spec.mamba_type, "name", spec.mamba_type)  # an enum in vLLM
+    kind = state_kind(spec)
     dtypes = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
     shapes = ",".join("x".join(map(str, s)) for s in spec.shapes)
     fmt = f"vllm-{vllm_config.device_config.device_type} {vllm_version()} {STATE} {kind} " \
@@ -138,13 +140,6 @@ def state_geometry(vllm_config, spec, names: list[str], model_id: str, chunk_tok
                       num_layers=len(names), kv_heads=heads, head_dim=row // heads,
                       tp_size=vllm_config.parallel_config.tensor_parallel_size,
                       block_size=chunk_tokens, interior=STATE, fingerprint=tag)
-
-
-def _prod(shape) -> int:
-    out = 1
-    for n in shape:
-        out *= int(n)
-    return out
 
 
 def gpu_blocks(vllm_config, kv_cache_config, block_format: str) -> bool:

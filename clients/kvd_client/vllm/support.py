@@ -27,6 +27,7 @@ where only the worker's tensors tell: block layouts kvd cannot map (kvd_client.v
 from __future__ import annotations
 
 from . import layers
+from .groups import is_state, state_kind
 
 NO_KVD = "run without the kvd connector"
 OR_NO_KVD = "or without the kvd connector"
@@ -126,7 +127,7 @@ def kv_cache_groups(vllm_config, kv_cache_config, environ) -> str | None:
     sizes = {}
     for specs in _group_specs(vllm_config, kv_cache_config):
         for name, spec in specs.items():
-            if not _is_state(spec):  # a state block holds no tokens: its size is not a chunk's
+            if not is_state(spec):  # a state block holds no tokens: its size is not a chunk's
                 sizes.setdefault(getattr(spec, "block_size", None), name)
     if len(sizes) < 2:
         return None
@@ -142,19 +143,10 @@ def _group_specs(vllm_config, kv_cache_config) -> list[dict]:
             for gid, names in layers.target_groups(vllm_config, kv_cache_config)]
 
 
-def _is_state(spec) -> bool:
-    return type(spec).__name__ == "MambaSpec"
-
-
-def _state_kind(spec) -> str:
-    kind = getattr(spec, "mamba_type", "MAMBA2")  # an enum member in vLLM 0.32
-    return str(getattr(kind, "name", kind)).upper()
-
-
 def state_groups(vllm_config, kv_cache_config, environ) -> str | None:
     """Mamba / linear-attention state: what kvd_client.vllm.states can keep."""
     specs = _target_specs(vllm_config, kv_cache_config)
-    states = {n: s for n, s in specs.items() if _is_state(s)}
+    states = {n: s for n, s in specs.items() if is_state(s)}
     if not states:
         return None
     name, spec = next(iter(states.items()))
@@ -167,9 +159,9 @@ def state_groups(vllm_config, kv_cache_config, environ) -> str | None:
                "vLLM's own prefix cache places the states in its blocks; turn prefix caching "
                "off (--no-enable-prefix-caching: kvd is then the prefix cache) or run without "
                "the kvd connector")
-    elif _state_kind(spec) != "MAMBA2":
+    elif state_kind(spec) != "MAMBA2":
         why = (f"only Mamba-2 state layers are tested with kvd (these are "
-               f"{_state_kind(spec)}); {NO_KVD}")
+               f"{state_kind(spec)}); {NO_KVD}")
     elif getattr(spec, "num_speculative_blocks", 0):
         why = ("with speculative decoding a step's state depends on the drafts accepted; run "
                f"without a speculative config {OR_NO_KVD}")
@@ -203,7 +195,7 @@ def quant_mode(vllm_config, kv_cache_config, environ) -> str | None:
 
 
 def _shape(spec) -> str:
-    if _is_state(spec):
+    if is_state(spec):
         return f"MambaSpec {spec.shapes} {[str(d).removeprefix('torch.') for d in spec.dtypes]}"
     mode = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     v = getattr(spec, "head_size_v", None) or spec.head_size
