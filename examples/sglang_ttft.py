@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_ttft import (LLAMA3_8B, add_common_args, add_prompt_args, control,  # noqa: E402
-                       private_daemon, run_role, run_roles, write_config)
+from vllm_ttft import (LLAMA3_8B, add_common_args, add_prompt_args,  # noqa: E402
+                       load_seconds, private_daemon, run_role, run_roles, write_config)
 
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
 
@@ -131,11 +131,6 @@ def detach(llm) -> None:
             print(f"detaching the storage backend: {out.message}", flush=True)
     except Exception as exc:  # an SGLang without it: the next kvd pool removes the file
         print(f"detaching the storage backend failed ({exc})", flush=True)
-
-
-def load_seconds(args) -> float:
-    """Seconds the daemon spent on load requests so far (its latency histogram's sum)."""
-    return control(Path(args.runtime_dir), "stats")["latency_histogram"].get("sum_s", {}).get("load", 0.0)
 
 
 def flushed(result) -> bool:

@@ -25,8 +25,10 @@ Each role runs two workloads:
   ``--decode-tokens`` each: output tokens/s, the cost of the connector being
   loaded at all (CUDA graphs, per-step work).
 
-Ratios against ``none`` from the same run are printed; ``--out`` keeps every
-figure.
+Each workload runs ``--repeat`` times per engine, on new prompts each time
+(the same prompts in every role, so the warm engine's are in kvd): medians
+and ratios against ``none`` from the same run are printed; ``--out`` keeps
+every run.
 """
 
 from __future__ import annotations
@@ -93,15 +95,21 @@ async def role_main(args, role: str) -> dict:
     engine = make_engine(args, role)
     try:
         await run_batch(engine, [tokens("warm-up", 64)], 4, "warm-up")
-        shared = tokens("shared", args.prefix)
-        load = [shared + tokens(f"unique/{i}", args.unique) for i in range(args.requests)]
-        short = [tokens(f"short/{role}/{i}", 16) for i in range(args.requests)]
-        out = {"decode": await run_batch(engine, short, args.decode_tokens, "decode"),
-               "load": await run_batch(engine, load, args.max_tokens, "load")}
-        print(f"[{role}] {json.dumps(out)}", flush=True)
-        return out
+        runs = {"decode": [], "load": []}
+        for r in range(args.repeat):  # new prompts each repeat: the same ones in every role
+            shared = tokens(f"shared/{r}", args.prefix)
+            load = [shared + tokens(f"unique/{r}/{i}", args.unique) for i in range(args.requests)]
+            short = [tokens(f"short/{role}/{r}/{i}", 16) for i in range(args.requests)]
+            runs["decode"].append(await run_batch(engine, short, args.decode_tokens, f"decode{r}"))
+            runs["load"].append(await run_batch(engine, load, args.max_tokens, f"load{r}"))
+            print(f"[{role}] repeat {r}: {json.dumps({k: v[-1] for k, v in runs.items()})}", flush=True)
+        return {**{k: medians(v) for k, v in runs.items()}, "runs": runs}
     finally:
         engine.shutdown()
+
+
+def medians(runs: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
 def main() -> None:
@@ -112,8 +120,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of a load request")
     ap.add_argument("--decode-tokens", type=int, default=256, help="output tokens of a decode request")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each workload per engine, new prompts each (medians reported)")
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config (JSON)")
     add_common_args(ap)
+    ap.set_defaults(host_capacity="16GiB")  # the warm engine's hits: every repeat's prompts
     args = ap.parse_args()
     if args.role:
         Path(args.role_out).write_text(json.dumps(asyncio.run(role_main(args, args.role))))

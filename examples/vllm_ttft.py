@@ -34,7 +34,10 @@ TTFT is the wall time of ``generate`` of one prompt with ``max_tokens=1``,
 median of the repeats. The bound is what a perfect host cache could give:
 ``suffix + floor`` (the tokens it does not supply, computed, plus its bytes
 at pinned-memcpy speed); kvd / bound is the ratio the docs quote, speedup =
-full / kvd (docs/vllm.md, "Time to first token on a GPU"). The roles print
+full / kvd (docs/vllm.md, "Time to first token on a GPU"). "in kvd" is the
+time the daemon spent on each repeat's load requests (its ``load`` latencies
+summed, from request to the last byte landed): the rest of a hit's TTFT is
+the engine's. The roles print
 their progress; ``--out`` keeps every run, with the GPU, the vLLM version
 and the command: put it in docs/data/ and run ``tools/plot_docs.py --write``
 to update the docs' tables.
@@ -113,7 +116,12 @@ def engine(args, role: str) -> dict:
         if role == "store":
             ttft(shared + tokens(args, "store", sfx))
         elif role.startswith("kvd"):
-            out[n] = {role: [ttft(shared + tokens(args, f"{role}/{r}", sfx)) for r in range(args.repeat)]}
+            runs, daemon = [], []
+            for r in range(args.repeat):
+                before = load_seconds(args)
+                runs.append(ttft(shared + tokens(args, f"{role}/{r}", sfx)))
+                daemon.append(load_seconds(args) - before)
+            out[n] = {role: runs, f"{role} in kvd": daemon}
         elif role == "native":
             out[n] = {"native": native_runs(args, llm, ttft, n)}
         else:
@@ -227,6 +235,11 @@ def control(run: Path, op: str) -> dict:
         ch.close()
 
 
+def load_seconds(args) -> float:
+    """Seconds the daemon spent on load requests so far (its latency histogram's sum)."""
+    return control(Path(args.runtime_dir), "stats")["latency_histogram"].get("sum_s", {}).get("load", 0.0)
+
+
 def add_common_args(ap, gpu_share: bool = True) -> None:
     """The flags every example of this kind has: vLLM's GPU share (``gpu_share``), the
     private daemon, the output file, and the hidden ones its role processes get."""
@@ -270,7 +283,8 @@ def wait_ready(args, run: Path, daemon) -> None:
 
 
 COLUMNS = [("full", "full"), ("suffix", "suffix"), ("floor", "floor"), ("bound", "bound"),
-           ("kvd", "kvd"), ("kvd-layerwise", "kvd lw"), ("native", "native")]
+           ("kvd", "kvd"), ("kvd in kvd", "in kvd"), ("kvd-layerwise", "kvd lw"),
+           ("kvd-layerwise in kvd", "lw in kvd"), ("native", "native")]
 
 
 def report(args, rows: dict) -> None:

@@ -161,8 +161,12 @@ def render_vllm_load(docs: list[dict]) -> str:
     lines += ["", f"{doc['gpu']}, vLLM {doc['vllm']}, {model(doc)}; {a['requests']} requests at once, "
               f"each a shared {a['prefix']}-token prefix, {a['unique']} tokens of its own and "
               f"{a['max_tokens']} output tokens; then {a['requests']} short prompts decoding "
-              f"{a['decode_tokens']} tokens each; one run of each engine. From `{doc['command']}`."]
+              f"{a['decode_tokens']} tokens each; {runs(a.get('repeat', 1))}. From `{doc['command']}`."]
     return "\n".join(lines) + "\n"
+
+
+def runs(repeat: int) -> str:
+    return "one run of each engine" if repeat == 1 else f"medians of {repeat} runs of each engine"
 
 
 def render_gpu_copy(docs: list[dict]) -> str:

@@ -97,6 +97,9 @@ def run(spec: dict) -> dict:
               max_model_len=spec.get("max_model_len", 4096), enable_prefix_caching=False,
               skip_tokenizer_init=True, disable_log_stats=False, tensor_parallel_size=spec.get("tp", 1),
               kv_cache_memory_bytes=spec.get("kv_bytes", 2 << 30),
+              # only vLLM's free-memory check at start: below 0.9 so that engines of tests
+              # run side by side on one GPU pass it
+              gpu_memory_utilization=spec.get("gpu_util", 0.4),
               distributed_executor_backend="uni" if spec.get("tp", 1) == 1 else "mp",
               worker_extension_cls="gpu_engine.KVProbe",
               kv_transfer_config=KVTransferConfig(
