@@ -284,6 +284,48 @@ def test_cancelled_load_writes_nothing_and_says_so(raw_engine, stored):
     assert flags.done(1, 77) and flags.layer_landed(1, 1, 77)  # every wait was released
 
 
+@pytest.fixture
+def big_engine(start_daemon, zctx):
+    """A raw engine whose chunks are 256 KiB (4 layers, 8 heads of 128, fp16): 96 of them, 24
+    MiB, are a copy the host backend splits across its threads (kvd.copy.host)."""
+    d = start_daemon(host_capacity="64MiB")
+    pool = kvd_client.SharedKVPool("vllm_flash_attn", 4, 2 * 96 + 2, 16, 8, 128, "float16")
+    pool.flags = ClientFlags(pool.num_layers, 8)
+    pool.raw[:] = np.random.default_rng(5).integers(0, 256, pool.raw.size, dtype=np.uint8)
+    raw = Raw(engine_endpoint(d.runtime_dir), zctx)
+    raw.hello()
+    raw.reg, raw.pool = raw.register(pool, model="split"), pool
+    yield raw
+    raw.close()
+    pool.flags.close()
+    pool.close()
+
+
+def test_a_copy_split_across_threads_lands_whole_and_signals_done_once(big_engine):
+    raw, pool = big_engine, big_engine.pool
+    keys = b"".join(i.to_bytes(4, "little") * 4 for i in range(1, 97))
+    assert raw.ok("store", [keys, pages(*range(96))], reg=raw.reg)["stored"] == 96
+    before = [t.view(np.uint8).copy() for t in pool.tensors]
+    assert raw.ok("load", [keys, pages(*range(96, 192))], reg=raw.reg, slot=3, seq=9) == {"loaded": 96}
+    assert pool.flags.done(3, 9)
+    for t, old in zip(pool.tensors, before):
+        now = t.view(np.uint8)
+        assert (now[:, 96:192] == old[:, 0:96]).all()  # every part, in chunk order
+        assert (now[:, :96] == old[:, :96]).all() and (now[:, 192:] == old[:, 192:]).all()
+
+
+def test_a_cancelled_split_load_writes_nothing(big_engine):
+    raw, pool = big_engine, big_engine.pool
+    keys = b"".join(i.to_bytes(4, "little") * 4 for i in range(101, 197))
+    assert raw.ok("store", [keys, pages(*range(96))], reg=raw.reg)["stored"] == 96
+    before = [t.view(np.uint8).copy() for t in pool.tensors]
+    pool.flags.cancel(4, 12)
+    assert "cancel" in raw.fails("cancelled", "load", [keys, pages(*range(96, 192))], reg=raw.reg,
+                                 slot=4, seq=12)
+    assert all((t.view(np.uint8) == old).all() for t, old in zip(pool.tensors, before))
+    assert pool.flags.done(4, 12)
+
+
 def test_load_that_timed_out_never_lands_later(start_daemon):
     d = start_daemon()
     client = kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), timeout=0.5,
