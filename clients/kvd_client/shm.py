@@ -3,7 +3,8 @@
 ``ShmFile.create(prefix, size, shm_dir, group)`` makes
 ``<shm_dir>/<prefix>-<pid>-<hex>`` (mode 0600; with ``group``, 0660 of that
 group, set before any byte is in it, so a daemon running as another user of
-the group can map it), fully allocated, mapped shared. The file is flocked
+the group can map it), fully allocated (``allocate=False``: sized only, the
+caller allocates its ranges), mapped shared. The file is flocked
 for its owner's whole life: leftovers of processes that died without
 ``close`` are removed (``remove_dead_files``) only when that lock can be
 taken, safely across containers that share one /dev/shm (Docker
@@ -31,7 +32,8 @@ class ShmFile:
         self.path, self._fd, self.map = path, fd, mm
 
     @classmethod
-    def create(cls, prefix: str, size: int, shm_dir, group: str | int | None = None) -> "ShmFile":
+    def create(cls, prefix: str, size: int, shm_dir, group: str | int | None = None,
+               allocate: bool = True) -> "ShmFile":
         shm_dir = Path(shm_dir)
         remove_dead_files(shm_dir, prefix)
         path, fd = _create_locked(shm_dir, prefix)
@@ -39,12 +41,18 @@ class ShmFile:
             if group is not None:  # before any byte is in it
                 os.fchown(fd, -1, group if isinstance(group, int) else grp.getgrnam(group).gr_gid)
                 os.fchmod(fd, 0o660)
-            os.posix_fallocate(fd, 0, size)
+            if allocate:
+                os.posix_fallocate(fd, 0, size)
+            else:  # the caller allocates ranges as it fills them
+                os.ftruncate(fd, size)
             return cls(path, fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED))
         except BaseException:
             path.unlink(missing_ok=True)
             os.close(fd)
             raise
+
+    def fileno(self) -> int:
+        return self._fd
 
     def close(self) -> None:
         if self.map is None:

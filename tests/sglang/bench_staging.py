@@ -16,11 +16,14 @@ SGLang's generic interface (``batch_set``/``batch_get`` of flat pages,
 without ``interface_v1``). Medians of ``--rounds``; GB/s of KV moved. Each
 value of ``--load-pipeline-pages`` (the backend's ``kvd_load_pipeline_pages``)
 is a run of every layout of its own: the loads with and without overlap.
+``--host-pool shared`` runs the backend with SGLang's host pool shared in
+place (``kvd_host_pool``): store and load only, no copy to time.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -49,7 +52,7 @@ def build(args, layout, pipeline: int):
              "class_name": "KvdHiCacheStorage", "interface_v1": 1,
              "kvd_runtime_dir": args.runtime_dir, "kvd_key_mode": "hashes",
              "kvd_staging_pages": args.pages, "kvd_timeout_s": 60.0,
-             "kvd_load_pipeline_pages": pipeline}
+             "kvd_load_pipeline_pages": pipeline, "kvd_host_pool": args.host_pool}
     config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                   attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
                                   is_page_first_layout=layout == "page_first",
@@ -81,15 +84,20 @@ def run_layout(args, layout, round_keys, pipeline: int):
         for j, s in enumerate(slots):
             be.pages.page(s).copy_(be.staging.slot(j))
 
+    in_place = be.shared is not None  # kvd_host_pool 'shared' took: no staging pool
     for r in range(args.rounds):
         keys = round_keys(layout, r)
-        out["copy_out"].append(timed(copy_out))
+        out["copy_out"].append(math.nan if in_place else timed(copy_out))
         out["store"].append(timed(lambda: be.batch_set_v1(keys, idx)))
-        out["copy_in"].append(timed(copy_in))
+        out["copy_in"].append(math.nan if in_place else timed(copy_in))
         got = []
         out["load"].append(timed(lambda: got.append(be.batch_get_v1(keys, idx))))
         if not all(got[0]):
             raise RuntimeError(f"{layout}: a load missed: raise the daemon's host capacity")
+        if in_place:  # no staging pool: the generic interface is not served
+            out["generic_store"].append(math.nan)
+            out["generic_load"].append(math.nan)
+            continue
         gkeys = round_keys(layout + "-generic", r)
         pages = [host.get_data_page(s) for s in slots]  # what SGLang's generic path does
         out["generic_store"].append(timed(
@@ -112,6 +120,9 @@ def main():
     ap.add_argument("--pages", type=int, default=32, help="pages per batch")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layouts", default="layer_first,page_first,page_first_direct,page_head")
+    ap.add_argument("--host-pool", choices=("staging", "shared"), default="staging",
+                    help="kvd_host_pool: 'shared' loads and stores SGLang's host pool in place "
+                         "(no copy columns)")
     ap.add_argument("--load-pipeline-pages", default="8",
                     help="comma list of kvd_load_pipeline_pages values, each a run of its own "
                          "(--pages or more: one kvd request per batch)")
@@ -140,7 +151,8 @@ def main():
         print(f"{layout + '/' + str(pipeline):18} " + " ".join(f"{gbs[k]:9.2f}" for k in
                                          ("copy_out", "store", "copy_in", "load", "generic_store",
                                           "generic_load"))
-              + f"   {m['copy_out'] / m['store']:.0%} / {m['copy_in'] / m['load']:.0%}")
+              + ("" if math.isnan(m["copy_out"]) else
+                 f"   {m['copy_out'] / m['store']:.0%} / {m['copy_in'] / m['load']:.0%}"))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ a control (another prefix of 1024 tokens, the same suffix):
 - the first token agrees and its top logprobs within bf16 noise, while the
   control's prefix moves them;
 - the backend's counters and the daemon's agree on the pages moved.
+
+Both ways the backend moves pages (``kvd_host_pool``): through its staging
+pool, and with SGLang's host pool shared in place (kvd_client.sglang.shared_host:
+CUDA's registration of the pool dropped and made again over the file).
 """
 
 from __future__ import annotations
@@ -88,10 +92,12 @@ def model(tmp_path_factory) -> Path:
     return tiny_llama.write(tmp_path_factory.mktemp("sgl-llama"), config=MODEL, std=0.05)
 
 
-def test_a_fresh_engine_loads_what_another_stored_byte_for_byte(model, start_daemon, tmp_path):
+@pytest.mark.parametrize("host_pool", ["staging", "shared"])
+def test_a_fresh_engine_loads_what_another_stored_byte_for_byte(model, start_daemon, tmp_path, host_pool):
     daemon = start_daemon(gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB",
                           client_timeout_s=30.0, heartbeat_interval_s=1.0)
-    kvd = {"kvd_runtime_dir": str(daemon.runtime_dir), "kvd_timeout_s": 10.0, "kvd_staging_pages": 32}
+    kvd = {"kvd_runtime_dir": str(daemon.runtime_dir), "kvd_timeout_s": 10.0, "kvd_staging_pages": 32,
+           "kvd_host_pool": host_pool}
     p = prompts()
     stored_pages = (HITS["long"] + HITS["short"]) // PAGE
     a = finish(spawn(tmp_path, "store", {"model": str(model), "kvd": kvd, "page_size": PAGE,
@@ -102,6 +108,8 @@ def test_a_fresh_engine_loads_what_another_stored_byte_for_byte(model, start_dae
     b = finish(spawn(tmp_path, "load", {"model": str(model), "kvd": kvd, "page_size": PAGE,
                                         "poison": 0.75, "prompts": [p["long"], p["short"], p["control"]]}))
     check(a, b)
+    assert (a["backend"]["host_pool"], b["backend"]["host_pool"]) == (host_pool, host_pool), \
+        (a["backend"], b["backend"])
     st = daemon.stats()
     assert st["chunks_loaded"] == stored_pages * PAGE // CHUNK, st
     assert daemon.proc.poll() is None and daemon.control("health")["status"] == "ok"

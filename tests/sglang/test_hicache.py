@@ -171,6 +171,44 @@ def test_pages_round_trip_between_layouts(daemon, engines, mla, layout):
     assert b.exists(keys=b.hash(prompt)) == 4  # a longer prompt: its first 4 pages
 
 
+@pytest.mark.parametrize("mla, layout", [(False, x) for x in MHA_LAYOUTS] + [(True, x) for x in MLA_LAYOUTS])
+def test_a_shared_host_pool_moves_pages_in_place_and_shares_entries_with_staging(daemon, engines,
+                                                                                 mla, layout):
+    """``host_pool`` 'shared': SGLang's host pool moved into a file kvd maps, pages loaded and
+    stored in place; the entries are the staging backend's, both ways, byte for byte."""
+    shared = {"kvd_host_pool": "shared"}
+    a = engines(daemon.runtime_dir, "a", layout=layout, mla=mla, extra=shared)
+    b = engines(daemon.runtime_dir, "b", layout="page_first" if layout == "layer_first" else "layer_first",
+                mla=mla)
+    prompt = tokens(64)
+    keys = a.hash(prompt)
+    stored = a.fill_set(keys=keys, seed=3)  # filled through SGLang's own tensors, stored in place
+    assert stored["results"] == [True] * 4
+    assert a.stats()["host_pool"] == "shared", a.stats()
+    got = b.get(keys=keys)
+    assert got["results"] == [True] * 4 and pages_bytes(got["pages"]) == pages_bytes(stored["pages"])
+    other = tokens(64)
+    staged = b.fill_set(keys=b.hash(other), seed=4)
+    assert staged["results"] == [True] * 4
+    loaded = a.get(keys=a.hash(other))  # into fresh host slots, read back through SGLang's views
+    assert loaded["results"] == [True] * 4 and pages_bytes(loaded["pages"]) == pages_bytes(staged["pages"])
+    stats = a.stats()
+    assert (stats["stored_pages"], stats["loaded_pages"], stats["shared_refused"]) == (4, 4, None)
+
+
+def test_a_host_pool_that_cannot_be_shared_is_staged_and_says_why(start_daemon, engines):
+    d = start_daemon(chunk_tokens=16)
+    a = engines(d.runtime_dir, "a", layout="page_first_direct", page_size=32,
+                extra={"kvd_host_pool": "shared"})
+    prompt = tokens(64)
+    stored = a.fill_set(keys=a.hash(prompt), seed=5)
+    assert stored["results"] == [True] * 2
+    stats = a.stats()
+    assert stats["host_pool"] == "staging" and "page_first_direct" in stats["shared_refused"]
+    got = a.get(keys=a.hash(prompt))
+    assert got["results"] == [True] * 2 and pages_bytes(got["pages"]) == pages_bytes(stored["pages"])
+
+
 def test_generic_flat_page_interface(daemon, engines):
     a = engines(daemon.runtime_dir, "a", layout="page_head")
     keys = a.hash(tokens(48))

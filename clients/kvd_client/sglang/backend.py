@@ -17,8 +17,12 @@ Operations, each on a batch of SGLang pages (hashes + host slots):
   per-page success, a prefix. A load asks kvd for ``load_pipeline_pages``
   pages at a time; the copy threads move each request's pages on into the
   host pool while kvd moves the next.
+  With ``host_pool`` 'shared' (kvd_client.sglang.shared_host) SGLang's host
+  pool itself lives in a file kvd maps: kvd loads and stores the pages in
+  place, ``staging_pages`` per request, no copy in the backend.
 - ``get``/``batch_get``/``set``/``batch_set``/``exists``: the generic
-  interface over SGLang's flat pages (SGLang copies each page once more).
+  interface over SGLang's flat pages (SGLang copies each page once more;
+  staging only).
 
 Keys: each SGLang page of ``P`` tokens is ``P / chunk_tokens`` kvd chunks.
 With ``key_mode`` 'tokens' their keys come from the page's token ids
@@ -70,6 +74,7 @@ from . import hashing
 from .chain import PageChain, hash_page_keys
 from .host_pages import HostPages
 from .options import Options
+from .shared_host import SharedHostPool
 from .staging import StagingPool
 
 log = logging.getLogger("kvd_client.sglang")
@@ -111,8 +116,13 @@ class KvdHiCacheStorage(HiCacheStorage):
                             "the native radix tree hashes nodes out of sight, so their pages will "
                             "miss (%s), or use kvd_key_mode 'hashes' (shared by SGLang engines "
                             "only)", native)
+        if opts.host_pool == "shared" and not storage_config.extra_config.get("interface_v1"):
+            raise ValueError("kvd: kvd_host_pool 'shared' needs SGLang's zero-copy interface "
+                             "(\"interface_v1\": 1 in the extra config)")
         self.pages: HostPages | None = None
         self.staging: StagingPool | None = None
+        self.shared: SharedHostPool | None = None
+        self.shared_refused: str | None = None
         self.reg = None
         self._session_lock, self._load_lock, self._store_lock = (threading.Lock() for _ in range(3))
         self._retry_at = 0.0
@@ -143,23 +153,42 @@ class KvdHiCacheStorage(HiCacheStorage):
                 log.info("kvd not reachable (%s); storage ops are misses until it is", exc)
                 return None
             try:
-                staging = StagingPool(self.pages, self.options.staging_pages, chunk,
-                                      self.options.shm_dir, shm.shared_group(self.client.runtime_dir))
+                pool = self._kvd_pool(chunk)
             except ValueError as exc:
                 self._refused = str(exc)
                 log.error("%s; kvd stays unused", exc)
                 return None
             try:
                 self.reg = self.client.register_kv(
-                    staging, self.model, tp_size=self.config.tp_size, tp_rank=self.config.tp_rank,
+                    pool, self.model, tp_size=self.config.tp_size, tp_rank=self.config.tp_rank,
                     first_layer=self.pages.first_layer, fingerprint=self.options.fingerprint)
             except (KvdError, ValueError) as exc:
-                staging.close()
-                self._refused = f"kvd refused the staging pool: {exc}"
+                pool.close()
+                self._refused = f"kvd refused the {self.host_pool} pool: {exc}"
                 log.error("%s; kvd stays unused", self._refused)
                 return None
-            self.staging = staging
+            if isinstance(pool, SharedHostPool):
+                self.shared = pool
+            else:
+                self.staging = pool
         return self.reg
+
+    def _kvd_pool(self, chunk: int):
+        """The pool kvd registers: SGLang's host pool in place (``host_pool`` 'shared', where it
+        can be), else a staging pool."""
+        group = shm.shared_group(self.client.runtime_dir)
+        if self.options.host_pool == "shared":
+            try:
+                return SharedHostPool(self.pages, chunk, self.options.shm_dir, group)
+            except (ValueError, OSError) as exc:  # the pool as it was: stage instead
+                self.shared_refused = str(exc)
+                log.warning("%s; SGLang's host pages go through a staging pool", exc)
+        return StagingPool(self.pages, self.options.staging_pages, chunk, self.options.shm_dir, group)
+
+    @property
+    def host_pool(self) -> str:
+        """'shared' or 'staging': how pages move now; 'staging' before the first registration."""
+        return "shared" if self.shared is not None else "staging"
 
     def _page_keys(self, hashes, reg) -> list[tuple[bytes, ...]]:
         ns = reg.namespace
@@ -192,20 +221,28 @@ class KvdHiCacheStorage(HiCacheStorage):
         if self._session() is None or not keys:
             return [False] * len(keys)
         slots = self.pages.page_slots(host_indices, len(keys))
-        done = self._load(keys, lambda i, src: self.pages.page(slots[i]).copy_(src))
+        if self.shared is not None:
+            done = self._in_place(keys, slots, self.client.load, "loaded_pages", "failed_loads",
+                                  self._load_lock)
+        else:
+            done = self._load(keys, lambda i, src: self.pages.page(slots[i]).copy_(src))
         return [i < done for i in range(len(keys))]
 
     def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
         if self._session() is None or not keys:
             return [False] * len(keys)
         slots = self.pages.page_slots(host_indices, len(keys))
-        done = self._store(keys, lambda i: self.pages.page(slots[i]))
+        if self.shared is not None:
+            done = self._in_place(keys, slots, self._store_op, "stored_pages", "failed_stores",
+                                  self._store_lock)
+        else:
+            done = self._store(keys, lambda i: self.pages.page(slots[i]))
         return [i < done for i in range(len(keys))]
 
     # ---- the generic interface (flat pages) ---------------------------------------------
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
-        if self._session() is None or not keys or target_locations is None:
+        if self._session() is None or self.staging is None or not keys or target_locations is None:
             return [None] * len(keys)
         done = self._load(keys, lambda i, src: self.pages.flat_view(target_locations[i]).copy_(src))
         return [target_locations[i] if i < done else None for i in range(len(keys))]
@@ -214,7 +251,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         return self.batch_get([key], [target_location])[0]
 
     def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
-        if self._session() is None or not keys or values is None:
+        if self._session() is None or self.staging is None or not keys or values is None:
             return False
         return self._store(keys, lambda i: self.pages.flat_view(values[i].contiguous())) == len(keys)
 
@@ -223,6 +260,23 @@ class KvdHiCacheStorage(HiCacheStorage):
 
     def exists(self, key) -> bool:
         return self.batch_exists([key]) == 1
+
+    # ---- transfers in place (host_pool 'shared') ---------------------------------------------
+
+    def _in_place(self, keys, slots, op, moved: str, failed: str, lock) -> int:
+        """Load or store (``op``) the leading pages of ``keys`` at host ``slots`` in place,
+        a batch of ``staging_pages`` per kvd request; how many pages moved."""
+        done = 0
+        with lock:
+            for start, keyed, asked in self._batches(keys):
+                ids = [p for j in range(len(keyed)) for p in self.shared.kvd_pages(slots[start + j])]
+                got = self._moved(op, keyed, ids)
+                done = start + got
+                self.counters[moved] += got
+                self.counters[failed] += got < len(keyed)
+                if got < asked:
+                    break
+        return done
 
     # ---- transfers through the staging pool -----------------------------------------------
 
@@ -248,7 +302,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         try:
             for first in range(0, len(keyed), step):
                 part = keyed[first:first + step]
-                n = self._moved(self.client.load, part, first)
+                n = self._moved(self.client.load, part, self._staged(first, len(part)))
                 copies += [self._copier.submit(deliver, start + j, self.staging.slot(j))
                            for j in range(first, first + n)]
                 got += n
@@ -267,7 +321,7 @@ class KvdHiCacheStorage(HiCacheStorage):
             for start, keyed, asked in self._batches(keys):
                 list(self._copier.map(lambda j: self.staging.slot(per + j).copy_(source(start + j)),
                                       range(len(keyed))))
-                got = self._moved(self._store_op, keyed, per)
+                got = self._moved(self._store_op, keyed, self._staged(per, len(keyed)))
                 done = start + got
                 self.counters["stored_pages"] += got
                 self.counters["failed_stores"] += got < len(keyed)
@@ -290,10 +344,12 @@ class KvdHiCacheStorage(HiCacheStorage):
                 return
             yield start, keyed, len(group)
 
-    def _moved(self, op, keyed, first_slot: int) -> int:
-        """Pages kvd loaded or stored (``op``) for ``keyed``, through the staging slots from
-        ``first_slot`` on."""
-        page_ids = [p for j in range(len(keyed)) for p in self.staging.kvd_pages(first_slot + j)]
+    def _staged(self, first_slot: int, pages: int) -> list[int]:
+        """kvd's page ids of ``pages`` staging slots from ``first_slot`` on."""
+        return [p for j in range(pages) for p in self.staging.kvd_pages(first_slot + j)]
+
+    def _moved(self, op, keyed, page_ids) -> int:
+        """Pages kvd loaded or stored (``op``) for ``keyed`` at kvd's ``page_ids``."""
         tokens = op(ChunkKeys(k for page in keyed for k in page), page_ids, reg=self.reg)
         return tokens // self.pages.page_size
 
@@ -307,7 +363,8 @@ class KvdHiCacheStorage(HiCacheStorage):
     def kvd_stats(self) -> dict:
         """This backend's counters, why kvd stays unused (if it does), and the key map's
         size in key_mode 'tokens'."""
-        out = {**self.counters, "refused": self._refused}
+        out = {**self.counters, "refused": self._refused, "host_pool": self.host_pool,
+               "shared_refused": self.shared_refused}
         if self.chain is not None:
             out.update(key_map_pages=len(self.chain), key_map_forgotten=self.chain.forgotten)
         return out
@@ -318,6 +375,7 @@ class KvdHiCacheStorage(HiCacheStorage):
             hashing.unlisten(self._recorder)
             self._recorder = None
         self.client.close()
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
+        for pool in (self.staging, self.shared):
+            if pool is not None:
+                pool.close()
+        self.staging = self.shared = None
