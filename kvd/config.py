@@ -87,8 +87,7 @@ KNOBS = (
          "not raise throughput.", minimum=0),
     Knob("shutdown_grace_s", "float", 8.0, "On SIGTERM/SIGINT, how long requests in flight may take "
          "to finish (copies, disk writes) before the daemon exits anyway.", minimum=0.1),
-    Knob("copy_threads", "int", 4, "Threads of the host copy backend (a large copy is split across them).",
-         minimum=1),
+    Knob("copy_threads", "int", 4, "Host copy threads (a large copy is split across them).", minimum=1),
     Knob("gpu", "str", "auto", "CUDA backend: auto (on when cupy and a GPU are present), on "
          "(fail start-up without them), off.", choices=("auto", "on", "off")),
     Knob("gpu_max_blocks", "int", 32, "Cap on thread blocks of one copy kernel, so copies leave "

@@ -84,9 +84,12 @@ class Sampler:
         return self.rows
 
 
+COPY_THREADS = 4
+
+
 def test_everything_at_once_stays_within_bounds(start_daemon, procs):
     port = free_port()
-    d = start_daemon(metrics_port=port, metrics_socket="metrics.sock")
+    d = start_daemon(metrics_port=port, metrics_socket="metrics.sock", copy_threads=COPY_THREADS)
     rd, endpoint = str(d.runtime_dir), control_endpoint(d.runtime_dir)
     quiet = sample(d)
     jobs = [procs.apply_async(WB.hot_writer, (rd, 1, ALL_S)),
@@ -112,7 +115,8 @@ def test_everything_at_once_stays_within_bounds(start_daemon, procs):
     first, last = rows[0], rows[-1]
     assert last["rss"] - first["rss"] < 24 * 1024, (first, last)
     assert max(r["fds"] for r in rows) <= quiet["fds"] + 64 + 16, (quiet, rows)
-    assert max(r["threads"] for r in rows) <= quiet["threads"] + 2, (quiet, rows)
+    # the host copy pool starts its threads as copies come (a large one in parts at once)
+    assert max(r["threads"] for r in rows) <= quiet["threads"] + COPY_THREADS, (quiet, rows)
     assert max(r["clients"] for r in rows) <= 4  # hot, steady, one churned at a time
     assert max(r["unsealed"] for r in rows) <= 2 * TIER_CHUNKS
     sessions = churned["sessions"]
