@@ -127,7 +127,7 @@ class HostCopyEngine:
             except asyncio.CancelledError:
                 await asyncio.wait(futures)  # threads still copy: the done word must follow them
                 raise
-            failed = [f.exception() for f in futures if f.exception() is not None]
+            failed = [e for e in (f.exception() for f in futures) if e is not None]
             if failed:
                 raise failed[0]
         finally:

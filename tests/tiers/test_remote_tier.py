@@ -94,19 +94,10 @@ def test_a_half_local_half_remote_load_copies_each_part_with_exact_bytes(store, 
     lands (``load_pieces``), every byte the storer's; a value that fails mid-load (the fifth
     chunk) gives a shorter load, no error, and the pages after it keep their poison. Small
     values come from Redis in MGET batches, not a GET each."""
-    a, b = node(start_daemon, store), node(start_daemon, store)
-    ra, rb, model = str(a.runtime_dir), str(b.runtime_dir), f"remote/half/{store.backend}"
-    count, chunks, local = 3, 6, 3
-    names = procs.apply(R.store_names, (ra, SPEC, 65, count, chunks, model, PREFIX))
-    assert procs.apply(D.store_seqs, (ra, SPEC, 65, count, chunks, model, False)) \
-        == count * chunks * CHUNK
-    wait_remote(a, lambda r: r["puts"] == count * chunks, "node A's puts")
-    assert procs.apply(R.load_prefix, (rb, SPEC, 65, count, chunks, local, model)) \
-        == [(local * CHUNK, local * CHUNK)] * count
-    pieces = remote(b)["load_pieces"]
-    corrupt(store, [names[chunks * (count - 1) + 4]])  # the last sequence's fifth chunk
+    b, model, pieces = half_local(start_daemon, store, procs, 65, "half")
+    count, chunks = HALF_SEQS
     before = calls(store)
-    got = procs.apply(D.load_seqs, (rb, SPEC, 65, count, chunks, model, False))
+    got = procs.apply(D.load_seqs, (str(b.runtime_dir), SPEC, 65, count, chunks, model, False))
     assert got == [(None, chunks * CHUNK)] * (count - 1) + [(None, 4 * CHUNK)]
     r = remote(b)
     assert r["load_pieces"] >= pieces + count and r["corrupt"] == 1
@@ -115,6 +106,27 @@ def test_a_half_local_half_remote_load_copies_each_part_with_exact_bytes(store, 
     if store.backend == "redis":  # 16 KiB values: fetched in MGET batches, never one GET each
         after = calls(store)
         assert after["mget"] >= before["mget"] + count and after["get"] == before["get"]
+
+
+HALF_SEQS = (3, 6)  # sequences, chunks each
+
+
+def half_local(start_daemon, store, procs, seed: int, tag: str, **extra) -> tuple:
+    """Two nodes on ``store`` (more knobs: ``extra``): A stores HALF_SEQS sequences (every value put), B holds the first
+    half of each (loaded once from the store); then the last sequence's fifth value is
+    corrupted. Returns (B, the model, B's ``load_pieces`` so far)."""
+    a, b = node(start_daemon, store, **extra), node(start_daemon, store, **extra)
+    ra, rb, model = str(a.runtime_dir), str(b.runtime_dir), f"remote/{tag}/{store.backend}"
+    (count, chunks), local = HALF_SEQS, HALF_SEQS[1] // 2
+    names = procs.apply(R.store_names, (ra, SPEC, seed, count, chunks, model, PREFIX))
+    assert procs.apply(D.store_seqs, (ra, SPEC, seed, count, chunks, model, False)) \
+        == count * chunks * CHUNK
+    wait_remote(a, lambda r: r["puts"] == count * chunks, "node A's puts")
+    assert procs.apply(R.load_prefix, (rb, SPEC, seed, count, chunks, local, model)) \
+        == [(local * CHUNK, local * CHUNK)] * count
+    pieces = remote(b)["load_pieces"]
+    corrupt(store, [names[chunks * (count - 1) + 4]])  # the last sequence's fifth chunk
+    return b, model, pieces
 
 
 def calls(store) -> dict:
