@@ -19,13 +19,15 @@ own process (this script again, with ``--role``):
 - ``kvd``: a fresh engine with HiCache and kvd: before each repeat its GPU and
   host caches are flushed, so each repeat's prefix comes from kvd (SGLang's
   ``cached_tokens_details`` say how much); TTFT of the prefix plus a new
-  suffix;
+  suffix. One such engine per ``--host-pools`` entry (the backend's
+  ``kvd_host_pool``: ``staging``, ``shared``), each loading what ``store`` left;
 - ``full``: an engine without HiCache, radix cache on: TTFT of a fresh prefix
   plus suffix (the whole prefill), then ``suffix``: the same prefix with another
   suffix (SGLang's GPU cache holds the prefix: the cost of the suffix alone).
 
 TTFT is the wall time of ``generate`` of one prompt with one new token,
-median of ``--repeat`` runs; speedup = full / kvd. "in kvd" is the time the
+median of ``--repeat`` runs; speedup = full / kvd (``--no-full`` leaves the
+``full`` role out). "in kvd" is the time the
 daemon spent on the repeat's load requests (its ``load`` latencies summed):
 the rest of a hit's TTFT beyond the suffix is the backend's copies and
 SGLang's own. ``--out`` keeps every run.
@@ -67,6 +69,8 @@ def engine_args(args, role: str) -> dict:
         extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
                  "class_name": "KvdHiCacheStorage", "interface_v1": 1,
                  "kvd_runtime_dir": args.runtime_dir, **json.loads(args.extra)}
+        if role.startswith("kvd-"):
+            extra["kvd_host_pool"] = role[len("kvd-"):]
         # the store role writes every page through to kvd; the kvd role writes back only on
         # eviction, so that no store of its suffixes runs beside the next repeat
         policy = "write_through" if role == "store" else "write_back"
@@ -95,7 +99,7 @@ def engine(args, role: str) -> dict:
             print(f"[{role}] prefix {n}", flush=True)
             if role == "store":
                 ttft(shared + tokens("store", sfx))
-            elif role == "kvd":
+            elif role.startswith("kvd-"):
                 runs, hits, daemon = [], [], []
                 for r in range(args.repeat):
                     if not flushed(llm.flush_cache()):  # GPU and host copies gone: from kvd
@@ -105,7 +109,9 @@ def engine(args, role: str) -> dict:
                     runs.append(t)
                     hits.append(details.get("storage", 0))
                     daemon.append(load_seconds(args) - before)
-                out[n] = {"kvd": runs, "storage_hit_tokens": hits, "daemon_load": daemon}
+                pool = role[len("kvd-"):]
+                out[n] = {f"kvd/{pool}": runs, f"storage_hit_tokens/{pool}": hits,
+                          f"daemon_load/{pool}": daemon}
             else:
                 full, suffix = [], []
                 for r in range(args.repeat):
@@ -160,12 +166,19 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
     ap.add_argument("--extra", default="{}", help="more of the storage backend's extra config (JSON)")
+    ap.add_argument("--host-pools", default="staging",
+                    help="the kvd_host_pool of each kvd engine, comma-separated (staging, shared; "
+                         "empty: none, the full role alone)")
+    ap.add_argument("--no-full", action="store_true", help="leave out the engine without kvd")
     add_common_args(ap, gpu_share=False)
     ap.set_defaults(host_capacity="10GiB")
     args = ap.parse_args()
     args.prefix_list = [int(p) for p in args.prefixes.split(",")]
     if any(n % PAGE for n in args.prefix_list):
         raise SystemExit(f"prefixes must be whole pages of {PAGE} tokens")
+    args.pool_list = [p for p in args.host_pools.split(",") if p]
+    if not set(args.pool_list) <= {"staging", "shared"}:
+        raise SystemExit(f"--host-pools: staging and/or shared, not {args.host_pools!r}")
     if args.role:
         Path(args.role_out).write_text(json.dumps(engine(args, args.role)))
         return
@@ -174,21 +187,26 @@ def main() -> None:
             private_daemon(args, Path(tmp), flags) as model:
         tmp = Path(tmp)
         write_config(model, LLAMA3_8B, args.layers, max(args.prefix_list) + args.suffix + 64)
-        run_role(args, "store", tmp, __file__)
-        rows = run_roles(args, ["kvd", "full"], tmp, __file__, save)
+        if args.pool_list:  # nothing to store for the full role alone
+            run_role(args, "store", tmp, __file__)
+        roles = [f"kvd-{p}" for p in args.pool_list] + ([] if args.no_full else ["full"])
+        rows = run_roles(args, roles, tmp, __file__, save)
     report(args, rows)
 
 
 def report(args, rows: dict) -> None:
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
-    print(f"{'prefix':>8}{'full ms':>12}{'suffix ms':>12}{'kvd ms':>12}{'in kvd ms':>12}"
-          f"{'kvd hit':>10}{'speedup':>9}")
+    print(f"{'prefix':>8}{'pool':>9}{'full ms':>10}{'suffix ms':>11}{'kvd ms':>10}{'in kvd ms':>11}"
+          f"{'kvd hit':>9}{'speedup':>9}")
     for n, m in med.items():
-        cells = "".join(f"{m[k] * 1e3:>12.1f}" if k in m else f"{'-':>12}"
-                        for k in ("full", "suffix", "kvd", "daemon_load"))
-        hit = f"{int(m['storage_hit_tokens']):>10d}" if "storage_hit_tokens" in m else f"{'-':>10}"
-        speed = f"{m['full'] / m['kvd']:>8.1f}x" if "full" in m and "kvd" in m else f"{'-':>9}"
-        print(f"{n:>8}{cells}{hit}{speed}")
+        for pool in args.pool_list:
+            cells = "".join(f"{m[k] * 1e3:>{w}.1f}" if k in m else f"{'-':>{w}}" for k, w in
+                            (("full", 10), ("suffix", 11), (f"kvd/{pool}", 10), (f"daemon_load/{pool}", 11)))
+            hit = m.get(f"storage_hit_tokens/{pool}")
+            hit = f"{int(hit):>9d}" if hit is not None else f"{'-':>9}"
+            kvd = m.get(f"kvd/{pool}")
+            speed = f"{m['full'] / kvd:>8.1f}x" if "full" in m and kvd else f"{'-':>9}"
+            print(f"{n:>8}{pool:>9}{cells}{hit}{speed}")
     save(args, rows, med)
 
 
