@@ -42,6 +42,7 @@ SOURCES = {
     "vllm_load": ["vllm_load_h200.json"],
     "gpu_copy": ["gpu_copy_*.json"],
     "summary": ["vllm_ttft_h200.json", "vllm_load_h200.json", "gpu_copy_*.json"],
+    "sglang_ttft": ["sglang_ttft_h200.json"],
 }
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
@@ -213,8 +214,31 @@ def render_summary(docs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_sglang_ttft(docs: list[dict]) -> str:
+    """SGLang's TTFT: full prefill, the suffix alone, and a kvd hit per host pool (default first)."""
+    doc = docs[0]
+    pools, rows = doc["pools"], []
+    for n, m in ttft_medians(doc).items():
+        row = [k(n), ms(m.get("full")), ms(m.get("suffix"))]
+        for pool in pools:
+            row += [ms(m.get(f"kvd/{pool}")), ms(m.get(f"daemon_load/{pool}"))]
+        hit = m.get(f"kvd/{pools[0]}")
+        row.append(f"{m['full'] / hit:.1f}×" if hit and "full" in m else "–")
+        rows.append(row)
+    header = ["prefix", "full prefill", "suffix alone"]
+    for pool in pools:
+        header += [f"kvd hit, {pool} host pool", "of it in kvd"]
+    lines = table(header + [f"speedup ({pools[0]})"], rows)
+    a = doc["args"]
+    lines += ["", f"{doc['gpu']}, SGLang {doc['sglang']}, {a['attention_backend']} attention, "
+              f"Llama-3-8B shape, {a['layers']} layers, load_format=dummy; a {a['suffix']}-token suffix "
+              f"after the prefix; medians of {a['repeat']} prompts. From `{doc['command']}` and "
+              f"`{doc['command_full']}` ({doc['note']})."]
+    return "\n".join(lines) + "\n"
+
+
 RENDER = {"vllm_ttft": render_vllm_ttft, "vllm_load": render_vllm_load, "gpu_copy": render_gpu_copy,
-          "summary": render_summary}
+          "summary": render_summary, "sglang_ttft": render_sglang_ttft}
 
 
 # ---- checking and writing the marked blocks ----------------------------------------

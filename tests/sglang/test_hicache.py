@@ -210,10 +210,14 @@ def test_a_host_pool_that_cannot_be_shared_is_staged_and_says_why(start_daemon, 
 
 
 def test_generic_flat_page_interface(daemon, engines):
-    a = engines(daemon.runtime_dir, "a", layout="page_head")
+    """Without ``interface_v1`` SGLang uses the generic interface: the default shared host pool
+    is of no use there, so the backend stages and says why."""
+    a = engines(daemon.runtime_dir, "a", layout="page_head", extra={"interface_v1": 0})
     keys = a.hash(tokens(48))
     stored = a.fill_set_flat(keys=keys, seed=2)
     assert stored["ok"]
+    stats = a.stats()
+    assert stats["host_pool"] == "staging" and "interface_v1" in stats["shared_refused"], stats
     got = a.get_flat(keys=keys)
     assert got["results"] == [True] * 3 and pages_bytes(got["pages"]) == pages_bytes(stored["pages"])
     assert a.get_flat(keys=a.hash(tokens(48)))["results"] == [False] * 3
@@ -440,6 +444,7 @@ def test_without_a_daemon_everything_misses_until_it_comes(start_daemon, engines
 @pytest.mark.parametrize("extra, words", [
     ({"kvd_staging": 4}, "unknown kvd option 'kvd_staging'"),
     ({"kvd_timeout_s": "5"}, "must be a float"),
+    ({"kvd_host_pool": "shared", "interface_v1": 0}, "needs SGLang's zero-copy interface"),
 ])
 def test_configuration_errors_stop_sglang_at_attach(daemon, engines, extra, words):
     with pytest.raises(WorkerError, match=words):

@@ -59,6 +59,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -116,13 +117,12 @@ class KvdHiCacheStorage(HiCacheStorage):
                             "the native radix tree hashes nodes out of sight, so their pages will "
                             "miss (%s), or use kvd_key_mode 'hashes' (shared by SGLang engines "
                             "only)", native)
-        if opts.host_pool == "shared" and not storage_config.extra_config.get("interface_v1"):
-            raise ValueError("kvd: kvd_host_pool 'shared' needs SGLang's zero-copy interface "
-                             "(\"interface_v1\": 1 in the extra config)")
         self.pages: HostPages | None = None
         self.staging: StagingPool | None = None
         self.shared: SharedHostPool | None = None
         self.shared_refused: str | None = None
+        if opts.host_pool == "shared" and not storage_config.extra_config.get("interface_v1"):
+            self._stage_without_interface_v1(storage_config.extra_config)
         self.reg = None
         self._session_lock, self._load_lock, self._store_lock = (threading.Lock() for _ in range(3))
         self._retry_at = 0.0
@@ -132,6 +132,16 @@ class KvdHiCacheStorage(HiCacheStorage):
                          "unkeyed_pages": 0, "failed_loads": 0, "failed_stores": 0}
 
     # ---- set-up ----------------------------------------------------------------------
+
+    def _stage_without_interface_v1(self, extra: dict) -> None:
+        """SGLang copies pages itself outside its zero-copy interface: the shared pool is of no
+        use there. Asked for by name, that is a configuration error; by default, stage."""
+        reason = "kvd_host_pool 'shared' needs SGLang's zero-copy interface (\"interface_v1\": 1)"
+        if "kvd_host_pool" in extra:
+            raise ValueError(f"kvd: {reason}")
+        self.options = replace(self.options, host_pool="staging")
+        self.shared_refused = reason
+        log.info("%s; SGLang's host pages go through a staging pool", reason)
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)

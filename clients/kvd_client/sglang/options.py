@@ -52,11 +52,12 @@ OPTIONS = {
     "key_map_pages": Option(int, 65536, "key_mode 'tokens': SGLang page hashes whose tokens "
                             "are remembered (least recently used forgotten first); a page whose "
                             "hash was forgotten is a miss", positive=True),
-    "host_pool": Option(str, "staging", "'staging': pages cross a staging pool (a /dev/shm "
-                        "file kvd maps) and one copy between it and SGLang's host pool; "
-                        "'shared': SGLang's host pool itself is moved into a /dev/shm file kvd "
-                        "maps (kvd_client.sglang.shared_host), no staging copy; where it cannot "
-                        "be, the backend says why and stages", ("staging", "shared")),
+    "host_pool": Option(str, "shared", "'shared': SGLang's host pool itself is moved into a "
+                        "/dev/shm file kvd maps (kvd_client.sglang.shared_host), no copy in the "
+                        "backend; where it cannot be (or without interface_v1), the backend says "
+                        "why and stages; 'staging': pages cross a staging pool (a /dev/shm file "
+                        "kvd maps) and one copy between it and SGLang's host pool",
+                        ("shared", "staging")),
     "shm_dir": Option(str, "/dev/shm", "where the staging pool's (or the shared host pool's) "
                       "file goes (the daemon's shm_dir)"),
 }
@@ -75,7 +76,7 @@ class Options:
     load_pipeline_pages: int = 8
     copy_threads: int = 4
     key_map_pages: int = 65536
-    host_pool: str = "staging"
+    host_pool: str = "shared"
     shm_dir: str = "/dev/shm"
 
     @classmethod
