@@ -13,9 +13,12 @@ again, with ``--role``):
 
 - ``store``: an engine with the connector prefills each prefix (plus a
   suffix): kvd stores its chunks;
-- ``kvd``: a fresh engine with the connector (prefix caching off, so every
-  hit is kvd's), every hit loaded between steps (``async_load_min_tokens``
-  0): TTFT of each prefix plus a new suffix, ``--repeat`` times;
+- ``kvd``: a fresh engine with the connector, every hit loaded between
+  steps (``async_load_min_tokens`` 0): TTFT of each prefix plus a new
+  suffix, ``--repeat`` times, its GPU prefix cache reset before each (so
+  every hit is kvd's); then ``kvd suffix``: the same prefix with another
+  suffix, from its GPU cache (what the connector's engine takes for the
+  suffix alone, to set against ``suffix``);
 - ``kvd-layerwise``: the same with every hit loaded layer by layer inside
   the step (``async_load_min_tokens`` past any prompt; the connector's
   default up to 65,536 tokens), on a GPU only;
@@ -85,7 +88,7 @@ def engine(args, role: str) -> dict:
 
     kw = {"model": args.model, "load_format": "dummy", "dtype": "bfloat16", "seed": 0,
           "max_model_len": max(args.prefix_list) + args.suffix + 8, "skip_tokenizer_init": True,
-          "enable_prefix_caching": role in ("full", "native")}
+          "enable_prefix_caching": role != "store"}
     if args.tiny:
         kw.update(block_size=32, enforce_eager=True, kv_cache_memory_bytes=256 << 20)
     else:
@@ -116,12 +119,15 @@ def engine(args, role: str) -> dict:
         if role == "store":
             ttft(shared + tokens(args, "store", sfx))
         elif role.startswith("kvd"):
-            runs, daemon = [], []
+            runs, daemon, local = [], [], []
             for r in range(args.repeat):
+                llm.reset_prefix_cache()  # the prefix from kvd, not from the last repeat
                 before = load_seconds(args)
                 runs.append(ttft(shared + tokens(args, f"{role}/{r}", sfx)))
                 daemon.append(load_seconds(args) - before)
-            out[n] = {role: runs, f"{role} in kvd": daemon}
+                # the same engine, the prefix now in its GPU cache: its suffix alone
+                local.append(ttft(shared + tokens(args, f"{role}/{r}/again", sfx)))
+            out[n] = {role: runs, f"{role} in kvd": daemon, f"{role} suffix": local}
         elif role == "native":
             out[n] = {"native": native_runs(args, llm, ttft, n)}
         else:

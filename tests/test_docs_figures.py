@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "plot_docs.py"
 QUOTED = {"README.md": {"summary"}, "docs/vllm.md": {"vllm_ttft", "vllm_load"},
-          "docs/gpu.md": {"gpu_copy"}, "docs/performance.md": {"vllm_ttft", "vllm_load", "gpu_copy"}}
+          "docs/gpu.md": {"gpu_copy"}, "docs/performance.md": {"vllm_ttft", "vllm_load", "gpu_copy"},
+          "docs/sglang.md": {"sglang_ttft"}}
 
 
 def check(root: Path, *flags: str) -> subprocess.CompletedProcess:
