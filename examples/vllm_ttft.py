@@ -121,7 +121,7 @@ def engine(args, role: str) -> dict:
         elif role.startswith("kvd"):
             runs, daemon, local = [], [], []
             for r in range(args.repeat):
-                llm.reset_prefix_cache()  # the prefix from kvd, not from the last repeat
+                reset_prefix_cache(llm)  # the prefix from kvd, not from the last repeat
                 before = load_seconds(args)
                 runs.append(ttft(shared + tokens(args, f"{role}/{r}", sfx)))
                 daemon.append(load_seconds(args) - before)
@@ -138,6 +138,16 @@ def engine(args, role: str) -> dict:
                 suffix.append(ttft(fresh + tokens(args, f"b/{r}", sfx)))  # prefix cached by vLLM
             out[n] = {"full": full, "suffix": suffix, "floor": [floor_s(args, n)]}
     return out
+
+
+def reset_prefix_cache(llm, timeout: float = 60.0) -> None:
+    """Empty vLLM's GPU prefix cache. vLLM refuses while blocks are held (the connector keeps a
+    finished request's blocks until its stores end), so try again until it took."""
+    deadline = time.monotonic() + timeout
+    while llm.reset_prefix_cache() is False:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"vLLM did not reset its prefix cache within {timeout} s")
+        time.sleep(0.01)
 
 
 def native_runs(args, llm, ttft, n: int) -> list[float]:
