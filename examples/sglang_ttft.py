@@ -182,7 +182,7 @@ def main() -> None:
     if args.role:
         Path(args.role_out).write_text(json.dumps(engine(args, args.role)))
         return
-    flags = ("--chunk-tokens", str(PAGE), "--warm-restart", "false")
+    flags = ("--chunk-tokens", str(PAGE))
     with tempfile.TemporaryDirectory(prefix="kvd-sgl-ttft-") as tmp, \
             private_daemon(args, Path(tmp), flags) as model:
         tmp = Path(tmp)

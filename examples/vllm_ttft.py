@@ -270,14 +270,17 @@ def add_common_args(ap, gpu_share: bool = True) -> None:
 
 @contextlib.contextmanager
 def private_daemon(args, tmp: Path, flags: tuple = ()):
-    """A ``kvd serve`` on ``tmp/run`` (log: ``tmp/kvd.log``; more ``flags`` for it) while the
-    roles run; yields the model directory to write, which the roles get with the runtime dir
-    on their command line (``args.runtime_dir`` is set here too)."""
+    """A ``kvd serve`` on ``tmp/run`` (log: ``tmp/kvd.log``; more ``flags`` for it; its arena
+    is removed when it stops) while the roles run; yields the model directory to write, which
+    the roles get with the runtime dir on their command line (``args.runtime_dir`` is set here
+    too)."""
     model, run = tmp / "model", tmp / "run"
     sys.argv += ["--model", str(model), "--runtime-dir", str(run)]
     args.runtime_dir = str(run)
+    # no warm restart: the arena leaves /dev/shm with the daemon (it is private to this run)
     daemon = subprocess.Popen([args.daemon_python, "-m", "kvd", "serve", "--runtime-dir", str(run),
-                               "--host-capacity", args.host_capacity, *flags],
+                               "--host-capacity", args.host_capacity, "--warm-restart", "false",
+                               *flags],
                               stdout=open(tmp / "kvd.log", "wb"), stderr=subprocess.STDOUT)
     try:
         wait_ready(args, run, daemon)
@@ -300,7 +303,8 @@ def wait_ready(args, run: Path, daemon) -> None:
 
 COLUMNS = [("full", "full"), ("suffix", "suffix"), ("floor", "floor"), ("bound", "bound"),
            ("kvd", "kvd"), ("kvd in kvd", "in kvd"), ("kvd-layerwise", "kvd lw"),
-           ("kvd-layerwise in kvd", "lw in kvd"), ("native", "native")]
+           ("kvd-layerwise in kvd", "lw in kvd"), ("kvd-layerwise suffix", "lw suffix"),
+           ("native", "native")]
 
 
 def report(args, rows: dict) -> None:
