@@ -129,6 +129,11 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def block(header: list[str], rows: list[list[str]], *notes: str) -> str:
+    """A marked block's text: the table, a blank line, then the ``notes`` lines under it."""
+    return "\n".join([*table(header, rows), "", *notes]) + "\n"
+
+
 def render_vllm_ttft(docs: list[dict]) -> str:
     doc = docs[0]
     rows = []
@@ -138,12 +143,11 @@ def render_vllm_ttft(docs: list[dict]) -> str:
         rows.append([k(n), ms(m.get("full")), ms(hit), ms(daemon_load(m)), ms(between),
                      ms(m.get("native")), ms(m.get("bound")),
                      f"{hit / m['bound']:.2f}" if "bound" in m else "–", f"{m['full'] / hit:.1f}×"])
-    lines = table(["prefix", "full prefill", "kvd hit", "of it in kvd", "kvd hit, loaded between steps",
-                   "vLLM native offload", "bound", "kvd / bound", "speedup"], rows)
     repeat = doc["args"]["repeat"]
-    lines += ["", f"{doc['gpu']}, vLLM {doc['vllm']}, {model(doc)}; a {doc['args']['suffix']}-token "
-              f"suffix after the prefix; medians of {repeat} prompts. From `{doc['command']}`."]
-    return "\n".join(lines) + "\n"
+    return block(["prefix", "full prefill", "kvd hit", "of it in kvd", "kvd hit, loaded between steps",
+                  "vLLM native offload", "bound", "kvd / bound", "speedup"], rows,
+                 f"{doc['gpu']}, vLLM {doc['vllm']}, {model(doc)}; a {doc['args']['suffix']}-token "
+                 f"suffix after the prefix; medians of {repeat} prompts. From `{doc['command']}`.")
 
 
 LOAD_ROLES = {"none": "no connector", "cold": "kvd, empty (stores everything, no hit)",
@@ -161,14 +165,13 @@ def render_vllm_load(docs: list[dict]) -> str:
                      f"{load['ttft_p50'] * 1e3:.0f} ms", f"{load['ttft_p99'] * 1e3:.0f} ms",
                      f"{dec['tokens_per_s']:.0f}",
                      f"{dec['tokens_per_s'] / base['decode']['tokens_per_s']:.3f}"])
-    lines = table(["engine", "load: output tokens/s", "vs none", "TTFT p50", "TTFT p99",
-                   "decode: tokens/s", "vs none"], rows)
     a = doc["args"]
-    lines += ["", f"{doc['gpu']}, vLLM {doc['vllm']}, {model(doc)}; {a['requests']} requests at once, "
-              f"each a shared {a['prefix']}-token prefix, {a['unique']} tokens of its own and "
-              f"{a['max_tokens']} output tokens; then {a['requests']} short prompts decoding "
-              f"{a['decode_tokens']} tokens each; {runs(a.get('repeat', 1))}. From `{doc['command']}`."]
-    return "\n".join(lines) + "\n"
+    return block(["engine", "load: output tokens/s", "vs none", "TTFT p50", "TTFT p99",
+                  "decode: tokens/s", "vs none"], rows,
+                 f"{doc['gpu']}, vLLM {doc['vllm']}, {model(doc)}; {a['requests']} requests at once, "
+                 f"each a shared {a['prefix']}-token prefix, {a['unique']} tokens of its own and "
+                 f"{a['max_tokens']} output tokens; then {a['requests']} short prompts decoding "
+                 f"{a['decode_tokens']} tokens each; {runs(a.get('repeat', 1))}. From `{doc['command']}`.")
 
 
 def runs(repeat: int) -> str:
@@ -179,12 +182,11 @@ def render_gpu_copy(docs: list[dict]) -> str:
     rows = [[POOLS.get(r["pool"], r["pool"]), SHAPES.get(r["shape"], r["shape"]), str(r["page"]),
              ratio(r["store_ratio"]), ratio(r["load_ratio"]), ratio(r["both_ratio"])]
             for r in copy_rows(docs)]
-    lines = table(["pool (engine)", "model shape", "page (tokens)", "offload", "load", "both ways"], rows)
-    lines += ["", "Share of back-to-back pinned `cudaMemcpy`s of the same bytes timed right before each "
-              "run (both ways: against two memcpys on two streams); 2 engines with 4 requests each in "
-              "flight, random page ids, 256-token chunks, medians of 5 runs. From:", ""]
-    lines += [f"- {source(doc)}" + (f" ({doc['note']})" if doc.get("note") else "") for doc in docs]
-    return "\n".join(lines) + "\n"
+    return block(["pool (engine)", "model shape", "page (tokens)", "offload", "load", "both ways"], rows,
+                 "Share of back-to-back pinned `cudaMemcpy`s of the same bytes timed right before each "
+                 "run (both ways: against two memcpys on two streams); 2 engines with 4 requests each in "
+                 "flight, random page ids, 256-token chunks, medians of 5 runs. From:", "",
+                 *(f"- {source(doc)}" + (f" ({doc['note']})" if doc.get("note") else "") for doc in docs))
 
 
 def render_summary(docs: list[dict]) -> str:
@@ -209,9 +211,8 @@ def render_summary(docs: list[dict]) -> str:
                          "offload / load / both ways",
                          " / ".join(ratio(r[f"{p}_ratio"]) for p in ("store", "load", "both")),
                          "1.00 = pinned `cudaMemcpy`", r["doc"]["gpu"].replace(" 80GB HBM3", "")])
-    lines = table(["what", "with kvd", "against", "GPU"], rows)
-    lines += ["", "Commands, settings and the full tables: [docs/performance.md](docs/performance.md)."]
-    return "\n".join(lines) + "\n"
+    return block(["what", "with kvd", "against", "GPU"], rows,
+                 "Commands, settings and the full tables: [docs/performance.md](docs/performance.md).")
 
 
 def render_sglang_ttft(docs: list[dict]) -> str:
@@ -228,13 +229,12 @@ def render_sglang_ttft(docs: list[dict]) -> str:
     header = ["prefix", "full prefill", "suffix alone"]
     for pool in pools:
         header += [f"kvd hit, {pool} host pool", "of it in kvd"]
-    lines = table(header + [f"speedup ({pools[0]})"], rows)
     a = doc["args"]
-    lines += ["", f"{doc['gpu']}, SGLang {doc['sglang']}, {a['attention_backend']} attention, "
-              f"Llama-3-8B shape, {a['layers']} layers, load_format=dummy; a {a['suffix']}-token suffix "
-              f"after the prefix; medians of {a['repeat']} prompts. From `{doc['command']}` and "
-              f"`{doc['command_full']}` ({doc['note']})."]
-    return "\n".join(lines) + "\n"
+    return block(header + [f"speedup ({pools[0]})"], rows,
+                 f"{doc['gpu']}, SGLang {doc['sglang']}, {a['attention_backend']} attention, "
+                 f"Llama-3-8B shape, {a['layers']} layers, load_format=dummy; a {a['suffix']}-token suffix "
+                 f"after the prefix; medians of {a['repeat']} prompts. From `{doc['command']}` and "
+                 f"`{doc['command_full']}` ({doc['note']}).")
 
 
 RENDER = {"vllm_ttft": render_vllm_ttft, "vllm_load": render_vllm_load, "gpu_copy": render_gpu_copy,
