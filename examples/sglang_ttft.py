@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
     ap.add_argument("--extra", default="{}", help="more of the storage backend's extra config (JSON)")
-    ap.add_argument("--host-pools", default="staging",
+    ap.add_argument("--host-pools", default="shared",
                     help="the kvd_host_pool of each kvd engine, comma-separated (staging, shared; "
                          "empty: none, the full role alone)")
     ap.add_argument("--no-full", action="store_true", help="leave out the engine without kvd")
