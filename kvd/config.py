@@ -60,10 +60,8 @@ KNOBS = (
          "messages drop that peer.", minimum=2**16),
     Knob("max_keys_per_request", "int", 2048, "Most chunk keys in one lookup, store or load "
          "(their per-key work holds the event loop: docs/performance.md).", minimum=1),
-    Knob("heartbeat_interval_s", "float", 5.0, "How often clients are asked to send a heartbeat.",
-         minimum=0.05),
-    Knob("client_timeout_s", "float", 30.0, "A client silent for this long is reaped.",
-         minimum=0.2),
+    Knob("heartbeat_interval_s", "float", 5.0, "How often clients send a heartbeat.", minimum=0.05),
+    Knob("client_timeout_s", "float", 30.0, "A client silent for this long is reaped.", minimum=0.2),
     Knob("lease_max_ms", "int", 60000, "Longest lease a lookup may take on its hits.", minimum=1),
     Knob("max_clients", "int", 1024, "Most sessions at once.", minimum=1),
     Knob("max_registrations", "int", 64, "Most KV pools one client may register.", minimum=1),
@@ -211,6 +209,8 @@ KNOBS = (
     Knob("remote_mooncake_zero_copy", "bool", True, "Register the host arena with Mooncake and "
          "move chunks between it and the store without a copy (docs/cluster.md); false, or a "
          "registration Mooncake refuses (logged once): values go through Python bytes."),
+    Knob("remote_digest_processes", "int", -1, "Processes checking the zero-copy Mooncake path's "
+         "chunks outside the GIL (docs/cluster.md): -1 one per 4 cores, at most 8; 0 none.", minimum=-1),
     Knob("quota", "quotas", (), "Caps and reservations per model and tenant, so one cannot evict "
          "everyone else's cache (docs/operations.md, Quotas): [[quota]] tables at the end of the "
          "file, in place of quota = [], of model (a registered model id), tenant (the label "

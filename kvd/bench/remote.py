@@ -19,7 +19,10 @@ registered memory), and those zero-copy calls with kvd's checksum work
 added (``client zc+digest``: the payload digest of each object computed
 before its put and checked after its get, as kvd does; what a verified
 transfer costs with no kvd machinery). Prints the median GB/s of each and
-kvd's first side over the client's matching ones. Then the end-to-end load
+kvd's first side over the client's matching ones. kvd's host tier is a
+shared-memory file as the daemon's is, and its zero-copy side computes
+checksums in ``--remote-digest-processes`` processes (the daemon's
+``remote_digest_processes``, kvd/tiers/digest_pool.py). Then the end-to-end load
 (kvd/bench/remote_load.py, each store): a prefix half local, half remote,
 against each half loaded alone. ``--json PATH`` also writes every run's
 figures there (``moves_gbps``: GB/s of each side and direction per round;
@@ -30,15 +33,20 @@ about speed.
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
 from kvd.tiers.digest import payload_digest
 from kvd.tiers.host import HostTier
-from kvd.tiers.remote import RemoteTier
+from kvd.tiers.arena import SharedArena, arena_path
+from kvd.tiers.digest_pool import DigestPool, auto_processes
+from kvd.tiers.remote import CPU_THREADS, RemoteTier
 from kvd.tiers.remote_tiering import RemoteTiering
 from kvd.tiers.remote_value import Seal
 from kvd.tiers.scope import Scope
@@ -68,6 +76,9 @@ def add_arguments(p) -> None:
     p.add_argument("--remote-chunk-mib", type=float, default=4.0, help="with --remote: MiB per chunk")
     p.add_argument("--remote-threads", type=int, default=4,
                    help="with --remote: puts and gets at a time, on each side")
+    p.add_argument("--remote-digest-processes", type=int, default=-1, help="with --remote: "
+                   "kvd's checksum processes on the zero-copy path, as the daemon's "
+                   "remote_digest_processes (-1: one per 4 cores, at most 8; 0: none)")
     p.add_argument("--remote-secret", default="", help="with --remote: the tier with this "
                    "remote_secret (values carry a keyed tag, checked on every get)")
 
@@ -80,6 +91,7 @@ def run(args) -> int:
         print(f"kvd bench --remote: unknown store {unknown[0]!r} (known: {', '.join(STORES)})")
         return 2
     moves = {}
+    processes = auto_processes(args.remote_digest_processes)
     for name in stores:
         why = (RedisServer if name == "redis" else MooncakeMaster).missing()
         if why:
@@ -87,7 +99,7 @@ def run(args) -> int:
             continue
         seal = Seal(args.remote_secret) if args.remote_secret else None
         moves[name] = _store_runs(name, args.remote_chunks, size, args.remote_threads,
-                                  args.repeat, seal)
+                                  args.repeat, seal, processes)
         _report(name, moves[name], args)
     from .remote_load import run as run_load
     loads = run_load(args)
@@ -101,13 +113,23 @@ def run(args) -> int:
     return 0
 
 
-def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, seal) -> dict:
+def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, seal,
+                digest_processes: int = 0) -> dict:
     server = (RedisServer if name == "redis" else MooncakeMaster)().start()
+    # the host arena as the daemon has it (a shared-memory file: checksum processes map it);
+    # its last third: the client's own memory
+    arena = SharedArena(arena_path(Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir()
+                                        else "/dev/shm"), f"bench-{os.getpid()}"), 3 * chunks * size)
+    digests = DigestPool(arena.path, arena.view.nbytes, digest_processes) \
+        if name == "mooncake" and digest_processes else None
     try:
-        view = np.zeros(3 * chunks * size, np.uint8)  # the last third: the client's own memory
         host = HostTier(2 * chunks * size, 4096)
-        return asyncio.run(_rounds(server, name, view, host, chunks, size, threads, repeat, seal))
+        return asyncio.run(_rounds(server, name, arena.view, host, chunks, size, threads, repeat,
+                                   seal, digests))
     finally:
+        if digests is not None:
+            digests.close()
+        arena.close()
         server.stop()
 
 
@@ -124,12 +146,12 @@ def _tier_store(server, name: str, nbytes: int, repeat: int):
                          len(SIDES[name]) * (repeat + 1) * nbytes + (64 << 20), 64 << 20)
 
 
-async def _rounds(server, name, view, host, chunks, size, threads, repeat, seal) -> dict:
+async def _rounds(server, name, view, host, chunks, size, threads, repeat, seal, digests) -> dict:
     remote = RemoteTier(_tier_store(server, name, chunks * size, repeat), "bench", 5.0, 2 * threads + 2,
-                        3, 1.0)
+                        3, 1.0, max(CPU_THREADS, digests.started if digests else 0))
     sides = SIDES[name]
     runs: dict = {f"{side} {d}": [] for side in sides for d in ("put", "get")}
-    tiering = RemoteTiering(host, remote, view, "store", chunks, seal)
+    tiering = RemoteTiering(host, remote, view, "store", chunks, seal, digests)
     tiering.parallel(threads, threads)  # as many as the client side (the daemon: 1/4, 1/2)
     tiering.start()
     try:
@@ -282,7 +304,9 @@ def _report(name: str, runs: dict, args) -> None:
     sides, match = SIDES[name], MATCH[name]
     print(f"{name}: kvd's remote tier vs the store's own client on loopback, "
           f"{args.remote_chunks} chunks of {args.remote_chunk_mib:g} MiB, {args.remote_threads} "
-          f"at a time, median of {args.repeat} GB/s" + (", keyed" if args.remote_secret else ""))
+          f"at a time, median of {args.repeat} GB/s" + (", keyed" if args.remote_secret else "")
+          + (f", checksums in {auto_processes(args.remote_digest_processes)} processes"
+             if name == "mooncake" else ""))
     print(f"{'direction':<10}" + "".join(f"{s:>18}" for s in sides)
           + "".join(f"{'kvd/' + m:>22}" for m in match))
     for d in ("put", "get"):

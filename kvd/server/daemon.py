@@ -166,7 +166,8 @@ class Daemon:
                                            self.cfg.disk_high_watermark, self.cfg.disk_min_hits)
             self.disk.on_progress = self._disk_progress
         if self.cfg.remote_backend != "off":
-            self.service.remote = startup.make_remote(self.cfg, self.service.tier, arena.view)
+            self.service.remote = startup.make_remote(self.cfg, self.service.tier, arena.view,
+                                                      arena.path)
             if self.service.tiering is not None:
                 self.service.tiering.on_demote = self.service.remote.demoting
         if self.cfg.disk_gds:

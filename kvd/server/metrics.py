@@ -70,6 +70,8 @@ REMOTE_COUNTERS = (  # (metric name, help, key of the remote tier's stats)
      "(Mooncake's zero-copy path).", "zero_copy_puts"),
     ("kvd_remote_zero_copy_gets_total", "Chunks fetched straight into host slots (Mooncake's "
      "zero-copy path).", "zero_copy_gets"),
+    ("kvd_remote_digest_processes_lost_total", "Checksum processes dropped (died, hung or "
+     "refused); their checksums run on the daemon's threads.", "digest_processes_lost"),
 )
 REMOTE_FAILURES = (("error", "errors"), ("timeout", "timeouts"), ("skipped", "skipped"),
                    ("busy", "busy"))

@@ -164,10 +164,13 @@ def _check_remote(cfg) -> None:
                            f"pip install 'kvd[{extra}]'")
 
 
-def make_remote(cfg, host, view):
+def make_remote(cfg, host, view, arena_path):
     """The remote tier (kvd.tiers.remote_tiering) over ``cfg.remote_backend``; it connects in
-    the background: a store that is down at start-up leaves kvd local-only until it answers."""
-    from kvd.tiers.remote import RemoteTier
+    the background: a store that is down at start-up leaves kvd local-only until it answers.
+    The zero-copy Mooncake path checks chunks in ``remote_digest_processes`` processes that
+    map the arena at ``arena_path`` (kvd/tiers/digest_pool.py)."""
+    from kvd.tiers.digest_pool import DigestPool, auto_processes
+    from kvd.tiers.remote import CPU_THREADS, RemoteTier
     from kvd.tiers.remote_mooncake import MooncakeStore
     from kvd.tiers.remote_store import RedisStore
     from kvd.tiers.remote_tiering import RemoteTiering
@@ -184,9 +187,14 @@ def make_remote(cfg, host, view):
     except ValueError as exc:
         raise ConfigError("remote_address", str(exc)) from None
     seal = Seal(cfg.remote_secret) if cfg.remote_secret else None
+    zero_copy = cfg.remote_backend == "mooncake" and cfg.remote_mooncake_zero_copy
+    processes = auto_processes(cfg.remote_digest_processes) if zero_copy else 0
     remote = RemoteTier(store, store_prefix(cfg.remote_prefix, seal), cfg.remote_timeout_s,
-                        cfg.remote_threads, cfg.remote_breaker_failures, cfg.remote_breaker_retry_s)
-    return RemoteTiering(host, remote, view, cfg.remote_publish, cfg.remote_queue_chunks, seal)
+                        cfg.remote_threads, cfg.remote_breaker_failures, cfg.remote_breaker_retry_s,
+                        max(CPU_THREADS, processes))
+    digests = DigestPool(arena_path, view.nbytes, processes) if processes else None
+    return RemoteTiering(host, remote, view, cfg.remote_publish, cfg.remote_queue_chunks, seal,
+                         digests)
 
 
 def open_disk(cfg):

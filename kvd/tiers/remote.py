@@ -62,12 +62,12 @@ class RemoteUnavailable(Exception):
 
 class RemoteTier:
     def __init__(self, store, prefix: str, timeout_s: float, threads: int, breaker_failures: int,
-                 breaker_retry_s: float):
+                 breaker_retry_s: float, cpu_threads: int = CPU_THREADS):
         self.store = store
         self.prefix = prefix
         self.timeout_s = timeout_s
         self.net = DaemonThreads(threads, "kvd-remote")
-        self.cpu_threads = DaemonThreads(CPU_THREADS, "kvd-remote-cpu")
+        self.cpu_threads = DaemonThreads(cpu_threads, "kvd-remote-cpu")
         self.breaker = Breaker(breaker_failures, breaker_retry_s)
         self.counters: Counter = Counter()
         self.known: OrderedDict[str, None] = OrderedDict()

@@ -57,6 +57,7 @@ from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
 from kvd.tiers.remote_buffers import ValueBuffers
 from kvd.tiers.remote_value import Seal, copy_verified, pack, parse, value_bytes
+from kvd.tiers.digest_pool import DigestPool
 from kvd.tiers.tiering import hold_ready
 from kvd_protocol.errors import ServerError
 
@@ -67,7 +68,7 @@ BATCH_BYTES = 4 << 20  # one get_many round trip fetches at most this much
 
 class RemoteTiering:
     def __init__(self, host: HostTier, remote: RemoteTier, view, publish: str = "store",
-                 queue_chunks: int = 256, seal: Seal | None = None):
+                 queue_chunks: int = 256, seal: Seal | None = None, digests=None):
         if publish not in PUBLISH:
             raise ValueError(f"publish must be one of {PUBLISH}, got {publish!r}")
         self.host = host
@@ -79,6 +80,7 @@ class RemoteTiering:
         self.publish = publish
         self.queue_chunks = queue_chunks
         self.seal = seal  # remote_secret: values carry a keyed tag, and need a valid one
+        self.digests = digests  # checksum processes of the zero-copy path (DigestPool), or None
         self.promoting: dict[bytes, asyncio.Future] = {}
         self.shard_bytes: dict[bytes, int] = {}  # per namespace, for fetches of lookups without a layout
         self.publishing: dict[bytes, asyncio.Task] = {}  # a task may put a run of chunks
@@ -110,6 +112,8 @@ class RemoteTiering:
         await asyncio.gather(*self.publishing.values(), *self.promoting.values(),
                              *self.batches, return_exceptions=True)
         await self.remote.stop()
+        if self.digests is not None:  # after the CPU threads that ask them
+            self.digests.close()
 
     # ---- publication ---------------------------------------------------------------
 
@@ -363,4 +367,5 @@ class RemoteTiering:
                 "publish_dropped": c["publish_dropped"], "publish_skipped": c["publish_skipped"],
                 "publish_lost": c["publish_lost"], "promotions": c["promotions"],
                 "promotions_failed": c["promotions_failed"], "load_pieces": c["load_pieces"],
-                "promotions_running": len(self.promoting)}
+                "promotions_running": len(self.promoting),
+                **(self.digests.stats() if self.digests is not None else DigestPool.NONE)}

@@ -99,10 +99,11 @@ def head_bytes(seal: Seal | None = None) -> int:
 
 
 def make_head(ns: bytes, key: bytes, payload, shards: int, shard_bytes: int,
-              seal: Seal | None = None) -> bytes:
-    """Header (and tag) of the value of ``payload``, read where it lies."""
+              seal: Seal | None = None, digest_of=payload_digest) -> bytes:
+    """Header (and tag) of the value of ``payload``, read where it lies; ``digest_of(payload)``
+    gives its payload digest (kvd/tiers/digest_pool.py computes it in another process)."""
     src = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
-    header = pack_header(ns, key, src.nbytes, shards, shard_bytes, payload_digest(src))
+    header = pack_header(ns, key, src.nbytes, shards, shard_bytes, digest_of(src))
     return header if seal is None else header + seal.tag(header, src)
 
 
@@ -139,8 +140,9 @@ def _check_head(header, ns: bytes, key: bytes, seal: Seal | None, nbytes: int) -
     return head
 
 
-def _check_payload(head_view, head: ChunkHeader, payload, seal: Seal | None) -> None:
-    if payload_digest(payload) != head.digest:
+def _check_payload(head_view, head: ChunkHeader, payload, seal: Seal | None,
+                   digest_of=payload_digest) -> None:
+    if digest_of(payload) != head.digest:
         raise ChunkCorrupt("payload checksum mismatch")
     if seal is not None and not hmac.compare_digest(head_view[HEADER.size:],
                                                     seal.tag(head_view[:HEADER.size], payload)):
@@ -148,9 +150,10 @@ def _check_payload(head_view, head: ChunkHeader, payload, seal: Seal | None) -> 
 
 
 def verify_in_place(head, ns: bytes, key: bytes, shards: int, shard_bytes: int, payload,
-                    seal: Seal | None = None) -> ChunkHeader:
+                    seal: Seal | None = None, digest_of=payload_digest) -> ChunkHeader:
     """Check a fetched value's ``head`` (``head_bytes``) against ``ns``/``key`` and the
-    geometry, and its payload digest (and tag) over ``payload``, where the payload landed."""
+    geometry, and its payload digest (``digest_of(payload)``; and tag) over ``payload``,
+    where the payload landed."""
     view = memoryview(head).cast("B")
     body = memoryview(payload).cast("B")
     if view.nbytes != head_bytes(seal):
@@ -159,7 +162,7 @@ def verify_in_place(head, ns: bytes, key: bytes, shards: int, shard_bytes: int, 
     if parsed.shards != shards or parsed.shard_bytes != shard_bytes:
         raise ChunkCorrupt(f"{parsed.shards} shards of {parsed.shard_bytes} bytes, this "
                            f"namespace has {shards} of {shard_bytes}")
-    _check_payload(view, parsed, body, seal)
+    _check_payload(view, parsed, body, seal, digest_of)
     return parsed
 
 

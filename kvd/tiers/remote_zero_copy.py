@@ -11,7 +11,8 @@ instead of one network thread and one round of thread hops a chunk.
 
 - **Put** (``publish``): the entries are pinned, a CPU thread computes each
   value's head over its payload where it lies in the arena (digest, and the
-  keyed tag of a seal), and the store sends heads and payloads from their
+  keyed tag of a seal; digests in checksum processes where the tiering has
+  them, kvd/tiers/digest_pool.py), and the store sends heads and payloads from their
   registered memory. The pins are dropped only when the store's call
   returned, not when the tier gave up on it at its timeout: an abandoned
   call may still be reading the slots, and a slot must not be reused under
@@ -38,6 +39,7 @@ from __future__ import annotations
 import asyncio
 
 from kvd.tiers.chunk_file import ChunkCorrupt
+from kvd.tiers.digest import payload_digest
 from kvd.tiers.remote_value import head_bytes, make_head, verify_in_place
 
 BATCH_BYTES = 16 << 20  # payload bytes one store call moves at most (a single larger chunk alone)
@@ -77,7 +79,7 @@ async def publish(t, entries: list, cold: bool, checked: bool) -> list:
 
 
 def _heads(t, entries: list) -> list:
-    return [make_head(e.ns, e.key, _slot(t, e), e.shards, e.shard_bytes, t.seal)
+    return [make_head(e.ns, e.key, _slot(t, e), e.shards, e.shard_bytes, t.seal, _digest_of(t, e))
             for e in entries]
 
 
@@ -127,7 +129,7 @@ async def _promote(t, ns: bytes, shards: int, shard_bytes: int, futs: dict) -> N
                 shards * shard_bytes, on_done)))
         checks = {key: asyncio.ensure_future(remote.cpu(  # every CPU thread at once
             verify_in_place, heads[key], ns, key, shards, shard_bytes, _slot(t, todo[key][0]),
-            t.seal)) for key in todo if isinstance(heads[key], bytes)}
+            t.seal, _digest_of(t, todo[key][0]))) for key in todo if isinstance(heads[key], bytes)}
         for key, check in checks.items():  # committed in key order
             entry, ranks = todo.pop(key)
             ok = False
@@ -161,3 +163,11 @@ async def _promote(t, ns: bytes, shards: int, shard_bytes: int, futs: dict) -> N
 
 def _slot(t, entry):
     return t.view[entry.offset:entry.offset + entry.size]
+
+
+def _digest_of(t, entry):
+    """The payload digest of ``entry``'s slot, from a checksum process where there are
+    (kvd/tiers/digest_pool.py), otherwise on the calling thread."""
+    if t.digests is None:
+        return payload_digest
+    return lambda slot: t.digests.digest(entry.offset, slot)

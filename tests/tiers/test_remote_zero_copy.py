@@ -13,13 +13,18 @@ once, deleted and never served, and its host slot is freed; a daemon with the pa
 (``remote_mooncake_zero_copy = false``, the bytes path a failed
 registration also falls back to) says why once and shares chunks both ways
 with a zero-copy one (the stored values are the same). Skipped, with the
-reason, without the Mooncake wheel or ``libibverbs.so.1``.
+reason, without the Mooncake wheel or ``libibverbs.so.1``. A node with checksum processes
+(``remote_digest_processes``, kvd/tiers/digest_pool.py) checks through them, catches damage
+through them, and they end with it, also when it is killed.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import workers_disk as D
+from daemons import wait_for
 import workers_remote as R
 from remote_servers import running
 from test_remote_tier import PREFIX, SPEC, corrupt, remote, wait_remote
@@ -55,7 +60,10 @@ def rewrite(store, names: list, change) -> None:
 
 
 def test_two_daemons_share_chunks_byte_exact_on_the_zero_copy_path(store, start_daemon, procs):
-    a, b = node(start_daemon, store), node(start_daemon, store)
+    """Node B checks in two checksum processes (kvd/tiers/digest_pool.py), node A in its own
+    threads (the default on a machine of fewer than 4 cores)."""
+    a = node(start_daemon, store, remote_digest_processes=0)
+    b = node(start_daemon, store, remote_digest_processes=2)
     for d in (a, b):
         assert remote(d)["zero_copy"] is True
         assert d.log().count(ON) == 1
@@ -70,17 +78,50 @@ def test_two_daemons_share_chunks_byte_exact_on_the_zero_copy_path(store, start_
     r = remote(b)
     assert r["zero_copy_gets"] == r["gets"] == r["promotions"] == n
     assert r["corrupt"] == 0 and r["errors"] == 0 and r["timeouts"] == 0
+    assert r["digest_processes"] == 2 and r["digests_in_processes"] == n
+    assert r["digests_in_threads"] == r["digest_processes_lost"] == 0
+    assert remote(a)["digest_processes"] == 0  # A's checks ran on its threads
     assert b.stats()["remote_hits"] == n
+    workers = digest_workers(b)
+    assert len(workers) == 2
     for d in (a, b):
         assert d.stop() == 0
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)  # closed with the tier
+
+
+def test_checksum_processes_end_when_their_daemon_is_killed(store, start_daemon):
+    d = node(start_daemon, store, remote_digest_processes=2)
+    workers = digest_workers(d)
+    assert len(workers) == 2
+    d.kill()  # SIGKILL: nothing closes them; their input ends
+    wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in workers), 10.0,
+             "the checksum processes to end after their daemon")
+
+
+def digest_workers(d) -> list:
+    """Pids of daemon ``d``'s checksum processes (children of its pid)."""
+    pid = d.proc.pid
+    out = []
+    for child in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"kvd.tiers.digest_worker" in cmd:
+            out.append(int(child))
+    return out
 
 
 def test_a_damaged_value_is_a_miss_never_served_and_its_slot_is_freed(store, start_daemon,
                                                                       procs):
     """Three chunks of one sequence, each damaged in the store another way: a payload byte, a
     header byte, a byte cut off. The lookup trusts the store's exists answer; the load
-    fetches, refuses and loads nothing: its pages keep their poison (checked in the worker)."""
-    a, b = node(start_daemon, store), node(start_daemon, store)
+    fetches, refuses and loads nothing: its pages keep their poison (checked in the worker).
+    Node B checks in checksum processes: they catch every damaged payload too."""
+    a, b = node(start_daemon, store), node(start_daemon, store, remote_digest_processes=2)
     ra, rb, model = str(a.runtime_dir), str(b.runtime_dir), "remote/zero-copy/damaged"
     names = procs.apply(R.store_names, (ra, SPEC, 43, 3, 1, model, PREFIX))
     assert procs.apply(D.store_seqs, (ra, SPEC, 43, 3, 1, model, False)) == 3 * CHUNK
@@ -101,6 +142,7 @@ def test_a_damaged_value_is_a_miss_never_served_and_its_slot_is_freed(store, sta
     # never gives a head (Mooncake refuses it, or moves it and its size says no)
     r = wait_remote(b, lambda r: r["corrupt"] >= 3, "the three values counted corrupt")
     assert r["promotions"] == 0 and r["zero_copy_gets"] == 2 and r["corrupt"] == 3
+    assert r["digests_in_processes"] == 1 and r["digests_in_threads"] == 0  # the payload's flip
     assert procs.apply(D.load_seqs, (rb, SPEC, 43, 3, 1, model)) == [(0, 0)] * 3  # deleted
     assert remote(b)["corrupt"] == 3
     host = b.stats()["tiers"]["host"]
