@@ -14,7 +14,9 @@
 #   bash .gpu/run.sh bash tools/gpu/remote_bench.sh
 # REMOTE_THREADS (default "4 8"; empty: set-up only): the bench's --remote-threads, one run each; REMOTE_ARGS
 # replaces the other flags of every run (default: 32 chunks of 4 MiB, 7 rounds, an 8-layer
-# Llama-3-8B shape for the load). Each run is cut at 240 s; REMOTE_TESTS=0 skips the tests
+# Llama-3-8B shape for the load). REMOTE_DIGEST (default "-1"): the bench's
+# --remote-digest-processes, one run each, after the thread count (e.g. "0 -1 0 -1": an A/B of
+# kvd's checksum processes). Each run is cut at 240 s; REMOTE_TESTS=0 skips the tests
 # (300 s at most).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -44,15 +46,19 @@ done
   python3 -c 'from kvd.bench.stores import MooncakeMaster as M; print("mooncake_master:", M.missing() or "ok")'
 } 2>&1 | tee "$OUT/machine.txt"
 grep -q 'mooncake_master: ok' "$OUT/machine.txt" || { echo "mooncake_master cannot run here"; exit 2; }
-rc=0
+rc=0 run=0
 for threads in ${REMOTE_THREADS-4 8}; do
-  echo "== kvd bench --remote --remote-stores mooncake --remote-threads $threads"
-  # shellcheck disable=SC2086
-  timeout 240 python3 -m kvd bench --remote --remote-stores mooncake --remote-threads "$threads" \
-    ${REMOTE_ARGS:---remote-chunks 32 --remote-chunk-mib 4 --repeat 7 --layers 8 --chunks 8} \
-    --json "$OUT/remote_t$threads.json" 2>&1 | grep -v -E '^[IWE][0-9]{4} |^WARNING: Logging before' \
-    | tee "$OUT/remote_t$threads.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "REMOTE BENCH FAILED (threads $threads)"; rc=1; }
+  for digest in ${REMOTE_DIGEST:--1}; do
+    name="t$threads"; [ "${REMOTE_DIGEST:--1}" = "-1" ] || name="t${threads}_p${digest}_$((++run))"
+    echo "== kvd bench --remote --remote-stores mooncake --remote-threads $threads --remote-digest-processes $digest"
+    # shellcheck disable=SC2086
+    timeout 240 python3 -m kvd bench --remote --remote-stores mooncake --remote-threads "$threads" \
+      --remote-digest-processes "$digest" \
+      ${REMOTE_ARGS:---remote-chunks 32 --remote-chunk-mib 4 --repeat 7 --layers 8 --chunks 8} \
+      --json "$OUT/remote_$name.json" 2>&1 | grep -v -E '^[IWE][0-9]{4} |^WARNING: Logging before' \
+      | tee "$OUT/remote_$name.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "REMOTE BENCH FAILED (threads $threads)"; rc=1; }
+  done
 done
 if [ "${REMOTE_TESTS:-1}" = 1 ]; then  # the zero-copy path's real-daemon tests, on these cores
   echo "== pytest (Mooncake zero-copy and layer-wise remote loads)"
