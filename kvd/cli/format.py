@@ -92,6 +92,8 @@ def format_stats(s: dict) -> str:
 def _remote(r: dict, hits: int) -> str:
     keyed = " (keyed)" if r.get("keyed") else ""
     keyed += " zero-copy" if r.get("zero_copy") else ""
+    if r.get("digest_processes") or r.get("digest_processes_lost"):
+        keyed += f", checksums in {r['digest_processes']} processes ({r['digest_processes_lost']} lost)"
     return (f"remote: {r['backend']} {r['address']} prefix {r['prefix']}{keyed}  breaker {r['breaker']} "
             f"(opened {r['breaker_opened']})  hits {hits}  fetched {r['gets']} "
             f"({size(r['get_bytes'])})  sent {r['puts']} ({size(r['put_bytes'])}, "

@@ -24,11 +24,13 @@ import os
 
 import pytest
 import workers_disk as D
-from daemons import wait_for
 import workers_remote as R
+from daemons import wait_for
 from remote_servers import running
 from test_remote_tier import PREFIX, SPEC, corrupt, remote, wait_remote
 from test_remote_tier import node as tier_node
+
+from kvd.cli.format import format_stats
 
 CHUNK = D.CHUNK
 
@@ -81,6 +83,8 @@ def test_two_daemons_share_chunks_byte_exact_on_the_zero_copy_path(store, start_
     assert r["digest_processes"] == 2 and r["digests_in_processes"] == n
     assert r["digests_in_threads"] == r["digest_processes_lost"] == 0
     assert remote(a)["digest_processes"] == 0  # A's checks ran on its threads
+    assert "zero-copy, checksums in 2 processes (0 lost)" in format_stats(b.stats())
+    assert "checksums in" not in format_stats(a.stats())
     assert b.stats()["remote_hits"] == n
     workers = digest_workers(b)
     assert len(workers) == 2
