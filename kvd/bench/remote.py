@@ -9,7 +9,8 @@ first: kvd's remote tier publishes ``--remote-chunks`` chunks of
 check, put) and promotes them back into fresh host slots (get, header
 check, digest verified), ``--remote-threads`` puts and fetches at a time;
 the store's own client puts and gets the same bytes on as many threads.
-Redis: kvd's tier against redis-py with its defaults. Mooncake (Mooncake's
+Redis: kvd's tier against redis-py with its defaults, and against
+redis-py with kvd's checksum work added (``client+digest``). Mooncake (Mooncake's
 ``MooncakeDistributedStore``, the tier's own instance: one per process):
 kvd's zero-copy path (the host arena registered, kvd/tiers/remote_zero_copy.py)
 and its bytes path (``remote_mooncake_zero_copy = false``), against the
@@ -55,11 +56,11 @@ from .stores import MooncakeMaster, RedisServer, mooncake_env
 
 NS = bytes(range(16))
 STORES = ("redis", "mooncake")
-SIDES = {"redis": ("kvd", "client"),
+SIDES = {"redis": ("kvd", "client", "client+digest"),
          "mooncake": ("kvd zero-copy", "kvd bytes", "client bytes", "client zero-copy",
                       "client zc+digest")}
 # what kvd's first side is set against; Mooncake also against its client doing kvd's checksums
-MATCH = {"redis": ("client",), "mooncake": ("client zero-copy", "client zc+digest")}
+MATCH = {"redis": ("client", "client+digest"), "mooncake": ("client zero-copy", "client zc+digest")}
 
 
 class BenchFailed(Exception):
@@ -237,6 +238,8 @@ def _raw_client(server, name: str, remote: RemoteTier, threads: int, own: np.nda
         import redis
         client = redis.Redis.from_url(server.url, max_connections=threads + 1)
         put, get, delete = client.set, client.get, client.delete
+        if digest:  # kvd's checksum work, in the client's threads: a verified transfer's cost
+            put, get = _checked(put, get)
     else:  # the tier's own MooncakeDistributedStore: one instance per process
         store = remote.store.store
         put, get = store.put, store.get
@@ -261,6 +264,23 @@ def _raw_client(server, name: str, remote: RemoteTier, threads: int, own: np.nda
             delete(n)
         return put_s, get_s
     return round_
+
+
+def _checked(put, get):
+    """``put``/``get`` of bytes that compute the payload digest before each put and check it
+    after each get, as kvd does."""
+    sums: dict = {}
+
+    def checked_put(name, value):
+        sums[name] = payload_digest(value)
+        return put(name, value)
+
+    def checked_get(name):
+        value = get(name)
+        if value is not None and payload_digest(value) != sums[name]:
+            raise BenchFailed("the store's client got other bytes back")
+        return value
+    return checked_put, checked_get
 
 
 def _zero_copy_round(store, names: list, values: list, own: np.ndarray, threads: int,
