@@ -7,8 +7,10 @@ length); each answer on stdout is one status byte (``OK``, or ``OUTSIDE``
 for a range past SIZE or empty) and the 16-byte payload digest of
 kvd/tiers/digest.py over those bytes (zeros when refused). Requests are
 answered in order, one at a time. It ends when stdin ends (the daemon
-closed it, or died), and ignores SIGINT: a Ctrl-C reaches the daemon's
-whole process group, and the daemon decides when its helpers end.
+closed it, or died), and ignores SIGINT and SIGTERM: a Ctrl-C reaches the
+daemon's whole process group and systemd's stop its whole cgroup, while
+the daemon may still be checking chunks as it shuts down; the daemon
+decides when its helpers end.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def serve(path: str, size: int) -> None:
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if len(argv) != 2 or not argv[1].isdigit():
         print("usage: python -m kvd.tiers.digest_worker PATH SIZE", file=sys.stderr)
         return 2

@@ -96,11 +96,15 @@ def test_ranges_outside_the_arena_are_refused_before_any_worker_sees_them(arena,
     assert pool.stats()["digest_processes"] == 2
 
 
-def test_a_worker_refuses_ranges_past_its_file_and_ends_with_its_input(arena):
+def test_a_worker_refuses_ranges_past_its_file_and_ends_with_its_input_only(arena):
     path, view = arena
     proc = subprocess.Popen([sys.executable, "-m", "kvd.tiers.digest_worker", str(path), str(SIZE)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
     try:
+        proc.stdin.write(REQUEST.pack(0, 4096))  # answered once it runs: its handlers are set
+        assert read_exactly(proc.stdout.fileno(), ANSWER_BYTES)[0] == OK
+        proc.send_signal(signal.SIGTERM)  # a cgroup-wide stop: it stays for the daemon
+        proc.send_signal(signal.SIGINT)
         for off, n, status in ((SIZE - 4096, 8192, OUTSIDE), (0, 0, OUTSIDE), (2**63, 2**63, OUTSIDE),
                                (8192, 70_000, OK)):
             proc.stdin.write(REQUEST.pack(off, n))
