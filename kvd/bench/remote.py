@@ -43,10 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.tiers.digest import payload_digest
-from kvd.tiers.host import HostTier
 from kvd.tiers.arena import SharedArena, arena_path
+from kvd.tiers.digest import payload_digest
 from kvd.tiers.digest_pool import DigestPool, auto_processes
+from kvd.tiers.host import HostTier
 from kvd.tiers.remote import CPU_THREADS, RemoteTier
 from kvd.tiers.remote_tiering import RemoteTiering
 from kvd.tiers.remote_value import Seal
@@ -119,17 +119,16 @@ def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, se
     server = (RedisServer if name == "redis" else MooncakeMaster)().start()
     # the host arena as the daemon has it (a shared-memory file: checksum processes map it);
     # its last third: the client's own memory
-    arena = SharedArena(arena_path(Path(tempfile.gettempdir() if not Path("/dev/shm").is_dir()
-                                        else "/dev/shm"), f"bench-{os.getpid()}"), 3 * chunks * size)
-    digests = DigestPool(arena.path, arena.view.nbytes, digest_processes) \
-        if name == "mooncake" and digest_processes else None
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    arena = SharedArena(arena_path(shm, f"bench-{os.getpid()}"), 3 * chunks * size)
+    digests = DigestPool(arena.path, arena.view.nbytes,
+                         digest_processes if name == "mooncake" else 0)
     try:
         host = HostTier(2 * chunks * size, 4096)
         return asyncio.run(_rounds(server, name, arena.view, host, chunks, size, threads, repeat,
                                    seal, digests))
     finally:
-        if digests is not None:
-            digests.close()
+        digests.close()
         arena.close()
         server.stop()
 
@@ -149,7 +148,7 @@ def _tier_store(server, name: str, nbytes: int, repeat: int):
 
 async def _rounds(server, name, view, host, chunks, size, threads, repeat, seal, digests) -> dict:
     remote = RemoteTier(_tier_store(server, name, chunks * size, repeat), "bench", 5.0, 2 * threads + 2,
-                        3, 1.0, max(CPU_THREADS, digests.started if digests else 0))
+                        3, 1.0, max(CPU_THREADS, digests.started))
     sides = SIDES[name]
     runs: dict = {f"{side} {d}": [] for side in sides for d in ("put", "get")}
     tiering = RemoteTiering(host, remote, view, "store", chunks, seal, digests)

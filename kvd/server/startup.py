@@ -192,7 +192,7 @@ def make_remote(cfg, host, view, arena_path):
     remote = RemoteTier(store, store_prefix(cfg.remote_prefix, seal), cfg.remote_timeout_s,
                         cfg.remote_threads, cfg.remote_breaker_failures, cfg.remote_breaker_retry_s,
                         max(CPU_THREADS, processes))
-    digests = DigestPool(arena_path, view.nbytes, processes) if processes else None
+    digests = DigestPool(arena_path, view.nbytes, processes)
     return RemoteTiering(host, remote, view, cfg.remote_publish, cfg.remote_queue_chunks, seal,
                          digests)
 

@@ -7,7 +7,9 @@ cores there are. ``DigestPool(path, size, processes)`` starts ``processes``
 workers (kvd/tiers/digest_worker.py), each mapping the arena file
 read-only; ``digest(offset, view)`` (any thread; ``view`` is the arena's
 bytes at ``offset``) gives the same 16 bytes as ``payload_digest(view)``,
-computed by an idle worker while the calling thread waits outside the GIL.
+computed by an idle worker while the calling thread waits outside the GIL
+(with no processes, ``path`` is never opened: every digest is the
+caller's).
 
 Failure: a worker that cannot be started, dies, answers late (past
 ``timeout_s``) or answers wrongly is killed and dropped (``lost``,
@@ -46,10 +48,7 @@ def auto_processes(asked: int, cores: int | None = None) -> int:
 
 
 class DigestPool:
-    NONE = {"digest_processes": 0, "digests_in_processes": 0, "digests_in_threads": 0,
-            "digest_processes_lost": 0}  # ``stats`` of a tiering without a pool
-
-    def __init__(self, path, size: int, processes: int, timeout_s: float = TIMEOUT_S):
+    def __init__(self, path, size: int, processes: int = 0, timeout_s: float = TIMEOUT_S):
         self.path, self.size, self.timeout_s = str(path), size, timeout_s
         self.idle: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
@@ -77,15 +76,13 @@ class DigestPool:
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(f"bytes {offset}..{offset + nbytes} are outside the "
                              f"{self.size}-byte arena")
-        proc = self._take()
-        if proc is not None and nbytes:
+        proc = self._take() if nbytes else None
+        if proc is not None:
             got = self._ask(proc, offset, nbytes)
             if got is not None:
                 self.idle.put(proc)
                 self._count("remote")
                 return got
-        elif proc is not None:
-            self.idle.put(proc)
         self._count("local")
         return payload_digest(view)
 

@@ -53,11 +53,11 @@ from collections import Counter
 
 from kvd.tiers.chunk_file import ChunkCorrupt
 from kvd.tiers import remote_zero_copy as zero_copy
+from kvd.tiers.digest_pool import DigestPool
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
 from kvd.tiers.remote_buffers import ValueBuffers
 from kvd.tiers.remote_value import Seal, copy_verified, pack, parse, value_bytes
-from kvd.tiers.digest_pool import DigestPool
 from kvd.tiers.tiering import hold_ready
 from kvd_protocol.errors import ServerError
 
@@ -80,7 +80,8 @@ class RemoteTiering:
         self.publish = publish
         self.queue_chunks = queue_chunks
         self.seal = seal  # remote_secret: values carry a keyed tag, and need a valid one
-        self.digests = digests  # checksum processes of the zero-copy path (DigestPool), or None
+        # the zero-copy path's checksums: in processes where the pool has them
+        self.digests = digests if digests is not None else DigestPool(None, view.nbytes)
         self.promoting: dict[bytes, asyncio.Future] = {}
         self.shard_bytes: dict[bytes, int] = {}  # per namespace, for fetches of lookups without a layout
         self.publishing: dict[bytes, asyncio.Task] = {}  # a task may put a run of chunks
@@ -112,8 +113,7 @@ class RemoteTiering:
         await asyncio.gather(*self.publishing.values(), *self.promoting.values(),
                              *self.batches, return_exceptions=True)
         await self.remote.stop()
-        if self.digests is not None:  # after the CPU threads that ask them
-            self.digests.close()
+        self.digests.close()  # after the CPU threads that ask it
 
     # ---- publication ---------------------------------------------------------------
 
@@ -368,4 +368,4 @@ class RemoteTiering:
                 "publish_lost": c["publish_lost"], "promotions": c["promotions"],
                 "promotions_failed": c["promotions_failed"], "load_pieces": c["load_pieces"],
                 "promotions_running": len(self.promoting),
-                **(self.digests.stats() if self.digests is not None else DigestPool.NONE)}
+                **self.digests.stats()}

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 
 from kvd.tiers.chunk_file import ChunkCorrupt
-from kvd.tiers.digest import payload_digest
 from kvd.tiers.remote_value import head_bytes, make_head, verify_in_place
 
 BATCH_BYTES = 16 << 20  # payload bytes one store call moves at most (a single larger chunk alone)
@@ -166,8 +165,6 @@ def _slot(t, entry):
 
 
 def _digest_of(t, entry):
-    """The payload digest of ``entry``'s slot, from a checksum process where there are
-    (kvd/tiers/digest_pool.py), otherwise on the calling thread."""
-    if t.digests is None:
-        return payload_digest
+    """The payload digest of ``entry``'s slot, from a checksum process where the tiering has
+    one (kvd/tiers/digest_pool.py), otherwise on the calling thread."""
     return lambda slot: t.digests.digest(entry.offset, slot)
