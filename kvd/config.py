@@ -196,6 +196,8 @@ KNOBS = (
          "checks whether the store is back.", minimum=0.05),
     Knob("remote_ttl_s", "int", 0, "Expiry of each value put in Valkey/Redis, in seconds (0: none; "
          "the server's maxmemory policy evicts).", minimum=0),
+    Knob("remote_redis_zero_copy", "bool", True, "Send chunks to Valkey/Redis from the host arena "
+         "and read GET replies straight into it (docs/cluster.md); false: through Python bytes."),
     Knob("remote_mooncake_metadata", "str", "", "Mooncake's transfer metadata service: a URL, "
          "P2PHANDSHAKE or an etcd address. Empty: http://<master host>:8080/metadata (the "
          "master's own, --enable_http_metadata_server)."),
@@ -209,7 +211,7 @@ KNOBS = (
     Knob("remote_mooncake_zero_copy", "bool", True, "Register the host arena with Mooncake and "
          "move chunks between it and the store without a copy (docs/cluster.md); false, or a "
          "registration Mooncake refuses (logged once): values go through Python bytes."),
-    Knob("remote_digest_processes", "int", -1, "Processes checking the zero-copy Mooncake path's "
+    Knob("remote_digest_processes", "int", -1, "Processes checking the zero-copy path's "
          "chunks outside the GIL (docs/cluster.md): -1 one per 4 cores, at most 8; 0 none.", minimum=-1),
     Knob("quota", "quotas", (), "Caps and reservations per model and tenant, so one cannot evict "
          "everyone else's cache (docs/operations.md, Quotas): [[quota]] tables at the end of the "

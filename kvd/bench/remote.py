@@ -9,8 +9,11 @@ first: kvd's remote tier publishes ``--remote-chunks`` chunks of
 check, put) and promotes them back into fresh host slots (get, header
 check, digest verified), ``--remote-threads`` puts and fetches at a time;
 the store's own client puts and gets the same bytes on as many threads.
-Redis: kvd's tier against redis-py with its defaults, and against
-redis-py with kvd's checksum work added (``client+digest``). Mooncake (Mooncake's
+Redis: kvd's zero-copy path (values sent from the arena, GET replies read
+into it, kvd/tiers/redis_arena.py) and its bytes path
+(``remote_redis_zero_copy = false``) against redis-py with its defaults,
+and against redis-py with kvd's checksum work added (``client+digest``).
+Mooncake (Mooncake's
 ``MooncakeDistributedStore``, the tier's own instance: one per process):
 kvd's zero-copy path (the host arena registered, kvd/tiers/remote_zero_copy.py)
 and its bytes path (``remote_mooncake_zero_copy = false``), against the
@@ -56,7 +59,7 @@ from .stores import MooncakeMaster, RedisServer, mooncake_env
 
 NS = bytes(range(16))
 STORES = ("redis", "mooncake")
-SIDES = {"redis": ("kvd", "client", "client+digest"),
+SIDES = {"redis": ("kvd zero-copy", "kvd bytes", "client", "client+digest"),
          "mooncake": ("kvd zero-copy", "kvd bytes", "client bytes", "client zero-copy",
                       "client zc+digest")}
 # what kvd's first side is set against; Mooncake also against its client doing kvd's checksums
@@ -121,8 +124,7 @@ def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, se
     # its last third: the client's own memory
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     arena = SharedArena(arena_path(shm, f"bench-{os.getpid()}"), 3 * chunks * size)
-    digests = DigestPool(arena.path, arena.view.nbytes,
-                         digest_processes if name == "mooncake" else 0)
+    digests = DigestPool(arena.path, arena.view.nbytes, digest_processes)
     try:
         host = HostTier(2 * chunks * size, 4096)
         return asyncio.run(_rounds(server, name, arena.view, host, chunks, size, threads, repeat,
@@ -157,7 +159,7 @@ async def _rounds(server, name, view, host, chunks, size, threads, repeat, seal,
     try:
         while not remote.breaker.allow():
             await asyncio.sleep(0.01)
-        if name == "mooncake" and not tiering.zero_copy:
+        if not tiering.zero_copy:
             raise BenchFailed(f"the zero-copy path is off: {remote.store.zero_copy_off}")
         for r in range(repeat):
             entries = _fill(host, view, chunks, size, r)
@@ -324,8 +326,7 @@ def _report(name: str, runs: dict, args) -> None:
     print(f"{name}: kvd's remote tier vs the store's own client on loopback, "
           f"{args.remote_chunks} chunks of {args.remote_chunk_mib:g} MiB, {args.remote_threads} "
           f"at a time, median of {args.repeat} GB/s" + (", keyed" if args.remote_secret else "")
-          + (f", checksums in {auto_processes(args.remote_digest_processes)} processes"
-             if name == "mooncake" else ""))
+          + f", checksums in {auto_processes(args.remote_digest_processes)} processes")
     print(f"{'direction':<10}" + "".join(f"{s:>18}" for s in sides)
           + "".join(f"{'kvd/' + m:>22}" for m in match))
     for d in ("put", "get"):

@@ -167,7 +167,7 @@ def _check_remote(cfg) -> None:
 def make_remote(cfg, host, view, arena_path):
     """The remote tier (kvd.tiers.remote_tiering) over ``cfg.remote_backend``; it connects in
     the background: a store that is down at start-up leaves kvd local-only until it answers.
-    The zero-copy Mooncake path checks chunks in ``remote_digest_processes`` processes that
+    The zero-copy path (Mooncake, Redis) checks chunks in ``remote_digest_processes`` processes that
     map the arena at ``arena_path`` (kvd/tiers/digest_pool.py)."""
     from kvd.tiers.digest_pool import DigestPool, auto_processes
     from kvd.tiers.remote import CPU_THREADS, RemoteTier
@@ -177,7 +177,8 @@ def make_remote(cfg, host, view, arena_path):
     from kvd.tiers.remote_value import Seal, store_prefix
     try:
         if cfg.remote_backend == "redis":
-            store = RedisStore(cfg.remote_address, cfg.remote_timeout_s, cfg.remote_ttl_s)
+            store = RedisStore(cfg.remote_address, cfg.remote_timeout_s, cfg.remote_ttl_s,
+                               cfg.remote_redis_zero_copy)
         else:
             store = MooncakeStore(cfg.remote_address, cfg.remote_timeout_s,
                                   cfg.remote_mooncake_metadata, cfg.remote_mooncake_local_host,
@@ -187,7 +188,8 @@ def make_remote(cfg, host, view, arena_path):
     except ValueError as exc:
         raise ConfigError("remote_address", str(exc)) from None
     seal = Seal(cfg.remote_secret) if cfg.remote_secret else None
-    zero_copy = cfg.remote_backend == "mooncake" and cfg.remote_mooncake_zero_copy
+    zero_copy = cfg.remote_mooncake_zero_copy if cfg.remote_backend == "mooncake" else \
+        cfg.remote_redis_zero_copy
     processes = auto_processes(cfg.remote_digest_processes) if zero_copy else 0
     remote = RemoteTier(store, store_prefix(cfg.remote_prefix, seal), cfg.remote_timeout_s,
                         cfg.remote_threads, cfg.remote_breaker_failures, cfg.remote_breaker_retry_s,

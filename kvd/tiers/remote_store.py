@@ -18,7 +18,11 @@ reports one itself):
 - ``put(name, value)``: store ``value`` (a buffer) under ``name``, replacing
   any value there;
 - ``delete(name)``: best effort;
-- ``close()``.
+- ``close()``;
+- optional zero-copy calls (``zero_copy`` says when they work; ``lend(ptr,
+  size)`` names the host arena): ``put_from``/``get_into`` move several
+  values between arena memory and the store in one call (contract in
+  kvd/tiers/remote_mooncake.py; Redis: kvd/tiers/redis_arena.py).
 
 Backends: ``RedisStore`` here (Valkey or Redis; ``address`` a URL:
 redis://host:port/db, rediss://..., unix:///path) and ``MooncakeStore``
@@ -29,6 +33,9 @@ imported by ``connect`` only, so kvd without the extras still starts.
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger("kvd")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # redis-py reads a reply this many bytes at a time (its default, 64 KiB, costs a Python-level
 # loop turn per 64 KiB of a multi-MiB value: ~20% of a 4 MiB GET on loopback)
@@ -53,12 +60,36 @@ class RemoteError(Exception):
     """The store answered with an error (or a backend's own error code)."""
 
 
+def _some(out: list) -> list:
+    """``out``, unless every value of a call failed: then the first failure, raised."""
+    if out and all(isinstance(v, RemoteError) for v in out):
+        raise out[0]
+    return out
+
+
+def _copy_reply(conn, head_len: int, slot: memoryview):
+    """``BulkReader.reply_into`` through redis-py's parser (RESP3, or no socket to read): the
+    payload copied into ``slot`` once."""
+    from redis.exceptions import ResponseError
+    try:
+        value = conn.read_response(disable_decoding=True)
+    except ResponseError as exc:
+        return RemoteError(str(exc))
+    if value is None:
+        return None
+    if len(value) != head_len + slot.nbytes:
+        return len(value)
+    slot[:] = memoryview(value)[head_len:]
+    return bytes(value[:head_len])
+
+
 class RedisStore:
     """Valkey or Redis through the ``redis`` client (``pip install 'kvd[redis]'``)."""
 
     name = "redis"
+    batch_bytes = 4 << 20  # a zero-copy call's values (a larger one alone): pipelined, not parallel
 
-    def __init__(self, address: str, timeout_s: float, ttl_s: int = 0):
+    def __init__(self, address: str, timeout_s: float, ttl_s: int = 0, zero_copy: bool = True):
         if not address.startswith(REDIS_SCHEMES):
             raise ValueError(f"a Valkey/Redis address is a URL ({', '.join(REDIS_SCHEMES)}), "
                              f"got {address!r}")
@@ -66,6 +97,21 @@ class RedisStore:
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s or None
         self.client = None
+        self.want_zero_copy = zero_copy
+        self.lent: tuple | None = None  # (pointer, bytes) of the host arena
+        self.zero_copy_off = "remote_redis_zero_copy = false" if not zero_copy else \
+            "no host arena lent"
+        self.said = False  # the path's state was logged
+
+    @property
+    def zero_copy(self) -> bool:
+        return not self.zero_copy_off
+
+    def lend(self, ptr: int, size: int) -> None:
+        """The host arena, for ``put_from``/``get_into``."""
+        self.lent = (ptr, size)
+        if self.want_zero_copy:
+            self.zero_copy_off = ""
 
     def connect(self) -> None:
         import redis
@@ -78,6 +124,14 @@ class RedisStore:
             self.address, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
             client_name="kvd", socket_read_size=READ_BYTES, **_python_packer())
+        if not self.said:  # once: connect runs again after every failure
+            self.said = True
+            if self.zero_copy_off:
+                log.info("remote tier: Redis zero-copy path off (%s): values go through Python "
+                         "bytes", self.zero_copy_off)
+            else:
+                log.info("remote tier: Redis zero-copy path on: chunks are sent from the host "
+                         "arena and GET replies read straight into it")
 
     def ping(self) -> None:
         if not self.client.ping():
@@ -97,6 +151,61 @@ class RedisStore:
 
     def put(self, name: str, value) -> None:
         self.client.set(name, value, ex=self.ttl_s)
+
+    def put_from(self, names: list, heads: list, ptrs: list, sizes: list) -> list:
+        """Store each ``heads[i]`` then the ``sizes[i]`` arena bytes at ``ptrs[i]`` as one
+        value, pipelined on one connection: per value None (stored) or its ``RemoteError``;
+        raises when every value failed."""
+        from redis.exceptions import ResponseError
+
+        from kvd.tiers.redis_arena import set_commands
+
+        def replies(conn) -> list:
+            conn.send_packed_command(set_commands(names, heads, ptrs, sizes, self.ttl_s))
+            out = []
+            for _ in names:
+                try:
+                    conn.read_response()
+                    out.append(None)
+                except ResponseError as exc:  # this value failed, the stream is in step
+                    out.append(RemoteError(str(exc)))
+            return out
+        return _some(self._on_connection(replies))
+
+    def get_into(self, names: list, head_len: int, ptrs: list, size: int) -> list:
+        """GET values of ``head_len + size`` bytes, pipelined on one connection, each one's
+        payload into the arena at ``ptrs[i]``: per value its head (bytes), None when absent,
+        the stored size when another (its slot may hold some of it), or its
+        ``RemoteError``; raises when every value failed."""
+        from kvd.tiers.redis_arena import BulkReader, arena_view, raw_socket
+
+        def replies(conn) -> list:
+            conn.send_packed_command(conn.pack_commands([("GET", n) for n in names]))
+            sock = raw_socket(conn)
+            if sock is None:
+                return [_copy_reply(conn, head_len, arena_view(p, size)) for p in ptrs]
+            reader = BulkReader(sock)
+            out = [reader.reply_into(head_len, arena_view(p, size)) for p in ptrs]
+            if reader.buf:
+                raise RemoteError("bytes past the last GET reply: the stream is out of step")
+            return out
+        return _some(self._on_connection(replies))
+
+    def _on_connection(self, io):
+        """``io(conn)`` on a connection of the pool; one that failed midway is closed (its
+        stream may be out of step), never handed out again as it is."""
+        pool = self.client.connection_pool
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py before 5.3 wants a command name
+            conn = pool.get_connection("GET")
+        try:
+            return io(conn)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
 
     def delete(self, name: str) -> None:
         self.client.delete(name)

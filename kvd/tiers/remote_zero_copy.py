@@ -5,7 +5,8 @@ says ``zero_copy`` (the arena is registered with it,
 kvd/tiers/remote_mooncake.py); otherwise values go through Python bytes.
 The stored value is the same on both paths (kvd/tiers/remote_value.py:
 header, tag with a seal, payload), so nodes on either path share it. A run
-of chunks (``batch_chunks``: at most ``BATCH_BYTES`` and ``BATCH_CHUNKS``)
+of chunks (``batch_chunks``: at most ``BATCH_BYTES``, or the store's
+``batch_bytes``, and ``BATCH_CHUNKS``)
 moves in one store call: the transfer engine moves them in parallel,
 instead of one network thread and one round of thread hops a chunk.
 
@@ -42,15 +43,18 @@ from kvd.tiers.chunk_file import ChunkCorrupt
 from kvd.tiers.remote_value import head_bytes, make_head, verify_in_place
 
 BATCH_BYTES = 16 << 20  # payload bytes one store call moves at most (a single larger chunk alone)
+# unless the store says otherwise (``batch_bytes``: Redis, one connection a call, serves a
+# pipeline of multi-MiB values slower than the same values on parallel connections)
 BATCH_CHUNKS = 32  # and chunks
 
 
 def batch_chunks(t, chunk_bytes: int) -> int:
     """Chunks of ``chunk_bytes`` one store call of tiering ``t`` moves: also few enough that
     every network thread's call (an abandoned one too) has its heads' slots."""
-    slots = getattr(t.remote.store, "head_slots", BATCH_CHUNKS * t.remote.net.size)
-    return max(1, min(BATCH_CHUNKS, BATCH_BYTES // max(1, chunk_bytes),
-                      slots // t.remote.net.size))
+    store, threads = t.remote.store, t.remote.net.size
+    most = getattr(store, "batch_bytes", BATCH_BYTES)
+    slots = getattr(store, "head_slots", BATCH_CHUNKS * threads)
+    return max(1, min(BATCH_CHUNKS, most // max(1, chunk_bytes), slots // threads))
 
 
 async def publish(t, entries: list, cold: bool, checked: bool) -> list:
@@ -151,8 +155,9 @@ async def _promote(t, ns: bytes, shards: int, shard_bytes: int, futs: dict) -> N
                 settle(entry, ranks, False)
             stored = heads.get(key)
             if isinstance(stored, int):  # a value of another size: counted once, deleted
-                t._corrupt(ns, key, ChunkCorrupt(f"value is {stored} bytes, this namespace's "
-                                                 f"are {head_bytes(t.seal) + entry.size}"))
+                t._corrupt(ns, key, ChunkCorrupt(
+                    f"value is {stored} bytes, this namespace's are {head_bytes(t.seal) + entry.size}"
+                    + ("" if t.seal is None else " with a keyed tag")))
             else:
                 t.counters["promotions_failed"] += 1
         for fut in futs.values():

@@ -1,9 +1,10 @@
-"""The zero-copy Mooncake path against a real ``mooncake_master`` and real daemons.
+"""The zero-copy path against a real ``mooncake_master`` or Redis server and real daemons.
 
-Each daemon registers its host arena with its Mooncake client
+Mooncake: each daemon registers its host arena with its Mooncake client
 (kvd/tiers/remote_mooncake.py) and moves chunks between the arena and the
-store with Mooncake's multi-buffer batch calls, a run of chunks a call
-(kvd/tiers/remote_zero_copy.py);
+store with Mooncake's multi-buffer batch calls; Redis: values are sent from
+the arena and GET replies read into it (kvd/tiers/redis_arena.py); a run of
+chunks a call (kvd/tiers/remote_zero_copy.py);
 ``kvd stats`` shows it (``zero_copy``, ``zero_copy_puts``, ``zero_copy_gets``)
 and its log says so once. Proved here, engines checking every loaded byte
 against the storer's seed (tests/workers_disk.py): two daemons share chunks
@@ -11,9 +12,9 @@ byte for byte on the zero-copy path; a value damaged in the store (a
 payload byte, a header byte, a value of another size) is a miss, counted
 once, deleted and never served, and its host slot is freed; a daemon with the path off
 (``remote_mooncake_zero_copy = false``, the bytes path a failed
-registration also falls back to) says why once and shares chunks both ways
+registration also falls back to; ``remote_redis_zero_copy = false``) says why once and shares chunks both ways
 with a zero-copy one (the stored values are the same). Skipped, with the
-reason, without the Mooncake wheel or ``libibverbs.so.1``. A node with checksum processes
+reason, without the Mooncake wheel or ``libibverbs.so.1``, or without a Redis server. A node with checksum processes
 (``remote_digest_processes``, kvd/tiers/digest_pool.py) checks through them, catches damage
 through them, and they end with it, also when it is killed.
 """
@@ -27,7 +28,7 @@ import workers_disk as D
 import workers_remote as R
 from daemons import wait_for
 from remote_servers import running
-from test_remote_tier import PREFIX, SPEC, corrupt, remote, wait_remote
+from test_remote_tier import PREFIX, SPEC, calls, corrupt, remote, wait_remote
 from test_remote_tier import node as tier_node
 
 from kvd.cli.format import format_stats
@@ -39,17 +40,32 @@ def node(start_daemon, store, **extra):
     """A node whose store calls may take 2 s (nothing here tests timeouts, and a loaded
     2-core VM has stalled a 16 KiB put past 0.2 s)."""
     return tier_node(start_daemon, store, remote_timeout_s=2.0, **extra)
-ON = "Mooncake zero-copy path on"
-OFF = "Mooncake zero-copy path off (remote_mooncake_zero_copy = false)"
+NAME = {"mooncake": "Mooncake", "redis": "Redis"}
 
 
-@pytest.fixture
-def store():
-    yield from running("mooncake")
+def on(store) -> str:
+    return f"{NAME[store.backend]} zero-copy path on"
+
+
+def off(store) -> str:
+    return f"{NAME[store.backend]} zero-copy path off (remote_{store.backend}_zero_copy = false)"
+
+
+@pytest.fixture(params=["mooncake", "redis"])
+def store(request):
+    yield from running(request.param)
 
 
 def rewrite(store, names: list, change) -> None:
-    """Replace each value by ``change(bytearray of it)``, through Mooncake's own client."""
+    """Replace each value by ``change(bytearray of it)``, through the store's own client."""
+    if store.backend == "redis":
+        client = store.client()
+        try:
+            for name in names:
+                client.set(name, bytes(change(bytearray(client.get(name)))))
+        finally:
+            client.close()
+        return
     from mooncake.store import MooncakeDistributedStore
     client = MooncakeDistributedStore()
     assert client.setup("127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", store.address) == 0
@@ -68,7 +84,7 @@ def test_two_daemons_share_chunks_byte_exact_on_the_zero_copy_path(store, start_
     b = node(start_daemon, store, remote_digest_processes=2)
     for d in (a, b):
         assert remote(d)["zero_copy"] is True
-        assert d.log().count(ON) == 1
+        assert d.log().count(on(store)) == 1
     count, chunks, model = 3, 4, "remote/zero-copy/share"
     n = count * chunks
     assert procs.apply(D.store_seqs, (str(a.runtime_dir), SPEC, 41, count, chunks, model,
@@ -159,10 +175,10 @@ def test_a_damaged_value_is_a_miss_never_served_and_its_slot_is_freed(store, sta
 def test_a_daemon_without_the_path_falls_back_and_shares_both_ways(store, start_daemon, procs):
     """The bytes path (what a refused registration falls back to) and the zero-copy path put
     the same values: each node loads what the other stored, byte for byte."""
-    plain = node(start_daemon, store, remote_mooncake_zero_copy="false")
+    plain = node(start_daemon, store, **{f"remote_{store.backend}_zero_copy": "false"})
     fast = node(start_daemon, store)
-    assert remote(plain)["zero_copy"] is False and plain.log().count(OFF) == 1
-    assert ON not in plain.log() and remote(fast)["zero_copy"] is True
+    assert remote(plain)["zero_copy"] is False and plain.log().count(off(store)) == 1
+    assert on(store) not in plain.log() and remote(fast)["zero_copy"] is True
     rp, rf, model = str(plain.runtime_dir), str(fast.runtime_dir), "remote/zero-copy/fallback"
     assert procs.apply(D.store_seqs, (rp, SPEC, 45, 2, 3, model, False)) == 6 * CHUNK
     wait_remote(plain, lambda r: r["puts"] == 6, "the plain node's puts")
@@ -170,7 +186,11 @@ def test_a_daemon_without_the_path_falls_back_and_shares_both_ways(store, start_
     assert remote(fast)["zero_copy_gets"] == 6
     assert procs.apply(D.store_seqs, (rf, SPEC, 46, 2, 3, model, False)) == 6 * CHUNK
     wait_remote(fast, lambda r: r["zero_copy_puts"] == 6, "the zero-copy node's puts")
+    before = calls(store)
     assert procs.apply(D.load_seqs, (rp, SPEC, 46, 2, 3, model)) == [(3 * CHUNK, 3 * CHUNK)] * 2
+    if store.backend == "redis":  # 16 KiB values on the bytes path: MGET batches, no GET each
+        after = calls(store)
+        assert after["mget"] >= before["mget"] + 2 and after["get"] == before["get"]
     r = remote(plain)
     assert r["gets"] == r["promotions"] == 6 and r["zero_copy_gets"] == r["zero_copy_puts"] == 0
     for d in (plain, fast):

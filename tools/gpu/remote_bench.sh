@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# `kvd bench --remote` for Mooncake (TCP transport) on the GPU machine (16 cores, Python 3.12,
-# no network): kvd's zero-copy and bytes paths against Mooncake's own client on the same objects
-# and parallelism, then the half-local, half-remote load against its halves; the bench starts
-# mooncake_master from the staged wheel on loopback itself (kvd/bench/stores.py). Writes to $OUT
+# `kvd bench --remote` for Mooncake (TCP transport) and Redis on the GPU machine (16 cores, Python
+# 3.12, no network): kvd's zero-copy and bytes paths against the store's own client on the same
+# objects and parallelism, then the half-local, half-remote load against its halves; the bench
+# starts mooncake_master from the staged wheel, and redis-server from .gpu/redis-server.tar.xz,
+# on loopback itself (kvd/bench/stores.py). REMOTE_STORES (default "mooncake,redis" where the
+# Redis server is staged, else "mooncake"): the bench's --remote-stores. Writes to $OUT
 # (a temporary directory without it): machine.txt, remote_t<N>.json and .log per thread count,
 # then remote_tests.log: the Mooncake zero-copy and layer-wise remote tests (real daemons).
 #
@@ -39,20 +41,30 @@ for _ in 1 2 3 4 5 6; do  # a library taken in may link others the image lacks t
     [ -f "$libs/all/$lib" ] && ln -sf "$libs/all/$lib" "$libs/$lib"
   done
 done
+stores=mooncake
+if [ -f .gpu/redis-server.tar.xz ]; then
+  mkdir -p /tmp/kvd-redis
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+    .gpu/redis-server.tar.xz /tmp/kvd-redis
+  export PATH="/tmp/kvd-redis:$PATH"
+  stores=mooncake,redis
+fi
+stores=${REMOTE_STORES:-$stores}
 {
   echo "cores: $(nproc)"; grep -m1 'model name' /proc/cpuinfo; free -g | head -2
   python3 -c 'import sys, numpy, xxhash, zmq, msgpack; print("python", sys.version.split()[0], "numpy", numpy.__version__, "xxhash", xxhash.VERSION, "pyzmq", zmq.__version__)'
   echo "libraries taken from .gpu: $(ls "$libs" | grep -v '^all$' | tr '\n' ' ')"
   python3 -c 'from kvd.bench.stores import MooncakeMaster as M; print("mooncake_master:", M.missing() or "ok")'
+  python3 -c 'from kvd.bench.stores import RedisServer as R; print("redis-server:", R.missing() or "ok")'
 } 2>&1 | tee "$OUT/machine.txt"
 grep -q 'mooncake_master: ok' "$OUT/machine.txt" || { echo "mooncake_master cannot run here"; exit 2; }
 rc=0 run=0
 for threads in ${REMOTE_THREADS-4 8}; do
   for digest in ${REMOTE_DIGEST:--1}; do
     name="t$threads"; [ "${REMOTE_DIGEST:--1}" = "-1" ] || name="t${threads}_p${digest}_$((++run))"
-    echo "== kvd bench --remote --remote-stores mooncake --remote-threads $threads --remote-digest-processes $digest"
+    echo "== kvd bench --remote --remote-stores $stores --remote-threads $threads --remote-digest-processes $digest"
     # shellcheck disable=SC2086
-    timeout 240 python3 -m kvd bench --remote --remote-stores mooncake --remote-threads "$threads" \
+    timeout 240 python3 -m kvd bench --remote --remote-stores "$stores" --remote-threads "$threads" \
       --remote-digest-processes "$digest" \
       ${REMOTE_ARGS:---remote-chunks 32 --remote-chunk-mib 4 --repeat 7 --layers 8 --chunks 8} \
       --json "$OUT/remote_$name.json" 2>&1 | grep -v -E '^[IWE][0-9]{4} |^WARNING: Logging before' \
@@ -61,8 +73,9 @@ for threads in ${REMOTE_THREADS-4 8}; do
   done
 done
 if [ "${REMOTE_TESTS:-1}" = 1 ]; then  # the zero-copy path's real-daemon tests, on these cores
-  echo "== pytest (Mooncake zero-copy and layer-wise remote loads)"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k "not redis" \
+  echo "== pytest (zero-copy and layer-wise remote loads)"
+  filter="not redis"; [[ $stores == *redis* ]] && filter=""
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -k "$filter" \
     tests/tiers/test_remote_zero_copy.py tests/tiers/test_remote_layerwise.py 2>&1 \
     | grep -v -E '^[IWE][0-9]{4} ' | tee "$OUT/remote_tests.log" | tail -n 15
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "REMOTE TESTS FAILED"; rc=1; }

@@ -1,0 +1,137 @@
+"""Valkey/Redis values moved straight between the host arena and a connection's socket.
+
+The zero-copy calls of kvd/tiers/remote_store.py's ``RedisStore``
+(``put_from``, ``get_into``; the contract is the one of
+kvd/tiers/remote_mooncake.py's, which kvd/tiers/remote_zero_copy.py calls).
+A value is the same bytes as on the bytes path (head, then payload), so
+nodes on either path share it.
+
+- **SET from the arena**: the commands of a batch are framed here (RESP2)
+  around the payloads, which are sent as views of the arena (redis-py's
+  ``send_packed_command`` sends each buffer as it is: no copy of a payload
+  in Python); the replies are read by redis-py, an error reply failing its
+  value only.
+- **GET into the arena**: the GETs of a batch go out pipelined and their
+  replies are read off the socket by ``BulkReader``, not by redis-py's
+  parser (which builds each value as Python bytes under the GIL, the
+  bottleneck of a multi-MiB GET): a reply's payload goes by ``recv_into``
+  straight into its slot (the GIL released), its head into bytes. A reply
+  of another length is drained and answered with its length (the caller
+  must not trust that slot); a missing value is None, an error reply the
+  value's ``RemoteError``.
+
+Any failure inside a batch's IO (timeout, a broken or out-of-step stream)
+closes the connection, so the pool never hands out a connection with
+replies left unread, and raises. A reader needs the connection's socket
+and RESP2 (RESP3 may interleave push messages): ``raw_socket`` says when
+it has neither, and the store then reads replies with redis-py and copies
+each payload once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from kvd.tiers.remote_store import RemoteError
+
+LINE_READ = 4096  # a reply's first line is read this much at a time (the rest into its slot)
+DRAIN_READ = 1 << 20
+CRLF = b"\r\n"
+
+
+def arena_view(ptr: int, size: int) -> memoryview:
+    """``size`` writable bytes of the host arena at address ``ptr``."""
+    return memoryview((ctypes.c_char * size).from_address(ptr)).cast("B")
+
+
+def _bulk(data: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+def set_commands(names: list, heads: list, ptrs: list, sizes: list, ttl_s) -> list:
+    """The buffers of one SET per value (``EX ttl_s`` unless None): small framing bytes
+    joined, each payload a view of the arena."""
+    ex = b"" if ttl_s is None else _bulk(b"EX") + _bulk(b"%d" % ttl_s)
+    parts, pending = [], b""
+    for name, head, ptr, size in zip(names, heads, ptrs, sizes):
+        key = name.encode()
+        pending += (b"*%d\r\n" % (5 if ex else 3) + _bulk(b"SET") + _bulk(key)
+                    + b"$%d\r\n" % (len(head) + size) + head)
+        parts += [pending, arena_view(ptr, size)]
+        pending = CRLF + ex
+    return parts + [pending]
+
+
+def raw_socket(conn):
+    """The socket of redis-py connection ``conn`` where its replies may be read off it
+    (RESP2), else None."""
+    if getattr(conn, "protocol", 2) in (3, "3"):
+        return None
+    return getattr(conn, "_sock", None)
+
+
+class BulkReader:
+    """Bulk-string replies read off ``sock`` in order, each payload into memory given."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _more(self) -> None:
+        got = self.sock.recv(LINE_READ)
+        if not got:
+            raise ConnectionError("the store closed the connection")
+        self.buf += got
+
+    def _line(self) -> bytes:
+        while (end := self.buf.find(CRLF)) < 0:
+            if len(self.buf) > LINE_READ:
+                raise RemoteError("a reply line too long: the stream is out of step")
+            self._more()
+        line = bytes(self.buf[:end])
+        del self.buf[:end + 2]
+        return line
+
+    def _into(self, view: memoryview) -> None:
+        n = min(len(self.buf), view.nbytes)
+        view[:n] = self.buf[:n]
+        del self.buf[:n]
+        while n < view.nbytes:
+            got = self.sock.recv_into(view[n:])
+            if not got:
+                raise ConnectionError("the store closed the connection")
+            n += got
+
+    def _drain(self, nbytes: int) -> None:
+        scratch = bytearray(min(nbytes, DRAIN_READ))
+        while nbytes:
+            part = min(nbytes, len(scratch))
+            self._into(memoryview(scratch)[:part])
+            nbytes -= part
+
+    def reply_into(self, head_len: int, slot: memoryview):
+        """The next reply, a GET's: its head (bytes) with the rest of the value in ``slot``,
+        None (no value), its length (another size: ``slot`` may hold some of it), or
+        the ``RemoteError`` of an error reply."""
+        line = self._line()
+        if line.startswith(b"-"):
+            return RemoteError(line[1:].decode(errors="replace"))
+        try:
+            if not line.startswith(b"$"):
+                raise ValueError
+            length = int(line[1:])
+        except ValueError:
+            raise RemoteError(f"not a GET reply: {line[:40]!r}") from None
+        if length < 0:
+            return None
+        if length != head_len + slot.nbytes:
+            self._drain(length + 2)
+            return length
+        head = bytearray(head_len)
+        self._into(memoryview(head))
+        self._into(slot)
+        end = bytearray(2)
+        self._into(memoryview(end))
+        if end != CRLF:
+            raise RemoteError("a GET reply without its CRLF: the stream is out of step")
+        return bytes(head)
