@@ -41,11 +41,12 @@ MEASURED_SUFFIX_MS = {2048: 11.7, 8192: 15.1, 32768: 28.2}
 LINKS_GBPS = (25, 100, 400)
 # what kvd's remote tier moved per second in `kvd bench --remote` (docs/cluster.md: gets; on
 # the 2-core VM the lower of its two runs, four fetches in flight; on the 16-core GPU machine
-# the lower of two runs' medians of 5, eight in flight, checksums in 4 processes; loopback
-# both), in Gb/s
+# the lower of two runs' medians of 5, eight in flight (Redis: four and eight), checksums in 4
+# processes; loopback both), in Gb/s
 MEASURED_GBPS = {"kvd + Mooncake (TCP), 2-core VM, measured": 2.559 * 8,
                  "kvd + Mooncake (TCP), 16-core GPU machine, measured": 3.985 * 8,
-                 "kvd + Redis, 2-core VM, measured": 0.363 * 8}
+                 "kvd + Redis, 2-core VM, measured": 0.300 * 8,
+                 "kvd + Redis, 16-core GPU machine, measured": 0.826 * 8}
 RTT_MS = 0.2  # one lookup round trip plus the store's own overhead per fetch
 
 

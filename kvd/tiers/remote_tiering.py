@@ -36,12 +36,12 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   ``seal``, the keyed tag of ``remote_secret``) while copying it in and
   commits; any failure aborts the reservation (a miss, never wrong bytes), and
   a value that fails verification is counted and deleted from the store.
-- **Zero-copy** (a store with a registered arena, Mooncake:
-  kvd/tiers/remote_zero_copy.py): puts send the payload from the host slot
-  (pinned until the store's call returned) and fetches land in a reserved
-  host slot, verified there before the entry is committed; no payload
-  goes through Python bytes, and a run of chunks (up to 16 MiB) moves in
-  one store call, put or fetch. Fetches whose geometry is not known yet (a
+- **Zero-copy** (a store with ``put_from``/``get_into`` on the arena: Mooncake,
+  its arena registered, or Redis; kvd/tiers/remote_zero_copy.py): puts send
+  the payload from the host slot (pinned until the store's call returned)
+  and fetches land in a reserved host slot, verified there before the entry
+  is committed; no payload goes through Python bytes, and a run of chunks
+  (up to 16 MiB; Redis 4 MiB) moves in one store call, put or fetch. Fetches whose geometry is not known yet (a
   namespace no store or layout of this node named) take the bytes path.
 """
 

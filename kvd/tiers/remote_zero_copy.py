@@ -1,14 +1,16 @@
-"""The zero-copy remote path: chunks move between the host arena and Mooncake, no bytes copy.
+"""The zero-copy remote path: chunks move between the host arena and the store, no bytes copy.
 
 Taken by kvd/tiers/remote_tiering.py for puts and fetches while the store
-says ``zero_copy`` (the arena is registered with it,
-kvd/tiers/remote_mooncake.py); otherwise values go through Python bytes.
+says ``zero_copy`` (Mooncake: the arena is registered with it,
+kvd/tiers/remote_mooncake.py; Redis: kvd/tiers/redis_arena.py); otherwise
+values go through Python bytes.
 The stored value is the same on both paths (kvd/tiers/remote_value.py:
 header, tag with a seal, payload), so nodes on either path share it. A run
 of chunks (``batch_chunks``: at most ``BATCH_BYTES``, or the store's
 ``batch_bytes``, and ``BATCH_CHUNKS``)
-moves in one store call: the transfer engine moves them in parallel,
-instead of one network thread and one round of thread hops a chunk.
+moves in one store call (Mooncake's transfer engine moves them in
+parallel, Redis pipelines them), instead of one network thread and one
+round of thread hops a chunk.
 
 - **Put** (``publish``): the entries are pinned, a CPU thread computes each
   value's head over its payload where it lies in the arena (digest, and the
