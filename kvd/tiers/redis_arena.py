@@ -1,7 +1,8 @@
 """Valkey/Redis values moved straight between the host arena and a connection's socket.
 
-The zero-copy calls of kvd/tiers/remote_store.py's ``RedisStore``
-(``put_from``, ``get_into``; the contract is the one of
+``put_from``/``get_into`` on one redis-py connection: the zero-copy calls of
+kvd/tiers/remote_store.py's ``RedisStore``, which gives them a connection of
+its pool (the contract is the one of
 kvd/tiers/remote_mooncake.py's, which kvd/tiers/remote_zero_copy.py calls).
 A value is the same bytes as on the bytes path (head, then payload), so
 nodes on either path share it.
@@ -21,8 +22,8 @@ nodes on either path share it.
   value's ``RemoteError``.
 
 Any failure inside a batch's IO (timeout, a broken or out-of-step stream)
-closes the connection, so the pool never hands out a connection with
-replies left unread, and raises. A reader needs the connection's socket
+raises, and the store then closes the connection, so the pool never hands
+out a connection with replies left unread. A reader needs the connection's socket
 and RESP2 (RESP3 may interleave push messages): ``raw_socket`` says when
 it has neither, and the store then reads replies with redis-py and copies
 each payload once.
@@ -62,12 +63,57 @@ def set_commands(names: list, heads: list, ptrs: list, sizes: list, ttl_s) -> li
     return parts + [pending]
 
 
+def put_from(conn, names: list, heads: list, ptrs: list, sizes: list, ttl_s) -> list:
+    """SET each ``heads[i]`` then the ``sizes[i]`` arena bytes at ``ptrs[i]`` on redis-py
+    connection ``conn``, pipelined: per value None (stored) or its ``RemoteError``."""
+    from redis.exceptions import ResponseError
+    conn.send_packed_command(set_commands(names, heads, ptrs, sizes, ttl_s))
+    out = []
+    for _ in names:
+        try:
+            conn.read_response()
+            out.append(None)
+        except ResponseError as exc:  # this value failed, the stream is in step
+            out.append(RemoteError(str(exc)))
+    return out
+
+
+def get_into(conn, names: list, head_len: int, ptrs: list, size: int) -> list:
+    """GET ``names`` on redis-py connection ``conn``, pipelined, each payload into the arena
+    at ``ptrs[i]``: per value as ``BulkReader.reply_into``."""
+    conn.send_packed_command(conn.pack_commands([("GET", n) for n in names]))
+    sock = raw_socket(conn)
+    if sock is None:
+        return [_copy_reply(conn, head_len, arena_view(p, size)) for p in ptrs]
+    reader = BulkReader(sock)
+    out = [reader.reply_into(head_len, arena_view(p, size)) for p in ptrs]
+    if reader.buf:
+        raise RemoteError("bytes past the last GET reply: the stream is out of step")
+    return out
+
+
 def raw_socket(conn):
     """The socket of redis-py connection ``conn`` where its replies may be read off it
     (RESP2), else None."""
     if getattr(conn, "protocol", 2) in (3, "3"):
         return None
     return getattr(conn, "_sock", None)
+
+
+def _copy_reply(conn, head_len: int, slot: memoryview):
+    """``BulkReader.reply_into`` through redis-py's parser (RESP3, or no socket to read): the
+    payload copied into ``slot`` once."""
+    from redis.exceptions import ResponseError
+    try:
+        value = conn.read_response(disable_decoding=True)
+    except ResponseError as exc:
+        return RemoteError(str(exc))
+    if value is None:
+        return None
+    if len(value) != head_len + slot.nbytes:
+        return len(value)
+    slot[:] = memoryview(value)[head_len:]
+    return bytes(value[:head_len])
 
 
 class BulkReader:

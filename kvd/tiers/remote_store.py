@@ -67,22 +67,6 @@ def _some(out: list) -> list:
     return out
 
 
-def _copy_reply(conn, head_len: int, slot: memoryview):
-    """``BulkReader.reply_into`` through redis-py's parser (RESP3, or no socket to read): the
-    payload copied into ``slot`` once."""
-    from redis.exceptions import ResponseError
-    try:
-        value = conn.read_response(disable_decoding=True)
-    except ResponseError as exc:
-        return RemoteError(str(exc))
-    if value is None:
-        return None
-    if len(value) != head_len + slot.nbytes:
-        return len(value)
-    slot[:] = memoryview(value)[head_len:]
-    return bytes(value[:head_len])
-
-
 class RedisStore:
     """Valkey or Redis through the ``redis`` client (``pip install 'kvd[redis]'``)."""
 
@@ -156,40 +140,18 @@ class RedisStore:
         """Store each ``heads[i]`` then the ``sizes[i]`` arena bytes at ``ptrs[i]`` as one
         value, pipelined on one connection: per value None (stored) or its ``RemoteError``;
         raises when every value failed."""
-        from redis.exceptions import ResponseError
-
-        from kvd.tiers.redis_arena import set_commands
-
-        def replies(conn) -> list:
-            conn.send_packed_command(set_commands(names, heads, ptrs, sizes, self.ttl_s))
-            out = []
-            for _ in names:
-                try:
-                    conn.read_response()
-                    out.append(None)
-                except ResponseError as exc:  # this value failed, the stream is in step
-                    out.append(RemoteError(str(exc)))
-            return out
-        return _some(self._on_connection(replies))
+        from kvd.tiers import redis_arena
+        return _some(self._on_connection(
+            lambda conn: redis_arena.put_from(conn, names, heads, ptrs, sizes, self.ttl_s)))
 
     def get_into(self, names: list, head_len: int, ptrs: list, size: int) -> list:
         """GET values of ``head_len + size`` bytes, pipelined on one connection, each one's
         payload into the arena at ``ptrs[i]``: per value its head (bytes), None when absent,
         the stored size when another (its slot may hold some of it), or its
         ``RemoteError``; raises when every value failed."""
-        from kvd.tiers.redis_arena import BulkReader, arena_view, raw_socket
-
-        def replies(conn) -> list:
-            conn.send_packed_command(conn.pack_commands([("GET", n) for n in names]))
-            sock = raw_socket(conn)
-            if sock is None:
-                return [_copy_reply(conn, head_len, arena_view(p, size)) for p in ptrs]
-            reader = BulkReader(sock)
-            out = [reader.reply_into(head_len, arena_view(p, size)) for p in ptrs]
-            if reader.buf:
-                raise RemoteError("bytes past the last GET reply: the stream is out of step")
-            return out
-        return _some(self._on_connection(replies))
+        from kvd.tiers import redis_arena
+        return _some(self._on_connection(
+            lambda conn: redis_arena.get_into(conn, names, head_len, ptrs, size)))
 
     def _on_connection(self, io):
         """``io(conn)`` on a connection of the pool; one that failed midway is closed (its
