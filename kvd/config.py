@@ -206,11 +206,9 @@ KNOBS = (
     Knob("remote_mooncake_segment_bytes", "size", 2**30, "Memory this daemon lends to the Mooncake "
          "cluster's pool (0: none; values then live in other clients' segments).", minimum=0),
     Knob("remote_mooncake_buffer_bytes", "size", 256 * 2**20, "Mooncake client's transfer "
-         "buffer: values pass through it, so it must hold the chunks of remote_threads calls at "
-         "once.", minimum=2**20),
-    Knob("remote_mooncake_zero_copy", "bool", True, "Register the host arena with Mooncake and "
-         "move chunks between it and the store without a copy (docs/cluster.md); false, or a "
-         "registration Mooncake refuses (logged once): values go through Python bytes."),
+         "buffer: it must hold the chunks of remote_threads calls at once.", minimum=2**20),
+    Knob("remote_mooncake_zero_copy", "bool", True, "Register the host arena with Mooncake, move "
+         "chunks without a copy (docs/cluster.md); false or refused (logged): Python bytes."),
     Knob("remote_digest_processes", "int", -1, "Processes checking the zero-copy path's "
          "chunks outside the GIL (docs/cluster.md): -1 one per 4 cores, at most 8; 0 none.", minimum=-1),
     Knob("quota", "quotas", (), "Caps and reservations per model and tenant, so one cannot evict "

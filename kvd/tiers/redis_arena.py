@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import ctypes
 
-from kvd.tiers.remote_store import RemoteError
+from kvd.tiers.remote_errors import RemoteError
 
 LINE_READ = 4096  # a reply's first line is read this much at a time (the rest into its slot)
 DRAIN_READ = 1 << 20

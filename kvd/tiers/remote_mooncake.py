@@ -54,7 +54,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvd.tiers.remote_store import RemoteError
+from kvd.tiers.remote_errors import RemoteError
 
 log = logging.getLogger("kvd")
 DEFAULT_METADATA_PORT = 8080

@@ -35,6 +35,9 @@ from __future__ import annotations
 
 import logging
 
+from kvd.tiers import redis_arena
+from kvd.tiers.remote_errors import RemoteError
+
 log = logging.getLogger("kvd")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 # redis-py reads a reply this many bytes at a time (its default, 64 KiB, costs a Python-level
@@ -54,10 +57,6 @@ def _python_packer() -> dict:
         return {}
     return {"command_packer": PythonRespSerializer(BUFFER_CUTOFF, Encoder("utf-8", "strict",
                                                                           False).encode)}
-
-
-class RemoteError(Exception):
-    """The store answered with an error (or a backend's own error code)."""
 
 
 def _some(out: list) -> list:
@@ -140,7 +139,6 @@ class RedisStore:
         """Store each ``heads[i]`` then the ``sizes[i]`` arena bytes at ``ptrs[i]`` as one
         value, pipelined on one connection: per value None (stored) or its ``RemoteError``;
         raises when every value failed."""
-        from kvd.tiers import redis_arena
         return _some(self._on_connection(
             lambda conn: redis_arena.put_from(conn, names, heads, ptrs, sizes, self.ttl_s)))
 
@@ -149,7 +147,6 @@ class RedisStore:
         payload into the arena at ``ptrs[i]``: per value its head (bytes), None when absent,
         the stored size when another (its slot may hold some of it), or its
         ``RemoteError``; raises when every value failed."""
-        from kvd.tiers import redis_arena
         return _some(self._on_connection(
             lambda conn: redis_arena.get_into(conn, names, head_len, ptrs, size)))
 

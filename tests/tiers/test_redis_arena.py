@@ -23,7 +23,8 @@ import pytest
 from remote_servers import running
 
 from kvd.tiers.redis_arena import BulkReader, arena_view
-from kvd.tiers.remote_store import RedisStore, RemoteError
+from kvd.tiers.remote_errors import RemoteError
+from kvd.tiers.remote_store import RedisStore
 
 HEAD, SIZE = 24, 4096 + 7  # a payload not a multiple of any read size
 

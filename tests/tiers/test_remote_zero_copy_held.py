@@ -25,7 +25,7 @@ import numpy as np
 from kvd.tiers.host import HostTier
 from kvd.tiers.remote import RemoteTier
 from kvd.tiers.remote_tiering import RemoteTiering
-from kvd.tiers.remote_store import RemoteError
+from kvd.tiers.remote_errors import RemoteError
 from kvd.tiers.remote_value import pack, store_name
 from kvd.tiers.scope import Scope
 

@@ -1,0 +1,10 @@
+"""The error a remote store backend raises for a failure the store itself reported.
+
+Shared by the backends (kvd/tiers/remote_store.py, kvd/tiers/remote_mooncake.py,
+kvd/tiers/redis_arena.py); the remote tier (kvd/tiers/remote.py) counts any
+exception of a store call as a failure, this one included.
+"""
+
+
+class RemoteError(Exception):
+    """The store answered with an error (or a backend's own error code)."""
