@@ -102,11 +102,13 @@ class RedisStore:
         from redis.retry import Retry
         if self.client is not None:
             self.client.close()
-        # no retries inside the client: a failure goes to the breaker at once
+        # no retries inside the client: a failure goes to the breaker at once; RESP2 (redis-py 8
+        # speaks RESP3 by default) unless the address asks otherwise: the zero-copy path reads
+        # GET replies off the socket itself (kvd/tiers/redis_arena.py)
         self.client = redis.Redis.from_url(
             self.address, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
-            client_name="kvd", socket_read_size=READ_BYTES, **_python_packer())
+            client_name="kvd", socket_read_size=READ_BYTES, protocol=2, **_python_packer())
         if not self.said:  # once: connect runs again after every failure
             self.said = True
             if self.zero_copy_off:

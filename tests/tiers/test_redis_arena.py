@@ -6,8 +6,10 @@ of another size drained so the next reply still reads right, and a stream out
 of step or closed raising. Against a real Redis server: values put from arena
 memory are the bytes a plain SET of head + payload stores (with the TTL); GETs
 land payloads in arena slots, the slots of missing, other-size and wrong-type
-values come back as such and the others of the call are exact; RESP3 (replies
-through redis-py's parser, one copy) gives the same answers; a call cut by a
+values come back as such and the others of the call are exact (the default
+reads replies off the socket: RESP2, also where redis-py speaks RESP3 by
+default); RESP3 (replies through redis-py's parser, one copy) gives the
+same answers; a call cut by a
 frozen server raises and its connection is not handed out again: the next call
 is exact.
 """
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 from remote_servers import running
 
-from kvd.tiers.redis_arena import BulkReader, arena_view
+from kvd.tiers.redis_arena import BulkReader, arena_view, raw_socket
 from kvd.tiers.remote_errors import RemoteError
 from kvd.tiers.remote_store import RedisStore
 
@@ -94,6 +96,11 @@ def arena(n: int) -> tuple[np.ndarray, list]:
 @pytest.mark.parametrize("query", ["", "?protocol=3"])
 def test_put_from_and_get_into_move_exact_values(redis_server, query):
     store, plain = store_on(redis_server, query), redis_server.client()
+    pool = store.client.connection_pool
+    conn = pool.get_connection()
+    # the default reads GET replies off the socket; RESP3 through redis-py's parser
+    assert (raw_socket(conn) is None) == (query == "?protocol=3")
+    pool.release(conn)
     try:
         mem, ptrs = arena(3)
         payloads = [os.urandom(SIZE) for _ in range(3)]
