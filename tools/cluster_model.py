@@ -45,8 +45,8 @@ LINKS_GBPS = (25, 100, 400)
 # processes; loopback both), in Gb/s
 MEASURED_GBPS = {"kvd + Mooncake (TCP), 2-core VM, measured": 2.559 * 8,
                  "kvd + Mooncake (TCP), 16-core GPU machine, measured": 3.985 * 8,
-                 "kvd + Redis, 2-core VM, measured": 0.300 * 8,
-                 "kvd + Redis, 16-core GPU machine, measured": 0.826 * 8}
+                 "kvd + Redis, 2-core VM, measured": 1.394 * 8,
+                 "kvd + Redis, 16-core GPU machine, measured": 1.462 * 8}
 RTT_MS = 0.2  # one lookup round trip plus the store's own overhead per fetch
 
 
