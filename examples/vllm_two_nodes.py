@@ -1,20 +1,23 @@
 """Time to first token of a prefix another node computed: two kvd nodes sharing a Mooncake store.
 
     python examples/vllm_two_nodes.py --out /tmp/two-nodes.json     # a machine of 2 GPUs
+    python examples/vllm_two_nodes.py --gpus 0,0 --out /tmp/two-nodes.json   # of 1 GPU
 
-Each GPU is a node: its own ``kvd serve`` (``--gpu on``, own runtime dir and
+Each GPU is a node (``--gpus``: node A's and node B's; on one GPU both nodes
+share it, their daemons and engines sharing nothing else, the engines run
+one after the other): its own ``kvd serve`` (``--gpu on``, own runtime dir and
 host tier, ``CUDA_VISIBLE_DEVICES`` that GPU) with the remote tier on one
 ``mooncake_master`` this script starts (TCP transport, loopback; Mooncake's
 wheel in this python). The model is vllm_ttft.py's Llama-3-8B shape
 (``--layers`` layers, dummy weights). Roles, each an engine process:
 
-- ``store`` (GPU 0, node A): prefills each prefix plus a suffix; node A
+- ``store`` (node A): prefills each prefix plus a suffix; node A
   publishes the chunks to the store (the script waits for its puts);
-- ``remote`` (GPU 1, node B): before each repeat node B's host tier is
+- ``remote`` (node B): before each repeat node B's host tier is
   cleared (``clear``), so every chunk of the prefix is fetched from the
   store and then copied into the engine's blocks; TTFT of the prefix plus
   a new suffix, loaded between steps (``async_load_min_tokens`` 0);
-- ``full`` (GPU 1, no connector): the whole prefill, and the suffix alone
+- ``full`` (node B's GPU, no connector): the whole prefill, and the suffix alone
   with the prefix in vLLM's own cache (vllm_ttft.py's ``full`` role).
 
 Reports medians of ``--repeat``: full, suffix, the remote hit, and
@@ -101,6 +104,7 @@ def main() -> None:
     T.add_prompt_args(ap, "2048,8192,16384,32768", layers=32, repeat=5)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config (JSON)")
     ap.add_argument("--segment", default="8GiB", help="memory each node lends the store")
+    ap.add_argument("--gpus", default="0,1", help="node A's GPU and node B's (0,0: both on one)")
     ap.add_argument("--daemon-gpu", default="on", help="the daemons' --gpu (off: a check of the "
                     "nodes and the store without engines' GPU pools)")
     T.add_common_args(ap)
@@ -115,19 +119,21 @@ def main() -> None:
 
     if why := MooncakeMaster.missing():
         raise SystemExit(f"no Mooncake store here: {why}")
+    gpu_a, gpu_b = (int(g) for g in args.gpus.split(","))
     store = MooncakeMaster().start()
     try:
         with tempfile.TemporaryDirectory(prefix="kvd-2n-") as tmp, \
-                node(args, Path(tmp), "a", 0, store) as a, node(args, Path(tmp), "b", 1, store) as b:
+                node(args, Path(tmp), "a", gpu_a, store) as a, \
+                node(args, Path(tmp), "b", gpu_b, store) as b:
             tmp, model = Path(tmp), Path(tmp) / "model"
             sys.argv += ["--model", str(model), "--runtime-dir", str(a)]
             args.model = str(model)
             T.write_config(model, T.LLAMA3_8B, args.layers, max(args.prefix_list) + args.suffix + 64)
-            role(args, "store", a, 0, tmp)
+            role(args, "store", a, gpu_a, tmp)
             wait_published(a, sum(n // 256 for n in args.prefix_list))
             rows = {n: {} for n in args.prefix_list}
             for name in ("remote", "full"):
-                for n, got in role(args, name, b, 1, tmp).items():
+                for n, got in role(args, name, b, gpu_b, tmp).items():
                     rows[n].update(got)
             report(args, rows, T.control(b, "stats")["tiers"].get("remote", {}))
     finally:
