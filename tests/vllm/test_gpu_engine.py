@@ -127,6 +127,14 @@ def test_engines_on_both_runners_share_kv_byte_for_byte(model, start_daemon, tmp
     assert daemon.log().count("copies by DMA") == 2, daemon.log()  # the two whole-block engines
 
 
+def same_first_token(a: dict, b: dict) -> bool:
+    """``b``'s first token is ``a``'s, or one ``a`` ranks tied with it within bf16 noise (random
+    weights can put two tokens level: either may come out of a batch computed another way)."""
+    top = max(a["logprobs"].values())
+    return b["token"] == a["token"] or \
+        a["logprobs"].get(str(b["token"]), float("-inf")) >= top - LOGPROB_TOL
+
+
 def check_pair(store: dict, load: dict, block: int = BLOCK, counters: bool = True) -> None:
     src = dict(zip(["long", "short"], store["prompts"]))
     dst = dict(zip(["long", "short", "control"], load["prompts"]))
@@ -136,7 +144,7 @@ def check_pair(store: dict, load: dict, block: int = BLOCK, counters: bool = Tru
         # byte for byte: every hit block of the loader holds the storer's bytes
         bad = [i for i in range(hit_blocks) if a["digests"][i] != b["digests"][i]]
         assert not bad, f"{name}: {len(bad)} of {hit_blocks} loaded blocks differ, first {bad[:4]}"
-        assert b["token"] == a["token"] and top_diff(a["logprobs"], b["logprobs"]) <= LOGPROB_TOL
+        assert same_first_token(a, b) and top_diff(a["logprobs"], b["logprobs"]) <= LOGPROB_TOL
     control = dst["control"]
     assert control["num_cached_tokens"] == 0
     # the prefix moves the first token's distribution: the check above can fail
@@ -173,7 +181,7 @@ def test_a_corrupt_host_chunk_is_recomputed_never_served(model, start_daemon, tm
     flip_chunk(daemon.runtime_dir, bad)
     (load,) = finish([spawn(tmp_path, "load-c", spec(poison=0.75), "v1")])
     a, b = store["prompts"][0], load["prompts"][0]
-    assert b["token"] == a["token"] and top_diff(a["logprobs"], b["logprobs"]) <= LOGPROB_TOL
+    assert same_first_token(a, b) and top_diff(a["logprobs"], b["logprobs"]) <= LOGPROB_TOL
     good = bad * CHUNK // BLOCK  # the blocks before the corrupt chunk were loaded, exact
     assert b["digests"][:good] == a["digests"][:good]
     c = load["counters"]
