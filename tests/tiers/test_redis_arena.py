@@ -17,12 +17,14 @@ is exact.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 import threading
 
 import numpy as np
 import pytest
-from remote_servers import running
+from remote_servers import RedisServer, running
 
 from kvd.tiers.redis_arena import BulkReader, arena_view, raw_socket
 from kvd.tiers.remote_errors import RemoteError
@@ -151,3 +153,46 @@ def test_a_cut_call_drops_its_connection_and_the_next_call_is_exact(redis_server
         assert bytes(arena_view(ptrs[1], SIZE)) == payloads[1]
     finally:
         store.close()
+
+
+class TlsRedisServer(RedisServer):
+    """A Redis server that speaks only TLS, with a self-signed certificate made by openssl."""
+
+    def command(self) -> list:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-keyout", "key.pem", "-out", "cert.pem", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1"], cwd=self.dir, check=True,
+                       capture_output=True)
+        self.url = f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.dir / 'cert.pem'}"
+        return [self.binary(), "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
+                "--tls-cert-file", "cert.pem", "--tls-key-file", "key.pem", "--tls-ca-cert-file",
+                "cert.pem", "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
+                "--dir", str(self.dir)]
+
+
+def test_over_tls_values_land_exact_through_the_socket_reader():
+    if RedisServer.missing() or shutil.which("openssl") is None:
+        pytest.skip(RedisServer.missing() or "no openssl to make a certificate")
+    server = TlsRedisServer()
+    try:
+        try:
+            server.start()
+        except RuntimeError as exc:  # a build without TLS refuses --tls-port
+            pytest.skip(f"this Redis server does not speak TLS: {exc}: {server.log()[-300:]}")
+        store = RedisStore(server.url, 5.0)
+        store.connect()
+        pool = store.client.connection_pool
+        conn = pool.get_connection()
+        assert "SSL" in type(raw_socket(conn)).__name__
+        pool.release(conn)
+        size = 4 << 20
+        mem = np.zeros(2 * size, np.uint8)
+        ptrs = [mem.ctypes.data, mem.ctypes.data + size]
+        payload = os.urandom(size)
+        arena_view(ptrs[0], size)[:] = payload
+        assert store.put_from(["tls"], [b"h" * HEAD], ptrs[:1], [size]) == [None]
+        assert store.get_into(["tls", "none"], HEAD, ptrs[1:] * 2, size) == [b"h" * HEAD, None]
+        assert bytes(arena_view(ptrs[1], size)) == payload
+        store.close()
+    finally:
+        server.stop()
