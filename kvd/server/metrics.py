@@ -67,8 +67,8 @@ REMOTE_COUNTERS = (  # (metric name, help, key of the remote tier's stats)
     ("kvd_remote_breaker_opened_total", "Times the remote store's circuit breaker opened.",
      "breaker_opened"),
     ("kvd_remote_zero_copy_puts_total", "Chunks sent from the host arena without a copy "
-     "(Mooncake's zero-copy path).", "zero_copy_puts"),
-    ("kvd_remote_zero_copy_gets_total", "Chunks fetched straight into host slots (Mooncake's "
+     "(the zero-copy path).", "zero_copy_puts"),
+    ("kvd_remote_zero_copy_gets_total", "Chunks fetched straight into host slots (the "
      "zero-copy path).", "zero_copy_gets"),
     ("kvd_remote_digest_processes_lost_total", "Checksum processes dropped (died, hung or "
      "refused); their checksums run on the daemon's threads.", "digest_processes_lost"),

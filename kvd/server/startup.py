@@ -188,9 +188,7 @@ def make_remote(cfg, host, view, arena_path):
     except ValueError as exc:
         raise ConfigError("remote_address", str(exc)) from None
     seal = Seal(cfg.remote_secret) if cfg.remote_secret else None
-    zero_copy = cfg.remote_mooncake_zero_copy if cfg.remote_backend == "mooncake" else \
-        cfg.remote_redis_zero_copy
-    processes = auto_processes(cfg.remote_digest_processes) if zero_copy else 0
+    processes = auto_processes(cfg.remote_digest_processes) if store.want_zero_copy else 0
     remote = RemoteTier(store, store_prefix(cfg.remote_prefix, seal), cfg.remote_timeout_s,
                         cfg.remote_threads, cfg.remote_breaker_failures, cfg.remote_breaker_retry_s,
                         max(CPU_THREADS, processes))

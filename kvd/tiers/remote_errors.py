@@ -8,3 +8,11 @@ exception of a store call as a failure, this one included.
 
 class RemoteError(Exception):
     """The store answered with an error (or a backend's own error code)."""
+
+
+def unless_all_failed(out: list) -> list:
+    """``out`` (a multi-value call's outcome per value), unless every value failed: then the
+    first ``RemoteError``, raised (the tier counts the call as failed)."""
+    if out and all(isinstance(v, RemoteError) for v in out):
+        raise out[0]
+    return out

@@ -54,7 +54,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvd.tiers.remote_errors import RemoteError
+from kvd.tiers.remote_errors import RemoteError, unless_all_failed
 
 log = logging.getLogger("kvd")
 DEFAULT_METADATA_PORT = 8080
@@ -226,11 +226,8 @@ class MooncakeStore:
             self.heads.give(slots)
         if not rc or len(rc) != len(names):
             raise RemoteError(f"Mooncake put_from of {len(names)} values answered {rc!r}")
-        out = [None if c == 0 else RemoteError(f"Mooncake put_from failed with code {c}")
-               for c in rc]
-        if all(out):
-            raise out[0]
-        return out
+        return unless_all_failed([None if c == 0 else
+                                  RemoteError(f"Mooncake put_from failed with code {c}") for c in rc])
 
     def get_into(self, names: list, head_len: int, ptrs: list, size: int) -> list:
         """Fetch values of ``head_len + size`` bytes, all in one batch call: each one's head
@@ -257,9 +254,7 @@ class MooncakeStore:
             stored = self.store.get_size(names[i])  # its own size: a damaged or other value
             out[i] = stored if stored >= 0 and stored != head_len + size else \
                 RemoteError(f"Mooncake get_into failed with code {got}")
-        if all(isinstance(v, RemoteError) for v in out):
-            raise out[0]
-        return out
+        return unless_all_failed(out)
 
     def delete(self, name: str) -> None:
         """Remove at once (``force``: a lease another read took would keep it seconds)."""

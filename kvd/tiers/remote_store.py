@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 
 from kvd.tiers import redis_arena
-from kvd.tiers.remote_errors import RemoteError
+from kvd.tiers.remote_errors import RemoteError, unless_all_failed
 
 log = logging.getLogger("kvd")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -59,13 +59,6 @@ def _python_packer() -> dict:
                                                                           False).encode)}
 
 
-def _some(out: list) -> list:
-    """``out``, unless every value of a call failed: then the first failure, raised."""
-    if out and all(isinstance(v, RemoteError) for v in out):
-        raise out[0]
-    return out
-
-
 class RedisStore:
     """Valkey or Redis through the ``redis`` client (``pip install 'kvd[redis]'``)."""
 
@@ -81,7 +74,6 @@ class RedisStore:
         self.ttl_s = ttl_s or None
         self.client = None
         self.want_zero_copy = zero_copy
-        self.lent: tuple | None = None  # (pointer, bytes) of the host arena
         self.zero_copy_off = "remote_redis_zero_copy = false" if not zero_copy else \
             "no host arena lent"
         self.said = False  # the path's state was logged
@@ -91,8 +83,7 @@ class RedisStore:
         return not self.zero_copy_off
 
     def lend(self, ptr: int, size: int) -> None:
-        """The host arena, for ``put_from``/``get_into``."""
-        self.lent = (ptr, size)
+        """The host arena is there for ``put_from``/``get_into`` (they take its addresses)."""
         if self.want_zero_copy:
             self.zero_copy_off = ""
 
@@ -141,7 +132,7 @@ class RedisStore:
         """Store each ``heads[i]`` then the ``sizes[i]`` arena bytes at ``ptrs[i]`` as one
         value, pipelined on one connection: per value None (stored) or its ``RemoteError``;
         raises when every value failed."""
-        return _some(self._on_connection(
+        return unless_all_failed(self._on_connection(
             lambda conn: redis_arena.put_from(conn, names, heads, ptrs, sizes, self.ttl_s)))
 
     def get_into(self, names: list, head_len: int, ptrs: list, size: int) -> list:
@@ -149,7 +140,7 @@ class RedisStore:
         payload into the arena at ``ptrs[i]``: per value its head (bytes), None when absent,
         the stored size when another (its slot may hold some of it), or its
         ``RemoteError``; raises when every value failed."""
-        return _some(self._on_connection(
+        return unless_all_failed(self._on_connection(
             lambda conn: redis_arena.get_into(conn, names, head_len, ptrs, size)))
 
     def _on_connection(self, io):

@@ -41,8 +41,9 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   the payload from the host slot (pinned until the store's call returned)
   and fetches land in a reserved host slot, verified there before the entry
   is committed; no payload goes through Python bytes, and a run of chunks
-  (up to 16 MiB; Redis 4 MiB) moves in one store call, put or fetch. Fetches whose geometry is not known yet (a
-  namespace no store or layout of this node named) take the bytes path.
+  (up to 16 MiB; Redis 4 MiB) moves in one store call, put or fetch.
+  Fetches whose geometry is not known yet (a namespace no store or layout
+  of this node named) take the bytes path.
 """
 
 from __future__ import annotations
