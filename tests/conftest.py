@@ -29,6 +29,7 @@ from shm_files import SHM
 
 from kvd_protocol.runtime import instance_tag
 
+pytest_plugins = ["skip_guard"]  # --only-skips REGEX (tests/skip_guard.py)
 _SHM_KEY = pytest.StashKey[tuple]()  # xdist's controller: /dev/shm before, the tags' dir
 
 

@@ -223,14 +223,20 @@ def test_chunk_tokens_is_capped_as_the_namespace_caps_it():
 
 
 def test_every_knob_has_an_env_and_cli_spelling():
+    """Each knob set through its variable and through its flag, to a value that is not its
+    default (one equal to the default would pass with either spelling ignored)."""
+    default = load_config(env={}).as_dict()
+    other = {"size": "8MiB", "int": "3", "float": "0.5", "str": "/x", "bool": "true",
+             "quotas": '[{tenant = "t", host_max = "8MiB"}]'}
+    second = {"size": "16MiB", "int": "5", "float": "0.75", "bool": "false"}
     for knob in KNOBS:
-        value = {"size": "8MiB", "int": "3", "float": "0.5", "str": "/x", "bool": "true",
-                 "quotas": '[{tenant = "t", host_max = "8MiB"}]'}[knob.kind]
-        if knob.choices:
-            value = knob.choices[-1]
+        value = knob.choices[-1] if knob.choices else other[knob.kind]
         if knob.name == "client_timeout_s":
             value = "10"
+        if load_config(env={}, overrides={knob.name: value}).as_dict()[knob.name] == default[knob.name]:
+            value = second[knob.kind]
         got = load_config(env={f"KVD_{knob.name.upper()}": value}).as_dict()[knob.name]
+        assert got != default[knob.name], (knob.name, value)
         assert got == load_config(env={}, overrides={knob.name: value}).as_dict()[knob.name]
 
 

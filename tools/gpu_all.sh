@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything GPU in one go, on a machine with a CUDA GPU, torch and cupy, from the checkout:
 #   OUT=/tmp/gpu bash tools/gpu_all.sh                 (logs under $OUT)
-# 1. every GPU test (kernels in-process; daemon + engines over CUDA IPC);
+# 1. every GPU test (kernels in-process; daemon + engines over CUDA IPC); the run lists the
+#    skips and fails on one whose reason does not match GPU_ALLOWED_SKIPS (default
+#    "needs two": a second GPU); KvikIO for the GDS tests: tools/gpu/stage_gpu_tests.sh;
 # 2. `kvd bench --gpu` (end-to-end offload/load vs pinned cudaMemcpy, requests in flight on
 #    the pools vLLM and SGLang allocate; BENCH_ARGS adds flags, e.g.
 #    "--blocking --repeat 5 --json $OUT/gpu.json --plot $OUT/gpu.png");
@@ -29,7 +31,9 @@ steps=${GPU_STEPS:-tests,bench}
 rc=0
 if [[ $steps == *tests* ]]; then
   echo "== pytest -m gpu"
-  timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/cuda/test_gpu_*.py \
+  # a skip for any other reason (a package missing: tools/gpu/stage_gpu_tests.sh) fails the step
+  timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+    --only-skips "${GPU_ALLOWED_SKIPS:-needs two}" tests/cuda/test_gpu_*.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU TESTS FAILED"; rc=1; }
 fi

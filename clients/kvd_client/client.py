@@ -144,11 +144,14 @@ class KvdClient:
         if reg.namespace.chunk_tokens != self.limits["chunk_tokens"]:  # registered before hello
             reg.namespace = replace(reg.namespace, chunk_tokens=self.limits["chunk_tokens"])
 
-    def _call(self, op: str, fields: dict, frames=(), timeout: float | None = None):
-        """One blocking request: its result, or its error raised."""
+    def _call(self, op: str, fields: dict, frames=(), timeout: float | None = None,
+              send_wait: float | None = None):
+        """One blocking request: its result, or its error raised. ``send_wait``: how long
+        to wait for the daemon to take it (default: ``timeout``)."""
         timeout = self.timeout if timeout is None else timeout
         call = Call()
-        req_id, sent_under = self._send_call(call, op, fields, frames, timeout)
+        req_id, sent_under = self._send_call(call, op, fields, frames,
+                                             timeout if send_wait is None else send_wait)
         end = time.monotonic() + timeout
         while not call.done:
             left = end - time.monotonic()

@@ -304,7 +304,8 @@ class Pump:
     def _heartbeat(self) -> None:
         c = self.c
         c._last_ok = time.monotonic()
-        try:
-            c._call("heartbeat", {}, timeout=min(c.timeout, self._interval()))
+        try:  # never waits for the socket: a dead daemon's would hold this thread, and with
+            # it the liveness probe, for the whole wait (a live one takes it at once)
+            c._call("heartbeat", {}, timeout=min(c.timeout, self._interval()), send_wait=0.0)
         except NoSession:  # _call decided whether a hello is due
             c._hello()

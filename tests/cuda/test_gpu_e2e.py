@@ -5,66 +5,55 @@ engine A storing prefixes, engine B loading them layer by layer into its
 own pool) and checks that B's next-token logits through kvd match a full
 recompute, and that a prompt whose stored chunk has one flipped byte fails
 that check. The CPU test checks the transformers side alone (pool layout,
-lazily built cache, hooks) without kvd. Skipped without torch and
-transformers (and, for the GPU test, cupy and a GPU).
+lazily built cache, hooks) without kvd: tests/prefix_reuse_check.py, in
+this python where it has torch and transformers, else in the vLLM venv's
+(CI); skipped without either. The GPU test needs cupy and a GPU too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import prefix_reuse as pr  # noqa: E402
-
-TINY_ARGS = ["--tiny", "--layers", "2", "--prefix-lens", "512", "--suffix", "32", "--repeat", "1",
-             "--chunk-tokens", "256", "--page-size", "16"]
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ROOT / "tests" / "prefix_reuse_check.py"
+VLLM_PYTHON = Path(os.environ.get("KVD_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python")
+HAS_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 
 
 def _gpu_ready() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
+    if not HAS_TORCH or importlib.util.find_spec("cupy") is None:
         return False
+    import torch
     return torch.cuda.is_available()
 
 
 def test_cache_from_pool_matches_full_prefill_cpu():
-    """Prefix KV -> paged pool -> lazily rebuilt cache gives the full prefill's logits."""
-    args = pr.parse_args(TINY_ARGS)
-    shape = pr.model_shape(args)
-    model = pr.build_model(shape, "cpu")
-    p = pr.prompts(args)[0]
-    n, ps = len(p["prefix"]), args.page_size
-    pool = [torch.zeros(2, 2 * n // ps, ps, shape["num_key_value_heads"], shape["head_dim"],
-                        dtype=torch.bfloat16) for _ in range(shape["num_hidden_layers"])]
-    pages = torch.randperm(2 * n // ps)[: n // ps]
-    ids = torch.from_numpy(np.concatenate([p["prefix"], p["suffix"]])).unsqueeze(0)
-    _, cache = pr.full_prefill(model, ids[:, :n])
-    pr.cache_to_pool(cache, pool, pages, n)
-    ref, _ = pr.full_prefill(model, ids)
-    order = []
-    got = pr.prefill_from_pool(model, pool, pages, n, torch.from_numpy(p["suffix"]).unsqueeze(0), order.append)
-    assert order == list(range(shape["num_hidden_layers"]))
-    assert pr.check_logits(got, ref, args.rtol)["ok"]
-    assert all(not layer._forward_pre_hooks for layer in model.model.layers)
-    tok = n // 2
-    pr.corrupt_byte(pool, int(pages[tok // ps]), tok % ps)
-    bad = pr.prefill_from_pool(model, pool, pages, n, torch.from_numpy(p["suffix"]).unsqueeze(0))
-    assert not pr.check_logits(bad, ref, args.rtol)["ok"]
+    """tests/prefix_reuse_check.py in this python where it has torch and transformers, else
+    in the vLLM venv's (CI: `make test` builds it)."""
+    python = Path(sys.executable) if HAS_TORCH else VLLM_PYTHON
+    if not python.exists():
+        pytest.skip(f"no torch and transformers here and no vLLM venv at {VLLM_PYTHON}")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'clients'}{os.pathsep}{ROOT}",
+           "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([str(python), str(CHECK)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(not _gpu_ready(), reason="needs cupy and a CUDA GPU")
+@pytest.mark.skipif(not _gpu_ready(), reason="needs torch, transformers, cupy and a CUDA GPU")
 def test_prefix_reuse_same_logits_and_corruption_caught(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import prefix_reuse as pr
+    from prefix_reuse_check import TINY_ARGS
     out = tmp_path / "e2e.json"
     args = pr.parse_args([*TINY_ARGS, "--corrupt", "--timeout", "200", "--out", str(out)])
     result = pr.run(args)

@@ -5,10 +5,11 @@
   within ``client_timeout_s`` + 2 s, bytes verified; the daemon stops on
   SIGTERM within its grace period afterwards.
 - The daemon is SIGKILLed while a layer-wise load (and, separately, a plain
-  load) is being copied: the engine's stream resumes within the client's
-  timeout (an event recorded after the waits of every layer completes), the
-  load is reported failed, and a restarted daemon serves the same engine
-  without restarting it.
+  load) is being copied: the client notices within ``NOTICE_S`` of the
+  daemon's end and the engine's stream resumes within ``RELEASE_S`` of the
+  SIGKILL (an event recorded after the waits of every layer completes; the
+  figures are printed, ``-s``), the load is reported failed, and a
+  restarted daemon serves the same engine without restarting it.
 Skipped without torch, cupy or a GPU.
 """
 
@@ -31,6 +32,8 @@ from kvd_client.torch_pool import CudaKVPool  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CHUNK = 64
+NOTICE_S = 0.2   # the client probes the daemon's lock every 50 ms while requests wait
+RELEASE_S = 1.0  # SIGKILL to the engine's stream resuming (H200: 0.14-0.42 s, docs/gpu.md)
 KNOBS = {"chunk_tokens": CHUNK, "host_capacity": "1GiB", "gpu": "on", "client_timeout_s": 2.0,
          "heartbeat_interval_s": 0.2, "shutdown_grace_s": 8.0}
 
@@ -136,13 +139,25 @@ def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon,
         after.record(torch.cuda.current_stream())  # ordered after every layer's wait
         time.sleep(0.3 if when == "queued" else 0.003)
         assert when == "copying" or not t.done
-        d.kill()
-        killed = time.monotonic()
+        sent = time.monotonic()
+        d.kill()  # returns once the process is gone (reaped)
+        reaped = time.monotonic() - sent
+        noticed = released = None
+        while noticed is None or released is None:
+            now = time.monotonic() - sent
+            assert now < client.timeout, f"the engine's stream is stuck: {t}"
+            if noticed is None and t.status != "pending":  # failed (or it had landed)
+                noticed = now
+            if released is None and after.query():
+                released = now
+            time.sleep(0.001)
+        print(f"daemon SIGKILL ({when}, layerwise={layerwise}, {pool}): reaped after "
+              f"{reaped:.3f} s, the client noticed after {noticed:.3f} s, the engine's stream "
+              f"resumed after {released:.3f} s")
+        assert noticed - reaped < NOTICE_S, "the client noticed the dead daemon late"
+        assert released < RELEASE_S, "the engine's stream resumed late"
         t.wait(30)
         assert t.done, t
-        while not after.query():
-            assert time.monotonic() - killed < client.timeout, "the engine's stream is stuck"
-            time.sleep(0.01)
         if t.ok:
             assert when == "copying"
             torch.cuda.synchronize()

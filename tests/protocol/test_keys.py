@@ -306,9 +306,13 @@ def test_namespace_validation(bad):
 
 
 def test_namespace_limits_accepted():
-    replace(NS, model="x" * 512, num_layers=1024, kv_heads=256, head_dim=1024,
-            chunk_tokens=8192, tp_size=64, fingerprint="f" * 512)
-    replace(NS, num_layers=4, first_layer=1020)
+    top = dict(model="x" * 512, num_layers=1024, kv_heads=256, head_dim=1024, chunk_tokens=8192,
+               tp_size=64, fingerprint="f" * 512)
+    ns = replace(NS, **top)
+    assert {k: getattr(ns, k) for k in top} == top
+    assert len(namespace_digest(ns)) == 16 and namespace_digest(ns) != namespace_digest(NS)
+    last = replace(NS, num_layers=4, first_layer=1020)
+    assert (last.num_layers, last.first_layer) == (4, 1020)
 
 
 _CHILD = """

@@ -203,10 +203,13 @@ def test_wrong_type(op, field, value):
 
 def test_type_limits_accepted():
     fields, frames = SAMPLES["lookup"]
-    P.parse_request(P.encode_request(1, "lookup", {**fields, "lease_ms": 0}, frames), P.OPS)
-    P.parse_request(P.encode_request(1, "hello", {"client": "c" * 4096, "pid": 2**63 - 1,
-                                                  "versions": [2]}), P.OPS)
-    P.parse_request(P.encode_request(1, "unregister", {"reg": 0}), P.OPS)
+    req = P.parse_request(P.encode_request(1, "lookup", {**fields, "lease_ms": 0}, frames), P.OPS)
+    assert (req.id, req.op, req.fields["lease_ms"], len(req.frames)) == (1, "lookup", 0, len(frames))
+    hello = {"client": "c" * 4096, "pid": 2**63 - 1, "versions": [2]}
+    req = P.parse_request(P.encode_request(2, "hello", hello), P.OPS)
+    assert (req.op, {k: req.fields[k] for k in hello}) == ("hello", hello)
+    req = P.parse_request(P.encode_request(3, "unregister", {"reg": 0}), P.OPS)
+    assert (req.id, req.op, req.fields["reg"]) == (3, "unregister", 0)
 
 
 @pytest.mark.parametrize("op,count", [("lookup", 0), ("lookup", 2), ("store", 1), ("store", 3),

@@ -5,8 +5,8 @@
   at once, the held ones after ``metrics_timeout_s``), starts no thread for
   them, and an engine still connects and is served.
 - A flood of scrapes from several threads: the engines' store+load rounds
-  keep their median (within 10%, and 0.2 ms for the scrapers' own CPU on a
-  2-core machine).
+  keep their median (at most 40% slower, plus 0.3 ms for the scrapers' own
+  CPU on a 2-core machine; scrapes that held the event loop would double it).
 - ``metrics_socket``: /metrics on a Unix socket of the daemon's user only.
 """
 

@@ -29,6 +29,7 @@ from kvd_client.flags import ClientFlags
 from kvd_protocol.flags import MARK_WORD
 from kvd_protocol.runtime import engine_endpoint
 
+NOTICE_S = 0.2  # a dead daemon is noticed within this (its lock is probed every 50 ms)
 GEOMETRY = WP.GEOMETRY  # 2 layers, 64 pages of 4 tokens, 512 B per 16-token chunk shard...
 
 
@@ -369,14 +370,18 @@ def test_killed_daemon_fails_transfers_at_once_and_the_client_comes_back(start_d
                      client.submit_store(tokens + 1, np.arange(32, 48))]
         time.sleep(0.2)
         assert not any(t.done for t in transfers)
+        d.kill()  # returns once the process is gone
         t0 = time.monotonic()
-        d.kill()
+        # nobody drives the client: its background thread probes the daemon's lock
+        while not all(t.status == "failed" for t in transfers):
+            assert time.monotonic() - t0 < NOTICE_S, f"the dead daemon was noticed late: {transfers}"
+            time.sleep(0.001)
+        load = transfers[0]  # its layer words were released with the failure, before its fence
+        assert all(load.reg.flags.layer_landed(load.slot, i, load.seq) for i in range(2)), load
         for t in transfers:
-            t.wait(10)
-        assert time.monotonic() - t0 < 3.0, "failures waited for the 30 s timeout"
+            t.wait(10)  # the load: fenced once fence_quiet_s passed
         assert all(t.done and t.status == "failed" for t in transfers)
         assert all(isinstance(t.error, kvd_client.DaemonUnavailable) for t in transfers)
-        client.wait_for_layer(0, transfers[0])  # the CPU wait was released
         t1 = time.monotonic()
         assert client.lookup(tokens) == 0  # no daemon: a miss, no exception
         assert time.monotonic() - t1 < 2.0, "a lookup without a daemon waited for its timeout"

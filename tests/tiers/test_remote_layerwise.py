@@ -31,6 +31,9 @@ def test_a_layerwise_half_local_half_remote_load_lands_every_layer_in_order(stor
     r = remote(b)
     assert got == [n * CHUNK for n in expect], r
     # each load copied its local half, then its remote runs, as pieces
-    assert r["load_pieces"] >= pieces + count and r["corrupt"] == 1
+    # a piece per run of remote chunks whose fetches landed together (they land in any
+    # order): one to three (the remote half) per load, one for the damaged load's last
+    assert pieces + count <= r["load_pieces"] <= pieces + (count - 1) * (chunks // 2) + 1, r
+    assert r["corrupt"] == 1
     assert r["promotions"] == count * chunks - 1  # the local halves came from the store too
     assert r["errors"] == 0 and r["timeouts"] == 0

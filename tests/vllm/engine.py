@@ -4,9 +4,11 @@
         SPEC: {"model": DIR, "kvd": null | {extra config}, "multiprocess": bool,
                "phases": [{"prompts": [[token ids]], "freeze_daemon": pid | null}],
                "max_tokens": int, "kv_cache_dtype": str, "speculative": {config} | null,
-               "kv_role": "kv_both" (default) | "kv_producer" (stores only) | "kv_consumer"}
+               "kv_role": "kv_both" (default) | "kv_producer" (stores only) | "kv_consumer",
+               "state_digests": bool (tests/vllm/engine_states.py; in-process engines)}
         OUT: per phase the greedy tokens, the chosen tokens' logprobs, each
         request's num_cached_tokens, and the deltas of vLLM's own counters
+        (and with ``state_digests`` the digests of the state blocks stored and loaded)
 
 The engine runs with prefix caching off (every hit is kvd's) and stats on.
 With ``freeze_daemon`` the phase's first loads find the daemon frozen
@@ -57,9 +59,11 @@ def run(spec: dict) -> dict:
         kw["tensor_parallel_size"] = spec["tp"]
     if spec.get("kvd") is not None:
         faulty = any(p.get("freeze_daemon") for p in spec["phases"])
+        name, module = ("FaultyKvdConnector", "engine_faults") if faulty else \
+            ("StateDigestKvdConnector", "engine_states") if spec.get("state_digests") else \
+            ("KvdConnector", "kvd_client.vllm")
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="FaultyKvdConnector" if faulty else "KvdConnector",
-            kv_connector_module_path="engine_faults" if faulty else "kvd_client.vllm",
+            kv_connector=name, kv_connector_module_path=module,
             kv_role=spec.get("kv_role", "kv_both"), kv_connector_extra_config=spec["kvd"])
     llm = LLM(**kw)
     inproc = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
@@ -87,6 +91,9 @@ def run(spec: dict) -> dict:
             "finish_reasons": [o.outputs[0].finish_reason for o in outs],
             "counters": {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)},
         })
+        if spec.get("state_digests"):
+            import engine_states
+            phases[-1]["state_digests"] = engine_states.take()
     llm.llm_engine.engine_core.shutdown()
     return {"phases": phases}
 
