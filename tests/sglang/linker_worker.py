@@ -17,8 +17,9 @@ SGLang allocated, so ``ShmLinker`` (KvdLinker with another ``pool_factory``)
 moves the device pool's per-layer tensors into a kvd ``SharedKVPool`` of
 the same layout (``sglang_mha`` / ``sglang_mla``) and registers that; on a
 GPU ``KvdLinker`` registers the same tensors by CUDA IPC
-(tests/sglang/test_gpu_linker.py). ``kvd_linker: true`` makes the plain
-``KvdLinker`` instead (on the CPU: refused, with the reason in its stats).
+(tests/sglang/test_gpu_linker.py: ``device: "cuda"``, ``kvd_linker: true``).
+``kvd_linker: true`` makes the plain ``KvdLinker`` (on the CPU: refused, with
+the reason in its stats).
 Pages travel as base64 of their bytes in page order ``[layers, planes,
 page_size, heads, dim]`` (the HiCache backend's host page order).
 """
@@ -84,13 +85,14 @@ class Engine:
     """One SGLang rank's device pool, allocator and kvd linker."""
 
     def __init__(self, extra, mla=False, page_size=16, layers=3, heads=2, dim=8, pages=64,
-                 dtype="bfloat16", model="tiny", kvd_linker=False, components=("FULL",)):
+                 dtype="bfloat16", model="tiny", kvd_linker=False, components=("FULL",),
+                 device="cpu"):
         dt, size = DTYPES[dtype], pages * page_size
-        common = dict(size=size, page_size=page_size, dtype=dt, layer_num=layers, device="cpu",
+        common = dict(size=size, page_size=page_size, dtype=dt, layer_num=layers, device=device,
                       enable_memory_saver=False, start_layer=0, end_layer=layers)
         self.dev = MLATokenToKVPool(kv_lora_rank=dim - 4, qk_rope_head_dim=4, **common) if mla \
             else MHATokenToKVPool(head_num=heads, head_dim=dim, **common)
-        self.alloc = PagedTokenToKVPoolAllocator(size, page_size, dt, "cpu", self.dev, False)
+        self.alloc = PagedTokenToKVPoolAllocator(size, page_size, dt, device, self.dev, False)
         params = CacheInitParams(disable=False, req_to_token_pool=None,
                                  token_to_kv_pool_allocator=self.alloc, page_size=page_size)
         server_args = types.SimpleNamespace(model_path=model, served_model_name=model, tp_size=1)
@@ -119,7 +121,7 @@ class Engine:
         out = []
         for p in range(pages):
             s = slots[p * self.page_size:(p + 1) * self.page_size]
-            parts = [t[s].contiguous().view(torch.uint8).reshape(-1)
+            parts = [t[s].cpu().contiguous().view(torch.uint8).reshape(-1)
                      for layer in range(self.dev.layer_num) for t in self.layers(layer)]
             out.append(base64.b64encode(torch.cat(parts).numpy().tobytes()).decode())
         return out
@@ -130,7 +132,7 @@ class Engine:
             for t in self.layers(layer):
                 rows = t[slots].view(torch.uint8)
                 t[slots] = torch.randint(0, 256, rows.shape, dtype=torch.uint8,
-                                         generator=gen).view(t.dtype)
+                                         generator=gen).view(t.dtype).to(t.device)
 
     def offload(self, keys, seed: int, timeout: float = 10.0) -> dict:
         slots = self.slots(len(keys))
