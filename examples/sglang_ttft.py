@@ -31,6 +31,15 @@ median of ``--repeat`` runs; speedup = full / kvd (``--no-full`` leaves the
 daemon spent on the repeat's load requests (its ``load`` latencies summed):
 the rest of a hit's TTFT beyond the suffix is the backend's copies and
 SGLang's own. ``--out`` keeps every run.
+
+``--trace`` turns on kvd's timeline in the kvd engines (``KVD_SGLANG_TRACE``,
+kvd_client.sglang.timeline) and prints, per prefix and engine, where a hit's
+time goes (examples/sglang_breakdown.py: SGLang's part before, between and
+after the backend's calls, ours inside them, the daemon's share).
+``--gil-switch-ms 0,0.2`` runs one kvd engine per value (the backend's
+``kvd_gil_switch_ms``: Python's GIL switch interval in SGLang's process; 0
+leaves Python's 5 ms): the cost of thread wake-ups while SGLang's scheduler
+thread spins, side by side.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_breakdown  # noqa: E402
 from vllm_ttft import (LLAMA3_8B, add_common_args, add_prompt_args,  # noqa: E402
                        load_seconds, private_daemon, run_role, run_roles, write_config)
 
@@ -70,7 +80,10 @@ def engine_args(args, role: str) -> dict:
                  "class_name": "KvdHiCacheStorage", "interface_v1": 1,
                  "kvd_runtime_dir": args.runtime_dir, **json.loads(args.extra)}
         if role.startswith("kvd-"):
-            extra["kvd_host_pool"] = role[len("kvd-"):]
+            pool, _, gil = role[len("kvd-"):].partition("@")
+            extra["kvd_host_pool"] = pool
+            if gil:
+                extra["kvd_gil_switch_ms"] = float(gil)
         # the store role writes every page through to kvd; the kvd role writes back only on
         # eviction, so that no store of its suffixes runs beside the next repeat
         policy = "write_through" if role == "store" else "write_back"
@@ -81,14 +94,21 @@ def engine_args(args, role: str) -> dict:
 
 
 def engine(args, role: str) -> dict:
+    import os
+
     import sglang
 
+    trace = Path(args.runtime_dir).parent / f"trace-{role}.jsonl"
+    if args.trace and role.startswith("kvd-"):  # the scheduler process inherits it
+        os.environ["KVD_SGLANG_TRACE"] = str(trace)
     llm = sglang.Engine(**engine_args(args, role))
     one = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    window = []  # (sent, first token) of the last request, time.monotonic()
 
     def ttft(prompt) -> tuple[float, dict]:
-        t0 = time.perf_counter()
+        t0, m0 = time.perf_counter(), time.monotonic()
         out = llm.generate(input_ids=prompt, sampling_params=one)
+        window[:] = [m0, time.monotonic()]
         return time.perf_counter() - t0, out["meta_info"].get("cached_tokens_details") or {}
 
     try:
@@ -100,7 +120,7 @@ def engine(args, role: str) -> dict:
             if role == "store":
                 ttft(shared + tokens("store", sfx))
             elif role.startswith("kvd-"):
-                runs, hits, daemon = [], [], []
+                runs, hits, daemon, windows = [], [], [], []
                 for r in range(args.repeat):
                     if not flushed(llm.flush_cache()):  # GPU and host copies gone: from kvd
                         print(f"[kvd] flush_cache refused before repeat {r}", flush=True)
@@ -109,9 +129,14 @@ def engine(args, role: str) -> dict:
                     runs.append(t)
                     hits.append(details.get("storage", 0))
                     daemon.append(load_seconds(args) - before)
+                    windows.append(list(window))
                 pool = role[len("kvd-"):]
                 out[n] = {f"kvd/{pool}": runs, f"storage_hit_tokens/{pool}": hits,
                           f"daemon_load/{pool}": daemon}
+                if args.trace:
+                    lines = sglang_breakdown.read(trace)
+                    out[n][f"breakdown/{pool}"] = [sglang_breakdown.segments(lines, a, b, d)
+                                                   for (a, b), d in zip(windows, daemon)]
             else:
                 full, suffix = [], []
                 for r in range(args.repeat):
@@ -170,15 +195,27 @@ def main() -> None:
                     help="the kvd_host_pool of each kvd engine, comma-separated (staging, shared; "
                          "empty: none, the full role alone)")
     ap.add_argument("--no-full", action="store_true", help="leave out the engine without kvd")
+    ap.add_argument("--trace", action="store_true",
+                    help="kvd's timeline in the kvd engines: print where a hit's time goes")
+    ap.add_argument("--gil-switch-ms", default="0",
+                    help="kvd_gil_switch_ms of the kvd engines, comma-separated: one engine per "
+                         "value and host pool (0: Python's own 5 ms)")
     add_common_args(ap, gpu_share=False)
     ap.set_defaults(host_capacity="10GiB")
     args = ap.parse_args()
     args.prefix_list = [int(p) for p in args.prefixes.split(",")]
     if any(n % PAGE for n in args.prefix_list):
         raise SystemExit(f"prefixes must be whole pages of {PAGE} tokens")
-    args.pool_list = [p for p in args.host_pools.split(",") if p]
-    if not set(args.pool_list) <= {"staging", "shared"}:
+    pools = [p for p in args.host_pools.split(",") if p]
+    if not set(pools) <= {"staging", "shared"}:
         raise SystemExit(f"--host-pools: staging and/or shared, not {args.host_pools!r}")
+    try:
+        gils = [float(g) for g in args.gil_switch_ms.split(",")]
+    except ValueError:
+        raise SystemExit(f"--gil-switch-ms: numbers, not {args.gil_switch_ms!r}") from None
+    if any(g < 0 for g in gils):
+        raise SystemExit("--gil-switch-ms: 0 or more")
+    args.pool_list = [p + (f"@{g:g}" if g else "") for p in pools for g in gils]
     if args.role:
         Path(args.role_out).write_text(json.dumps(engine(args, args.role)))
         return
@@ -195,8 +232,9 @@ def main() -> None:
 
 
 def report(args, rows: dict) -> None:
-    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
-    print(f"{'prefix':>8}{'pool':>9}{'full ms':>10}{'suffix ms':>11}{'kvd ms':>10}{'in kvd ms':>11}"
+    med = {n: {k: statistics.median(v) for k, v in r.items() if not k.startswith("breakdown/")}
+           for n, r in rows.items()}
+    print(f"{'prefix':>8}{'pool':>12}{'full ms':>10}{'suffix ms':>11}{'kvd ms':>10}{'in kvd ms':>11}"
           f"{'kvd hit':>9}{'speedup':>9}")
     for n, m in med.items():
         for pool in args.pool_list:
@@ -206,7 +244,12 @@ def report(args, rows: dict) -> None:
             hit = f"{int(hit):>9d}" if hit is not None else f"{'-':>9}"
             kvd = m.get(f"kvd/{pool}")
             speed = f"{m['full'] / kvd:>8.1f}x" if "full" in m and kvd else f"{'-':>9}"
-            print(f"{n:>8}{pool:>9}{cells}{hit}{speed}")
+            print(f"{n:>8}{pool:>12}{cells}{hit}{speed}")
+    if args.trace:
+        print("\nwhere a kvd hit's time goes (ms, medians; examples/sglang_breakdown.py):")
+        cuts = {n: {pool: r.get(f"breakdown/{pool}", []) for pool in args.pool_list}
+                for n, r in rows.items()}
+        print("\n".join(sglang_breakdown.table(cuts)))
     save(args, rows, med)
 
 

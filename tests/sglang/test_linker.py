@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import json
 import subprocess
 from pathlib import Path
 
@@ -143,3 +144,24 @@ def test_bad_options_and_other_components_stop_sglang_at_start(lw, daemon):
         lw("engine", name="bad", extra={**extra, "kvd_no_such_option": 1})
     with pytest.raises(WorkerError, match="only the full KV component"):
         lw("engine", name="bad", extra=extra, components=["FULL", "SWA"])
+
+
+def test_the_timeline_records_each_call_with_monotonic_times(daemon, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    w = Worker(_sglang_python(), tmp_path / "worker.log", LINKER_WORKER,
+               env={"KVD_SGLANG_TRACE": str(trace)})
+    try:
+        extra = {"kvd_runtime_dir": str(daemon.runtime_dir)}
+        w("engine", name="a", extra=extra)
+        toks = tokens(2 * 16)
+        keys = w("hash", name="a", tokens=toks)
+        assert w("offload", name="a", keys=keys, seed=5)["ok"]
+        assert w("lookup", name="a", keys=keys) == [1, 2]
+        assert w("load", name="a", keys=keys)["landed"]
+        w("close", name="a")
+    finally:
+        w.close()
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert [x["op"] for x in lines] == ["lookup", "submit_loads", "finish_loads"]
+    assert all(x["src"] == "linker" and x["t0"] <= x["t1"] for x in lines)
+    assert lines[0]["hit_pages"] == 2 and lines[2]["landed"] is True
