@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from daemons import wait_for
 from test_hicache import WORKER, Worker, WorkerError, _sglang_python, daemon  # noqa: F401
 
 LINKER_WORKER = Path(__file__).resolve().parent / "linker_worker.py"
@@ -165,3 +166,19 @@ def test_the_timeline_records_each_call_with_monotonic_times(daemon, tmp_path):
     assert [x["op"] for x in lines] == ["lookup", "submit_loads", "finish_loads"]
     assert all(x["src"] == "linker" and x["t0"] <= x["t1"] for x in lines)
     assert lines[0]["hit_pages"] == 2 and lines[2]["landed"] is True
+
+
+def test_a_lookup_pins_its_hits_until_the_load_consumes_or_a_cancel_releases_them(daemon, engines):
+    a = engines(daemon.runtime_dir, "a")
+    b = engines(daemon.runtime_dir, "b")
+    toks = tokens(2 * 16)
+    keys = a("hash", tokens=toks)
+    assert a("offload", keys=keys, seed=6)["ok"]
+    b("hash", tokens=toks)
+    assert b("lookup", keys=keys, rid="x") == [1, 2]
+    assert daemon.stats()["leases"] == 1          # pinned: no eviction before the load
+    assert b("load", keys=keys, rid="x")["landed"]
+    wait_for(lambda: daemon.stats()["leases"] == 0, 5, "the load to consume the lease")
+    assert b("lookup", keys=keys, rid="c") == [1, 2]
+    assert b("queue_and_cancel", keys=keys)["cancelled"]
+    wait_for(lambda: daemon.stats()["leases"] == 0, 5, "the cancel to release the lease")

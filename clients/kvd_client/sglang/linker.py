@@ -14,8 +14,11 @@ registers SGLang's GPU KV pool with kvd by CUDA IPC
 (kvd_client.sglang.device_pages): a hit is one copy, by the daemon's copy
 engines, from kvd's host tier into SGLang's GPU pages, layer by layer.
 
-- ``lookup``: one kvd ``lookup`` for the request's uncached pages; every
-  prefix length up to the hit is restorable (the KV pool is a plain prefix).
+- ``lookup``: one kvd ``lookup`` for the request's uncached pages, its hits
+  pinned (a lease of ``kvd_timeout_s``) until the request's load consumes
+  them, so an eviction in between cannot fail the load (which SGLang would
+  answer by aborting the request); every prefix length up to the hit is
+  restorable (the KV pool is a plain prefix).
 - ``load`` queues a request's pages (its private device slots);
   ``start_layer_wise_loading`` submits every queued request as one kvd
   layer-wise load each, ordered on the forward stream after the kernels
@@ -98,7 +101,8 @@ class KvdLinker(UnifiedCacheLinker):
         self.layer_done_counter = KvdLayerCounter(self.client, self.kvcache.layer_num)
         self.reg = None
         self._retry_at, self._refused = 0.0, None
-        self.pending_loads: dict[str, tuple[ChunkKeys, list[int], int]] = {}
+        self.pending_loads: dict[str, tuple] = {}  # rid -> (keys, kvd pages, tokens, lease)
+        self.leases: dict[str, int] = {}  # rid -> the lease its lookup took
         self.offloads: deque = deque()  # (transfer or None, tokens asked), in submission order
         self.counters = {"lookups": 0, "hit_pages": 0, "loaded_batches": 0, "failed_loads": 0,
                          "stored_pages": 0, "failed_stores": 0, "refused_transfers": 0}
@@ -166,7 +170,11 @@ class KvdLinker(UnifiedCacheLinker):
         if not keyed:
             return []
         self.counters["lookups"] += 1
-        hits = self.client.lookup(ChunkKeys(k for page in keyed for k in page), reg=reg)
+        self._release(rid)  # an earlier lookup's of the same request
+        hits, lease = self.client.lookup_lease(ChunkKeys(k for page in keyed for k in page),
+                                               int(self.options.timeout_s * 1000), reg=reg)
+        if lease is not None:
+            self.leases[rid] = lease
         pages = hits // self.page_size
         self.counters["hit_pages"] += pages
         self.timeline.record("lookup", t0, pages=len(kv.keys), hit_pages=pages, rid=rid)
@@ -180,12 +188,24 @@ class KvdLinker(UnifiedCacheLinker):
         keys, slots = self._keyed(kv, reg), self._slots(kv, reg)
         if keys is None or slots is None:
             self.counters["refused_transfers"] += 1
+            self._release(rid)
             return False
-        self.pending_loads[rid] = (keys, slots, len(kv.keys) * self.page_size)
+        self.pending_loads[rid] = (keys, slots, len(kv.keys) * self.page_size,
+                                   self.leases.pop(rid, None))
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:
-        return self.pending_loads.pop(rid, None) is not None
+        self._release(rid)
+        queued = self.pending_loads.pop(rid, None)
+        if queued is not None and queued[3] is not None:
+            self.client.release(queued[3], wait=False)
+        return queued is not None
+
+    def _release(self, rid: str) -> None:
+        """Let go of the lease ``rid``'s lookup took, if it holds one."""
+        lease = self.leases.pop(rid, None)
+        if lease is not None:
+            self.client.release(lease, wait=False)
 
     def start_layer_wise_loading(self) -> int:
         if not self.pending_loads:
@@ -193,9 +213,9 @@ class KvdLinker(UnifiedCacheLinker):
         pending, self.pending_loads = self.pending_loads, {}
         t0, loads = time.monotonic(), []
         with self._on_forward_stream():
-            for keys, slots, tokens in pending.values():
+            for keys, slots, tokens, lease in pending.values():
                 try:
-                    loads.append((self.client.submit_load(keys, slots, reg=self.reg,
+                    loads.append((self.client.submit_load(keys, slots, lease=lease, reg=self.reg,
                                                           layerwise=True), tokens))
                 except KvdError as exc:  # no load slot in time: this request recomputes
                     log.warning("kvd load not submitted, a miss: %s", exc)
@@ -253,7 +273,10 @@ class KvdLinker(UnifiedCacheLinker):
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def reset(self) -> None:
-        self.pending_loads.clear()
+        for rid in list(self.pending_loads):
+            self.cancel_queued_load(rid)
+        for rid in list(self.leases):
+            self._release(rid)
         self.layer_done_counter.reset()
         for t, _ in self.offloads:
             if t is not None:
