@@ -10,7 +10,7 @@ hit's time goes"):
 
 The real backend on SGLang's real host pool, driven the way HiCache drives it
 (SGLang 0.5.16's threads, rebuilt here with its hand-offs, not SGLang's
-code): a "scheduler" thread queues a prefetch; a prefetch thread, woken by
+code; SGLang 0.5.16 or 0.5.23): a "scheduler" thread queues a prefetch; a prefetch thread, woken by
 its queue, calls ``batch_exists``; the scheduler thread picks the hit up
 on a later pass of its loop and queues the load; an IO thread, woken by its
 queue, calls ``batch_get_v1``; the scheduler thread sees it done. The pages
@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+from sglang_worker import host_pool  # noqa: E402  (this directory)
 
 
 def build(args):
@@ -50,9 +51,7 @@ def build(args):
     dev = MHATokenToKVPool(size=16 * ps, page_size=ps, dtype=torch.bfloat16, head_num=2, head_dim=64,
                            layer_num=4, device="cpu", enable_memory_saver=False, start_layer=0,
                            end_layer=4)
-    host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, ps, "page_first",
-                                pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
-                                start_layer=0, end_layer=4)
+    host = host_pool(MHATokenToKVPoolHost, dev, ps, "page_first", 4)  # 0.5.16's or 0.5.23's way
     extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
              "class_name": "KvdHiCacheStorage", "interface_v1": 1,
              "kvd_runtime_dir": args.runtime_dir, "kvd_key_mode": "hashes"}
