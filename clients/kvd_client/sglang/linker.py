@@ -173,9 +173,11 @@ class KvdLinker(UnifiedCacheLinker):
         self._release(rid)  # an earlier lookup's of the same request
         hits, lease = self.client.lookup_lease(ChunkKeys(k for page in keyed for k in page),
                                                int(self.options.timeout_s * 1000), reg=reg)
-        if lease is not None:
-            self.leases[rid] = lease
         pages = hits // self.page_size
+        if lease is not None and pages:
+            self.leases[rid] = lease
+        elif lease is not None:  # less than a page: nothing SGLang can load
+            self.client.release(lease, wait=False)
         self.counters["hit_pages"] += pages
         self.timeline.record("lookup", t0, pages=len(kv.keys), hit_pages=pages, rid=rid)
         return list(range(1, pages + 1))
