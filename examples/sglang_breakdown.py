@@ -18,6 +18,16 @@ the request's time (ms):
 - ``after``: our last call returns → first token (SGLang: completion seen by
   the scheduler, host-to-GPU load, the suffix's forward, the reply).
 
+With SGLang's own request timestamps (``sglang``: the ``meta_info`` of an
+engine run with ``enable_metrics``: ``forward_entry_time`` and
+``prefill_finished_time``, wall-clock seconds, and ``queue_time``) and
+``offset`` (the client's ``time.monotonic() - time.time()``), ``after`` is
+split into ``to_forward`` (our last call returns → the request enters a
+forward batch), ``prefill`` (that forward: the host-to-GPU load waited on
+layer by layer, and the suffix) and ``reply`` (prefill done → first token
+at the client); ``queue`` is SGLang's own waiting-queue time (it holds the
+prefetch wait). Without them these are None.
+
 Requests with no backend call in their window (a miss, no trace) give None.
 """
 
@@ -26,7 +36,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SEGMENTS = ("before", "exists", "between", "get", "kvd", "daemon", "after", "total")
+SEGMENTS = ("before", "exists", "between", "get", "kvd", "daemon", "after", "to_forward",
+            "prefill", "reply", "queue", "total")
 
 
 def read(path: Path) -> list[dict]:
@@ -36,7 +47,8 @@ def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def segments(lines: list[dict], t_send: float, t_done: float, daemon_s: float) -> dict | None:
+def segments(lines: list[dict], t_send: float, t_done: float, daemon_s: float,
+             sglang: dict | None = None, offset: float = 0.0) -> dict | None:
     mine = sorted((x for x in lines if t_send <= x["t0"] <= t_done), key=lambda x: x["t0"])
     calls = [x for x in mine if x["op"] in ("batch_exists", "batch_get_v1")]
     if not calls:
@@ -51,18 +63,36 @@ def segments(lines: list[dict], t_send: float, t_done: float, daemon_s: float) -
     exists, get = spent("batch_exists"), spent("batch_get_v1")
     out = {"before": before, "exists": exists, "between": total - before - exists - get - after,
            "get": get, "kvd": spent("kvd_load"), "daemon": daemon_s, "after": after,
-           "total": total}
-    return {k: round(v * 1e3, 3) for k, v in out.items()}
+           "total": total, **_sglang_parts(sglang, offset, t_done - after, t_done)}
+    return {k: None if v is None else round(v * 1e3, 3) for k, v in out.items()}
+
+
+def _sglang_parts(sglang: dict | None, offset: float, last_call: float, t_done: float) -> dict:
+    """``after`` cut at SGLang's forward entry and prefill end (monotonic via ``offset``)."""
+    parts = dict.fromkeys(("to_forward", "prefill", "reply", "queue"))
+    if not sglang or not sglang.get("forward_entry_time") or not sglang.get("prefill_finished_time"):
+        return parts
+    entry = sglang["forward_entry_time"] + offset
+    done = sglang["prefill_finished_time"] + offset
+    parts.update(to_forward=entry - last_call, prefill=done - entry, reply=t_done - done,
+                 queue=sglang.get("queue_time"))
+    return parts
 
 
 def table(rows: dict) -> list[str]:
     """Printable lines: one per (prefix, engine) of median segments, ms."""
-    out = [f"{'prefix':>8} {'engine':<16}" + "".join(f"{s:>9}" for s in SEGMENTS)]
+    out = [f"{'prefix':>8} {'engine':<16}" + "".join(f"{s:>11}" for s in SEGMENTS)]
     for n, per_engine in rows.items():
         for name, cuts in per_engine.items():
             cuts = [c for c in cuts if c]
             if not cuts:
                 continue
-            med = {s: sorted(c[s] for c in cuts)[len(cuts) // 2] for s in SEGMENTS}
-            out.append(f"{n:>8} {name:<16}" + "".join(f"{med[s]:>9.1f}" for s in SEGMENTS))
+            med = {s: _median([c.get(s) for c in cuts]) for s in SEGMENTS}
+            out.append(f"{n:>8} {name:<16}" + "".join(
+                f"{'-':>11}" if med[s] is None else f"{med[s]:>11.1f}" for s in SEGMENTS))
     return out
+
+
+def _median(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None

@@ -35,7 +35,10 @@ SGLang's own. ``--out`` keeps every run.
 ``--trace`` turns on kvd's timeline in the kvd engines (``KVD_SGLANG_TRACE``,
 kvd_client.sglang.timeline) and prints, per prefix and engine, where a hit's
 time goes (examples/sglang_breakdown.py: SGLang's part before, between and
-after the backend's calls, ours inside them, the daemon's share).
+after the backend's calls, ours inside them, the daemon's share);
+``--sglang-times`` adds SGLang's own timestamps of each request (its
+``enable_metrics``), which cut the part after our calls at the forward's
+start and end.
 ``--gil-switch-ms 0,0.2`` runs one kvd engine per value (the backend's
 ``kvd_gil_switch_ms``: Python's GIL switch interval in SGLang's process; 0
 leaves Python's 5 ms): the cost of thread wake-ups while SGLang's scheduler
@@ -58,6 +61,8 @@ from vllm_ttft import (LLAMA3_8B, add_common_args, add_prompt_args,  # noqa: E40
                        load_seconds, private_daemon, run_role, run_roles, write_config)
 
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
+# SGLang's own timestamps of a request, in its meta_info when enable_metrics is on
+SGLANG_TIMES = ("forward_entry_time", "prefill_finished_time", "queue_time")
 
 
 def tokens(name: str, n: int) -> list[int]:
@@ -75,6 +80,8 @@ def engine_args(args, role: str) -> dict:
           "sampling_backend": "pytorch", "disable_cuda_graph": True, "grammar_backend": "none",
           "context_length": longest + 64, "max_total_tokens": 2 * longest + 4096,
           "mem_fraction_static": args.mem_fraction_static, "log_level": "warning"}
+    if args.trace and args.sglang_times:
+        kw["enable_metrics"] = True  # SGLang's own request timestamps in meta_info
     if role != "full":
         extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
                  "class_name": "KvdHiCacheStorage", "interface_v1": 1,
@@ -103,13 +110,15 @@ def engine(args, role: str) -> dict:
         os.environ["KVD_SGLANG_TRACE"] = str(trace)
     llm = sglang.Engine(**engine_args(args, role))
     one = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
-    window = []  # (sent, first token) of the last request, time.monotonic()
+    window = {}  # the last request: sent, first token (time.monotonic()), SGLang's own times
 
     def ttft(prompt) -> tuple[float, dict]:
-        t0, m0 = time.perf_counter(), time.monotonic()
+        t0, m0, offset = time.perf_counter(), time.monotonic(), time.monotonic() - time.time()
         out = llm.generate(input_ids=prompt, sampling_params=one)
-        window[:] = [m0, time.monotonic()]
-        return time.perf_counter() - t0, out["meta_info"].get("cached_tokens_details") or {}
+        meta = out["meta_info"]
+        window.update(sent=m0, done=time.monotonic(), offset=offset,
+                      sglang={k: meta.get(k) for k in SGLANG_TIMES})
+        return time.perf_counter() - t0, meta.get("cached_tokens_details") or {}
 
     try:
         ttft(tokens("warm-up", 256))
@@ -129,14 +138,15 @@ def engine(args, role: str) -> dict:
                     runs.append(t)
                     hits.append(details.get("storage", 0))
                     daemon.append(load_seconds(args) - before)
-                    windows.append(list(window))
+                    windows.append(dict(window))
                 pool = role[len("kvd-"):]
                 out[n] = {f"kvd/{pool}": runs, f"storage_hit_tokens/{pool}": hits,
                           f"daemon_load/{pool}": daemon}
                 if args.trace:
                     lines = sglang_breakdown.read(trace)
-                    out[n][f"breakdown/{pool}"] = [sglang_breakdown.segments(lines, a, b, d)
-                                                   for (a, b), d in zip(windows, daemon)]
+                    out[n][f"breakdown/{pool}"] = [
+                        sglang_breakdown.segments(lines, w["sent"], w["done"], d, w["sglang"],
+                                                  w["offset"]) for w, d in zip(windows, daemon)]
             else:
                 full, suffix = [], []
                 for r in range(args.repeat):
@@ -197,6 +207,8 @@ def main() -> None:
     ap.add_argument("--no-full", action="store_true", help="leave out the engine without kvd")
     ap.add_argument("--trace", action="store_true",
                     help="kvd's timeline in the kvd engines: print where a hit's time goes")
+    ap.add_argument("--sglang-times", action="store_true",
+                    help="with --trace: SGLang's own request timestamps too (its enable_metrics)")
     ap.add_argument("--gil-switch-ms", default="0",
                     help="kvd_gil_switch_ms of the kvd engines, comma-separated: one engine per "
                          "value and host pool (0: Python's own 5 ms)")
