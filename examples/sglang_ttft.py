@@ -80,7 +80,7 @@ def engine_args(args, role: str) -> dict:
           "sampling_backend": "pytorch", "disable_cuda_graph": True, "grammar_backend": "none",
           "context_length": longest + 64, "max_total_tokens": 2 * longest + 4096,
           "mem_fraction_static": args.mem_fraction_static, "log_level": "warning"}
-    if args.trace and args.sglang_times:
+    if args.trace and args.sglang_times and role.startswith("kvd-"):
         kw["enable_metrics"] = True  # SGLang's own request timestamps in meta_info
     if role != "full":
         extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
