@@ -28,7 +28,12 @@ Keys: each SGLang page of ``P`` tokens is ``P / chunk_tokens`` kvd chunks.
 With ``key_mode`` 'tokens' their keys come from the page's token ids
 (kvd_client.sglang.hashing, .chain), the same keys any kvd client computes
 for the same prefix, model, dtype and TP size; a page whose tokens are
-unknown is a miss. With 'hashes' they come from SGLang's page hash.
+unknown is a miss. With 'hashes' they come from SGLang's page hash
+(kvd_client.sglang.keyring holds both ways).
+
+Timings: with ``$KVD_SGLANG_TRACE`` each call appends one line to a
+timeline (kvd_client.sglang.timeline); ``kvd_gil_switch_ms`` sets the
+process's GIL switch interval (kvd_client.sglang.options) at construction.
 
 SGLang versions: 0.5.23's interface, and 0.5.16's, which differs where it
 matters here: its storage config has no ``dcp_size`` (no
