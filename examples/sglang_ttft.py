@@ -23,7 +23,13 @@ own process (this script again, with ``--role``):
   ``kvd_host_pool``: ``staging``, ``shared``), each loading what ``store`` left;
 - ``full``: an engine without HiCache, radix cache on: TTFT of a fresh prefix
   plus suffix (the whole prefill), then ``suffix``: the same prefix with another
-  suffix (SGLang's GPU cache holds the prefix: the cost of the suffix alone).
+  suffix (SGLang's GPU cache holds the prefix: the cost of the suffix alone);
+- ``host`` (``--host-hit``): SGLang's own hierarchical cache without kvd, a
+  device pool of the longest prompt plus 512 tokens: each prefix computed
+  once (written through to the host tier), then before each repeat a filler
+  prompt as long as the longest evicts it from the GPU, and the prefix plus
+  a new suffix is a hit from SGLang's host tier (``host_hit_tokens`` from its
+  ``cached_tokens_details``): what kvd's hit compares with (``kvd / it``).
 
 TTFT is the wall time of ``generate`` of one prompt with one new token,
 median of ``--repeat`` runs; speedup = full / kvd (``--no-full`` leaves the
@@ -82,7 +88,10 @@ def engine_args(args, role: str) -> dict:
           "mem_fraction_static": args.mem_fraction_static, "log_level": "warning"}
     if args.trace and args.sglang_times and role.startswith("kvd-"):
         kw["enable_metrics"] = True  # SGLang's own request timestamps in meta_info
-    if role != "full":
+    if role == "host":  # SGLang's own host tier; a device pool one filler prompt empties
+        kw.update(enable_hierarchical_cache=True, hicache_ratio=2.0,
+                  hicache_write_policy="write_through", max_total_tokens=longest + 512)
+    elif role != "full":
         extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
                  "class_name": "KvdHiCacheStorage", "interface_v1": 1,
                  "kvd_runtime_dir": args.runtime_dir, **json.loads(args.extra)}
@@ -147,6 +156,8 @@ def engine(args, role: str) -> dict:
                     out[n][f"breakdown/{pool}"] = [
                         sglang_breakdown.segments(lines, w["sent"], w["done"], d, w["sglang"],
                                                   w["offset"]) for w, d in zip(windows, daemon)]
+            elif role == "host":
+                out[n] = host_hits(ttft, shared, n, args)
             else:
                 full, suffix = [], []
                 for r in range(args.repeat):
@@ -157,10 +168,25 @@ def engine(args, role: str) -> dict:
         if role == "store":
             wait_stored(args, 256 // PAGE + sum((n + sfx) // PAGE for n in args.prefix_list))
     finally:
-        if role != "full":
+        if role not in ("full", "host"):  # the engines with kvd's backend
             detach(llm)
         llm.shutdown()
     return out
+
+
+def host_hits(ttft, shared: list, n: int, args) -> dict:
+    """TTFT of ``shared`` plus a new suffix with the prefix in SGLang's host tier only: computed
+    once (written through to the host tier), then before each repeat a filler prompt as long
+    as the longest takes the device pool, which evicts the prefix from the GPU."""
+    longest = max(args.prefix_list) + args.suffix
+    ttft(shared + tokens("host/prime", args.suffix))
+    runs, hits = [], []
+    for r in range(args.repeat):
+        ttft(tokens(f"filler/{n}/{r}", longest))
+        t, details = ttft(shared + tokens(f"host/{r}", args.suffix))
+        runs.append(t)
+        hits.append(details.get("host", 0))
+    return {"host": runs, "host_hit_tokens": hits}
 
 
 def detach(llm) -> None:
@@ -205,6 +231,8 @@ def main() -> None:
                     help="the kvd_host_pool of each kvd engine, comma-separated (staging, shared; "
                          "empty: none, the full role alone)")
     ap.add_argument("--no-full", action="store_true", help="leave out the engine without kvd")
+    ap.add_argument("--host-hit", action="store_true",
+                    help="an engine with SGLang's own host tier: a hit from it, side by side")
     ap.add_argument("--trace", action="store_true",
                     help="kvd's timeline in the kvd engines: print where a hit's time goes")
     ap.add_argument("--sglang-times", action="store_true",
@@ -238,7 +266,8 @@ def main() -> None:
         write_config(model, LLAMA3_8B, args.layers, max(args.prefix_list) + args.suffix + 64)
         if args.pool_list:  # nothing to store for the full role alone
             run_role(args, "store", tmp, __file__)
-        roles = [f"kvd-{p}" for p in args.pool_list] + ([] if args.no_full else ["full"])
+        roles = [f"kvd-{p}" for p in args.pool_list] + ([] if args.no_full else ["full"]) \
+            + (["host"] if args.host_hit else [])
         rows = run_roles(args, roles, tmp, __file__, save)
     report(args, rows)
 
@@ -257,6 +286,16 @@ def report(args, rows: dict) -> None:
             kvd = m.get(f"kvd/{pool}")
             speed = f"{m['full'] / kvd:>8.1f}x" if "full" in m and kvd else f"{'-':>9}"
             print(f"{n:>8}{pool:>12}{cells}{hit}{speed}")
+    if args.host_hit:
+        print(f"\n{'prefix':>8}{'SGLang host-tier hit ms':>24}{'host hit tokens':>17}"
+              + "".join(f"{'kvd ' + p + ' / it':>22}" for p in args.pool_list))
+        for n, m in med.items():
+            host = m.get("host")
+            if host is None:
+                continue
+            ratios = "".join(f"{m[f'kvd/{p}'] / host:>22.2f}" if f"kvd/{p}" in m else f"{'-':>22}"
+                             for p in args.pool_list)
+            print(f"{n:>8}{host * 1e3:>24.1f}{int(m['host_hit_tokens']):>17d}{ratios}")
     if args.trace:
         print("\nwhere a kvd hit's time goes (ms, medians; examples/sglang_breakdown.py):")
         cuts = {n: {pool: r.get(f"breakdown/{pool}", []) for pool in args.pool_list}
