@@ -23,7 +23,13 @@ own process (this script again, with ``--role``):
   ``kvd_host_pool``: ``staging``, ``shared``), each loading what ``store`` left;
 - ``full``: an engine without HiCache, radix cache on: TTFT of a fresh prefix
   plus suffix (the whole prefill), then ``suffix``: the same prefix with another
-  suffix (SGLang's GPU cache holds the prefix: the cost of the suffix alone).
+  suffix (SGLang's GPU cache holds the prefix: the cost of the suffix alone);
+- ``host`` (``--host-hit``): SGLang's own hierarchical cache without kvd, a
+  device pool of the longest prompt plus 512 tokens: each prefix computed
+  once (written through to the host tier), then before each repeat a filler
+  prompt as long as the longest evicts it from the GPU, and the prefix plus
+  a new suffix is a hit from SGLang's host tier (``host_hit_tokens`` from its
+  ``cached_tokens_details``): what kvd's hit compares with (``kvd / it``).
 
 TTFT is the wall time of ``generate`` of one prompt with one new token,
 median of ``--repeat`` runs; speedup = full / kvd (``--no-full`` leaves the
@@ -31,6 +37,18 @@ median of ``--repeat`` runs; speedup = full / kvd (``--no-full`` leaves the
 daemon spent on the repeat's load requests (its ``load`` latencies summed):
 the rest of a hit's TTFT beyond the suffix is the backend's copies and
 SGLang's own. ``--out`` keeps every run.
+
+``--trace`` turns on kvd's timeline in the kvd engines (``KVD_SGLANG_TRACE``,
+kvd_client.sglang.timeline) and prints, per prefix and engine, where a hit's
+time goes (examples/sglang_breakdown.py: SGLang's part before, between and
+after the backend's calls, ours inside them, the daemon's share);
+``--sglang-times`` adds SGLang's own timestamps of each request (its
+``enable_metrics``), which cut the part after our calls at the forward's
+start and end.
+``--gil-switch-ms 0,0.2`` runs one kvd engine per value (the backend's
+``kvd_gil_switch_ms``: Python's GIL switch interval in SGLang's process; 0
+leaves Python's 5 ms): the cost of thread wake-ups while SGLang's scheduler
+thread spins, side by side.
 """
 
 from __future__ import annotations
@@ -44,10 +62,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_breakdown  # noqa: E402
 from vllm_ttft import (LLAMA3_8B, add_common_args, add_prompt_args,  # noqa: E402
                        load_seconds, private_daemon, run_role, run_roles, write_config)
 
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
+# SGLang's own timestamps of a request, in its meta_info when enable_metrics is on
+SGLANG_TIMES = ("forward_entry_time", "prefill_finished_time", "queue_time")
 
 
 def tokens(name: str, n: int) -> list[int]:
@@ -65,12 +86,20 @@ def engine_args(args, role: str) -> dict:
           "sampling_backend": "pytorch", "disable_cuda_graph": True, "grammar_backend": "none",
           "context_length": longest + 64, "max_total_tokens": 2 * longest + 4096,
           "mem_fraction_static": args.mem_fraction_static, "log_level": "warning"}
-    if role != "full":
+    if args.trace and args.sglang_times and role.startswith("kvd-"):
+        kw["enable_metrics"] = True  # SGLang's own request timestamps in meta_info
+    if role == "host":  # SGLang's own host tier; a device pool one filler prompt empties
+        kw.update(enable_hierarchical_cache=True, hicache_ratio=2.0,
+                  hicache_write_policy="write_through", max_total_tokens=longest + 512)
+    elif role != "full":
         extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
                  "class_name": "KvdHiCacheStorage", "interface_v1": 1,
                  "kvd_runtime_dir": args.runtime_dir, **json.loads(args.extra)}
         if role.startswith("kvd-"):
-            extra["kvd_host_pool"] = role[len("kvd-"):]
+            pool, _, gil = role[len("kvd-"):].partition("@")
+            extra["kvd_host_pool"] = pool
+            if gil:
+                extra["kvd_gil_switch_ms"] = float(gil)
         # the store role writes every page through to kvd; the kvd role writes back only on
         # eviction, so that no store of its suffixes runs beside the next repeat
         policy = "write_through" if role == "store" else "write_back"
@@ -81,15 +110,24 @@ def engine_args(args, role: str) -> dict:
 
 
 def engine(args, role: str) -> dict:
+    import os
+
     import sglang
 
+    trace = Path(args.runtime_dir).parent / f"trace-{role}.jsonl"
+    if args.trace and role.startswith("kvd-"):  # the scheduler process inherits it
+        os.environ["KVD_SGLANG_TRACE"] = str(trace)
     llm = sglang.Engine(**engine_args(args, role))
     one = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    window = {}  # the last request: sent, first token (time.monotonic()), SGLang's own times
 
     def ttft(prompt) -> tuple[float, dict]:
-        t0 = time.perf_counter()
+        t0, m0, offset = time.perf_counter(), time.monotonic(), time.monotonic() - time.time()
         out = llm.generate(input_ids=prompt, sampling_params=one)
-        return time.perf_counter() - t0, out["meta_info"].get("cached_tokens_details") or {}
+        meta = out["meta_info"]
+        window.update(sent=m0, done=time.monotonic(), offset=offset,
+                      sglang={k: meta.get(k) for k in SGLANG_TIMES})
+        return time.perf_counter() - t0, meta.get("cached_tokens_details") or {}
 
     try:
         ttft(tokens("warm-up", 256))
@@ -100,7 +138,7 @@ def engine(args, role: str) -> dict:
             if role == "store":
                 ttft(shared + tokens("store", sfx))
             elif role.startswith("kvd-"):
-                runs, hits, daemon = [], [], []
+                runs, hits, daemon, windows = [], [], [], []
                 for r in range(args.repeat):
                     if not flushed(llm.flush_cache()):  # GPU and host copies gone: from kvd
                         print(f"[kvd] flush_cache refused before repeat {r}", flush=True)
@@ -109,9 +147,17 @@ def engine(args, role: str) -> dict:
                     runs.append(t)
                     hits.append(details.get("storage", 0))
                     daemon.append(load_seconds(args) - before)
+                    windows.append(dict(window))
                 pool = role[len("kvd-"):]
                 out[n] = {f"kvd/{pool}": runs, f"storage_hit_tokens/{pool}": hits,
                           f"daemon_load/{pool}": daemon}
+                if args.trace:
+                    lines = sglang_breakdown.read(trace)
+                    out[n][f"breakdown/{pool}"] = [
+                        sglang_breakdown.segments(lines, w["sent"], w["done"], d, w["sglang"],
+                                                  w["offset"]) for w, d in zip(windows, daemon)]
+            elif role == "host":
+                out[n] = host_hits(ttft, shared, n, args)
             else:
                 full, suffix = [], []
                 for r in range(args.repeat):
@@ -122,10 +168,25 @@ def engine(args, role: str) -> dict:
         if role == "store":
             wait_stored(args, 256 // PAGE + sum((n + sfx) // PAGE for n in args.prefix_list))
     finally:
-        if role != "full":
+        if role not in ("full", "host"):  # the engines with kvd's backend
             detach(llm)
         llm.shutdown()
     return out
+
+
+def host_hits(ttft, shared: list, n: int, args) -> dict:
+    """TTFT of ``shared`` plus a new suffix with the prefix in SGLang's host tier only: computed
+    once (written through to the host tier), then before each repeat a filler prompt as long
+    as the longest takes the device pool, which evicts the prefix from the GPU."""
+    longest = max(args.prefix_list) + args.suffix
+    ttft(shared + tokens("host/prime", args.suffix))
+    runs, hits = [], []
+    for r in range(args.repeat):
+        ttft(tokens(f"filler/{n}/{r}", longest))
+        t, details = ttft(shared + tokens(f"host/{r}", args.suffix))
+        runs.append(t)
+        hits.append(details.get("host", 0))
+    return {"host": runs, "host_hit_tokens": hits}
 
 
 def detach(llm) -> None:
@@ -170,15 +231,31 @@ def main() -> None:
                     help="the kvd_host_pool of each kvd engine, comma-separated (staging, shared; "
                          "empty: none, the full role alone)")
     ap.add_argument("--no-full", action="store_true", help="leave out the engine without kvd")
+    ap.add_argument("--host-hit", action="store_true",
+                    help="an engine with SGLang's own host tier: a hit from it, side by side")
+    ap.add_argument("--trace", action="store_true",
+                    help="kvd's timeline in the kvd engines: print where a hit's time goes")
+    ap.add_argument("--sglang-times", action="store_true",
+                    help="with --trace: SGLang's own request timestamps too (its enable_metrics)")
+    ap.add_argument("--gil-switch-ms", default="0",
+                    help="kvd_gil_switch_ms of the kvd engines, comma-separated: one engine per "
+                         "value and host pool (0: Python's own 5 ms)")
     add_common_args(ap, gpu_share=False)
     ap.set_defaults(host_capacity="10GiB")
     args = ap.parse_args()
     args.prefix_list = [int(p) for p in args.prefixes.split(",")]
     if any(n % PAGE for n in args.prefix_list):
         raise SystemExit(f"prefixes must be whole pages of {PAGE} tokens")
-    args.pool_list = [p for p in args.host_pools.split(",") if p]
-    if not set(args.pool_list) <= {"staging", "shared"}:
+    pools = [p for p in args.host_pools.split(",") if p]
+    if not set(pools) <= {"staging", "shared"}:
         raise SystemExit(f"--host-pools: staging and/or shared, not {args.host_pools!r}")
+    try:
+        gils = [float(g) for g in args.gil_switch_ms.split(",")]
+    except ValueError:
+        raise SystemExit(f"--gil-switch-ms: numbers, not {args.gil_switch_ms!r}") from None
+    if any(g < 0 for g in gils):
+        raise SystemExit("--gil-switch-ms: 0 or more")
+    args.pool_list = [p + (f"@{g:g}" if g else "") for p in pools for g in gils]
     if args.role:
         Path(args.role_out).write_text(json.dumps(engine(args, args.role)))
         return
@@ -189,14 +266,16 @@ def main() -> None:
         write_config(model, LLAMA3_8B, args.layers, max(args.prefix_list) + args.suffix + 64)
         if args.pool_list:  # nothing to store for the full role alone
             run_role(args, "store", tmp, __file__)
-        roles = [f"kvd-{p}" for p in args.pool_list] + ([] if args.no_full else ["full"])
+        roles = [f"kvd-{p}" for p in args.pool_list] + ([] if args.no_full else ["full"]) \
+            + (["host"] if args.host_hit else [])
         rows = run_roles(args, roles, tmp, __file__, save)
     report(args, rows)
 
 
 def report(args, rows: dict) -> None:
-    med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rows.items()}
-    print(f"{'prefix':>8}{'pool':>9}{'full ms':>10}{'suffix ms':>11}{'kvd ms':>10}{'in kvd ms':>11}"
+    med = {n: {k: statistics.median(v) for k, v in r.items() if not k.startswith("breakdown/")}
+           for n, r in rows.items()}
+    print(f"{'prefix':>8}{'pool':>12}{'full ms':>10}{'suffix ms':>11}{'kvd ms':>10}{'in kvd ms':>11}"
           f"{'kvd hit':>9}{'speedup':>9}")
     for n, m in med.items():
         for pool in args.pool_list:
@@ -206,7 +285,22 @@ def report(args, rows: dict) -> None:
             hit = f"{int(hit):>9d}" if hit is not None else f"{'-':>9}"
             kvd = m.get(f"kvd/{pool}")
             speed = f"{m['full'] / kvd:>8.1f}x" if "full" in m and kvd else f"{'-':>9}"
-            print(f"{n:>8}{pool:>9}{cells}{hit}{speed}")
+            print(f"{n:>8}{pool:>12}{cells}{hit}{speed}")
+    if args.host_hit:
+        print(f"\n{'prefix':>8}{'SGLang host-tier hit ms':>24}{'host hit tokens':>17}"
+              + "".join(f"{'kvd ' + p + ' / it':>22}" for p in args.pool_list))
+        for n, m in med.items():
+            host = m.get("host")
+            if host is None:
+                continue
+            ratios = "".join(f"{m[f'kvd/{p}'] / host:>22.2f}" if f"kvd/{p}" in m else f"{'-':>22}"
+                             for p in args.pool_list)
+            print(f"{n:>8}{host * 1e3:>24.1f}{int(m['host_hit_tokens']):>17d}{ratios}")
+    if args.trace:
+        print("\nwhere a kvd hit's time goes (ms, medians; examples/sglang_breakdown.py):")
+        cuts = {n: {pool: r.get(f"breakdown/{pool}", []) for pool in args.pool_list}
+                for n, r in rows.items()}
+        print("\n".join(sglang_breakdown.table(cuts)))
     save(args, rows, med)
 
 

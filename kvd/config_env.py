@@ -22,6 +22,7 @@ from kvd.config import KNOBS
 OTHER_VARIABLES = (
     "KVD_VLLM_PYTHON",  # tests: the vLLM venv's python (make test sets it)
     "KVD_SGLANG_PYTHON",  # tests: the SGLang venv's python (make test sets it)
+    "KVD_SGLANG_TRACE",  # SGLang backend and linker: the timeline file (kvd_client.sglang.timeline)
     "KVD_TEST_LOG_DIR",  # tests: where the daemons' logs are copied (the GPU machine)
     "KVD_EXTRAS",  # Dockerfile: the pip extras of the image (a build argument)
 )

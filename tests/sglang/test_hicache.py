@@ -54,13 +54,13 @@ class WorkerError(Exception):
 
 
 class Worker:
-    def __init__(self, python: str, log_path: Path):
+    def __init__(self, python: str, log_path: Path, script: Path = WORKER, env: dict | None = None):
         venv = Path(python).absolute().parents[1]
         env = {**os.environ, "PYTHONPATH": str(ROOT / "clients"),
                "TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions"),
-               "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
+               "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python", **(env or {})}
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self._reply()
 

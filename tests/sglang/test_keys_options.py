@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,16 @@ def test_request_salt_matches_the_vllm_connector():
     assert request_salt("", None, None) is None
     assert request_salt("", "t1", None) == "request:t1"  # vLLM: cache_salt -> "request:<salt>"
     assert request_salt("dep", "t1", "lora7") == "dep\x1frequest:t1\x1fextra_key:lora7"
+
+
+def test_gil_switch_ms_sets_the_process_switch_interval_and_zero_leaves_it():
+    before = sys.getswitchinterval()
+    try:
+        Options.from_extra_config({"kvd_gil_switch_ms": 0}).apply_process_settings()
+        assert sys.getswitchinterval() == before
+        Options.from_extra_config({"kvd_gil_switch_ms": 0.2}).apply_process_settings()
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+        with pytest.raises(ValueError, match=">= 0"):
+            Options.from_extra_config({"kvd_gil_switch_ms": -1.0})
+    finally:
+        sys.setswitchinterval(before)

@@ -28,7 +28,12 @@ Keys: each SGLang page of ``P`` tokens is ``P / chunk_tokens`` kvd chunks.
 With ``key_mode`` 'tokens' their keys come from the page's token ids
 (kvd_client.sglang.hashing, .chain), the same keys any kvd client computes
 for the same prefix, model, dtype and TP size; a page whose tokens are
-unknown is a miss. With 'hashes' they come from SGLang's page hash.
+unknown is a miss. With 'hashes' they come from SGLang's page hash
+(kvd_client.sglang.keyring holds both ways).
+
+Timings: with ``$KVD_SGLANG_TRACE`` each call appends one line to a
+timeline (kvd_client.sglang.timeline); ``kvd_gil_switch_ms`` sets the
+process's GIL switch interval (kvd_client.sglang.options) at construction.
 
 SGLang versions: 0.5.23's interface, and 0.5.16's, which differs where it
 matters here: its storage config has no ``dcp_size`` (no
@@ -61,43 +66,30 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from sglang.srt.environ import envs
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvd_protocol.errors import KvdError
-from kvd_protocol.keys import namespace_digest
 from kvd_protocol.wire import tenant_label
 
 from .. import shm
 from ..client import KvdClient
 from ..registration import ChunkKeys
-from . import hashing
-from .chain import PageChain, hash_page_keys
 from .host_pages import HostPages
+from .keyring import Keyring
 from .options import Options
 from .shared_host import SharedHostPool
 from .staging import StagingPool
+from .timeline import Timeline
 
 log = logging.getLogger("kvd_client.sglang")
 RETRY_S = 1.0  # how often a backend without a daemon tries again
-
-
-def _native_radix_tree() -> str | None:
-    """The setting that makes SGLang's radix tree hash nodes natively, if it is on: 0.5.23's
-    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` (default ``rust``), 0.5.16's
-    ``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE`` (default off)."""
-    core = getattr(envs, "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", None)
-    if core is not None:
-        return None if core.get() == "python" else \
-            f"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND={core.get()}: set it to python"
-    cpp = getattr(envs, "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", None)
-    return "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE is on: unset it" if cpp is not None and cpp.get() else None
 
 
 class KvdHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config, kwargs=None):
         self.config = storage_config
         self.options = opts = Options.from_extra_config(storage_config.extra_config)
+        opts.apply_process_settings()
         self.model = opts.model_id or storage_config.model_name or ""
         if not self.model:
             raise ValueError("kvd: SGLang gave no model name; set kvd_model_id")
@@ -106,17 +98,8 @@ class KvdHiCacheStorage(HiCacheStorage):
                              "not supported")
         self.client = KvdClient(opts.runtime_dir or None, timeout=opts.timeout_s,
                                 name=f"sglang:tp{storage_config.tp_rank}:{os.getpid()}").connect()
-        self.chain = PageChain(opts.key_map_pages) if opts.key_mode == "tokens" else None
-        self._recorder = None
-        if self.chain is not None:
-            self._recorder = hashing.ChainRecorder(self.chain, opts.salt)
-            hashing.listen(self._recorder)
-            native = _native_radix_tree()
-            if native:
-                log.warning("kvd: key_mode 'tokens' learns token ids from SGLang's Python hashing; "
-                            "the native radix tree hashes nodes out of sight, so their pages will "
-                            "miss (%s), or use kvd_key_mode 'hashes' (shared by SGLang engines "
-                            "only)", native)
+        self.keyring = Keyring(opts)
+        self.timeline = Timeline.from_env("backend")
         self.pages: HostPages | None = None
         self.staging: StagingPool | None = None
         self.shared: SharedHostPool | None = None
@@ -201,13 +184,7 @@ class KvdHiCacheStorage(HiCacheStorage):
         return "shared" if self.shared is not None else "staging"
 
     def _page_keys(self, hashes, reg) -> list[tuple[bytes, ...]]:
-        ns = reg.namespace
-        digest = namespace_digest(ns)
-        if self.chain is not None:
-            keyed = self.chain.page_keys(hashes, digest, ns.chunk_tokens)
-        else:
-            keyed = hash_page_keys(hashes, digest, self.pages.page_size // ns.chunk_tokens,
-                                   self.options.salt)
+        keyed = self.keyring.page_keys(hashes, reg.namespace, self.pages.page_size)
         if len(keyed) < len(hashes):
             self.counters["unkeyed_pages"] += len(hashes) - len(keyed)
         return keyed
@@ -215,6 +192,7 @@ class KvdHiCacheStorage(HiCacheStorage):
     # ---- the zero-copy interface (interface_v1) ----------------------------------------
 
     def batch_exists(self, keys, extra_info=None) -> int:
+        t0 = time.monotonic()
         reg = self._session()
         if reg is None or not keys:
             return 0
@@ -225,9 +203,11 @@ class KvdHiCacheStorage(HiCacheStorage):
         hits = self.client.lookup(ChunkKeys(k for page in keyed for k in page), reg=reg)
         pages = hits // self.pages.page_size
         self.counters["hit_pages"] += pages
+        self.timeline.record("batch_exists", t0, pages=len(keys), hit_pages=pages)
         return pages
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        t0 = time.monotonic()
         if self._session() is None or not keys:
             return [False] * len(keys)
         slots = self.pages.page_slots(host_indices, len(keys))
@@ -236,9 +216,11 @@ class KvdHiCacheStorage(HiCacheStorage):
                                   self._load_lock)
         else:
             done = self._load(keys, lambda i, src: self.pages.page(slots[i]).copy_(src))
+        self.timeline.record("batch_get_v1", t0, pages=len(keys), done_pages=done)
         return [i < done for i in range(len(keys))]
 
     def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
+        t0 = time.monotonic()
         if self._session() is None or not keys:
             return [False] * len(keys)
         slots = self.pages.page_slots(host_indices, len(keys))
@@ -247,6 +229,7 @@ class KvdHiCacheStorage(HiCacheStorage):
                                   self._store_lock)
         else:
             done = self._store(keys, lambda i: self.pages.page(slots[i]))
+        self.timeline.record("batch_set_v1", t0, pages=len(keys), done_pages=done)
         return [i < done for i in range(len(keys))]
 
     # ---- the generic interface (flat pages) ---------------------------------------------
@@ -360,7 +343,10 @@ class KvdHiCacheStorage(HiCacheStorage):
 
     def _moved(self, op, keyed, page_ids) -> int:
         """Pages kvd loaded or stored (``op``) for ``keyed`` at kvd's ``page_ids``."""
+        t0 = time.monotonic()
         tokens = op(ChunkKeys(k for page in keyed for k in page), page_ids, reg=self.reg)
+        self.timeline.record("kvd_load" if op == self.client.load else "kvd_store", t0,
+                             pages=len(keyed), moved_pages=tokens // self.pages.page_size)
         return tokens // self.pages.page_size
 
     # ---- the rest of HiCacheStorage ---------------------------------------------------------
@@ -375,15 +361,13 @@ class KvdHiCacheStorage(HiCacheStorage):
         size in key_mode 'tokens'."""
         out = {**self.counters, "refused": self._refused, "host_pool": self.host_pool,
                "shared_refused": self.shared_refused}
-        if self.chain is not None:
-            out.update(key_map_pages=len(self.chain), key_map_forgotten=self.chain.forgotten)
+        out.update(self.keyring.stats())
         return out
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)
-        if self._recorder is not None:
-            hashing.unlisten(self._recorder)
-            self._recorder = None
+        self.keyring.close()
+        self.timeline.close()
         self.client.close()
         for pool in (self.staging, self.shared):
             if pool is not None:

@@ -60,6 +60,11 @@ OPTIONS = {
                         ("shared", "staging")),
     "shm_dir": Option(str, "/dev/shm", "where the staging pool's (or the shared host pool's) "
                       "file goes (the daemon's shm_dir)"),
+    "gil_switch_ms": Option(float, 0.0, "sets Python's GIL switch interval of the SGLang "
+                            "process (sys.setswitchinterval) to this many milliseconds: a thread "
+                            "woken by a reply or a queue waits up to one interval for the GIL "
+                            "while the scheduler thread runs (Python's default 5 ms); 0: leave "
+                            "it as it is"),
 }
 
 
@@ -78,6 +83,7 @@ class Options:
     key_map_pages: int = 65536
     host_pool: str = "shared"
     shm_dir: str = "/dev/shm"
+    gil_switch_ms: float = 0.0
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> Options:
@@ -91,3 +97,10 @@ class Options:
                 raise ValueError(f"unknown kvd option {key!r} in the extra config; known: {known}")
             values[name] = checked(key, OPTIONS[name], value)
         return cls(**values)
+
+    def apply_process_settings(self) -> None:
+        """The settings that are the process's, not the backend's (``gil_switch_ms``)."""
+        if self.gil_switch_ms > 0:
+            import sys
+
+            sys.setswitchinterval(self.gil_switch_ms / 1000.0)

@@ -1,0 +1,300 @@
+"""KvdLinker: kvd as SGLang's external cache linker (``UnifiedCacheLinker``, SGLang ≥ 0.5.23).
+
+SGLang's ``UnifiedRadixCache`` can link its GPU KV pool straight to an
+external store, no host tier in between::
+
+    python -m sglang.launch_server ... --enable-unified-cache-external-linker \\
+        --unified-cache-external-linker-backend dynamic \\
+        --unified-cache-external-linker-config '{"linker": "KvdLinker",
+            "linker_module_path": "kvd_client.sglang.linker",
+            "linker_extra_config": {"kvd_runtime_dir": "/run/kvd"}}'
+
+One linker per scheduler process (TP/PP rank). Once the daemon answers it
+registers SGLang's GPU KV pool with kvd by CUDA IPC
+(kvd_client.sglang.device_pages): a hit is one copy, by the daemon's copy
+engines, from kvd's host tier into SGLang's GPU pages, layer by layer.
+
+- ``lookup``: one kvd ``lookup`` for the request's uncached pages, its hits
+  pinned (a lease of ``kvd_timeout_s``) until the request's load consumes
+  them, so an eviction in between cannot fail the load (which SGLang would
+  answer by aborting the request); every prefix length up to the hit is
+  restorable (the KV pool is a plain prefix).
+- ``load`` queues a request's pages (its private device slots);
+  ``start_layer_wise_loading`` submits every queued request as one kvd
+  layer-wise load each, ordered on the forward stream after the kernels
+  that last used those slots; the forward's per-layer ``wait_until`` makes
+  the GPU wait for that layer only (kvd_client.sglang.layer_wait);
+  ``finish_layer_wise_loading`` waits for the loads and says whether every
+  page landed (SGLang aborts the requests otherwise).
+- ``offload`` stores a node's pages, ordered on the forward stream after the
+  forward that wrote them; completions are reported in order. MLA: only TP
+  rank 0 stores (every rank holds the same latent).
+
+Keys and options: the HiCache backend's (kvd_client.sglang.options,
+``kvd_*`` keys of ``linker_extra_config``; the host-pool and staging options
+do not apply), so a page HiCache stored is a hit here and the other way.
+Failures are misses: no daemon (yet), a timeout, unknown tokens, slots not
+page-aligned: ``lookup`` finds nothing, ``load``/``offload`` return False,
+a load that fails mid-way is reported by ``finish_layer_wise_loading``.
+Only the Full KV component is supported (SWA, Mamba: ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
+
+from kvd_protocol.errors import KvdError
+from kvd_protocol.wire import tenant_label
+
+from ..client import KvdClient
+from ..registration import ChunkKeys
+from . import device_pages
+from .keyring import Keyring
+from .layer_wait import KvdLayerCounter
+from .options import Options
+from .timeline import Timeline
+
+log = logging.getLogger("kvd_client.sglang")
+RETRY_S = 1.0  # how often a linker without a daemon tries again
+
+
+def _tp(server_args, params) -> tuple[int, int]:
+    """This rank's (index, size) in the group that shares one KV layout."""
+    group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
+    return 0, int(getattr(server_args, "tp_size", 1) or 1)
+
+
+class KvdLinker(UnifiedCacheLinker):
+    pool_factory = staticmethod(device_pages.kvd_pool)  # the pool kvd registers
+
+    def __init__(self, server_args, params, *, components, extra_config=None,
+                 forward_stream=None):
+        self.forward_stream = forward_stream
+        self.options = opts = Options.from_extra_config(extra_config)
+        opts.apply_process_settings()
+        others = sorted(getattr(c, "name", str(c)) for c in components if getattr(c, "name", c) != "FULL")
+        if others:
+            raise ValueError(f"kvd linker: only the full KV component is supported, not {others}")
+        self.page_size = params.page_size
+        self.kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        self.mla = device_pages.pool_kind(self.kvcache) == "sglang_mla"
+        self.pools = {PoolName.KV: self.kvcache}
+        self.tp_rank, self.tp_size = _tp(server_args, params)
+        self.model = opts.model_id or getattr(server_args, "served_model_name", None) \
+            or getattr(server_args, "model_path", "")
+        if not self.model:
+            raise ValueError("kvd linker: SGLang gave no model name; set kvd_model_id")
+        self.client = KvdClient(opts.runtime_dir or None, timeout=opts.timeout_s,
+                                name=f"sglang-linker:tp{self.tp_rank}:{os.getpid()}").connect()
+        self.keyring = Keyring(opts)
+        self.timeline = Timeline.from_env("linker")
+        self.layer_done_counter = KvdLayerCounter(self.client, self.kvcache.layer_num)
+        self.reg = None
+        self._retry_at, self._refused = 0.0, None
+        self.pending_loads: dict[str, tuple] = {}  # rid -> (keys, kvd pages, tokens, lease)
+        self.leases: dict[str, int] = {}  # rid -> the lease its lookup took
+        self.offloads: deque = deque()  # (transfer or None, tokens asked), in submission order
+        self.counters = {"lookups": 0, "hit_pages": 0, "loaded_batches": 0, "failed_loads": 0,
+                         "stored_pages": 0, "failed_stores": 0, "refused_transfers": 0}
+        self._session()
+
+    # ---- set-up ----------------------------------------------------------------------
+
+    def _session(self):
+        """The registration of SGLang's GPU pool, once the daemon answered."""
+        if self.reg is not None or self._refused:
+            return self.reg
+        now = time.monotonic()
+        if now < self._retry_at:
+            return None
+        self._retry_at = now + RETRY_S
+        try:
+            chunk = self.client.chunk_tokens
+        except KvdError as exc:
+            log.info("kvd not reachable (%s); the linker misses until it is", exc)
+            return None
+        if self.page_size % chunk:
+            self._refused = (f"kvd's chunk ({chunk} tokens) does not divide SGLang's page size "
+                             f"({self.page_size})")
+            log.error("%s; kvd stays unused", self._refused)
+            return None
+        try:
+            pool = self.pool_factory(self.kvcache, chunk)
+            if self.options.kv_dtype:
+                pool.kv_dtype = self.options.kv_dtype
+            self.reg = self.client.register_kv(
+                pool, self.model, tp_size=1 if self.mla else self.tp_size, tp_rank=self.tp_rank,
+                first_layer=getattr(self.kvcache, "start_layer", 0) or 0,
+                fingerprint=self.options.fingerprint)
+        except (KvdError, ValueError, OSError) as exc:
+            self._refused = f"kvd refused SGLang's device pool: {exc}"
+            log.error("%s; kvd stays unused", self._refused)
+        return self.reg
+
+    def _keyed(self, kv, reg) -> ChunkKeys | None:
+        """The chunk keys of every page of ``kv``, or None when a page has none."""
+        keyed = self.keyring.page_keys(kv.keys, reg.namespace, self.page_size)
+        if len(keyed) < len(kv.keys):
+            return None
+        return ChunkKeys(k for page in keyed for k in page)
+
+    def _slots(self, kv, reg) -> list[int] | None:
+        return device_pages.page_ids(kv.device_indices, len(kv.keys), self.page_size,
+                                     reg.namespace.chunk_tokens)
+
+    def _on_forward_stream(self):
+        """Where a transfer's stream mark goes: after the forward's kernels on its pages."""
+        if self.forward_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.forward_stream)
+
+    # ---- loads --------------------------------------------------------------------------
+
+    def lookup(self, rid: str, transfers) -> list[int]:
+        kv = _kv(transfers)
+        reg = self._session()
+        if reg is None or kv is None or not kv.keys:
+            return []
+        t0 = time.monotonic()
+        keyed = self.keyring.page_keys(kv.keys, reg.namespace, self.page_size)
+        if not keyed:
+            return []
+        self.counters["lookups"] += 1
+        self._release(rid)  # an earlier lookup's of the same request
+        hits, lease = self.client.lookup_lease(ChunkKeys(k for page in keyed for k in page),
+                                               int(self.options.timeout_s * 1000), reg=reg)
+        pages = hits // self.page_size
+        if lease is not None and pages:
+            self.leases[rid] = lease
+        elif lease is not None:  # less than a page: nothing SGLang can load
+            self.client.release(lease, wait=False)
+        self.counters["hit_pages"] += pages
+        self.timeline.record("lookup", t0, pages=len(kv.keys), hit_pages=pages, rid=rid)
+        return list(range(1, pages + 1))
+
+    def load(self, rid: str, transfers) -> bool:
+        kv = _kv(transfers)
+        reg = self._session()
+        if reg is None or kv is None or not kv.keys or rid in self.pending_loads:
+            return False
+        keys, slots = self._keyed(kv, reg), self._slots(kv, reg)
+        if keys is None or slots is None:
+            self.counters["refused_transfers"] += 1
+            self._release(rid)
+            return False
+        self.pending_loads[rid] = (keys, slots, len(kv.keys) * self.page_size,
+                                   self.leases.pop(rid, None))
+        return True
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        self._release(rid)
+        queued = self.pending_loads.pop(rid, None)
+        if queued is not None and queued[3] is not None:
+            self.client.release(queued[3], wait=False)
+        return queued is not None
+
+    def _release(self, rid: str) -> None:
+        """Let go of the lease ``rid``'s lookup took, if it holds one."""
+        lease = self.leases.pop(rid, None)
+        if lease is not None:
+            self.client.release(lease, wait=False)
+
+    def start_layer_wise_loading(self) -> int:
+        if not self.pending_loads:
+            return -1
+        pending, self.pending_loads = self.pending_loads, {}
+        t0, loads = time.monotonic(), []
+        with self._on_forward_stream():
+            for keys, slots, tokens, lease in pending.values():
+                try:
+                    loads.append((self.client.submit_load(keys, slots, lease=lease, reg=self.reg,
+                                                          layerwise=True), tokens))
+                except KvdError as exc:  # no load slot in time: this request recomputes
+                    log.warning("kvd load not submitted, a miss: %s", exc)
+                    loads.append((None, tokens))
+        self.timeline.record("submit_loads", t0, requests=len(loads),
+                             tokens=sum(t for _, t in loads))
+        return self.layer_done_counter.add_batch(loads)
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        t0 = time.monotonic()
+        landed = self.layer_done_counter.finish(counter_index)
+        self.client.poll()  # drop finished transfers the client keeps for poll()
+        self.counters["loaded_batches" if landed else "failed_loads"] += 1
+        self.timeline.record("finish_loads", t0, index=counter_index, landed=landed)
+        return landed
+
+    # ---- offloads ----------------------------------------------------------------------------
+
+    def offload(self, transfers, session_id=None) -> bool:
+        kv = _kv(transfers)
+        reg = self._session()
+        if reg is None or kv is None or not kv.keys:
+            return False
+        if self.mla and self.tp_rank != 0:  # rank 0 stores the latent every rank holds
+            self.offloads.append((None, 0))
+            return True
+        keys, slots = self._keyed(kv, reg), self._slots(kv, reg)
+        if keys is None or slots is None:
+            self.counters["refused_transfers"] += 1
+            return False
+        with self._on_forward_stream():
+            t = self.client.submit_store(keys, slots, reg=reg,
+                                         tenant=tenant_label(self.options.salt))
+        self.offloads.append((t, len(kv.keys) * self.page_size))
+        return True
+
+    def num_completed_offloads(self) -> int:
+        self.client.poll()
+        done = 0
+        for t, _ in self.offloads:
+            if t is not None and not t.done:
+                break
+            done += 1
+        return done
+
+    def pop_completed_offload(self) -> bool:
+        t, asked = self.offloads.popleft()
+        if t is None:
+            return True
+        ok = t.ok and t.tokens >= asked
+        self.counters["stored_pages" if ok else "failed_stores"] += \
+            asked // self.page_size if ok else 1
+        return ok
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        for rid in list(self.pending_loads):
+            self.cancel_queued_load(rid)
+        for rid in list(self.leases):
+            self._release(rid)
+        self.layer_done_counter.reset()
+        for t, _ in self.offloads:
+            if t is not None:
+                t.wait()
+        self.offloads.clear()
+        self.client.poll()
+
+    def close(self) -> None:
+        self.reset()
+        self.keyring.close()
+        self.timeline.close()
+        self.client.close()
+
+    def kvd_stats(self) -> dict:
+        return {**self.counters, "refused": self._refused, "registered": self.reg is not None}
+
+
+def _kv(transfers):
+    return next((t for t in transfers or () if t.name == PoolName.KV), None)

@@ -1,0 +1,182 @@
+"""SGLang under load with and without kvd: throughput, TTFT percentiles, decode steps.
+
+    python examples/sglang_load.py --out /tmp/sgl-load.json     # GPU: Llama-3-8B shape
+
+Needs SGLang and kvd_client in this python (on the GPU machine: SGLang 0.5.16
+staged by tools/gpu/stage_sglang.sh, run through its call2.sh); starts a
+private ``kvd serve`` (``--chunk-tokens 64``, SGLang's page). Each engine is
+an ``sglang.Engine`` (what ``sglang.launch_server`` runs) in its own process
+(this script again, with ``--role``), Llama-3-8B shaped, ``load_format="dummy"``,
+page 64, triton attention (``--attention-backend``), no CUDA graphs unless
+``--cuda-graph``:
+
+- ``none``: no hierarchical cache (SGLang's GPU radix cache only);
+- ``hicache``: SGLang's hierarchical cache, its own host tier, no storage;
+- ``kvd``: the same with kvd as its storage tier (``write_through``: every
+  page a request computed is backed up to kvd), on a daemon that holds none
+  of the prompts: no hit from kvd, what kvd costs an engine it does not
+  help (lookups that miss, stores);
+- ``linker``: SGLang ≥ 0.5.23 only: no host tier, kvd as the unified cache's
+  external linker (kvd_client.sglang.linker), offloading every page.
+
+``--roles`` picks them (default ``none,hicache,kvd``). Each role runs two
+workloads, ``--repeat`` times on new prompts each (the same prompts in every
+role):
+
+- ``load``: ``--requests`` concurrent requests, each a shared prefix of
+  ``--prefix`` tokens plus ``--unique`` tokens of its own, ``--max-tokens``
+  output tokens each: output tokens/s over the wall time, TTFT p50/p99;
+- ``decode``: as many requests of 16-token prompts (below a page: nothing
+  for kvd to look up or store) generating ``--decode-tokens`` each: output
+  tokens/s, what the backend costs by being there at all.
+
+Medians, and ratios against the first role (``--roles`` order), are printed;
+``--out`` keeps every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_ttft import (LLAMA3_8B, add_common_args, environment, private_daemon,  # noqa: E402
+                       run_role, write_config)
+
+PAGE = 64  # SGLang's page size here, and the daemon's chunk
+ROLES = ("none", "hicache", "kvd", "linker")
+
+
+def tokens(seed: str, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, LLAMA3_8B["vocab_size"]) for _ in range(n)]
+
+
+def engine_args(args, role: str) -> dict:
+    longest = args.prefix + args.unique + max(args.max_tokens, args.decode_tokens)
+    kw = {"model_path": args.model, "load_format": "dummy", "dtype": "bfloat16", "random_seed": 0,
+          "skip_tokenizer_init": True, "page_size": PAGE, "attention_backend": args.attention_backend,
+          "sampling_backend": "pytorch", "disable_cuda_graph": not args.cuda_graph,
+          "grammar_backend": "none", "context_length": longest + 64,
+          "mem_fraction_static": args.mem_fraction_static, "log_level": "warning"}
+    extra = {"kvd_runtime_dir": args.runtime_dir, **json.loads(args.extra)}
+    if role in ("hicache", "kvd"):
+        kw.update(enable_hierarchical_cache=True, hicache_ratio=2.0,
+                  hicache_write_policy="write_through")
+    if role == "kvd":
+        kw.update(hicache_storage_backend="dynamic", hicache_storage_prefetch_policy="timeout",
+                  hicache_storage_backend_extra_config=json.dumps(
+                      {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
+                       "class_name": "KvdHiCacheStorage", "interface_v1": 1, **extra}))
+    if role == "linker":
+        kw.update(enable_unified_cache_external_linker=True,
+                  unified_cache_external_linker_backend="dynamic",
+                  unified_cache_external_linker_config={
+                      "linker": "KvdLinker", "linker_module_path": "kvd_client.sglang.linker",
+                      "linker_extra_config": extra})
+    return kw
+
+
+async def run_batch(llm, prompts: list, max_tokens: int) -> dict:
+    import asyncio
+
+    params = {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+    async def one(prompt: list) -> tuple[float, int]:
+        t0, first, n = time.perf_counter(), None, 0
+        stream = await llm.async_generate(input_ids=prompt, sampling_params=params, stream=True)
+        async for out in stream:
+            first = first or time.perf_counter()
+            n = out["meta_info"].get("completion_tokens", n)
+        return first - t0, n
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    ttft = sorted(d[0] for d in done)
+    return {"tokens_per_s": sum(d[1] for d in done) / wall, "wall_s": wall,
+            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]}
+
+
+def role_main(args, role: str) -> dict:
+    import sglang
+
+    llm = sglang.Engine(**engine_args(args, role))
+    run = llm.loop.run_until_complete
+    try:
+        run(run_batch(llm, [tokens("warm-up", 128)], 4))
+        runs = {"decode": [], "load": []}
+        for r in range(args.repeat):  # new prompts each repeat: the same ones in every role
+            shared = tokens(f"shared/{r}", args.prefix)
+            load = [shared + tokens(f"unique/{r}/{i}", args.unique) for i in range(args.requests)]
+            short = [tokens(f"short/{r}/{i}", 16) for i in range(args.requests)]
+            runs["decode"].append(run(run_batch(llm, short, args.decode_tokens)))
+            runs["load"].append(run(run_batch(llm, load, args.max_tokens)))
+            print(f"[{role}] repeat {r}: {json.dumps({k: v[-1] for k, v in runs.items()})}", flush=True)
+        return {**{k: medians(v) for k, v in runs.items()}, "runs": runs}
+    finally:
+        llm.shutdown()
+
+
+def medians(runs: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--roles", default="none,hicache,kvd",
+                    help=f"engines to run, comma-separated, the first the baseline ({', '.join(ROLES)})")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prefix", type=int, default=4096, help="tokens every request shares")
+    ap.add_argument("--unique", type=int, default=512, help="tokens of each request's own")
+    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens of a load request")
+    ap.add_argument("--decode-tokens", type=int, default=256, help="output tokens of a decode request")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each workload per engine, new prompts each (medians reported)")
+    ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.8)
+    ap.add_argument("--cuda-graph", action="store_true", help="SGLang's CUDA graphs for decode")
+    ap.add_argument("--extra", default="{}", help="more kvd_* options of the backend (JSON)")
+    add_common_args(ap, gpu_share=False)
+    ap.set_defaults(host_capacity="16GiB")
+    args = ap.parse_args()
+    roles = [r for r in args.roles.split(",") if r]
+    if not roles or not set(roles) <= set(ROLES):
+        raise SystemExit(f"--roles: some of {', '.join(ROLES)}, not {args.roles!r}")
+    if (args.prefix + args.unique) % PAGE:
+        raise SystemExit(f"--prefix + --unique must be whole pages of {PAGE} tokens")
+    if args.role:
+        Path(args.role_out).write_text(json.dumps(role_main(args, args.role)))
+        return
+    flags = ("--chunk-tokens", str(PAGE))
+    with tempfile.TemporaryDirectory(prefix="kvd-sgl-load-") as tmp, \
+            private_daemon(args, Path(tmp), flags) as model:
+        write_config(model, LLAMA3_8B, args.layers,
+                     args.prefix + args.unique + max(args.max_tokens, args.decode_tokens) + 128)
+        rows = {role: run_role(args, role, Path(tmp), __file__) for role in roles}
+    report(args, rows)
+
+
+def report(args, rows: dict) -> None:
+    base = next(iter(rows.values()))
+    print(f"{'engine':>8}{'load tok/s':>12}{'vs first':>10}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'decode tok/s':>14}{'vs first':>10}")
+    for role, r in rows.items():
+        load, dec = r["load"], r["decode"]
+        print(f"{role:>8}{load['tokens_per_s']:>12.0f}{load['tokens_per_s'] / base['load']['tokens_per_s']:>10.3f}"
+              f"{load['ttft_p50'] * 1e3:>8.1f}ms{load['ttft_p99'] * 1e3:>8.1f}ms"
+              f"{dec['tokens_per_s']:>14.0f}{dec['tokens_per_s'] / base['decode']['tokens_per_s']:>10.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({**environment(), "args": vars(args), "roles": rows},
+                                             indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
