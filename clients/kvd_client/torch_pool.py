@@ -1,10 +1,14 @@
 """CudaKVPool: describe an engine's torch CUDA KV tensors for ``register_kv``.
 
 Takes the tensors in the engine's own layout (see kvd_protocol.layout) and produces
-the layout descriptor and the ``cuda_ipc`` buffer list: one buffer per
+the layout descriptor and the buffer list: ``cuda_ipc``, one buffer per
 distinct CUDA allocation the tensors live in, with each tensor's byte
 offset inside it (caching allocators rarely start a tensor at its
-allocation). ``device_index`` and ``stream_ptr()`` (the engine's current
+allocation); or, for memory mapped through CUDA's virtual-memory API (vLLM
+0.34's extensible KV cache, sleep mode, expandable segments), ``cuda_vmm``,
+one buffer per run of allocations mapped end to end, whose file descriptors
+``lend_buffers`` passes to the daemon at each registration
+(kvd_protocol.cuda_vmm, kvd_protocol.fd_pass). ``device_index`` and ``stream_ptr()`` (the engine's current
 stream) let the client mark stores and wait for layer-wise loads on the
 engine's stream through the registration's flag page (kvd_client.flags).
 Tensors:
@@ -20,8 +24,11 @@ Tensors:
 
 from __future__ import annotations
 
+import os
+
+from kvd_protocol import cuda_vmm, fd_pass
 from kvd_protocol import layout as L
-from kvd_protocol.cuda_driver import export_allocation
+from kvd_protocol.cuda_driver import device_uuid, ensure_context, export_allocation
 
 
 class CudaKVPool:
@@ -45,25 +52,85 @@ class CudaKVPool:
             self.kv_heads, self.head_dim = first.shape[1], first.shape[-1] // 2
         if layout == "opaque":  # [pages, kv_heads, page_size, row]: the head dim is the row
             self.kv_heads = first.shape[1]
-        self.buffers, refs, index = [], [], {}
+        self.device_index = self.device.index if self.device.index is not None \
+            else torch.cuda.current_device()
+        vmm = [cuda_vmm.is_vmm(t.data_ptr()) for t in flat]
+        if any(vmm) and not all(vmm):
+            raise ValueError("these KV tensors mix virtual-memory and ordinary CUDA allocations")
+        self.lends_fds = all(vmm)  # lend_buffers() at each registration, else CUDA IPC
+        self.buffers, self.piece_bases, refs = [], [], []
+        place = self._vmm_buffers(flat) if self.lends_fds else self._ipc_buffers(flat)
+        for t, (index, offset) in zip(flat, place):
+            item = t.element_size()
+            refs.append(L.TensorRef(index, offset, tuple(t.shape),
+                                    tuple(s * item for s in t.stride()), item))
+        self.descriptor = L.describe(layout, refs, page_size)
+        self.tensors = tensors  # keep the memory alive while registered
+        self._torch = torch
+
+    def _ipc_buffers(self, flat) -> list[tuple[int, int]]:
+        """One cuda_ipc buffer per allocation; each tensor's (buffer, offset)."""
+        index, place = {}, []
         for t in flat:
             alloc = export_allocation(t.data_ptr())
             if alloc.base not in index:
                 index[alloc.base] = len(self.buffers)
                 self.buffers.append({"kind": "cuda_ipc", "handle": alloc.handle, "offset": 0,
                                      "size": alloc.size, "device_uuid": alloc.device_uuid})
-            item = t.element_size()
-            refs.append(L.TensorRef(index[alloc.base], t.data_ptr() - alloc.base, tuple(t.shape),
-                                    tuple(s * item for s in t.stride()), item))
-        self.descriptor = L.describe(layout, refs, page_size)
-        self.tensors = tensors  # keep the memory alive while registered
-        self.device_index = self.device.index if self.device.index is not None \
-            else torch.cuda.current_device()
-        self._torch = torch
+            place.append((index[alloc.base], t.data_ptr() - alloc.base))
+        return place
+
+    def _vmm_buffers(self, flat) -> list[tuple[int, int]]:
+        """One cuda_vmm buffer per contiguous run of mapped allocations the tensors lie in;
+        each tensor's (buffer, offset)."""
+        pieces = {}
+        for t in flat:
+            for p in cuda_vmm.mapped_pieces(t.data_ptr(), _extent(t)):
+                pieces[p.base] = p
+        runs = []  # [start, [pieces]]: allocations mapped end to end form one buffer
+        for p in sorted(pieces.values(), key=lambda p: p.base):
+            if runs and runs[-1][0] + sum(q.size for q in runs[-1][1]) == p.base:
+                runs[-1][1].append(p)
+            else:
+                runs.append([p.base, [p]])
+        uuid = device_uuid(self.device_index)
+        for start, run in runs:
+            self.buffers.append({"kind": "cuda_vmm", "token": bytes(16), "offset": 0,
+                                 "pieces": [p.size for p in run],
+                                 "size": sum(p.size for p in run), "device_uuid": uuid})
+            self.piece_bases.extend(p.base for p in run)
+        place = []
+        for t in flat:
+            i = next(i for i, (start, run) in enumerate(runs)
+                     if start <= t.data_ptr() < start + sum(p.size for p in run))
+            place.append((i, t.data_ptr() - runs[i][0]))
+        return place
+
+    def lend_buffers(self, fd_socket, timeout: float) -> list[dict]:
+        """Export every allocation as a file descriptor, lend them all to the daemon at
+        ``fd_socket`` (kvd_protocol.fd_pass), close them here, and return the buffers
+        naming them by the token it gave."""
+        ensure_context(self.device_index)  # the client may call this from its own thread
+        fds = []
+        try:
+            for base in self.piece_bases:
+                fds.append(cuda_vmm.export_fd(base))
+            token = fd_pass.lend(fd_socket, fds, timeout)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return [{**b, "token": token} for b in self.buffers]
 
     def stream_ptr(self) -> int:
         """The engine's current CUDA stream on this pool's GPU (a ``cudaStream_t``)."""
         return self._torch.cuda.current_stream(self.device_index).cuda_stream
+
+
+def _extent(t) -> int:
+    """Bytes from a tensor's first element to just past its last."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _flatten(layout: str, tensors) -> list:
