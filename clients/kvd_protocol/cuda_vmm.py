@@ -177,27 +177,49 @@ def map_fds(fds: list[int], sizes: list[int], ordinal: int) -> VmmMapping:
     try:
         for i, fd in enumerate(fds):
             out.handles.append(_import(lib, fd, i, ordinal))
-        base = ctypes.c_uint64()
-        _check(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(out.size),
-                                       ctypes.c_size_t(grain), ctypes.c_uint64(0),
-                                       ctypes.c_ulonglong(0)), "cuMemAddressReserve")
-        out.base = base.value
-        addr = out.base
-        for i, (handle, size) in enumerate(zip(out.handles, sizes)):
-            status = lib.cuMemMap(ctypes.c_uint64(addr), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                  ctypes.c_uint64(handle), ctypes.c_ulonglong(0))
-            if status != 0:
-                raise CudaExportError(f"piece {i}: mapping {size} bytes failed (CUDA driver "
-                                      f"error {status}): the allocation is smaller")
-            out.mapped.append((addr, size))
-            addr += size
-        desc = _AccessDesc(_Location(LOCATION_DEVICE, ordinal), PROT_READWRITE)
-        _check(lib.cuMemSetAccess(ctypes.c_uint64(out.base), ctypes.c_size_t(out.size),
-                                  ctypes.byref(desc), ctypes.c_size_t(1)), "cuMemSetAccess")
+        _map_side_by_side(lib, out, sizes, grain, ordinal)
     except BaseException:
         out.close()
         raise
     return out
+
+
+def allocate(sizes: list[int], ordinal: int) -> VmmMapping:
+    """The engine's side, as vLLM 0.34's extensible KV cache allocates: device memory of
+    ``sizes`` bytes each (multiples of ``granularity``), created exportable as file
+    descriptors, mapped side by side in one reserved range (for tests and the bench)."""
+    lib, prop = _cuda(), _device_prop(ordinal)
+    out = VmmMapping(0, sum(sizes), [], [])
+    try:
+        for size in sizes:
+            handle = ctypes.c_uint64()
+            _check(lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop),
+                                   ctypes.c_ulonglong(0)), "cuMemCreate")
+            out.handles.append(handle.value)
+        _map_side_by_side(lib, out, sizes, granularity(ordinal), ordinal)
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+def _map_side_by_side(lib, out: VmmMapping, sizes: list[int], grain: int, ordinal: int) -> None:
+    base = ctypes.c_uint64()
+    _check(lib.cuMemAddressReserve(ctypes.byref(base), ctypes.c_size_t(out.size),
+                                   ctypes.c_size_t(grain), ctypes.c_uint64(0),
+                                   ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+    out.base = addr = base.value
+    for i, (handle, size) in enumerate(zip(out.handles, sizes)):
+        status = lib.cuMemMap(ctypes.c_uint64(addr), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                              ctypes.c_uint64(handle), ctypes.c_ulonglong(0))
+        if status != 0:
+            raise CudaExportError(f"piece {i}: mapping {size} bytes failed (CUDA driver "
+                                  f"error {status}): the allocation is smaller")
+        out.mapped.append((addr, size))
+        addr += size
+    desc = _AccessDesc(_Location(LOCATION_DEVICE, ordinal), PROT_READWRITE)
+    _check(lib.cuMemSetAccess(ctypes.c_uint64(out.base), ctypes.c_size_t(out.size),
+                              ctypes.byref(desc), ctypes.c_size_t(1)), "cuMemSetAccess")
 
 
 def _import(lib, fd: int, i: int, ordinal: int) -> int:
