@@ -8,7 +8,7 @@ allocation); or, for memory mapped through CUDA's virtual-memory API (vLLM
 0.34's extensible KV cache, sleep mode, expandable segments), ``cuda_vmm``,
 one buffer per run of allocations mapped end to end, whose file descriptors
 ``lend_buffers`` passes to the daemon at each registration
-(kvd_protocol.cuda_vmm, kvd_protocol.fd_pass). ``device_index`` and ``stream_ptr()`` (the engine's current
+(kvd_client.vmm_share). ``device_index`` and ``stream_ptr()`` (the engine's current
 stream) let the client mark stores and wait for layer-wise loads on the
 engine's stream through the registration's flag page (kvd_client.flags).
 Tensors:
@@ -24,11 +24,11 @@ Tensors:
 
 from __future__ import annotations
 
-import os
-
-from kvd_protocol import cuda_vmm, fd_pass
+from kvd_protocol import cuda_vmm
 from kvd_protocol import layout as L
-from kvd_protocol.cuda_driver import device_uuid, ensure_context, export_allocation
+from kvd_protocol.cuda_driver import device_uuid, export_allocation
+
+from . import vmm_share
 
 
 class CudaKVPool:
@@ -81,45 +81,14 @@ class CudaKVPool:
         return place
 
     def _vmm_buffers(self, flat) -> list[tuple[int, int]]:
-        """One cuda_vmm buffer per contiguous run of mapped allocations the tensors lie in;
-        each tensor's (buffer, offset)."""
-        pieces = {}
-        for t in flat:
-            for p in cuda_vmm.mapped_pieces(t.data_ptr(), _extent(t)):
-                pieces[p.base] = p
-        runs = []  # [start, [pieces]]: allocations mapped end to end form one buffer
-        for p in sorted(pieces.values(), key=lambda p: p.base):
-            if runs and runs[-1][0] + sum(q.size for q in runs[-1][1]) == p.base:
-                runs[-1][1].append(p)
-            else:
-                runs.append([p.base, [p]])
-        uuid = device_uuid(self.device_index)
-        for start, run in runs:
-            self.buffers.append({"kind": "cuda_vmm", "token": bytes(16), "offset": 0,
-                                 "pieces": [p.size for p in run],
-                                 "size": sum(p.size for p in run), "device_uuid": uuid})
-            self.piece_bases.extend(p.base for p in run)
-        place = []
-        for t in flat:
-            i = next(i for i, (start, run) in enumerate(runs)
-                     if start <= t.data_ptr() < start + sum(p.size for p in run))
-            place.append((i, t.data_ptr() - runs[i][0]))
+        """cuda_vmm buffers (kvd_client.vmm_share); each tensor's (buffer, offset)."""
+        self.buffers, self.piece_bases, place = vmm_share.vmm_buffers(
+            [(t.data_ptr(), _extent(t)) for t in flat], device_uuid(self.device_index))
         return place
 
     def lend_buffers(self, fd_socket, timeout: float) -> list[dict]:
-        """Export every allocation as a file descriptor, lend them all to the daemon at
-        ``fd_socket`` (kvd_protocol.fd_pass), close them here, and return the buffers
-        naming them by the token it gave."""
-        ensure_context(self.device_index)  # the client may call this from its own thread
-        fds = []
-        try:
-            for base in self.piece_bases:
-                fds.append(cuda_vmm.export_fd(base))
-            token = fd_pass.lend(fd_socket, fds, timeout)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return [{**b, "token": token} for b in self.buffers]
+        """The buffers, their allocations' file descriptors lent to the daemon anew."""
+        return vmm_share.lend(self.piece_bases, self.buffers, self.device_index, fd_socket, timeout)
 
     def stream_ptr(self) -> int:
         """The engine's current CUDA stream on this pool's GPU (a ``cudaStream_t``)."""
