@@ -51,7 +51,8 @@ out["hma"] = issubclass(KvdConnector, base.SupportsHMA)
 hooks = ("may_load_async", "unregister_kv_caches", "restore_kv_caches", "kv_cache_access",
          "supports_sleep_mode", "get_num_new_matched_tokens", "update_state_after_alloc",
          "build_connector_meta", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
-         "wait_for_save", "request_finished", "get_finished", "register_kv_caches")
+         "wait_for_save", "request_finished", "get_finished", "register_kv_caches",
+         "get_external_cache_hit_sources")
 out["signatures"] = {h: [list(inspect.signature(getattr(Base, h)).parameters),
                          list(inspect.signature(getattr(KvdConnector, h)).parameters)]
                      for h in hooks}

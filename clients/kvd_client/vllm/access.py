@@ -17,6 +17,12 @@ asynchronously (the scheduler's rule, kvd_client.vllm.scheduler: a hit of at
 least ``async_load_min_tokens``, 0 meaning always), judged from the prompt's
 length alone, so it errs only towards yes.
 
+``hit_sources(state, tokens, chunk)`` splits a hit vLLM 0.34 asks about by the
+tier it comes from (``host``, ``disk``, ``p2p`` for kvd's remote tier: vLLM's
+``CacheHitSource`` values). A lookup's hits run from chunk 0: the host tier's
+prefix, then what continues it on disk, then in the remote store (the daemon's
+reply says how many of each); the loaded tokens are ``[local, hit)`` of that.
+
 ``VERSIONS_TESTED`` names the vLLM releases the connector is tested with, and
 ``version_note(version)`` is the one line logged when it meets another.
 Imports vLLM only inside ``kv_cache_access`` (vLLM 0.34 has ``KVCacheAccess``).
@@ -53,6 +59,20 @@ def may_load_async(settings: Settings, request, loads: bool) -> bool:
         return False
     prompt = getattr(request, "num_prompt_tokens", None)
     return prompt is None or prompt > settings.async_load_min_tokens
+
+
+def hit_sources(state, tokens: int, chunk: int) -> dict[str, int]:
+    """``tokens`` (the request's hit past vLLM's own) by tier; all ``host`` when the
+    scheduler's state does not account for them."""
+    if state is None or not tokens or state.hit - state.local != tokens:
+        return {"host": tokens} if tokens else {}
+    disk, remote = state.tiers
+    host_end = max(0, state.found // chunk - disk - remote) * chunk
+    disk_end = host_end + disk * chunk
+    spans = {"host": (0, host_end), "disk": (host_end, disk_end), "p2p": (disk_end, state.hit)}
+    out = {name: max(0, min(hi, state.hit) - max(lo, state.local))
+           for name, (lo, hi) in spans.items()}
+    return {name: n for name, n in out.items() if n}
 
 
 def version_note(version: str) -> str | None:

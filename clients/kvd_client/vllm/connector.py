@@ -71,7 +71,7 @@ from .settings import Settings
 from .stats import KvdConnectorStats, KvdPromMetrics
 from .worker import WorkerSide
 
-try:
+try:  # hits labelled by tier (get_external_cache_hit_sources: vLLM 0.34)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     HIT_SOURCE = CacheHitSource.HOST
@@ -241,14 +241,16 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def may_load_async(self, request) -> bool:
         return access.may_load_async(self.settings, request, self._kv_transfer_config.is_kv_consumer)
 
-    def unregister_kv_caches(self) -> None:
-        """vLLM 0.34 lends the KV memory out (sleep, a weight update): kvd's transfers end,
-        its registrations go; the daemon keeps its chunks."""
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        st = self.sched.reqs.get(request.request_id) if self.sched is not None else None
+        split = access.hit_sources(st, num_external_tokens, self.sched.chunk if st else 1)
+        return {CacheHitSource(name): n for name, n in split.items()}
+
+    def unregister_kv_caches(self) -> None:  # the KV memory is lent out: drain, drop (chunks stay)
         if self.worker is not None and self.worker.regs:
             self.worker.release(self.settings.timeout_s)
 
-    def restore_kv_caches(self) -> None:
-        """The KV memory is back (fresh pages, same addresses): register it again."""
+    def restore_kv_caches(self) -> None:  # it is back (fresh pages, same addresses): register
         if self.worker is not None and not self.worker.regs and self.kv_caches is not None:
             self.register_kv_caches(self.kv_caches)
 
