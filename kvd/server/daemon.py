@@ -177,7 +177,8 @@ class Daemon:
         self.ctx = zmq.asyncio.Context()
         self.gate = self._start_gate()
         old = os.umask(0o077)
-        try:
+        try:  # fds.sock first: an engine that reconnects at once lends its descriptors there
+            startup.open_fd_intake(self.service, cuda, self.runtime_dir, self.group)
             self.engine_sock = self._bind(engine_endpoint(self.runtime_dir), self.cfg.max_message_bytes,
                                           REPLY_QUEUE)
             self.intake = Intake(self.engine_sock, self.cfg.max_inflight, lambda: self.service.stats)
@@ -185,7 +186,6 @@ class Daemon:
                                            CONTROL_REPLY_QUEUE)
             self.control_intake = Intake(self.control_sock, CONTROL_INFLIGHT,
                                          lambda: self.service.stats, "per control peer")
-            startup.open_fd_intake(self.service, cuda, self.runtime_dir, self.group)
         finally:
             os.umask(old)
         log.info("serving %s (backends %s, chunk %d tokens) — ready in %.2f s, pid %d",

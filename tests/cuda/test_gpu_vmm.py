@@ -104,10 +104,11 @@ def test_a_descriptor_that_is_no_cuda_allocation_is_refused(start_daemon):
     d = start_daemon(**KNOBS)
     kv = vmm_kv(2, 1)
     pool = CudaKVPool("vllm_flash_attn", kv)
+    n = len(pool.piece_bases)
     with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True, timeout=10) as c:
         c.connect()
-        fields = _register_fields(c, pool)  # one cycle: the daemon's GPU set-up is done
-        base, n = daemon_fds(d), len(pool.piece_bases)
+        reg = c.register_kv(pool, model="vmm-gpu")  # its request's fields, flag page included
+        base = daemon_fds(d)
         fake = os.memfd_create("not-cuda")
         os.ftruncate(fake, pool.buffers[0]["size"])
         try:
@@ -115,20 +116,12 @@ def test_a_descriptor_that_is_no_cuda_allocation_is_refused(start_daemon):
         finally:
             os.close(fake)
         assert daemon_fds(d) >= base + n  # held for the registration
-        bad = {**fields, "buffers": [{**b, "token": token} for b in pool.buffers]}
+        bad = {**reg.fields, "buffers": [{**b, "token": token} for b in pool.buffers]}
         with pytest.raises(BadRequest, match="not a CUDA allocation|cannot map"):
             c._call("register", bad)
         assert settled_below(d, base + n)  # the lent descriptors were closed
-        reg = c.register_kv(pool, model="vmm-gpu")  # the real pool still registers
         tokens = np.arange(2 * CHUNK)
         torch.cuda.synchronize()
-        assert c.store(tokens, range(8)) == 2 * CHUNK
+        assert c.store(tokens, range(8)) == 2 * CHUNK  # the daemon serves on
         c.unregister(reg)
-
-
-def _register_fields(client, pool) -> dict:
-    """The register request ``register_kv`` would send for ``pool`` (without registering)."""
-    reg = client.register_kv(pool, model="vmm-probe")
-    fields = dict(reg.fields)
-    client.unregister(reg)
-    return fields
+    assert "Traceback" not in d.log(), d.log()
