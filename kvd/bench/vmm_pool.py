@@ -29,9 +29,13 @@ class VmmMemory:
                                          "strides": None}
 
     def __del__(self):
-        if getattr(self, "mapping", None) is not None and self.mapping.base:
+        if getattr(self, "mapping", None) is None or not self.mapping.base:
+            return
+        try:
             self.synchronize()  # nothing queued may still use it
             self.mapping.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit the driver may be gone first
+            pass
 
 
 def vmm_layers(torch, layer_bytes: int, layers: int, chunks_per_layer: int = 1,
