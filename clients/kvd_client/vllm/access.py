@@ -12,10 +12,12 @@ descriptors), else ``legacy_ipc``. vLLM asks before any worker starts, in the
 engine's process, so this is a file check, never a daemon call.
 
 ``may_load_async(settings, request, loads)`` is the cheap guess vLLM 0.34 asks
-for when a request enters its waiting queue: whether kvd might load it
-asynchronously (the scheduler's rule, kvd_client.vllm.scheduler: a hit of at
-least ``async_load_min_tokens``, 0 meaning always), judged from the prompt's
-length alone, so it errs only towards yes.
+for when a request enters its waiting queue (with ``--max-num-inflight-kv-loads``
+a yes lets its load start while the batch is full, and holds a load slot): yes
+for a prompt longer than ``async_load_min_tokens`` (0: every prompt), the hits
+the scheduler loads asynchronously (kvd_client.vllm.scheduler); shorter
+prompts, whose hits mostly load layer by layer inside the step, get no and wait
+in vLLM's ordinary queue, which is vLLM's default path and costs nothing.
 
 ``hit_sources(state, tokens, chunk)`` splits a hit vLLM 0.34 asks about by the
 tier it comes from (``host``, ``disk``, ``p2p`` for kvd's remote tier: vLLM's
@@ -23,7 +25,8 @@ tier it comes from (``host``, ``disk``, ``p2p`` for kvd's remote tier: vLLM's
 prefix, then what continues it on disk, then in the remote store (the daemon's
 reply says how many of each); the loaded tokens are ``[local, hit)`` of that.
 
-``VERSIONS_TESTED`` names the vLLM releases the connector is tested with, and
+``VERSIONS_TESTED`` names the vLLM releases the connector knows (engines
+tested on 0.26 and 0.32, the API of 0.34), and
 ``version_note(version)`` is the one line logged when it meets another.
 Imports vLLM only inside ``kv_cache_access`` (vLLM 0.34 has ``KVCacheAccess``).
 """
@@ -79,5 +82,5 @@ def version_note(version: str) -> str | None:
     """One line naming the tested releases when ``version`` is not one of them."""
     if ".".join(version.split(".")[:2]) in VERSIONS_TESTED:
         return None
-    return (f"kvd: vLLM {version} is not one the kvd connector was tested with "
-            f"({', '.join(VERSIONS_TESTED)}); it may work")
+    return (f"kvd: the connector knows vLLM {', '.join(VERSIONS_TESTED)} (docs/vllm.md says how "
+            f"each was tested), not {version}; it may work")
