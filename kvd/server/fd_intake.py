@@ -34,7 +34,7 @@ from .peers import AccessPolicy, PeerCred
 
 log = logging.getLogger("kvd")
 MAX_WAITING = 64    # batches lent and not yet taken
-IO_TIMEOUT_S = 2.0  # one lending connection's whole exchange, per message
+IO_TIMEOUT_S = 2.0  # each message of a lending connection; the whole exchange: a few of these
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -112,7 +112,10 @@ class FdIntake:
         if magic != fd_pass.MAGIC or not 1 <= count <= MAX_FDS:
             return f"bad header (1 to {MAX_FDS} file descriptors)"
         room = socket.CMSG_SPACE(fd_pass.BATCH * 4)
+        deadline = time.monotonic() + IO_TIMEOUT_S * (2 + count // fd_pass.BATCH)
         while len(fds) < count:
+            if time.monotonic() > deadline:  # one lender must not hold the thread for long
+                return "too slow"
             data, ancillary, flags, _ = conn.recvmsg(2, room)
             for level, kind, payload in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
