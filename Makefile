@@ -37,7 +37,8 @@ $(VLLM_VENV)/.installed: tests/vllm/requirements.txt
 # imported by the vLLM venv's python (tests/vllm/test_api_034.py).
 $(VLLM034_SRC)/.installed:
 	rm -rf $(VLLM034_SRC) && mkdir -p $(VLLM034_SRC)
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: vllm==0.34.0 -d $(VLLM034_SRC)/wheel
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+	  vllm==0.34.0 -d $(VLLM034_SRC)/wheel
 	$(PYTHON) -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
 	  z.extractall(sys.argv[2], [n for n in z.namelist() if n.endswith('.py')])" \
 	  $(VLLM034_SRC)/wheel/vllm-0.34.0-*.whl $(VLLM034_SRC)
