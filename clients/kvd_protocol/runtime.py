@@ -5,8 +5,9 @@ other ``kvd`` command and the client library: an explicit value, else
 $KVD_RUNTIME_DIR, $RUNTIME_DIRECTORY (systemd), $XDG_RUNTIME_DIR/kvd,
 /run/kvd for root, /tmp/kvd-<uid>. It holds ``kvd.sock`` (engines),
 ``control.sock`` (operators), ``fds.sock`` (file descriptors of virtual-memory
-KV pools, kvd_protocol.fd_pass; only where the daemon serves them) and ``kvd.lock`` (the daemon's instance lock;
-kvd.server.runtime_dir creates and guards the directory).
+KV pools, kvd_protocol.fd_pass; only where the daemon serves them) and
+``kvd.lock`` (the daemon's instance lock; kvd.server.runtime_dir creates and
+guards the directory).
 """
 
 from __future__ import annotations
