@@ -50,7 +50,7 @@ from kvd_protocol.errors import (
     VersionMismatch,
 )
 from kvd_protocol.keys import Namespace, chain_root, chunk_keys, namespace_digest
-from kvd_protocol.runtime import engine_endpoint, fd_socket_path, resolve_runtime_dir
+from kvd_protocol.runtime import engine_endpoint, resolve_runtime_dir
 
 from . import shm
 from .flags import ClientFlags
@@ -139,10 +139,7 @@ class KvdClient:
                 self._hello_thread = None
 
     def _register(self, reg: KVRegistration) -> None:
-        fields = reg.fields if not getattr(reg.pool, "lends_fds", False) else {  # virtual memory:
-            **reg.fields, "buffers": reg.pool.lend_buffers(fd_socket_path(self.runtime_dir),
-                                                           self.timeout)}  # its fds, anew each time
-        result = self._call("register" if reg.pool is not None else "attach", fields)
+        result = self._call("register" if reg.pool else "attach", reg.wire(self.runtime_dir, self.timeout))
         reg.id, reg.pages_per_chunk = result["reg"], result.get("pages_per_chunk", 0)
         if reg.namespace.chunk_tokens != self.limits["chunk_tokens"]:  # registered before hello
             reg.namespace = replace(reg.namespace, chunk_tokens=self.limits["chunk_tokens"])
