@@ -22,9 +22,9 @@ from kvd.config import KNOBS
 OTHER_VARIABLES = (
     "KVD_VLLM_PYTHON",  # tests: the vLLM venv's python (make test sets it)
     "KVD_SGLANG_PYTHON",  # tests: the SGLang venv's python (make test sets it)
-    "KVD_VLLM034_SRC",  # tests: vLLM 0.34's Python sources, from its wheel (make test sets it)
     "KVD_TEST_LOG_DIR",  # tests: where the daemons' logs are copied (the GPU machine)
     "KVD_EXTRAS",  # Dockerfile: the pip extras of the image (a build argument)
+    "KVD_VLLM034_SRC",  # tests: vLLM 0.34's Python sources, from its wheel (make test sets it)
 )
 
 
