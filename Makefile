@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
+VLLM034_SRC ?= .vllm-0.34-src
 ARGS ?=
 
-.PHONY: serve test setup setup-dev setup-vllm setup-sglang check-disk check-install clean
+.PHONY: serve test setup setup-dev setup-vllm setup-vllm034 setup-sglang check-disk check-install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,19 @@ $(VLLM_VENV)/.installed: tests/vllm/requirements.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# vLLM 0.34's Python sources, unpacked from its PyPI wheel (239 MB; the compiled parts and
+# CUDA torch 2.14 it pins are left out): the connector is checked against its API on CPU,
+# imported by the vLLM venv's python (tests/vllm/test_api_034.py).
+$(VLLM034_SRC)/.installed:
+	rm -rf $(VLLM034_SRC) && mkdir -p $(VLLM034_SRC)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+	  vllm==0.34.0 -d $(VLLM034_SRC)/wheel
+	$(PYTHON) -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+	  z.extractall(sys.argv[2], [n for n in z.namelist() if n.endswith('.py')])" \
+	  $(VLLM034_SRC)/wheel/vllm-0.34.0-*.whl $(VLLM034_SRC)
+	rm -rf $(VLLM034_SRC)/wheel
+	touch $@
+
 # SGLang (0.5.23, its torch, --no-deps for the rest) for the HiCache backend's tests, apart
 # from the main venv; the page-hash extension SGLang compiles on first use is built here once.
 $(SGLANG_VENV)/.installed: tests/sglang/requirements.txt tests/sglang/requirements-nodeps.txt
@@ -45,6 +59,7 @@ setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
 setup-vllm: $(VLLM_VENV)/.installed
 setup-sglang: $(SGLANG_VENV)/.installed
+setup-vllm034: $(VLLM034_SRC)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/kvd serve $(ARGS)
@@ -66,9 +81,10 @@ check-disk:
 # 2-core machine), grouped as tests/xdist_groups.py says; TEST_JOBS=0 runs it in one process.
 TEST_JOBS ?= 2
 test: check-disk
-	$(MAKE) --no-print-directory -j4 setup-dev setup-vllm setup-sglang check-install
+	$(MAKE) --no-print-directory -j4 setup-dev setup-vllm setup-vllm034 setup-sglang check-install
 	bash tools/install_test_stores.sh
 	KVD_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVD_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python \
+	  KVD_VLLM034_SRC=$(VLLM034_SRC) \
 	  $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup
 	bash tools/check_kernels.sh
 	bash tools/check_service.sh $(VENV)
@@ -78,4 +94,4 @@ check-install: $(VENV)/.installed-dev
 	bash tools/check_install.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM034_SRC) $(SGLANG_VENV) build *.egg-info

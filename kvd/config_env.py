@@ -25,6 +25,7 @@ OTHER_VARIABLES = (
     "KVD_SGLANG_TRACE",  # SGLang backend and linker: the timeline file (kvd_client.sglang.timeline)
     "KVD_TEST_LOG_DIR",  # tests: where the daemons' logs are copied (the GPU machine)
     "KVD_EXTRAS",  # Dockerfile: the pip extras of the image (a build argument)
+    "KVD_VLLM034_SRC",  # tests: vLLM 0.34's Python sources, from its wheel (make test sets it)
 )
 
 

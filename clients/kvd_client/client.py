@@ -139,7 +139,7 @@ class KvdClient:
                 self._hello_thread = None
 
     def _register(self, reg: KVRegistration) -> None:
-        result = self._call("register" if reg.pool is not None else "attach", reg.fields)
+        result = self._call("register" if reg.pool else "attach", reg.wire(self.runtime_dir, self.timeout))
         reg.id, reg.pages_per_chunk = result["reg"], result.get("pages_per_chunk", 0)
         if reg.namespace.chunk_tokens != self.limits["chunk_tokens"]:  # registered before hello
             reg.namespace = replace(reg.namespace, chunk_tokens=self.limits["chunk_tokens"])

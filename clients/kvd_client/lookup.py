@@ -39,6 +39,7 @@ class Lookup:
         self.deadline = deadline        # CLOCK_MONOTONIC seconds
         self.forget_at = deadline + lease_ms / 1e3  # abandoned: the longest its reply is awaited
         self.hits = 0                   # chunks found
+        self.disk_hits = self.remote_hits = 0  # of them, on the disk tier / the remote tier
         self.lease: int | None = None
         self.error: Exception | None = None
         self.answered_at: float | None = None
@@ -110,6 +111,7 @@ class Lookup:
         self.error, self.answered_at = error, time.monotonic()
         if error is None:
             self.hits, self.lease = result["hits"], lease
+            self.disk_hits, self.remote_hits = result.get("disk_hits", 0), result.get("remote_hits", 0)
         if self.abandoned:
             self._stray(self.lease)
         self.done = True

@@ -2,7 +2,8 @@
 
 ``KVRegistration`` holds what re-registering after a daemon restart needs
 (the register request's fields), the pool, its flag page (kvd_client.flags),
-the id the current daemon gave it (0: not registered with it), the load
+the id the current daemon gave it (0: not registered with it; ``wire``: the
+fields of its register request, a virtual-memory pool's descriptors lent anew), the load
 slots' last transfers (a slot is reused once its last transfer is done,
 i.e. fenced) and the mark and load sequence counters (uint32, never 0:
 every flag word starts at 0). ``ChunkKeys`` marks precomputed keys passed
@@ -17,6 +18,7 @@ import numpy as np
 
 from kvd_protocol import wire
 from kvd_protocol.keys import Namespace
+from kvd_protocol.runtime import fd_socket_path
 
 from .flags import ClientFlags
 from .transfer import Transfer
@@ -37,6 +39,13 @@ class KVRegistration:
     mark_seq: int = 0
     load_seq: int = 0
     last_load: Transfer | None = None
+
+    def wire(self, runtime_dir, timeout: float) -> dict:
+        """The register (or attach) request's fields; a virtual-memory pool's file
+        descriptors are lent to the daemon anew each time (kvd_client.vmm_share)."""
+        if not getattr(self.pool, "lends_fds", False):
+            return self.fields
+        return {**self.fields, "buffers": self.pool.lend_buffers(fd_socket_path(runtime_dir), timeout)}
 
 
 class Call:

@@ -1,10 +1,14 @@
 """CudaKVPool: describe an engine's torch CUDA KV tensors for ``register_kv``.
 
 Takes the tensors in the engine's own layout (see kvd_protocol.layout) and produces
-the layout descriptor and the ``cuda_ipc`` buffer list: one buffer per
+the layout descriptor and the buffer list: ``cuda_ipc``, one buffer per
 distinct CUDA allocation the tensors live in, with each tensor's byte
 offset inside it (caching allocators rarely start a tensor at its
-allocation). ``device_index`` and ``stream_ptr()`` (the engine's current
+allocation); or, for memory mapped through CUDA's virtual-memory API (vLLM
+0.34's extensible KV cache, sleep mode, expandable segments), ``cuda_vmm``,
+one buffer per run of allocations mapped end to end, whose file descriptors
+``lend_buffers`` passes to the daemon at each registration
+(kvd_client.vmm_share). ``device_index`` and ``stream_ptr()`` (the engine's current
 stream) let the client mark stores and wait for layer-wise loads on the
 engine's stream through the registration's flag page (kvd_client.flags).
 Tensors:
@@ -20,8 +24,11 @@ Tensors:
 
 from __future__ import annotations
 
+from kvd_protocol import cuda_vmm
 from kvd_protocol import layout as L
-from kvd_protocol.cuda_driver import export_allocation
+from kvd_protocol.cuda_driver import device_uuid, export_allocation
+
+from . import vmm_share
 
 
 class CudaKVPool:
@@ -45,25 +52,54 @@ class CudaKVPool:
             self.kv_heads, self.head_dim = first.shape[1], first.shape[-1] // 2
         if layout == "opaque":  # [pages, kv_heads, page_size, row]: the head dim is the row
             self.kv_heads = first.shape[1]
-        self.buffers, refs, index = [], [], {}
+        self.device_index = self.device.index if self.device.index is not None \
+            else torch.cuda.current_device()
+        vmm = [cuda_vmm.is_vmm(t.data_ptr()) for t in flat]
+        if any(vmm) and not all(vmm):
+            raise ValueError("these KV tensors mix virtual-memory and ordinary CUDA allocations")
+        self.lends_fds = all(vmm)  # lend_buffers() at each registration, else CUDA IPC
+        self.buffers, self.piece_bases, refs = [], [], []
+        place = self._vmm_buffers(flat) if self.lends_fds else self._ipc_buffers(flat)
+        for t, (index, offset) in zip(flat, place):
+            item = t.element_size()
+            refs.append(L.TensorRef(index, offset, tuple(t.shape),
+                                    tuple(s * item for s in t.stride()), item))
+        self.descriptor = L.describe(layout, refs, page_size)
+        self.tensors = tensors  # keep the memory alive while registered
+        self._torch = torch
+
+    def _ipc_buffers(self, flat) -> list[tuple[int, int]]:
+        """One cuda_ipc buffer per allocation; each tensor's (buffer, offset)."""
+        index, place = {}, []
         for t in flat:
             alloc = export_allocation(t.data_ptr())
             if alloc.base not in index:
                 index[alloc.base] = len(self.buffers)
                 self.buffers.append({"kind": "cuda_ipc", "handle": alloc.handle, "offset": 0,
                                      "size": alloc.size, "device_uuid": alloc.device_uuid})
-            item = t.element_size()
-            refs.append(L.TensorRef(index[alloc.base], t.data_ptr() - alloc.base, tuple(t.shape),
-                                    tuple(s * item for s in t.stride()), item))
-        self.descriptor = L.describe(layout, refs, page_size)
-        self.tensors = tensors  # keep the memory alive while registered
-        self.device_index = self.device.index if self.device.index is not None \
-            else torch.cuda.current_device()
-        self._torch = torch
+            place.append((index[alloc.base], t.data_ptr() - alloc.base))
+        return place
+
+    def _vmm_buffers(self, flat) -> list[tuple[int, int]]:
+        """cuda_vmm buffers (kvd_client.vmm_share); each tensor's (buffer, offset)."""
+        self.buffers, self.piece_bases, place = vmm_share.vmm_buffers(
+            [(t.data_ptr(), _extent(t)) for t in flat], device_uuid(self.device_index))
+        return place
+
+    def lend_buffers(self, fd_socket, timeout: float) -> list[dict]:
+        """The buffers, their allocations' file descriptors lent to the daemon anew."""
+        return vmm_share.lend(self.piece_bases, self.buffers, self.device_index, fd_socket, timeout)
 
     def stream_ptr(self) -> int:
         """The engine's current CUDA stream on this pool's GPU (a ``cudaStream_t``)."""
         return self._torch.cuda.current_stream(self.device_index).cuda_stream
+
+
+def _extent(t) -> int:
+    """Bytes from a tensor's first element to just past its last."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _flatten(layout: str, tensors) -> list:

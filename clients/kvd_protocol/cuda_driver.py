@@ -58,6 +58,9 @@ def _check(status: int, what: str) -> None:
         raise CudaExportError(f"{what} failed with CUDA driver error {status}")
 
 
+driver_lib, check_status = _cuda, _check  # for kvd_protocol.cuda_vmm
+
+
 def pointer_attribute(ptr: int, attr: int, ctype) -> int:
     value = ctype()
     _check(_cuda().cuPointerGetAttribute(ctypes.byref(value), attr, ctypes.c_uint64(ptr)),

@@ -18,6 +18,7 @@ MAX_HEAD_DIM = 1024       # elements per head (MLA latent: 576)
 MAX_CHUNK_TOKENS = 8192   # tokens per chunk (the chunk_tokens knob; usual: 256)
 MAX_PAGES = 2**32         # pages of one registered pool (SGLang token pools: page = 1 token)
 MAX_BYTES = 2**48         # any byte size, offset or stride (256 TiB)
+MAX_FDS = 4096           # file descriptors one registration passes (virtual-memory pieces)
 MAX_EVENTS = 256          # CUDA IPC event handles of one registration
 MAX_NAME_BYTES = 512      # model and fingerprint strings, UTF-8
 MAX_TENANT_CHARS = 64     # a store's tenant label (quota accounting), printable characters

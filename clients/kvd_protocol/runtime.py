@@ -4,8 +4,10 @@ The runtime directory is resolved the same way by ``kvd serve``, every
 other ``kvd`` command and the client library: an explicit value, else
 $KVD_RUNTIME_DIR, $RUNTIME_DIRECTORY (systemd), $XDG_RUNTIME_DIR/kvd,
 /run/kvd for root, /tmp/kvd-<uid>. It holds ``kvd.sock`` (engines),
-``control.sock`` (operators) and ``kvd.lock`` (the daemon's instance lock;
-kvd.server.runtime_dir creates and guards the directory).
+``control.sock`` (operators), ``fds.sock`` (file descriptors of virtual-memory
+KV pools, kvd_protocol.fd_pass; only where the daemon serves them) and
+``kvd.lock`` (the daemon's instance lock; kvd.server.runtime_dir creates and
+guards the directory).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def engine_endpoint(runtime_dir: Path) -> str:
 
 def control_endpoint(runtime_dir: Path) -> str:
     return f"ipc://{runtime_dir / 'control.sock'}"
+
+
+def fd_socket_path(runtime_dir: Path) -> Path:
+    return runtime_dir / "fds.sock"
 
 
 def instance_tag(runtime_dir: Path) -> str:

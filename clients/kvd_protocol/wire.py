@@ -32,7 +32,7 @@ from kvd_protocol.errors import BadRequest, ServerError, TooLarge, UnknownOp, Ve
 from kvd_protocol.flags import FlagLayout
 from kvd_protocol.keys import KEY_BYTES, Namespace
 from kvd_protocol.layout import LayoutDescriptor
-from kvd_protocol.limits import MAX_BYTES, MAX_LAYERS, MAX_TENANT_CHARS
+from kvd_protocol.limits import MAX_BYTES, MAX_FDS, MAX_LAYERS, MAX_TENANT_CHARS
 
 VERSION = 2
 SUPPORTED_VERSIONS = (2,)
@@ -313,6 +313,12 @@ LAYOUT_FIELDS = {"num_layers": _int, "planes": _int, "num_pages": _int, "page_si
 LAYOUT_OPTIONAL = {"heads": _int, "head_stride": _int}
 BUFFER_FIELDS = {"shm": {"kind": _str, "path": _str, "size": _size},
                  "cuda_ipc": {"kind": _str, "handle": lambda v: isinstance(v, bytes) and len(v) == 64,
+                              "offset": _size, "size": _size, "device_uuid": _str},
+                 # virtual memory: the pieces' sizes, in address order; their file descriptors
+                 # were lent through fds.sock (kvd_protocol.fd_pass) under ``token``
+                 "cuda_vmm": {"kind": _str, "token": lambda v: isinstance(v, bytes) and len(v) == 16,
+                              "pieces": lambda v: _list(v) and 1 <= len(v) <= MAX_FDS
+                              and all(_size(p) and p > 0 for p in v),
                               "offset": _size, "size": _size, "device_uuid": _str}}
 
 
@@ -384,4 +390,6 @@ def buffers_from_wire(items, max_buffers: int) -> list:
         if kind not in BUFFER_FIELDS:
             raise BadRequest(f"buffers[{i}].kind must be one of {sorted(BUFFER_FIELDS)}")
         _strict_map(b, BUFFER_FIELDS[kind], f"buffers[{i}]")
+    if sum(len(b.get("pieces", ())) for b in items) > MAX_FDS:
+        raise BadRequest(f"a registration's buffers have at most {MAX_FDS} pieces")
     return items

@@ -70,8 +70,9 @@ def add_arguments(p) -> None:
                    "engines allocate): one (all layers in one allocation, vLLM's), per-layer (each "
                    "layer its own allocation, SGLang's; at least 12 MiB each, so that PyTorch does "
                    "not pack layers into one), block-outer (one allocation with a block's layers "
-                   "adjacent, vLLM 0.32's BLHNC-family layouts, an opt-in); --interference uses "
-                   "the first")
+                   "adjacent, vLLM 0.32's BLHNC-family layouts, an opt-in), vmm (CUDA virtual "
+                   "memory shared by file descriptor, a segment per layer: vLLM 0.34's extensible "
+                   "KV cache); --interference uses the first")
     p.add_argument("--page-order", choices=PAGE_ORDERS, default="random",
                    help="with --gpu: the engines' page ids: a random permutation (a free list "
                    "after churn, the worst case), sorted (a free list kept sorted, SGLang's "

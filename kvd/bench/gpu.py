@@ -1,7 +1,8 @@
 """``kvd bench --gpu``: end-to-end GPU offload and load through a private daemon.
 
 This process is the engines: it allocates torch KV pools on the GPU, exports
-them through CUDA IPC and times client calls to completion. By default it
+them through CUDA IPC (``--gpu-pool vmm``: by file descriptor, virtual memory as
+vLLM 0.34 allocates it) and times client calls to completion. By default it
 measures what engines do: ``--pipeline 4`` requests in flight per engine
 (kvd.bench.pipeline), on each pool kind of ``--gpu-pool`` (default ``one``
 and ``per-layer``: the allocations of vLLM and SGLang), for each shape and
@@ -44,7 +45,7 @@ from .common import (
 )
 
 OWN_SEGMENT = 12 << 20  # bytes: PyTorch gives a tensor of 10 MiB or more a cudaMalloc of its own
-POOLS = ("one", "per-layer", "block-outer")  # make_pool's alloc
+POOLS = ("one", "per-layer", "block-outer", "vmm")  # make_pool's alloc
 SHAPES = {  # name -> (layout, layers, kv_heads, head_dim)
     "llama3-8b": ("vllm_flash_attn", 32, 8, 128),
     "deepseek-mla": ("vllm_mla", 61, 1, 576),
@@ -146,9 +147,10 @@ def _plot(torch, rows, piped, args) -> None:
 
 def make_pool(torch, CudaKVPool, shape, pages: int, page: int, alloc: str = "per-layer"):
     """A pool of random bf16 KV: each layer its own allocation (SGLang's, vLLM < 0.2x's),
-    all layers in one (``alloc = "one"``: vLLM's single backing allocation), or one with
+    all layers in one (``alloc = "one"``: vLLM's single backing allocation), one with
     the blocks outermost (``"block-outer"``: a block's layers adjacent, as vLLM 0.32's
-    ``BLHNC`` family lays them out)."""
+    ``BLHNC`` family lays them out), or CUDA virtual memory shared by file descriptor
+    (``"vmm"``: vLLM 0.34's extensible KV cache, kvd.bench.vmm_pool)."""
     layout, layers, heads, dim = shape
     per_layer = {"vllm_mla": (pages, page, dim), "vllm_kv_blocks": (pages, heads, page, 2 * dim),
                  "opaque": (pages, heads, page, dim)}.get(layout, (2, pages, page, heads, dim))
@@ -161,6 +163,12 @@ def make_pool(torch, CudaKVPool, shape, pages: int, page: int, alloc: str = "per
     if alloc == "one":
         whole = torch.randn(layers, *per_layer, dtype=torch.bfloat16, device="cuda")
         return CudaKVPool(layout, list(whole.unbind(0)), size)
+    if alloc == "vmm":  # vLLM 0.34's extensible cache: a segment per layer, shared by fd
+        from .vmm_pool import vmm_layers
+        nbytes = int(np.prod(per_layer)) * 2
+        views = [t.view(torch.bfloat16).view(per_layer).normal_()
+                 for t in vmm_layers(torch, nbytes, layers)]
+        return CudaKVPool(layout, views, size)
     torch.cuda.empty_cache()  # a cached free segment would be split between layers
     return CudaKVPool(layout, own_allocations(torch, per_layer, layers), size)
 

@@ -4,7 +4,9 @@ A pool buffer is ``{kind: "cuda_ipc", handle, offset, size, device_uuid}``:
 the daemon maps the UUID to its own device ordinal (engines usually run
 with CUDA_VISIBLE_DEVICES), opens the handle once on that device, checks
 that ``offset + size`` lies inside the opened allocation, and closes it in
-``close_pool`` (called only after the pool's copies completed). A CUDA
+``close_pool`` (called only after the pool's copies completed); or a
+``cuda_vmm`` buffer of virtual memory lent by file descriptor, mapped and
+unmapped the same way (kvd.cuda.buffers). A CUDA
 context, streams, the compiled kernels and the staging rings exist only on
 devices some client registered memory on. The host arena is registered
 with the driver as pinned (portable, in pieces) on first use.
@@ -50,6 +52,7 @@ import numpy as np
 from kvd.copy.flags import FlagPage
 from kvd.copy.plan import CopyPlan
 from kvd.copy.poll import EventPoller
+from kvd.cuda import buffers as buffers_mod
 from kvd.cuda import dma
 from kvd.cuda.completion import completion, failed_after, gpu_start
 from kvd.cuda.dma_plan import pool_groups
@@ -66,7 +69,6 @@ REGISTER_PIECE = 1 << 30
 STAGE_SLOTS, STAGE_SLOT_BYTES = 2, 64 << 20
 CLOSE_WAIT_S = 5.0
 COPY_PATHS = ("auto", "dma", "kernels")
-_IPC_LAZY_PEER = 1        # cudaIpcMemLazyEnablePeerAccess
 _HOST_REGISTER = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
@@ -177,9 +179,10 @@ class CudaCopyEngine:
 
     def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage,
                   owner_uid: int | None = None) -> CudaPool:  # IPC handles name no file: no owner
-        uuids = {b.get("device_uuid") for b in buffers}
-        if {b["kind"] for b in buffers} != {"cuda_ipc"} or len(uuids) != 1:
-            raise BadRequest("a CUDA pool's buffers must all be cuda_ipc buffers of one GPU")
+        uuids, kinds = {b.get("device_uuid") for b in buffers}, {b["kind"] for b in buffers}
+        if len(kinds) != 1 or not kinds <= {"cuda_ipc", "cuda_vmm"} or len(uuids) != 1:
+            raise BadRequest("a CUDA pool's buffers must all be cuda_ipc (or all cuda_vmm) "
+                             "buffers of one GPU")
         try:
             dev = self._device(uuids.pop())
         except (BadRequest, ServerError):
@@ -190,7 +193,7 @@ class CudaCopyEngine:
         opened = []
         with self.cp.cuda.Device(dev.ordinal):
             try:
-                ptrs = self._open_buffers(buffers, opened)
+                ptrs = buffers_mod.open_all(self.rt, buffers, opened, dev.ordinal)
                 layout.validate_extent([b["size"] for b in buffers])
                 self._register_flags(flags)
             except ValueError as exc:
@@ -207,19 +210,6 @@ class CudaCopyEngine:
                      len(bases), len(groups))
         return CudaPool(dev, opened, bases, flags, by_dma, groups)
 
-    def _open_buffers(self, buffers: list[dict], opened: list) -> list[int]:
-        ptrs = []
-        for i, b in enumerate(buffers):
-            try:
-                base = self.rt.ipcOpenMemHandle(b["handle"], _IPC_LAZY_PEER)
-            except Exception as exc:  # a handle this process cannot open is the client's
-                raise BadRequest(f"buffers[{i}]: cannot open the CUDA IPC handle: {exc}") from None
-            opened.append(base)
-            if b["offset"] + b["size"] > cuda_driver.allocation_size(base):
-                raise BadRequest(f"buffers[{i}]: offset + size exceed the shared allocation")
-            ptrs.append(base + b["offset"])
-        return ptrs
-
     def _register_flags(self, flags: FlagPage) -> None:
         try:
             self.rt.hostRegister(flags.ptr, flags.size, _HOST_REGISTER)
@@ -229,9 +219,12 @@ class CudaCopyEngine:
             self.rt.hostUnregister(flags.ptr)
             raise ServerError("this GPU cannot use host pointers of registered memory (no UVA)")
 
-    def _close_ptrs(self, ptrs) -> None:
-        for p in ptrs:
-            self.rt.ipcCloseMemHandle(p)
+    def _close_ptrs(self, opened) -> None:
+        buffers_mod.close_all(self.rt, opened)
+
+    def vmm_supported(self) -> bool:
+        """Whether pools lent by file descriptor (``cuda_vmm``) can be mapped on every GPU."""
+        return buffers_mod.vmm_supported(self.uuid_to_ordinal.values())
 
     def queue_of(self, pool: CudaPool, direction: str) -> tuple:
         return pool.device.ordinal, direction  # a GPU's stores, or its loads: one queue each

@@ -92,12 +92,9 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self.stopping = asyncio.Event()
         self.abort = threading.Event()  # set with ``stopping``: work on threads checks it
-        self.stop_signal = None
-        self.tasks: set[asyncio.Task] = set()
+        self.stop_signal, self.tasks = None, set()  # tasks: asyncio.Task the shutdown awaits
         self.host = HostTierSetup(cfg, self.runtime_dir, self.notifier, self.abort)
-        self.disk = None
-        self.service = None
-        self.ctx = None
+        self.disk = self.service = self.ctx = None
         self.sockets = []
         self.metrics = None  # the /metrics server (kvd.server.metrics), when one is configured
         self.group = None  # gid engines of other users connect with (access_group): start()
@@ -180,7 +177,8 @@ class Daemon:
         self.ctx = zmq.asyncio.Context()
         self.gate = self._start_gate()
         old = os.umask(0o077)
-        try:
+        try:  # fds.sock first: an engine that reconnects at once lends its descriptors there
+            startup.open_fd_intake(self.service, cuda, self.runtime_dir, self.group)
             self.engine_sock = self._bind(engine_endpoint(self.runtime_dir), self.cfg.max_message_bytes,
                                           REPLY_QUEUE)
             self.intake = Intake(self.engine_sock, self.cfg.max_inflight, lambda: self.service.stats)
@@ -310,7 +308,9 @@ class Daemon:
         for name in ("kvd.sock", "control.sock"):
             (self.runtime_dir / name).unlink(missing_ok=True)
         if self.service is not None:
-            for engine in self.service.engines.values():
+            if self.service.fd_intake is not None:
+                self.service.fd_intake.close()
+            for engine in dict.fromkeys(self.service.engines.values()):  # one engine, two kinds
                 engine.close()
             if self.service.transfers.verifier is not None:
                 self.service.transfers.verifier.close()

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from kvd.copy.flags import FlagPage
+from kvd.server.fd_intake import close_fds
 from kvd.server.sessions import Lease, Registration, Session, SessionTable
 from kvd.server.stats import Stats
 from kvd.server.transfers import Transfers
@@ -58,6 +59,7 @@ class Service:
         self.cfg = cfg
         self.tier = tier
         self.engines = engines  # buffer kind -> copy engine
+        self.fd_intake = None  # kvd.server.fd_intake.FdIntake: with the CUDA backend
         self.backends = ",".join(sorted({e.name for e in engines.values()}))
         self.sessions = SessionTable()
         self.stats = Stats()
@@ -152,17 +154,21 @@ class Service:
             raise TooLarge(f"too many registrations (max_registrations={self.cfg.max_registrations})")
         ns = wire.namespace_from_wire(f["namespace"], self.cfg.chunk_tokens)
         layout = wire.layout_from_wire(f["layout"])
-        buffers = wire.buffers_from_wire(f["buffers"], 2 * layout.num_layers + 2)
-        _check_layout_matches(ns, layout, f["tp_rank"])
-        flags_spec, flag_layout = wire.flags_from_wire(f["flags"], layout.num_layers)
-        engine = self._engine_for(buffers)
-        owner = getattr(session.cred, "uid", None)  # files must be the registering process's
-        flags = FlagPage.open(flags_spec, flag_layout, self.shm_dir, self.arena_id, owner)
-        try:
-            pool = engine.open_pool(buffers, layout, flags, owner)
-        except BaseException:
-            flags.close()
-            raise
+        buffers, lent = self._with_fds(session, wire.buffers_from_wire(f["buffers"],
+                                                                      2 * layout.num_layers + 2))
+        try:  # lent file descriptors are closed whatever happens: a mapping keeps its own
+            _check_layout_matches(ns, layout, f["tp_rank"])
+            flags_spec, flag_layout = wire.flags_from_wire(f["flags"], layout.num_layers)
+            engine = self._engine_for(buffers)
+            owner = getattr(session.cred, "uid", None)  # files must be the registering process's
+            flags = FlagPage.open(flags_spec, flag_layout, self.shm_dir, self.arena_id, owner)
+            try:
+                pool = engine.open_pool(buffers, layout, flags, owner)
+            except BaseException:
+                flags.close()
+                raise
+        finally:
+            close_fds(lent)
         shard = 0 if ns.attention == "mla" else f["tp_rank"]  # MLA: one copy for all ranks
         reg = Registration(self.sessions.next_id(), session, ns, namespace_digest(ns),
                            shard, layout, pool, engine, flags)
@@ -201,6 +207,29 @@ class Service:
         except Exception as exc:  # noqa: BLE001 - GDS is an optimization: fall back, keep serving
             log.warning("GPU Direct Storage unavailable for this pool (%s: %s); its disk chunks "
                         "load through the host tier", type(exc).__name__, exc)
+
+    def _with_fds(self, session: Session, buffers: list) -> tuple[list, list]:
+        """``cuda_vmm`` buffers with their pieces' file descriptors (``fds``), taken from
+        fds.sock by the token (kvd.server.fd_intake), and every descriptor taken."""
+        tokens = {b["token"] for b in buffers if b["kind"] == "cuda_vmm"}
+        if not tokens:
+            return buffers, []
+        if self.fd_intake is None:
+            raise BadRequest("this daemon maps no virtual-memory pools (no CUDA backend, or its "
+                             "GPUs cannot import file descriptors)")
+        if len(tokens) != 1:
+            raise BadRequest("the cuda_vmm buffers of one registration share one token")
+        fds = self.fd_intake.take(tokens.pop(), session.cred)
+        need = sum(len(b.get("pieces", ())) for b in buffers)
+        if len(fds) != need:
+            close_fds(fds)
+            raise BadRequest(f"{len(fds)} file descriptors lent for {need} pieces")
+        out, at = [], 0
+        for b in buffers:
+            n = len(b.get("pieces", ()))
+            out.append({**b, "fds": fds[at:at + n]} if n else b)
+            at += n
+        return out, fds
 
     def _engine_for(self, buffers: list):
         kinds = {b["kind"] for b in buffers}

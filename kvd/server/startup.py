@@ -221,6 +221,21 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
+def open_fd_intake(service, cuda, runtime_dir: Path, group: int | None) -> None:
+    """With the CUDA backend: fds.sock, where engines lend the file descriptors of
+    virtual-memory KV pools (kvd.server.fd_intake), and ``cuda_vmm`` buffers served."""
+    if cuda is None or not cuda.vmm_supported():
+        return
+    from kvd.server.fd_intake import FdIntake
+    from kvd.server.peers import AccessPolicy
+    from kvd.server.runtime_dir import share_socket
+    from kvd_protocol.runtime import fd_socket_path
+    service.fd_intake = FdIntake(fd_socket_path(runtime_dir), AccessPolicy(group))
+    service.fd_intake.open()
+    share_socket(fd_socket_path(runtime_dir), group)
+    service.engines["cuda_vmm"] = cuda
+
+
 def make_cuda_engine(cfg, arena_view):
     """The CUDA backend, or None when it is off or unavailable (``gpu = "on"``: an error)."""
     if cfg.gpu == "off":

@@ -38,8 +38,14 @@ KNOBS = {"chunk_tokens": CHUNK, "host_capacity": "1GiB", "gpu": "on", "client_ti
          "heartbeat_interval_s": 0.2, "shutdown_grace_s": 8.0}
 
 
-def tensors(layers=2, pages=64, page=16, heads=4, dim=64, one_allocation=False):
-    """Per-layer KV tensors, each its own allocation or views of one (vLLM's)."""
+def tensors(layers=2, pages=64, page=16, heads=4, dim=64, one_allocation=False, vmm=False):
+    """Per-layer KV tensors, each its own allocation or views of one (vLLM's), or in CUDA
+    virtual memory, a segment per layer, shared by file descriptor (vLLM 0.34's)."""
+    if vmm:
+        from kvd.bench.vmm_pool import vmm_layers
+        shape = (2, pages, page, heads, dim * 2)
+        return [t.random_(0, 256).view(shape).view(torch.bfloat16)
+                for t in vmm_layers(torch, int(np.prod(shape)), layers)]
     if one_allocation:
         whole = torch.randint(0, 256, (layers, 2, pages, page, heads, dim * 2), dtype=torch.uint8,
                               device="cuda").view(torch.bfloat16)
@@ -48,12 +54,14 @@ def tensors(layers=2, pages=64, page=16, heads=4, dim=64, one_allocation=False):
                           device="cuda").view(torch.bfloat16) for _ in range(layers)]
 
 
-def _dying_engine(runtime_dir: str, how: str, q) -> None:
+def _dying_engine(runtime_dir: str, how: str, q, vmm: bool = False) -> None:
     import torch as t
 
     import kvd_client as kc
     from kvd_client.torch_pool import CudaKVPool as Pool
     kv = [t.ones(2, 64, 16, 4, 64, dtype=t.bfloat16, device="cuda") for _ in range(2)]
+    if vmm:
+        kv = tensors(vmm=True)
     client = kc.KvdClient(runtime_dir=runtime_dir, raise_errors=True, timeout=30).connect()
     client.register_kv(Pool("vllm_flash_attn", kv), model="shared-gpu")
     t.cuda.synchronize()
@@ -65,12 +73,14 @@ def _dying_engine(runtime_dir: str, how: str, q) -> None:
     time.sleep(120)
 
 
-@pytest.mark.parametrize("how", ["exit", "sigkill"])
+@pytest.mark.parametrize("how", ["exit", "sigkill", "sigkill, vmm"])
 def test_dead_engine_with_a_waiting_store_hangs_nobody(start_daemon, how):
     d = start_daemon(**KNOBS)
     ctx = multiprocessing.get_context("spawn")
     q, child = ctx.Pipe(duplex=False)
-    dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), how, child))
+    vmm = how.endswith("vmm")
+    how = how.split(",")[0]
+    dying = ctx.Process(target=_dying_engine, args=(str(d.runtime_dir), how, child, vmm))
     dying.start()
     assert q.poll(120), "the engine did not start"
     kind, pid, status = q.recv()
@@ -107,19 +117,20 @@ def test_dead_engine_with_a_waiting_store_hangs_nobody(start_daemon, how):
 @pytest.mark.parametrize("when,layerwise,pool", [
     ("queued", True, "per-layer"), ("queued", False, "per-layer"), ("copying", True, "per-layer"),
     ("copying", False, "per-layer"), ("queued", False, "one"), ("copying", False, "one"),
-    ("copying", False, "one, staged")])
+    ("copying", False, "one, staged"), ("copying", True, "vmm"), ("queued", False, "vmm")])
 def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon, when, layerwise,
                                                                    pool):
     """``queued``: the daemon is stopped (SIGSTOP) when the load arrives and killed with the
     load unanswered; ``copying``: killed a few milliseconds into a 1 GiB load (it may have
     finished: then its bytes must be right). ``per-layer`` pools take kernels; ``one``
     allocation for all layers (32 planes of 32 KiB pages) takes pitched DMA, and with
-    ``gpu_dma_stage_below`` above its pages, staged DMA."""
+    ``gpu_dma_stage_below`` above its pages, staged DMA; ``vmm``: virtual memory lent by file
+    descriptor, lent again to the restarted daemon."""
     knobs = {**KNOBS, "host_capacity": "2GiB", "log_level": "debug",
              **({"gpu_dma_stage_below": "64KiB"} if pool == "one, staged" else {})}
     d = start_daemon(**knobs)
     layers, pages = 16, 512
-    kv = tensors(layers, pages, 16, 8, 128, pool != "per-layer")  # 64 KiB a page and layer: 512 MiB
+    kv = tensors(layers, pages, 16, 8, 128, pool != "per-layer", vmm=pool == "vmm")  # 512 MiB
     client = kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), timeout=10,
                                   fence_quiet_s=0.5).connect()
     try:
@@ -180,7 +191,8 @@ def test_killed_daemon_releases_the_engine_and_a_new_one_serves_it(start_daemon,
         assert all(torch.equal(x[:, 16:32].view(torch.uint8), w[:, 0:16].view(torch.uint8))
                    for x, w in zip(kv, want))
         assert d2.stats()["registrations"] == 1
-        how = {"per-layer": r"\d+ staged pieces", "one": "DMA", "one, staged": "staged DMA"}[pool]
+        how = {"per-layer": r"\d+ staged pieces", "one": "DMA", "one, staged": "staged DMA",
+               "vmm": "(DMA|\\d+ staged pieces)"}[pool]
         assert re.search(f"scatter of 4 chunks, 16.8 MB, {how}:", d2.log()), d2.log()
     finally:
         client.close()

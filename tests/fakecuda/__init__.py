@@ -25,6 +25,13 @@ What is real and what is not:
   ``cudaHostRegister`` call of the process, once (pinning that fails midway).
   ``FAKECUDA_MAX_3D_ROWS=n`` refuses pitched copy ops of more than n rows
   (a driver that refuses some ops: kvd must fall back to rows).
+- ``memory`` also models CUDA virtual memory: ``cuMemCreate`` makes a memfd,
+  ``cuMemMap`` maps it at a fixed address inside a reserved range,
+  ``cuMemExportToShareableHandle`` dups it and ``cuMemImportFromShareableHandle``
+  takes only such memfds (anything else is refused, as the driver refuses a
+  descriptor that is no allocation of its own); mappings side by side in one
+  reservation are one contiguous range to copies. ``engine.vmm_kv_tensors``
+  lays a pool out as vLLM 0.34's extensible KV cache does.
 - ``kernels``: kv_gather/kv_scatter of kernels/kv_copy.cu in numpy (layer
   subranges, the cancel word, vector width and alignment), with their
   signature checked against the real source.

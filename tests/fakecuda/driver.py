@@ -31,6 +31,7 @@ from .errors import INVALID_VALUE, NOT_READY, CudaError
 from .memory import SPACE
 
 ATTR_DEVICE_ORDINAL, ATTR_IPC_CAPABLE, ATTR_RANGE_START, ATTR_RANGE_SIZE = 9, 10, 11, 12
+VMM_POSIX_FD_SUPPORTED, VMM_GRANULARITY = 103, 64 << 10  # the fake's granule: small pools
 _CONTEXT = 0xC0A7E47
 _MAX_3D_ROWS = int(os.environ.get("FAKECUDA_MAX_3D_ROWS", "0") or 0)
 _ROW_BATCHES = itertools.count(1)
@@ -84,6 +85,77 @@ class FakeLibcuda:
         if attr not in values:
             raise CudaError(INVALID_VALUE, f"pointer attribute {attr}")
         _out(out_ref, values[attr])
+
+    @_status
+    def cuMemGetAddressRange_v2(self, base_ref, size_ref, ptr):
+        r = SPACE.find(_value(ptr))
+        if r is None or r.kind not in ("device", "vmm"):
+            raise CudaError(INVALID_VALUE, f"{_value(ptr):#x} is no device memory")
+        _out(base_ref, r.base)
+        _out(size_ref, r.size)
+
+    # ---- virtual memory (fakecuda.memory's vmm_*) ----------------------------
+
+    @_status
+    def cuDeviceGetAttribute(self, out_ref, attr, dev):
+        _out(out_ref, int(_value(attr) == VMM_POSIX_FD_SUPPORTED))
+
+    @_status
+    def cuMemGetAllocationGranularity(self, out_ref, prop_ref, option):
+        _out(out_ref, VMM_GRANULARITY)
+
+    @_status
+    def cuMemCreate(self, handle_ref, size, prop_ref, flags):
+        size = _value(size)
+        if size < 1 or size % VMM_GRANULARITY:
+            raise CudaError(INVALID_VALUE, f"cuMemCreate of {size} bytes")
+        _out(handle_ref, SPACE.vmm_create(size, prop_ref._obj.location.id))
+
+    @_status
+    def cuMemRetainAllocationHandle(self, handle_ref, addr):
+        _out(handle_ref, SPACE.vmm_retain(_value(addr)))
+
+    @_status
+    def cuMemRelease(self, handle):
+        SPACE.vmm_release(_value(handle))
+
+    @_status
+    def cuMemExportToShareableHandle(self, fd_ref, handle, kind, flags):
+        if _value(kind) != 1:
+            raise CudaError(INVALID_VALUE, "only POSIX file descriptors")
+        _out(fd_ref, SPACE.vmm_export(_value(handle)))
+
+    @_status
+    def cuMemImportFromShareableHandle(self, handle_ref, os_handle, kind):
+        _out(handle_ref, SPACE.vmm_import(_value(os_handle)))
+
+    @_status
+    def cuMemGetAllocationPropertiesFromHandle(self, prop_ref, handle):
+        _, _, device, _ = SPACE.vmm_handle(_value(handle))
+        prop = prop_ref._obj
+        prop.type, prop.requestedHandleTypes = 1, 1
+        prop.location.type, prop.location.id = 1, device
+
+    @_status
+    def cuMemAddressReserve(self, ptr_ref, size, align, addr, flags):
+        _out(ptr_ref, SPACE.vmm_reserve(_value(size)))
+
+    @_status
+    def cuMemMap(self, addr, size, offset, handle, flags):
+        SPACE.vmm_map(_value(addr), _value(size), _value(handle))
+
+    @_status
+    def cuMemSetAccess(self, addr, size, desc_ref, count):
+        addr, size = _value(addr), _value(size)
+        SPACE.resolve(addr, size, ("vmm",), "cuMemSetAccess")  # all of it mapped
+
+    @_status
+    def cuMemUnmap(self, addr, size):
+        SPACE.vmm_unmap(_value(addr), _value(size))
+
+    @_status
+    def cuMemAddressFree(self, addr, size):
+        SPACE.vmm_free(_value(addr), _value(size))
 
     @_status
     def cuIpcGetMemHandle(self, handle, base):

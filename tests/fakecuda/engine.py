@@ -9,6 +9,8 @@ CPU reads and writes "GPU" memory directly where a torch test would copy.
 ``vllm_kv_blocks`` are vLLM's GPU blocks, per layer the logical ``[blocks,
 heads, block_size, 2 * dim]`` stored heads outer; ``vllm_kv_blocks_nhc``
 the same stored tokens outer (the tensors are the logical views).
+``vmm_kv_tensors`` places per-layer tensors in fake CUDA virtual memory as
+vLLM 0.34 does (their pool lends file descriptors through kvd_client.vmm_share).
 ``FakeCudaKVPool`` is ``kvd_client.torch_pool.CudaKVPool`` for such
 tensors: it exports each tensor's allocation through cuda_driver (the fake
 libcuda: fakecuda.driver), builds the same layout descriptor and buffer
@@ -20,10 +22,14 @@ marks and layer waits. The test process must have called
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
+from kvd_client import vmm_share
+from kvd_protocol import cuda_vmm
 from kvd_protocol import layout as L
-from kvd_protocol.cuda_driver import export_allocation
+from kvd_protocol.cuda_driver import device_uuid, export_allocation
 
 from .memory import SPACE
 from .streams import Stream
@@ -65,6 +71,26 @@ def kv_tensors(layout: str, layers: int, pages: int, page_size: int, heads: int,
     return (flat[0] if layout == "page_first" else flat), flat, region
 
 
+def vmm_kv_tensors(layout: str, layers: int, pages: int, page_size: int, heads: int, dim: int,
+                   chunks_per_layer: int = 1, seed: int = 0):
+    """Per-layer tensors in fake virtual memory laid out as vLLM 0.34's extensible KV cache
+    (one reserved range, each layer's segment on a granule, ``chunks_per_layer`` physical
+    allocations each, created exportable), made through kvd_protocol.cuda_vmm.allocate on
+    the fake driver; (tensors, the mapping)."""
+    from kvd_protocol import cuda_vmm
+
+    shape = shapes(layout, 1, pages, page_size, heads, dim)[0]
+    nbytes = int(np.prod(shape)) * 2
+    grain = cuda_vmm.granularity(0)
+    chunk = -(-nbytes // (chunks_per_layer * grain)) * grain
+    mapping = cuda_vmm.allocate([chunk] * (chunks_per_layer * layers), 0)
+    whole = np.ctypeslib.as_array((ctypes.c_uint8 * mapping.size).from_address(mapping.base))
+    whole[:] = np.random.default_rng(seed).integers(0, 256, mapping.size, dtype=np.uint8)
+    seg = chunk * chunks_per_layer
+    return [whole[i * seg:i * seg + nbytes].view(np.uint16).reshape(shape)
+            for i in range(layers)], mapping
+
+
 class FakeCudaKVPool:
     def __init__(self, layout: str, tensors, page_size: int | None = None,
                  kv_dtype: str = "bfloat16", stream: Stream | None = None):
@@ -82,7 +108,13 @@ class FakeCudaKVPool:
             self.kv_heads, self.head_dim = first.shape[1], first.shape[-1] // 2
             layout = "vllm_kv_blocks"
         self.buffers, refs, index = [], [], {}
-        for t in flat:
+        self.lends_fds = cuda_vmm.is_vmm(flat[0].ctypes.data)
+        if self.lends_fds:  # virtual memory: kvd_client's own code (CudaKVPool's)
+            self.buffers, self.piece_bases, place = vmm_share.vmm_buffers(
+                [(t.ctypes.data, t.nbytes) for t in flat], device_uuid(0))
+            refs = [L.TensorRef(i, off, tuple(t.shape), tuple(t.strides), t.itemsize)
+                    for t, (i, off) in zip(flat, place)]
+        for t in flat if not self.lends_fds else ():
             ptr = t.ctypes.data
             alloc = export_allocation(ptr)
             if alloc.base not in index:
@@ -95,6 +127,9 @@ class FakeCudaKVPool:
         self.tensors = tensors
         self.device_index = 0
         self.stream = stream or Stream(name="engine")
+
+    def lend_buffers(self, fd_socket, timeout: float) -> list[dict]:
+        return vmm_share.lend(self.piece_bases, self.buffers, 0, fd_socket, timeout)
 
     def stream_ptr(self) -> int:
         """The engine's current stream (a ``cudaStream_t`` of the fake GPU)."""

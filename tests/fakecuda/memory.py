@@ -26,6 +26,8 @@ on an address nothing maps. Regions:
   address (stricter than CUDA's pageable memcpy, which kvd never uses).
 - ``pinned``: ``alloc_pinned(size)`` (cudaHostAlloc), anonymous memory that
   lives until the process exits.
+- ``vmm``: CUDA virtual memory (``vmm_create``, ``vmm_reserve``, ``vmm_map``; file
+  descriptors by ``vmm_export`` and ``vmm_import``), see below.
 
 Region names are the same in every process (see fakecuda.trace).
 """
@@ -94,6 +96,8 @@ class AddressSpace:
     def resolve(self, addr: int, nbytes: int, kinds: tuple = (), what: str = "access") -> tuple[Region, int]:
         """The region holding ``[addr, addr + nbytes)`` and the offset in it."""
         r = self.find(int(addr))
+        if r is not None and r.kind == "vmm" and int(addr) + int(nbytes) > r.base + r.size:
+            r = self._vmm_run(r, int(addr) + int(nbytes))
         if r is None or int(addr) + int(nbytes) > r.base + r.size or nbytes < 0:
             raise CudaError(ILLEGAL_ADDRESS, f"{what} of {nbytes} bytes at {int(addr):#x}: "
                                              "no live allocation or registration holds it")
@@ -197,6 +201,115 @@ class AddressSpace:
             _close(r)
             trace.emit("ipc_close", region=r.name)
 
+    # ---- virtual memory: cuMemCreate, cuMemMap, file descriptors ------------
+    # A physical allocation (a handle) is a memfd named fakecuda-vmm-<pid>-<serial>;
+    # exporting dups it, importing checks the name and dups it; mapping maps it at a fixed
+    # address inside a reserved (PROT_NONE) range, as a region of kind "vmm" whose key is
+    # (reservation base, handle). Mappings side by side in one reservation are one
+    # contiguous range to copies, as on a GPU (``_vmm_run``).
+
+    def vmm_create(self, size: int, device: int) -> int:
+        serial = next(self._serial)
+        fd = os.memfd_create(f"fakecuda-vmm-{os.getpid()}-{serial}")
+        os.ftruncate(fd, size)
+        return self._new_handle(fd, size, device)
+
+    def _new_handle(self, fd: int, size: int, device: int) -> int:
+        with self._lock:
+            self._handle_ids = getattr(self, "_handle_ids", itertools.count(0x4A00))
+            self._handles = getattr(self, "_handles", {})
+            handle = next(self._handle_ids)
+            self._handles[handle] = [fd, size, device, 1]
+        return handle
+
+    def vmm_handle(self, handle: int) -> list:
+        entry = getattr(self, "_handles", {}).get(handle)
+        if entry is None:
+            raise CudaError(INVALID_VALUE, f"no allocation handle {handle:#x}")
+        return entry
+
+    def vmm_retain(self, addr: int) -> int:
+        r = self.find(addr)
+        if r is None or r.kind != "vmm":
+            raise CudaError(INVALID_VALUE, f"{addr:#x} is not mapped virtual memory")
+        with self._lock:
+            self.vmm_handle(r.key[1])[3] += 1
+        return r.key[1]
+
+    def vmm_release(self, handle: int) -> None:
+        entry = self.vmm_handle(handle)
+        with self._lock:
+            entry[3] -= 1
+            if entry[3] == 0:
+                del self._handles[handle]
+                os.close(entry[0])  # a mapping keeps the pages (its own reference)
+
+    def vmm_export(self, handle: int) -> int:
+        return os.dup(self.vmm_handle(handle)[0])
+
+    def vmm_import(self, fd: int) -> int:
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            raise CudaError(INVALID_VALUE, f"fd {fd} is not open") from None
+        if not name.startswith("/memfd:fakecuda-vmm-"):
+            raise CudaError(INVALID_VALUE, f"fd {fd} ({name}) is no allocation of the fake GPU")
+        return self._new_handle(os.dup(fd), os.fstat(fd).st_size, 0)
+
+    def vmm_reserve(self, size: int) -> int:
+        addr = _LIBC.mmap(None, size, 0, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if addr in (None, _MAP_FAILED):
+            raise CudaError(INVALID_VALUE, "cannot reserve address space")
+        with self._lock:
+            self._reserved = getattr(self, "_reserved", {})
+            self._reserved[addr] = size
+        return addr
+
+    def vmm_map(self, addr: int, size: int, handle: int) -> None:
+        fd, hsize, device, _ = self.vmm_handle(handle)
+        base = next((b for b, n in getattr(self, "_reserved", {}).items()
+                     if b <= addr and addr + size <= b + n), None)
+        if base is None or size > hsize or size < 1:
+            raise CudaError(INVALID_VALUE, f"cuMemMap of {size} bytes at {addr:#x} (allocation "
+                                           f"of {hsize}; reserved: {base is not None})")
+        got = _LIBC.mmap(addr, size, _PROT_RW, _MAP_SHARED | _MAP_FIXED, fd, 0)
+        if got != addr:
+            raise CudaError(INVALID_VALUE, "cuMemMap: mmap failed")
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
+        self._add(Region(addr, size, "vmm", f"vmm:{os.getpid()}:{handle:#x}", arr, device,
+                         key=(base, handle)))
+        with self._lock:
+            self.vmm_handle(handle)[3] += 1  # the mapping's reference
+
+    def vmm_unmap(self, addr: int, size: int) -> None:
+        gone = [r for r in self.regions("vmm") if addr <= r.base and r.base + r.size <= addr + size]
+        if not gone:
+            raise CudaError(INVALID_VALUE, f"nothing mapped at {addr:#x}")
+        for r in gone:
+            self._drop(r)
+            _LIBC.mmap(r.base, r.size, 0, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+            self.vmm_release(r.key[1])
+
+    def vmm_free(self, addr: int, size: int) -> None:
+        with self._lock:
+            if getattr(self, "_reserved", {}).get(addr) != size:
+                raise CudaError(INVALID_VALUE, f"no reservation of {size} bytes at {addr:#x}")
+            del self._reserved[addr]
+        if any(addr <= r.base < addr + size for r in self.regions("vmm")):
+            raise CudaError(INVALID_VALUE, "cuMemAddressFree of a range still mapped")
+        _LIBC.munmap(addr, size)
+
+    def _vmm_run(self, r: Region, end: int) -> Region:
+        """``r`` and the mappings after it in its reservation, as one region up to ``end``."""
+        stop = r.base + r.size
+        while stop < end:
+            nxt = self.find(stop)
+            if nxt is None or nxt.kind != "vmm" or nxt.key[0] != r.key[0]:
+                return r  # a gap: the caller faults
+            stop = nxt.base + nxt.size
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * (stop - r.base)).from_address(r.base))
+        return Region(r.base, stop - r.base, "vmm", r.name, arr, r.device, key=r.key)
+
     # ---- host memory --------------------------------------------------------
 
     def host_register(self, ptr: int, size: int) -> None:
@@ -243,5 +356,14 @@ def _mapped_file(ptr: int) -> str | None:
         pass
     return None
 
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_PROT_RW, _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = 0x3, 0x01, 0x02, 0x10
+_MAP_ANONYMOUS, _MAP_NORESERVE = 0x20, 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 SPACE = AddressSpace()

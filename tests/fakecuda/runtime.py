@@ -28,7 +28,7 @@ from .memory import SPACE
 
 CUDARuntimeError = CudaError
 memcpyHostToHost, memcpyHostToDevice, memcpyDeviceToHost, memcpyDeviceToDevice, memcpyDefault = range(5)
-HOST, DEVICE = ("host", "pinned"), ("device", "ipc")
+HOST, DEVICE = ("host", "pinned"), ("device", "ipc", "vmm")
 _SIDES = {memcpyHostToHost: (HOST, HOST), memcpyHostToDevice: (HOST, DEVICE),
           memcpyDeviceToHost: (DEVICE, HOST), memcpyDeviceToDevice: (DEVICE, DEVICE),
           memcpyDefault: ((), ())}  # (source kinds, destination kinds)

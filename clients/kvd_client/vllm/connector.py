@@ -1,4 +1,4 @@
-"""``KvdConnector``: vLLM's ``KVConnectorBase_V1`` on kvd (vLLM 0.32; 0.26's API too).
+"""``KvdConnector``: vLLM's ``KVConnectorBase_V1`` on kvd (vLLM 0.34, 0.32 and 0.26's APIs).
 
 Loaded out of tree::
 
@@ -36,8 +36,9 @@ failures of several groups per request (``get_transfer_results``'s
 
 CPU engines: ``get_mem_pool_context`` places vLLM's KV cache in a /dev/shm
 file kvd maps (kvd_client.vllm.shm_alloc), so kvd copies blocks with no
-staging copy; GPU engines register vLLM's CUDA tensors through CUDA IPC
-(kvd_client.vllm.pool). Counters go out as vLLM connector stats
+staging copy; GPU engines register vLLM's CUDA tensors (kvd_client.vllm.pool)
+through CUDA IPC, or, vLLM 0.34's extensible KV cache, by file descriptor
+(kvd_client.vllm.access). Counters go out as vLLM connector stats
 (kvd_client.vllm.stats).
 """
 
@@ -60,7 +61,7 @@ from kvd_client.client import KvdClient
 from kvd_protocol.errors import KvdError
 from kvd_protocol.layout import TensorRef
 
-from . import layers, spec, support
+from . import access, layers, spec, support
 from .counters import Counters
 from .groups import kv_groups
 from .plan import StepPlan, WorkerReport
@@ -70,7 +71,7 @@ from .settings import Settings
 from .stats import KvdConnectorStats, KvdPromMetrics
 from .worker import WorkerSide
 
-try:
+try:  # hits labelled by tier (get_external_cache_hit_sources: vLLM 0.34)
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     HIT_SOURCE = CacheHitSource.HOST
@@ -135,7 +136,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                                 timeout=self.settings.timeout_s, load_slots=LOAD_SLOTS,
                                 name=f"vllm-{role.name.lower()}:{os.getpid()}",
                                 shm_dir=self.settings.shm_dir).connect()
-        self.sched = self.worker = self.alloc = self.geometry = None
+        self.sched = self.worker = self.alloc = self.geometry = self.kv_caches = None
         self.kv_scales, self._told_unattached, self.closed = "", False, False
         self.groups, self.geometries = kv_groups(vllm_config, kv_cache_config), []
         if len(self.groups) > 1 and KVConnectorTransferResults is None:
@@ -226,6 +227,33 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a store that never happened is a later miss
 
+    # vLLM 0.34's hooks (kvd_client.vllm.access); supports_lookahead_block_hashes,
+    # get_finished_count, supports_divergent_local_hybrid_hits: vLLM's defaults on purpose
+    # (kvd hashes its own keys, every worker reports, state groups load whole)
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        return access.kv_cache_access(kv_transfer_config)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return True  # the KV memory is lent out through unregister / restore_kv_caches
+
+    def may_load_async(self, request) -> bool:
+        return access.may_load_async(self.settings, request, self._kv_transfer_config.is_kv_consumer)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int):
+        st = self.sched.reqs.get(request.request_id) if self.sched is not None else None
+        split = access.hit_sources(st, num_external_tokens, self.sched.chunk if st else 1)
+        return {CacheHitSource(name): n for name, n in split.items()}
+
+    def unregister_kv_caches(self) -> None:  # the KV memory is lent out: drain, drop (chunks stay)
+        if self.worker is not None and self.worker.regs:
+            self.worker.release(self.settings.timeout_s)
+
+    def restore_kv_caches(self) -> None:  # it is back (fresh pages, same addresses): register
+        if self.worker is not None and not self.worker.regs and self.kv_caches is not None:
+            self.register_kv_caches(self.kv_caches)
+
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
         """False: layer-wise loads (stream waits per layer) only run in steps vLLM does not
@@ -250,6 +278,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches):
         """One kvd pool per KV cache group: the group's layers (with several groups their
         tensors share memory, each group's blocks being its own)."""
+        self.kv_caches = kv_caches  # restore_kv_caches registers them again
         per_group = [[state_block(kv_caches[n]) if g.state else kv_caches[n] for n in g.names]
                      for g in self.groups]
         blocks = self._kv_cache_config.num_blocks

@@ -93,6 +93,7 @@ class ReqState:
     questions: list = field(default_factory=list)  # per lookup: (group, chunk) (kvd_client.vllm.states)
     asked: int = 0          # chunks the last lookup asked for
     found: int = 0          # tokens it found
+    tiers: tuple = (0, 0)   # of its prefix's chunks: on kvd's disk tier, on the remote tier
     found_at: float | None = None  # when it was answered (None: no answer to reuse)
     local: int = 0          # vLLM's own prefix-cache hit, tokens
     hit: int = 0            # local + what kvd adds, tokens
@@ -193,6 +194,8 @@ class SchedulerSide:
             for lease in spare:
                 self.client.release(lease, wait=False)
             st.found_at = min(x.answered_at or time.monotonic() for x in st.lookups)
+            st.tiers = next(((getattr(x, "disk_hits", 0), getattr(x, "remote_hits", 0))
+                             for x, (_, i) in zip(st.lookups, st.questions) if i is None), (0, 0))
             st.lookups = None
         return st.found
 

@@ -17,6 +17,7 @@ from kvd_client.adapter_options import Option, checked
 STORE_POLICIES = ("all", "finish", "off")
 FAILURE_POLICIES = ("recompute", "fail")
 BLOCK_FORMATS = ("blocks", "rows")
+SHARING = ("auto", "fd", "legacy_ipc")
 
 
 OPTIONS = {
@@ -59,6 +60,14 @@ OPTIONS = {
                                "shared with SGLang and any engine of the model, but moved by kvd's "
                                "SM kernels, which cost the engine GPU time while they run)",
                                BLOCK_FORMATS),
+    "kv_cache_sharing": Option(str, "auto", "vLLM 0.34 on a GPU: how the workers share the KV cache "
+                               "with kvd: 'fd' (vLLM's extensible, virtual-memory KV cache, lent "
+                               "to kvd by file descriptor), 'legacy_ipc' (vLLM turns the "
+                               "extensible cache off; CUDA IPC, as with earlier vLLM) or 'auto' "
+                               "('fd' when the daemon serves it: its fds.sock exists when vLLM "
+                               "starts; set 'fd' where the engine may start first). With "
+                               "num_gpu_blocks_override or kv_cache_memory_bytes vLLM cannot use "
+                               "the extensible cache: set 'legacy_ipc'", SHARING),
     "shm_dir": Option(str, "/dev/shm", "CPU engines: where the KV cache file goes (the daemon's "
                       "shm_dir; must hold the whole KV cache)"),
 }
@@ -80,6 +89,7 @@ class Settings:
     load_failure_policy: str = "recompute"
     retry_failed_after_s: float = 30.0
     gpu_block_format: str = "blocks"
+    kv_cache_sharing: str = "auto"
     shm_dir: str = "/dev/shm"
 
     @classmethod

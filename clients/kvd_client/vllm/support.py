@@ -8,7 +8,9 @@ reason; the connector raises it as ``ValueError`` from its ``__init__``, in
 both roles, before vLLM allocates its KV cache. Nothing here imports vLLM.
 
 Refused here: pipeline and context parallelism (decode and prefill), sleep
-mode and the cumem allocator, PyTorch's expandable segments (GPU),
+mode and the cumem allocator, PyTorch's expandable segments (GPU; all three
+served with vLLM 0.34's extensible KV cache, which lives outside PyTorch's
+allocator and is lent to kvd by file descriptor),
 quantised KV formats other than per-tensor fp8, fp8 scales computed at run
 time (``calculate_kv_scales``), attention KV cache groups of different block
 sizes, layer kinds other than full attention, MLA, sliding window and state
@@ -73,24 +75,32 @@ def context_parallel(vllm_config, kv_cache_config, environ) -> str | None:
     return None
 
 
+def extensible(vllm_config) -> bool:
+    """vLLM 0.34's extensible KV cache is on: the KV memory lives outside PyTorch's allocator,
+    kvd maps it by file descriptor and vLLM lends it out through the connector's hooks."""
+    return getattr(vllm_config.cache_config, "enable_extensible_kv_cache", None) is True
+
+
 def sleep_mode(vllm_config, kv_cache_config, environ) -> str | None:
-    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False) and not extensible(vllm_config):
         return ("kvd: enable_sleep_mode is not supported (sleep frees the KV cache kvd registered, "
-                "and its allocator's memory cannot be shared through CUDA IPC); run without sleep "
+                "and its allocator's memory cannot be shared through CUDA IPC); use vLLM 0.34's "
+                "extensible KV cache (kv_cache_sharing 'fd'), run without sleep "
                 f"mode {OR_NO_KVD}")
     return None
 
 
 def cumem_allocator(vllm_config, kv_cache_config, environ) -> str | None:
-    if getattr(vllm_config.model_config, "enable_cumem_allocator", False):
+    if getattr(vllm_config.model_config, "enable_cumem_allocator", False) and not extensible(vllm_config):
         return ("kvd: enable_cumem_allocator is not supported (CUDA virtual memory cannot be "
-                f"shared with kvd through CUDA IPC); run without it {OR_NO_KVD}")
+                f"shared with kvd through CUDA IPC); use vLLM 0.34's extensible KV cache, run without "
+                f"it {OR_NO_KVD}")
     return None
 
 
 def expandable_segments(vllm_config, kv_cache_config, environ) -> str | None:
-    if vllm_config.device_config.device_type == "cpu":
-        return None  # CPU KV caches live in the connector's /dev/shm file
+    if vllm_config.device_config.device_type == "cpu" or extensible(vllm_config):
+        return None  # the KV cache lives in the connector's /dev/shm file, or outside PyTorch's
     for var in ALLOC_CONF:
         for item in environ.get(var, "").split(","):
             key, _, value = item.partition(":")

@@ -247,11 +247,17 @@ class WorkerSide:
         keys, self.failed_keys = self.failed_keys, set()
         return WorkerReport(keys)
 
-    def close(self, timeout: float) -> None:
-        """Let transfers in flight end (bounded), then leave kvd."""
+    def release(self, timeout: float) -> None:
+        """Let transfers in flight end (bounded), then drop the registrations (the daemon keeps
+        its chunks; ``register`` brings the pools back)."""
         for t in [t for stores in self.open_stores.values() for t in stores] + \
                 [t for _, t in self.sync] + [t for ts in self.async_loads.values() for _, t in ts]:
             t.wait(timeout)
         for reg in self.regs:
             self.client.unregister(reg)
+        self.regs, self.token_bytes = [], []
+
+    def close(self, timeout: float) -> None:
+        """Let transfers in flight end (bounded), then leave kvd."""
+        self.release(timeout)
         self.client.close()
