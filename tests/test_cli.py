@@ -202,9 +202,9 @@ def test_bench_daemon_profile_writes_the_daemons_stats(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
 @pytest.mark.parametrize("argv,install", [
-    (["--gpu"], "pip install torch 'kvd[gpu]'"),
-    (["--gpu", "--interference"], "pip install torch 'kvd[gpu]'"),
-    (["--gds", "--disk-dir", "{tmp}/gds"], "'kvd[gds]'"),
+    (["--gpu"], "pip install torch cupy-cuda13x"),
+    (["--gpu", "--interference"], "pip install torch cupy-cuda13x"),
+    (["--gds", "--disk-dir", "{tmp}/gds"], "kvikio-cu13"),
 ])
 def test_bench_gpu_without_torch_says_what_to_install(tmp_path, argv, install):
     """One line naming the packages and the pip command, exit 2, nothing made (no

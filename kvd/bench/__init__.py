@@ -56,7 +56,7 @@ def add_arguments(p) -> None:
                    "tools/ratio_runs.py summarises several; with --remote: every run's GB/s "
                    "and load times")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the result table as a "
-                   "bar chart (host, --gpu, --disk, --gds; needs kvd[plot]: matplotlib)")
+                   "bar chart (host, --gpu, --disk, --gds; needs matplotlib)")
     p.add_argument("--scrape-hz", type=float, default=0.0, help="host benchmark: the daemon serves "
                    "/metrics and another process scrapes it this often meanwhile (0: metrics off)")
     p.add_argument("--verify-loads", action="store_true", help="host benchmark: the daemon runs "

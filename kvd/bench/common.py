@@ -58,7 +58,7 @@ def control(rundir: str, op: str, timeout: float = 300.0):
         ch.close()
 
 
-_PIP = {"torch": "torch", "cupy": "'kvd[gpu]'", "kvikio": "'kvd[gds]'"}  # module: what installs it
+_PIP = {"torch": "torch", "cupy": "cupy-cuda13x", "kvikio": "kvikio-cu13"}  # module: what installs it
 _NAMES = {"torch": "PyTorch", "cupy": "CuPy", "kvikio": "KvikIO"}
 
 
@@ -70,7 +70,7 @@ def without_gpu_stack(flag: str, modules=("torch", "cupy")) -> bool:
         return False
     pkgs = dict.fromkeys(_PIP[m] for m in missing)
     if _PIP["kvikio"] in pkgs:
-        pkgs.pop(_PIP["cupy"], None)  # kvd[gds] brings CuPy too
+        pkgs.pop(_PIP["cupy"], None)  # kvikio-cu13 brings CuPy too
     names = [_NAMES[m] for m in missing]
     names = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
     print(f"kvd bench {flag} needs {names}, not installed here: pip install {' '.join(pkgs)} "

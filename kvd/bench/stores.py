@@ -107,7 +107,7 @@ class RedisServer(Server):
         try:
             import redis  # noqa: F401
         except ImportError:
-            return "the redis client is not installed (pip install 'kvd[redis]')"
+            return "the redis client is not installed (pip install redis)"
         return None
 
     def command(self) -> list:
@@ -140,8 +140,8 @@ class MooncakeMaster(Server):
     def missing(cls) -> str | None:
         path = mooncake_master_path()
         if path is None:
-            return ("mooncake_master is not installed (pip install 'kvd[mooncake]': the "
-                    "mooncake-transfer-engine-non-cuda wheel, Linux x86_64)")
+            return ("mooncake_master is not installed (pip install "
+                    "mooncake-transfer-engine-non-cuda: Linux x86_64)")
         probe = subprocess.run([path, "--version"], check=False, capture_output=True, text=True,
                                timeout=30)
         if "error while loading shared libraries" in probe.stderr:
