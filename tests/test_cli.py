@@ -17,6 +17,7 @@ import sys
 import tomllib
 
 import pytest
+from daemons import default_sigint
 
 from kvd import __version__
 
@@ -124,7 +125,8 @@ def test_a_reader_that_stops_early_is_no_error(daemon):
 def test_stats_watch_repeats_until_ctrl_c(daemon, as_json):
     cmd = [sys.executable, "-m", "kvd", "stats", "--watch", "0.1", "--runtime-dir",
            str(daemon.runtime_dir)] + (["--json"] if as_json else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     marker = '{"tiers"' if as_json else "tier          capacity"
     seen, lines = 0, []
     try:

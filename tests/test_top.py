@@ -19,6 +19,7 @@ import sys
 import time
 
 import workers_ops
+from daemons import default_sigint
 
 from kvd.cli.top import compute, quantile, render_text
 
@@ -86,7 +87,7 @@ def test_on_a_terminal_without_rich_it_says_what_to_install(daemon, tmp_path):
     leader, follower = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "kvd", "top", "--interval", "0.2",
                              "--runtime-dir", str(daemon.runtime_dir)], stdout=follower,
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
                             env={**os.environ, "PYTHONPATH": str(tmp_path)})
     os.close(follower)
     try:
