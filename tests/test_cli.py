@@ -33,16 +33,19 @@ def test_version():
     assert out.stdout.strip().startswith(f"kvd {__version__} (wire protocol v")
 
 
-def test_serve_help_shows_sizes_choices_and_booleans():
+def test_serve_help_shows_sizes_choices_and_booleans_one_line_a_knob():
+    from kvd.config import KNOBS
     text = kvd("serve", "--help", check=True).stdout
     flat = " ".join(text.split())
-    assert "Bytes of the shared-memory host tier. (default: 1GiB)" in flat
-    assert "(default: 64MiB)" in flat and "(default: 64GiB)" in flat
+    assert "--host-capacity SIZE default: 1GiB" in flat
+    assert "default: 64MiB" in flat and "default: 64GiB" in flat
     assert "1073741824" not in text and "67108864" not in text
     assert "--gpu {auto,on,off}" in flat and "--log-level {debug,info,warning,error}" in flat
     assert "--log-format {text,json}" in flat
-    assert "--disk-gds {true,false}" in flat and "(default: false)" in flat
+    assert "--disk-gds {true,false} default: false" in flat
     assert "False" not in text
+    assert "kvd config` prints each knob's help" in flat
+    assert len(text.splitlines()) < len(KNOBS) + 15, text  # was some 380 lines with each whole help
 
 
 @pytest.mark.parametrize("argv,hint", [
@@ -207,6 +210,7 @@ def test_bench_daemon_profile_writes_the_daemons_stats(tmp_path):
     (["--gpu"], "pip install torch cupy-cuda13x"),
     (["--gpu", "--interference"], "pip install torch cupy-cuda13x"),
     (["--gds", "--disk-dir", "{tmp}/gds"], "kvikio-cu13"),
+    (["--interference"], "pip install torch cupy-cuda13x"),  # implies --gpu: not the host bench
 ])
 def test_bench_gpu_without_torch_says_what_to_install(tmp_path, argv, install):
     """One line naming the packages and the pip command, exit 2, nothing made (no
@@ -215,6 +219,18 @@ def test_bench_gpu_without_torch_says_what_to_install(tmp_path, argv, install):
     assert out.returncode == 2 and out.stdout == "", out.stderr
     assert out.stderr.count("\n") == 1 and "PyTorch" in out.stderr and install in out.stderr
     assert not (tmp_path / "gds").exists()
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--layout", "flsh"], "argument --layout: invalid choice: 'flsh' (choose from 'vllm_flash_attn',"),
+    (["--chunks", "0"], "argument --chunks: 0 is less than 1"),
+    (["--repeat", "x"], "argument --repeat: 'x' is not a whole number"),
+])
+def test_bench_bad_values_are_a_usage_error_not_a_traceback(argv, error):
+    out = kvd("bench", *argv)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+    usage, message = out.stderr.splitlines()
+    assert usage.startswith("usage: kvd bench [--gpu|") and message.startswith(f"kvd bench: error: {error}")
 
 
 def test_a_misspelt_kvd_variable_gets_one_warning_naming_the_closest_knob():

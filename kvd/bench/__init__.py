@@ -30,22 +30,23 @@ import sys
 from pathlib import Path
 
 from kvd_protocol.keys import DTYPE_SIZES
+from kvd_protocol.layout import LAYOUTS
 
-from .common import PAGE_ORDERS, size_arg, without_gpu_stack
+from .common import PAGE_ORDERS, positive_int, size_arg, without_gpu_stack
 from .gpu import DEFAULT_SHAPES, POOLS, SHAPES
 from .pipeline import PHASES
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--layout", default="vllm_flash_attn", help="engine layout of the pool")
-    p.add_argument("--layers", type=int, default=32, help="model layers")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (1 for MLA layouts)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (latent width for MLA)")
+    p.add_argument("--layout", default="vllm_flash_attn", choices=LAYOUTS, help="engine layout of the pool")
+    p.add_argument("--layers", type=positive_int, default=32, help="model layers")
+    p.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads (1 for MLA layouts)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dim (latent width for MLA)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_SIZES), help="KV dtype")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per engine page")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per cached chunk")
-    p.add_argument("--chunks", type=int, default=8, help="chunks per store/load request")
-    p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per engine page")
+    p.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per cached chunk")
+    p.add_argument("--chunks", type=positive_int, default=8, help="chunks per store/load request")
+    p.add_argument("--repeat", type=positive_int, default=5, help="timed runs; the median is reported")
     p.add_argument("--daemon-log", default=None, metavar="PATH", help="write the private daemon's "
                    "debug log (per-copy timings) to PATH; summarise it with tools/daemon_timings.py")
     p.add_argument("--daemon-profile", default=None, metavar="PATH", help="host and --gpu "
@@ -139,6 +140,7 @@ def names_of(known):
 
 
 def run(args) -> int:
+    args.gpu = args.gpu or args.interference  # --interference measures the GPU path only
     if args.plot:
         from .plot import PlotUnavailable, require
         try:

@@ -78,6 +78,17 @@ def without_gpu_stack(flag: str, modules=("torch", "cupy")) -> bool:
     return True
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1, else a usage error (exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
 def size_arg(text: str) -> int:
     """An argparse type: a size such as '4GiB', else a usage error (exit status 2) that
     says why (kvd.config.parse_size's message)."""
