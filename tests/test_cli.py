@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -242,3 +244,30 @@ def test_a_misspelt_kvd_variable_gets_one_warning_naming_the_closest_knob():
     assert out.stderr == ("kvd: warning: environment variable KVD_HOST_CAPACTIY sets no kvd knob "
                           "and is ignored (did you mean KVD_HOST_CAPACITY?)\n")
     assert kvd("config", "--resolved", env={"KVD_VLLM_PYTHON": "/x"}).stderr == ""
+
+
+def test_a_benchmark_too_large_for_this_machine_is_one_line_and_exit_1():
+    """The private daemon refuses a host tier larger than /dev/shm: its own log line, then
+    one line of kvd bench's, no traceback."""
+    out = kvd("bench", "--chunks", "100000", "--layers", "64", timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1] == ("kvd bench: the benchmark daemon did not start (its log "
+                                           "line above says why)"), out.stderr
+    assert "does not fit: /dev/shm has" in out.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare "
+                    "for a 1 MiB tmpfs in a private mount namespace")
+def test_a_pool_larger_than_shm_dir_says_the_sizes_not_a_bare_enospc(tmp_path):
+    code = ("from kvd_client import SharedKVPool\n"
+            "try:\n"
+            f"    SharedKVPool('vllm_flash_attn', 4, 64, 16, 8, 128, 'bfloat16', shm_dir='{tmp_path}')\n"
+            "except OSError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          f"mount -t tmpfs -o size=1m tmpfs {tmp_path} && exec {sys.executable} -c \"$0\"",
+                          code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert re.match(rf"\[Errno 28\] a shared-memory pool of 16.0 MiB does not fit: {tmp_path} has "
+                    r"[01]\.\d MiB free \(a smaller pool, or grow the tmpfs\)$", out.stdout), out.stdout
+    assert list(tmp_path.iterdir()) == []  # the namespace's tmpfs is gone; nothing was left here

@@ -25,6 +25,7 @@ a baseline measured in the same run; they assert nothing about speed.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ from pathlib import Path
 from kvd_protocol.keys import DTYPE_SIZES
 from kvd_protocol.layout import LAYOUTS
 
-from .common import PAGE_ORDERS, positive_int, size_arg, without_gpu_stack
+from .common import PAGE_ORDERS, BenchError, positive_int, size_arg, without_gpu_stack
 from .gpu import DEFAULT_SHAPES, POOLS, SHAPES
 from .pipeline import PHASES
 
@@ -140,6 +141,20 @@ def names_of(known):
 
 
 def run(args) -> int:
+    """The benchmark the flags name; one that cannot run here (its daemon did not start, no
+    room in /dev/shm for its pools) is one line and exit status 1."""
+    try:
+        return _run(args)
+    except BenchError as exc:
+        print(f"kvd bench: {exc}", file=sys.stderr)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        print(f"kvd bench: {exc.strerror}", file=sys.stderr)
+    return 1
+
+
+def _run(args) -> int:
     args.gpu = args.gpu or args.interference  # --interference measures the GPU path only
     if args.plot:
         from .plot import PlotUnavailable, require

@@ -78,6 +78,11 @@ def without_gpu_stack(flag: str, modules=("torch", "cupy")) -> bool:
     return True
 
 
+class BenchError(RuntimeError):
+    """A benchmark that cannot run here (its daemon did not start, say): ``kvd bench`` prints
+    the message as one line and exits 1."""
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a whole number >= 1, else a usage error (exit status 2)."""
     try:
@@ -113,7 +118,7 @@ def start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),
     try:
         while not os.path.exists(os.path.join(rundir, "control.sock")):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the benchmark daemon did not start")
+                raise BenchError("the benchmark daemon did not start (its log line above says why)")
             time.sleep(0.05)
     except BaseException:  # Ctrl-C too: no daemon and no host tier left behind
         stop_daemon(proc, rundir)
