@@ -103,7 +103,7 @@ class RedisServer(Server):
     def missing(cls) -> str | None:
         if cls.binary() is None:
             return ("neither valkey-server nor redis-server is on PATH (apt-get install "
-                    "redis-server; `make test` does it: tools/install_test_stores.sh)")
+                    "redis-server; `make test` fetches it without root: tools/install_test_stores.sh)")
         try:
             import redis  # noqa: F401
         except ImportError:
