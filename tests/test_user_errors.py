@@ -6,6 +6,7 @@ an empty runtime_dir resolves to, a second Ctrl-C during the stop (still exit 0)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,3 +64,13 @@ def test_a_second_ctrl_c_while_stopping_is_still_a_clean_stop(tmp_path, gap_s):
     assert err.rstrip().endswith("kvd INFO stopped"), err
     assert list(rd.iterdir()) == []  # sockets and kvd.lock removed
     assert arena_files(rd) == []
+
+
+def test_every_count_of_knobs_in_the_docs_is_the_number_of_knobs():
+    from pathlib import Path
+
+    from kvd.config import KNOBS
+    root = Path(__file__).resolve().parent.parent
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for count in re.findall(r"\b(\d+) (?:config )?knobs\b", page.read_text()):
+            assert int(count) == len(KNOBS), f"{page.name} says {count} knobs; there are {len(KNOBS)}"

@@ -53,8 +53,9 @@ def add_arguments(p) -> None:
     p.add_argument("--daemon-profile", default=None, metavar="PATH", help="host and --gpu "
                    "benchmarks: run the private daemon under cProfile and write its stats to PATH "
                    "when it stops (read them with python3 -m pstats PATH); slows the daemon")
-    p.add_argument("--json", default=None, metavar="PATH", help="with --gpu: also write every "
-                   "result row as JSON to PATH (the pipelined rows with each run's ratio); "
+    p.add_argument("--json", default=None, metavar="PATH", help="the host benchmark: also write "
+                   "each timed run's seconds as JSON to PATH (docs/data/host_bench_*.json); with "
+                   "--gpu: every result row (the pipelined rows with each run's ratio); "
                    "tools/ratio_runs.py summarises several; with --remote: every run's GB/s "
                    "and load times")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the result table as a "
@@ -163,9 +164,9 @@ def _run(args) -> int:
         except PlotUnavailable as exc:
             print(f"kvd bench: {exc}")
             return 2
-    if args.json and not (args.gpu and not args.interference) and not args.remote:
-        print("kvd bench: --json is for --gpu (without --interference) and --remote",
-              file=sys.stderr)
+    if args.json and args.interference or args.json and not args.gpu and _other_bench(args):
+        print("kvd bench: --json is for the host benchmark (the default), --gpu (without "
+              "--interference) and --remote", file=sys.stderr)
         return 2
     if args.json:
         problem = _writable_file(args.json)
@@ -222,6 +223,11 @@ def _usable_dir(path: str) -> str | None:
     if not os.access(p, os.W_OK | os.X_OK):
         return f"not writable by uid {os.geteuid()}"
     return None
+
+
+def _other_bench(args) -> bool:
+    """Whether the flags name a benchmark other than the host one (the default) and --gpu."""
+    return any((args.disk_policy, args.restart, args.gds, args.disk, args.flood))
 
 
 def _writable_file(path: str) -> str | None:
