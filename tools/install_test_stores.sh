@@ -7,13 +7,13 @@
 # cache in DEST) and `dpkg -x` into DEST/root (about 3 MiB). `make test` then puts
 # DEST/root/usr/bin on PATH and its library directory on LD_LIBRARY_PATH for pytest.
 # Where that is not possible (no apt-get/dpkg, no package lists, no network), one
-# line says which tests will skip. KVD_TEST_STORES_FETCH=1 fetches even what the
+# line says which tests will skip. FETCH_TEST_STORES=1 fetches even what the
 # system has (to check this script).
 #   bash tools/install_test_stores.sh [DEST]     # DEST: .test-stores
 set -euo pipefail
 dest=${1:-.test-stores}
 need=()
-if [ "${KVD_TEST_STORES_FETCH:-0}" = 1 ]; then
+if [ "${FETCH_TEST_STORES:-0}" = 1 ]; then
     need=(redis-server libibverbs1)
 else
     command -v valkey-server >/dev/null 2>&1 || command -v redis-server >/dev/null 2>&1 \
