@@ -20,7 +20,6 @@ configs/kvd.toml and docs/config.md list the same knobs (a test checks).
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import os
@@ -340,9 +339,7 @@ def _apply(values: dict, sources: dict, data: dict, source: str, origin: str) ->
     for key, raw in data.items():
         knob = KNOB_BY_NAME.get(key)
         if knob is None:
-            close = difflib.get_close_matches(str(key), KNOB_BY_NAME, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else "kvd config lists the knobs"
-            raise ConfigError(key, f"unknown key (from {origin}; {hint})")
+            raise ConfigError(key, f"unknown key (from {origin}; {config_checks.closest(key, KNOB_BY_NAME)})")
         try:
             values[key] = _coerce(knob, raw, text=source != "file")
         except ValueError as exc:
