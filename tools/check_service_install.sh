@@ -23,7 +23,7 @@ if ! /usr/bin/python3 -c "import ensurepip, venv" 2>/dev/null; then
   echo "check_service_install: skipped (/usr/bin/python3 cannot make venvs: apt-get install python3-venv)"
   exit 0
 fi
-for d in /etc /opt /usr /var /run; do  # an overlay would hide what is mounted below these
+for d in /etc /opt /usr; do  # an overlay would hide what is mounted below these (pip's sources may be)
   if [ -n "$(findmnt -rn -o TARGET | grep -E "^$d/" | grep -v -E '^/etc/(resolv.conf|hosts|hostname)$' || true)" ]; then
     echo "check_service_install: skipped (mounts under $d: an overlay of $d would hide them)"
     exit 0
