@@ -48,6 +48,7 @@ COPY kvd ./kvd
 COPY kernels ./kernels
 COPY clients ./clients
 COPY configs/kvd.toml /etc/kvd/kvd.toml
+# kvd-cache (the distribution; PyPI's "kvd" is an unrelated project) from this checkout's copy
 RUN python3 -m venv /opt/kvd \
  && /opt/kvd/bin/pip install ".[${KVD_EXTRAS}]" \
  && rm -rf /src

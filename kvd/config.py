@@ -165,8 +165,8 @@ KNOBS = (
          "buffers per GPU (a load reads as many chunks as fit, then the next batch).",
          minimum=2**20),
     Knob("remote_backend", "str", "off", "Remote tier on an existing distributed store the "
-         "cluster's nodes share (docs/cluster.md): off, redis (Valkey or Redis; needs kvd[redis]) "
-         "or mooncake (Mooncake Store over TCP; needs kvd[mooncake]).",
+         "cluster's nodes share (docs/cluster.md): off, redis (Valkey or Redis; needs kvd-cache[redis]) "
+         "or mooncake (Mooncake Store over TCP; needs kvd-cache[mooncake]).",
          choices=("off", "redis", "mooncake")),
     Knob("remote_address", "str", "", "Where the store is: for redis a URL (redis://host:6379/0, "
          "rediss://..., unix:///path), for mooncake the master's RPC host:port."),
@@ -235,7 +235,7 @@ KNOBS = (
          "ends before it; docs/operations.md has the cost); off: trust the daemon's own memory.",
          choices=("off", "on")),
     Knob("log_level", "str", "info", "Logging level.", choices=("debug", "info", "warning", "error")),
-    Knob("metrics_port", "int", 0, "TCP port of the Prometheus /metrics endpoint (needs kvd[metrics]); "
+    Knob("metrics_port", "int", 0, "TCP port of the Prometheus /metrics endpoint (needs kvd-cache[metrics]); "
          "0: off.", minimum=0),
     Knob("metrics_address", "str", "127.0.0.1", "Address the /metrics endpoint binds (0.0.0.0: every "
          "interface)."),
@@ -339,7 +339,7 @@ def _apply(values: dict, sources: dict, data: dict, source: str, origin: str) ->
     for key, raw in data.items():
         knob = KNOB_BY_NAME.get(key)
         if knob is None:
-            raise ConfigError(key, f"unknown key (from {origin})")
+            raise ConfigError(key, f"unknown key (from {origin}; {config_checks.closest(key, KNOB_BY_NAME)})")
         try:
             values[key] = _coerce(knob, raw, text=source != "file")
         except ValueError as exc:

@@ -3,10 +3,13 @@
 ``check(values)`` takes the resolved knob values by name and raises
 ``ConfigError`` naming the first knob whose value does not fit the others
 (or a fixed limit); it changes nothing. Single values are checked where they
-are parsed (kvd.config).
+are parsed (kvd.config). ``closest(key, names)`` is the hint for a key that
+is no knob: the closest name, or where to find them.
 """
 
 from __future__ import annotations
+
+import difflib
 
 from kvd import quota_rules
 from kvd_protocol.errors import ConfigError
@@ -33,3 +36,8 @@ def check(values: dict) -> None:
         quota_rules.check(values["quota"], values["host_capacity"], values["disk_dir"])
     except ValueError as exc:
         raise ConfigError("quota", str(exc)) from None
+
+
+def closest(key, names) -> str:
+    close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+    return f"did you mean {close[0]}?" if close else "kvd config lists the knobs"

@@ -28,6 +28,13 @@ DEFAULT_KNOBS = {"chunk_tokens": 16, "host_capacity": "64MiB", "heartbeat_interv
 FAULT_DAEMON = Path(__file__).resolve().parent / "fault_daemon.py"
 
 
+def default_sigint() -> None:
+    """``preexec_fn`` of a child a test stops with SIGINT, as Ctrl-C would: a suite run in the
+    background (``make test &``, nohup) ignores SIGINT, an ignored signal stays ignored across
+    exec, and Python then installs no KeyboardInterrupt handler: the child would never stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class DaemonProc:
     def __init__(self, runtime_dir: Path, knobs: dict, wrapper: list | None = None,
                  env: dict | None = None, faults: str = ""):

@@ -115,7 +115,8 @@ def test_ratio_runs_without_runs_says_why(tmp_path, monkeypatch):
 
 def test_json_is_refused_before_any_benchmark_runs(tmp_path):
     """A bad --json is an exit 2 with its reason at once (no GPU needed to find out)."""
-    for extra, why in ((["--json", str(tmp_path / "x.json")], "is for --gpu"),
+    for extra, why in ((["--flood", "--json", str(tmp_path / "x.json")], "--json is for the host benchmark"),
+                       (["--restart", "--json", str(tmp_path / "x.json")], "--json is for the host benchmark"),
                        (["--gpu", "--json", str(tmp_path / "no" / "x.json")], "no directory")):
         done = subprocess.run([sys.executable, "-m", "kvd", "bench", *extra],
                               capture_output=True, text=True, timeout=60)

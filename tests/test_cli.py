@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import sys
 import tomllib
 
 import pytest
+from daemons import default_sigint
 
 from kvd import __version__
 
@@ -32,16 +35,19 @@ def test_version():
     assert out.stdout.strip().startswith(f"kvd {__version__} (wire protocol v")
 
 
-def test_serve_help_shows_sizes_choices_and_booleans():
+def test_serve_help_shows_sizes_choices_and_booleans_one_line_a_knob():
+    from kvd.config import KNOBS
     text = kvd("serve", "--help", check=True).stdout
     flat = " ".join(text.split())
-    assert "Bytes of the shared-memory host tier. (default: 1GiB)" in flat
-    assert "(default: 64MiB)" in flat and "(default: 64GiB)" in flat
+    assert "--host-capacity SIZE default: 1GiB" in flat
+    assert "default: 64MiB" in flat and "default: 64GiB" in flat
     assert "1073741824" not in text and "67108864" not in text
     assert "--gpu {auto,on,off}" in flat and "--log-level {debug,info,warning,error}" in flat
     assert "--log-format {text,json}" in flat
-    assert "--disk-gds {true,false}" in flat and "(default: false)" in flat
+    assert "--disk-gds {true,false} default: false" in flat
     assert "False" not in text
+    assert "kvd config` prints each knob's help" in flat
+    assert len(text.splitlines()) < len(KNOBS) + 15, text  # was some 380 lines with each whole help
 
 
 @pytest.mark.parametrize("argv,hint", [
@@ -124,7 +130,8 @@ def test_a_reader_that_stops_early_is_no_error(daemon):
 def test_stats_watch_repeats_until_ctrl_c(daemon, as_json):
     cmd = [sys.executable, "-m", "kvd", "stats", "--watch", "0.1", "--runtime-dir",
            str(daemon.runtime_dir)] + (["--json"] if as_json else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     marker = '{"tiers"' if as_json else "tier          capacity"
     seen, lines = 0, []
     try:
@@ -202,9 +209,10 @@ def test_bench_daemon_profile_writes_the_daemons_stats(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed here")
 @pytest.mark.parametrize("argv,install", [
-    (["--gpu"], "pip install torch 'kvd[gpu]'"),
-    (["--gpu", "--interference"], "pip install torch 'kvd[gpu]'"),
-    (["--gds", "--disk-dir", "{tmp}/gds"], "'kvd[gds]'"),
+    (["--gpu"], "pip install torch cupy-cuda13x"),
+    (["--gpu", "--interference"], "pip install torch cupy-cuda13x"),
+    (["--gds", "--disk-dir", "{tmp}/gds"], "kvikio-cu13"),
+    (["--interference"], "pip install torch cupy-cuda13x"),  # implies --gpu: not the host bench
 ])
 def test_bench_gpu_without_torch_says_what_to_install(tmp_path, argv, install):
     """One line naming the packages and the pip command, exit 2, nothing made (no
@@ -213,6 +221,18 @@ def test_bench_gpu_without_torch_says_what_to_install(tmp_path, argv, install):
     assert out.returncode == 2 and out.stdout == "", out.stderr
     assert out.stderr.count("\n") == 1 and "PyTorch" in out.stderr and install in out.stderr
     assert not (tmp_path / "gds").exists()
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--layout", "flsh"], "argument --layout: invalid choice: 'flsh' (choose from 'vllm_flash_attn',"),
+    (["--chunks", "0"], "argument --chunks: 0 is less than 1"),
+    (["--repeat", "x"], "argument --repeat: 'x' is not a whole number"),
+])
+def test_bench_bad_values_are_a_usage_error_not_a_traceback(argv, error):
+    out = kvd("bench", *argv)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+    usage, message = out.stderr.splitlines()
+    assert usage.startswith("usage: kvd bench [--gpu|") and message.startswith(f"kvd bench: error: {error}")
 
 
 def test_a_misspelt_kvd_variable_gets_one_warning_naming_the_closest_knob():
@@ -224,3 +244,30 @@ def test_a_misspelt_kvd_variable_gets_one_warning_naming_the_closest_knob():
     assert out.stderr == ("kvd: warning: environment variable KVD_HOST_CAPACTIY sets no kvd knob "
                           "and is ignored (did you mean KVD_HOST_CAPACITY?)\n")
     assert kvd("config", "--resolved", env={"KVD_VLLM_PYTHON": "/x"}).stderr == ""
+
+
+def test_a_benchmark_too_large_for_this_machine_is_one_line_and_exit_1():
+    """The private daemon refuses a host tier larger than /dev/shm: its own log line, then
+    one line of kvd bench's, no traceback."""
+    out = kvd("bench", "--chunks", "100000", "--layers", "64", timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines()[-1] == ("kvd bench: the benchmark daemon did not start (its log "
+                                           "line above says why)"), out.stderr
+    assert "does not fit: /dev/shm has" in out.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare "
+                    "for a 1 MiB tmpfs in a private mount namespace")
+def test_a_pool_larger_than_shm_dir_says_the_sizes_not_a_bare_enospc(tmp_path):
+    code = ("from kvd_client import SharedKVPool\n"
+            "try:\n"
+            f"    SharedKVPool('vllm_flash_attn', 4, 64, 16, 8, 128, 'bfloat16', shm_dir='{tmp_path}')\n"
+            "except OSError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          f"mount -t tmpfs -o size=1m tmpfs {tmp_path} && exec {sys.executable} -c \"$0\"",
+                          code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert re.match(rf"\[Errno 28\] a shared-memory pool of 16.0 MiB does not fit: {tmp_path} has "
+                    r"[01]\.\d MiB free \(a smaller pool, or grow the tmpfs\)$", out.stdout), out.stdout
+    assert list(tmp_path.iterdir()) == []  # the namespace's tmpfs is gone; nothing was left here

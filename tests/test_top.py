@@ -19,6 +19,7 @@ import sys
 import time
 
 import workers_ops
+from daemons import default_sigint
 
 from kvd.cli.top import compute, quantile, render_text
 
@@ -80,13 +81,13 @@ def test_quantile_interpolates_within_the_bucket_like_prometheus():
 
 def test_on_a_terminal_without_rich_it_says_what_to_install(daemon, tmp_path):
     """stdout a terminal (a pty), ``rich`` not importable: one line on stderr naming
-    kvd[top], then the plain views."""
+    what to install, then the plain views."""
     (tmp_path / "rich").mkdir()
     (tmp_path / "rich" / "__init__.py").write_text("raise ImportError('hidden')\n")
     leader, follower = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "kvd", "top", "--interval", "0.2",
                              "--runtime-dir", str(daemon.runtime_dir)], stdout=follower,
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
                             env={**os.environ, "PYTHONPATH": str(tmp_path)})
     os.close(follower)
     try:
@@ -103,4 +104,4 @@ def test_on_a_terminal_without_rich_it_says_what_to_install(daemon, tmp_path):
         os.close(leader)
     assert proc.returncode == 0
     assert err == ("kvd top: rich is not installed: plain text, one view per refresh (pip install "
-                   "'kvd[top]' for the live view)\n")
+                   "rich for the live view)\n")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build and install kvd into a fresh venv (not editable), then start the
-# daemon, read stats and health, and stop it: what `pip install .` gives a user.
+# Build kvd's wheel and install it into a fresh venv (not editable), then start the
+# daemon, read stats and health, and stop it: what the README's install lines give a user.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -9,7 +9,16 @@ pid=""
 cleanup() { [ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$tmp"; }
 trap cleanup EXIT
 "$PYTHON" -m venv "$tmp/venv"
-"$tmp/venv/bin/python" -m pip install -q . 2>&1 | grep -v "^WARNING: Location" || true
+# The README's lines ("Installing it elsewhere"): a wheel of the checkout, installed by its path
+# with an extra; the distribution is kvd-cache, never PyPI's unrelated "kvd".
+"$PYTHON" -m pip wheel -q --no-deps -w "$tmp/dist" . 2>&1 | grep -v "^WARNING: Location" || true
+wheel=$(ls "$tmp"/dist/kvd_cache-*-py3-none-any.whl)
+"$tmp/venv/bin/python" -m pip install -q "$wheel[metrics]" 2>&1 | grep -v "^WARNING: Location" || true
+"$tmp/venv/bin/python" -m pip show kvd-cache | grep "^Name: kvd-cache$" >/dev/null
+if "$tmp/venv/bin/python" -m pip show kvd >/dev/null 2>&1; then
+  echo "check_install: a distribution named kvd got installed" >&2; exit 1
+fi
+(cd "$tmp" && "$tmp/venv/bin/python" -c "import prometheus_client")  # the extra came along
 "$tmp/venv/bin/kvd" --help >/dev/null
 export KVD_RUNTIME_DIR="$tmp/run"
 (cd "$tmp" && exec "$tmp/venv/bin/kvd" serve --host-capacity 16MiB --warm-restart false) >"$tmp/serve.log" 2>&1 &

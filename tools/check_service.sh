@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 venv=${1:-.venv}
 if ! command -v systemd-analyze >/dev/null; then
   echo "check_service: systemd-analyze not found; skipping" >&2
-  exit 0
+  exec bash tools/check_service_install.sh
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -22,3 +22,4 @@ if echo "$out" | grep -q -e "VERIFY-FAILED" -e "kvd.service:"; then
   exit 1
 fi
 echo "check_service: configs/kvd.service verified"
+bash tools/check_service_install.sh 2>&1 | grep -v "^WARNING: Location"

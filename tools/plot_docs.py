@@ -43,6 +43,8 @@ SOURCES = {
     "gpu_copy": ["gpu_copy_*.json"],
     "summary": ["vllm_ttft_h200.json", "vllm_load_h200.json", "gpu_copy_*.json"],
     "sglang_ttft": ["sglang_ttft_h200.json"],
+    "host_bench": ["host_bench_vm.json"],  # kvd bench --json: performance.md and operations.md
+    "host_verify": ["host_bench_vm.json", "host_bench_vm_verify.json"],
 }
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
@@ -237,8 +239,36 @@ def render_sglang_ttft(docs: list[dict]) -> str:
                  f"`{doc['command_full']}` ({doc['note']}).")
 
 
+def host_medians(doc: dict) -> dict:
+    """what -> (median seconds, GB/s) of a host ``kvd bench --json`` file."""
+    return {w: (statistics.median(s), doc["bytes"] / statistics.median(s) / 1e9)
+            for w, s in doc["seconds"].items()}
+
+
+def render_host_bench(docs: list[dict]) -> str:
+    doc, med = docs[0], host_medians(docs[0])
+    rows = [[w, f"{s * 1e3:.2f}", f"{gbps:.2f}", f"{med['numpy copy'][0] / s:.0%}"]
+            for w, (s, gbps) in med.items()]
+    return block(["what", "median ms", "GB/s", "vs numpy copy"], rows,
+                 f"{doc['machine']}; medians of {len(doc['seconds']['load'])} runs. From "
+                 f"`{doc['command']}`.")
+
+
+def render_host_verify(docs: list[dict]) -> str:
+    (off, on), rows = docs, []
+    for doc in docs:
+        s, gbps = host_medians(doc)["load"]
+        rows.append([f"`{'on' if doc['verify_loads'] else 'off'}`", f"{s * 1e3:.2f}", f"{gbps:.2f}"])
+    more = host_medians(on)["load"][0] - host_medians(off)["load"][0]
+    return block(["verify_loads", "load median ms", "GB/s"], rows,
+                 f"{off['machine']}; {off['bytes'] / 1e6:.0f} MB per load (2048 tokens of Llama-3-8B): "
+                 f"`on` adds {more * 1e3:.1f} ms to each, some {more * 8e3:.0f} ms per 16k tokens, on the "
+                 f"2 default hashing threads. From `{off['command']}` and `{on['command']}`.")
+
+
 RENDER = {"vllm_ttft": render_vllm_ttft, "vllm_load": render_vllm_load, "gpu_copy": render_gpu_copy,
-          "summary": render_summary, "sglang_ttft": render_sglang_ttft}
+          "summary": render_summary, "sglang_ttft": render_sglang_ttft, "host_bench": render_host_bench,
+          "host_verify": render_host_verify}
 
 
 # ---- checking and writing the marked blocks ----------------------------------------
@@ -331,7 +361,7 @@ def images(root: Path, out: Path) -> list[Path]:
     rows = md_table(perf, "## Host backend")
     bars(out / "host_bench.png", "Host backend: 268 MB per request through a private daemon",
          [r["what"] for r in rows], {"GB/s": [number(r["GB/s"]) for r in rows]}, "GB/s",
-         "2-core VM (Intel Xeon, 24 GiB); kvd bench")
+         f"{load(root, 'host_bench')[0]['machine']}; {load(root, 'host_bench')[0]['command']}")
 
     rows = md_table(perf, "## Disk tier")
     bars(out / "disk.png", "Disk tier vs raw O_DIRECT IO of the same files (1.0 = raw speed)",

@@ -19,12 +19,30 @@ the group access): the group the client's files need.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import grp
 import mmap
 import os
 import re
 from pathlib import Path
+
+
+def _allocate(fd: int, size: int, shm_dir: Path) -> None:
+    """posix_fallocate, with a full shm_dir said in sizes rather than a bare ENOSPC."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        st = os.statvfs(shm_dir)
+        raise OSError(errno.ENOSPC, f"a shared-memory pool of {_size(size)} does not fit: {shm_dir} "
+                      f"has {_size(st.f_bavail * st.f_frsize)} free (a smaller pool, or grow the "
+                      "tmpfs)") from None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 class ShmFile:
@@ -42,7 +60,7 @@ class ShmFile:
                 os.fchown(fd, -1, group if isinstance(group, int) else grp.getgrnam(group).gr_gid)
                 os.fchmod(fd, 0o660)
             if allocate:
-                os.posix_fallocate(fd, 0, size)
+                _allocate(fd, size, shm_dir)
             else:  # the caller allocates ranges as it fills them
                 os.ftruncate(fd, size)
             return cls(path, fd, mmap.mmap(fd, size, flags=mmap.MAP_SHARED))

@@ -25,38 +25,41 @@ a baseline measured in the same run; they assert nothing about speed.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from pathlib import Path
 
 from kvd_protocol.keys import DTYPE_SIZES
+from kvd_protocol.layout import LAYOUTS
 
-from .common import PAGE_ORDERS, size_arg, without_gpu_stack
+from .common import PAGE_ORDERS, BenchError, positive_int, size_arg, without_gpu_stack
 from .gpu import DEFAULT_SHAPES, POOLS, SHAPES
 from .pipeline import PHASES
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--layout", default="vllm_flash_attn", help="engine layout of the pool")
-    p.add_argument("--layers", type=int, default=32, help="model layers")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (1 for MLA layouts)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim (latent width for MLA)")
+    p.add_argument("--layout", default="vllm_flash_attn", choices=LAYOUTS, help="engine layout of the pool")
+    p.add_argument("--layers", type=positive_int, default=32, help="model layers")
+    p.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads (1 for MLA layouts)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="head dim (latent width for MLA)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_SIZES), help="KV dtype")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per engine page")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per cached chunk")
-    p.add_argument("--chunks", type=int, default=8, help="chunks per store/load request")
-    p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per engine page")
+    p.add_argument("--chunk-tokens", type=positive_int, default=256, help="tokens per cached chunk")
+    p.add_argument("--chunks", type=positive_int, default=8, help="chunks per store/load request")
+    p.add_argument("--repeat", type=positive_int, default=5, help="timed runs; the median is reported")
     p.add_argument("--daemon-log", default=None, metavar="PATH", help="write the private daemon's "
                    "debug log (per-copy timings) to PATH; summarise it with tools/daemon_timings.py")
     p.add_argument("--daemon-profile", default=None, metavar="PATH", help="host and --gpu "
                    "benchmarks: run the private daemon under cProfile and write its stats to PATH "
                    "when it stops (read them with python3 -m pstats PATH); slows the daemon")
-    p.add_argument("--json", default=None, metavar="PATH", help="with --gpu: also write every "
-                   "result row as JSON to PATH (the pipelined rows with each run's ratio); "
+    p.add_argument("--json", default=None, metavar="PATH", help="the host benchmark: also write "
+                   "each timed run's seconds as JSON to PATH (docs/data/host_bench_*.json); with "
+                   "--gpu: every result row (the pipelined rows with each run's ratio); "
                    "tools/ratio_runs.py summarises several; with --remote: every run's GB/s "
                    "and load times")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the result table as a "
-                   "bar chart (host, --gpu, --disk, --gds; needs kvd[plot]: matplotlib)")
+                   "bar chart (host, --gpu, --disk, --gds; needs matplotlib)")
     p.add_argument("--scrape-hz", type=float, default=0.0, help="host benchmark: the daemon serves "
                    "/metrics and another process scrapes it this often meanwhile (0: metrics off)")
     p.add_argument("--verify-loads", action="store_true", help="host benchmark: the daemon runs "
@@ -140,6 +143,21 @@ def names_of(known):
 
 
 def run(args) -> int:
+    """The benchmark the flags name; one that cannot run here (its daemon did not start, no
+    room in /dev/shm for its pools) is one line and exit status 1."""
+    try:
+        return _run(args)
+    except BenchError as exc:
+        print(f"kvd bench: {exc}", file=sys.stderr)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        print(f"kvd bench: {exc.strerror}", file=sys.stderr)
+    return 1
+
+
+def _run(args) -> int:
+    args.gpu = args.gpu or args.interference  # --interference measures the GPU path only
     if args.plot:
         from .plot import PlotUnavailable, require
         try:
@@ -147,9 +165,9 @@ def run(args) -> int:
         except PlotUnavailable as exc:
             print(f"kvd bench: {exc}")
             return 2
-    if args.json and not (args.gpu and not args.interference) and not args.remote:
-        print("kvd bench: --json is for --gpu (without --interference) and --remote",
-              file=sys.stderr)
+    if args.json and args.interference or args.json and not args.gpu and _other_bench(args):
+        print("kvd bench: --json is for the host benchmark (the default), --gpu (without "
+              "--interference) and --remote", file=sys.stderr)
         return 2
     if args.json:
         problem = _writable_file(args.json)
@@ -206,6 +224,11 @@ def _usable_dir(path: str) -> str | None:
     if not os.access(p, os.W_OK | os.X_OK):
         return f"not writable by uid {os.geteuid()}"
     return None
+
+
+def _other_bench(args) -> bool:
+    """Whether the flags name a benchmark other than the host one (the default) and --gpu."""
+    return any((args.disk_policy, args.restart, args.gds, args.disk, args.flood))
 
 
 def _writable_file(path: str) -> str | None:

@@ -58,7 +58,7 @@ def control(rundir: str, op: str, timeout: float = 300.0):
         ch.close()
 
 
-_PIP = {"torch": "torch", "cupy": "'kvd[gpu]'", "kvikio": "'kvd[gds]'"}  # module: what installs it
+_PIP = {"torch": "torch", "cupy": "cupy-cuda13x", "kvikio": "kvikio-cu13"}  # module: what installs it
 _NAMES = {"torch": "PyTorch", "cupy": "CuPy", "kvikio": "KvikIO"}
 
 
@@ -70,12 +70,28 @@ def without_gpu_stack(flag: str, modules=("torch", "cupy")) -> bool:
         return False
     pkgs = dict.fromkeys(_PIP[m] for m in missing)
     if _PIP["kvikio"] in pkgs:
-        pkgs.pop(_PIP["cupy"], None)  # kvd[gds] brings CuPy too
+        pkgs.pop(_PIP["cupy"], None)  # kvikio-cu13 brings CuPy too
     names = [_NAMES[m] for m in missing]
     names = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
     print(f"kvd bench {flag} needs {names}, not installed here: pip install {' '.join(pkgs)} "
           "(and a CUDA GPU)", file=sys.stderr)
     return True
+
+
+class BenchError(RuntimeError):
+    """A benchmark that cannot run here (its daemon did not start, say): ``kvd bench`` prints
+    the message as one line and exits 1."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1, else a usage error (exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
 
 
 def size_arg(text: str) -> int:
@@ -102,7 +118,7 @@ def start_daemon(rundir: str, capacity: int, chunk_tokens: int, extra=(),
     try:
         while not os.path.exists(os.path.join(rundir, "control.sock")):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the benchmark daemon did not start")
+                raise BenchError("the benchmark daemon did not start (its log line above says why)")
             time.sleep(0.05)
     except BaseException:  # Ctrl-C too: no daemon and no host tier left behind
         stop_daemon(proc, rundir)

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvd_protocol.keys import DTYPE_SIZES
 
-from .common import control, free_port, start_daemon, start_scraper, stop_daemon
+from .common import control, free_port, start_daemon, start_scraper, stop_daemon, write_json
 
 
 def run(args) -> int:
@@ -64,6 +64,10 @@ def run(args) -> int:
     _report(results, nbytes)
     if args.plot:
         _plot(args, results, nbytes)
+    if args.json:
+        from .plot import machine
+        write_json(args.json, machine=machine(), bytes=nbytes, verify_loads=args.verify_loads,
+                   seconds=results)  # each timed run (the warm-up left out), by what was timed
     return 0
 
 

@@ -5,7 +5,7 @@ bars per row of a table (``groups``: the row labels; ``series``: name ->
 one value per row), each bar labelled with its value, and a footer naming
 the machine and the command, so a picture never travels without what it
 measured. ``require()`` fails early, with the install hint, when matplotlib
-is missing (``pip install 'kvd[plot]'``). ``machine()`` describes this host.
+is missing (kvd-cache's ``plot`` extra). ``machine()`` describes this host.
 Small PNGs (about 900x480 px).
 """
 
@@ -25,7 +25,7 @@ def require() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'kvd[plot]'") from None
+        raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib") from None
 
 
 def machine(gpu: str | None = None) -> str:

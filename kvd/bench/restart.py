@@ -9,7 +9,12 @@ through the host backend (requests of ``--chunks`` chunks of the
   before warm restart: a new, empty arena);
 - ``warm, SIGTERM``: a clean stop; the next daemon trusts the index;
 - ``warm, SIGKILL``: a crash; the next daemon verifies every chunk's
-  checksum in the background while it serves.
+  checksum in the background while it serves. The kill comes once the
+  daemon has recorded and checksummed every stored chunk (its stats'
+  ``records_pending`` and ``unsealed_shards`` are 0: ``warm_record_delay_s``
+  after the last store, and the hashing after that): a crash sooner loses
+  the stores not yet recorded (misses), which is the knob's trade, not the
+  restart's. The seconds it waited are printed.
 
 Measured from the moment the new process is started: when it serves (its
 control socket answers), when a lookup of the most recently stored prompt
@@ -63,6 +68,9 @@ def run(args) -> int:
             try:
                 pool.raw[:] = np.random.default_rng(0).integers(0, 256, pool.raw.size, np.uint8)
                 prompts = _fill(KvdClient, pool, rundir, args, requests, ppc)
+                if mode.endswith("SIGKILL"):
+                    print(f"  {mode}: kill {_wait_recorded(rundir):.2f} s after the last store, "
+                          "every chunk recorded and checksummed", flush=True)
                 daemon.send_signal(signal.SIGKILL if mode.endswith("SIGKILL") else signal.SIGTERM)
                 daemon.wait(120)
                 t0 = time.monotonic()
@@ -93,6 +101,18 @@ def _fill(KvdClient, pool, rundir: str, args, requests: int, ppc: int) -> list:
     finally:
         client.close()
     return prompts
+
+
+def _wait_recorded(rundir: str, timeout: float = 120.0) -> float:
+    """Seconds until the daemon has no record waiting (warm_record_delay_s) and no record
+    without its checksum; RuntimeError past ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        warm = control(rundir, "stats")["tiers"]["host"].get("warm", {})
+        if warm.get("records_pending", 0) == 0 and warm.get("unsealed_shards", 0) == 0:
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise RuntimeError(f"the daemon still had records waiting after {timeout:g} s")
 
 
 def _after_restart(KvdClient, pool, rundir: str, prompts: list, t0: float):

@@ -103,11 +103,11 @@ class RedisServer(Server):
     def missing(cls) -> str | None:
         if cls.binary() is None:
             return ("neither valkey-server nor redis-server is on PATH (apt-get install "
-                    "redis-server; `make test` does it: tools/install_test_stores.sh)")
+                    "redis-server; `make test` fetches it without root: tools/install_test_stores.sh)")
         try:
             import redis  # noqa: F401
         except ImportError:
-            return "the redis client is not installed (pip install 'kvd[redis]')"
+            return "the redis client is not installed (pip install redis)"
         return None
 
     def command(self) -> list:
@@ -140,8 +140,8 @@ class MooncakeMaster(Server):
     def missing(cls) -> str | None:
         path = mooncake_master_path()
         if path is None:
-            return ("mooncake_master is not installed (pip install 'kvd[mooncake]': the "
-                    "mooncake-transfer-engine-non-cuda wheel, Linux x86_64)")
+            return ("mooncake_master is not installed (pip install "
+                    "mooncake-transfer-engine-non-cuda: Linux x86_64)")
         probe = subprocess.run([path, "--version"], check=False, capture_output=True, text=True,
                                timeout=30)
         if "error while loading shared libraries" in probe.stderr:

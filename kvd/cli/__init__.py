@@ -75,7 +75,14 @@ def _serve(args) -> int:
     if pending() is not None:
         print(f"kvd: stopped by {pending().name} before start-up", file=sys.stderr)
         return 0
-    return serve(cfg)
+    code = serve(cfg)
+    # Stopped: a second Ctrl-C (or SIGTERM) is a repeat of the first. Ignored, it cannot end the
+    # interpreter's own exit by signal (status 130): Python resets the handlers it set to the
+    # default action as it finalizes, and leaves ignored ones ignored.
+    import signal
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return code
 
 
 def _config(args) -> int:
@@ -86,12 +93,22 @@ def _config(args) -> int:
         print(defaults_toml(), end="")
         return 0
     try:
-        print(resolved_toml(load_config(args.config)), end="")
+        print(_with_runtime_dir(resolved_toml(load_config(args.config))), end="")
         print_warnings()
     except ConfigError as exc:
         print(f"kvd: config error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _with_runtime_dir(text: str) -> str:
+    """An empty runtime_dir means "by the rules": say which directory they give here."""
+    from kvd_protocol.runtime import resolve_runtime_dir
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith('runtime_dir = ""  # '):
+            lines[i] = f"{line.rstrip()}: {resolve_runtime_dir()} here\n"
+    return "".join(lines)
 
 
 if __name__ == "__main__":

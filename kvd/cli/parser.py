@@ -39,18 +39,29 @@ def _metavar(knob) -> str:
 
 def _add_serve(sub) -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the daemon in the foreground", allow_abbrev=False,
-                           description="Run the daemon in the foreground. Every flag is a config "
-                           "knob (docs/config.md); sizes take KiB/MiB/GiB/TiB (powers of 1024) or "
-                           "KB/MB/GB/TB (powers of 1000).")
+                           usage="kvd serve [--config FILE] [--KNOB VALUE ...] [--cold]",
+                           formatter_class=_OneLineFlags,
+                           description="Run the daemon in the foreground. Every flag below is a "
+                           "config knob, shown with its default: `kvd config` prints each knob's "
+                           "help, docs/config.md has them as a table. Sizes take KiB/MiB/GiB/TiB "
+                           "(powers of 1024) or KB/MB/GB/TB (powers of 1000).")
     serve.add_argument("--config", default=None, metavar="FILE",
                        help="TOML file of config knobs (see configs/kvd.toml)")
     for knob in KNOBS:
-        text = f"{knob.help} (default: {display_value(knob, knob.default)})"
+        text = f"default: {display_value(knob, knob.default)}"
         serve.add_argument(f"--{knob.name.replace('_', '-')}", dest=knob.name, default=None,
                            metavar=_metavar(knob), help=text.replace("%", "%%"))
     serve.add_argument("--cold", dest="cold_start", action="store_const", const="true",
                        help="start with an empty host tier (the same as --cold-start true)")
     return serve
+
+
+class _OneLineFlags(argparse.HelpFormatter):
+    """``serve --help``: each knob's flag and default on one line (70 knobs' whole help is
+    some 380 lines; ``kvd config`` has it)."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=50, width=100)
 
 
 def _add_runtime(p: argparse.ArgumentParser, json_help: str) -> None:
@@ -123,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime(top, "(unused: top prints for people; use kvd stats --json for machines)")
     bench = commands["bench"] = sub.add_parser(
         "bench", help="benchmark store/load through a private daemon it starts itself",
-        allow_abbrev=False,
+        allow_abbrev=False, usage="kvd bench [--gpu|--disk|--gds|--remote|--restart|--flood|"
+        "--disk-policy] [OPTIONS] (kvd bench --help lists them)",
         description="Benchmarks. Each starts its own private kvd daemon on a temporary runtime "
         "dir and stops it at the end: no running daemon is needed or touched.")
     from kvd.bench import add_arguments

@@ -8,7 +8,7 @@ daemon's latency histogram, interpolated within a bucket as Prometheus'
 event loop was (its thread's CPU time over the interval: near 100% the
 daemon, not PCIe, limits copies; docs/operations.md), tier fill, and the
 connected clients with their kernel-reported uid/gid. With ``rich``
-installed (``kvd[top]``) and stdout a terminal it redraws one screen in
+installed (kvd-cache's ``top`` extra) and stdout a terminal it redraws one screen in
 place; otherwise, and with ``--once``, it prints plain text: one block per
 refresh (``--once``: one block over one interval, then exit). On a terminal
 without ``rich`` it says so first, on stderr (one line: what to install).
@@ -41,7 +41,7 @@ def run(args) -> int:
         live = _live() if sys.stdout.isatty() and not args.once else None
         if sys.stdout.isatty() and not args.once and live is None:  # else it scrolls unexplained
             print("kvd top: rich is not installed: plain text, one view per refresh (pip install "
-                  "'kvd[top]' for the live view)", file=sys.stderr, flush=True)
+                  "rich for the live view)", file=sys.stderr, flush=True)
         while True:
             time.sleep(args.interval)
             cur, t_cur = channel.request("stats"), time.monotonic()

@@ -1,7 +1,7 @@
 """Prometheus metrics: ``/metrics`` on ``metrics_address:metrics_port`` and/or ``metrics_socket``.
 
 ``start(cfg, service, ...)`` serves the exposition, rendered by
-prometheus-client (``pip install 'kvd[metrics]'``; when a metrics knob is
+prometheus-client (kvd-cache's ``metrics`` extra; when a metrics knob is
 set and the library is missing, or the address cannot be bound, start-up
 fails with one line saying so), through kvd.server.metrics_http's server
 on the daemon's event loop: a connection cap per listening socket
@@ -124,7 +124,7 @@ def library_problem(cfg) -> str | None:
     except ImportError:
         knob = "metrics_port" if cfg.metrics_port else "metrics_socket"
         return (f"{knob} is set but prometheus-client is not installed: pip install "
-                f"'kvd[metrics]', or unset {knob}")
+                f"prometheus-client (kvd-cache's metrics extra), or unset {knob}")
     return None
 
 
@@ -173,7 +173,7 @@ class KvdCollector:
 
 def _version() -> str:
     try:
-        return metadata.version("kvd")
+        return metadata.version("kvd-cache")  # the distribution, not PyPI's unrelated "kvd"
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown"
 

@@ -70,28 +70,46 @@ class InstanceBusy(RuntimeError):
 
 
 class InstanceLock:
-    """flock on <runtime_dir>/kvd.lock holding the owner's pid."""
+    """flock on <runtime_dir>/kvd.lock holding the owner's pid. ``release`` removes the file
+    (a clean stop leaves no lock behind; a crash does, and the next daemon takes it). Since a
+    file can be removed between another daemon's open and its flock, a lock is held only on
+    the file that still has the name: a lock taken on a removed one is dropped and taken again."""
 
     def __init__(self, runtime_dir: Path):
         self.path = runtime_dir / "kvd.lock"
         self.fd = -1
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise InstanceBusy(self.path.parent, owner) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise InstanceBusy(self.path.parent, owner) from None
+            if self._names(fd):
+                break
+            os.close(fd)  # its owner removed it as it stopped: lock the file of that name now
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
 
     def release(self) -> None:
         if self.fd >= 0:
+            if self._names(self.fd):  # still locked: no other daemon can hold this name
+                self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = -1
+
+    def _names(self, fd: int) -> bool:
+        """Whether ``fd`` is the file ``self.path`` names."""
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def reclaim_stale(runtime_dir: Path, shm_dir: Path, tag: str) -> list[str]:

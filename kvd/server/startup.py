@@ -97,8 +97,8 @@ def check(cfg, runtime_dir: Path, group: int | None = None) -> None:
     if problem:
         raise StartupError(problem)
     if cfg.gpu == "on" and importlib.util.find_spec("cupy") is None:
-        raise StartupError("gpu = on but CuPy is not installed (pip install 'kvd[gpu]'), or "
-                           "set gpu = auto or off")
+        raise StartupError("gpu = on but CuPy is not installed (pip install cupy-cuda13x: kvd-cache's "
+                           "gpu extra), or set gpu = auto or off")
 
 
 def _writable_dir(key: str, path: Path, create: bool) -> None:
@@ -151,17 +151,18 @@ def _chunk_file_bytes(root: Path, enough: int) -> int:
     return total
 
 
-REMOTE_CLIENTS = {"redis": ("redis", "redis"), "mooncake": ("mooncake", "mooncake")}  # module, extra
+REMOTE_CLIENTS = {"redis": ("redis", "redis"),  # module, the package of its kvd-cache extra
+                  "mooncake": ("mooncake", "mooncake-transfer-engine-non-cuda")}
 
 
 def _check_remote(cfg) -> None:
     if not cfg.remote_address:
         raise ConfigError("remote_address", f"remote_backend = {cfg.remote_backend} needs the "
                           "store's address")
-    module, extra = REMOTE_CLIENTS[cfg.remote_backend]
+    module, package = REMOTE_CLIENTS[cfg.remote_backend]
     if importlib.util.find_spec(module) is None:
         raise StartupError(f"remote_backend = {cfg.remote_backend} but its client is not installed: "
-                           f"pip install 'kvd[{extra}]'")
+                           f"pip install {package} (kvd-cache's {cfg.remote_backend} extra)")
 
 
 def make_remote(cfg, host, view, arena_path):

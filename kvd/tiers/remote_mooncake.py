@@ -1,4 +1,4 @@
-"""Mooncake Store as a remote chunk store (``pip install 'kvd[mooncake]'``).
+"""Mooncake Store as a remote chunk store (kvd-cache's ``mooncake`` extra).
 
 The backend interface of kvd/tiers/remote_store.py over
 ``mooncake.store.MooncakeDistributedStore`` with the TCP transport: a

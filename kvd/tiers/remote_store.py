@@ -60,7 +60,7 @@ def _python_packer() -> dict:
 
 
 class RedisStore:
-    """Valkey or Redis through the ``redis`` client (``pip install 'kvd[redis]'``)."""
+    """Valkey or Redis through the ``redis`` client (kvd-cache's ``redis`` extra)."""
 
     name = "redis"
     batch_bytes = 4 << 20  # a zero-copy call's values (a larger one alone): pipelined, not parallel
