@@ -2,7 +2,8 @@
 
 Every figure that the README and several pages quote is rendered from the
 JSON a benchmark command wrote (``kvd bench --gpu --json``,
-``examples/vllm_ttft.py --out``, ``examples/vllm_load.py --out``), never
+``examples/vllm_ttft.py --out``, ``examples/vllm_load.py --out``,
+``examples/fleet.py --out``: tools/plot_fleet.py), never
 typed in. In README.md and docs/*.md such a table sits between two markers,
 
     <!-- table: NAME -->
@@ -35,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from plot_fleet import cdf_images, render_fleet  # noqa: E402  (docs/fleet.md's blocks)
 
 # name -> the docs/data files it reads (glob patterns, relative to docs/data)
 SOURCES = {
@@ -43,6 +46,7 @@ SOURCES = {
     "gpu_copy": ["gpu_copy_*.json"],
     "summary": ["vllm_ttft_h200.json", "vllm_load_h200.json", "gpu_copy_*.json"],
     "sglang_ttft": ["sglang_ttft_h200.json"],
+    "fleet": ["fleet_*.json"],
 }
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
@@ -238,7 +242,7 @@ def render_sglang_ttft(docs: list[dict]) -> str:
 
 
 RENDER = {"vllm_ttft": render_vllm_ttft, "vllm_load": render_vllm_load, "gpu_copy": render_gpu_copy,
-          "summary": render_summary, "sglang_ttft": render_sglang_ttft}
+          "summary": render_summary, "sglang_ttft": render_sglang_ttft, "fleet": render_fleet}
 
 
 # ---- checking and writing the marked blocks ----------------------------------------
@@ -339,6 +343,7 @@ def images(root: Path, out: Path) -> list[Path]:
          {"write": [number(r["tier/raw"]) for r in rows], "read": [number(r["tier/raw #2"]) for r in rows]},
          "tier / raw", "/tmp ext4 on virtio; 4 IO threads, median of 5; "
          "kvd bench --disk --disk-dir /tmp --disk-chunk 4MiB|32MiB", reference=1.0)
+    cdf_images(load(root, "fleet"), out)
     return sorted(out.glob("*.png"))
 
 
