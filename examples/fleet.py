@@ -83,7 +83,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--model-dir", type=Path, default=None, help="the checkpoint (default: under the "
                     "work dir; reused when its config matches)")
     ap.add_argument("--daemon-python", default=sys.executable, help="python that runs kvd serve")
-    ap.add_argument("--keep-logs", type=Path, default=None, help="copy every process's log here")
+    ap.add_argument("--keep-logs", type=Path, default=None, help="copy every process's log and the benchmark's result files here")
     ap.add_argument("--out", type=Path, help="the report (JSON)")
     args = ap.parse_args()
     for key, value in (TINY if args.tiny else GPU).items():
@@ -173,6 +173,8 @@ def main() -> None:
         save(args, report)
         if args.keep_logs:
             shutil.copytree(args.work / "logs", args.keep_logs, dirs_exist_ok=True)
+            for result in args.work.glob("bench-*.json"):  # the benchmark's own results, answers included
+                shutil.copy(result, args.keep_logs)
         shutil.rmtree(args.work, ignore_errors=True)
 
 
