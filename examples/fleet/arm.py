@@ -6,12 +6,15 @@ proxy, then runs the scenarios asked for, each a pass of the same prompts:
 
 - ``steady``: the pass on fresh servers (every prefix cold at first);
 - ``restart``: server 0 is taken out of the rotation, drained, killed (its
-  GPU and native caches lost) and started again; then a pass: the TTFT of
-  its first 50 requests (the proxy's records) against its own in ``steady``;
-- ``kvd-restart`` (arm ``kvd``): a pass during which the daemon is stopped
-  (SIGTERM) and started again on the tier it left (warm restart); the
-  servers carry on: failed requests, and answers that differ from the
-  previous pass's (greedy: the same prompts must give the same text).
+  GPU and native caches lost) and started again while a pass runs on the
+  others (``during_restart``); then a pass with it back: the TTFT of its
+  first 50 requests (the proxy's records);
+- ``kvd-restart`` (arm ``kvd``): the daemon is stopped (SIGTERM) and started
+  again on the tier it left (warm restart) during a pass, the servers
+  carrying on: in the ``restart`` pass once server 0 served its 50, else in
+  a pass of its own. Failed requests, and answers that differ from the
+  previous pass's (greedy: the same prompts should give the same text),
+  are counted.
 
 Returns the arm's figures (times in ms); every process of the arm is
 stopped before it returns.
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import threading
 import time
 
 from . import bench
@@ -28,7 +33,8 @@ from .procs import Procs, get, kvd_drop, kvd_start, kvd_stats, post, server_cmd,
 
 
 def say(msg: str) -> None:
-    print(f"[fleet {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    # the real stdout: the benchmark's printout, redirected to its log, may be running
+    print(f"[fleet {time.strftime('%H:%M:%S')}] {msg}", file=sys.__stdout__, flush=True)
 
 
 def start_servers(args, procs: Procs, arm: str, ports: list[int], run) -> tuple[list, float]:
@@ -67,8 +73,10 @@ def run_arm(args, procs: Procs, arm: str, index: int) -> dict:
             if scenario == "kvd-restart" and arm != "kvd":
                 continue
             say(f"{arm}: pass '{scenario}'")
-            passes[scenario], result = SCENARIOS[scenario](ctx, previous)
-            row = passes[scenario]["summary"]
+            fig, result = SCENARIOS[scenario](ctx, previous)
+            if fig is None:
+                continue
+            passes[scenario], row = fig, fig["summary"]
             say(f"{arm}: {scenario}: TTFT p50 {row['ttft_p50']:.1f} ms, p99 {row['ttft_p99']:.1f} ms, "
                 f"{row['output_tok_s']:.0f} tok/s, {row['failed']} failed; hits {passes[scenario]['hits']}")
             previous = result
@@ -81,14 +89,36 @@ def run_arm(args, procs: Procs, arm: str, index: int) -> dict:
     return out
 
 
-def one_pass(ctx, tag: str, background=None) -> tuple[dict, dict]:
-    """A pass of the benchmark through the proxy; ``background(started_at)`` runs while it does."""
-    args, procs = ctx["args"], ctx["procs"]
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    """``fn()`` in a thread; its value (or the SystemExit it raised) lands in the dict."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except SystemExit as exc:
+            box["exit"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def joined(t: threading.Thread, box: dict):
+    t.join()
+    if "exit" in box:
+        raise box["exit"]
+    return box["value"]
+
+
+def one_pass(ctx, tag: str, during=None) -> tuple[dict, dict]:
+    """A pass of the benchmark through the proxy; ``during(thread)`` runs while it does."""
+    args = ctx["args"]
     before = [bench.scrape(u) for u in ctx["urls"]]
     logged = json.loads(get(ctx["proxy"] + "/fleet/state"))["logged"]
-    started = bench.start(args, procs, ctx["proxy"], f"{ctx['arm']}-{tag}")
-    extra = background(started) if background else {}
-    result = bench.finish(procs, *started)
+    t, box = in_thread(lambda: bench.bench(args, ctx["proxy"], f"{ctx['arm']}-{tag}"))
+    extra = during(t, logged) if during else {}
+    result = joined(t, box)
     after = [bench.scrape(u) for u in ctx["urls"]]
     records = json.loads(get(f"{ctx['proxy']}/fleet/log?since={logged}", 30))
     fig = {"summary": bench.summary(result), "hits": bench.hits(before, after),
@@ -118,7 +148,10 @@ def steady(ctx, previous):
 
 
 def restart(ctx, previous):
-    """Server 0 drained, killed and started again, then a pass; its first 50 requests' TTFT."""
+    """Server 0 drained, killed and started again while a pass runs on the others; then a pass
+    with it back: its first 50 requests' TTFT. In the kvd arm (with ``kvd-restart`` asked for)
+    the daemon is restarted during that pass once server 0 served its 50 (or 3/4 of its share of a
+    smaller pass)."""
     args, procs, proxy = ctx["args"], ctx["procs"], ctx["proxy"]
     post(proxy + "/fleet/off/0")
     while json.loads(get(proxy + "/fleet/state"))["inflight"][0]:
@@ -127,34 +160,48 @@ def restart(ctx, previous):
     t0 = time.monotonic()
     ctx["servers"][0] = procs.start(f"{ctx['arm']}-server0-restarted",
                                     server_cmd(args, ctx["arm"], ctx["ports"][0], ctx["run"]), args.server_env)
+    t, box = in_thread(lambda: one_pass(ctx, "during-restart"))
     wait_http(ctx["urls"][0] + "/health", ctx["servers"][0], procs, args.start_timeout)
     restart_s = time.monotonic() - t0
+    say(f"{ctx['arm']}: server 0 back in {restart_s:.0f} s")
+    during, _ = joined(t, box)
     post(proxy + "/fleet/on/0")
-    fig, result = one_pass(ctx, "restart")
+    bounce = ctx["arm"] == "kvd" and "kvd-restart" in args.scenario_list
+    share = args.prefixes * args.per_prefix * 3 // (4 * len(ctx["urls"]))  # 3/4 of server 0's share
+    fig, result = one_pass(ctx, "restart", (lambda t, since: bounce_kvd(ctx, t, since, min(50, max(1, share))))
+                           if bounce else None)
     first = [r["ttft"] * 1e3 for r in fig["records"] if r["backend"] == 0][:50]
     fig.update(restart_s=round(restart_s, 1), first50_n=len(first),
-               first50_ttft_p50_ms=round(bench.pct(first, 50), 2), first50_ttft_ms=[round(t, 2) for t in first])
+               first50_ttft_p50_ms=round(bench.pct(first, 50), 2), first50_ttft_ms=[round(t, 2) for t in first],
+               during_restart=strip(during)["summary"])
     same_texts(fig, result, previous)
     return strip(fig), result
 
 
+def bounce_kvd(ctx, t: threading.Thread, since: int, server0: int = 0) -> dict:
+    """Stop the daemon (SIGTERM) and start it on the tier it left, once server 0 served
+    ``server0`` requests of this pass (0: once a third of the pass was served)."""
+    args, procs, total = ctx["args"], ctx["procs"], ctx["args"].prefixes * ctx["args"].per_prefix
+    while t.is_alive():
+        records = json.loads(get(f"{ctx['proxy']}/fleet/log?since={since}", 30))
+        served = sum(r["backend"] == 0 for r in records) if server0 else len(records)
+        if served >= (server0 or total // 3):
+            t0 = time.monotonic()
+            procs.stop(ctx["daemon"], grace=60)
+            ctx["daemon"] = kvd_start(args, procs, ctx["run"], cold=False)
+            say(f"kvd: daemon restarted (warm) in {time.monotonic() - t0:.1f} s, mid-pass")
+            return {"kvd_restarted": True, "kvd_down_s": round(time.monotonic() - t0, 2),
+                    "kvd_restart_after": len(records)}
+        time.sleep(0.2)
+    return {"kvd_restarted": False}
+
+
 def kvd_restart(ctx, previous):
-    """A pass with the daemon stopped and started again (warm) once a third of it was served."""
-    args, procs = ctx["args"], ctx["procs"]
-    total = args.prefixes * args.per_prefix
-
-    def bounce(started) -> dict:
-        logged0 = json.loads(get(ctx["proxy"] + "/fleet/state"))["logged"]
-        while json.loads(get(ctx["proxy"] + "/fleet/state"))["logged"] - logged0 < total // 3:
-            if started[0].poll() is not None:
-                return {"kvd_restarted": False}
-            time.sleep(0.05)
-        t0 = time.monotonic()
-        procs.stop(ctx["daemon"], grace=60)
-        ctx["daemon"] = kvd_start(args, procs, ctx["run"], cold=False)
-        return {"kvd_restarted": True, "kvd_down_s": round(time.monotonic() - t0, 2)}
-
-    fig, result = one_pass(ctx, "kvd-restart", bounce)
+    """A pass with the daemon restarted (warm) once a third of it was served (when the
+    ``restart`` scenario is not run, which restarts it in its own pass)."""
+    if "restart" in ctx["args"].scenario_list:
+        return None, previous
+    fig, result = one_pass(ctx, "kvd-restart", lambda t, since: bounce_kvd(ctx, t, since))
     same_texts(fig, result, previous)
     return strip(fig), result
 

