@@ -23,11 +23,16 @@ def cell(value, fmt: str = "{:.1f}") -> str:
     return fmt.format(value)
 
 
+def differ(a: list, b: list | None) -> str:
+    return "–" if not b or not a else str(sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b)))
+
+
 def steady_rows(doc: dict) -> list[list[str]]:
+    ref = doc["arms"].get("none", {}).get("passes", {}).get("steady", {}).get("text_hashes")
     rows = []
     for arm, r in doc["arms"].items():
         if "not_run" in r:
-            rows.append([LABELS.get(arm, arm), f"not run: {r['not_run']}"] + ["–"] * 9)
+            rows.append([LABELS.get(arm, arm), f"not run: {r['not_run']}"] + ["–"] * 10)
             continue
         p = r["passes"].get("steady")
         if p is None:
@@ -38,7 +43,8 @@ def steady_rows(doc: dict) -> list[list[str]]:
         rows.append([LABELS.get(arm, arm), *(cell(s[k]) for k in ("ttft_p50", "ttft_p90", "ttft_p99",
                                                                      "itl_p50", "itl_p99")),
                      cell(s["output_tok_s"], "{:.0f}"), cell(s["req_s"], "{:.2f}"),
-                     share(h["gpu"]), share(h["external"]), share(h["computed"])])
+                     share(h["gpu"]), share(h["external"]), share(h["computed"]),
+                     differ(p.get("text_hashes", []), ref)])
     return rows
 
 
@@ -97,7 +103,8 @@ def render_fleet(docs: list[dict]) -> str:
                 f"memory {float(a['host_gib']):g} GiB (kvd's tier; native: a share of it per server). "
                 f"From `{doc['command']}` ({doc['date']}).", ""]
         out += [*table(["arm", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p99", "output tok/s", "req/s",
-                        "prompt from GPU cache", "from kvd / CPU", "computed"], steady_rows(doc)), ""]
+                        "prompt from GPU cache", "from kvd / CPU", "computed", "answers ≠ none's"],
+                       steady_rows(doc)), ""]
         rows = restart_rows(doc)
         if rows:
             out += [*table(["arm", "server restart", "failed meanwhile", "its first 50: TTFT p50 ms (n)",

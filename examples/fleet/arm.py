@@ -70,7 +70,7 @@ def run_arm(args, procs: Procs, arm: str, index: int) -> dict:
                "ports": ports, "servers": servers, "run": run, "daemon": daemon}
         previous = None
         for scenario in args.scenario_list:
-            if scenario == "kvd-restart" and arm != "kvd":
+            if scenario == "kvd-restart" and arm != "kvd" or scenario == "restart" and arm not in args.restart_arms:
                 continue
             say(f"{arm}: pass '{scenario}'")
             fig, result = SCENARIOS[scenario](ctx, previous)
@@ -199,7 +199,7 @@ def bounce_kvd(ctx, t: threading.Thread, since: int, server0: int = 0) -> dict:
 def kvd_restart(ctx, previous):
     """A pass with the daemon restarted (warm) once a third of it was served (when the
     ``restart`` scenario is not run, which restarts it in its own pass)."""
-    if "restart" in ctx["args"].scenario_list:
+    if "restart" in ctx["args"].scenario_list and "kvd" in ctx["args"].restart_arms:
         return None, previous
     fig, result = one_pass(ctx, "kvd-restart", lambda t, since: bounce_kvd(ctx, t, since))
     same_texts(fig, result, previous)
