@@ -91,7 +91,8 @@ def server_cmd(args, arm: str, port: int, kvd_run: Path) -> list:
     cmd = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir),
            "--served-model-name", "fleet", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "bfloat16", "--seed", "0", "--max-model-len", str(args.max_model_len),
-           "--load-format", "safetensors", "--enable-prefix-caching", "--disable-uvicorn-access-log",
+           "--load-format", "safetensors", "--disable-uvicorn-access-log",
+           "--enable-prefix-caching" if args.prefix_caching else "--no-enable-prefix-caching",
            "--distributed-executor-backend", "uni",  # the worker in the engine core: one import less
            "--num-gpu-blocks-override", str(args.gpu_blocks),
            "--kv-cache-memory-bytes", str(args.gpu_blocks * args.block_bytes)]
