@@ -41,7 +41,8 @@ class Procs:
             except subprocess.TimeoutExpired:
                 _signal_group(p, signal.SIGKILL)
                 p.wait()
-        _signal_group(p, signal.SIGKILL)  # anything of its group left behind (engine cores)
+        _wait_group(p, grace)  # its children (engine core, worker) clean up their shm files
+        _signal_group(p, signal.SIGKILL)  # anything of its group left behind
         if p in self.running:
             self.running.remove(p)
         return p.returncode
@@ -53,6 +54,16 @@ class Procs:
     def tail(self, name: str, n: int = 3000) -> str:
         path = self.logs / f"{name}.log"
         return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+
+def _wait_group(p: subprocess.Popen, grace: float) -> None:
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(p.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
