@@ -90,6 +90,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--daemon-python", default=sys.executable, help="python that runs kvd serve")
     ap.add_argument("--keep-logs", type=Path, default=None, help="copy every process's log and the benchmark's result files here")
     ap.add_argument("--out", type=Path, help="the report (JSON)")
+    ap.add_argument("--merge", type=Path, default=None, help="a report of an earlier invocation (the same "
+                    "workload, other arms) whose arms this one's report keeps: a run split over calls")
     args = ap.parse_args()
     for key, value in (TINY if args.tiny else GPU).items():
         if getattr(args, key) is None:
@@ -153,6 +155,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("stopped (SIGTERM)"))
     procs, t_start = Procs(args.work / "logs"), time.monotonic()
     report = {**environment(), "args": {k: str(v) for k, v in vars(args).items()}, "arms": {}}
+    if args.merge:
+        earlier = json.loads(args.merge.read_text())
+        report["arms"] = {a: r for a, r in earlier["arms"].items() if a not in args.arm_list and "not_run" not in r}
+        report["command"] = f"{earlier['command']}; then {report['command']}"
     try:
         write_model(args)
         report["workload"] = workload(args)
