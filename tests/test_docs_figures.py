@@ -1,6 +1,6 @@
 """The docs' figures have one source: the benchmark JSON in docs/data/.
 
-README.md, docs/vllm.md, docs/gpu.md and docs/performance.md quote the same
+README.md, docs/vllm.md, docs/gpu.md, docs/performance.md and docs/fleet.md quote the same
 tables, rendered by tools/plot_docs.py between ``<!-- table: NAME -->``
 markers. A table edited by hand, or a JSON file replaced without
 re-rendering, fails here.
@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "plot_docs.py"
 QUOTED = {"README.md": {"summary"}, "docs/vllm.md": {"vllm_ttft", "vllm_load"},
           "docs/gpu.md": {"gpu_copy"}, "docs/performance.md": {"vllm_ttft", "vllm_load", "gpu_copy"},
-          "docs/sglang.md": {"sglang_ttft"}, "docs/operations.md": {"host_verify"}}
+          "docs/sglang.md": {"sglang_ttft"}, "docs/operations.md": {"host_verify"},
+          "docs/fleet.md": {"fleet"}}
 QUOTED["docs/performance.md"] = QUOTED["docs/performance.md"] | {"host_bench"}  # same JSON as host_verify
 
 
@@ -104,4 +105,22 @@ def test_a_new_gpu_bench_json_replaces_a_copy_table(tmp_path, monkeypatch):
     assert check(root, "--write").returncode == 0, "render failed"
     perf = (root / "docs" / "performance.md").read_text()
     assert "| 0.50 | 0.60 | 0.70 |" in perf and "kvd bench --gpu --gpu-pool one --json x.json" in perf
+    assert check(root, "--check").returncode == 0
+
+
+def test_a_fleet_run_renders_its_tables(tmp_path):
+    """A fleet report (examples/fleet.py --out) renders its steady pass, restart rows and the
+    ratios the targets name; a second run (another GPU) adds its own block."""
+    root = copy_docs(tmp_path)
+    data = root / "docs" / "data"
+    doc = json.loads(next(data.glob("fleet_*.json")).read_text())
+    for arm in doc["arms"].values():
+        for p in arm.get("passes", {}).values():
+            p["summary"]["ttft_p50"] = 1234.5
+    doc["gpu"] = "NVIDIA H200"
+    (data / "fleet_zz_h200.json").write_text(json.dumps(doc))
+    assert check(root, "--check").returncode == 1
+    assert check(root, "--write").returncode == 0
+    page = (root / "docs" / "fleet.md").read_text()
+    assert "**NVIDIA H200**" in page and "| 1234.5 |" in page and "**CPU**" in page
     assert check(root, "--check").returncode == 0

@@ -2,7 +2,8 @@
 
 Every figure that the README and several pages quote is rendered from the
 JSON a benchmark command wrote (``kvd bench --gpu --json``,
-``examples/vllm_ttft.py --out``, ``examples/vllm_load.py --out``), never
+``examples/vllm_ttft.py --out``, ``examples/vllm_load.py --out``,
+``examples/fleet.py --out``: tools/plot_fleet.py), never
 typed in. In README.md and docs/*.md such a table sits between two markers,
 
     <!-- table: NAME -->
@@ -35,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+from plot_fleet import cdf_images, render_fleet  # noqa: E402  (docs/fleet.md's blocks)
 
 # name -> the docs/data files it reads (glob patterns, relative to docs/data)
 SOURCES = {
@@ -45,6 +48,7 @@ SOURCES = {
     "sglang_ttft": ["sglang_ttft_h200.json"],
     "host_bench": ["host_bench_vm.json"],  # kvd bench --json: performance.md and operations.md
     "host_verify": ["host_bench_vm.json", "host_bench_vm_verify.json"],
+    "fleet": ["fleet_*.json"],
 }
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
@@ -268,7 +272,7 @@ def render_host_verify(docs: list[dict]) -> str:
 
 RENDER = {"vllm_ttft": render_vllm_ttft, "vllm_load": render_vllm_load, "gpu_copy": render_gpu_copy,
           "summary": render_summary, "sglang_ttft": render_sglang_ttft, "host_bench": render_host_bench,
-          "host_verify": render_host_verify}
+          "host_verify": render_host_verify, "fleet": render_fleet}
 
 
 # ---- checking and writing the marked blocks ----------------------------------------
@@ -369,6 +373,7 @@ def images(root: Path, out: Path) -> list[Path]:
          {"write": [number(r["tier/raw"]) for r in rows], "read": [number(r["tier/raw #2"]) for r in rows]},
          "tier / raw", "/tmp ext4 on virtio; 4 IO threads, median of 5; "
          "kvd bench --disk --disk-dir /tmp --disk-chunk 4MiB|32MiB", reference=1.0)
+    cdf_images(load(root, "fleet"), out)
     return sorted(out.glob("*.png"))
 
 

@@ -83,14 +83,18 @@ class KVGroup:
                    chunk: int) -> tuple[int, list[int], int] | None:
         """An attention group's load of a hit of ``hit`` tokens past a local hit of ``local``
         into the request's blocks ``ids``: ``(first chunk, pages, scratch pages)``; None when a
-        page would be a null block, or no block past the hit takes the scratch writes."""
+        page would be a null block. The scratch writes (the first chunk's blocks vLLM holds
+        already) go to vLLM's null block, which no request reads: not to a block of this
+        request, whose new KV vLLM may write before the layer's load is waited for (its
+        attention backends update the cache in an op of their own, ahead of the attention op
+        that waits)."""
         bpc, end = chunk // block_size, hit // block_size
         own = max(local // block_size, self.first_block(hit, block_size))  # past the local hit
         first = own // bpc
         scratch = own - first * bpc   # pages of the first chunk not to fill (kvd_client.vllm.plan)
-        if scratch and len(ids) <= end or NULL_BLOCK in ids[own:end]:
+        if NULL_BLOCK in ids[own:end]:
             return None
-        return first, ([ids[end]] * scratch if scratch else []) + ids[own:end], scratch
+        return first, [NULL_BLOCK] * scratch + ids[own:end], scratch
 
     def held_chunk(self, tokens: int, block_size: int, chunk: int) -> int:
         """The first chunk whose blocks are all still held after ``tokens`` were computed."""

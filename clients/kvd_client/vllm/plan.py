@@ -11,8 +11,8 @@ kvd_client.vllm.groups): each group has its own namespace and block ids.
 - ``LoadItem``: copy ``keys`` into ``pages``. ``pages[:scratch]`` are writes
   to throw away: the first chunk of a load that starts inside a local
   prefix-cache hit covers blocks vLLM already holds (and shares with other
-  requests), so those pages point at the request's first block past the
-  hit, which the same step's forward overwrites. ``layerwise``: a sync load
+  requests), so those pages point at vLLM's null block, which no request
+  reads (kvd_client.vllm.groups). ``layerwise``: a sync load
   inside the step (the forward waits per layer); otherwise asynchronous,
   between steps.
 - ``StoreItem``: copy ``pages`` out under ``keys``; ``after_forward``: the

@@ -265,8 +265,7 @@ class SchedulerSide:
                 item = where and LoadItem(rid, keys[where[0]:], where[1], where[2],
                                           not st.asynchronous, g, tokens)
             if not item:
-                log.warning("kvd: no block past the hit of %s to take scratch writes, or a null "
-                            "block in it; not loading", rid)
+                log.warning("kvd: a null block in the hit of %s; not loading", rid)
                 st.hit = st.local
                 return
             loads.append(item)

