@@ -15,7 +15,7 @@ whose gid or one of whose supplementary groups (/proc/<pid>/status, read
 while the connection is being made) is that group. ``ZapGate`` answers
 libzmq's ZAP requests on the event loop: a refused peer's connection is
 closed during the handshake, so none of its messages ever reaches the
-daemon (counted, logged once per uid). ``recv_request`` reads one request
+daemon (counted, logged a few times per uid per 10 s). ``recv_request`` reads one request
 with the credentials of the connection it came on (for the session, and
 for checking whose shared-memory pool a registration may map).
 """
@@ -120,10 +120,10 @@ class AccessPolicy:
 class ZapGate:
     """The ZAP handler: admits or refuses each new connection of a socket that set ZAP_DOMAIN."""
 
-    def __init__(self, ctx, policy: AccessPolicy, stats):
+    def __init__(self, ctx, policy: AccessPolicy, stats, peer_log):
         self.policy = policy
         self.stats = stats
-        self.refused_uids: set[int] = set()
+        self.peer_log = peer_log  # kvd.server.logs.PeerLimiter: a few lines per uid
         self.sock = ctx.socket(zmq.REP)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(ZAP_ENDPOINT)
@@ -147,12 +147,11 @@ class ZapGate:
         if cred is not None and self.policy.allows(cred):
             return [b"1.0", frames[1], b"200", b"OK", f"{cred.uid}:{cred.gid}".encode(), b""]
         self.stats.add("connections_refused")
-        key = -1 if cred is None else cred.uid
-        if key not in self.refused_uids:  # a refused client reconnects every second: log once
-            self.refused_uids.add(key)
-            log.warning("refused a connection from %s: allowed are %s (access_group)",
-                        "a peer without credentials" if cred is None else
-                        f"uid {cred.uid} gid {cred.gid} pid {cred.pid}", self.policy.describe())
+        key = -1 if cred is None else cred.uid  # a refused client reconnects every second
+        self.peer_log.log(log, logging.WARNING, ("refused", key), "refused a connection from "
+                          "%s: allowed are %s (access_group)", "a peer without credentials"
+                          if cred is None else f"uid {cred.uid} gid {cred.gid} pid {cred.pid}",
+                          self.policy.describe())
         return [b"1.0", frames[1], b"400", b"not allowed", b"", b""]
 
     def close(self) -> None:

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 from kvd.copy.flags import FlagPage
+from kvd.printable import printable
+from kvd.server import logs
 from kvd.server.sessions import Lease, Registration, Session, SessionTable
 from kvd.server.stats import Stats
 from kvd.server.transfers import Transfers
@@ -50,6 +52,7 @@ from kvd_protocol.keys import namespace_digest
 
 log = logging.getLogger("kvd")
 DATA_OPS = ("lookup", "store", "load")
+PEER_LINES = 4  # log lines one peer (uid, pid) may cause per 10 s; the rest are summarized
 
 
 class Service:
@@ -65,6 +68,8 @@ class Service:
         self.shm_dir = Path(cfg.shm_dir).resolve()
         self.arena_id = arena_id  # (st_dev, st_ino) of the arena: never a client's file
         self.instance = instance  # this daemon's random id: a restart changes it
+        # every line a peer makes us write (hello, bye, malformed, refused): a few per (uid, pid)
+        self.peer_log = logs.PeerLimiter(burst=PEER_LINES)
 
     @property
     def tiering(self):
@@ -125,9 +130,11 @@ class Service:
         # The new session takes the routing id before the old one is reaped (which waits for
         # its copies): requests sent after this hello meanwhile belong to the new one, and a
         # hello racing this one replaces it in turn. Never two live sessions for one id.
-        self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"], cred)
-        log.info("client %s (pid %d) connected%s", f["client"][:128], f["pid"],
-                 "" if cred is None else f": uid {cred.uid} gid {cred.gid} pid {cred.pid} (kernel)")
+        name = printable(f["client"])  # shown in the log, kvd stats and kvd top
+        self.sessions.by_peer[peer] = Session(peer, name, f["pid"], cred)
+        self.peer_log.log(log, logging.INFO, logs.peer_key(peer, cred),
+                          "client %s (pid %d) connected%s", name, f["pid"], "" if cred is None else
+                          f": uid {cred.uid} gid {cred.gid} pid {cred.pid} (kernel)")
         if old is not None:
             await self.reap(old, "re-hello")
         return {"version": wire.VERSION, "chunk_tokens": self.cfg.chunk_tokens,
@@ -256,8 +263,9 @@ class Service:
             del self.sessions.by_peer[session.peer]
         if why != "bye":
             self.stats.add("clients_reaped")
-        log.info("client %s (pid %d) removed: %s (%.3f s)", session.name, session.pid, why,
-                 time.monotonic() - t0)
+        self.peer_log.log(log, logging.INFO, logs.peer_key(session.peer, session.cred),
+                          "client %s (pid %d) removed: %s (%.3f s)", session.name, session.pid,
+                          why, time.monotonic() - t0)
 
     def stop_waiting(self) -> None:
         """Shutdown: every request waiting on a client ends now (``shutting_down``)."""

@@ -55,6 +55,25 @@ class NoCudaDevice(RuntimeError):
     pass
 
 
+def fd_limit() -> int:
+    """The open files soft limit now (nr_open, or 1M, where it is unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        return soft
+    try:
+        return int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        return 1 << 20
+
+
+def fds_open() -> int:
+    """Descriptors this process has open now (64 where /proc cannot say)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 64
+
+
 def raise_fd_limit() -> int:
     """The open files soft limit, raised to the hard one (capped by the kernel's nr_open)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -1,0 +1,210 @@
+"""Connections to the daemon's ZeroMQ sockets, counted and capped by kernel credentials.
+
+libzmq accepts ``ipc://`` connections on its own thread, and its 4.3
+listener aborts the process when ``accept`` fails for want of a descriptor
+(EMFILE). So the descriptors must never run out: ``caps(...)`` derives,
+from the open files limit (the operator's knob: ``LimitNOFILE``), how many
+connections each socket may hold, per uid and per process, with half of
+what is left after kvd's own descriptors (disk IO, the metrics endpoint,
+libzmq's) kept free as room for the connections accepted before the loop
+has closed those over a cap.
+
+``ConnectionCap(sock, limits, stats, peer_log, on_close)`` owns the
+socket's monitor (ZeroMQ's only one per socket): each accepted connection's
+descriptor arrives with ``EVENT_ACCEPTED``; the kernel's credentials of it
+(SO_PEERCRED) are read and counted per socket, per uid and per pid (pid 0,
+a peer in another pid namespace, is counted by uid only). One past a cap is
+shut down at once (libzmq then closes it; counted as
+``connections_over_cap``; one log line per uid through ``peer_log``);
+established connections are never touched. ``EVENT_DISCONNECTED`` uncounts
+a connection and calls ``on_close`` (the reaper's probe). Each descriptor
+is remembered with its inode: a connection libzmq closed without an event
+is forgotten when its number is reused or, when a cap is reached, by a
+check of every remembered descriptor (at most once a second).
+The monitor's queue is unbounded (RCVHWM 0): a dropped close event would
+count a connection forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import time
+from typing import NamedTuple
+
+import zmq
+
+from kvd.server.peers import PeerCred
+
+log = logging.getLogger("kvd")
+EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+RECHECK_EVERY_S = 1.0
+CONTROL_MAX = 64  # operator connections at once (kvd stats, kvd top, probes)
+CONTROL_PER_PROCESS = 16
+KEPT_FOR_KVD = 128  # descriptors for the log, the arena, shared-memory pools being opened, ...
+
+
+class Limits(NamedTuple):
+    total: int
+    per_uid: int
+    per_process: int
+
+
+def caps(cfg, nofile: int, in_use: int) -> tuple[Limits, Limits]:
+    """(engine socket, control socket) limits under an open files limit of ``nofile`` with
+    ``in_use`` descriptors open now: of what is left after kvd's own descriptors, half may
+    be connections (the control socket's share first), the other half is the room that keeps
+    accept from failing. One uid may hold half of the engine socket's, one process a
+    quarter, so that neither can lock the others out."""
+    metrics = cfg.metrics_max_connections * (bool(cfg.metrics_port) + bool(cfg.metrics_socket))
+    own = in_use + KEPT_FOR_KVD + 2 * cfg.disk_io_threads + metrics
+    room = max(8, (nofile - own) // 2)
+    control = Limits(min(CONTROL_MAX, max(2, room // 8)), min(CONTROL_MAX, max(2, room // 8)),
+                     min(CONTROL_PER_PROCESS, max(2, room // 8)))
+    total = max(2, room - control.total)
+    return Limits(total, max(1, total // 2), max(1, total // 4)), control
+
+
+def peer_cred(fd: int) -> tuple[PeerCred | None, int]:
+    """The kernel's credentials of the connection on descriptor ``fd`` and its inode
+    (None, 0 when it is no longer a socket). The descriptor stays libzmq's: never closed."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None, 0
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, gid = struct.unpack("3i", raw)
+        return PeerCred(uid, gid, pid), os.fstat(fd).st_ino
+    except OSError:
+        return None, 0
+    finally:
+        sock.detach()
+
+
+def shut_down(fd: int) -> None:
+    """End the connection on ``fd``; libzmq sees it end and closes the descriptor."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
+class ConnectionCap:
+    def __init__(self, sock, name: str, limits: Limits, stats, peer_log, on_close=None):
+        self.name, self.limits, self.stats, self.peer_log = name, limits, stats, peer_log
+        self.on_close = on_close
+        self.fds: dict[int, tuple] = {}  # counted descriptor -> (uid, pid, inode)
+        self.uids: dict[int, int] = {}
+        self.pids: dict[int, int] = {}
+        self.checked = -RECHECK_EVERY_S
+        self.sock = sock
+        address = f"inproc://kvd-monitor-{name}-{id(sock)}"
+        sock.monitor(address, EVENTS)  # before bind: no connection goes unseen
+        self.monitor = sock.context.socket(zmq.PAIR)
+        self.monitor.setsockopt(zmq.RCVHWM, 0)
+        self.monitor.setsockopt(zmq.LINGER, 0)
+        self.monitor.connect(address)
+
+    @property
+    def open(self) -> int:
+        return len(self.fds)
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                frames = await self.monitor.recv_multipart()
+                event, value = struct.unpack("=HI", frames[0][:6])
+                if event == zmq.EVENT_ACCEPTED:
+                    self.accepted(value)
+                elif event == zmq.EVENT_DISCONNECTED:
+                    self.closed(value)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.monitor is None:
+            return
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.monitor = None
+
+    def accepted(self, fd: int) -> None:
+        self._forget(fd)  # a number libzmq closed without an event, reused
+        cred, inode = peer_cred(fd)
+        uid, pid = (-1, 0) if cred is None else (cred.uid, cred.pid)
+        if self._over(uid, pid):
+            self._recheck()
+            if self._over(uid, pid):
+                self._refuse(fd, cred)
+                return
+        self.fds[fd] = (uid, pid, inode)
+        self.uids[uid] = self.uids.get(uid, 0) + 1
+        if pid:
+            self.pids[pid] = self.pids.get(pid, 0) + 1
+
+    def closed(self, fd: int) -> None:
+        if self._forget(fd) and self.on_close is not None:
+            self.on_close()
+
+    def _over(self, uid: int, pid: int) -> bool:
+        lim = self.limits
+        return (len(self.fds) >= lim.total or self.uids.get(uid, 0) >= lim.per_uid
+                or (pid > 0 and self.pids.get(pid, 0) >= lim.per_process))
+
+    def _refuse(self, fd: int, cred) -> None:
+        shut_down(fd)
+        self.stats.add("connections_over_cap")
+        self.stats.add(f"connections_over_cap_{self.name}")
+        uid = -1 if cred is None else cred.uid
+        self.peer_log.log(log, logging.WARNING, ("over cap", uid),
+                          "refused a connection to the %s socket from %s: %d connections open "
+                          "(%d of this uid, %d of this process; caps %d, %d per uid, %d per "
+                          "process)", self.name,
+                          "a peer without credentials" if cred is None else
+                          f"uid {cred.uid} pid {cred.pid}", len(self.fds), self.uids.get(uid, 0),
+                          0 if cred is None else self.pids.get(cred.pid, 0), *self.limits)
+
+    def _forget(self, fd: int) -> bool:
+        entry = self.fds.pop(fd, None)
+        if entry is None:
+            return False
+        uid, pid, _ = entry
+        _decrement(self.uids, uid)
+        if pid:
+            _decrement(self.pids, pid)
+        return True
+
+    def _recheck(self) -> None:
+        """Forget the descriptors that are no longer the connection counted (closed by
+        libzmq without an event); at most once per ``RECHECK_EVERY_S``."""
+        now = time.monotonic()
+        if now - self.checked < RECHECK_EVERY_S:
+            return
+        self.checked = now
+        for fd, (_, _, inode) in list(self.fds.items()):
+            try:
+                same = os.fstat(fd).st_ino == inode
+            except OSError:
+                same = False
+            if not same:
+                self._forget(fd)
+
+
+def _decrement(counts: dict, key) -> None:
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
