@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+from kvd.printable import printable
+
 
 def summary(op: str, r: dict) -> str:
     """One line saying what ``op`` did, from its reply ``r``."""
@@ -80,7 +82,7 @@ def format_stats(s: dict) -> str:
     for c in s.get("sessions", []):
         cred = f", uid {c['uid']} gid {c['gid']}" if "uid" in c else ""
         queued = f", {c['copies_queued']} copies queued" if c.get("copies_queued") else ""
-        lines.append(f"  {c['name']}: pid {c['pid']}{cred}{queued}")
+        lines.append(f"  {printable(c['name'])}: pid {c['pid']}{cred}{queued}")
     if s["latency"]:
         lines.append("")
         lines.append(f"{'op':<12}{'count':>10}{'p50 ms':>10}{'p99 ms':>10}")

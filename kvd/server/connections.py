@@ -102,6 +102,7 @@ class ConnectionCap:
     def __init__(self, sock, name: str, limits: Limits, stats, peer_log, on_close=None):
         self.name, self.limits, self.stats, self.peer_log = name, limits, stats, peer_log
         self.on_close = on_close
+        self.gauge = f"connections_{name}"  # open connections, in the stats' counters
         self.fds: dict[int, tuple] = {}  # counted descriptor -> (uid, pid, inode)
         self.uids: dict[int, int] = {}
         self.pids: dict[int, int] = {}
@@ -150,6 +151,7 @@ class ConnectionCap:
                 self._refuse(fd, cred)
                 return
         self.fds[fd] = (uid, pid, inode)
+        self.stats.counters[self.gauge] = len(self.fds)
         self.uids[uid] = self.uids.get(uid, 0) + 1
         if pid:
             self.pids[pid] = self.pids.get(pid, 0) + 1
@@ -181,6 +183,7 @@ class ConnectionCap:
         if entry is None:
             return False
         uid, pid, _ = entry
+        self.stats.counters[self.gauge] = len(self.fds)
         _decrement(self.uids, uid)
         if pid:
             _decrement(self.pids, pid)
