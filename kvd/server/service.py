@@ -36,6 +36,7 @@ from kvd.printable import printable
 from kvd.server import logs
 from kvd.server.sessions import Lease, Registration, Session, SessionTable
 from kvd.server.stats import Stats
+from kvd.server.tenants import TenantBindings
 from kvd.server.transfers import Transfers
 from kvd.tiers.host import HostTier
 from kvd_protocol import wire
@@ -70,6 +71,7 @@ class Service:
         self.instance = instance  # this daemon's random id: a restart changes it
         # every line a peer makes us write (hello, bye, malformed, refused): a few per (uid, pid)
         self.peer_log = logs.PeerLimiter(burst=PEER_LINES)
+        self.tenants = TenantBindings(cfg.quota)  # labels bound to credentials (quota rules)
 
     @property
     def tiering(self):
@@ -105,6 +107,8 @@ class Service:
             raise NoSession("no session: send hello first")
         if cred != session.cred:  # its routing id, taken over by another process
             raise Forbidden("this session belongs to another process")
+        if req.op == "store" and self.tenants:
+            self.tenants.check(req.fields.get("tenant"), cred)
         if req.op in DATA_OPS and session.inflight >= self.cfg.max_inflight:
             self.stats.add("busy")
             raise Busy(f"{session.inflight} requests of this client are in flight already "
