@@ -30,8 +30,8 @@ def open_idle(ctx: zmq.Context, endpoint: str, n: int) -> list:
     return socks
 
 
-def hello_flood(endpoint: str, seconds: float, name: str = "flood") -> dict:
-    """Valid ``hello``s, each awaited, for ``seconds``."""
+def hello_flood(endpoint: str, seconds: float, name: str = "flood", pause: float = 0.0) -> dict:
+    """Valid ``hello``s, each awaited, for ``seconds`` (``pause`` seconds apart)."""
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
@@ -44,14 +44,16 @@ def hello_flood(endpoint: str, seconds: float, name: str = "flood") -> dict:
             s.send_multipart(wire.encode_request(sent, "hello", {"versions": [wire.VERSION],
                                                  "client": name, "pid": os.getpid()}))
             s.recv_multipart()
+            time.sleep(pause)
         return {"hellos": sent}
     finally:
         s.close(linger=0)
         ctx.term()
 
 
-def malformed_flood(endpoint: str, seconds: float) -> dict:
-    """A malformed request from a fresh socket (a fresh routing id) each time."""
+def malformed_flood(endpoint: str, seconds: float, pause: float = 0.0) -> dict:
+    """A malformed request from a fresh socket (a fresh routing id) each time (``pause``
+    seconds apart)."""
     ctx = zmq.Context()
     sent, deadline = 0, time.monotonic() + seconds
     try:
@@ -67,6 +69,7 @@ def malformed_flood(endpoint: str, seconds: float) -> dict:
                 pass
             s.close(linger=0)
             sent += 1
+            time.sleep(pause)
         return {"malformed": sent}
     finally:
         ctx.term()

@@ -9,20 +9,29 @@ what is left after kvd's own descriptors (disk IO, the metrics endpoint,
 libzmq's) kept free as room for the connections accepted before the loop
 has closed those over a cap.
 
-``ConnectionCap(sock, limits, stats, peer_log, on_close)`` owns the
+``ConnectionCap(sock, name, limits, stats, peer_log, on_close)`` owns the
 socket's monitor (ZeroMQ's only one per socket): each accepted connection's
 descriptor arrives with ``EVENT_ACCEPTED``; the kernel's credentials of it
 (SO_PEERCRED) are read and counted per socket, per uid and per pid (pid 0,
-a peer in another pid namespace, is counted by uid only). One past a cap is
-shut down at once (libzmq then closes it; counted as
-``connections_over_cap``; one log line per uid through ``peer_log``);
-established connections are never touched. ``EVENT_DISCONNECTED`` uncounts
-a connection and calls ``on_close`` (the reaper's probe). Each descriptor
-is remembered with its inode: a connection libzmq closed without an event
-is forgotten when its number is reused or, when a cap is reached, by a
-check of every remembered descriptor (at most once a second).
-The monitor's queue is unbounded (RCVHWM 0): a dropped close event would
-count a connection forever.
+a peer in another pid namespace, is counted by uid only). Refusing, in two
+steps, counted as ``connections_over_cap`` with one log line per uid per
+10 s through ``peer_log``; established connections are never touched:
+
+- ``admit(cred)``, asked by the ZAP handler (kvd.server.peers.ZapGate) during
+  the connection's handshake, once the monitor's events are read: a
+  connection past the socket's, its uid's or its process's cap is refused
+  there, which a ZeroMQ peer takes as final (it does not reconnect, so a
+  flood of sockets costs one refusal each);
+- a connection accepted while the socket holds ``hard`` connections (peers
+  that never finish a handshake, or libzmq without credentials for ZAP) is
+  shut down at once; libzmq then closes it.
+
+``EVENT_DISCONNECTED`` uncounts a connection and calls ``on_close`` (the
+reaper's probe). Each descriptor is remembered with its inode: a connection
+libzmq closed without an event is forgotten when its number is reused or,
+at the hard cap, by a check of every remembered descriptor (at most once a
+second). The monitor's queue is unbounded (RCVHWM 0): a dropped close event
+would count a connection forever.
 """
 
 from __future__ import annotations
@@ -47,9 +56,10 @@ KEPT_FOR_KVD = 128  # descriptors for the log, the arena, shared-memory pools be
 
 
 class Limits(NamedTuple):
-    total: int
+    total: int  # refused in the handshake past these
     per_uid: int
     per_process: int
+    hard: int  # shut down at accept past this many open (handshaken or not)
 
 
 def caps(cfg, nofile: int, in_use: int) -> tuple[Limits, Limits]:
@@ -61,10 +71,10 @@ def caps(cfg, nofile: int, in_use: int) -> tuple[Limits, Limits]:
     metrics = cfg.metrics_max_connections * (bool(cfg.metrics_port) + bool(cfg.metrics_socket))
     own = in_use + KEPT_FOR_KVD + 2 * cfg.disk_io_threads + metrics
     room = max(8, (nofile - own) // 2)
-    control = Limits(min(CONTROL_MAX, max(2, room // 8)), min(CONTROL_MAX, max(2, room // 8)),
-                     min(CONTROL_PER_PROCESS, max(2, room // 8)))
-    total = max(2, room - control.total)
-    return Limits(total, max(1, total // 2), max(1, total // 4)), control
+    control = min(CONTROL_MAX, max(2, room // 8))
+    total = max(2, room - control)
+    return (Limits(total, max(1, total // 2), max(1, total // 4), total + room // 2),
+            Limits(control, control, min(CONTROL_PER_PROCESS, control), control + room // 8))
 
 
 def peer_cred(fd: int) -> tuple[PeerCred | None, int]:
@@ -103,9 +113,13 @@ class ConnectionCap:
         self.name, self.limits, self.stats, self.peer_log = name, limits, stats, peer_log
         self.on_close = on_close
         self.gauge = f"connections_{name}"  # open connections, in the stats' counters
-        self.fds: dict[int, tuple] = {}  # counted descriptor -> (uid, pid, inode)
-        self.uids: dict[int, int] = {}
-        self.pids: dict[int, int] = {}
+        self.fds: dict[int, tuple] = {}  # open descriptor -> ((uid, pid), inode)
+        self.open_by: dict[tuple, int] = {}  # (uid, pid) -> connections open
+        # (uid, pid) -> of those, admitted in their handshake: never more than are open, so a
+        # close of that process's uncounts an admitted one once its others are all admitted
+        self.admitted: dict[tuple, int] = {}
+        self.admitted_uids: dict[int, int] = {}
+        self.admitted_all = 0
         self.checked = -RECHECK_EVERY_S
         self.sock = sock
         address = f"inproc://kvd-monitor-{name}-{id(sock)}"
@@ -115,21 +129,29 @@ class ConnectionCap:
         self.monitor.setsockopt(zmq.LINGER, 0)
         self.monitor.connect(address)
 
-    @property
-    def open(self) -> int:
-        return len(self.fds)
-
     async def serve(self) -> None:
         try:
             while True:
-                frames = await self.monitor.recv_multipart()
-                event, value = struct.unpack("=HI", frames[0][:6])
-                if event == zmq.EVENT_ACCEPTED:
-                    self.accepted(value)
-                elif event == zmq.EVENT_DISCONNECTED:
-                    self.closed(value)
+                self._event(await self.monitor.recv_multipart())
+                self.drain()  # closing fast bounds what a flood holds meanwhile
         finally:
             self.close()
+
+    def drain(self) -> None:
+        """Every event already queued, now."""
+        while self.monitor is not None:
+            more = self.monitor.recv_multipart(flags=zmq.NOBLOCK)  # done at once
+            if not more.done() or more.exception() is not None:
+                more.cancel()
+                return
+            self._event(more.result())
+
+    def _event(self, frames: list) -> None:
+        event, value = struct.unpack("=HI", frames[0][:6])
+        if event == zmq.EVENT_ACCEPTED:
+            self.accepted(value)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.closed(value)
 
     def close(self) -> None:
         if self.monitor is None:
@@ -141,52 +163,68 @@ class ConnectionCap:
         self.monitor.close(linger=0)
         self.monitor = None
 
+    def admit(self, cred) -> bool:
+        """Whether the connection being handshaken, of ``cred``, fits the caps (counted
+        as admitted then). Connections not handshaken yet count against nobody's caps: a
+        burst of another process's cannot crowd out an engine's."""
+        self.drain()  # its EVENT_ACCEPTED came before the handshake: it is open now
+        lim, key = self.limits, (cred.uid, cred.pid)
+        if (self.admitted_all < lim.total and self.admitted_uids.get(cred.uid, 0) < lim.per_uid
+                and (cred.pid <= 0 or self.admitted.get(key, 0) < lim.per_process)):
+            self._count(key, 1)
+            return True
+        self._refused(cred)
+        return False
+
+    def _count(self, key: tuple, n: int) -> None:
+        self.admitted[key] = self.admitted.get(key, 0) + n
+        self.admitted_uids[key[0]] = self.admitted_uids.get(key[0], 0) + n
+        self.admitted_all += n
+        if not self.admitted[key]:
+            del self.admitted[key]
+        if not self.admitted_uids[key[0]]:
+            del self.admitted_uids[key[0]]
+
     def accepted(self, fd: int) -> None:
         self._forget(fd)  # a number libzmq closed without an event, reused
         cred, inode = peer_cred(fd)
-        uid, pid = (-1, 0) if cred is None else (cred.uid, cred.pid)
-        if self._over(uid, pid):
+        if len(self.fds) >= self.limits.hard:
             self._recheck()
-            if self._over(uid, pid):
-                self._refuse(fd, cred)
+            if len(self.fds) >= self.limits.hard:
+                shut_down(fd)
+                self._refused(cred)
                 return
-        self.fds[fd] = (uid, pid, inode)
+        key = (-1, 0) if cred is None else (cred.uid, cred.pid)
+        self.fds[fd] = (key, inode)
+        self.open_by[key] = self.open_by.get(key, 0) + 1
         self.stats.counters[self.gauge] = len(self.fds)
-        self.uids[uid] = self.uids.get(uid, 0) + 1
-        if pid:
-            self.pids[pid] = self.pids.get(pid, 0) + 1
 
     def closed(self, fd: int) -> None:
         if self._forget(fd) and self.on_close is not None:
             self.on_close()
 
-    def _over(self, uid: int, pid: int) -> bool:
-        lim = self.limits
-        return (len(self.fds) >= lim.total or self.uids.get(uid, 0) >= lim.per_uid
-                or (pid > 0 and self.pids.get(pid, 0) >= lim.per_process))
-
-    def _refuse(self, fd: int, cred) -> None:
-        shut_down(fd)
+    def _refused(self, cred) -> None:
         self.stats.add("connections_over_cap")
         self.stats.add(f"connections_over_cap_{self.name}")
-        uid = -1 if cred is None else cred.uid
-        self.peer_log.log(log, logging.WARNING, ("over cap", uid),
-                          "refused a connection to the %s socket from %s: %d connections open "
-                          "(%d of this uid, %d of this process; caps %d, %d per uid, %d per "
-                          "process)", self.name,
+        key = (-1, 0) if cred is None else (cred.uid, cred.pid)
+        self.peer_log.log(log, logging.WARNING, ("over cap", key[0]),
+                          "refused a connection to the %s socket from %s: %d connections open, "
+                          "%d admitted (%d of this uid, %d of this process; caps %d, %d per uid, "
+                          "%d per process, %d open in all)", self.name,
                           "a peer without credentials" if cred is None else
-                          f"uid {cred.uid} pid {cred.pid}", len(self.fds), self.uids.get(uid, 0),
-                          0 if cred is None else self.pids.get(cred.pid, 0), *self.limits)
+                          f"uid {cred.uid} pid {cred.pid}", len(self.fds), self.admitted_all,
+                          self.admitted_uids.get(key[0], 0), self.admitted.get(key, 0),
+                          *self.limits, burst=1)
 
     def _forget(self, fd: int) -> bool:
         entry = self.fds.pop(fd, None)
         if entry is None:
             return False
-        uid, pid, _ = entry
+        key = entry[0]
         self.stats.counters[self.gauge] = len(self.fds)
-        _decrement(self.uids, uid)
-        if pid:
-            _decrement(self.pids, pid)
+        _decrement(self.open_by, key)
+        if self.admitted.get(key, 0) > self.open_by.get(key, 0):
+            self._count(key, -1)
         return True
 
     def _recheck(self) -> None:
@@ -196,7 +234,7 @@ class ConnectionCap:
         if now - self.checked < RECHECK_EVERY_S:
             return
         self.checked = now
-        for fd, (_, _, inode) in list(self.fds.items()):
+        for fd, (_, inode) in list(self.fds.items()):
             try:
                 same = os.fstat(fd).st_ino == inode
             except OSError:

@@ -170,8 +170,8 @@ class Daemon:
         self.ctx = zmq.asyncio.Context()
         self.gate = self._start_gate()
         limits = connections.caps(self.cfg, startup.fd_limit(), startup.fds_open())
-        log.info("connections: at most %d to kvd.sock (%d per uid, %d per process), %d to "
-                 "control.sock", *limits[0], limits[1].total)
+        log.info("connections: at most %d to kvd.sock (%d per uid, %d per process; %d open "
+                 "in all), %d to control.sock", *limits[0], limits[1].total)
         old = os.umask(0o077)
         try:
             self.engine_sock = self._bind(engine_endpoint(self.runtime_dir), self.cfg.max_message_bytes,
@@ -209,11 +209,11 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails: see peers_alive
         sock.setsockopt(zmq.SNDHWM, reply_queue)  # replies queued per client before it must read
-        if self.gate is not None:
-            ZapGate.guard(sock)
         self.caps.append(connections.ConnectionCap(  # its monitor sees every connection
             sock, name, limits, self.service.stats, self.service.peer_log,
             self.liveness.connection_closed if name == "engine" else None))
+        if self.gate is not None:
+            self.gate.guard(sock, self.caps[-1])
         sock.bind(endpoint)
         share_socket(Path(endpoint.removeprefix("ipc://")), self.group)
         self.sockets.append(sock)

@@ -77,12 +77,13 @@ class PeerLimiter:
         self.held: Counter = Counter()  # peer -> lines held back since the last summary
         self.summarized = clock()
 
-    def allow(self, peer) -> int | None:
-        """None: hold this peer's line back; else write it, with this many held back before."""
+    def allow(self, peer, burst: int | None = None) -> int | None:
+        """None: hold this peer's line back; else write it, with this many held back before
+        (``burst``: this kind of line's allowance per interval, if not the limiter's)."""
         now = self.clock()
         entry = self._peers.get(peer)
         if entry is not None and now - entry[0] < self.interval_s:
-            if entry[2] < self.burst:
+            if entry[2] < (self.burst if burst is None else burst):
                 entry[2] += 1
                 held, entry[1] = entry[1], 0
                 return held
@@ -120,9 +121,10 @@ class PeerLimiter:
             del self._peers[oldest]
         return True
 
-    def log(self, logger: logging.Logger, level: int, peer, msg: str, *args, **kwargs) -> None:
-        """``logger.log(level, msg, *args)`` unless ``peer`` had a line this interval."""
-        held = self.allow(peer)
+    def log(self, logger: logging.Logger, level: int, peer, msg: str, *args,
+            burst: int | None = None, **kwargs) -> None:
+        """``logger.log(level, msg, *args)`` unless ``peer`` had its lines this interval."""
+        held = self.allow(peer, burst)
         if held is None:
             return
         if held:
