@@ -2,7 +2,8 @@
 
 ``format_stats(snapshot)`` is ``kvd stats``'s table; ``summary(op, reply)``
 is the one line ``kvd health`` and ``kvd ctl ...`` print (``--json`` prints
-the reply itself instead). Replies are the control socket's (docs/protocol.md).
+the reply itself instead). Replies are the control socket's (docs/protocol.md);
+a client's name is printed through ``kvd.printable`` (escaped, bounded).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ daemon's latency histogram, interpolated within a bucket as Prometheus'
 ``histogram_quantile`` does), errors per second, how busy the daemon's
 event loop was (its thread's CPU time over the interval: near 100% the
 daemon, not PCIe, limits copies; docs/operations.md), tier fill, and the
-connected clients with their kernel-reported uid/gid. With ``rich``
+connected clients with their kernel-reported uid/gid (names through
+``kvd.printable``, never read as rich markup). With ``rich``
 installed (``kvd[top]``) and stdout a terminal it redraws one screen in
 place; otherwise, and with ``--once``, it prints plain text: one block per
 refresh (``--once``: one block over one interval, then exit). On a terminal

@@ -15,7 +15,11 @@ two live sessions; a reaped session takes no new registrations or leases.
 Lookups and loads read only chunks of the registration's namespace and
 shard geometry (kvd.tiers.scope): keys come from clients, so another
 namespace's chunk is a miss that ends the prefix, on every tier, counted
-once per request in ``foreign_ns_misses``.
+once per request in ``foreign_ns_misses``. A ``store`` whose ``tenant``
+label a quota rule binds to users or groups gets ``forbidden`` unless the
+connection's kernel credentials are among them (kvd.server.tenants). A
+client's name is kept as ``kvd.printable`` shows it, and every line a peer
+causes goes through ``peer_log`` (a few per (uid, pid) per 10 s).
 With a disk tier (``tiering``), lookup continues the host prefix with keys
 on disk (reported as ``disk_hits``, promotion started); for pools that GPU
 Direct Storage serves (``gds``) lookup only counts them. With a remote tier
