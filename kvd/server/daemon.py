@@ -51,14 +51,14 @@ import zmq.asyncio
 
 from kvd import __version__
 from kvd.copy.host import HostCopyEngine
+from kvd.printable import printable
 from kvd.server import connections, control, early_signals, logs, metrics, startup
+from kvd.server.backlog import Backlog
 from kvd.server.config_log import log_config
 from kvd.server.host_tier import HostTierSetup
 from kvd.server.load_verify import LoadVerifier
 from kvd.server.notify import Notifier
 from kvd.server.peers import AccessPolicy, ZapGate, credentials_available, recv_request, resolve_group
-from kvd.printable import printable
-from kvd.server.backlog import Backlog
 from kvd.server.peers_alive import Intake, Liveness, reply
 from kvd.server.runtime_dir import InstanceLock, reclaim_stale, share_socket
 from kvd.server.service import Service
