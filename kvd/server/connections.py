@@ -22,9 +22,11 @@ steps, counted as ``connections_over_cap`` with one log line per uid per
   connection past the socket's, its uid's or its process's cap is refused
   there, which a ZeroMQ peer takes as final (it does not reconnect, so a
   flood of sockets costs one refusal each);
-- a connection accepted while the socket holds ``hard`` connections (peers
-  that never finish a handshake, or libzmq without credentials for ZAP) is
-  shut down at once; libzmq then closes it.
+- a connection accepted while the socket holds ``hard`` connections, or its
+  process twice its cap or its uid twice its cap (handshaken or not: peers
+  that never finish a handshake, which libzmq closes after ``HANDSHAKE_S``,
+  or libzmq without credentials for ZAP) is shut down at once; libzmq then
+  closes it (a ZeroMQ peer reconnects: those are counted each time).
 
 ``EVENT_DISCONNECTED`` uncounts a connection and calls ``on_close`` (the
 reaper's probe). Each descriptor is remembered with its inode: a connection
@@ -53,6 +55,7 @@ RECHECK_EVERY_S = 1.0
 CONTROL_MAX = 64  # operator connections at once (kvd stats, kvd top, probes)
 CONTROL_PER_PROCESS = 16
 KEPT_FOR_KVD = 128  # descriptors for the log, the arena, shared-memory pools being opened, ...
+HANDSHAKE_S = 10  # a connection that has not finished its ZeroMQ handshake by then is closed
 
 
 class Limits(NamedTuple):
@@ -115,6 +118,7 @@ class ConnectionCap:
         self.gauge = f"connections_{name}"  # open connections, in the stats' counters
         self.fds: dict[int, tuple] = {}  # open descriptor -> ((uid, pid), inode)
         self.open_by: dict[tuple, int] = {}  # (uid, pid) -> connections open
+        self.open_uids: dict[int, int] = {}
         # (uid, pid) -> of those, admitted in their handshake: never more than are open, so a
         # close of that process's uncounts an admitted one once its others are all admitted
         self.admitted: dict[tuple, int] = {}
@@ -122,6 +126,7 @@ class ConnectionCap:
         self.admitted_all = 0
         self.checked = -RECHECK_EVERY_S
         self.sock = sock
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_S * 1000)
         address = f"inproc://kvd-monitor-{name}-{id(sock)}"
         sock.monitor(address, EVENTS)  # before bind: no connection goes unseen
         self.monitor = sock.context.socket(zmq.PAIR)
@@ -188,16 +193,24 @@ class ConnectionCap:
     def accepted(self, fd: int) -> None:
         self._forget(fd)  # a number libzmq closed without an event, reused
         cred, inode = peer_cred(fd)
-        if len(self.fds) >= self.limits.hard:
-            self._recheck()
-            if len(self.fds) >= self.limits.hard:
+        key = (-1, 0) if cred is None else (cred.uid, cred.pid)
+        if self._too_many(key):
+            self._recheck()  # first forget what libzmq closed without telling
+            if self._too_many(key):
                 shut_down(fd)
                 self._refused(cred)
                 return
-        key = (-1, 0) if cred is None else (cred.uid, cred.pid)
         self.fds[fd] = (key, inode)
         self.open_by[key] = self.open_by.get(key, 0) + 1
+        self.open_uids[key[0]] = self.open_uids.get(key[0], 0) + 1
         self.stats.counters[self.gauge] = len(self.fds)
+
+    def _too_many(self, key: tuple) -> bool:
+        """Whether the socket, or this connection's process or uid, holds so many
+        connections, handshaken or not, that this one is closed at accept."""
+        lim = self.limits
+        return (len(self.fds) >= lim.hard or self.open_uids.get(key[0], 0) >= 2 * lim.per_uid
+                or (key[1] > 0 and self.open_by.get(key, 0) >= 2 * lim.per_process))
 
     def closed(self, fd: int) -> None:
         if self._forget(fd) and self.on_close is not None:
@@ -223,6 +236,7 @@ class ConnectionCap:
         key = entry[0]
         self.stats.counters[self.gauge] = len(self.fds)
         _decrement(self.open_by, key)
+        _decrement(self.open_uids, key[0])
         if self.admitted.get(key, 0) > self.open_by.get(key, 0):
             self._count(key, -1)
         return True

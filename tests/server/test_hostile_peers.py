@@ -2,9 +2,10 @@
 log, flood it or lose its control replies (issue 56; real daemons, real sockets, client
 processes of their own).
 
-- 1,000 idle ZeroMQ connections under a 1,024-descriptor limit: the daemon lives (it
-  aborted in libzmq's accept before), closes the connections over its caps and counts
-  them, an engine connected before keeps its rounds going and a new one connects.
+- 1,000 idle ZeroMQ connections, or 1,000 plain Unix-socket connections that never
+  handshake, under a 1,024-descriptor limit: the daemon lives (it aborted in libzmq's
+  accept before), refuses or closes the connections over its caps and counts them, an
+  engine connected before keeps its rounds going and a new one connects.
 - A client name with a newline, a forged log line, ESC sequences and other control
   characters reaches the log file, ``kvd stats`` and ``kvd top`` escaped, byte for byte.
 - Valid hellos back to back and malformed frames from a fresh socket each time grow the
@@ -15,6 +16,7 @@ processes of their own).
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import statistics
@@ -148,4 +150,53 @@ def test_a_pipelining_control_client_gets_every_reply(start_daemon):
         assert got["lost"] == 0, (n, got)
         assert sum(got["codes"].values()) == n and set(got["codes"]) <= {"ok", "busy"}, got
     assert d.stats()["replies_dropped"] == 0
+    assert d.stop() == 0
+
+
+def raw_flood(path: str, n: int, seconds: float) -> dict:
+    """``n`` plain Unix-socket connections that never say a byte (no ZeroMQ handshake),
+    held for ``seconds``; connections the daemon closed are opened again."""
+    import socket
+    conns, opened, deadline = [], 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        conns = [c for c in conns if c.fileno() >= 0]
+        while len(conns) < n:
+            c = socket.socket(socket.AF_UNIX)
+            c.setblocking(False)  # EAGAIN: the listen backlog is full; try again later
+            if c.connect_ex(path) not in (0, errno.EAGAIN, errno.EINPROGRESS):
+                c.close()
+                break
+            conns.append(c)
+            opened += 1
+        for c in conns:  # closed by the daemon: reads EOF
+            try:
+                if c.recv(1) == b"":
+                    c.close()
+            except BlockingIOError:
+                pass
+            except OSError:
+                c.close()
+        time.sleep(0.05)
+    for c in conns:
+        c.close()
+    return {"opened": opened}
+
+
+def test_a_raw_socket_flood_at_1024_descriptors_leaves_room_for_engines(start_daemon, procs):
+    """Connections that never finish a ZeroMQ handshake are not refused in it: past twice
+    their process's cap they are closed as they are accepted. Before: SIGABRT as above."""
+    d = start_daemon(wrapper=["prlimit", f"--nofile={FD_LIMIT}:{FD_LIMIT}", "--"])
+    rd = str(d.runtime_dir)
+    steady = procs.apply_async(WB.steady_engine, (rd, 1, 6.0))
+    time.sleep(1.0)
+    flood = procs.apply_async(raw_flood, (str(d.runtime_dir / "kvd.sock"), IDLE, 4.0))
+    time.sleep(1.5)
+    fds = fds_of(d.proc.pid)
+    late = procs.apply(WB.steady_engine, (rd, 2, 1.0))["rounds"]
+    assert flood.get(60)["opened"] >= IDLE
+    rounds = steady.get(60)["rounds"]
+    assert d.proc.poll() is None and "Too many open files" not in d.log()
+    assert len(rounds) > 20 and len(late) > 5, (len(rounds), len(late))
+    assert fds < FD_LIMIT - 128, fds
+    assert d.stats()["connections"]["over_cap"] > 0
     assert d.stop() == 0
