@@ -97,3 +97,23 @@ def pipelined_health(endpoint: str, n: int, timeout: float = 10.0) -> dict:
     finally:
         s.close(linger=0)
         ctx.term()
+
+
+def connect_when_room(runtime_dir: str, seconds: float) -> dict:
+    """One client that says hello again and again (the same client object) until the
+    daemon admits it or ``seconds`` pass: how many tries were refused first."""
+    import kvd_client
+    from kvd_protocol.errors import KvdError
+    client = kvd_client.KvdClient(runtime_dir=runtime_dir, timeout=0.5, raise_errors=True)
+    refused, deadline = 0, time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            try:
+                client.connect()
+                return {"refused": refused, "connected": True}
+            except KvdError:
+                refused += 1
+                time.sleep(0.2)
+        return {"refused": refused, "connected": False}
+    finally:
+        client.close()

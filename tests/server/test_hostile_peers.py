@@ -200,3 +200,22 @@ def test_a_raw_socket_flood_at_1024_descriptors_leaves_room_for_engines(start_da
     assert fds < FD_LIMIT - 128, fds
     assert d.stats()["connections"]["over_cap"] > 0
     assert d.stop() == 0
+
+
+def test_an_engine_refused_for_its_uids_cap_connects_once_there_is_room(start_daemon, procs):
+    """Three processes of one uid hold the uid's cap (about 20 connections under 256
+    descriptors): a new engine of that uid is refused in the handshake, which ZeroMQ does
+    not retry; its client opens a new socket and gets in once the flood has gone."""
+    d = start_daemon(wrapper=["prlimit", "--nofile=256:256", "--"])
+    caps = next(line for line in d.log().splitlines() if "connections: at most" in line)
+    per_uid, per_process = (int(caps.split(" per uid, ")[0].split("(")[-1]),
+                            int(caps.split(" per uid, ")[1].split()[0]))
+    assert per_uid < 3 * per_process, caps
+    endpoint = engine_endpoint(d.runtime_dir)
+    floods = [procs.apply_async(idle_flood, (endpoint, per_process + 2, 3.0)) for _ in range(3)]
+    wait_for(lambda: d.stats()["connections"]["over_cap"] >= 6, 10, "the floods capped")
+    late = procs.apply(H.connect_when_room, (str(d.runtime_dir), 15.0))
+    assert [f.get(30)["opened"] for f in floods] == [per_process + 2] * 3
+    assert late["connected"] and late["refused"] >= 1, (late, caps)
+    assert d.proc.poll() is None
+    assert d.stop() == 0
