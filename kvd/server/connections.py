@@ -4,10 +4,11 @@ libzmq accepts ``ipc://`` connections on its own thread, and its 4.3
 listener aborts the process when ``accept`` fails for want of a descriptor
 (EMFILE). So the descriptors must never run out: ``caps(...)`` derives,
 from the open files limit (the operator's knob: ``LimitNOFILE``), how many
-connections each socket may hold, per uid and per process, with half of
-what is left after kvd's own descriptors (disk IO, the metrics endpoint,
-libzmq's) kept free as room for the connections accepted before the loop
-has closed those over a cap.
+connections each socket may admit, per uid and per process: half of what
+is left after kvd's own descriptors (disk IO, the metrics endpoint,
+libzmq's). The socket may hold half of the other half more (``hard``:
+connections still handshaking, or about to be refused); the rest stays free
+for what libzmq accepts before the loop has looked at it.
 
 ``ConnectionCap(sock, name, limits, stats, peer_log, on_close)`` owns the
 socket's monitor (ZeroMQ's only one per socket): each accepted connection's
