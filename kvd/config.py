@@ -214,8 +214,8 @@ KNOBS = (
     Knob("quota", "quotas", (), "Caps and reservations per model and tenant, so one cannot evict "
          "everyone else's cache (docs/operations.md, Quotas): [[quota]] tables at the end of the "
          "file, in place of quota = [], of model (a registered model id), tenant (the label "
-         "stores carry; empty: any), host_max, host_reserve, disk_max (sizes). Environment and "
-         "flags: a TOML array of inline tables, " + quota_rules.EXAMPLE + "."),
+         "stores carry; empty: any), host_max, host_reserve, disk_max (sizes), users, groups (only "
+         "they may use the label). Env and flags: TOML inline tables, " + quota_rules.EXAMPLE + "."),
     Knob("shm_dir", "str", "/dev/shm", "Where the host arena and client pools live (tmpfs)."),
     Knob("warm_restart", "bool", True, "Keep the host tier across daemon restarts: it stays in "
          "shm_dir when the daemon exits and the next daemon of this runtime dir adopts it "

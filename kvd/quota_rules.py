@@ -6,6 +6,10 @@ of a tenant label (``tenant``: what stores carry in their ``tenant`` field),
 or of that tenant of that model (both). ``host_max`` and ``disk_max`` cap
 the group in the host and disk tiers, ``host_reserve`` keeps that much of
 the host tier for it against other groups' eviction (0: not set).
+``users`` and ``groups`` (lists of names or numeric ids) bind a rule's
+tenant label to peer credentials: a label that any rule binds may be
+carried only by connections of those users or of members of those groups
+(kvd.server.tenants); a rule that binds needs no size.
 
 ``parse(value, text, max_tenant)`` takes the knob's value — a list of
 tables from the TOML file (``[[quota]]``), or, from the environment or a
@@ -27,6 +31,7 @@ from kvd.sizes import parse_size, size_text
 MAX_RULES = 256  # every rule is a metrics label pair: the cardinality stays the config's
 SIZES = ("host_max", "host_reserve", "disk_max")
 NAMES = ("model", "tenant")
+BINDS = ("users", "groups")
 EXAMPLE = '[{model = "meta-llama/Llama-3.1-8B", host_max = "8GiB"}]'
 
 
@@ -37,6 +42,8 @@ class Quota:
     host_max: int = 0
     host_reserve: int = 0
     disk_max: int = 0
+    users: tuple = ()  # names or numeric ids, as written: resolved at start-up
+    groups: tuple = ()
 
     def describe(self) -> str:
         return " ".join(f"{k} {getattr(self, k)!r}" for k in NAMES if getattr(self, k))
@@ -71,9 +78,11 @@ def _from_text(text: str):
 def _rule(i: int, item, max_tenant: int) -> Quota:
     if not isinstance(item, dict):
         raise ValueError(f"entry {i}: expected a table, got {item!r}")
-    unknown = sorted(set(item) - set(NAMES) - set(SIZES))
+    unknown = sorted(set(item) - set(NAMES) - set(SIZES) - set(BINDS))
     if unknown:
-        raise ValueError(f"entry {i}: unknown key {unknown[0]!r} (keys: {', '.join(NAMES + SIZES)})")
+        raise ValueError(f"entry {i}: unknown key {unknown[0]!r} (keys: "
+                         f"{', '.join(NAMES + SIZES + BINDS)})")
+    binds = {key: _ids(i, key, item.get(key, ())) for key in BINDS}
     for key in NAMES:
         if not isinstance(item.get(key, ""), str):
             raise ValueError(f"entry {i}: {key} must be a string, got {item[key]!r}")
@@ -91,12 +100,22 @@ def _rule(i: int, item, max_tenant: int) -> Quota:
             raise ValueError(f"entry {i}: {key}: {exc}") from None
         if sizes[key] < 0:
             raise ValueError(f"entry {i}: {key} must be >= 0, got {sizes[key]}")
-    if not any(sizes.values()):
-        raise ValueError(f"entry {i}: set host_max, host_reserve or disk_max")
+    if any(binds.values()) and not tenant:
+        raise ValueError(f"entry {i}: users and groups bind a tenant label: name the tenant")
+    if not any(sizes.values()) and not any(binds.values()):
+        raise ValueError(f"entry {i}: set host_max, host_reserve, disk_max, users or groups")
     if sizes["host_max"] and sizes["host_reserve"] > sizes["host_max"]:
         raise ValueError(f"entry {i}: host_reserve {size_text(sizes['host_reserve'])} is more "
                          f"than its host_max {size_text(sizes['host_max'])}")
-    return Quota(item.get("model", ""), tenant, **sizes)
+    return Quota(item.get("model", ""), tenant, **sizes, **binds)
+
+
+def _ids(i: int, key: str, value) -> tuple:
+    """``users`` or ``groups``: a list of names or ids, kept as text."""
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, (str, int)) and not isinstance(v, bool) and str(v).strip() for v in value):
+        raise ValueError(f"entry {i}: {key} must be a list of names or numeric ids, got {value!r}")
+    return tuple(str(v).strip() for v in value)
 
 
 def check(rules: tuple, host_capacity: int, disk_dir: str) -> None:
@@ -112,7 +131,8 @@ def check(rules: tuple, host_capacity: int, disk_dir: str) -> None:
 
 def to_toml(rules: tuple) -> str:
     """``rules`` as a TOML array of inline tables (unset keys left out)."""
-    return "[" + ", ".join("{" + ", ".join(_pair(r, k) for k in NAMES + SIZES if getattr(r, k))
+    return "[" + ", ".join("{" + ", ".join(_pair(r, k) for k in NAMES + SIZES + BINDS
+                                           if getattr(r, k))
                            + "}" for r in rules) + "]"
 
 
@@ -121,4 +141,6 @@ def _pair(rule: Quota, key: str) -> str:
     if key in SIZES:
         text = size_text(value)
         return f"{key} = {text}" if text.isdigit() else f'{key} = "{text}"'
+    if key in BINDS:
+        return f"{key} = [{', '.join(json.dumps(v) for v in value)}]"
     return f"{key} = {json.dumps(value)}"  # a TOML basic string, as config.toml_value writes

@@ -65,6 +65,25 @@ def engine(runtime_dir: str, group: int) -> dict:
         pool.close()
 
 
+def tenant_stores(runtime_dir: str, group: int, tenants: list) -> dict:
+    """A store under each label of ``tenants`` (None: no label): "ok" or the error's name."""
+    pool = _pool(group)
+    out = {}
+    try:
+        with _client(runtime_dir) as c:
+            c.register_kv(pool, model="access")
+            for i, tenant in enumerate(tenants):
+                tokens = np.arange(CHUNK) + os.getuid() * 1000 + i * 100_000
+                try:
+                    c.store(tokens, np.arange(1), tenant=tenant)
+                    out[str(tenant)] = "ok"
+                except KvdError as exc:
+                    out[str(tenant)] = type(exc).__name__
+        return out
+    finally:
+        pool.close()
+
+
 def holder(runtime_dir: str, group: int) -> None:
     pool = _pool(group)
     try:
@@ -122,6 +141,7 @@ def takeover(endpoint: str, routing_id: bytes) -> str:
 
 if __name__ == "__main__":
     role, args = sys.argv[1], json.loads(sys.argv[2])
-    result = {"engine": engine, "holder": holder, "borrower": borrower, "connect": connect}[role](**args)
+    result = {"engine": engine, "holder": holder, "borrower": borrower, "connect": connect,
+              "tenant_stores": tenant_stores}[role](**args)
     if result is not None:
         print(json.dumps(result), flush=True)

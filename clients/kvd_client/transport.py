@@ -8,8 +8,11 @@ that arrived as ``(id, result, error)`` (``error`` is the typed
 ``ServerError`` of an error reply, else None). ``request`` is the blocking
 form for one call (``Timeout`` when no reply came in time: the request may
 still run). A reply to an id the caller stopped waiting for (``forget``)
-is dropped. The socket keeps one random routing id for its life, so the
-daemon knows it across reconnects.
+is dropped. The channel keeps one random routing id for its life, so the
+daemon knows it across reconnects. A connection the daemon refuses in its
+handshake (over its connection caps) is one ZeroMQ does not retry, so a
+socket that has had nothing to send on for ``REOPEN_S``, with no reply
+awaited, is replaced by a new one of the same routing id at the next send.
 
 Thread-safe: socket operations and the reply table are under one lock, and
 nobody sleeps holding it: a waiting thread sleeps in ``select`` on the
@@ -33,6 +36,7 @@ from kvd_protocol import wire
 from kvd_protocol.errors import DaemonUnavailable, ServerError, Timeout
 
 SLICE_S = 0.005  # longest sleep before the table is looked at again (another thread may drain)
+REOPEN_S = 1.0  # a socket that could not send this long, with nothing awaited, is replaced
 
 
 class Channel:
@@ -47,12 +51,14 @@ class Channel:
         self._down = False  # last attempt found no daemon: fail fast until one is back
         self._replies: dict[int, tuple] = {}
         self._waiting: set[int] = set()  # ids whose replies are wanted
+        self._routing_id = os.urandom(16)
         self._sock = self._open()
         self._fd = self._sock.getsockopt(zmq.FD)
+        self._opened = time.monotonic()
 
     def _open(self):
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
+        sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for a daemon that is not there
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -97,9 +103,23 @@ class Channel:
                     return self._send_now(op, fields, frames, req_id)
             left = deadline - time.monotonic()
             if left <= 0:
-                self._down = True
+                with self._lock:
+                    self._down = True
+                    self._reopen_if_refused()
                 raise DaemonUnavailable(f"kvd is not reachable at {self.endpoint}")
             time.sleep(min(SLICE_S, left))
+
+    def _reopen_if_refused(self) -> None:
+        """Replace a socket with no connection to send on (under the lock): ZeroMQ does not
+        retry a connection refused in the handshake. Never while replies are awaited (the
+        connection is there, the daemon merely slow: its queued requests stay)."""
+        now = time.monotonic()
+        if self._sock is None or self._waiting or now - self._opened < REOPEN_S:
+            return
+        self._sock.close(linger=0)
+        self._sock = self._open()
+        self._fd = self._sock.getsockopt(zmq.FD)
+        self._opened = now
 
     def _send_now(self, op: str, fields, frames, req_id: int | None) -> int:
         if req_id is None:
@@ -132,7 +152,7 @@ class Channel:
             if now < spin_end:
                 os.sched_yield()
                 continue
-            select.select([self._fd], [], [], min(deadline - now, SLICE_S))
+            _sleep_on(self._fd, min(deadline - now, SLICE_S))
 
     def forget(self, req_id: int) -> None:
         with self._lock:
@@ -186,7 +206,7 @@ class Channel:
             if now < spin_end:
                 os.sched_yield()
                 continue
-            select.select([self._fd], [], [], min(deadline - now, SLICE_S))
+            _sleep_on(self._fd, min(deadline - now, SLICE_S))
 
     def close(self) -> None:
         with self._lock:
@@ -194,3 +214,12 @@ class Channel:
                 self._sock.close(linger=0)
                 self._sock = None
                 self._ctx.term()
+
+
+def _sleep_on(fd: int, seconds: float) -> None:
+    """Sleep until ``fd`` is readable or ``seconds`` pass (the socket may just have been
+    replaced: its old descriptor closed)."""
+    try:
+        select.select([fd], [], [], seconds)
+    except (OSError, ValueError):
+        time.sleep(seconds)

@@ -2,12 +2,15 @@
 
 ``format_stats(snapshot)`` is ``kvd stats``'s table; ``summary(op, reply)``
 is the one line ``kvd health`` and ``kvd ctl ...`` print (``--json`` prints
-the reply itself instead). Replies are the control socket's (docs/protocol.md).
+the reply itself instead). Replies are the control socket's (docs/protocol.md);
+a client's name is printed through ``kvd.printable`` (escaped, bounded).
 """
 
 from __future__ import annotations
 
 import json
+
+from kvd.printable import printable
 
 
 def summary(op: str, r: dict) -> str:
@@ -80,7 +83,7 @@ def format_stats(s: dict) -> str:
     for c in s.get("sessions", []):
         cred = f", uid {c['uid']} gid {c['gid']}" if "uid" in c else ""
         queued = f", {c['copies_queued']} copies queued" if c.get("copies_queued") else ""
-        lines.append(f"  {c['name']}: pid {c['pid']}{cred}{queued}")
+        lines.append(f"  {printable(c['name'])}: pid {c['pid']}{cred}{queued}")
     if s["latency"]:
         lines.append("")
         lines.append(f"{'op':<12}{'count':>10}{'p50 ms':>10}{'p99 ms':>10}")

@@ -7,7 +7,8 @@ daemon's latency histogram, interpolated within a bucket as Prometheus'
 ``histogram_quantile`` does), errors per second, how busy the daemon's
 event loop was (its thread's CPU time over the interval: near 100% the
 daemon, not PCIe, limits copies; docs/operations.md), tier fill, and the
-connected clients with their kernel-reported uid/gid. With ``rich``
+connected clients with their kernel-reported uid/gid (names through
+``kvd.printable``, never read as rich markup). With ``rich``
 installed (kvd-cache's ``top`` extra) and stdout a terminal it redraws one screen in
 place; otherwise, and with ``--once``, it prints plain text: one block per
 refresh (``--once``: one block over one interval, then exit). On a terminal
@@ -19,6 +20,7 @@ from __future__ import annotations
 import sys
 import time
 
+from kvd.printable import printable
 from kvd_client.transport import Channel
 from kvd_protocol.errors import KvdError
 from kvd_protocol.runtime import control_endpoint, resolve_runtime_dir
@@ -142,7 +144,7 @@ def _rows(view: dict) -> dict:
     ops = [[op, f"{o['rate']:.1f}", _ms(o["p50_ms"]), _ms(o["p99_ms"])] for op, o in view["ops"].items()]
     tiers = [[name, f"{_size(used)} / {_size(cap)}", f"{used / cap:.1%}" if cap else "-", str(chunks)]
              for name, (used, cap, chunks) in view["tiers"].items()]
-    clients = [[s["name"], str(s["pid"]), str(s.get("uid", "?")), str(s.get("gid", "?")),
+    clients = [[printable(s["name"]), str(s["pid"]), str(s.get("uid", "?")), str(s.get("gid", "?")),
                 str(s["registrations"]), str(s["leases"])] for s in view["sessions"]]
     rate = "-" if view["hit_rate"] is None else f"{view['hit_rate']:.1%}"
     head = (f"kvd top  pid {view['pid']}  up {view['uptime_s']:.0f} s  backend {view['backend']}  "
@@ -173,6 +175,7 @@ def render_text(view: dict) -> str:
 def render_rich(view: dict):
     from rich.console import Group
     from rich.table import Table
+    from rich.text import Text  # plain text: a client's name is never read as rich markup
     rows = _rows(view)
     tables = []
     for name, header in HEADERS.items():
@@ -180,6 +183,6 @@ def render_rich(view: dict):
         for i, column in enumerate(header):
             table.add_column(column, justify="left" if i == 0 else "right")
         for row in rows[name]:
-            table.add_row(*row)
+            table.add_row(*(Text(cell) for cell in row))
         tables.append(table)
     return Group(f"[bold]{rows['head']}[/bold]", rows["summary"], *tables)

@@ -52,6 +52,7 @@ def snapshot(service) -> dict:
             "sessions": [_session(s, service.transfers.gate) for s in sessions.by_peer.values()],
             "copies_queued": service.transfers.gate.total,
             "connections_refused": service.stats.counters["connections_refused"],
+            "connections": _connections(service.stats.counters),
             "metrics": _metrics(service.stats.counters),
             "registrations": len(sessions.registrations), "leases": len(sessions.leases),
             "backend": service.backends, "chunk_tokens": service.cfg.chunk_tokens}
@@ -61,6 +62,12 @@ def _metrics(c) -> dict:
     """What the /metrics endpoint turned away (kvd.server.metrics_http)."""
     return {"refused": c["metrics_refused"], "timeouts": c["metrics_timeouts"],
             "bad_requests": c["metrics_bad_requests"], "accept_failed": c["metrics_accept_failed"]}
+
+
+def _connections(c) -> dict:
+    """Connections open per socket, and those closed at once for a cap (kvd.server.connections)."""
+    return {"engine": c["connections_engine"], "control": c["connections_control"],
+            "over_cap": c["connections_over_cap"]}
 
 
 def _session(s, gate) -> dict:

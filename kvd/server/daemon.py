@@ -1,50 +1,38 @@
 """``kvd serve``: start-up, the two ROUTER sockets, reaping, and shutdown.
 
-Start-up, cheapest first: log the resolved config (kvd.server.config_log:
-the knobs, and a warning for each misspelt ``KVD_*`` variable), resolve
-``access_group``, check every cheap thing (kvd.server.startup: runtime dir,
-shm_dir, disk_dir, room for the host tier and the disk tier, the metrics
-library; exit status 2 with one line for a bad value), lock the runtime dir,
-reclaim what a dead daemon left, open the disk tier, adopt the host tier a
-previous daemon left or allocate a new one on threads (kvd.server.host_tier;
-progress in the log and in systemd's STATUS=), start the backends, bind
-``kvd.sock`` (engines) and ``control.sock`` (operators) under umask 077,
-then tell systemd READY=1 (kvd.server.notify; WATCHDOG=1 from the loop when
-systemd asks for it).
-With ``access_group`` the runtime dir and sockets are opened to that group
-(kvd.server.runtime_dir); every connection is admitted or refused by its
-kernel peer credentials (kvd.server.peers) before any of its messages is
-read, and each request carries its connection's credentials. The
-``/metrics`` endpoint starts when ``metrics_port`` or ``metrics_socket`` is
-set (kvd.server.metrics), on the loop. The open files limit is raised to its
-hard limit first: engines, metrics peers and disk IO each take a descriptor,
-and libzmq aborts the process when it cannot get one.
-SIGTERM/SIGINT during start-up abandon it at once (the allocation stops
-between pieces), remove what was made and exit 0 with one line.
+Start-up, cheapest first: log the resolved config (kvd.server.config_log),
+resolve ``access_group``, check every cheap thing (kvd.server.startup; exit
+status 2 with one line for a bad value), lock the runtime dir, reclaim what
+a dead daemon left, open the disk tier, adopt or allocate the host tier
+(kvd.server.host_tier), start the backends, bind ``kvd.sock`` (engines) and
+``control.sock`` (operators) under umask 077, tell systemd READY=1
+(kvd.server.notify). Every connection is admitted or refused by its kernel
+peer credentials (kvd.server.peers: ``access_group``) and counted and capped
+per socket, uid and process (kvd.server.connections: libzmq aborts the
+process when it cannot get a descriptor, so the open files limit, raised to
+its hard limit first, sets the caps); each request carries its connection's
+credentials. ``/metrics`` starts when ``metrics_port`` or ``metrics_socket``
+is set (kvd.server.metrics). SIGTERM/SIGINT during start-up abandon it at
+once, remove what was made and exit 0 with one line.
 
 Each request runs as its own task so a slow copy never blocks other
 clients; every reply goes back through the socket it came from
 (kvd.server.peers_alive: slow readers, probes of gone peers, reaping). Each
 socket caps the requests of one peer being served (engines: ``max_inflight``;
-control: ``CONTROL_INFLIGHT``, with ``CONTROL_REPLY_QUEUE`` replies queued):
-past it a request gets ``busy`` at once, so an operator tool that never reads
-its replies cannot grow the daemon. A
-request that fails validation gets a typed error reply; a peer that sends a
-frame larger than ``max_message_bytes`` is dropped by ZeroMQ (its limit is
-per frame), and a message whose frames together exceed it gets a
-``too_large`` reply and is not run. A request that fails validation, and an
-internal error, are logged at most once per peer per 10 s
-(kvd.server.logs.PeerLimiter). With ``disk_dir`` set, the disk tier
-(kvd.tiers.tiering) starts with the loop and scans its directory in the
-background; with ``remote_backend`` set, the remote tier (kvd.tiers.remote)
-starts local-only and connects in the background. SIGTERM/SIGINT: stop
-reading, end every request waiting on a client (``shutting_down``), let the
-others (and their copies) finish and finish disk and remote tier IO within
-``shutdown_grace_s`` in all (copies still queued then are abandoned: the
-CUDA backend's close gives the GPU a bounded wait of its own), remove the
-sockets, keep the host tier for the next start (``warm_restart``), exit 0:
-bounded whatever the GPU or the clients do, since no copy waits on another
-process.
+control: ``CONTROL_INFLIGHT``): past it a request gets ``busy`` at once (on the
+control socket through kvd.server.backlog, so a pipelining operator tool gets
+every reply). A request that fails validation gets a typed error reply; a
+frame larger than ``max_message_bytes`` is dropped by ZeroMQ, a message whose
+frames together exceed it gets ``too_large``. Lines a peer causes (hello, bye,
+malformed, refused) go through one limiter keyed by its kernel (uid, pid)
+(``Service.peer_log``, kvd.server.logs.PeerLimiter); internal errors are
+logged at most once per peer per 10 s. The disk tier (``disk_dir``) and the
+remote tier (``remote_backend``) start in the background. SIGTERM/SIGINT:
+stop reading, end every request waiting on a client (``shutting_down``), let
+the others (and their copies) and disk and remote IO finish within
+``shutdown_grace_s`` in all, remove the sockets, keep the host tier for the
+next start (``warm_restart``), exit 0: bounded whatever the GPU or the
+clients do, since no copy waits on another process.
 """
 
 from __future__ import annotations
@@ -63,7 +51,9 @@ import zmq.asyncio
 
 from kvd import __version__
 from kvd.copy.host import HostCopyEngine
-from kvd.server import control, early_signals, logs, metrics, startup
+from kvd.printable import printable
+from kvd.server import connections, control, early_signals, logs, metrics, startup
+from kvd.server.backlog import Backlog
 from kvd.server.config_log import log_config
 from kvd.server.host_tier import HostTierSetup
 from kvd.server.load_verify import LoadVerifier
@@ -102,8 +92,8 @@ class Daemon:
         self.liveness = Liveness(self)
         self.intake = self.control_intake = None  # kvd.server.peers_alive.Intake, per socket
         self.deadline = None  # set at shutdown: when everything must be done
-        self.malformed = logs.PeerLimiter()  # one line per peer per 10 s for requests
-        self.internal = logs.PeerLimiter()  # that fail validation, and for internal errors
+        self.internal = logs.PeerLimiter()  # one line per peer per 10 s for internal errors
+        self.caps = []  # kvd.server.connections.ConnectionCap, per socket
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.stop_signal = self.host.stop_signal = self.stop_signal or sig.name
@@ -176,16 +166,20 @@ class Daemon:
                                      AccessPolicy(self.group))
         self.ctx = zmq.asyncio.Context()
         self.gate = self._start_gate()
+        limits = connections.caps(self.cfg, startup.fd_limit(), startup.fds_open())
+        log.info("connections: at most %d to kvd.sock (%d per uid, %d per process; %d open "
+                 "in all), %d to control.sock", *limits[0], limits[1].total)
         old = os.umask(0o077)
         try:  # fds.sock first: an engine that reconnects at once lends its descriptors there
             startup.open_fd_intake(self.service, cuda, self.runtime_dir, self.group)
             self.engine_sock = self._bind(engine_endpoint(self.runtime_dir), self.cfg.max_message_bytes,
-                                          REPLY_QUEUE)
+                                          REPLY_QUEUE, limits[0], "engine")
             self.intake = Intake(self.engine_sock, self.cfg.max_inflight, lambda: self.service.stats)
             self.control_sock = self._bind(control_endpoint(self.runtime_dir), wire.MAX_HEADER_BYTES,
-                                           CONTROL_REPLY_QUEUE)
+                                           CONTROL_REPLY_QUEUE, limits[1], "control")
             self.control_intake = Intake(self.control_sock, CONTROL_INFLIGHT,
-                                         lambda: self.service.stats, "per control peer")
+                                         lambda: self.service.stats, "per control peer",
+                                         Backlog(self.control_sock, self.service.stats))
         finally:
             os.umask(old)
         log.info("serving %s (backends %s, chunk %d tokens) — ready in %.2f s, pid %d",
@@ -206,15 +200,18 @@ class Daemon:
             self.notifier.watchdog()
             await asyncio.sleep(self.notifier.watchdog_s / 2)
 
-    def _bind(self, endpoint: str, max_bytes: int, reply_queue: int):
+    def _bind(self, endpoint: str, max_bytes: int, reply_queue: int, limits, name: str):
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its routing id
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer fails: see peers_alive
         sock.setsockopt(zmq.SNDHWM, reply_queue)  # replies queued per client before it must read
+        self.caps.append(connections.ConnectionCap(  # its monitor sees every connection
+            sock, name, limits, self.service.stats, self.service.peer_log,
+            self.liveness.connection_closed if name == "engine" else None))
         if self.gate is not None:
-            ZapGate.guard(sock)
+            self.gate.guard(sock, self.caps[-1])
         sock.bind(endpoint)
         share_socket(Path(endpoint.removeprefix("ipc://")), self.group)
         self.sockets.append(sock)
@@ -226,7 +223,7 @@ class Daemon:
         policy = AccessPolicy(self.group)
         if credentials_available():
             log.info("connections admitted: %s", policy.describe())
-            return ZapGate(self.ctx, policy, self.service.stats)
+            return ZapGate(self.ctx, policy, self.service.stats, self.service.peer_log)
         if self.group is not None:
             raise RuntimeError("access_group needs the peer credentials of ipc connections, which "
                                "this libzmq build does not report")
@@ -245,7 +242,7 @@ class Daemon:
         readers = [asyncio.create_task(self._serve(self.engine_sock, wire.OPS, self._engine_op)),
                    asyncio.create_task(self._serve(self.control_sock, wire.CONTROL_OPS, self._control_op)),
                    asyncio.create_task(self.liveness.reap_loop()),
-                   asyncio.create_task(self.liveness.watch_disconnects())]
+                   *(asyncio.create_task(cap.serve()) for cap in self.caps)]
         if self.gate is not None:
             readers.append(asyncio.create_task(self.gate.serve()))
         if self.service.tiering is not None:
@@ -299,6 +296,8 @@ class Daemon:
             return  # never owned the runtime dir: touch nothing in it
         if self.metrics is not None:
             self.metrics.close()
+        for cap in self.caps:
+            cap.close()
         for sock in self.sockets:
             sock.close(linger=0)
         if self.gate is not None:
@@ -346,8 +345,9 @@ class Daemon:
         except wire.ProtocolError as exc:
             frames = wire.error_reply(exc.req_id, exc.code, str(exc))
             self.service.stats.error(op, exc.code)
-            self.malformed.log(log, logging.WARNING, (ops is wire.OPS, peer), "malformed request "
-                               "from %s: %s: %s", logs.peer_name(peer, cred), exc.code, exc)
+            self.service.peer_log.log(log, logging.WARNING, logs.peer_key(peer, cred), "malformed "
+                                      "request from %s: %s: %s", logs.peer_name(peer, cred),
+                                      exc.code, printable(str(exc), 256))
         except ServerError as exc:
             frames = wire.error_reply(req_id, exc.code, str(exc))
             self.service.stats.error(op, exc.code)

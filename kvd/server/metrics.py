@@ -278,6 +278,13 @@ def _sessions(c: dict, sessions):
                    c.get("clients_reaped", 0))
     yield _counter("kvd_connections_refused_total", "Connections refused by the peer credential "
                    "check.", c.get("connections_refused", 0))
+    over = _counter("kvd_connections_over_cap_total", "Connections closed at once: their socket, "
+                    "uid or process had its cap of connections.", labels=["socket"])
+    open_ = _gauge("kvd_connections", "Connections open, by socket.", labels=["socket"])
+    for name in ("engine", "control"):
+        over.add_metric([name], c.get(f"connections_over_cap_{name}", 0))
+        open_.add_metric([name], c.get(f"connections_{name}", 0))
+    yield from (over, open_)
 
 
 def _disk(tiering):

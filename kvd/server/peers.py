@@ -15,7 +15,8 @@ whose gid or one of whose supplementary groups (/proc/<pid>/status, read
 while the connection is being made) is that group. ``ZapGate`` answers
 libzmq's ZAP requests on the event loop: a refused peer's connection is
 closed during the handshake, so none of its messages ever reaches the
-daemon (counted, logged once per uid). ``recv_request`` reads one request
+daemon (counted, logged once per uid per 10 s); one the connection caps
+refuse (kvd.server.connections) too. ``recv_request`` reads one request
 with the credentials of the connection it came on (for the session, and
 for checking whose shared-memory pool a registration may map).
 """
@@ -33,7 +34,6 @@ from kvd_protocol.errors import ConfigError
 
 log = logging.getLogger("kvd")
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends ZAP requests (RFC 27)
-ZAP_DOMAIN = b"kvd"
 
 
 class PeerCred(NamedTuple):
@@ -120,18 +120,21 @@ class AccessPolicy:
 class ZapGate:
     """The ZAP handler: admits or refuses each new connection of a socket that set ZAP_DOMAIN."""
 
-    def __init__(self, ctx, policy: AccessPolicy, stats):
+    def __init__(self, ctx, policy: AccessPolicy, stats, peer_log):
         self.policy = policy
         self.stats = stats
-        self.refused_uids: set[int] = set()
+        self.peer_log = peer_log  # kvd.server.logs.PeerLimiter: a few lines per uid
+        self.caps: dict = {}  # ZAP domain -> kvd.server.connections.ConnectionCap of its socket
         self.sock = ctx.socket(zmq.REP)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(ZAP_ENDPOINT)
 
-    @staticmethod
-    def guard(sock) -> None:
-        """Make libzmq ask the gate about every connection to ``sock`` (call before bind)."""
-        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    def guard(self, sock, cap) -> None:
+        """Make libzmq ask the gate about every connection to ``sock`` (call before bind),
+        and ``cap`` (its ConnectionCap) whether one more fits."""
+        domain = f"kvd-{cap.name}".encode()
+        self.caps[domain] = cap
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain)
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no handler: refuse, never admit unchecked
 
     async def serve(self) -> None:
@@ -145,14 +148,16 @@ class ZapGate:
             return [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"bad ZAP request", b"", b""]
         cred = parse_peer_address(frames[3].decode("ascii", "replace"))
         if cred is not None and self.policy.allows(cred):
+            cap = self.caps.get(frames[2])
+            if cap is not None and not cap.admit(cred):  # counted and logged there
+                return [b"1.0", frames[1], b"400", b"too many connections", b"", b""]
             return [b"1.0", frames[1], b"200", b"OK", f"{cred.uid}:{cred.gid}".encode(), b""]
         self.stats.add("connections_refused")
-        key = -1 if cred is None else cred.uid
-        if key not in self.refused_uids:  # a refused client reconnects every second: log once
-            self.refused_uids.add(key)
-            log.warning("refused a connection from %s: allowed are %s (access_group)",
-                        "a peer without credentials" if cred is None else
-                        f"uid {cred.uid} gid {cred.gid} pid {cred.pid}", self.policy.describe())
+        key = -1 if cred is None else cred.uid  # a refused client reconnects every second
+        self.peer_log.log(log, logging.WARNING, ("refused", key), "refused a connection from "
+                          "%s: allowed are %s (access_group)", "a peer without credentials"
+                          if cred is None else f"uid {cred.uid} gid {cred.gid} pid {cred.pid}",
+                          self.policy.describe(), burst=1)
         return [b"1.0", frames[1], b"400", b"not allowed", b"", b""]
 
     def close(self) -> None:

@@ -4,7 +4,8 @@
 heartbeat_interval_s / 2)`` it expires leases and reaps sessions silent for
 ``client_timeout_s`` with no request being served (kvd.server.sessions).
 Sooner when a peer is gone: ZeroMQ's socket monitor says that some
-connection of the engine socket closed (not whose), so ``PROBE_DELAY_S``
+connection of the engine socket closed (kvd.server.connections calls
+``connection_closed``), so ``PROBE_DELAY_S``
 later (a peer that reconnects at once, same routing id, is back by then)
 every session's routing id gets a probe ``{v, id: 0, result: {}}``, which
 clients drop (a reply to an id they never sent); with ``ROUTER_MANDATORY``
@@ -18,9 +19,10 @@ cheap reply per message and never has more than ``max_inflight`` tasks
 ahead of another client's request.
 
 The control socket has an ``Intake`` of its own (``CONTROL_INFLIGHT`` per
-peer) and a short reply queue per peer, so a peer that sends requests and
-never reads their replies holds a bounded number of them and gets ``busy``
-(dropped once its queue is full) for the rest.
+peer) and a short reply queue per peer; its ``busy`` replies go through a
+``Backlog`` (kvd.server.backlog), so a peer that pipelines hundreds of
+requests before reading gets a reply for each, and one that never reads
+holds a bounded number of bytes.
 
 ``reply(sock, peer, frames, stats)`` sends a reply without ever dropping it
 for a full queue while the client is merely slow: it retries for
@@ -102,9 +104,12 @@ class Liveness:
     async def reap_loop(self) -> None:
         d, cfg = self.d, self.d.cfg
         period = min(1.0, cfg.heartbeat_interval_s / 2)
+        peer_log = d.service.peer_log
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            if now - peer_log.summarized >= peer_log.interval_s:
+                peer_log.summary(log)  # what peers' floods of log lines held back
             d.service.expire(now)
             gone = []
             if self.probe_due is not None and now >= self.probe_due:
@@ -130,23 +135,16 @@ class Liveness:
                     gone.append(session)
         return gone
 
-    async def watch_disconnects(self) -> None:
-        """Note when a connection to the engine socket closes; the reaper probes."""
-        sock = self.d.engine_sock
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        try:
-            while True:
-                await monitor.recv_multipart()
-                self.probe_due = time.monotonic() + PROBE_DELAY_S
-        finally:
-            sock.disable_monitor()
-            monitor.close(linger=0)
+    def connection_closed(self) -> None:
+        """A connection to the engine socket closed (kvd.server.connections): probe soon."""
+        self.probe_due = time.monotonic() + PROBE_DELAY_S
 
 
 class Intake:
-    def __init__(self, sock, max_inflight: int, stats, cap: str = "max_inflight"):
+    def __init__(self, sock, max_inflight: int, stats, cap: str = "max_inflight", backlog=None):
         self.sock, self.max_inflight, self.stats = sock, max_inflight, stats
         self.cap = cap  # what the busy reply names as the limit
+        self.backlog = backlog  # kvd.server.backlog.Backlog: busy replies wait there for room
         self.inflight: dict[bytes, int] = {}
 
     def take(self, parts: list) -> bool:
@@ -163,6 +161,12 @@ class Intake:
         req_id = header.get("id") if isinstance(header.get("id"), int) else None
         frames = wire.error_reply(req_id, "busy", f"{self.max_inflight} requests of this client "
                                   f"are in flight already ({self.cap}); nothing done")
+        stats = self.stats()
+        stats.add("busy")
+        stats.add("errors")
+        if self.backlog is not None:
+            self.backlog.put(peer, frames)
+            return False
         try:
             sent = self.sock.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
         except zmq.ZMQError:  # 65536 replies unread, or it is gone: the reply is dropped
@@ -170,9 +174,6 @@ class Intake:
             sent = None
         if isinstance(sent, asyncio.Future):  # zmq.asyncio: a failure lands in the future
             sent.add_done_callback(self._sent)
-        stats = self.stats()
-        stats.add("busy")
-        stats.add("errors")
         return False
 
     def _sent(self, f) -> None:

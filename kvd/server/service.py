@@ -15,7 +15,11 @@ two live sessions; a reaped session takes no new registrations or leases.
 Lookups and loads read only chunks of the registration's namespace and
 shard geometry (kvd.tiers.scope): keys come from clients, so another
 namespace's chunk is a miss that ends the prefix, on every tier, counted
-once per request in ``foreign_ns_misses``.
+once per request in ``foreign_ns_misses``. A ``store`` whose ``tenant``
+label a quota rule binds to users or groups gets ``forbidden`` unless the
+connection's kernel credentials are among them (kvd.server.tenants). A
+client's name is kept as ``kvd.printable`` shows it, and every line a peer
+causes goes through ``peer_log`` (a few per (uid, pid) per 10 s).
 With a disk tier (``tiering``), lookup continues the host prefix with keys
 on disk (reported as ``disk_hits``, promotion started); for pools that GPU
 Direct Storage serves (``gds``) lookup only counts them. With a remote tier
@@ -32,9 +36,12 @@ import time
 from pathlib import Path
 
 from kvd.copy.flags import FlagPage
+from kvd.printable import printable
+from kvd.server import logs
 from kvd.server.fd_intake import close_fds
 from kvd.server.sessions import Lease, Registration, Session, SessionTable
 from kvd.server.stats import Stats
+from kvd.server.tenants import TenantBindings
 from kvd.server.transfers import Transfers
 from kvd.tiers.host import HostTier
 from kvd_protocol import wire
@@ -51,6 +58,7 @@ from kvd_protocol.keys import namespace_digest
 
 log = logging.getLogger("kvd")
 DATA_OPS = ("lookup", "store", "load")
+PEER_LINES = 4  # log lines one peer (uid, pid) may cause per 10 s; the rest are summarized
 
 
 class Service:
@@ -67,6 +75,9 @@ class Service:
         self.shm_dir = Path(cfg.shm_dir).resolve()
         self.arena_id = arena_id  # (st_dev, st_ino) of the arena: never a client's file
         self.instance = instance  # this daemon's random id: a restart changes it
+        # every line a peer makes us write (hello, bye, malformed, refused): a few per (uid, pid)
+        self.peer_log = logs.PeerLimiter(burst=PEER_LINES)
+        self.tenants = TenantBindings(cfg.quota)  # labels bound to credentials (quota rules)
 
     @property
     def tiering(self):
@@ -102,6 +113,8 @@ class Service:
             raise NoSession("no session: send hello first")
         if cred != session.cred:  # its routing id, taken over by another process
             raise Forbidden("this session belongs to another process")
+        if req.op == "store" and self.tenants:
+            self.tenants.check(req.fields.get("tenant"), cred)
         if req.op in DATA_OPS and session.inflight >= self.cfg.max_inflight:
             self.stats.add("busy")
             raise Busy(f"{session.inflight} requests of this client are in flight already "
@@ -127,9 +140,11 @@ class Service:
         # The new session takes the routing id before the old one is reaped (which waits for
         # its copies): requests sent after this hello meanwhile belong to the new one, and a
         # hello racing this one replaces it in turn. Never two live sessions for one id.
-        self.sessions.by_peer[peer] = Session(peer, f["client"][:128], f["pid"], cred)
-        log.info("client %s (pid %d) connected%s", f["client"][:128], f["pid"],
-                 "" if cred is None else f": uid {cred.uid} gid {cred.gid} pid {cred.pid} (kernel)")
+        name = printable(f["client"])  # shown in the log, kvd stats and kvd top
+        self.sessions.by_peer[peer] = Session(peer, name, f["pid"], cred)
+        self.peer_log.log(log, logging.INFO, logs.peer_key(peer, cred),
+                          "client %s (pid %d) connected%s", name, f["pid"], "" if cred is None else
+                          f": uid {cred.uid} gid {cred.gid} pid {cred.pid} (kernel)")
         if old is not None:
             await self.reap(old, "re-hello")
         return {"version": wire.VERSION, "chunk_tokens": self.cfg.chunk_tokens,
@@ -285,8 +300,9 @@ class Service:
             del self.sessions.by_peer[session.peer]
         if why != "bye":
             self.stats.add("clients_reaped")
-        log.info("client %s (pid %d) removed: %s (%.3f s)", session.name, session.pid, why,
-                 time.monotonic() - t0)
+        self.peer_log.log(log, logging.INFO, logs.peer_key(session.peer, session.cred),
+                          "client %s (pid %d) removed: %s (%.3f s)", session.name, session.pid,
+                          why, time.monotonic() - t0)
 
     def stop_waiting(self) -> None:
         """Shutdown: every request waiting on a client ends now (``shutting_down``)."""

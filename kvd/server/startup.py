@@ -8,13 +8,15 @@ last component created if missing, never its parents: a typo must not fill
 another disk) with room for ``disk_capacity`` (free space plus what kvd's
 chunk files there hold); with ``metrics_port`` or ``metrics_socket``,
 prometheus-client imports; with ``gpu = "on"``, CuPy is installed; with a
-``remote_backend``, an address and the backend's client library. The room
+``remote_backend``, an address and the backend's client library; every
+user and group a ``quota`` rule binds a tenant label to exists. The room
 check counts the host tier a previous daemon left as room (it is adopted or
 replaced). A problem with a knob's value raises ``ConfigError`` (one line,
 exit status 2); anything else ``StartupError`` (one line, exit status 1).
 
 ``raise_fd_limit`` raises the open files soft limit to the hard one (one
-log line when it moved).
+log line when it moved); ``fd_limit`` and ``fds_open`` say what it is and how
+many descriptors are open (kvd.server.connections sizes its caps on them).
 
 ``make_remote`` builds the remote tier (a bad ``remote_address`` is a
 ``ConfigError``; a missing client library was already a ``StartupError``;
@@ -40,6 +42,7 @@ from pathlib import Path
 from kvd.server import metrics
 from kvd.server.kept_tier import kept_bytes
 from kvd.server.runtime_dir import prepare_runtime_dir
+from kvd.server.tenants import TenantBindings
 from kvd.tiers.arena import room_problem
 from kvd_protocol.errors import ConfigError
 
@@ -53,6 +56,25 @@ class StartupError(RuntimeError):
 
 class NoCudaDevice(RuntimeError):
     pass
+
+
+def fd_limit() -> int:
+    """The open files soft limit now (nr_open, or 1M, where it is unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY:
+        return soft
+    try:
+        return int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        return 1 << 20
+
+
+def fds_open() -> int:
+    """Descriptors this process has open now (64 where /proc cannot say)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 64
 
 
 def raise_fd_limit() -> int:
@@ -80,6 +102,7 @@ def check(cfg, runtime_dir: Path, group: int | None = None) -> None:
     if longest > MAX_SOCKET_PATH:
         raise ConfigError("runtime_dir", f"{runtime_dir} is too long for a Unix socket path "
                           f"({longest} bytes with /control.sock; at most {MAX_SOCKET_PATH})")
+    TenantBindings(cfg.quota)  # a user or group a quota rule names must exist
     prepare_runtime_dir(runtime_dir, group)
     shm_dir = Path(cfg.shm_dir)
     _writable_dir("shm_dir", shm_dir, create=False)

@@ -50,17 +50,29 @@ def _env() -> dict:
 
 
 @pytest.fixture
-def shared_daemon(start_daemon):
-    """A daemon running as DAEMON, serving GROUP, in a runtime dir others can reach."""
+def shared_daemons(start_daemon):
+    """Start daemons running as DAEMON, serving GROUP, in runtime dirs others can reach."""
     base = Path(tempfile.mkdtemp(prefix="kvd-access-", dir="/tmp"))
     os.chmod(base, 0o755)
-    runtime = base / "run"
-    runtime.mkdir(mode=0o700)
-    os.chown(runtime, DAEMON, DAEMON)
-    d = start_daemon(runtime_dir=runtime, wrapper=as_user(DAEMON, [GROUP]), access_group=str(GROUP))
-    yield d
-    d.stop()
+    started = []
+
+    def start(**knobs):
+        runtime = base / f"run{len(started)}"
+        runtime.mkdir(mode=0o700)
+        os.chown(runtime, DAEMON, DAEMON)
+        started.append(start_daemon(runtime_dir=runtime, wrapper=as_user(DAEMON, [GROUP]),
+                                    access_group=str(GROUP), **knobs))
+        return started[-1]
+
+    yield start
+    for d in started:
+        d.stop()
     shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_daemon(shared_daemons):
+    return shared_daemons()
 
 
 def test_an_engine_of_the_group_works_end_to_end(shared_daemon):
@@ -143,3 +155,23 @@ def test_without_access_group_the_dir_and_sockets_are_the_daemons_users_only(sta
     for name in ("kvd.sock", "control.sock"):
         assert stat.S_IMODE(os.stat(runtime / name).st_mode) & 0o077 == 0, name
     d.stop()
+
+
+def test_tenant_labels_bound_to_users_and_groups(shared_daemons):
+    """Before, a tenant label was whatever the client said: any member of the group could
+    store under another tenant's label (and use up its quota)."""
+    team = 61010  # a group only ENGINE is in
+    d = shared_daemons(quota=f'[{{tenant = "a", users = [{ENGINE}], host_max = "1MiB"}}, '
+                             f'{{tenant = "t", groups = ["{team}"]}}, {{tenant = "free", '
+                             f'host_max = "1MiB"}}]')
+    labels = ["a", "t", "free", "unknown", None]
+    mine = run_as(ENGINE, [GROUP, team], "tenant_stores", runtime_dir=str(d.runtime_dir),
+                  group=GROUP, tenants=labels)
+    assert mine == {"a": "ok", "t": "ok", "free": "ok", "unknown": "ok", "None": "ok"}
+    other = run_as(OTHER_ENGINE, [GROUP], "tenant_stores", runtime_dir=str(d.runtime_dir),
+                   group=GROUP, tenants=labels)
+    assert other == {"a": "Forbidden", "t": "Forbidden", "free": "ok", "unknown": "ok",
+                     "None": "ok"}
+    groups = {(g["model"], g["tenant"]): g for g in d.stats()["quotas"]["groups"]}
+    assert groups["*", "a"]["host_used_bytes"] > 0  # ENGINE's store only: nothing of OTHER's
+    assert d.stats()["errors"] >= 2 and d.proc.poll() is None

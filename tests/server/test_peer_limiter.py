@@ -50,3 +50,18 @@ def test_log_appends_the_held_back_count(caplog):
         limit.log(log, logging.WARNING, "p", "bad from %s", "p")
     assert [r.getMessage() for r in caplog.records] == ["bad from p",
                                                         "bad from p (2 more like it held back)"]
+
+
+def test_a_burst_per_interval_and_a_summary_of_what_was_held_back(caplog):
+    clock = Clock()
+    limit = PeerLimiter(10.0, clock=clock, burst=4)
+    assert [limit.allow((0, 7)) for _ in range(6)] == [0, 0, 0, 0, None, None]
+    assert limit.allow((0, 7), burst=1) is None  # a kind of line allowed less often
+    assert [limit.allow((0, 8), burst=1) for _ in range(3)] == [0, None, None]
+    log = logging.getLogger("kvd.test")
+    with caplog.at_level(logging.INFO, "kvd.test"):
+        clock.now = 10.0
+        limit.summary(log)
+        limit.summary(log)  # nothing held back since: no line
+    assert [r.getMessage() for r in caplog.records] == [
+        "held back 5 log lines about peers in the last 10 s (uid 0 pid 7: 3, uid 0 pid 8: 2)"]

@@ -196,3 +196,14 @@ def test_a_bad_quota_stops_start_up_with_one_line(tmp_path, how, line):
     if how != "file":
         assert 'quota = [{model = "m", host_max = "1GiB"}, {tenant = "t", host_max = "1GiB"}]' \
             "  # file" in resolved.stdout
+
+
+def test_a_quota_binding_a_user_nobody_has_stops_start_up_with_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(tmp_path / "run"),
+           "--chunk-tokens", "16", "--quota", '[{tenant = "a", users = ["no-such-user-kvd"]}]']
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "config error: quota: users: no such user 'no-such-user-kvd'"), out.stderr
+    assert "Traceback" not in out.stderr
