@@ -50,15 +50,20 @@ def lend(path: Path, fds: list[int], timeout: float = 5.0) -> bytes:
         except OSError as exc:
             raise DaemonUnavailable(f"cannot reach {path} to pass the KV pool's file "
                                     f"descriptors: {exc}") from None
-        sock.sendall(HEADER.pack(MAGIC, len(fds)))
-        for start in range(0, len(fds), BATCH):
-            batch = array.array("i", fds[start:start + BATCH])
-            sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, batch)])
+        try:
+            sock.sendall(HEADER.pack(MAGIC, len(fds)))
+            for start in range(0, len(fds), BATCH):
+                batch = array.array("i", fds[start:start + BATCH])
+                sock.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, batch)])
+        except OSError:
+            pass  # the daemon may refuse at the header and close: its reply says why
         reply = sock.recv(256)
     except OSError as exc:
         raise DaemonUnavailable(f"passing file descriptors through {path} failed: {exc}") from None
     finally:
         sock.close()
+    if not reply:
+        raise DaemonUnavailable(f"the daemon closed {path} without an answer")
     if reply[:2] == b"OK" and len(reply) == 2 + TOKEN_BYTES:
         return reply[2:]
     reason = reply[2:].decode("utf-8", "replace") if reply[:2] == b"ER" else "no answer"

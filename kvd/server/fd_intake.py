@@ -13,6 +13,9 @@ peer, too many batches waiting) is closed before the connection is.
 same uid and pid (pid 0: a peer in a pid namespace the daemon cannot see, then
 the uid alone) exactly once; the caller closes the descriptors. Batches not
 taken within ``fd_pass.TOKEN_TTL_S`` are closed, as is everything at ``close``.
+At most ``max_held`` descriptors wait at once, counting a batch being received (its
+header is refused past that): lent descriptors come out of the daemon's open-files
+budget like connections do, so lending cannot exhaust it.
 Never touches what the descriptors refer to (kvd.cuda imports them).
 """
 
@@ -46,8 +49,8 @@ class _Lent:
 
 
 class FdIntake:
-    def __init__(self, path, policy: AccessPolicy):
-        self.path, self.policy = path, policy
+    def __init__(self, path, policy: AccessPolicy, max_held: int = MAX_FDS):
+        self.path, self.policy, self.max_held = path, policy, max_held
         self.waiting: dict[bytes, _Lent] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -111,6 +114,9 @@ class FdIntake:
         magic, count = fd_pass.HEADER.unpack(head)
         if magic != fd_pass.MAGIC or not 1 <= count <= MAX_FDS:
             return f"bad header (1 to {MAX_FDS} file descriptors)"
+        if count > self.max_held - self.held():
+            return (f"{count} file descriptors lent while {self.held()} wait for their "
+                    f"registration: at most {self.max_held} at once (the open-files limit)")
         room = socket.CMSG_SPACE(fd_pass.BATCH * 4)
         deadline = time.monotonic() + IO_TIMEOUT_S * (2 + count // fd_pass.BATCH)
         while len(fds) < count:
@@ -138,6 +144,12 @@ class FdIntake:
             token = os.urandom(fd_pass.TOKEN_BYTES)
             self.waiting[token] = _Lent(cred, list(fds), now + fd_pass.TOKEN_TTL_S)
         return token
+
+    def held(self) -> int:
+        """Descriptors lent and waiting for their registration."""
+        with self.lock:
+            self._expire(time.monotonic())
+            return sum(len(lent.fds) for lent in self.waiting.values())
 
     def _expire(self, now: float) -> None:
         for token in [t for t, lent in self.waiting.items() if lent.deadline < now]:

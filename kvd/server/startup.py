@@ -250,11 +250,15 @@ def open_fd_intake(service, cuda, runtime_dir: Path, group: int | None) -> None:
     virtual-memory KV pools (kvd.server.fd_intake), and ``cuda_vmm`` buffers served."""
     if cuda is None or not cuda.vmm_supported():
         return
+    from kvd.server.connections import KEPT_FOR_KVD
     from kvd.server.fd_intake import FdIntake
     from kvd.server.peers import AccessPolicy
     from kvd.server.runtime_dir import share_socket
+    from kvd_protocol.fd_pass import BATCH
     from kvd_protocol.runtime import fd_socket_path
-    service.fd_intake = FdIntake(fd_socket_path(runtime_dir), AccessPolicy(group))
+    # an eighth of what kvd's own descriptors leave: connections.caps keeps a quarter free
+    held = max(BATCH, (fd_limit() - fds_open() - KEPT_FOR_KVD) // 8)
+    service.fd_intake = FdIntake(fd_socket_path(runtime_dir), AccessPolicy(group), held)
     service.fd_intake.open()
     share_socket(fd_socket_path(runtime_dir), group)
     service.engines["cuda_vmm"] = cuda

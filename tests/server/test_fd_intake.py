@@ -142,6 +142,25 @@ def test_close_closes_what_was_never_taken(tmp_path):
     assert settles_at(before)
 
 
+def test_descriptors_waiting_at_once_are_bounded(tmp_path):
+    """A peer lending batch after batch without registering cannot use up the daemon's
+    open-files budget: past ``max_held`` a batch is refused at its header, received
+    descriptors are closed, and a taken batch makes room again."""
+    before = open_fds()
+    it = FdIntake(tmp_path / "fds.sock", AccessPolicy(None), max_held=5)
+    it.open()
+    mine = memfds(3)
+    first = fd_pass.lend(it.path, mine)
+    with pytest.raises(Exception, match="at most 5 at once"):
+        fd_pass.lend(it.path, mine)
+    assert it.held() == 3
+    close_fds(it.take(first, ME))
+    close_fds(it.take(fd_pass.lend(it.path, mine), ME))
+    close_fds(mine)
+    it.close()
+    assert settles_at(before)
+
+
 def test_refused_peer_gets_no_token(tmp_path):
     it = FdIntake(tmp_path / "fds.sock", AccessPolicy(None))
     it.policy.uid = -5  # as if the daemon ran as another user: this process is not allowed
