@@ -1,50 +1,14 @@
 """``kvd serve``: start-up, the two ROUTER sockets, reaping, and shutdown.
 
-Start-up, cheapest first: log the resolved config (kvd.server.config_log:
-the knobs, and a warning for each misspelt ``KVD_*`` variable), resolve
-``access_group``, check every cheap thing (kvd.server.startup: runtime dir,
-shm_dir, disk_dir, room for the host tier and the disk tier, the metrics
-library; exit status 2 with one line for a bad value), lock the runtime dir,
-reclaim what a dead daemon left, open the disk tier, adopt the host tier a
-previous daemon left or allocate a new one on threads (kvd.server.host_tier;
-progress in the log and in systemd's STATUS=), start the backends, bind
-``kvd.sock`` (engines) and ``control.sock`` (operators) under umask 077,
-then tell systemd READY=1 (kvd.server.notify; WATCHDOG=1 from the loop when
-systemd asks for it).
-With ``access_group`` the runtime dir and sockets are opened to that group
-(kvd.server.runtime_dir); every connection is admitted or refused by its
-kernel peer credentials (kvd.server.peers) before any of its messages is
-read, and each request carries its connection's credentials. The
-``/metrics`` endpoint starts when ``metrics_port`` or ``metrics_socket`` is
-set (kvd.server.metrics), on the loop. The open files limit is raised to its
-hard limit first: engines, metrics peers and disk IO each take a descriptor,
-and libzmq aborts the process when it cannot get one.
-SIGTERM/SIGINT during start-up abandon it at once (the allocation stops
-between pieces), remove what was made and exit 0 with one line.
-
-Each request runs as its own task so a slow copy never blocks other
-clients; every reply goes back through the socket it came from
-(kvd.server.peers_alive: slow readers, probes of gone peers, reaping). Each
-socket caps the requests of one peer being served (engines: ``max_inflight``;
-control: ``CONTROL_INFLIGHT``, with ``CONTROL_REPLY_QUEUE`` replies queued):
-past it a request gets ``busy`` at once, so an operator tool that never reads
-its replies cannot grow the daemon. A
-request that fails validation gets a typed error reply; a peer that sends a
-frame larger than ``max_message_bytes`` is dropped by ZeroMQ (its limit is
-per frame), and a message whose frames together exceed it gets a
-``too_large`` reply and is not run. A request that fails validation, and an
-internal error, are logged at most once per peer per 10 s
-(kvd.server.logs.PeerLimiter). With ``disk_dir`` set, the disk tier
-(kvd.tiers.tiering) starts with the loop and scans its directory in the
-background; with ``remote_backend`` set, the remote tier (kvd.tiers.remote)
-starts local-only and connects in the background. SIGTERM/SIGINT: stop
-reading, end every request waiting on a client (``shutting_down``), let the
-others (and their copies) finish and finish disk and remote tier IO within
-``shutdown_grace_s`` in all (copies still queued then are abandoned: the
-CUDA backend's close gives the GPU a bounded wait of its own), remove the
-sockets, keep the host tier for the next start (``warm_restart``), exit 0:
-bounded whatever the GPU or the clients do, since no copy waits on another
-process.
+Start-up, cheapest check first (kvd.server.startup: one line and exit 2 for a bad value),
+then lock the runtime dir, open the tiers, bind ``kvd.sock`` and ``control.sock`` under
+umask 077 and tell systemd READY=1. Each request runs as its own task and is answered on
+its own socket; per-peer in-flight caps answer ``busy``; oversized messages get
+``too_large``; bad requests get a typed error, logged at most once per peer per 10 s.
+Connections are admitted by kernel peer credentials before any message is read.
+SIGTERM/SIGINT: stop reading, end waits on clients, finish copies and tier IO within
+``shutdown_grace_s``, keep the host tier for a warm restart, exit 0: bounded whatever
+the GPU or clients do. The flow of one request: docs/architecture.md.
 """
 
 from __future__ import annotations

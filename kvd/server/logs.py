@@ -1,16 +1,10 @@
 """The daemon's log lines: text for people, or JSON objects for log shippers.
 
-``setup(level, fmt)`` configures the ``kvd`` logger's handler on stderr.
-``text``: ``<time> kvd <LEVEL> <message>``. ``json``: one object per line
-with ``time`` (ISO 8601, UTC), ``level``, ``message``, every field the
-line was logged with (``log.info(..., extra={"percent": 42})``) and, for
-an exception, ``traceback``.
-
-``PeerLimiter`` keeps what one peer can make the daemon log bounded: at
-most one line per peer per interval (``log``), with the count of lines held
-back since that peer's last one appended to its next. It remembers at most
-``max_peers`` peers; past that, peers whose interval has not passed share
-one allowance. ``peer_name(peer, cred)`` names a client in a line.
+``setup(level, fmt)`` configures the ``kvd`` logger on stderr: ``text``
+(``<time> kvd <LEVEL> <message>``) or ``json`` (one object a line: time, level, message,
+extra fields, traceback). ``PeerLimiter`` bounds what one peer can make the daemon log: one
+line per peer per interval, with the count held back appended to the next, over at most
+``max_peers`` peers. ``peer_name(peer, cred)`` names a client in a line.
 """
 
 from __future__ import annotations

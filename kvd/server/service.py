@@ -1,27 +1,13 @@
 """The daemon's operations, one method per protocol op, over validated requests.
 
-``handle(peer, request)`` runs an engine op and returns its result map or
-raises a ``ServerError``; nothing is changed by a request that fails
-validation. A session may have ``max_inflight`` data requests (lookup,
-store, load) in flight; one more gets ``busy`` and does nothing. Store and
-load move bytes through kvd.server.transfers (ordering per registration,
-the flag page's waits and signals). ``register`` maps the pool and its flag
-page; closing a registration (unregister, bye, reaping) cancels what waits
-on the client, waits for the request that holds its turn, for its copies
-and for every store and load still using it (bounded: no copy waits on
-another process), then unmaps. A ``hello`` gives its routing id a new
-session at once and then reaps the one it replaces, so one id never has
-two live sessions; a reaped session takes no new registrations or leases.
-Lookups and loads read only chunks of the registration's namespace and
-shard geometry (kvd.tiers.scope): keys come from clients, so another
-namespace's chunk is a miss that ends the prefix, on every tier, counted
-once per request in ``foreign_ns_misses``.
-With a disk tier (``tiering``), lookup continues the host prefix with keys
-on disk (reported as ``disk_hits``, promotion started); for pools that GPU
-Direct Storage serves (``gds``) lookup only counts them. With a remote tier
-(``remote``), lookup then asks the remote store for the rest of the prefix
-(one round trip, bounded by ``remote_timeout_s``; none while its breaker
-is open), reports those as ``remote_hits`` and starts fetching them.
+``handle(peer, request)`` runs an engine op and returns its result map or raises a
+``ServerError``; a request that fails validation changes nothing. Per session at most
+``max_inflight`` data requests (more: ``busy``). Store and load move bytes through
+kvd.server.transfers; ``register`` maps the pool and flag page; closing a registration
+cancels waits on the client and waits (bounded) for its copies before unmapping. Lookups
+and loads see only the registration's namespace and shard geometry (kvd.tiers.scope):
+another namespace's chunk is a miss. Lookup continues the host prefix on disk and in the
+remote store (one round trip, bounded by ``remote_timeout_s``; none while its breaker is open).
 """
 
 from __future__ import annotations
