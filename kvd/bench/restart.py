@@ -1,7 +1,8 @@
 """``kvd bench --restart``: how soon a restarted daemon serves hits again, cold vs warm.
 
 Per way to restart (``cold``: SIGTERM then ``--cold``; ``warm, SIGTERM``; ``warm,
-SIGKILL``: a crash, chunks verified in the background), on a private daemon whose host tier
+SIGKILL``: a crash once every chunk is recorded and checksummed, chunks
+verified in the background), on a private daemon whose host tier
 was filled first. Measured from the new process's start: when it serves, when a lookup of
 the last prompt first hits, the share of chunks that hit at once, and when verification
 ended. Nothing is left in /dev/shm.

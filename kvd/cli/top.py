@@ -3,7 +3,7 @@
 Polls ``stats`` and shows what changed between polls: hit rate, GB/s in and out, requests
 per second and latency percentiles per op (from histogram deltas, as Prometheus'
 ``histogram_quantile``), errors, event-loop busy share, tier fill, connected clients.
-With ``rich`` (``kvd[top]``) on a terminal it redraws in place; otherwise, and with
+With ``rich`` (kvd-cache's ``top`` extra) on a terminal it redraws in place; otherwise, and with
 ``--once``, plain text blocks (without ``rich`` on a terminal it says what to install).
 """
 

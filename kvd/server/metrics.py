@@ -1,6 +1,6 @@
 """Prometheus metrics: ``/metrics`` on ``metrics_address:metrics_port`` and/or ``metrics_socket``.
 
-``start(cfg, service, ...)`` serves the exposition (prometheus-client, ``kvd[metrics]``;
+``start(cfg, service, ...)`` serves the exposition (prometheus-client, kvd-cache's ``metrics`` extra;
 missing library or unbindable address: start-up fails with one line) through
 kvd.server.metrics_http on the event loop, bounded so no scraper can take the daemon's
 descriptors or slow its engines. ``KvdCollector`` reads at render time the counters the

@@ -1,4 +1,4 @@
-"""Mooncake Store as a remote chunk store (``pip install 'kvd[mooncake]'``).
+"""Mooncake Store as a remote chunk store (kvd-cache's ``mooncake`` extra).
 
 kvd.tiers.remote_store's interface over ``MooncakeDistributedStore`` (TCP transport):
 ``address`` the master, ``segment_bytes`` what this daemon lends, ``metadata`` the transfer
