@@ -33,13 +33,13 @@ def add_arguments(p) -> None:
     p.add_argument("--chunks", type=int, default=8, help="chunks per store/load request")
     p.add_argument("--repeat", type=int, default=5, help="timed runs; the median is reported")
     p.add_argument("--daemon-log", default=None, metavar="PATH", help="write the private daemon's "
-                   "debug log (per-copy timings) to PATH; summarise it with tools/daemon_timings.py")
+                   "debug log to PATH (a line per copy: its size, how it went, its times)")
     p.add_argument("--daemon-profile", default=None, metavar="PATH", help="host and --gpu "
                    "benchmarks: run the private daemon under cProfile and write its stats to PATH "
                    "when it stops (read them with python3 -m pstats PATH); slows the daemon")
     p.add_argument("--json", default=None, metavar="PATH", help="with --gpu: also write every "
                    "result row as JSON to PATH (the pipelined rows with each run's ratio); "
-                   "tools/ratio_runs.py summarises several; with --remote: every run's GB/s "
+                   "with --remote: every run's GB/s "
                    "and load times")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the result table as a "
                    "bar chart (host, --gpu, --disk, --gds; needs kvd[plot]: matplotlib)")

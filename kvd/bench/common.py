@@ -177,7 +177,7 @@ def on_stream(torch, stream, call, *args):
 
 def write_json(path: str, **parts) -> None:
     """The benchmark's results as JSON at ``path`` (numpy numbers as plain ones), with the
-    command that produced them; ``tools/ratio_runs.py`` summarises several such files."""
+    command that produced them."""
     import json
 
     from .plot import command  # no matplotlib needed for it

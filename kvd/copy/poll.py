@@ -5,7 +5,7 @@
 re-checks once per iteration (yielding the GIL); with ``idle_after_s`` it backs off to
 ``idle_sleep_s`` after no progress; idle, it sleeps in epoll. Why poll: a helper thread
 costs two OS wake-ups per copy (0.2-0.3 ms, 4-5% of a 268 MB copy; measured by
-tools/probes/request_breakdown.py, removed after commit ef6bcf2). A failed check fails only
+tools/probes/request_breakdown.py at commit ef6bcf2). A failed check fails only
 that future; a cancelled future is dropped at the next pass.
 """
 
