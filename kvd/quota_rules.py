@@ -2,9 +2,10 @@
 
 A rule caps and/or reserves bytes of one group of chunks (a ``model``, a ``tenant``, or
 both): ``host_max``, ``disk_max``, and ``host_reserve`` kept against other groups'
-eviction. ``parse(value, text, max_tenant)`` returns a tuple of ``Quota`` or raises
-``ValueError`` naming the entry (from 1) and what is wrong; ``check`` checks against other
-knobs; ``to_toml`` writes them back. Imports nothing of kvd's but kvd.sizes.
+eviction; ``users``/``groups`` bind its tenant label to peer credentials
+(kvd.server.tenants). ``parse(value, text, max_tenant)`` returns a tuple of ``Quota`` or
+raises ``ValueError`` naming the entry (from 1) and what is wrong; ``check`` checks against
+other knobs; ``to_toml`` writes them back. Imports nothing of kvd's but kvd.sizes.
 """
 
 from __future__ import annotations

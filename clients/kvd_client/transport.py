@@ -3,9 +3,10 @@
 ``Channel.send`` queues a request and returns its id (``DaemonUnavailable`` when there is no
 daemon); ``collect(timeout)`` returns every reply arrived as ``(id, result, error)`` with
 typed ``ServerError``s; ``request`` is the blocking form (``Timeout``: the request may still
-run); replies to ``forget``-ten ids are dropped. One routing id for the socket's life.
-Thread-safe under one lock that nobody sleeps holding (waits sleep in ``select``);
-``spin_s`` > 0 busy-polls first for lower latency.
+run); replies to ``forget``-ten ids are dropped. One routing id for the channel's life; a
+socket idle for ``REOPEN_S`` with no reply awaited is replaced (same routing id) at the next
+send, since ZeroMQ never retries a connection the daemon's caps refused. Thread-safe under
+one lock nobody sleeps holding (waits sleep in ``select``); ``spin_s`` > 0 busy-polls first.
 """
 
 from __future__ import annotations

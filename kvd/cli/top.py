@@ -2,9 +2,9 @@
 
 Polls ``stats`` and shows what changed between polls: hit rate, GB/s in and out, requests
 per second and latency percentiles per op (from histogram deltas, as Prometheus'
-``histogram_quantile``), errors, event-loop busy share, tier fill, connected clients.
-With ``rich`` (kvd-cache's ``top`` extra) on a terminal it redraws in place; otherwise, and with
-``--once``, plain text blocks (without ``rich`` on a terminal it says what to install).
+``histogram_quantile``), errors, event-loop busy share, tier fill, connected clients (names
+through ``kvd.printable``, never read as markup). With ``rich`` (kvd-cache's ``top`` extra)
+on a terminal it redraws in place; otherwise, and with ``--once``, plain text blocks.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 Start-up, cheapest check first (kvd.server.startup: one line and exit 2 for a bad value),
 then lock the runtime dir, open the tiers, bind ``kvd.sock`` and ``control.sock`` under
-umask 077 and tell systemd READY=1. Each request runs as its own task and is answered on
-its own socket; per-peer in-flight caps answer ``busy``; oversized messages get
-``too_large``; bad requests get a typed error, logged at most once per peer per 10 s.
-Connections are admitted by kernel peer credentials before any message is read.
-SIGTERM/SIGINT: stop reading, end waits on clients, finish copies and tier IO within
-``shutdown_grace_s``, keep the host tier for a warm restart, exit 0: bounded whatever
-the GPU or clients do. The flow of one request: docs/architecture.md.
+umask 077 and tell systemd READY=1. Connections are admitted by kernel peer credentials
+and capped per socket, uid and process (kvd.server.connections) before any message is read.
+Each request runs as its own task, answered on its own socket; per-peer in-flight caps answer
+``busy``; oversized messages ``too_large``; bad requests a typed error. Lines a peer causes
+are rate-limited per kernel (uid, pid). SIGTERM/SIGINT: stop reading, end waits on clients,
+finish copies and tier IO within ``shutdown_grace_s``, keep the host tier for a warm
+restart, exit 0: bounded whatever the GPU or clients do. Request flow: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The daemon's log lines: text for people, or JSON objects for log shippers.
 
 ``setup(level, fmt)`` configures the ``kvd`` logger on stderr: ``text``
-(``<time> kvd <LEVEL> <message>``) or ``json`` (one object a line: time, level, message,
-extra fields, traceback). ``PeerLimiter`` bounds what one peer can make the daemon log: one
-line per peer per interval, with the count held back appended to the next, over at most
-``max_peers`` peers. ``peer_name(peer, cred)`` names a client in a line.
+(``<time> kvd <LEVEL> <message>``) or ``json`` (one object a line). ``PeerLimiter`` bounds
+what one peer can make the daemon log: ``burst`` lines per peer per interval, the count held
+back appended to its next, and ``summary`` lines of what was held back, over at most
+``max_peers`` peers. ``peer_key(peer, cred)`` keys a line by the kernel's (uid, pid), which a
+peer cannot renew as it renews a routing id; ``peer_name`` names a client in a line.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ libzmq reads each Unix-socket connection's SO_PEERCRED and reports it as the pee
 ``<host>:<uid>:<gid>:<pid>`` in ZAP requests and each message's ``Peer-Address``: the
 kernel's values, never what the client says (``credentials_available`` probes for it).
 ``AccessPolicy`` admits the daemon's uid, root, and with ``access_group`` members of that
-group. ``ZapGate`` answers ZAP on the loop, so a refused peer's connection is closed in the
-handshake and none of its messages reaches the daemon. ``recv_request`` reads a request
-with its connection's credentials.
+group. ``ZapGate`` answers ZAP on the loop, so a peer refused (by the policy, or by the
+connection caps of kvd.server.connections) is closed in the handshake and none of its
+messages reaches the daemon. ``recv_request`` reads a request with its credentials.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Which clients are still there, and replies to clients that are slow to read.
 
 ``Liveness(daemon)`` reaps: it expires leases and sessions silent for ``client_timeout_s``
-with nothing in flight, and sooner when the socket monitor says a connection closed (a
-probe per session finds the gone one). ``Intake`` admits requests per peer before any task
-is made: past ``max_inflight`` (engines) or ``CONTROL_INFLIGHT`` (control) a request gets
-``busy`` at once. ``reply(sock, peer, frames, stats)`` retries a slow reader for
-``REPLY_PATIENCE_S`` before dropping (``replies_dropped``, logged at most once per peer per
-``LOG_EVERY_S``); a gone peer's reply is dropped at once.
+with nothing in flight, and sooner when a connection closed (``connection_closed``, from
+kvd.server.connections: a probe per session finds the gone one). ``Intake`` admits requests
+per peer before any task is made: past ``max_inflight`` (engines) or ``CONTROL_INFLIGHT``
+(control; its ``busy`` replies through kvd.server.backlog) a request gets ``busy`` at once.
+``reply(sock, peer, frames, stats)`` retries a slow reader for ``REPLY_PATIENCE_S`` before
+dropping (``replies_dropped``, logged at most once per peer per ``LOG_EVERY_S``).
 """
 
 from __future__ import annotations

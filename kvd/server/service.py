@@ -3,11 +3,11 @@
 ``handle(peer, request)`` runs an engine op and returns its result map or raises a
 ``ServerError``; a request that fails validation changes nothing. Per session at most
 ``max_inflight`` data requests (more: ``busy``). Store and load move bytes through
-kvd.server.transfers; ``register`` maps the pool and flag page; closing a registration
-cancels waits on the client and waits (bounded) for its copies before unmapping. Lookups
-and loads see only the registration's namespace and shard geometry (kvd.tiers.scope):
-another namespace's chunk is a miss. Lookup continues the host prefix on disk and in the
-remote store (one round trip, bounded by ``remote_timeout_s``; none while its breaker is open).
+kvd.server.transfers; closing a registration waits (bounded) for its copies before
+unmapping. Lookups and loads see only the registration's scope (kvd.tiers.scope); a lookup
+continues on disk and in the remote store (bounded by ``remote_timeout_s``). A store whose
+``tenant`` a quota rule binds gets ``forbidden`` unless the connection's credentials match
+(kvd.server.tenants). Every line a peer causes goes through ``peer_log``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """What ``kvd serve`` checks and builds before it serves, cheapest checks first.
 
 ``check(cfg, runtime_dir)`` runs before the host tier's allocation: runtime dir, ``shm_dir``
-and ``disk_dir`` usable with room (a missing last component of ``disk_dir`` is created,
-never its parents), optional libraries present for the knobs set. A bad knob value raises
-``ConfigError`` (one line, exit 2); anything else ``StartupError`` (one line, exit 1).
-``raise_fd_limit`` lifts the open-files soft limit to the hard one. ``make_remote``,
-``open_disk``, ``make_cuda_engine`` and ``make_gds`` build the optional parts: only "not
-available here" errors turn one off with a log line (with ``gpu = "on"`` any failure
-stops start-up); anything else is logged as our bug with its traceback.
+and ``disk_dir`` usable with room (only a missing last component of ``disk_dir`` is made),
+optional libraries present, users and groups a ``quota`` rule binds exist. A bad knob value
+raises ``ConfigError`` (one line, exit 2); anything else ``StartupError`` (one line, exit
+1). ``raise_fd_limit`` lifts the open-files soft limit to the hard one (``fd_limit``,
+``fds_open``: the connection caps' basis). ``make_remote``, ``open_disk``,
+``make_cuda_engine`` and ``make_gds`` build the optional parts: only "not available here"
+errors turn one off with a log line (``gpu = "on"``: any failure stops start-up).
 """
 
 from __future__ import annotations

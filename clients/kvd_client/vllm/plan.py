@@ -2,10 +2,10 @@
 
 Plain, picklable data: keys computed once by the scheduler, 16-byte strings with the block
 ids (``blocks_per_chunk`` per key) and the item's KV cache ``group``.
-``LoadItem``: ``keys`` into ``pages`` (``pages[:scratch]`` are throw-away writes past a local
-hit; ``layerwise``: inside the step). ``StoreItem``: ``pages`` out under ``keys``
-(``after_forward``: submitted at ``wait_for_save``; ``tenant``). ``StepPlan.namespace`` joins
-the groups' digests. ``WorkerReport``: keys whose load failed.
+``LoadItem``: ``keys`` into ``pages`` (``pages[:scratch]`` are throw-away writes, sent to
+vLLM's null block; ``layerwise``: inside the step). ``StoreItem``: ``pages`` out under
+``keys`` (``after_forward``: submitted at ``wait_for_save``; ``tenant``).
+``StepPlan.namespace`` joins the groups' digests. ``WorkerReport``: keys whose load failed.
 """
 
 from __future__ import annotations
