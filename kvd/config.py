@@ -1,21 +1,12 @@
 """The daemon's one typed configuration object.
 
-Every knob is a ``Knob`` with a type, a default and help text. Values come,
-lowest precedence first, from the defaults, a TOML file (``--config``),
-environment variables ``KVD_<KEY>`` (upper case) and command-line flags
-``--<key-with-dashes>``. A bad key or value raises ``ConfigError`` naming
-the key; ``kvd serve`` turns it into one line on stderr and exit code 2.
-TOML values must have the knob's type (``chunk_tokens = "256"`` is an
-error); environment and flag values are text and are parsed. Sizes take
-binary (KiB, MiB, GiB, TiB) or decimal (KB, MB, GB, TB) units; a bare K,
-M, G or T is refused as ambiguous (kvd/sizes.py; ``parse_size`` and
-``size_text`` are importable from here too).
-
-``load_config`` returns a ``Config``: a frozen dataclass with one field per
-knob (built from ``KNOBS``) that also records where each value came from
-(``sources``: default, file, env or flag). ``defaults_toml`` and
-``resolved_toml`` render the table as TOML (``kvd config``).
-configs/kvd.toml and docs/config.md list the same knobs (a test checks).
+Owns ``KNOBS``: every knob a ``Knob`` with a type, default and help text. ``load_config``
+merges, lowest precedence first, defaults, a TOML file, ``KVD_<KEY>`` variables and
+``--<key>`` flags into a frozen ``Config`` that records each value's source.
+Promises: a bad key or value raises ``ConfigError`` naming the key; TOML values must have
+the knob's type; sizes take KiB.. or KB.. units, never a bare K/M/G/T (kvd/sizes.py).
+``defaults_toml``/``resolved_toml`` render ``kvd config``; configs/kvd.toml and
+docs/config.md list the same knobs (a test checks).
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The ``quota`` knob: its rules, parsed from TOML or text, checked, and written back.
 
-Each rule caps and/or reserves bytes of one group of chunks: those of a
-model (``model``: the model id engines register, any dtype or TP size),
-of a tenant label (``tenant``: what stores carry in their ``tenant`` field),
-or of that tenant of that model (both). ``host_max`` and ``disk_max`` cap
-the group in the host and disk tiers, ``host_reserve`` keeps that much of
-the host tier for it against other groups' eviction (0: not set).
-``users`` and ``groups`` (lists of names or numeric ids) bind a rule's
-tenant label to peer credentials: a label that any rule binds may be
-carried only by connections of those users or of members of those groups
-(kvd.server.tenants); a rule that binds needs no size.
-
-``parse(value, text, max_tenant)`` takes the knob's value — a list of
-tables from the TOML file (``[[quota]]``), or, from the environment or a
-flag (``text``), a TOML array of inline tables — and returns a tuple of
-``Quota``, or raises ``ValueError`` with one line naming the entry (from 1,
-in file order) and what is wrong with it. ``check(rules, host_capacity,
-disk_dir)`` is the check against other knobs. ``to_toml`` writes rules as
-that TOML array. Imports nothing of kvd's but kvd.sizes.
+A rule caps and/or reserves bytes of one group of chunks (a ``model``, a ``tenant``, or
+both): ``host_max``, ``disk_max``, and ``host_reserve`` kept against other groups'
+eviction; ``users``/``groups`` bind its tenant label to peer credentials
+(kvd.server.tenants). ``parse(value, text, max_tenant)`` returns a tuple of ``Quota`` or
+raises ``ValueError`` naming the entry (from 1) and what is wrong; ``check`` checks against
+other knobs; ``to_toml`` writes them back. Imports nothing of kvd's but kvd.sizes.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Hooks imported by tests/conftest.py. With the option, the end of the run
 lists every skipped test or module with its reason, and a skip whose reason
 does not match REGEX (``re.search``) fails the run: on the GPU machine a
 test that skips for a missing package is a test that never ran
-(``tools/gpu_all.sh`` passes ``--only-skips 'needs two'``). Without the
+(``tools/gpu/run_all.sh`` passes ``--only-skips 'needs two'``). Without the
 option nothing changes. Tests marked xfail are not skips.
 """
 

@@ -181,3 +181,31 @@ def test_the_client_needs_nothing_of_the_daemon():
             "pool.close(); print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+MAX_DOC_LINES = 12
+
+
+def _docstring_lines(source: str) -> int:
+    """Source lines the module docstring spans, quotes included (0 without one)."""
+    body = ast.parse(source).body
+    first = body[0] if body else None
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
+        return 0
+    return first.end_lineno - first.lineno + 1
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_contracts_fit_a_screen(module):
+    """A module opens with its contract (owns, promises, never does) in at most 12 lines;
+    how a request flows through the modules is told once, in docs/architecture.md."""
+    lines = _docstring_lines(MODULES[module].read_text())
+    assert lines <= MAX_DOC_LINES, (f"{MODULES[module]}: module docstring is {lines} lines; "
+                                    f"keep the contract to {MAX_DOC_LINES}, the story in docs")
+
+
+def test_the_docstring_counter_counts_lines():
+    assert _docstring_lines('"""One line."""\nx = 1\n') == 1
+    assert _docstring_lines('"""Contract.\n' + "more\n" * 12 + '"""\n') == 14
+    assert _docstring_lines("x = 1\n") == 0

@@ -1,31 +1,14 @@
 """KvdClient: the engine-side stub. Hashes token chunks, names pages, asks kvd.
 
-Pipelined: ``submit_store`` and ``submit_load`` send a request and return a
-``Transfer`` at once (many may be in flight); ``poll()`` returns those that
-ended and are fenced (kvd_client.transfer), ``Transfer.wait()`` waits for one;
-``submit_lookup`` returns a ``Lookup`` likewise (kvd_client.lookup: never
-waits; a lease nobody reads is released); ``store``, ``load``, ``lookup``,
-``lookup_lease`` block; ``release(lease, wait=False)`` does not. A
-layer-wise load on a CUDA pool signals each layer in the registration's
-flag page (kvd_client.flags): ``wait_for_layer`` makes the engine's current
-stream wait for it, no host round trip; a store on a CUDA pool marks the
-engine's stream in the flag page, and the daemon starts the copy once the
-stream got there. Nothing either side waits on
-depends on the other being alive: a load that fails (error, timeout, the
-daemon's death) is cancelled, its waits are released, and it is reported
-failed once fenced.
-
-Failures. Unavailability degrades to a miss (lookups and loads report 0
-tokens, stores 0 stored, a transfer ends ``failed``): the daemon is down or
-slow, shutting down, out of space, busy, the deadline passed, the copy
-failed. A contract error (``bad_request``, ``out_of_range``, ``forbidden``,
-``too_large``, a version mismatch) is the caller's bug and always raises.
-``raise_errors=True`` raises everything. The client connects lazily: an
-engine started before the daemon works (with misses) and registers its
-pools when the daemon appears. A background thread sends heartbeats, ends
-transfers past their deadline, fences failed loads and watches the
-daemon's instance lock; after a daemon restart the client says hello
-again, registers again and resends per its ``Retry`` policy.
+Blocking ``store``/``load``/``lookup`` and pipelined ``submit_*`` + ``poll()`` (fenced
+``Transfer``s, kvd_client.transfer; ``Lookup``s, kvd_client.lookup). On CUDA pools stores
+mark and layer-wise loads signal the engine's stream through the flag page
+(kvd_client.flags), with no host round trip. Promises: nothing either side waits on depends
+on the other being alive; unavailability (down, slow, busy, no space, deadline, failed
+copy) degrades to a miss, while contract errors (``bad_request``, ``out_of_range``,
+``forbidden``, ``too_large``, version) always raise (``raise_errors=True``: everything).
+Connects lazily; a background thread heartbeats, ends late transfers, fences failed loads
+and, after a daemon restart, says hello, re-registers and resends per its ``Retry``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The client's side of a registration's flag page (layout: kvd_protocol.flags).
 
-``ClientFlags(num_layers, slots, shm_dir, device, group)`` creates the page
-in shared memory (``kvd-flags-<pid>-<hex>``, kvd_client.shm: mode 0600, or
-0660 of ``group`` for a daemon of another user; removed by ``close`` and at
-exit) and, for a CUDA pool (``device`` = the GPU ordinal), registers
-it with the driver so the engine's streams can write and wait on its words.
-
-- ``mark(stream, value)``: the engine's stream writes ``value`` into the
-  mark word once everything queued before it ran (the forward pass that
-  wrote a store's KV, the kernels that last used a load's pages); the
-  daemon starts a copy sent with ``after=value`` only then.
-- ``stream_idle(stream)``: the stream ran everything queued on it (a copy
-  needs no mark then).
-- ``wait_layer(stream, slot, layer, seq)``: the engine's stream waits until
-  the daemon signalled layer ``layer`` of the load ``seq`` in ``slot``.
-- ``cancel(slot, seq)``: the daemon's kernels that have not started skip
-  the load; ``done(slot, seq)``: the daemon wrote the load's done word (it
-  will not write the load's pages again); ``release_waits(slot, seq)``: the
-  CPU writes every layer word of the load, so no stream waits on it any
-  more (a failed load: the caller cancels first and reports the failure).
+``ClientFlags(num_layers, slots, shm_dir, device, group)`` creates the page in shared memory
+(kvd_client.shm; removed at ``close`` and exit) and, for a CUDA pool, registers it with the
+driver. ``mark(stream, value)``: the stream writes the mark word once its earlier work ran
+(the daemon starts a store then); ``stream_idle``; ``wait_layer``: the stream waits for a
+load's layer word; ``cancel``, ``done`` and ``release_waits`` (the CPU writes every layer
+word of a failed load, so no stream waits on it any more).
 """
 
 from __future__ import annotations

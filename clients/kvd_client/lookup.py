@@ -1,27 +1,12 @@
 """A lookup in flight: what ``KvdClient.submit_lookup`` returns.
 
-``Lookup`` asks kvd for the longest cached prefix of some chunk keys (and
-pins it under a lease) without waiting: the request goes out at once and
-its reply is routed to it by the client's pump (kvd_client.pump), like a
-transfer's. ``poll()`` never waits; ``wait(timeout)`` drives the client up
-to ``timeout``; both say whether the lookup is done: answered, failed, or
-past its deadline (the client's timeout after it was sent). ``result()``
-waits until it is done and returns ``(tokens, lease)``: unavailability (no
-daemon, no answer by the deadline) is a miss ``(0, None)``, a contract
-error raises (the client's rules, ``KvdClient._guard``). ``answered_at`` is
-when the reply came (monotonic seconds; None until then). Answered
-``no_session`` (the daemon restarted or reaped the client), it is sent again
-after hello as the client's ``Retry`` allows, by the next ``poll``/``wait``.
-
-No lookup leaks a lease. After ``cancel()`` (the caller will not read it),
-or once past its deadline, a lookup stays in the client's pending table
-until its reply comes, and a lease in that reply is released at once
-without waiting (``KvdClient.release(wait=False)``); the table forgets it
-``lease_ms`` after its deadline (a lease granted that late expires by
-itself). A lookup past its deadline also marks the daemon as not answering
-(``KvdClient.lookups_unanswered``): until any reply comes from it, new
-lookups are misses at once, so a hung daemon costs one deadline, not one
-per lookup.
+``Lookup`` asks for the longest cached prefix (pinned under a lease) without waiting; its
+reply is routed by the pump. ``poll()`` never waits, ``wait(timeout)`` drives the client;
+``result()`` returns ``(tokens, lease)``: unavailability is a miss ``(0, None)``, a
+contract error raises. Answered ``no_session``, it is resent after hello per ``Retry``.
+Promises: no lookup leaks a lease (after ``cancel()`` or its deadline, a late reply's
+lease is released at once); a lookup past its deadline marks the daemon as not answering,
+so a hung daemon costs one deadline, not one per lookup.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """SharedKVPool: an engine KV pool in a shared-memory file (host backend).
 
-Allocates, in one file under /dev/shm, the tensors of one of the layouts of
-``kvd_protocol.layout`` (numpy arrays, zero-filled), and exposes what
-``KvdClient.register_kv`` needs: the layout descriptor, the buffer list,
-the dtype and head geometry. The daemon maps the same file and copies
-pages in and out. The file (kvd_client.shm) is mode 0600; with ``group``
-(the daemon's ``access_group``, for engines running as another user) it is
-0660 of that group, so the daemon can map it. It is flocked for the pool's
-life and unlinked by ``close`` (and at exit); files of processes that died
-are removed when a new pool is created, only once their lock is free
-(safe across pid namespaces sharing one /dev/shm).
+Allocates in one /dev/shm file the zero-filled tensors of a ``kvd_protocol.layout`` layout
+and exposes what ``register_kv`` needs (descriptor, buffers, dtype, heads). The file
+(kvd_client.shm) is 0600, or 0660 of ``group`` for a daemon of another user, flocked for the
+pool's life and unlinked by ``close``/at exit; dead processes' files are removed only once
+their lock is free (safe across pid namespaces sharing /dev/shm).
 """
 
 from __future__ import annotations

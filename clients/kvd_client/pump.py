@@ -1,25 +1,12 @@
 """The client's engine room: sending transfers, routing replies, deadlines, fences.
 
-``Pump(client)`` is composed into ``KvdClient``. ``start(t)`` sends a
-transfer (saying hello first when the client is not connected);
-``start_lookup(lookup)`` sends a lookup without waiting for the socket
-(kvd_client.lookup: a failure to send, or a daemon that let a lookup pass
-its deadline unanswered, makes it a miss at once). Leases of lookups nobody
-reads are released after each round of replies; a lookup nobody reads is
-forgotten ``lease_ms`` after its deadline. ``progress(target, timeout)``
-collects replies from the channel (waiting up to ``timeout`` for one) and
-routes each to its ``Transfer``, ``Lookup`` or blocking call, then does the housekeeping: transfers past their deadline fail with
-``Timeout``; failed loads are cancelled, their stream waits released, and
-fenced once the daemon's done word arrives, the daemon is gone, or
-``fence_quiet_s`` passed (kvd_client.transfer); while anything is pending
-the daemon's instance lock is probed (kvd_client.liveness) and a dead
-daemon fails everything in flight at once, instead of at the timeouts.
-Transfers answered ``no_session`` are resent after hello, as the client's
-``Retry`` allows; ``session_lost`` skips the hello when the answer is about
-a session that an answered hello already replaced. ``keep()`` is the body
-of the client's background thread: the same housekeeping when no caller is
-waiting, heartbeats when idle, and hello when a daemon appears. State is under the client's lock; nobody
-sleeps holding it.
+``Pump(client)``, composed into ``KvdClient``: ``start``/``start_lookup`` send (hello first
+when needed); ``progress(target, timeout)`` routes replies to their ``Transfer``, ``Lookup``
+or blocking call, then fails transfers past their deadline (``Timeout``), cancels failed
+loads and fences them (done word, daemon gone, or ``fence_quiet_s``), and probes the
+daemon's instance lock so a dead daemon fails everything at once. ``no_session`` answers
+are resent after hello per ``Retry``. ``keep()`` is the background thread's body. State is
+under the client's lock; nobody sleeps holding it.
 """
 
 from __future__ import annotations

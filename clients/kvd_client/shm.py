@@ -1,20 +1,11 @@
 """Files in shared memory that the client creates for the daemon to map.
 
-``ShmFile.create(prefix, size, shm_dir, group)`` makes
-``<shm_dir>/<prefix>-<pid>-<hex>`` (mode 0600; with ``group``, 0660 of that
-group, set before any byte is in it, so a daemon running as another user of
-the group can map it), fully allocated (``allocate=False``: sized only, the
-caller allocates its ranges), mapped shared. The file is flocked
-for its owner's whole life: leftovers of processes that died without
-``close`` are removed (``remove_dead_files``) only when that lock can be
-taken, safely across containers that share one /dev/shm (Docker
-``--ipc=host``) and cannot see each other's pids; for files of clients that
-predate the lock, also only when the pid in the name is not alive here. A
-new file is created, locked, then checked to still be linked under its name
-(a cleaner may have taken it in between: then another name is tried).
-``close`` unlinks the file before it drops the lock. ``shared_group(dir)``
-is the group a runtime directory is shared with (its group, when it grants
-the group access): the group the client's files need.
+``ShmFile.create(prefix, size, shm_dir, group)`` makes ``<shm_dir>/<prefix>-<pid>-<hex>``
+(0600, or 0660 of ``group`` set before any byte is in it), allocated (unless
+``allocate=False``), mapped shared and flocked for its owner's whole life. Leftovers of dead
+processes are removed (``remove_dead_files``) only when their lock can be taken: safe
+across containers sharing /dev/shm. ``close`` unlinks before dropping the lock.
+``shared_group(dir)`` is the group a runtime directory is shared with.
 """
 
 from __future__ import annotations

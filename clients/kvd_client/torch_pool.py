@@ -1,25 +1,12 @@
 """CudaKVPool: describe an engine's torch CUDA KV tensors for ``register_kv``.
 
-Takes the tensors in the engine's own layout (see kvd_protocol.layout) and produces
-the layout descriptor and the buffer list: ``cuda_ipc``, one buffer per
-distinct CUDA allocation the tensors live in, with each tensor's byte
-offset inside it (caching allocators rarely start a tensor at its
-allocation); or, for memory mapped through CUDA's virtual-memory API (vLLM
-0.34's extensible KV cache, sleep mode, expandable segments), ``cuda_vmm``,
-one buffer per run of allocations mapped end to end, whose file descriptors
-``lend_buffers`` passes to the daemon at each registration
-(kvd_client.vmm_share). ``device_index`` and ``stream_ptr()`` (the engine's current
-stream) let the client mark stores and wait for layer-wise loads on the
-engine's stream through the registration's flag page (kvd_client.flags).
-Tensors:
-
-- ``vllm_flash_attn``, ``vllm_flashinfer``, ``vllm_mla``: one tensor per layer
-- ``vllm_kv_blocks``: one tensor per layer, vLLM's GPU blocks, the
-  logical ``[blocks, kv_heads, block_size, 2 * head_size]`` in any order
-- ``sglang_mha``: one ``(k, v)`` pair per layer; ``sglang_mla``: one per layer
-- ``page_first``: a single tensor
-- ``opaque``: one tensor per layer ``[pages, ...]`` whose pages are dense byte
-  ranges (e.g. vLLM's GPU blocks kept whole), with ``page_size``
+Takes tensors in the engine's own layout (kvd_protocol.layout: ``vllm_flash_attn``,
+``vllm_flashinfer``, ``vllm_mla``, ``vllm_kv_blocks``, ``sglang_mha``/``sglang_mla``,
+``page_first``, ``opaque``) and produces the layout descriptor and buffers: ``cuda_ipc``,
+one per CUDA allocation with each tensor's offset in it, or, for virtual-memory allocations
+(vLLM 0.34's extensible KV cache, sleep mode, expandable segments), ``cuda_vmm`` buffers whose
+file descriptors ``lend_buffers`` passes at each registration (kvd_client.vmm_share).
+``device_index`` and ``stream_ptr()`` let the client mark and wait on the engine's stream.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """A store or load in flight: how it ended, and when its pages are the engine's again.
 
-``Transfer`` is what ``KvdClient.submit_store`` and ``submit_load`` return.
-``status`` goes from ``"pending"`` to ``"ok"`` or ``"failed"`` (``error``
-then says why, a ``kvd_protocol.errors`` exception); ``tokens`` is what
-landed (store: tokens now cached, stored or deduplicated; load: tokens
-whose KV is in the pages). ``done`` is true once the transfer ended **and is
-fenced**: the daemon will never again read (store) or write (load) its
-pages, so the engine may reuse them. ``wait(timeout)`` drives the client
-until then.
-
-Fences. A store is fenced when it ends: the daemon replies only after its
-copy landed, and discards a copy that lands after the client's deadline. A
-load that succeeded is fenced by its reply (the daemon writes the slot's
-done word before it replies). A failed load is fenced once the daemon
-wrote the slot's done word, or the daemon can no longer write (its process
-is gone), or ``fence_quiet_s`` passed since the client wrote the slot's
-cancel word (copy kernels check it before they touch the pages, so only a
-kernel already running could still write, and none runs that long). Before
-the fence the client releases every stream wait on the load (layer words),
-so a failed load never stalls the engine; its pages hold undefined bytes
-and must be recomputed.
+``Transfer`` (from ``submit_store``/``submit_load``): ``status`` pending -> ok | failed
+(``error``: a kvd_protocol.errors exception), ``tokens`` what landed. ``done`` is true once
+it ended and is fenced: the daemon will never again read (store) or write (load) its pages.
+A store and a successful load are fenced by their reply; a failed load once the daemon
+wrote the done word, died, or ``fence_quiet_s`` passed after the cancel word. Before the
+fence every stream wait on a failed load is released, so it never stalls the engine; its
+pages hold undefined bytes. ``wait(timeout)`` drives the client until done.
 """
 
 from __future__ import annotations

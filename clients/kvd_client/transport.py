@@ -1,25 +1,12 @@
 """Requests and replies over one ZeroMQ DEALER, pipelined, with timeouts.
 
-``Channel.send(op, fields, frames)`` queues a request and returns its id at
-once (``DaemonUnavailable`` when there is no daemon to send to); replies
-come back in any order and are collected by ``collect(timeout)``, which
-waits up to ``timeout`` for at least one reply and returns every reply
-that arrived as ``(id, result, error)`` (``error`` is the typed
-``ServerError`` of an error reply, else None). ``request`` is the blocking
-form for one call (``Timeout`` when no reply came in time: the request may
-still run). A reply to an id the caller stopped waiting for (``forget``)
-is dropped. The channel keeps one random routing id for its life, so the
-daemon knows it across reconnects. A connection the daemon refuses in its
-handshake (over its connection caps) is one ZeroMQ does not retry, so a
-socket that has had nothing to send on for ``REOPEN_S``, with no reply
-awaited, is replaced by a new one of the same routing id at the next send.
-
-Thread-safe: socket operations and the reply table are under one lock, and
-nobody sleeps holding it: a waiting thread sleeps in ``select`` on the
-socket's file descriptor (ZeroMQ's edge-triggered notification), so a
-heartbeat or another thread's request goes through meanwhile. With
-``spin_s`` > 0 a wait busy-polls that long before it sleeps (lower latency
-for copies that take milliseconds, at the cost of a busy core meanwhile).
+``Channel.send`` queues a request and returns its id (``DaemonUnavailable`` when there is no
+daemon); ``collect(timeout)`` returns every reply arrived as ``(id, result, error)`` with
+typed ``ServerError``s; ``request`` is the blocking form (``Timeout``: the request may still
+run); replies to ``forget``-ten ids are dropped. One routing id for the channel's life; a
+socket idle for ``REOPEN_S`` with no reply awaited is replaced (same routing id) at the next
+send, since ZeroMQ never retries a connection the daemon's caps refused. Thread-safe under
+one lock nobody sleeps holding (waits sleep in ``select``); ``spin_s`` > 0 busy-polls first.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """An engine's KV tensors in CUDA virtual memory, as ``cuda_vmm`` buffers lent by file descriptor.
 
-``vmm_buffers(spans, device_uuid)`` takes each tensor's ``(pointer, bytes)``,
-finds the physical allocations mapped under them (kvd_protocol.cuda_vmm), and
-returns the register request's buffers (one per run of allocations mapped end
-to end: one range the daemon maps the same way), the base of every allocation
-in buffer order (whose descriptors are lent), and each tensor's ``(buffer,
-offset)``. ``lend(piece_bases, buffers, device_index, fd_socket, timeout)``
-exports a fresh descriptor per allocation, lends them all over fds.sock
-(kvd_protocol.fd_pass), closes them here whatever happens, and returns the
-buffers naming them by the daemon's token: called at every registration
-(after a daemon restart too). No torch: ``torch_pool.CudaKVPool`` and the
-test suite's fake engine share it.
+``vmm_buffers(spans, device_uuid)`` finds the physical allocations under each tensor
+(kvd_protocol.cuda_vmm) and returns the register request's buffers (one per run mapped end
+to end), the allocation bases to lend and each tensor's ``(buffer, offset)``. ``lend(...)``
+exports a descriptor per allocation, lends them over fds.sock (kvd_protocol.fd_pass), closes
+them here whatever happens, and returns buffers naming the daemon's token. No torch.
 """
 
 from __future__ import annotations

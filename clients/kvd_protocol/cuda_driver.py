@@ -1,17 +1,10 @@
 """CUDA driver calls through ctypes, shared by the client and the daemon.
 
-Used by the engine side to export KV tensors through CUDA IPC and by the
-daemon to check what it opened (the real size of an opened allocation).
-
-``export_allocation(ptr)`` finds the allocation a device pointer lies in
-(caching allocators hand out tensors in the middle of larger blocks) and
-returns its IPC handle, the allocation base and size, and the device UUID;
-the daemon opens the handle once and adds the tensor's byte offset.
-Memory from CUDA virtual-memory allocators (PyTorch expandable segments,
-vLLM sleep mode) cannot be exported with ``cuIpcGetMemHandle``: that is
-detected up front and raised as ``CudaExportError`` naming the cause.
-Only libcuda is needed: no cupy in the engine. The daemon also queues its
-copy-engine-only copies here (``memcpy3d_batch_async``, kvd.cuda.dma).
+``export_allocation(ptr)`` finds the allocation a device pointer lies in and returns its IPC
+handle, base, size and device UUID (the daemon adds the tensor's offset). Virtual-memory
+allocations cannot be exported this way: detected up front, ``CudaExportError`` naming the
+cause. Only libcuda is needed, no CuPy in the engine. The daemon also queues its
+copy-engine batches here (``memcpy3d_batch_async``, kvd.cuda.dma).
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """CUDA virtual-memory allocations shared by POSIX file descriptor (ctypes on libcuda).
 
-Memory mapped through CUDA's virtual-memory API (``cuMemCreate`` + ``cuMemMap``:
-vLLM's extensible KV cache and sleep-mode allocator, PyTorch's expandable
-segments) has no legacy CUDA IPC handle. Each physical allocation mapped behind
-it can instead be exported as a file descriptor, if it was created with
-``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`` among its handle types.
-
-Engine side: ``is_vmm(ptr)`` tells the two kinds apart; ``mapped_pieces(ptr,
-nbytes)`` lists the mappings ``[base, base + size)`` that together cover a
-tensor's bytes (one per physical allocation, in address order);
-``export_fd(base)`` exports the allocation mapped at ``base`` as a new file
-descriptor the caller owns (and closes once sent).
-
-Daemon side: ``map_fds(fds, sizes, ordinal)`` imports the allocations, reserves
-one address range of ``sum(sizes)`` bytes, maps them side by side in the order
-given (so the engine's contiguous range is contiguous here too, and the same
-offsets address the same bytes), and grants the device read/write access; every
-step that fails undoes the earlier ones. It checks that each size is a non-zero
-multiple of the device's allocation granularity, that each descriptor is a CUDA
-allocation on the device ``ordinal`` (the driver refuses to import anything
-else), and that each allocation holds its stated size (the mapping fails
-otherwise). The caller still owns and closes ``fds``: an imported allocation
-keeps its own reference. ``VmmMapping.close`` unmaps, releases the imported
-allocations and frees the address range. Errors are ``CudaExportError``.
+Memory from ``cuMemCreate`` + ``cuMemMap`` has no legacy IPC handle, but each allocation
+created exportable can be sent as a file descriptor. Engine side: ``is_vmm``,
+``mapped_pieces(ptr, nbytes)``, ``export_fd(base)``. Daemon side: ``map_fds(fds, sizes,
+ordinal)`` imports and maps them side by side in one reserved range (same offsets, same
+bytes), checking granularity, device and sizes; any failing step undoes the earlier ones.
+The caller keeps and closes ``fds``. ``VmmMapping.close`` unmaps and frees. Errors are
+``CudaExportError``.
 """
 
 from __future__ import annotations

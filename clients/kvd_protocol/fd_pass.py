@@ -1,24 +1,11 @@
 """Lending file descriptors to the daemon: the ``fds.sock`` side channel (SCM_RIGHTS).
 
-The engine socket is ZeroMQ, which cannot carry file descriptors, so the
-descriptors of a virtual-memory KV pool (kvd_protocol.cuda_vmm) travel over a
-plain Unix ``SOCK_SEQPACKET`` socket in the runtime directory, ``fds.sock``,
-then the ``register`` request names them by the one-time token this exchange
-returned. One connection lends one batch:
-
-1. the client sends ``HEADER`` (``b"KVDF"``, the descriptor count as a
-   little-endian uint32; 1 to ``limits.MAX_FDS``), no descriptors;
-2. then messages of one byte ``b"F"``, each carrying up to ``BATCH``
-   descriptors as SCM_RIGHTS, until the count is reached (the kernel carries
-   at most 253 in one message);
-3. the daemon answers ``b"OK"`` + a 16-byte token, or ``b"ER"`` + a UTF-8 reason.
-
-The daemon reads the sender's uid, gid and pid from the kernel (SO_PEERCRED),
-admits it as it admits engine connections (access_group), keeps the
-descriptors for ``TOKEN_TTL_S`` under the token, and hands them only to a
-``register`` whose session has the same uid and pid (kvd.server.fd_intake).
-``lend`` never closes the caller's descriptors: the caller closes its copies
-once this returns, whatever it returns.
+ZeroMQ cannot carry descriptors, so one ``SOCK_SEQPACKET`` connection lends one batch:
+``HEADER`` (``b"KVDF"`` + count, 1..``limits.MAX_FDS``), then ``b"F"`` messages of up to
+``BATCH`` descriptors each, then the daemon's ``b"OK"`` + 16-byte token or ``b"ER"`` + reason.
+The daemon admits the sender by SO_PEERCRED, keeps the descriptors ``TOKEN_TTL_S``, and
+hands them only to a ``register`` of the same uid and pid (kvd.server.fd_intake). ``lend``
+never closes the caller's descriptors.
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """The flag page: completion signals either side can raise, so no death hangs the other.
 
-Every registration has one small shared-memory file, created by the client
-(``kvd-flags-<pid>-<hex>`` in the daemon's ``shm_dir``) and mapped by both
-sides; on a CUDA pool both sides also register it with the driver
-(host-mapped, portable), so GPU streams can write and wait on its words
-(``cuStreamWriteValue32`` / ``cuStreamWaitValue32``) and CPUs can read and
-write them. Words are little-endian uint32; sequence numbers compare
-cyclically (``reached``), as CUDA's GEQ wait does, so they may wrap.
-
-Layout (word indices; ``FlagLayout`` computes them):
-
-- ``MAGIC``, ``VERSION``, ``num_layers``, ``slots`` at words 0-3 (written by
-  the client at creation; the daemon checks them).
-- word ``MARK_WORD``: the engine's **mark**. Before each store or load the
-  engine's stream writes the next mark value here (after everything it
-  queued so far: the forward pass that wrote a store's KV, the last kernels
-  that used a load's pages); the request carries that value as ``after``,
-  and the daemon, polling the word from the host, queues the copy only once
-  it is reached. The daemon never puts anything of the engine's into its
-  own streams.
-- per load slot ``s`` (``slots`` of them), ``num_layers + 4`` words:
-  ``layer[l]`` (the daemon writes the load's ``seq`` once layer ``l``
-  landed; the engine's stream waits for it), ``done`` (the daemon writes
-  ``seq`` after the last copy of the load: from then on it will never write
-  the load's pages), ``cancel`` (the client writes ``seq`` to cancel: copy
-  kernels that have not started skip the load's pages), one spare word.
-
-Who may release what: the daemon writes layer and done words from its
-streams (or its CPU when nothing was queued); the client writes the layer
-and done words itself only after it wrote ``cancel`` and the daemon can no
-longer write (it is dead, or the quiet period after the cancel passed), so
-a released wait is always a failed load.
+One small shared-memory file per registration, made by the client, mapped by both and on
+CUDA registered with the driver, so streams (``cuStreamWriteValue32``/``WaitValue32``) and
+CPUs read and write its little-endian uint32 words; seqs compare cyclically (``reached``).
+``FlagLayout``: header words, the engine's ``MARK_WORD`` (the daemon queues a copy only once
+the mark it was sent with is reached) and per load slot ``layer[l]``, ``done``, ``cancel``.
+The daemon writes layer/done words; the client writes them only after ``cancel`` and once
+the daemon can no longer write, so a released wait is always a failed load.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Chunk keys: 128-bit, prefix-chained, identical in every process.
 
-``namespace_digest(ns)`` hashes, with xxh3-128, a fixed byte encoding of
-everything that makes two KV tensors incompatible (see ``Namespace``).
-A request's chain root is that digest, or, with a per-request salt,
-``xxh3_128(digest || b"salt" || utf8(salt))``. Chunk ``i`` of a token
-sequence has key ``xxh3_128(key_{i-1} || tokens_i)`` where ``tokens_i`` are
-the chunk's token ids as little-endian uint32 and ``key_{-1}`` is the root.
-Digests are the 16-byte big-endian (canonical) xxh3-128 output. The
-namespace names the layers a pool holds (``first_layer``, so pipeline
-stages with equal layer counts never share keys) and the weights that made
-the KV (``fingerprint``, an opaque string the engine passes: checkpoint,
-revision, LoRA adapter). Only whole
-chunks get keys; a trailing partial chunk is ignored. The spec and test
-vectors live in docs/protocol.md and are checked by tests/protocol/test_keys.py.
+``namespace_digest(ns)``: xxh3-128 of everything that makes two KV tensors incompatible
+(``Namespace``: model, dtype, layers from ``first_layer``, ``fingerprint``...). The chain root
+is that digest, or with a salt ``xxh3_128(digest || b"salt" || utf8(salt))``; chunk ``i``'s key
+is ``xxh3_128(key_{i-1} || tokens_i)`` (token ids as little-endian uint32), canonical 16-byte
+big-endian. Only whole chunks get keys. Spec and vectors: docs/protocol.md,
+tests/protocol/test_keys.py.
 """
 
 from __future__ import annotations

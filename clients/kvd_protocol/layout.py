@@ -1,33 +1,12 @@
 """Layout descriptor: where an engine's paged KV pool keeps each token row.
 
-One descriptor describes every supported engine layout, so the copy
-engines need one gather and one scatter, never one kernel per layout pair.
-
-For every (layer, plane) — plane 0 is K, plane 1 is V, and MLA pools have
-the single latent plane 0 — the descriptor holds a base ``(buffer, offset)``
-into the registered buffers. The row of token ``t`` of page ``p`` of that
-plane is ``row_bytes`` long (kv heads x head dim x dtype size) and made of
-``heads`` pieces of ``row_bytes // heads`` bytes each: piece ``h`` lies at
-``base + p * page_stride + t * token_stride + h * head_stride``. With
-``heads == 1`` (the default; ``head_stride`` is then unused) a row is one
-contiguous range; ``heads > 1`` describes pools that keep something else
-between one head's bytes and the next head's of the same token (vLLM's GPU
-blocks hold K and V side by side inside each head). Strides are shared by
-all layers and planes; pieces of different tokens, heads or pages are not
-checked for overlap.
-
-Canonical chunk bytes (format version ``CANONICAL_VERSION``) of one shard
-are layer-major: ``[layer][plane][token][row_bytes]``, a row being its
-pieces in head order. The constructors below turn the tensor shapes of
-known engines into descriptors; they take ``TensorRef`` (buffer index, byte
-offset, shape, byte strides, item size) so they work for numpy arrays over
-shared memory and for CUDA tensors. Invalid shapes raise ``ValueError``;
-``validate_extent`` checks that every byte a page id below ``num_pages``
-can reach lies inside its buffer.
-``opaque_pages`` describes a pool whose pages are dense byte ranges of unknown
-inner order (namespace attention ``opaque``): one plane, and the "rows" of a
-page are its consecutive ``page bytes / page_size`` slices, so whole pages
-move byte for byte.
+One descriptor covers every engine layout, so copies need one gather and one scatter. Per
+(layer, plane) a base ``(buffer, offset)``; token ``t`` of page ``p`` is ``heads`` pieces at
+``base + p * page_stride + t * token_stride + h * head_stride`` of ``row_bytes // heads``
+bytes. Canonical chunk bytes (``CANONICAL_VERSION``) are ``[layer][plane][token][row]``.
+Constructors take ``TensorRef`` (numpy or CUDA) and raise ``ValueError`` on bad shapes;
+``validate_extent`` proves every reachable byte lies in its buffer; ``opaque_pages``
+describes pages of unknown inner order, moved byte for byte.
 """
 
 from __future__ import annotations

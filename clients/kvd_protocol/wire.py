@@ -1,24 +1,12 @@
 """Wire protocol v2: the only module that knows how messages look on the wire.
 
-A message is a ZeroMQ multipart message: frame 0 is a msgpack map header,
-further frames are raw little-endian arrays (16-byte keys, int64 page ids).
-Requests: ``{v, id, op, ...fields}``; replies: ``{v, id, result}`` or
-``{v, id, error: {code, message}}``. ``OPS`` (engine socket) and
-``CONTROL_OPS`` (control socket) list every op with its fields and frame
-count. Everything is validated here before the daemon looks at it: unknown
-or missing fields, wrong types, oversized containers, wrong frame counts
-and malformed arrays raise a ``ServerError`` subclass carrying the request
-id (when it could be read) so the daemon can send a typed error reply.
-Containers in a header nest at most ``MAX_DEPTH`` levels (``bad_request``
-beyond). A value a peer sent appears in an error message or a log line
-only through ``describe`` (bounded: type and size, short strings and
-integers capped), never through its ``repr``. No pickle, no msgpack ext
-types. docs/protocol.md is the prose version.
-Version 2 replaced v1's CUDA IPC events with the flag page (kvd_protocol.flags):
-every registration names one, stores and loads carry the engine's mark
-(``after``) its stream writes, loads the ``slot`` and ``seq`` the daemon
-signals. A v1 peer gets a
-``bad_version`` reply naming the versions this side speaks.
+A message is ZeroMQ multipart: a msgpack header ``{v, id, op, ...}`` (replies ``{v, id,
+result}`` or ``{v, id, error: {code, message}}``) and raw little-endian array frames.
+``OPS`` and ``CONTROL_OPS`` list every op's fields and frame count. Everything is validated
+here first (fields, types, sizes, depth ``MAX_DEPTH``, frames), raising a ``ServerError``
+carrying the request id. Peer values reach messages and logs only through ``describe``
+(bounded), never ``repr``. No pickle, no msgpack ext types. A v1 peer gets ``bad_version``.
+docs/protocol.md is the prose version.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """``kvd bench``: benchmarks, each through a private daemon it starts itself.
 
-One module per benchmark, each with ``run(args)`` (and ``add_arguments``
-where it has flags of its own): ``host`` (the default: store/load through
-the host backend vs a numpy copy), ``gpu`` (``--gpu``: the CUDA path vs
-pinned cudaMemcpy, by default as engines use it: requests in flight, the
-pool kinds vLLM and SGLang allocate; ``--blocking`` adds one request at a
-time), ``disk`` (``--disk``), ``gds`` (``--gds``), ``policy``
-(``--disk-policy``), ``restart`` (``--restart``: cold vs warm restarts),
-``remote`` (``--remote``: the remote tier vs the store's own client, and a
-half-local, half-remote load vs its halves; stores from ``stores``).
-``common`` holds what they share (starting the private daemon, control
-requests, request geometry); ``names_of`` parses a flag's list of names;
-``plot`` draws a
-result table as a PNG (``--plot``). Benchmarks may import
-everything below them (kvd.server, kvd.tiers, kvd.config, kvd_client,
-kvd_protocol); nothing in the daemon imports kvd.bench. The GPU benchmarks
-(``--gpu``, ``--gds``) check their Python packages once their flags are
-checked: a missing one is one line naming what to install, exit status 2.
-``--disk-dir`` is created when missing, its last component only (one line
-and exit status 2 when it cannot be). They print medians and ratios against
-a baseline measured in the same run; they assert nothing about speed.
+Owns one module per benchmark, each with ``run(args)`` (and ``add_arguments`` for its own
+flags): ``host`` (default), ``gpu``, ``disk``, ``gds``, ``policy``, ``restart``, ``remote``;
+``common`` holds what they share, ``plot`` draws a result table (``--plot``).
+Promises: medians and ratios against a baseline measured in the same run; a missing Python
+package of a GPU benchmark is one line naming what to install, exit status 2.
+Never: asserts anything about speed; the daemon never imports kvd.bench.
 """
 
 from __future__ import annotations
@@ -49,14 +35,14 @@ def add_arguments(p) -> None:
     p.add_argument("--chunks", type=positive_int, default=8, help="chunks per store/load request")
     p.add_argument("--repeat", type=positive_int, default=5, help="timed runs; the median is reported")
     p.add_argument("--daemon-log", default=None, metavar="PATH", help="write the private daemon's "
-                   "debug log (per-copy timings) to PATH; summarise it with tools/daemon_timings.py")
+                   "debug log to PATH (a line per copy: its size, how it went, its times)")
     p.add_argument("--daemon-profile", default=None, metavar="PATH", help="host and --gpu "
                    "benchmarks: run the private daemon under cProfile and write its stats to PATH "
                    "when it stops (read them with python3 -m pstats PATH); slows the daemon")
     p.add_argument("--json", default=None, metavar="PATH", help="the host benchmark: also write "
                    "each timed run's seconds as JSON to PATH (docs/data/host_bench_*.json); with "
                    "--gpu: every result row (the pipelined rows with each run's ratio); "
-                   "tools/ratio_runs.py summarises several; with --remote: every run's GB/s "
+                   "with --remote: every run's GB/s "
                    "and load times")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw the result table as a "
                    "bar chart (host, --gpu, --disk, --gds; needs matplotlib)")

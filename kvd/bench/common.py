@@ -1,17 +1,10 @@
 """What the benchmarks share: the private daemon, control requests, geometry.
 
-``start_daemon`` runs ``kvd serve`` in a subprocess on a given runtime dir
-and returns once its control socket exists (or stops it again);
-``stop_daemon`` stops it and removes the host tier it keeps for a next
-start (warm restart: the benchmarks run the default config, and leave
-nothing in /dev/shm; every benchmark stops its daemons with it);
-``control`` sends one control
-request to it; ``request_bytes`` is the size of one request of a shape;
-``start_scraper`` polls a daemon's ``/metrics`` from another process, as
-Prometheus would; ``without_gpu_stack`` says in one line what to install
-when a GPU benchmark's Python packages are missing (looked up, not
-imported); ``on_stream`` runs one engine's calls on its own CUDA stream;
-``page_sets`` picks the pages an engine stores from and loads into.
+``start_daemon``/``stop_daemon`` run ``kvd serve`` in a subprocess on a runtime dir and
+stop it again, removing the host tier it keeps (nothing is left in /dev/shm); ``control``
+sends one control request; ``request_bytes`` sizes a request; ``start_scraper`` polls
+``/metrics`` from another process; ``without_gpu_stack`` says what to install;
+``on_stream`` runs an engine's calls on its own CUDA stream; ``page_sets`` picks pages.
 """
 
 from __future__ import annotations
@@ -200,7 +193,7 @@ def on_stream(torch, stream, call, *args):
 
 def write_json(path: str, **parts) -> None:
     """The benchmark's results as JSON at ``path`` (numpy numbers as plain ones), with the
-    command that produced them; ``tools/ratio_runs.py`` summarises several such files."""
+    command that produced them."""
     import json
 
     from .plot import command  # no matplotlib needed for it

@@ -1,17 +1,10 @@
 """``kvd bench --disk``: the disk tier against raw IO of the same bytes.
 
-In one run, on one directory (``--disk-dir``), for ``--disk-gib`` GiB of
-chunks of ``--disk-chunk`` bytes each: (1) the disk tier (kvd.tiers.disk:
-temp file, header, xxh3 checksum, fsync, rename; reads verify the header
-and checksum and copy into the destination) with ``--disk-threads`` IO
-threads; (2) raw IO of the same file sizes in the same block size with the
-same number of threads: one ``pwrite`` + ``fsync`` per file, one ``pread``
-per file. The two alternate in rounds of files (``ROUNDS`` per direction,
-which side goes first alternating too), so the slow spells of a shared disk
-hit both alike; each side's GB/s is its bytes over its summed round times.
-Both use O_DIRECT when the directory takes it and buffered IO
-otherwise (said in the output). Prints the median GB/s of ``--repeat``
-runs and the ratio tier/raw. A benchmark, not a test: it asserts nothing.
+On one directory (``--disk-dir``): the disk tier (kvd.tiers.disk: header, checksum, fsync,
+rename; verified reads) against raw ``pwrite``+``fsync`` / ``pread`` of the same file sizes
+on as many threads, alternating in rounds so a shared disk's slow spells hit both alike.
+O_DIRECT where the directory takes it (said in the output). Prints median GB/s of
+``--repeat`` runs and the ratio tier/raw. A benchmark: it asserts nothing.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """``kvd bench --gds``: disk-only chunks into GPU pages, GPU Direct Storage vs the host path.
 
-One private daemon per mode, on one directory (``--disk-dir``): the first
-(``disk_gds`` on) stores ``--disk-gib`` GiB of Llama-3-8B-shaped chunks
-(``--chunks`` per request) from a GPU pool, writes them all to disk and
-drops the host copies. Then each mode (GDS; host tier: promote, then the
-staged copy) times, ``--repeat`` times, loading every request into other
-pages, with the host copies cleared and the files' page cache dropped
-(``posix_fadvise(DONTNEED)``) before each run, and checks the last load bit
-for bit. Baseline in the same run: raw O_DIRECT reads of the same files
-with ``--disk-threads`` threads into host memory (no GPU copy). Prints
-median GB/s and ratios. A benchmark, not a test: it asserts nothing on speed.
+One private daemon per mode on ``--disk-dir``: chunks stored from a GPU pool, written to
+disk and dropped from host; each mode (GDS; host promote + staged copy) loads every
+request ``--repeat`` times with page cache dropped before each run, checking the last
+load bit for bit. Baseline: raw O_DIRECT reads of the same files into host memory.
+Prints median GB/s and ratios; asserts nothing on speed.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """``kvd bench --gpu``: end-to-end GPU offload and load through a private daemon.
 
-This process is the engines: it allocates torch KV pools on the GPU, exports
-them through CUDA IPC (``--gpu-pool vmm``: by file descriptor, virtual memory as
-vLLM 0.34 allocates it) and times client calls to completion. By default it
-measures what engines do: ``--pipeline 4`` requests in flight per engine
-(kvd.bench.pipeline), on each pool kind of ``--gpu-pool`` (default ``one``
-and ``per-layer``: the allocations of vLLM and SGLang), for each shape and
-page size. Page ids are a random permutation by default (an engine's free
-list scatters them; ``--page-order``: sorted, or contiguous as a fresh
-engine's).
-
-``--blocking`` (or ``--pipeline 0``) adds one blocking request at a time
-(``store`` returns once the daemon's gather finished; ``load`` once its
-scatter did), against one pinned ``cudaMemcpy`` of the same bytes in each
-direction and both directions at once on two streams, and the slowdown of
-a bf16 GEMM on this process's stream while such copies run, with the copy
-throughput meanwhile (kernels of two processes time-slice the GPU unless MPS
-is on, so a small slowdown can mean starved copies; ``--interference``
-measures an engine in its own process). Medians of ``--repeat`` runs. A
-benchmark, not a test.
+This process is the engines: it allocates torch KV pools (``--gpu-pool``: one, per-layer,
+vmm), exports them through CUDA IPC and times client calls to completion. By default
+``--pipeline 4`` requests in flight (kvd.bench.pipeline) with scattered page ids;
+``--blocking`` adds one request at a time against pinned ``cudaMemcpy`` of the same bytes
+and a GEMM's slowdown meanwhile (``--interference``: an engine in its own process).
+Medians of ``--repeat`` runs. A benchmark, not a test.
 """
 
 from __future__ import annotations

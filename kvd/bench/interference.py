@@ -1,24 +1,10 @@
 """``kvd bench --gpu --interference``: what kvd's copies cost an engine's compute.
 
-Three processes, as in production: the private daemon, an **engine**
-process that only computes (a bf16 8192³ GEMM, or a decode-like step: 32
-layers of a batch-64 4096×4096 matmul and an activation), and a **copier**
-process, a client that keeps stores and loads (or, per variant, only one of
-them) of the first ``--gpu-shapes`` shape (page 16; Llama-3-8B by default,
-``llama3-8b-vllm-rows`` / ``-blocks`` for vLLM's GPU blocks) in flight
-through the daemon.
-After computing for WARMUP_S (clocks up; the decode step as one CUDA graph,
-as engines replay it), the engine times its work with CUDA events alone and while the copier runs,
-in turns (ROUNDS busy windows between ROUNDS + 1 alone ones; the copier
-drains between them): the slowdown is median busy over median alone, the
-noise the spread of the alone medians. The copier counts
-the bytes that landed inside the busy windows. Per daemon variant (copy
-path: DMA on the copy engines, or SM kernels staged or zero-copy, and their
-knobs): the engine's slowdown and the copies' GB/s meanwhile, next to
-the copier's pinned cudaMemcpy rate in the same direction(s) (both ways: two
-streams at once), measured alone in the same run. With
-``--mps`` the whole run repeats under CUDA MPS when ``nvidia-cuda-mps-control``
-is there (started and stopped by the benchmark). A benchmark, not a test.
+Three processes as in production: the private daemon, an engine that only computes (a
+bf16 GEMM or a decode-like CUDA graph) and a copier client that keeps stores and loads in
+flight. The engine times its work alone and busy in alternating windows: slowdown = median
+busy / median alone. Per daemon copy-path variant: slowdown, copy GB/s meanwhile, and the
+copier's pinned cudaMemcpy rate alone. ``--mps`` repeats under CUDA MPS. Not a test.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """``kvd bench --gpu --pipeline N``: the CUDA path with requests pipelined.
 
-What ``kvd bench --gpu`` measures by default (``--pipeline 4``).
-``clients`` engines (threads of this process, one ``KvdClient``, pools and
-CUDA stream each: engines are separate processes in production, and on one
-shared stream a store's mark would wait behind another engine's load) keep
-``N`` requests of ``--chunks`` chunks in flight (``submit_store`` /
-``submit_load``, collected with ``poll``) for ``N × rounds`` requests, and
-the phase's bytes over its wall time is compared with pinned ``cudaMemcpy``
-of the same bytes, one request's bytes per copy, back to back: offload
-(every client stores fresh chunks), load (every client loads cached chunks
-into other pages) and both directions at once (half the clients store while
-the other half load, against both memcpys on two streams). The memcpys run
-right before each run of the phase, and the ratio is the median of each
-run's ratio to its own baseline: the PCIe rate of one machine drifts
-between runs (a both-ways memcpy of 144 MB from 44 to 90 GB/s within one
-call, docs/performance.md), and a baseline minutes away from what it is
-compared with measured that drift instead of kvd. Medians of ``--repeat``
-runs after one warm-up. Each run also reads the daemon's ``loop_cpu_s``
-(``kvd stats``) before and after: the share of the run its event loop was on
-a CPU (``<phase>_loop_busy`` per run in ``--json``; the report prints the
-median), where a loop near 1.0 means the daemon, not PCIe, set the rate.
-A benchmark, not a test.
+``clients`` engines (threads, each with its own client, pools and stream) keep ``N``
+requests in flight (``submit_store``/``submit_load`` + ``poll``); each phase (offload,
+load, both ways) is compared with pinned ``cudaMemcpy`` of the same bytes measured right
+before each run (PCIe rates drift between runs); the ratio is the median of per-run ratios.
+Also reports the daemon's event-loop busy share (``loop_cpu_s``): near 1.0 the daemon, not
+PCIe, set the rate. A benchmark, not a test.
 """
 
 from __future__ import annotations

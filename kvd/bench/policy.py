@@ -1,15 +1,10 @@
 """``kvd bench --disk-policy``: what ``disk_min_hits`` (the "second hit" rule) does.
 
-A private daemon per setting of ``disk_min_hits`` (0, 1, 2), each on a fresh
-directory under ``--disk-dir``, a host tier of ``HOST_CHUNKS`` chunks and
-the host backend (no GPU). The same seeded workload runs against each: an
-engine serves ``--policy-requests`` requests of ``CHUNKS`` chunks; a request
-is, with probability ``--policy-hot``, one of ``HOT`` recurring prompts
-(more than the host tier holds), else a prompt never seen again. Each
-request looks up, loads its cached prefix and stores the rest, as an
-engine does. Reported per setting: the share of requested chunks served
-from cache, bytes written to disk, chunks not demoted because they were
-cold, and wall time. A benchmark, not a test.
+A private host-backend daemon per ``disk_min_hits`` setting (0, 1, 2) runs the same seeded
+workload: requests that are recurring hot prompts (more than the host tier holds) or
+one-off prompts, each looked up, loaded and stored as an engine does. Reports per setting:
+share of chunks served from cache, bytes written to disk, cold chunks not demoted, wall
+time. A benchmark, not a test.
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """``kvd bench --remote``: the remote tier against the store's own client, same objects.
 
-For each store of ``--remote-stores`` (``redis``: a ``redis-server`` or
-``valkey-server``; ``mooncake``: a ``mooncake_master`` with the TCP
-transport; both started on loopback by kvd/bench/stores.py, skipped with
-the reason when missing), ``--repeat`` rounds rotating which side goes
-first: kvd's remote tier publishes ``--remote-chunks`` chunks of
-``--remote-chunk-mib`` MiB from a host tier (header and digest, exists
-check, put) and promotes them back into fresh host slots (get, header
-check, digest verified), ``--remote-threads`` puts and fetches at a time;
-the store's own client puts and gets the same bytes on as many threads.
-Redis: kvd's zero-copy path (values sent from the arena, GET replies read
-into it, kvd/tiers/redis_arena.py) and its bytes path
-(``remote_redis_zero_copy = false``) against redis-py with its defaults,
-and against redis-py with kvd's checksum work added (``client+digest``).
-Mooncake (Mooncake's
-``MooncakeDistributedStore``, the tier's own instance: one per process):
-kvd's zero-copy path (the host arena registered, kvd/tiers/remote_zero_copy.py)
-and its bytes path (``remote_mooncake_zero_copy = false``), against the
-client's ``put``/``get`` of bytes and its own zero-copy calls
-(``batch_put_from``/``batch_get_into`` of one object each, from and into
-registered memory), and those zero-copy calls with kvd's checksum work
-added (``client zc+digest``: the payload digest of each object computed
-before its put and checked after its get, as kvd does; what a verified
-transfer costs with no kvd machinery). Prints the median GB/s of each and
-kvd's first side over the client's matching ones. kvd's host tier is a
-shared-memory file as the daemon's is, and its zero-copy side computes
-checksums in ``--remote-digest-processes`` processes (the daemon's
-``remote_digest_processes``, kvd/tiers/digest_pool.py). Then the end-to-end load
-(kvd/bench/remote_load.py, each store): a prefix half local, half remote,
-against each half loaded alone. ``--json PATH`` also writes every run's
-figures there (``moves_gbps``: GB/s of each side and direction per round;
-``remote_load_s``: seconds of each load). A benchmark: it asserts nothing
-about speed.
+Per store of ``--remote-stores`` (loopback redis/valkey or mooncake_master, started by
+kvd.bench.stores; skipped with the reason when missing), rounds rotating who goes first:
+kvd's tier publishes and promotes ``--remote-chunks`` chunks (zero-copy and bytes paths)
+against the store's own client (redis-py; Mooncake's put/get and zero-copy calls), with and
+without kvd's checksum work added. Then the half-local, half-remote load
+(kvd.bench.remote_load). Prints median GB/s and ratios; ``--json`` keeps every run.
+A benchmark: it asserts nothing about speed.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """``kvd bench --remote``, end to end: a load whose prefix is half local, half remote.
 
-For each store of ``--remote-stores`` (a loopback ``redis-server``, or a
-``mooncake_master`` with the TCP transport: kvd/bench/stores.py; skipped
-with the reason when missing), two private daemons share it: A stores, per
-run, a prefix S of ``2h`` chunks and a prefix T of ``h`` chunks (``h`` =
-``--chunks`` / 2; the engine shape of ``--layers`` etc., ``--chunk-tokens``
-tokens a chunk) and publishes them; B first loads S's first half (now in
-its host tier). Then B, without a lookup before each load (so every fetch
-happens inside the load, the worst case for overlap), times: ``local``
-(S's first half again: host hits), ``remote`` (T: every chunk fetched) and
-``mixed`` (S: half local, half fetched), ``mixed`` and ``remote``
-alternating which goes first. Prints medians of ``--repeat`` runs and
-``mixed`` against the sum and the max of the halves alone: a load that
-copies its local part while the remote part is fetched, and each remote
-chunk as it lands, comes near the max; one that fetches, then copies, near
-the sum. ``run`` returns, per store, every run's times (for ``--json``). A
-benchmark: it asserts nothing about speed.
+Two private daemons share one store: A stores and publishes prefixes; B, with no lookup
+first (every fetch happens inside the load), times ``local`` (host hits), ``remote``
+(every chunk fetched) and ``mixed`` (half each). ``mixed`` near the max of the halves means
+local copies and fetches overlap; near their sum, they run one after the other.
+``run`` returns every run's times per store (for ``--json``). Asserts nothing about speed.
 """
 
 from __future__ import annotations

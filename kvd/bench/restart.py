@@ -1,26 +1,11 @@
 """``kvd bench --restart``: how soon a restarted daemon serves hits again, cold vs warm.
 
-Three ways to restart, each on a private daemon of its own runtime dir
-with a ``--restart-gib`` host tier that is first filled with prompts
-through the host backend (requests of ``--chunks`` chunks of the
-``--layers``/``--kv-heads``/... shape):
-
-- ``cold``: SIGTERM, then ``kvd serve --cold`` (what every restart did
-  before warm restart: a new, empty arena);
-- ``warm, SIGTERM``: a clean stop; the next daemon trusts the index;
-- ``warm, SIGKILL``: a crash; the next daemon verifies every chunk's
-  checksum in the background while it serves. The kill comes once the
-  daemon has recorded and checksummed every stored chunk (its stats'
-  ``records_pending`` and ``unsealed_shards`` are 0: ``warm_record_delay_s``
-  after the last store, and the hashing after that): a crash sooner loses
-  the stores not yet recorded (misses), which is the knob's trade, not the
-  restart's. The seconds it waited are printed.
-
-Measured from the moment the new process is started: when it serves (its
-control socket answers), when a lookup of the most recently stored prompt
-first hits (polled every ``POLL_S``), the share of stored chunks that hit
-right when it serves, and once no chunk waits for its verification (with
-the time that took). Nothing is left in /dev/shm.
+Per way to restart (``cold``: SIGTERM then ``--cold``; ``warm, SIGTERM``; ``warm,
+SIGKILL``: a crash once every chunk is recorded and checksummed, chunks
+verified in the background), on a private daemon whose host tier
+was filled first. Measured from the new process's start: when it serves, when a lookup of
+the last prompt first hits, the share of chunks that hit at once, and when verification
+ended. Nothing is left in /dev/shm.
 """
 
 from __future__ import annotations

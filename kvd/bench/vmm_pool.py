@@ -1,16 +1,10 @@
 """KV tensors in CUDA virtual memory, as vLLM 0.34's extensible KV cache lays them out.
 
-``vmm_layers(torch, layer_bytes, layers, chunks_per_layer)`` reserves one address
-range and maps into it, per layer, ``chunks_per_layer`` physical allocations
-created exportable as file descriptors (vLLM, with a KV connector, backs each
-layer's segment with one; more are what a cache grown step by step has), each
-layer starting on an allocation-granularity boundary, and returns one uint8
-tensor per layer over its first ``layer_bytes`` bytes. The tensors do not own
-the memory: a ``VmmMemory`` does (kvd_protocol.cuda_vmm.allocate), kept alive by
-each tensor (torch holds the object it wrapped through
-``__cuda_array_interface__``, as vLLM's tensors hold its DLPack capsule) and
-freed once the last is gone. ``CudaKVPool`` then shares them by file descriptor.
-Used by ``kvd bench --gpu --gpu-pool vmm`` and the GPU tests.
+``vmm_layers(torch, layer_bytes, layers, chunks_per_layer)`` reserves one address range
+and maps per layer ``chunks_per_layer`` physical allocations exportable as file
+descriptors, each layer on a granularity boundary, and returns one uint8 tensor per layer.
+A ``VmmMemory`` (kvd_protocol.cuda_vmm) owns the memory, kept alive by each tensor and freed
+after the last. Used by ``kvd bench --gpu --gpu-pool vmm`` and the GPU tests.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The ``kvd`` command: serve, stats, health, ctl, config, top, bench, drop-tier.
 
-``main(argv)`` parses (kvd.cli.parser: typo'd flags get the subcommand's
-usage and the closest flag, exit 2) and runs one subcommand:
-
-- ``serve``: resolves the config (``--config``, ``KVD_<KEY>``, one flag per
-  knob); a bad key or value is one line naming the key and exit status 2;
-  then runs the daemon (kvd.server.daemon) until SIGTERM/SIGINT.
-- ``stats``, ``health``, ``ctl``: one control-socket request each
-  (kvd.cli.control), printed for people or, with ``--json``, for machines;
-  exit 1 when no daemon answers.
-- ``config``: the default config file; ``--resolved``: what ``serve`` would
-  run with here, each value with its source. Both ``serve`` and ``config
-  --resolved`` warn (one line each) about ``KVD_*`` variables that set no
-  knob, naming the closest (kvd.config_env).
-- ``top``: a live view of the daemon (kvd.cli.top).
-- ``bench``: benchmarks, each with a private daemon (kvd.bench).
-- ``drop-tier``: free the host tier a stopped daemon kept (kvd.cli.drop_tier).
+``main(argv)`` parses (kvd.cli.parser: a typo'd flag gets the usage and the closest flag,
+exit 2) and runs one subcommand: ``serve`` (resolve the config, run kvd.server.daemon until
+SIGTERM/SIGINT), ``stats``/``health``/``ctl`` (kvd.cli.control), ``config`` (defaults, or
+``--resolved`` with sources), ``top``, ``bench``, ``drop-tier``.
+Promises: a bad key or value is one line naming it and exit status 2; unknown ``KVD_*``
+variables get one warning line each, naming the closest knob. Never: a traceback for bad input.
 """
 
 from __future__ import annotations

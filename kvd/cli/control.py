@@ -1,16 +1,10 @@
 """``kvd stats|health|ctl``: one request to the daemon's control socket, printed.
 
-``run(args)`` resolves the runtime dir (``--runtime-dir``, then the
-environment: kvd_protocol.runtime), fails at once with one line saying
-what to check when nothing listens there (no ``control.sock``, or a stale
-one a dead daemon left), else sends the request with ``--timeout``. It
-prints a human line or table (``--json``: the reply) and exits 0, or 1
-when the daemon is not reachable. ``stats --watch SECONDS`` repeats until
-Ctrl-C (exit 0). ``ctl flush-disk`` and ``clear-disk`` wait as long as the
-disk takes (``--timeout``, 600 s by default: kvd.cli.parser) and, past
-``PROGRESS_AFTER_S``, say on stderr every ``PROGRESS_EVERY_S`` what the disk
-tier did meanwhile (from ``stats``, which also tells that the daemon is
-still there); a timeout says that the daemon goes on.
+``run(args)`` resolves the runtime dir, fails at once with one line saying what to check
+when nothing listens there, else sends the request with ``--timeout`` and prints a line or
+table (``--json``: the reply). Exit 0, or 1 when the daemon is unreachable.
+``stats --watch`` repeats until Ctrl-C. ``ctl flush-disk``/``clear-disk`` wait as long as
+the disk takes and report progress on stderr; a timeout says the daemon goes on.
 """
 
 from __future__ import annotations

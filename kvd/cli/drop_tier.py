@@ -1,16 +1,10 @@
 """``kvd drop-tier``: free the host tier a stopped daemon keeps in shm_dir for a warm restart.
 
-A daemon that stops keeps its host tier (``kvd-arena-<tag>`` and its
-``.index`` in ``shm_dir``; the tag names the runtime dir) for the next
-daemon of that runtime dir to adopt, so its RAM stays taken until then.
-``run(args)`` finds the runtime dir and shm_dir as ``kvd serve`` would
-(``--config``, ``KVD_*``, ``--runtime-dir``, ``--shm-dir``; a bad value is
-one line and exit status 2), takes the runtime dir's lock so that no daemon
-adopts the tier meanwhile, deletes both files (and arenas named by pid that
-releases before warm restart left), and prints how much it freed (exit 0,
-also when nothing was there). While a daemon holds the lock it deletes
-nothing: one line, exit status 1 (``kvd ctl clear`` empties a running
-daemon's tier).
+``run(args)`` finds the runtime dir and shm_dir as ``kvd serve`` would, takes the runtime
+dir's lock so no daemon adopts the tier meanwhile, deletes ``kvd-arena-<tag>`` and its
+``.index`` (and stale pid-named arenas), and prints what it freed (exit 0, also when
+nothing was there). Never deletes while a daemon holds the lock: one line, exit 1
+(``kvd ctl clear`` empties a running daemon's tier).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """``kvd top``: a live view of one daemon, refreshed every ``--interval`` seconds.
 
-Polls ``stats`` on the control socket and shows what changed between two
-polls: hit rate, GB/s stored into kvd (in) and loaded out of it (out),
-requests per second and latency percentiles per op (from the deltas of the
-daemon's latency histogram, interpolated within a bucket as Prometheus'
-``histogram_quantile`` does), errors per second, how busy the daemon's
-event loop was (its thread's CPU time over the interval: near 100% the
-daemon, not PCIe, limits copies; docs/operations.md), tier fill, and the
-connected clients with their kernel-reported uid/gid (names through
-``kvd.printable``, never read as rich markup). With ``rich``
-installed (kvd-cache's ``top`` extra) and stdout a terminal it redraws one screen in
-place; otherwise, and with ``--once``, it prints plain text: one block per
-refresh (``--once``: one block over one interval, then exit). On a terminal
-without ``rich`` it says so first, on stderr (one line: what to install).
+Polls ``stats`` and shows what changed between polls: hit rate, GB/s in and out, requests
+per second and latency percentiles per op (from histogram deltas, as Prometheus'
+``histogram_quantile``), errors, event-loop busy share, tier fill, connected clients (names
+through ``kvd.printable``, never read as markup). With ``rich`` (kvd-cache's ``top`` extra)
+on a terminal it redraws in place; otherwise, and with ``--once``, plain text blocks.
 """
 
 from __future__ import annotations

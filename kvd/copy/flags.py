@@ -1,16 +1,11 @@
 """The daemon's side of a registration's flag page (layout: kvd_protocol.flags).
 
-``FlagPage.open(spec, layout, shm_dir, forbid)`` maps the client's flag
-file (checked like a pool buffer: kvd.copy.shm_file) and checks its header.
-The daemon reads two kinds of words: the engine's mark word
-(``engine_reached(value)`` returns an object whose ``done`` turns true when
-the engine's stream got to ``value``: polled by kvd.copy.poll, never waited
-on in a stream) and a load slot's cancel word (``cancelled``). It writes a load slot's layer and done
-words: from the CPU (``signal_layer``, ``signal_done``, ``release``: the host
-backend, and any load that failed before a copy was queued) or from a CUDA
-stream (the CUDA backend writes at ``addr(word)`` once the page is
-registered with the driver). ``LoadSignal`` is what a copy plan carries: the
-page, the slot, the load's seq and whether each layer is signalled.
+``FlagPage.open(spec, layout, shm_dir, forbid)`` maps the client's flag file (checked as a
+pool buffer: kvd.copy.shm_file) and checks its header. Reads the engine's mark word
+(``engine_reached``: polled by kvd.copy.poll, never waited on in a stream) and a load
+slot's cancel word; writes a load slot's layer and done words from the CPU (``signal_*``,
+``release``) or, once registered with the driver, from a CUDA stream (``addr``).
+``LoadSignal`` is what a copy plan carries: page, slot, seq, layer-wise or not.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Host copy backend: engine KV pools in shared-memory files, copies in numpy.
 
-Serves CPU inference engines and runs the whole protocol where there is no
-GPU. A pool buffer is ``{kind: "shm", path, size}``: a regular file inside
-the configured shm directory, owned by the registering process's uid,
-checked and mapped by kvd.copy.shm_file (the daemon's own arena is refused). Copies run on a small thread pool (numpy
-releases the GIL for the bulk of a copy) and complete through asyncio
-futures. A scatter with a signal copies layer by layer when layer-wise
-(writing each layer's word as it lands, so a CPU engine can start on layer
-0 early), checks the slot's cancel word before each layer, and writes the
-done word last, whatever happened.
-
-Why copies are split: one thread's memcpy is a fraction of a host's memory
-bandwidth (on a 2-core VM one thread scattered 6.3 GB/s, two 11-12 GB/s),
-and an engine staging pages through a pool (SGLang's HiCache backend) waits
-on each request's copy. A gather, or a scatter that is not layer-wise, of
-at least ``2 * SPLIT_MIN_BYTES`` runs as up to ``threads`` parts of whole
-chunks on the pool's threads at once; its future completes when every part
-did (with the first part's error, if any), and a load's done word is
-written after the last part.
+Serves CPU engines and runs the whole protocol without a GPU. A pool buffer is
+``{kind: "shm", path, size}``, checked and mapped by kvd.copy.shm_file. Copies run on a
+small thread pool (numpy releases the GIL) and complete through asyncio futures; large
+gathers/scatters split into parts of whole chunks (one thread's memcpy is a fraction of a
+host's bandwidth). A signalled scatter writes layer words as layers land, checks the
+cancel word per layer, and always writes the done word last.
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """Gather and scatter between a paged KV pool and canonical chunk bytes, in numpy.
 
-Pure functions over uint8 arrays, used by the host backend and as the
-reference the GPU kernels are tested against. ``buffers`` are the pool's
-registered buffers as uint8 arrays; the descriptor was validated against
-their sizes, and the page ids against ``num_pages``, before any call (so
-the strided views stay in bounds).
-
-The number of numpy calls of a request never grows with its chunk count
-alone: at most one per (layer, plane) and MiB moved, or one per chunk when
-there are fewer chunks than (layer, plane) pairs.
-
-- Gather, per (layer, plane): one fancy-indexed read of the pages of as
-  many chunks as make ``BLOCK_BYTES`` (the temporary stays in cache), and
-  one row-indexed write of them into the chunks' segments in the arena.
-  The arena is seen as rows of ``g`` bytes, ``g`` the greatest common
-  divisor of the segment length and the shard offsets (the allocator's
-  alignment at least; a whole segment when the offsets are multiples of it,
-  the usual case), so a segment is a run of whole rows.
-- Scatter, when the pool's (layer, plane) bases are evenly spaced in one
-  buffer (every ``SharedKVPool``) and there are no more chunks than
-  (layer, plane) pairs: one copy per chunk, straight from its shard into a
-  [layer, plane, page, token, row] view of the pool. Otherwise as gather,
-  backwards: one ``take`` of the segments' rows (a contiguous source),
-  one fancy-indexed write into the pages.
-
-``np.take`` is never used on a strided pool view: it would copy the whole
-view first. A row of ``heads > 1`` pieces (kvd_protocol.layout) is a
-``[heads, piece]`` pair of trailing view dims, ``[row_bytes]`` otherwise;
-canonical rows are the pieces back to back either way.
+Pure functions over uint8 arrays; the host backend's copies and the reference the GPU
+kernels are tested against. Callers validated the descriptor and page ids first, so the
+strided views stay in bounds. Promises: numpy calls per request grow with (layer, plane)
+pairs and MiB moved, never with the chunk count alone; canonical rows are a row's head
+pieces back to back (kvd_protocol.layout). Never calls ``np.take`` on a strided pool view
+(it would copy the whole view first).
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
-"""The copy engine interface every backend implements.
+"""The copy engine interface every backend implements (``host``: kvd.copy.host; ``cuda``).
 
-``open_pool(buffers, layout, flags, owner_uid)`` maps an engine's KV buffers
-(validated: kinds, sizes, every byte the layout can reach; files must belong
-to ``owner_uid``, the registering process's uid from the kernel, or to the
-daemon's user when that is unknown) and returns an opaque pool;
-``flags`` is the registration's flag page (kvd.copy.flags), which the CUDA
-backend also registers with the driver. ``close_pool(pool)`` unmaps it and
-is called only after the pool's copies completed; it never waits on a GPU.
-
-``gather(plan)`` copies engine pages into arena shards and ``scatter(plan)``
-copies arena shards into engine pages. Both are coroutines that return
-once the copy is *queued* (requests of one registration are queued in
-arrival order by the service) with an ``asyncio.Future`` that resolves
-(result None) when the bytes have landed, or fails with the backend's
-error. A scatter with a ``signal`` writes the load's layer words (when
-layer-wise) as layers land and its done word after its last copy, and
-skips the engine's pages once the client wrote the slot's cancel word; if
-it raises, nothing of the copy was queued. The caller keeps entries and
-pools alive until the future is done. ``queue_of(pool, direction)`` names the
-queue a copy joins (the CUDA backend: a GPU's stores, or its loads; the host
-backend: None), for kvd.server.copy_gate's fair shares. Backends: ``host`` (numpy over shared
-memory, kvd.copy.host) and ``cuda`` (CUDA IPC + kernels, kvd.cuda.backend).
-The service picks the engine per pool by buffer kind.
+``open_pool(buffers, layout, flags, owner_uid)`` validates and maps an engine's KV buffers
+(files must belong to ``owner_uid``); ``close_pool`` unmaps, only after the pool's copies
+completed, never waiting on a GPU. ``gather``/``scatter(plan)`` return once the copy is
+queued, with a future that resolves when the bytes landed or fails with the backend's
+error; a signalled scatter writes layer and done words and honours the cancel word; if
+it raises, nothing was queued. ``queue_of(pool, direction)`` names the queue a copy joins
+(for kvd.server.copy_gate's fair shares).
 """
 
 from __future__ import annotations

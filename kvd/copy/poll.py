@@ -1,22 +1,12 @@
 """Completion observed by polling from the event loop: CUDA events and flag words.
 
-``EventPoller.wait(event)`` returns an asyncio future that resolves (result
-None) once ``event.done`` is true: a CuPy event recorded after a copy, or a
-word of a flag page reaching a sequence number (kvd.copy.flags). While any
-future is pending the loop re-checks every pending object once per
-iteration instead of sleeping; when none is pending it sleeps in epoll as
-usual. With ``idle_after_s`` set, a poller that has seen no progress for
-that long re-checks every ``idle_sleep_s`` instead of every iteration: for
-waits that can last a forward pass (a store waiting for the engine's
-stream), where spinning would burn a core for nothing.
-
-Why poll: waiting in a helper thread on a blocking-sync event costs two OS
-wake-ups per copy (the thread, then the loop through its self-pipe), about
-0.2-0.3 ms on the virtualized hosts we measured (tools/probes/request_breakdown.py),
-which is 4-5% of a 268 MB copy. Each idle pass yields the GIL
-(``time.sleep(0)``) so IO threads are never starved by the polling loop.
-A failed check (a CUDA error) fails that future; other futures go on. A
-future cancelled by its waiter is dropped at the next pass.
+``EventPoller.wait(obj)`` returns an asyncio future that resolves once ``obj.done`` is true
+(a CuPy event, or a flag word reaching a seq). While any future is pending the loop
+re-checks once per iteration (yielding the GIL); with ``idle_after_s`` it backs off to
+``idle_sleep_s`` after no progress; idle, it sleeps in epoll. Why poll: a helper thread
+costs two OS wake-ups per copy (0.2-0.3 ms, 4-5% of a 268 MB copy; measured by
+tools/probes/request_breakdown.py at commit ef6bcf2). A failed check fails only
+that future; a cancelled future is dropped at the next pass.
 """
 
 from __future__ import annotations

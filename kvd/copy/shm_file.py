@@ -1,16 +1,10 @@
 """Mapping a client's shared-memory file, after checking it may be mapped.
 
-``map_shm_file(path, size, shm_dir, what, forbid, owner_uid)`` opens
-``path`` without following symlinks and maps its first ``size`` bytes
-shared, read/write. The file must be a regular file directly inside
-``shm_dir``, owned by ``owner_uid`` (the registering process's uid, from the
-kernel; the daemon's own uid when that is unknown), so one tenant can never
-make the daemon map another's file, at least ``size`` bytes long, and not
-the file ``forbid`` names (``(st_dev, st_ino)``: the daemon's own arena),
-nor any host tier file by its name (``kvd-arena-*``: another daemon's arena,
-or an arena's index, which a load would write into). Anything else is a
-``BadRequest`` naming ``what`` (e.g. ``buffers[2]``, ``flags``). Used for
-host-backend pool buffers and for every registration's flag page.
+``map_shm_file(path, size, shm_dir, what, forbid, owner_uid)`` opens ``path`` without
+following symlinks and maps ``size`` bytes read/write. Promises: the file is a regular file
+directly in ``shm_dir``, owned by ``owner_uid``, at least ``size`` bytes, and neither the
+daemon's own arena (``forbid``) nor any ``kvd-arena-*`` file; anything else is a
+``BadRequest`` naming ``what``. Never lets one tenant make the daemon map another's file.
 """
 
 from __future__ import annotations

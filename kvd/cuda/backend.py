@@ -1,41 +1,13 @@
-"""CUDA copy backend: engine KV pools opened through CUDA IPC, staged copies.
+"""CUDA copy backend: engine KV pools opened through CUDA IPC, copies by DMA or kernels.
 
-A pool buffer is ``{kind: "cuda_ipc", handle, offset, size, device_uuid}``:
-the daemon maps the UUID to its own device ordinal (engines usually run
-with CUDA_VISIBLE_DEVICES), opens the handle once on that device, checks
-that ``offset + size`` lies inside the opened allocation, and closes it in
-``close_pool`` (called only after the pool's copies completed); or a
-``cuda_vmm`` buffer of virtual memory lent by file descriptor, mapped and
-unmapped the same way (kvd.cuda.buffers). A CUDA
-context, streams, the compiled kernels and the staging rings exist only on
-devices some client registered memory on. The host arena is registered
-with the driver as pinned (portable, in pieces) on first use.
-
-Copy paths (``copy_path``): ``dma`` moves pages between the pool and the arena with the
-copy engines only (``kvd.cuda.dma``; small pitched pages staged through the slots below,
-``kvd.cuda.dma_stage``), for pools whose pages are byte ranges of at least
-``dma_settings.min_piece`` bytes (``auto``; ``dma``: any size); no kernel of the daemon's
-runs, so the engine keeps its GPU time slices (the driver calls of stores, and with
-``gpu_dma_load_thread`` of loads, made by a thread of each GPU and direction, not the event
-loop). Other pools (and every pool with ``kernels``) use SM kernels.
-Kernel copies are staged (``kvd.cuda.staging``): per GPU and direction a ring of
-``stage_slots`` device buffers of ``stage_slot_bytes`` (2 x slots x bytes of the engine
-GPU's memory: 256 MiB by default), kernels between the pool and the ring, DMA between the
-ring and the arena. Where one layer of one chunk does not fit a slot (or ``stage_slots``
-is 0), kernels read and write the arena directly through unified addressing (zero-copy).
-
-Fault isolation: nothing of an engine's ever enters the daemon's streams. A store's
-ordering after the engine's forward pass is checked by the service on the host (the flag
-page's store word, kvd.copy.flags) before the gather is queued. A load signals through
-its flag-page slot (kvd.cuda.signal): the kernel stream writes each layer's word as the
-layer lands (layer-wise loads) and the done word after the last kernel; the copy kernels
-skip the engine's pages once the client wrote the slot's cancel word. The flag page is
-registered with the driver at ``open_pool`` and unregistered at ``close_pool``.
-Completion of every copy is an event that the event loop polls while copies are in
-flight (kvd.copy.poll), which resolves the asyncio future; the loop never blocks on the
-GPU (a busy table slot of the kernel copier is awaited the same way), and ``close``
-gives the GPU at most ``CLOSE_WAIT_S`` to finish before the process exits anyway. At
-debug level it logs how long the enqueue and the copy took (kvd.cuda.completion).
+Owns per-GPU contexts, streams, kernels and staging rings (only on devices a client
+registered memory on), and the arena's pinned registration. Pool buffers are ``cuda_ipc``
+or ``cuda_vmm`` (kvd.cuda.buffers), checked against the opened allocation. ``copy_path``:
+``dma`` (copy engines only, kvd.cuda.dma) for byte-range pages, else SM kernels staged
+through a slot ring (kvd.cuda.staging) or zero-copy. Promises: nothing of an engine's
+enters the daemon's streams; loads signal through the flag page (kvd.cuda.signal);
+completion is a polled event (kvd.copy.poll). Never blocks the loop on the GPU;
+``close`` gives it at most ``CLOSE_WAIT_S``.
 """
 
 from __future__ import annotations

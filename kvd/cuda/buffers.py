@@ -1,18 +1,11 @@
 """Opening an engine's CUDA pool buffers in the daemon: ``cuda_ipc`` and ``cuda_vmm``.
 
-``open_all`` opens each buffer on the device (current on this thread) and
-returns the address of each buffer's first byte, appending what it opened to
-``opened`` as it goes, so a caller that sees it fail closes exactly that
-(``close_all``). Each buffer's ``offset + size`` is checked against what was
-opened; anything refused is ``BadRequest``.
-
-- ``cuda_ipc``: a legacy CUDA IPC handle, opened once (lazy peer access).
-- ``cuda_vmm``: one contiguous range of the engine's virtual memory made of
-  ``pieces`` (each one physical allocation, in address order) whose file
-  descriptors the service took from fds.sock (``fds``, kvd.server.fd_intake);
-  mapped side by side here (kvd_protocol.cuda_vmm checks sizes, granularity
-  and the GPU), so the mapping's base plus the buffer's ``offset`` addresses
-  what the engine's base plus offset does. The caller closes the descriptors.
+``open_all`` opens each buffer on the current device and returns each buffer's address,
+appending what it opened to ``opened`` as it goes so a failing caller closes exactly that
+(``close_all``). ``cuda_ipc``: a legacy IPC handle; ``cuda_vmm``: pieces of the engine's
+virtual memory mapped side by side from file descriptors (kvd.server.fd_intake;
+kvd_protocol.cuda_vmm checks them). ``offset + size`` is checked against what was opened;
+anything refused is ``BadRequest``. The caller closes the descriptors.
 """
 
 from __future__ import annotations

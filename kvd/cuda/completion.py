@@ -1,31 +1,12 @@
 """When a queued GPU copy landed, and what the debug log says of it.
 
-Contract:
-
-- ``completion(cp, poller, stream, what, plan, how, t0, start=None,
-  then=None)`` records an event on ``stream`` after a copy queued there and
-  returns the poller's future for it (kvd.copy.poll: resolves once the event
-  completed, fails on a CUDA error; ``then`` is called with it when it
-  does). With debug logging on, the copy's landing is logged: its
-  direction, chunks, MB, how it went, the host time from ``t0`` (a
-  ``perf_counter`` before queuing) to the end of queuing and to the landing
-  seen by the poller, and ``began`` (``t0``, monotonic as the request lines).
-  ``done`` (an object with the poller's ``done``, ``stream`` None): what to
-  wait for instead of an event recorded now, for a copy that another
-  thread queues (``kvd.cuda.dma_hand.Handed``).
-- ``gpu_start(cp, stream)``: with debug logging on, a timing event recorded
-  on ``stream`` before a copy is queued there (else None). Passed as
-  ``start``, the log line adds the copy's time on the GPU, from when
-  ``stream`` reached it (past whatever was queued before) to its end: a copy
-  slow there is the copy engines', a copy that only waited is the host's
-  (``tools/daemon_timings.py --phases``). Without debug logging nothing is
-  timed (timing events cost the driver more than plain ones).
-- ``failed_after(landed, exc)``: for a copy that failed part-way through
-  queuing (a driver call refused): a future that fails with ``exc`` only
-  once ``landed`` (the part that was queued, and the load's done word after
-  it) completed, or ``landed`` itself when ``exc`` is None. Failing at once
-  instead would let the service release the load's waits from the host,
-  and the engine reuse pages that a queued copy still writes.
+``completion(...)`` records an event after a copy on ``stream`` (or takes ``done`` of a
+copy another thread queues) and returns the poller's future, logging at debug level the
+copy's direction, size, how it went and host times. ``gpu_start`` records a timing event
+before a copy only with debug logging on (timing events cost the driver more).
+``failed_after(landed, exc)``: a future that fails only once the part already queued
+landed. Never fails a partly queued copy at once: the engine would reuse pages a queued
+copy still writes.
 """
 
 from __future__ import annotations

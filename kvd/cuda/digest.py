@@ -1,15 +1,10 @@
 """Segment digests (kvd/tiers/digest.py) of chunk payloads already in GPU memory.
 
-Contract:
-- ``secret_tables()`` is the XXH3 default secret cut into the 64-bit words
-  ``kernels/xxh3_segments.cu`` reads, in its order (a CPU test replays the
-  kernel's arithmetic on them against the xxhash library).
-- ``SegmentHasher(device)`` compiles the kernel and uploads the tables once
-  (CuPy imported lazily). ``digests(base, stride, padded_len, n_chunks,
-  stream)`` hashes ``n_chunks`` payloads of ``padded_len`` bytes (a multiple
-  of 4096, zero padding included) at ``base + c * stride`` (8-byte aligned
-  device memory) and returns the segment digests on the host, shape
-  ``(n_chunks, segments)``, after synchronizing ``stream``.
+``secret_tables()``: the XXH3 default secret as the 64-bit words
+``kernels/xxh3_segments.cu`` reads (a CPU test replays the kernel on them).
+``SegmentHasher(device)`` compiles the kernel once (CuPy imported lazily); ``digests(base,
+stride, padded_len, n_chunks, stream)`` hashes ``n_chunks`` payloads at ``base + c *
+stride`` and returns ``(n_chunks, segments)`` digests on the host after syncing ``stream``.
 """
 
 from __future__ import annotations

@@ -1,69 +1,13 @@
 """Copy-engine-only copies: pool pages <-> the pinned arena by batched DMA, no kernel.
 
-Why: without CUDA MPS, the engine's and the daemon's contexts share the GPU's
-SMs by time slices, and *any* kernel of the daemon's context costs the
-engine its slice: an empty kernel 500 times a second slowed a concurrent
-8192^3 GEMM by 16-20% on an H100, as much as kvd's copy kernels did, while
-batched DMA at 40-49 GB/s cost 0-3% (``tools/probes/interference_probe.py``,
-docs/benchmarks.md in git history). DMA runs on the copy engines, outside the time slices.
-
-Contract:
-
-- ``eligible(layout, min_piece, groups)``: a pool can be copied this way when
-  each (layer, plane, page) of it is one byte range (a page's token rows are
-  adjacent and whole) and one copy moves at least ``min_piece`` bytes: a page
-  of that size, or pages of at least ``MIN_ROW_BYTES`` whose planes all sit
-  in pitched groups of at least ``MIN_ROWS`` (one allocation for all layers;
-  ``groups`` is ``dma_plan.pool_groups``, computed once per pool).
-  Smaller copies are slow on the copy engines (32 KiB one by one: 0.5-0.75 of
-  a memcpy; 2 KiB rows: 0.3 even pitched), so they stay with the kernels.
-- What a copy queues is ``kvd.cuda.dma_plan.CopyOps``: pitched ops, one per
-  run of pages and group of planes at one pitch, cut by layers.
-- ``DmaQueue`` is one direction of one GPU: ``n`` streams. ``enqueue`` splits
-  an op array into ``n`` (or fewer, when asked) parts of about equal bytes,
-  or queues it on one stream when its pieces (ops and single rows) average
-  ``spread_below`` bytes or more (large pieces keep up with PCIe on one
-  stream, and spread they lost both-ways throughput); per stream, the ops of
-  several rows go as one ``cuMemcpy3DBatchAsync`` (a range of the step's
-  one contiguous op array, passed by address) and single rows as one
-  ``cuMemcpyBatchAsync`` (a one-row 3D op is slow). Should the driver refuse
-  a 3D batch, each op is queued alone and the refused ones row by row (a
-  refused call queues nothing; warned once per queue). Then ``streams[0]``
-  waits for the others (events), so work queued on ``streams[0]`` afterwards
-  (a layer word, the done word, the completion event) follows the whole
-  batch. It only enqueues, and never blocks the host; it keeps each batch's
-  arrays (what the driver reads) until the next ``enqueue`` or
-  ``queued_bytes`` after the batch landed. Batches land in order, so
-  ``queued_bytes`` queries the oldest only. ``follow(stream)`` orders what
-  is queued next after ``stream``'s work so far; ``idle_for()`` is how long
-  ago its last copy landed (``landed``: the caller's completion future calls
-  it; a batch adds no query to the event loop's polling).
-- ``DmaPath`` (one GPU; ``DmaSettings`` are the ``gpu_dma_*`` knobs): a copy
-  goes straight (the ops above) or, where ``staged`` says so (pitched pages
-  under ``stage_below`` bytes, whole chunks fit a slot, the other direction
-  idle for ``STAGE_IDLE_S``), through the staging ring with
-  ``kvd.cuda.dma_stage.CeFill`` in place of the kernels. ``store`` returns
-  the stream the copy ends on, how it went (``DIRECT`` or ``STAGED``) and
-  None; with ``store_thread`` (``gpu_dma_store_thread``) the loop only plans
-  a store, ``kvd.cuda.dma_hand`` queues it, and ``store`` returns None, how,
-  and its ``Handed`` to poll (not with ``stage_below``: the thread owns the
-  store queue's streams, which the staging slots' fills share);
-  ``load`` returns how it went (it ends on ``load_queue.stream``) and what
-  is left to queue (below); with ``load_thread`` (``gpu_dma_load_thread``,
-  not with ``stage_below`` either) the caller uses ``hand_load`` instead.
-- Unlike a kernel, a queued DMA cannot check a load's cancel word when it
-  starts: ``DmaPath.load`` therefore queues a load in steps (a staging slot's
-  chunks; runs of pages of about a quarter of ``window`` over all layers; a
-  layer-wise load layer by layer, never staged), reads the cancel word on
-  the host before each step, and keeps at most ``window`` bytes queued. The
-  steps the window admits go in the caller's turn, before ``load`` returns
-  (a task started for them began a loop turn later, each turn possibly
-  behind a whole store); ``load`` returns the rest as a coroutine function,
-  or None when nothing is left to queue. ``hand_load`` plans the same steps
-  on the loop and hands them to the load queue's thread, which checks the
-  cancel word and the window (polling every ``WINDOW_POLL_S``) before each
-  step and writes the layer words and then the done word (also after a
-  cancel or an error); it returns the ``Handed`` to poll.
+Why: without MPS any kernel of the daemon's costs the engine its time slice (an empty
+kernel 500/s slowed a GEMM 16-20%), while batched DMA at 40-49 GB/s cost 0-3%.
+``eligible`` says a pool qualifies (each page one byte range, pieces >= ``min_piece``).
+``DmaQueue`` (one GPU, one direction, ``n`` streams) splits planned ops
+(kvd.cuda.dma_plan) into batched driver calls, falls back op by op if refused, and never
+blocks the host. ``DmaPath`` picks direct or staged (kvd.cuda.dma_stage) copies; a load is
+queued in steps within ``window`` bytes, checking the cancel word before each step (a
+queued DMA cannot check it), optionally from a driver thread (kvd.cuda.dma_hand).
 """
 
 from __future__ import annotations

@@ -1,42 +1,12 @@
 """A driver thread for one GPU's DMA copies of one direction: the event loop plans, the thread queues.
 
-Why: a pool with one allocation per layer (SGLang's) is copied one row per
-(layer, page): 1,952 rows for a DeepSeek-MLA request of 8 chunks of 256
-tokens at pages of 64, and ``cuMemcpyBatchAsync`` costs the calling thread
-0.55-1.1 us a row on an H100 host (docs/benchmarks.md in git history). On the event loop
-that is 1-2 ms a copy, while the copy itself takes ~3 ms of PCIe, and the
-loop also serves requests and completions: both ways at once it saturates.
-The driver call releases the GIL (ctypes), so a thread of its own runs it
-beside the loop.
-
-Contract:
-
-- ``DmaHand(cp, ordinal, queue, name)``: a thread (started on first use)
-  that owns the enqueueing of ``queue`` (a ``kvd.cuda.dma.DmaQueue``, one
-  direction): once a copy is handed here, everything queued on that queue's
-  streams goes through this thread, in the order handed.
-- ``hand(work, then=None) -> Handed``: runs ``work()`` (it queues a copy's
-  steps on ``queue``) and then ``then()`` (e.g. a load's done word) on the
-  thread, and returns at once, without waiting for the thread. ``Handed``
-  has the poller's ``done``: False until the thread ran both and recorded
-  an event behind them on ``queue.stream``, and that event completed; then
-  True, or the error ``work`` or ``then`` raised. After an error in
-  ``work``, the thread joins every stream of the queue before ``then`` and
-  the event, so the caller never frees arena chunks, nor the engine reuses
-  pages, that a queued copy still touches.
-- The thread takes the device's primary context first (the driver refuses
-  batches from a thread without one). While it runs, the interpreter's
-  switch interval is ``SWITCH_S``: the loop, always busy while copies run,
-  held the GIL for up to the default 5 ms before the thread got it back
-  after a driver call (median 0.56 ms, measured in the fourth session of
-  2026-11-27), which left copies waiting on the hand-off.
-- Should the thread fail to take the context, every copy handed to it fails
-  with that error (nothing was queued), instead of never landing.
-- ``close(timeout)`` lets the thread finish what it was handed and joins
-  it for at most ``timeout`` seconds (call before synchronizing the queue's
-  streams at shutdown); False if the thread is still in a driver call or
-  waiting for its queue then (the caller frees nothing a queued copy may
-  use). The switch interval is restored once no GPU's thread runs.
+Why: per-row driver calls (0.55-1.1 us each, ~2k rows a request for per-layer pools)
+saturate the loop; ctypes releases the GIL, so a thread runs them beside it.
+``DmaHand(cp, ordinal, queue, name)`` owns enqueueing on ``queue``'s streams once used;
+``hand(work, then)`` returns a ``Handed`` whose ``done`` turns true (or the error) once the
+thread ran both and its event completed. After an error the thread joins the queue's
+streams first, so no arena chunk or engine page is freed under a queued copy. A thread
+that cannot take the device context fails every handed copy. ``close(timeout)`` joins it.
 """
 
 from __future__ import annotations

@@ -1,54 +1,12 @@
 """What one DMA copy queues: pitched (3D) copy ops between pool pages and arena chunks.
 
-Why pitched: the copy engines pay per copy, not per byte, below ~64 KiB: one
-``cuMemcpyBatchAsync`` copy per (layer, plane, page) of 32 KiB pages moved
-0.4-0.75 of a memcpy (8 streams), 2 KiB rows 0.02-0.09. One
-``cuMemcpy3DBatchAsync`` op per page whose rows are all 64 (layer, plane)
-planes at one pitch moved the same bytes at 0.82-1.04 (2 KiB rows: 0.3) with
-1/64 as many ops; ops of 2-8 rows were slower than single copies, one-row 3D
-ops much slower (``tools/probes/dma_probe.py``, H100, docs/benchmarks.md in git history).
-
-Contract:
-
-- ``OP_DTYPE`` is the driver's ``CUDA_MEMCPY3D_BATCH_OP`` with pointer operands
-  (cuda.h, CUDA 12.8+): an array of it is what ``cuMemcpy3DBatchAsync`` reads.
-- ``row_groups(bases, layers, planes)``: the pool's (layer, plane) planes as
-  groups ``(first, step, count, pitch)``: planes ``first + i * step`` for
-  ``i < count``, whose bases are ``pitch`` apart (``pitch > 0``; a group of one
-  has pitch 0), in one allocation (``buffers``: the driver refuses an op whose
-  extent spans two). Planes in order (step 1: all layers in one allocation, as
-  vLLM's; a layer's K and V, as SGLang's) or plane by plane (step ``planes``),
-  whichever gives fewer groups.
-- ``pool_groups(layout, bases)``: ``row_groups`` of a pool (computed once per
-  pool; ``CopyOps`` takes them as ``groups``, else computes them).
-- ``CopyOps(layout, bases, page_ids, shard_ptrs, chunk_tokens, host_pieces,
-  to_host, by_layer, groups)``: one copy of whole pages, pool -> arena when
-  ``to_host``, planned once: one op per (row group, run of pages), where a run
-  is pages at consecutive ids (when the pool's pages are adjacent) that are
-  adjacent in the chunk too; its rows are the group's planes. Groups of fewer
-  than ``MIN_ROWS`` planes (and every group when ``by_layer``) go as single
-  rows instead. An op is cut into rows where its rows would overlap in the
-  pool or its host side would cross from one separately registered piece of
-  the arena to the next (``host_pieces = (base, bytes)``: one copy must stay
-  in one registration); a row that itself crosses is split there. An op
-  whose rows are adjacent on both sides goes as one single row instead: a
-  block-outer pool (a page's planes adjacent, as vLLM 0.32's ``BLHNC``
-  family) with chunks of one page copies each page as one range, 0.92-0.99
-  of a memcpy at 18-32 KiB rows where pitched ops of the same rows move
-  0.79-0.93 (``tools/probes/dma_probe.py`` way ``page1d``, H100).
-  Its ops come in run order (``op_run`` ascending), so the ops of a range of
-  runs are one slice of the array. ``steps(most)`` are ``Step``s (pitched
-  ops + single rows, ``dst``/``src`` sides already chosen) that cover the
-  copy exactly once: by runs of at most ``most`` bytes over all layers (ops
-  keep all their rows), or with ``by_layer`` one layer each, in layer order.
-
-Why so little NumPy per copy: the daemon plans every copy on its event loop,
-and a plan of a 268 MB copy took 0.4-0.7 ms of it (``tools/dma_host_cost.py``),
-a tenth of the copy's PCIe time; the usual copy (every group pitched, no
-row crossing a registration) is built in one pass without per-row arrays,
-and so are copies of single rows only (a block-outer chunk of one page; one
-allocation per layer): half the host time of the general pass (MLA both ways
-per layer +0.10 of a memcpy where the loop was the limit, docs/benchmarks.md in git history).
+Why pitched: below ~64 KiB the copy engines pay per copy, not per byte; one 3D op per run
+of pages over all (layer, plane) planes at one pitch moves 0.82-1.04 of a memcpy where
+single copies moved 0.4-0.75. ``OP_DTYPE`` is the driver's ``CUDA_MEMCPY3D_BATCH_OP``.
+``row_groups``/``pool_groups`` find the pool's planes at one pitch in one allocation.
+``CopyOps`` plans one copy once: ops per (row group, run of pages), cut where rows overlap
+or the host side crosses an arena registration; ``steps(most)`` cover it exactly once.
+Promises little NumPy per copy: planning runs on the event loop (0.4-0.7 ms for 268 MB).
 """
 
 from __future__ import annotations

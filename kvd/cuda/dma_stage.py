@@ -1,38 +1,12 @@
-"""Staged DMA: pool pages <-> a staging slot by device-to-device DMA ops, then
-whole chunks across PCIe; no kernel.
+"""Staged DMA: pool pages <-> a staging slot by device-to-device ops, then whole chunks over PCIe.
 
-Why: the copy engines pay about 80-100 ns per row. Pitched ops straight
-between the pool and the arena move pages of 32 KiB rows at 0.82-0.90 of a
-pinned memcpy and 18 KiB rows (DeepSeek-MLA) at 0.81. The same ops between
-the pool and a device buffer run at 3-14x PCIe speed, so when they gather
-into (scatter from) a slot of the staging ring and PCIe moves the slot as
-one contiguous range, one direction reaches 0.93-0.99 (``tools/probes/dma_probe.py``
-``staged-3d``, H100). Both directions at once do worse staged (0.84-0.94
-against 0.91-1.06 straight), and 2 KiB rows stay slow inside the GPU too
-(0.46 of PCIe speed), so only pitched pages under ``gpu_dma_stage_below``
-bytes go this way. Off by default (``gpu_dma_stage_below`` = 0): the driver
-runs these device-to-device ops like kernels of the daemon's context, and an
-engine's GEMM or decode step took +19-23% while staged copies ran without
-CUDA MPS (+1-4% straight; ``kvd bench --gpu --interference``, H100).
-
-Contract:
-
-- ``chunk_pieces(n_chunks, chunk_bytes, layers, slot_bytes)``: the copy as
-  ``kvd.cuda.staging`` pieces ``(c0, c1, 0, layers)`` of whole chunks, as
-  many as one slot holds; None when one chunk does not fit a slot.
-- ``CeFill(queue, layout, bases, groups, page_ids, pieces, chunk_tokens,
-  to_slot)`` stands in for the ring's kernel copier in
-  ``StagingRing.run(..., copier=fill)``. It plans the copy's pitched
-  device-to-device ops once (``kvd.cuda.dma_plan.CopyOps``, whose ops in run
-  order make a piece's ops one slice; ``pieces`` from
-  ``chunk_pieces``, chunk ``c`` at ``c % per_piece`` chunks from its slot's start); ``batch(...)`` gives an
-  object whose ``launch(first, count, a, b, ptr_first)`` queues the ops of
-  chunks ``[first, first + count)`` against the slot at ``ptrs[ptr_first]``
-  on ``FILL_STREAMS`` of the ``DmaQueue``'s streams, after what the ring's fill
-  stream queued so far (the slot's last DMA), and makes the fill stream wait
-  for them. Whole chunks only (``a == 0``, ``b == layers``). It cannot read a
-  cancel word: the caller gates loads piece by piece
-  (``kvd.cuda.dma.DmaPath.load``).
+Why: pitched ops inside the GPU run at 3-14x PCIe speed, so filling a slot and moving it
+as one range reaches 0.93-0.99 of a memcpy one way (0.81-0.90 straight). Off by default
+(``gpu_dma_stage_below`` = 0): the driver runs these ops like kernels, costing an engine's
+compute +19-23% without MPS (``kvd bench --gpu --interference``).
+``chunk_pieces`` cuts a copy into whole-chunk slot pieces (None when a chunk does not
+fit); ``CeFill`` stands in for the ring's kernel copier (kvd.cuda.staging), queuing a
+piece's ops after the slot's last DMA. It cannot read a cancel word: callers gate loads.
 """
 
 from __future__ import annotations

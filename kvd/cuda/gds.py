@@ -1,44 +1,13 @@
 """GPU Direct Storage: disk-only chunks read straight into an engine's GPU pages.
 
-With ``disk_gds`` on, a load whose prefix continues on disk reads those
-chunk files with KvikIO (cuFile; in its compatibility mode where the
-machine has no GDS, POSIX reads through KvikIO's own bounce buffers) into a
-per-GPU staging slot, verifies every payload on the GPU against its header
-digest (kvd/cuda/digest.py), and scatters it into the engine's pages; the
-host tier is not involved and the chunk stays on disk only (touched in the
-disk LRU).
-
-Contract:
-- ``open_gds(threads)`` returns the ``kvikio`` module and a mode line
-  (``"gds"`` or ``"compat: ..."``), or ``(None, reason)`` when KvikIO
-  cannot be imported; the caller logs the fallback.
-- ``GdsLoader.prepare(reg)`` (at registration, never on the request path)
-  compiles the digest kernel and allocates the GPU's ``SLOTS`` slots of
-  ``slot_bytes``; ``eligible(reg)`` is then true for pools of the CUDA
-  backend whose entries have one shard (MLA, or TP 1: a TP-sharded chunk
-  goes through the host tier, where one read serves every rank) and whose
-  padded payload fits a slot.
-- ``load(reg, keys, pages, host, check_deadline, cancel, scope)`` takes the longest run of
-  ``keys`` that are on disk as chunks of the registration's namespace and shard size
-  (``scope``, kvd/tiers/scope.py) and not ready in the host tier, in batches that fit a slot; it
-  returns ``(n, io_error)``: how many chunks (a prefix) were verified and had their scatter
-  kernels queued on the pool's load kernel stream, so whatever the caller
-  queues next on that stream (the host part of the load, per-layer events,
-  the completion event) comes after them. A chunk that fails (header,
-  checksum, vanished file, IO error) is handled and counted by the disk
-  tier and ends the prefix: its pages and later ones are not written.
-  ``io_error`` says the prefix ended on an IO failure of this path (KvikIO,
-  cuFile, the GPU; not a bad or vanished file): the caller loads the rest
-  through the host tier (counted as ``fallbacks``). Reads go through the
-  ``kvikio`` module the loader was given, so a test hands it a stand-in
-  whose reads fail (tests/disk_faults.py).
-  ``check_deadline()`` runs before each batch's kernels are queued and
-  raises when the client gave up (earlier batches' pages are written).
-- Batches alternate between the slots, so batch k+1 is read while batch k is
-  verified and queued; scatters are queued in order. A slot is overwritten
-  only after the kernels that last read it finished (an event, waited for
-  on the IO thread before the read starts). The run's disk entries are
-  pinned (``refs``) for the whole load, so the disk LRU cannot delete them.
+With ``disk_gds`` on, chunk files are read with KvikIO (cuFile, or its compat mode) into a
+per-GPU slot, verified on the GPU against their header digest (kvd.cuda.digest) and
+scattered into the engine's pages; the host tier is not involved. ``open_gds`` returns
+KvikIO and a mode line, or ``(None, reason)``. ``GdsLoader.prepare`` (at registration,
+never on the request path) compiles and allocates; ``load`` returns ``(n, io_error)``: the
+verified prefix queued on the pool's load stream, the rest for the host path. A bad chunk
+ends the prefix, never written. Slots alternate; a slot is reused only after its kernels
+finished; disk entries stay pinned for the whole load.
 """
 
 from __future__ import annotations

@@ -1,51 +1,13 @@
 """SM copy kernels between an engine's paged KV pool and canonical chunk bytes.
 
-Contract:
-
-- ``KernelCopier(device_id)`` compiles ``kernels/kv_copy.cu`` with
-  ``cupy.RawModule`` once, at construction; nothing on the request path
-  compiles. CuPy is imported lazily: importing this module never needs it,
-  constructing a ``KernelCopier`` without it raises ``RuntimeError``.
-- ``gather`` copies pool rows into canonical chunk shards, ``scatter`` the
-  other way. Canonical bytes of one shard are ``[layer][plane][token][row]``
-  for all ``num_layers`` layers (``kvd_protocol.layout``); a layer subrange
-  ``[layer_begin, layer_end)`` copies only those layers, still at their full
-  canonical offsets. Chunk ``c``'s token ``i`` lives in page
-  ``page_ids[c * ppc + i // page_size]``, slot ``i % page_size``.
-- ``plane_bases`` are absolute device addresses, ``num_layers * planes`` of
-  them, layer-major. ``chunk_ptrs`` are addresses the GPU can reach: pinned
-  host memory under unified addressing (``cudaHostAlloc``, or
-  ``cudaHostRegister``-ed memory where the device can use host pointers),
-  or device memory. Each shard must hold ``shard_bytes`` bytes.
-- Copies are asynchronous on the given CuPy stream (the current stream when
-  none is given); the caller waits on that stream before it reads the
-  destination. Page ids are checked against ``num_pages`` when given and
-  must be >= 0; the pointers are not checked.
-- Head-strided rows (``heads > 1``, kvd_protocol.layout): the kernels copy
-  each token row as ``heads`` pieces of ``row_bytes // heads`` bytes,
-  ``head_stride`` apart in the pool, back to back in the shard.
-- Bytes only: any dtype. The host picks 16-byte accesses when the piece
-  size, the three strides and every base and chunk pointer are 16-aligned,
-  else the widest of 8, 4, 2, 1 bytes that fits.
-- The grid is capped at ``max_blocks`` blocks of ``threads`` threads
-  (grid-stride loop), so a copy leaves the engine the rest of the SMs.
-- ``batch(kind, ...)`` validates one request and uploads its small tables
-  (bases, page ids, chunk pointers) once; the returned ``CopyBatch``
-  launches any number of kernels over them (chunk and layer subranges, a
-  chunk-pointer table indexed apart from the page ids: ``kvd.cuda.staging``
-  points each piece at a staging slot). ``gather``/``scatter`` are one
-  batch with one launch.
-- Tables travel in one host-to-device copy from a pinned staging slot, on a
-  side stream that the copy's stream then waits for (an event), so
-  back-to-back copies on one stream have no table upload between their
-  kernels. ``slots`` slots are reused round-robin; ``busy_slot()`` is the
-  event to await (from the event loop, kvd.copy.poll) before the next
-  ``batch`` when that slot's last batch has not finished: the daemon never
-  blocks its loop on the GPU. (A direct caller that did not wait blocks in
-  ``batch`` until the slot is free.)
-- ``cancel=(address, seq)`` makes every kernel of the batch skip its copy
-  when the 32-bit word at ``address`` (a load's cancel word in a host-mapped
-  flag page, kvd_protocol.flags) equals ``seq`` as the kernel starts.
+``KernelCopier(device_id)`` compiles ``kernels/kv_copy.cu`` once (CuPy imported lazily;
+without it, ``RuntimeError``); nothing on the request path compiles. ``gather``/``scatter``
+copy pool rows to/from canonical shards (kvd_protocol.layout), any dtype, widest aligned
+access, head-strided rows as pieces; ``batch`` validates a request and uploads its tables
+once (from a pinned slot on a side stream) for any number of launches. The grid is capped
+(``max_blocks``) to leave the engine SMs; ``cancel=(address, seq)`` skips the copy when the
+load's cancel word is set. Asynchronous on the given stream; ``busy_slot`` is the event to
+await before reusing a table slot, so the daemon never blocks its loop on the GPU.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """A load's flag words as the CUDA backend writes and reads them on the GPU.
 
-``GpuSignal.of(signal)`` turns a kvd.copy.flags ``LoadSignal`` into device
-addresses of its slot's words (the flag page is registered with the driver,
-host-mapped, so under unified addressing the host address is the device
-address). ``layers_landed(stream, layers)`` queues a write of the load's
-``seq`` into each layer's word on ``stream`` (``cuStreamWriteValue32``:
-ordered after the stream's earlier work, with a memory barrier), ``done``
-queues the done word, and ``cancel`` is the ``(address, seq)`` pair the copy
-kernels check before they touch the engine's pages. The engine's stream
-waits on these words; since the engine's CPU can write them too, no wait of
-the engine's ever depends on the daemon being alive.
+``GpuSignal.of(signal)`` turns a kvd.copy.flags ``LoadSignal`` into device addresses of its
+slot's words (the flag page is host-mapped). ``layers_landed``/``done`` queue
+``cuStreamWriteValue32`` writes ordered after the stream's work; ``cancel`` is the
+``(address, seq)`` the copy kernels check. Since the engine's CPU can write these words
+too, no wait of the engine's ever depends on the daemon being alive.
 """
 
 from __future__ import annotations

@@ -1,39 +1,13 @@
 """Staged copies: SM kernels on the GPU side, DMA across PCIe.
 
-A copy between an engine's paged pool and canonical chunk shards in the
-pinned host arena runs in pieces through a ring of device staging slots.
-Store (``gather``): a kernel gathers a piece of pool rows into a slot, then
-a DMA moves the slot into the arena. Load (``scatter``): a DMA fills a slot
-from the arena, then a kernel scatters it into the pool. Kernel and DMA run
-on two streams, so piece k's DMA overlaps piece k+1's kernel, and PCIe is
-driven by the copy engines rather than by SM loads and stores of host
-memory (faster, and the kernels, touching device memory only, are short).
-
-Contract:
-
-- ``plan_pieces`` splits ``n_chunks`` chunks x layers ``[layer_begin,
-  layer_end)`` into pieces ``(c0, c1, a, b)`` (chunks ``[c0, c1)``, layers
-  ``[a, b)``) of at most ``slot_bytes`` each; layer groups are outermost,
-  so every piece of layer group k is queued before any of group k+1, and
-  ``per_layer`` makes each group a single layer. It returns None when one
-  layer of one chunk does not fit a slot (the caller copies another way).
-- ``host_runs`` groups chunk addresses into runs of constant positive
-  stride: each run of a piece is one (2-D) DMA, unless it crosses a
-  boundary between separately registered pieces of the host arena
-  (``piece_spans``); then it is copied chunk by chunk, split at the boundary.
-- ``StagingRing`` is one direction of one GPU: ``slots`` device buffers of
-  ``slot_bytes``, a kernel stream and a DMA stream, two events per slot.
-  ``run`` only enqueues; it returns the stream whose completion means the
-  whole copy landed (the DMA stream for a gather, the kernel stream for a
-  scatter). A scatter with a layer-wise ``signal`` (kvd.cuda.backend's
-  ``GpuSignal``) writes the load's word of layer l on the kernel stream
-  once every piece of layer l is scattered, and its kernels skip the
-  engine's pages once the load's cancel word is set. ``run(...,
-  copier=...)`` fills and empties the slots with another copier of the same
-  ``batch``/``launch`` shape (kvd.cuda.dma_stage's copy-engine fills, which
-  cannot read the cancel word: their caller gates them). Reusing a slot waits
-  (on the GPU) for the piece that last used it, across requests; nothing
-  here waits on another process and nothing blocks the host.
+A copy runs in pieces through a ring of device slots: store = kernel gathers pool rows into
+a slot, DMA moves it to the arena; load = the reverse; piece k's DMA overlaps piece k+1's
+kernel. ``plan_pieces`` splits chunks x layers into slot-sized pieces, layer groups
+outermost (None when one layer of one chunk does not fit). ``host_runs`` groups chunk
+addresses into strided runs, split at arena registration boundaries. ``StagingRing`` (one
+GPU, one direction) only enqueues and returns the stream whose completion means the copy
+landed; layer-wise loads write each layer's word as it lands; a slot is reused only after
+its last piece, waited on the GPU. Never waits on another process or blocks the host.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Replies that wait for room in a peer's reply queue instead of being dropped.
 
-``Backlog(sock, stats).put(peer, frames)`` sends a reply at once when the
-peer's ZeroMQ queue has room and nothing of it waits already; otherwise the
-reply joins the peer's backlog, which one task per waiting peer moves into
-the queue as the peer reads, in order. So a control client that pipelines
-hundreds of requests before reading its first reply gets every reply (or
-its ``busy``), none lost. Bounds: at most ``MAX_BYTES`` of replies wait per
-peer, and a peer that has read nothing for ``REPLY_PATIENCE_S`` while
-replies wait loses them; either way each lost reply is counted
-(``replies_dropped``) with at most one log line per peer per minute. A
-gone peer's replies are dropped silently (nobody is there to tell). The
-number of peers is bounded by the socket's connection cap
-(kvd.server.connections).
+``Backlog(sock, stats).put(peer, frames)`` sends a reply at once when the peer's ZeroMQ queue
+has room and nothing of it waits; else the reply joins the peer's backlog, moved into the
+queue in order as the peer reads, so a control client that pipelines hundreds of requests
+gets every reply (or its ``busy``). Bounds: ``MAX_BYTES`` waiting per peer, and a peer that
+reads nothing for ``REPLY_PATIENCE_S`` loses them; each lost reply is counted
+(``replies_dropped``, one log line per peer per minute). A gone peer's replies are dropped
+silently. Peers are bounded by the socket's connection cap (kvd.server.connections).
 """
 
 from __future__ import annotations

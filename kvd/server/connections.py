@@ -1,40 +1,14 @@
 """Connections to the daemon's ZeroMQ sockets, counted and capped by kernel credentials.
 
-libzmq accepts ``ipc://`` connections on its own thread, and its 4.3
-listener aborts the process when ``accept`` fails for want of a descriptor
-(EMFILE). So the descriptors must never run out: ``caps(...)`` derives,
-from the open files limit (the operator's knob: ``LimitNOFILE``), how many
-connections each socket may admit, per uid and per process: half of what
-is left after kvd's own descriptors (disk IO, the metrics endpoint,
-libzmq's). The socket may hold half of the other half more (``hard``:
-connections still handshaking, or about to be refused); the rest stays free
-for what libzmq accepts before the loop has looked at it.
-
-``ConnectionCap(sock, name, limits, stats, peer_log, on_close)`` owns the
-socket's monitor (ZeroMQ's only one per socket): each accepted connection's
-descriptor arrives with ``EVENT_ACCEPTED``; the kernel's credentials of it
-(SO_PEERCRED) are read and counted per socket, per uid and per pid (pid 0,
-a peer in another pid namespace, is counted by uid only). Refusing, in two
-steps, counted as ``connections_over_cap`` with one log line per uid per
-10 s through ``peer_log``; established connections are never touched:
-
-- ``admit(cred)``, asked by the ZAP handler (kvd.server.peers.ZapGate) during
-  the connection's handshake, once the monitor's events are read: a
-  connection past the socket's, its uid's or its process's cap is refused
-  there, which a ZeroMQ peer takes as final (it does not reconnect, so a
-  flood of sockets costs one refusal each);
-- a connection accepted while the socket holds ``hard`` connections, or its
-  process twice its cap or its uid twice its cap (handshaken or not: peers
-  that never finish a handshake, which libzmq closes after ``HANDSHAKE_S``,
-  or libzmq without credentials for ZAP) is shut down at once; libzmq then
-  closes it (a ZeroMQ peer reconnects: those are counted each time).
-
-``EVENT_DISCONNECTED`` uncounts a connection and calls ``on_close`` (the
-reaper's probe). Each descriptor is remembered with its inode: a connection
-libzmq closed without an event is forgotten when its number is reused or,
-at the hard cap, by a check of every remembered descriptor (at most once a
-second). The monitor's queue is unbounded (RCVHWM 0): a dropped close event
-would count a connection forever.
+Why: libzmq's listener aborts the process when ``accept`` finds no descriptor, so
+descriptors must never run out. ``caps(...)`` derives from the open files limit how many
+connections each socket admits per uid and per process (``hard``: the most it may hold).
+``ConnectionCap(sock, name, limits, stats, peer_log, on_close)`` owns the socket's monitor
+and counts each accepted connection by its SO_PEERCRED. ``admit(cred)`` (asked in the ZAP
+handshake) refuses a connection past a cap, which a ZeroMQ peer takes as final; one accepted
+past ``hard`` or twice a cap is shut down at once. Refusals count as
+``connections_over_cap`` (one line per uid per 10 s); established connections are never
+touched. ``EVENT_DISCONNECTED`` uncounts a connection and calls ``on_close``.
 """
 
 from __future__ import annotations

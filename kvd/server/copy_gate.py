@@ -1,41 +1,13 @@
 """Who may queue a copy in a backend now: a fair share per queue, a little more while alone.
 
-A backend runs the copies of one queue in the order they were queued (the
-CUDA backend: one queue per GPU and direction, ``CudaCopyEngine.queue_of``).
-A client with many requests in flight must not put many copies ahead of
-another client's; but with only one copy of its own queued at a time, the
-copy engines idle while the daemon notices that copy landed and queues the
-next: 1.35 ms (store) and 2.0 ms (load) per 268 MB copy on an H100 host,
-30-39% of the time when one client stores while another loads, each alone
-in its direction (daemon debug log, docs/benchmarks.md in git history).
-
-Contract:
-
-- ``CopyGate(fair, alone, alone_bytes)``. ``await enter(session, queue,
-  nbytes)`` returns once ``session`` may queue one more copy of ``nbytes``
-  in ``queue``, and counts it: while another session has a copy queued or
-  waiting in that queue, when it has fewer than ``fair`` queued there; while
-  alone, when it has fewer than ``alone`` queued, or when its queued bytes
-  plus ``nbytes`` (not 0) are at most ``alone_bytes`` (0, the default: never;
-  meant for small copies, 144 MB for 128 chunks of DeepSeek-MLA, of which two
-  leave the daemon little time to queue the next, docs/benchmarks.md in git history).
-  ``leave(session, queue, nbytes)`` when the copy landed, failed, or was
-  never queued. A waiter that is cancelled leaves no trace.
-- ``queue`` None (the host backend: its copies run on a thread pool that
-  every client shares, and queuing ahead gains nothing) is one queue per
-  session across all its copies, limit ``fair``.
-- So another client's copy waits behind at most ``alone`` copies of a
-  session queued before it arrived, or more of at most ``alone_bytes`` in
-  all, and once it is waiting, the session queues no more than ``fair``.
-- Every ``leave`` and every cancelled waiter wakes the waiters, which
-  re-check their limit; nothing here blocks the event loop. Each waiter
-  waits on a future of its own, so a ``leave`` lets a waiter in on the next
-  loop turn (a future shared behind ``asyncio.shield`` took two, and each
-  turn may wait behind another request's work). ``total`` is
-  the copies queued now (``kvd stats`` ``copies_queued``, the
-  ``kvd_copies_queued`` gauge), ``queued_by(session)`` one client's;
-  ``idle`` (an ``Idle`` event, for other threads: the journal's hashing) is
-  set while ``total`` is 0, with the time it was last set.
+Why: one copy at a time leaves the copy engines idle while the daemon notices it landed
+(30-39% of the time, one client per direction); many copies queued by one client delay
+another's. ``CopyGate(fair, alone, alone_bytes)``: ``await enter(session, queue, nbytes)``
+admits a copy while the session has fewer than ``fair`` queued (``alone`` or
+``alone_bytes`` while no other session waits there); ``leave`` when it landed, failed or
+was never queued. ``queue`` None (host backend) is one queue per session. Cancelled waiters
+leave no trace; nothing blocks the loop. ``total``/``queued_by`` feed stats; ``idle`` is
+set while nothing is queued (for the journal's hashing thread).
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """``kvd serve``: start-up, the two ROUTER sockets, reaping, and shutdown.
 
-Start-up, cheapest first: log the resolved config (kvd.server.config_log),
-resolve ``access_group``, check every cheap thing (kvd.server.startup; exit
-status 2 with one line for a bad value), lock the runtime dir, reclaim what
-a dead daemon left, open the disk tier, adopt or allocate the host tier
-(kvd.server.host_tier), start the backends, bind ``kvd.sock`` (engines) and
-``control.sock`` (operators) under umask 077, tell systemd READY=1
-(kvd.server.notify). Every connection is admitted or refused by its kernel
-peer credentials (kvd.server.peers: ``access_group``) and counted and capped
-per socket, uid and process (kvd.server.connections: libzmq aborts the
-process when it cannot get a descriptor, so the open files limit, raised to
-its hard limit first, sets the caps); each request carries its connection's
-credentials. ``/metrics`` starts when ``metrics_port`` or ``metrics_socket``
-is set (kvd.server.metrics). SIGTERM/SIGINT during start-up abandon it at
-once, remove what was made and exit 0 with one line.
-
-Each request runs as its own task so a slow copy never blocks other
-clients; every reply goes back through the socket it came from
-(kvd.server.peers_alive: slow readers, probes of gone peers, reaping). Each
-socket caps the requests of one peer being served (engines: ``max_inflight``;
-control: ``CONTROL_INFLIGHT``): past it a request gets ``busy`` at once (on the
-control socket through kvd.server.backlog, so a pipelining operator tool gets
-every reply). A request that fails validation gets a typed error reply; a
-frame larger than ``max_message_bytes`` is dropped by ZeroMQ, a message whose
-frames together exceed it gets ``too_large``. Lines a peer causes (hello, bye,
-malformed, refused) go through one limiter keyed by its kernel (uid, pid)
-(``Service.peer_log``, kvd.server.logs.PeerLimiter); internal errors are
-logged at most once per peer per 10 s. The disk tier (``disk_dir``) and the
-remote tier (``remote_backend``) start in the background. SIGTERM/SIGINT:
-stop reading, end every request waiting on a client (``shutting_down``), let
-the others (and their copies) and disk and remote IO finish within
-``shutdown_grace_s`` in all, remove the sockets, keep the host tier for the
-next start (``warm_restart``), exit 0: bounded whatever the GPU or the
-clients do, since no copy waits on another process.
+Start-up, cheapest check first (kvd.server.startup: one line and exit 2 for a bad value),
+then lock the runtime dir, open the tiers, bind ``kvd.sock`` and ``control.sock`` under
+umask 077 and tell systemd READY=1. Connections are admitted by kernel peer credentials
+and capped per socket, uid and process (kvd.server.connections) before any message is read.
+Each request runs as its own task, answered on its own socket; per-peer in-flight caps answer
+``busy``; oversized messages ``too_large``; bad requests a typed error. Lines a peer causes
+are rate-limited per kernel (uid, pid). SIGTERM/SIGINT: stop reading, end waits on clients,
+finish copies and tier IO within ``shutdown_grace_s``, keep the host tier for a warm
+restart, exit 0: bounded whatever the GPU or clients do. Request flow: docs/architecture.md.
 """
 
 from __future__ import annotations

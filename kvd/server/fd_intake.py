@@ -1,22 +1,13 @@
 """The daemon's end of ``fds.sock``: file descriptors lent for a registration (SCM_RIGHTS).
 
-Owns the listening socket (bound by ``open`` under the caller's umask, given to
-``access_group`` like the other sockets), a thread that takes one lending
-connection at a time (kvd_protocol.fd_pass describes the exchange), and the
-descriptors lent and not yet taken, by token. A connection is admitted by the
-kernel's credentials of its peer (SO_PEERCRED) under the same ``AccessPolicy``
-as engine connections; every descriptor received on a connection that fails
-(bad header, too many or too few descriptors, a truncated message, a refused
-peer, too many batches waiting) is closed before the connection is.
-
-``take(token, cred)`` hands a batch to the ``register`` of a session with the
-same uid and pid (pid 0: a peer in a pid namespace the daemon cannot see, then
-the uid alone) exactly once; the caller closes the descriptors. Batches not
-taken within ``fd_pass.TOKEN_TTL_S`` are closed, as is everything at ``close``.
-At most ``max_held`` descriptors wait at once, counting a batch being received (its
-header is refused past that): lent descriptors come out of the daemon's open-files
-budget like connections do, so lending cannot exhaust it.
-Never touches what the descriptors refer to (kvd.cuda imports them).
+Owns the listening socket, a thread taking one lending connection at a time
+(kvd_protocol.fd_pass), and descriptors lent but not yet taken, by token. Connections are
+admitted by SO_PEERCRED under the engines' ``AccessPolicy``; every descriptor of a failed
+connection is closed. ``take(token, cred)`` hands a batch once to a ``register`` of the
+same uid and pid; batches not taken within ``TOKEN_TTL_S`` are closed, as is all at
+``close``. At most ``max_held`` descriptors wait at once (a batch past that is read, closed and
+refused): lending cannot exhaust the open-files budget. Never touches what the
+descriptors refer to (kvd.cuda maps them).
 """
 
 from __future__ import annotations

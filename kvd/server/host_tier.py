@@ -1,31 +1,14 @@
 """The host tier at start-up and at exit: adopt the arena a previous daemon left, or make one.
 
-``HostTierSetup.open()`` (under the runtime dir's lock) looks for
-``kvd-arena-<tag>`` and its index (kvd/tiers/arena_index.py) in shm_dir:
-
-- with ``warm_restart`` on and ``cold_start`` off, an arena whose index is
-  of this format, made for this ``host_capacity``, slot alignment and
-  ``chunk_tokens``, for this very file, is **adopted**: mapped (no
-  zeroing), the host tier rebuilt from its records (kvd/tiers/adopt.py) on
-  a thread, then served at once. After a clean stop every chunk is trusted;
-  after a crash (the index was still ``RUNNING``) ``start_verify`` checks
-  every checksum in the background while the daemon serves. If the
-  previous owner (pid and start time in the index) is still exiting, it
-  waits for it first (``OWNER_EXIT_S``): a dying process's last DMA must
-  not land in a slot this daemon hands out;
-- anything else found is deleted with one line saying why (incompatible,
-  damaged, ``--cold``, ``warm_restart = false``) and a new arena is
-  allocated (in parallel pieces, progress in the log and systemd's
-  STATUS=).
-
-``drain`` (on the loop, at shutdown) waits for the checksums still being
-computed; ``close`` (after the loop) stops the hashing threads and, with
-``warm_restart``, writes the LRU order, marks the index clean and keeps
-both files for the next start (one line with what it kept, one with the
-``kvd drop-tier`` command that frees its memory); without it, removes
-them. A start-up interrupted by a signal removes an arena it made and keeps
-one it adopted. The index is marked clean only when no adopted
-chunk still waits for its verification.
+``HostTierSetup.open()`` (under the runtime dir's lock) adopts ``kvd-arena-<tag>`` when
+``warm_restart`` is on, ``cold_start`` off and its index (kvd.tiers.arena_index) matches
+this format, capacity, alignment and ``chunk_tokens``: mapped without zeroing, rebuilt on a
+thread (kvd.tiers.adopt), after a crash verified in the background while serving; it first
+waits for a still-exiting previous owner, whose last DMA must not land in a reused slot.
+Anything else found is deleted with one line saying why, and a new arena is allocated.
+``drain`` waits for pending checksums; ``close`` keeps both files for the next start (one
+line with the ``kvd drop-tier`` command) or removes them. The index is marked clean only
+when no adopted chunk waits for verification.
 """
 
 from __future__ import annotations

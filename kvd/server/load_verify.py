@@ -1,22 +1,11 @@
 """``verify_loads = on``: a load's host chunks are checked against their checksums first.
 
-The host tier is the daemon's own memory, so by default (``off``) a load
-trusts it. With ``on``, ``LoadVerifier.check(entries, rank)`` (on the loop,
-after the load pinned its host prefix and before its copy is queued)
-hashes each entry's shard on ``verify_threads`` daemon threads
-(kvd/tiers/daemon_threads.py; not the journal's hashing threads, whose
-jobs wait for the copies to pause) and compares the XXH3-64 with the one
-the arena index already holds for that shard (``SEALED`` records,
-kvd/tiers/arena_index.py: the warm restart checksum, so ``verify_loads``
-needs ``warm_restart``). The prefix ends before the first shard that does
-not match: that shard is dropped from the host tier (never a hit again,
-counted in ``host_corrupt_dropped``), the entries after it are unpinned,
-and the load answers with fewer chunks (the client recomputes the rest).
-
-A shard whose checksum is not written yet (stored in the last moments, or
-under copies that never pause: kvd/tiers/journal.py) is trusted: hashing it
-now would only take the checksum of whatever bytes are there, with nothing
-to compare it to. Such shards are counted in ``host_verify_unsealed``.
+By default a load trusts the host tier (the daemon's own memory). With ``on``,
+``LoadVerifier.check(entries, rank)`` hashes each pinned shard on ``verify_threads`` and
+compares with the checksum in the arena index (so it needs ``warm_restart``). The prefix
+ends before the first mismatch: that shard is dropped (``host_corrupt_dropped``), later
+ones unpinned, and the load answers with fewer chunks. A shard whose checksum is not
+written yet is trusted and counted in ``host_verify_unsealed``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """The daemon's log lines: text for people, or JSON objects for log shippers.
 
-``setup(level, fmt)`` configures the ``kvd`` logger's handler on stderr.
-``text``: ``<time> kvd <LEVEL> <message>``. ``json``: one object per line
-with ``time`` (ISO 8601, UTC), ``level``, ``message``, every field the
-line was logged with (``log.info(..., extra={"percent": 42})``) and, for
-an exception, ``traceback``.
-
-``PeerLimiter`` keeps what one peer can make the daemon log bounded: at
-most ``burst`` lines per peer per interval (``log``), with the count of
-lines held back since that peer's last one appended to its next, and
-``summary(logger)`` writes one line of what was held back since the last
-summary (per peer, the most first), so a peer that never logs again is not
-forgotten. It remembers at most ``max_peers`` peers; past that, peers whose
-interval has not passed share one allowance. ``peer_key(peer, cred)`` is
-the key of a peer-triggered line: the kernel's (uid, pid) of the
-connection, which a peer cannot renew the way it renews a ZeroMQ routing
-id (only where libzmq reports no credentials, the routing id).
-``peer_name(peer, cred)`` names a client in a line.
+``setup(level, fmt)`` configures the ``kvd`` logger on stderr: ``text``
+(``<time> kvd <LEVEL> <message>``) or ``json`` (one object a line). ``PeerLimiter`` bounds
+what one peer can make the daemon log: ``burst`` lines per peer per interval, the count held
+back appended to its next, and ``summary`` lines of what was held back, over at most
+``max_peers`` peers. ``peer_key(peer, cred)`` keys a line by the kernel's (uid, pid), which a
+peer cannot renew as it renews a routing id; ``peer_name`` names a client in a line.
 """
 
 from __future__ import annotations

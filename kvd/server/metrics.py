@@ -1,19 +1,11 @@
 """Prometheus metrics: ``/metrics`` on ``metrics_address:metrics_port`` and/or ``metrics_socket``.
 
-``start(cfg, service, ...)`` serves the exposition, rendered by
-prometheus-client (kvd-cache's ``metrics`` extra; when a metrics knob is
-set and the library is missing, or the address cannot be bound, start-up
-fails with one line saying so), through kvd.server.metrics_http's server
-on the daemon's event loop: a connection cap per listening socket
-(``metrics_max_connections``; all of them together at most a quarter of the
-open files limit), a per-connection deadline
-(``metrics_timeout_s``), an accept budget and a cached rendering, so no
-scraper can take the daemon's descriptors or slow its engines.
-``KvdCollector`` reads, at render time, the counters the loop keeps anyway
-(kvd.server.stats, the tiers' counters, the session table) through copies
-and ``len()``. Names follow Prometheus conventions (``kvd_`` prefix, base
-units, ``_total`` counters, ``_bytes``, ``_seconds``); docs/operations.md
-lists them.
+``start(cfg, service, ...)`` serves the exposition (prometheus-client, kvd-cache's ``metrics`` extra;
+missing library or unbindable address: start-up fails with one line) through
+kvd.server.metrics_http on the event loop, bounded so no scraper can take the daemon's
+descriptors or slow its engines. ``KvdCollector`` reads at render time the counters the
+loop keeps anyway, through copies and ``len()``. Names follow Prometheus conventions
+(``kvd_`` prefix, base units, ``_total``); docs/operations.md lists them.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """``/metrics`` over HTTP on the daemon's event loop, bounded whoever connects.
 
-``MetricsServer(render, max_connections, timeout_s, stats)`` serves
-``GET /metrics`` (and ``/``) on each listening socket handed to ``listen``:
-the TCP socket of ``metrics_address:metrics_port`` and the Unix socket of
-``metrics_socket``, whose peers must pass the daemon's access policy
-(kvd.server.peers: the kernel's credentials of the connection). No thread:
-one accept task per listening socket and one short task per connection, on
-the loop, so the daemon's threads and the GIL are the engines'. Bounds, so
-that no peer can take the daemon's descriptors, memory or loop:
-
-- at most ``max_connections`` connections at once per listening socket; one
-  past it is closed as soon as it is accepted (``metrics_refused``);
-- a connection has ``timeout_s`` in all to send its request (at most
-  ``MAX_REQUEST`` bytes in at most ``MAX_READS`` reads) and read the reply,
-  then it is closed (``metrics_timeouts``);
-- at most ``ACCEPT_RATE`` connections are accepted a second per listening
-  socket (bursts of ``ACCEPT_BURST``): more wait in the kernel's listen
-  backlog, which costs the daemon nothing. Each connection costs the loop
-  about 0.2 ms of CPU (syscalls included; 2-core VM);
-- the exposition is rendered at most every ``RENDER_EVERY_S`` (about 2 ms
-  each); scrapes in between get the same bytes, so a scrape shows the
-  counters as they were at most that long before.
-
-So a flood of scrapes on one socket costs the loop about 2% of its time
-(measured: 2.3% at 100 connections a second without rendering, 1.9% more
-for 10 renders a second). An
-accept that fails for want of descriptors (EMFILE, ENFILE) pauses
-accepting for ``PAUSE_S`` (one log line per ``LOG_EVERY_S``), never
-the daemon.
+``MetricsServer(render, max_connections, timeout_s, stats)`` serves ``GET /metrics`` on each
+socket given to ``listen`` (TCP, or a Unix socket whose peers pass the access policy),
+with no thread: one accept task per socket, one short task per connection. Bounds:
+``max_connections`` at once per socket (more closed at once), ``timeout_s`` per connection,
+``MAX_REQUEST`` bytes, an accept rate (``ACCEPT_RATE``/``ACCEPT_BURST``; more wait in the
+kernel's backlog) and one rendering per ``RENDER_EVERY_S``: a flood of scrapes costs the loop
+about 2%. Running out of descriptors pauses accepting for ``PAUSE_S``, never the daemon.
 """
 
 from __future__ import annotations

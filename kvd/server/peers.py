@@ -1,24 +1,12 @@
 """Who is on the other end of an ipc:// connection (from the kernel), and whether they may be.
 
-libzmq, built with SO_PEERCRED support (pyzmq's bundled libzmq on Linux
-is; ``credentials_available`` probes for it), reads the credentials of
-every accepted Unix-socket connection with ``getsockopt(SO_PEERCRED)`` and
-reports them as the connection's peer address ``<host>:<uid>:<gid>:<pid>``:
-in the ZAP request it sends when a connection is made (ZeroMQ's
-authentication protocol, RFC 27; our sockets set a ZAP domain so libzmq
-asks) and in each message's ``Peer-Address`` property. These are the
-kernel's values at connect time, not anything the client says.
-
-``AccessPolicy`` decides: the daemon's own uid, root (which bypasses the
-socket's file permissions anyway), and, with ``access_group``, a process
-whose gid or one of whose supplementary groups (/proc/<pid>/status, read
-while the connection is being made) is that group. ``ZapGate`` answers
-libzmq's ZAP requests on the event loop: a refused peer's connection is
-closed during the handshake, so none of its messages ever reaches the
-daemon (counted, logged once per uid per 10 s); one the connection caps
-refuse (kvd.server.connections) too. ``recv_request`` reads one request
-with the credentials of the connection it came on (for the session, and
-for checking whose shared-memory pool a registration may map).
+libzmq reads each Unix-socket connection's SO_PEERCRED and reports it as the peer address
+``<host>:<uid>:<gid>:<pid>`` in ZAP requests and each message's ``Peer-Address``: the
+kernel's values, never what the client says (``credentials_available`` probes for it).
+``AccessPolicy`` admits the daemon's uid, root, and with ``access_group`` members of that
+group. ``ZapGate`` answers ZAP on the loop, so a peer refused (by the policy, or by the
+connection caps of kvd.server.connections) is closed in the handshake and none of its
+messages reaches the daemon. ``recv_request`` reads a request with its credentials.
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """Which clients are still there, and replies to clients that are slow to read.
 
-``Liveness(daemon)`` runs the daemon's reaper: every ``min(1 s,
-heartbeat_interval_s / 2)`` it expires leases and reaps sessions silent for
-``client_timeout_s`` with no request being served (kvd.server.sessions).
-Sooner when a peer is gone: ZeroMQ's socket monitor says that some
-connection of the engine socket closed (kvd.server.connections calls
-``connection_closed``), so ``PROBE_DELAY_S``
-later (a peer that reconnects at once, same routing id, is back by then)
-every session's routing id gets a probe ``{v, id: 0, result: {}}``, which
-clients drop (a reply to an id they never sent); with ``ROUTER_MANDATORY``
-a routing id with no connection fails at once, and that session is reaped.
-
-``Intake`` admits engine requests per peer before any task is made for them:
-a peer with ``max_inflight`` requests being served (every op but
-``heartbeat`` and ``bye``) gets an immediate ``busy`` reply, parsed and
-answered right in the receive loop. A flooding client then costs one
-cheap reply per message and never has more than ``max_inflight`` tasks
-ahead of another client's request.
-
-The control socket has an ``Intake`` of its own (``CONTROL_INFLIGHT`` per
-peer) and a short reply queue per peer; its ``busy`` replies go through a
-``Backlog`` (kvd.server.backlog), so a peer that pipelines hundreds of
-requests before reading gets a reply for each, and one that never reads
-holds a bounded number of bytes.
-
-``reply(sock, peer, frames, stats)`` sends a reply without ever dropping it
-for a full queue while the client is merely slow: it retries for
-``REPLY_PATIENCE_S`` (the client has not read its replies for that long:
-dropped and counted as ``replies_dropped``, with at most one log line per
-peer per ``LOG_EVERY_S``: ``PeerLog``); a gone peer's reply is dropped at
-once.
+``Liveness(daemon)`` reaps: it expires leases and sessions silent for ``client_timeout_s``
+with nothing in flight, and sooner when a connection closed (``connection_closed``, from
+kvd.server.connections: a probe per session finds the gone one). ``Intake`` admits requests
+per peer before any task is made: past ``max_inflight`` (engines) or ``CONTROL_INFLIGHT``
+(control; its ``busy`` replies through kvd.server.backlog) a request gets ``busy`` at once.
+``reply(sock, peer, frames, stats)`` retries a slow reader for ``REPLY_PATIENCE_S`` before
+dropping (``replies_dropped``, logged at most once per peer per ``LOG_EVERY_S``).
 """
 
 from __future__ import annotations

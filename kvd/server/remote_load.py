@@ -1,25 +1,12 @@
-"""A load whose prefix goes on in the remote store: the local part's copy first, then each
-remote run's copy as its fetches land.
+"""A load whose prefix goes on in the remote store: local copy first, then each remote run as it lands.
 
-Contract (kvd.server.transfers.Transfers.load calls ``queue_pieces`` for a load that has
-remote hits past its local prefix, layer-wise or not; ``fetches`` are the remote tier's
-futures for those hits, in key order, kvd.tiers.remote_tiering.RemoteTiering.fetches):
-
-- the copy of the local prefix (host entries, disk promotions) is queued at once, without
-  the load's signal;
-- the remote hits are awaited in key order; every run of chunks whose fetches finished is
-  pinned (``hold_ready``: its entries join ``entries``, which the caller unpins) and its copy
-  queued at once, so the remote part costs about max(fetch, copy) instead of their sum;
-- a fetch that failed or timed out ends the prefix at that chunk: no later chunk is
-  copied (a shorter load, never an error);
-- the load's signal goes with the last piece, queued once every earlier piece landed, so
-  on any backend its done word follows every byte of the load, and a layer-wise load's
-  word of layer l follows every earlier piece and layer l of the last (the engine's
-  layers stay in order; a load with a remote part signals its first layer only once
-  that part landed, never before its bytes); a piece that lands
-  with an error still lets the signal go out (the load then fails with ``CopyFailed``);
-- ``pieces.landed`` holds every queued copy; ``pieces.signalled`` says whether the
-  signal was queued (if not, the caller releases the slot after the landed pieces).
+``queue_pieces`` (called by kvd.server.transfers for a load with remote hits) queues the
+local prefix's copy at once, then awaits the remote fetches in key order and queues each
+finished run's copy (pinned via ``hold_ready``), so the remote part costs about
+max(fetch, copy). A failed or timed-out fetch ends the prefix there (a shorter load, never an
+error). The load's signal goes with the last piece, after every earlier piece landed, so
+its done word and layer words follow every byte. ``pieces.landed`` holds every queued copy;
+``pieces.signalled`` says whether the signal was queued.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The runtime directory on the daemon's side: create it, lock it, reclaim leftovers.
 
-The directory is created with mode 0700 and holds ``kvd.sock``,
-``control.sock`` and ``kvd.lock`` (names and resolution rules:
-kvd_protocol.runtime). With ``access_group`` the directory is 0750 and the
-sockets 0660, both of that group, so its members (engines of other users)
-can connect; without it only the daemon's user (and root) can. The lock
-(flock) lets one daemon serve a directory;
-it is released by the kernel when the daemon dies, so a new daemon that
-gets it knows every leftover socket is stale (the host tier is not a
-leftover: kvd.server.host_tier adopts it). A directory that cannot be created
-or used raises ``ConfigError("runtime_dir", ...)``: one line, exit status 2.
+Creates the directory (0700; with ``access_group`` 0750 and sockets 0660 of that group)
+holding ``kvd.sock``, ``control.sock`` and ``kvd.lock`` (names: kvd_protocol.runtime). The
+flock lets one daemon serve a directory and dies with it, so a daemon that gets it knows
+leftover sockets are stale. A directory that cannot be used raises
+``ConfigError("runtime_dir", ...)``: one line, exit status 2.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """The daemon's operations, one method per protocol op, over validated requests.
 
-``handle(peer, request)`` runs an engine op and returns its result map or
-raises a ``ServerError``; nothing is changed by a request that fails
-validation. A session may have ``max_inflight`` data requests (lookup,
-store, load) in flight; one more gets ``busy`` and does nothing. Store and
-load move bytes through kvd.server.transfers (ordering per registration,
-the flag page's waits and signals). ``register`` maps the pool and its flag
-page; closing a registration (unregister, bye, reaping) cancels what waits
-on the client, waits for the request that holds its turn, for its copies
-and for every store and load still using it (bounded: no copy waits on
-another process), then unmaps. A ``hello`` gives its routing id a new
-session at once and then reaps the one it replaces, so one id never has
-two live sessions; a reaped session takes no new registrations or leases.
-Lookups and loads read only chunks of the registration's namespace and
-shard geometry (kvd.tiers.scope): keys come from clients, so another
-namespace's chunk is a miss that ends the prefix, on every tier, counted
-once per request in ``foreign_ns_misses``. A ``store`` whose ``tenant``
-label a quota rule binds to users or groups gets ``forbidden`` unless the
-connection's kernel credentials are among them (kvd.server.tenants). A
-client's name is kept as ``kvd.printable`` shows it, and every line a peer
-causes goes through ``peer_log`` (a few per (uid, pid) per 10 s).
-With a disk tier (``tiering``), lookup continues the host prefix with keys
-on disk (reported as ``disk_hits``, promotion started); for pools that GPU
-Direct Storage serves (``gds``) lookup only counts them. With a remote tier
-(``remote``), lookup then asks the remote store for the rest of the prefix
-(one round trip, bounded by ``remote_timeout_s``; none while its breaker
-is open), reports those as ``remote_hits`` and starts fetching them.
+``handle(peer, request)`` runs an engine op and returns its result map or raises a
+``ServerError``; a request that fails validation changes nothing. Per session at most
+``max_inflight`` data requests (more: ``busy``). Store and load move bytes through
+kvd.server.transfers; closing a registration waits (bounded) for its copies before
+unmapping. Lookups and loads see only the registration's scope (kvd.tiers.scope); a lookup
+continues on disk and in the remote store (bounded by ``remote_timeout_s``). A store whose
+``tenant`` a quota rule binds gets ``forbidden`` unless the connection's credentials match
+(kvd.server.tenants). Every line a peer causes goes through ``peer_log``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Client sessions, their KV pool registrations and their leases.
 
-A session is created by ``hello`` and keyed by the client's ZeroMQ routing
-id (one live session per id: a new ``hello`` replaces it). It owns
-registrations (a mapped KV pool, its flag page and its namespace) and
-leases (pins on cached entries with an expiry). Every
-request refreshes ``last_seen`` when it starts and when it ends; heartbeats
-keep an idle client alive; a session with requests in flight (``inflight``)
-is never reaped for silence. Per registration, ``turn`` makes requests
-queue their copies in arrival order, ``waiting`` holds the requests that
-wait on the client itself (a store waiting for the engine's stream to
-reach its seq: reaping cancels them) and ``inflight`` the copies, which
-unregistering, ``bye`` and reaping wait for before the pool is unmapped
-(copies never wait on another process, so that wait is bounded); ``used()``
-marks a store or load that uses the pool or the flag page, and closing
-also waits (``unused``) until none does, past their copies included.
-Registration and lease ids are global and never reused, so another
-session's id is recognised as such.
+A session is made by ``hello`` and keyed by the client's routing id (a new ``hello``
+replaces it). It owns registrations (mapped pool, flag page, namespace) and leases (pins
+with an expiry). Requests and heartbeats refresh ``last_seen``; a session with requests in
+flight is never reaped. Per registration ``turn`` orders copies by arrival, ``waiting``
+holds requests waiting on the client (cancelled at reaping), ``inflight`` and ``used``
+are waited for before the pool is unmapped. Registration and lease ids are never reused.
 """
 
 from __future__ import annotations

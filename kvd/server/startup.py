@@ -1,33 +1,13 @@
 """What ``kvd serve`` checks and builds before it serves, cheapest checks first.
 
-``check(cfg, runtime_dir)`` runs before anything expensive (the host tier's
-allocation takes minutes at 100 GiB): the runtime dir is creatable, ours and
-short enough for a socket path; ``shm_dir`` is a writable directory with
-room for ``host_capacity``; ``disk_dir`` is a directory we can write (its
-last component created if missing, never its parents: a typo must not fill
-another disk) with room for ``disk_capacity`` (free space plus what kvd's
-chunk files there hold); with ``metrics_port`` or ``metrics_socket``,
-prometheus-client imports; with ``gpu = "on"``, CuPy is installed; with a
-``remote_backend``, an address and the backend's client library; every
-user and group a ``quota`` rule binds a tenant label to exists. The room
-check counts the host tier a previous daemon left as room (it is adopted or
-replaced). A problem with a knob's value raises ``ConfigError`` (one line,
-exit status 2); anything else ``StartupError`` (one line, exit status 1).
-
-``raise_fd_limit`` raises the open files soft limit to the hard one (one
-log line when it moved); ``fd_limit`` and ``fds_open`` say what it is and how
-many descriptors are open (kvd.server.connections sizes its caps on them).
-
-``make_remote`` builds the remote tier (a bad ``remote_address`` is a
-``ConfigError``; a missing client library was already a ``StartupError``;
-with ``remote_secret`` its values carry a keyed tag, kvd/tiers/remote_value.py).
-``open_disk`` opens the disk tier (its directory lock: a second daemon on
-the same ``disk_dir`` fails here, still before the allocation).
-``make_cuda_engine`` and ``make_gds`` start the optional backends: only the
-errors that mean "not available here" (ImportError, OSError, CUDA errors)
-turn one off with a log line; anything else is a bug of ours and is logged
-at error level with its traceback; with ``gpu = "on"`` any failure stops
-start-up.
+``check(cfg, runtime_dir)`` runs before the host tier's allocation: runtime dir, ``shm_dir``
+and ``disk_dir`` usable with room (only a missing last component of ``disk_dir`` is made),
+optional libraries present, users and groups a ``quota`` rule binds exist. A bad knob value
+raises ``ConfigError`` (one line, exit 2); anything else ``StartupError`` (one line, exit
+1). ``raise_fd_limit`` lifts the open-files soft limit to the hard one (``fd_limit``,
+``fds_open``: the connection caps' basis). ``make_remote``, ``open_disk``,
+``make_cuda_engine`` and ``make_gds`` build the optional parts: only "not available here"
+errors turn one off with a log line (``gpu = "on"``: any failure stops start-up).
 """
 
 from __future__ import annotations

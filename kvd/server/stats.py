@@ -1,21 +1,10 @@
 """Counters and op latencies of one daemon, for the control socket and /metrics.
 
-Counters are plain integers bumped on the event loop. Latencies keep the
-last ``window`` samples per op (p50/p99 computed when stats are read) and a
-fixed-bucket histogram per op (``LATENCY_BUCKETS_S``, for Prometheus and
-``kvd top``), so the request path pays one deque append, one bisect and two
-additions. ``scrape()`` may be called from another thread (the metrics
-server): it only copies (``dict(...)``, ``list(...)``: single C calls that
-hold the GIL throughout, so they cannot see a dict change size mid-copy)
-and reads ints; it never iterates what the loop mutates.
-
-``loop_cpu_s()`` is the CPU time of the thread that made the ``Stats`` (the
-event loop's: the service is made on it) since that thread started, read
-from its per-thread clock, so from any thread. Its rate is how busy the
-loop is: every request, copy plan and completion check runs there (with
-``gpu_poll_interval_us`` 0 it checks every pass while GPU copies run, so
-that time counts too), and a loop near one CPU second per second queues
-copies late (docs/operations.md).
+Counters are plain ints bumped on the event loop; per op, the last ``window`` latencies
+(p50/p99 at read time) and a fixed-bucket histogram (``LATENCY_BUCKETS_S``): the request
+path pays an append, a bisect and two additions. ``scrape()`` may run on another thread:
+it only copies with single C calls and reads ints. ``loop_cpu_s()`` is the event loop
+thread's CPU time: near one CPU second per second, the loop queues copies late.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Tenant labels bound to peer credentials: the ``users`` and ``groups`` of ``quota`` rules.
 
-``TenantBindings(rules)`` resolves the names of every rule's ``users`` and
-``groups`` to ids at start-up (a name nobody has: ``ConfigError``, exit
-status 2). ``check(label, cred)`` raises ``Forbidden`` for a store whose
-``tenant`` label some rule binds when the connection's kernel credentials
-are none of the label's users and in none of its groups (the connection's
-gid, or a supplementary group of its process, read as ``access_group`` reads
-them: kvd.server.peers); a connection without credentials cannot carry a
-bound label. An unbound label, or none, passes: any peer that may connect
-may carry it, as without bindings. Decisions are cached per (credentials,
-label), at most ``CACHED`` of them.
+``TenantBindings(rules)`` resolves every rule's ``users`` and ``groups`` to ids at start-up
+(an unknown name: ``ConfigError``, exit 2). ``check(label, cred)`` raises ``Forbidden`` for a
+store whose ``tenant`` label a rule binds unless the connection's kernel credentials are
+among its users or groups (gid or supplementary groups, read as kvd.server.peers reads
+them); without credentials a bound label is refused. Unbound labels pass. Decisions are
+cached per (credentials, label), at most ``CACHED``.
 """
 
 from __future__ import annotations

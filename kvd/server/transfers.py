@@ -1,36 +1,13 @@
 """Store and load: the two ops that move chunk bytes, with their order and their fences.
 
-Both run their set-up inside the registration's ``turn``, so the copies of
-one registration are queued in the order its requests arrived, and wait for
-the copy outside it, so later requests queue while earlier copies run.
-
-Store: reserve the shards (dedup, all or nothing; new chunks count in the
-quota account of the registration's model and the store's ``tenant``
-label, kvd/tiers/quota.py), wait on the host until
-the engine's stream reached the store's ``seq`` in the flag page (the
-daemon's streams never wait on anything of the engine's; the wait ends at
-the client's deadline with ``deadline_exceeded`` and at reaping or shutdown
-with ``cancelled``), queue the gather, then wait for it and commit the
-shards only if it landed before the client's deadline (the client may have
-reused the pages after it). The reply means the pages may be reused.
-
-Load: pin the longest ready prefix of chunks of the registration's namespace
-and shard geometry (kvd.tiers.scope: another namespace's chunk is a miss,
-counted in ``foreign_ns_misses``; host entries (with ``verify_loads``, up to
-the first that fails its checksum: kvd.server.load_verify), then disk: promotions
-into host slots, or GPU Direct Storage reads queued on the load stream,
-then the remote store: fetches into host slots, kvd.tiers.remote_tiering),
-then queue the scatter with the load's ``LoadSignal`` (with remote hits: the
-local part's copy at once, each remote run's as it lands, the signal with
-the last, after every earlier piece landed, kvd/server/remote_load.py): layer words as
-layers land (layer-wise), the done word after the last copy, and kernels
-that skip the engine's pages once the client wrote the slot's cancel word.
-If anything fails before the scatter is queued, the slot's words are
-released (on the GPU after queued GDS kernels, else from the CPU), so no
-engine stream waits forever. The reply is ``{loaded}`` once the bytes
-landed, ``cancelled`` when the client cancelled meanwhile (the pages hold
-undefined bytes) or the error; in every case the daemon writes nothing
-into the pages after its done word.
+Set-up runs inside the registration's ``turn`` (copies queue in arrival order); the wait
+for the copy runs outside it. Store: reserve shards (dedup, all or nothing, quota), wait on
+the host for the engine's stream to reach the store's ``seq``, queue the gather, commit
+only if it landed before the client's deadline. Load: pin the longest ready prefix of the
+registration's scope (host, verified if asked; disk promotions or GDS; remote fetches via
+kvd.server.remote_load), then queue the scatter with the load's signal. Never lets an engine
+stream wait forever: on failure before the scatter, the slot's words are released; never
+writes into the pages after the done word. Flow: docs/architecture.md.
 """
 
 from __future__ import annotations

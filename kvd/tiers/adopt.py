@@ -1,23 +1,12 @@
 """Adopting an arena a previous daemon left: rebuild the host tier from its index, verify.
 
-``rebuild(index, capacity, align, crashed)`` reads every ``LIVE`` record
-(kvd/tiers/arena_index.py) and makes the host tier's entries: records of
-one key form one entry (one record per committed shard). A record is
-dropped (freed in the file, counted in ``bad_records``) when its fields
-cannot be right -- rank not below shards, shards outside 1..MAX_TP_SIZE,
-an offset not aligned or past the capacity -- when the records of its key
-disagree (namespace, offset, sizes, a rank twice), or when its entry's
-extent overlaps another's. What is left never overlaps and lies inside the
-arena, so ``HostTier.adopt`` can take it as is.
-
-After a clean stop every shard is trusted (``stored``). After a crash,
-shards with a checksum are ``unverified`` (no hits) until ``verify``
-checked them, most recently used first, on the hashing threads, at most
-``VERIFY_INFLIGHT`` bytes queued at once (stores' own checksums queue
-between); shards the crash caught before their checksum was written are
-trusted on the order of writes (kvd/tiers/journal.py). A shard whose bytes
-do not match is dropped and counted (``checksum_failures``). Every shard
-without a checksum gets one (``Journal.seal``).
+``rebuild(index, capacity, align, crashed)`` turns ``LIVE`` records (kvd.tiers.arena_index)
+into host entries, one per key; a record that cannot be right (rank, shards, alignment,
+bounds), disagrees with its key's others, or overlaps another entry is dropped and counted
+(``bad_records``), so what remains can be adopted as is. After a clean stop every shard is
+trusted; after a crash shards with a checksum are ``unverified`` (no hits) until ``verify``
+checked them, most recently used first, at most ``VERIFY_INFLIGHT`` bytes queued; a
+mismatch is dropped (``checksum_failures``). Shards without a checksum get one.
 """
 
 from __future__ import annotations

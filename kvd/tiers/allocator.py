@@ -1,16 +1,10 @@
 """Extent allocator over a fixed byte range (the host arena).
 
-``alloc(size)`` returns an offset aligned to ``align`` or None when no free
-extent is large enough (the caller evicts and retries); ``free`` returns an
-extent and merges it with its free neighbours; ``claim(start, size)`` takes
-back one exact extent that is free (the host tier undoes evictions with it
-when a reservation fails after all; it scans the free extents, so it is for
-that rare path only). ``around(capacity, align, used)`` starts with the
-given extents in use (a daemon adopting an arena; they must not overlap).
-Freed extents are kept in
-exact-size free lists, so with one chunk size per daemon — the usual case —
-allocation is O(1) slot reuse; mixed sizes fall back to the smallest free
-extent that fits. Never hands out a byte twice, never exceeds capacity.
+``alloc(size)`` returns an ``align``-ed offset or None (the caller evicts and retries);
+``free`` merges an extent with its free neighbours; ``claim(start, size)`` takes back one
+exact free extent (undoing evictions; a scan, for that rare path only); ``around`` starts
+with given extents in use (adoption). Exact-size free lists make one-chunk-size daemons
+O(1). Never hands out a byte twice, never exceeds capacity.
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
 """The host arena: one shared-memory file per runtime dir, kept across daemon restarts.
 
-Named ``kvd-arena-<instance tag>`` under the shm directory (``arena_path``;
-the tag is the runtime dir's, not the pid: the next daemon of that dir
-finds it and adopts it, kvd/tiers/adopt.py). ``SharedArena(path, size)``
-makes a new one and maps every page in (posix_fallocate, then
-MADV_POPULATE_WRITE: the pages are allocated and zeroed up front, so the
-request path never page-faults, and a full tmpfs is an error here, never a
-SIGBUS later; kernels before 5.14: a write per page). ``SharedArena(path, size,
-adopt=True)`` maps an existing file of exactly ``size`` bytes and returns
-at once: its pages exist, so a fault on one is minor and cannot fail, and
-a thread maps them all in behind (MADV_POPULATE_READ: no zeroing; measured
-two to three times faster than WRITE on existing pages; the mapping is
-writable since tmpfs tracks no dirty pages); ``wait_populated``.
-
-Speed (docs/performance.md, tools/probes/arena_alloc_bench.py): the work goes in
-pieces of ``PIECE`` bytes, ``threads`` pieces at once (page faults of
-different pieces run concurrently in the kernel; fallocate takes the
-file's lock). The mapping is advised MADV_HUGEPAGE first: where the tmpfs
-gives huge pages (``mount -o remount,huge=advise /dev/shm``, or
-``within_size``, ``always``) they are 2 MiB, 512 times fewer faults and TLB
-entries; elsewhere the advice does nothing. On a ``huge=advise`` tmpfs the
-fallocate is left out (it would allocate small pages before the faults
-that carry the advice; populating then reports a full tmpfs by itself).
-``huge_pages`` says what the kernel did (``ShmemPmdMapped``).
-
-Between pieces the constructor reports progress (``on_progress(bytes
-done)``) and checks ``stop`` (a ``threading.Event``); when it is set it
-raises ``AllocationStopped`` (a new file is removed first; an adopted one
-is left as it was), so a signal handler can abandon a minutes-long
-allocation at once (run the constructor on a thread). ``close(keep)``
-unmaps, and removes the file unless ``keep``. ``stat`` is the file's
-``os.stat_result`` (its identity: never a client's pool). The CUDA backend
-registers ``view`` with the driver as pinned.
+``kvd-arena-<instance tag>`` under shm_dir (``arena_path``; the tag is the runtime dir's, so
+the next daemon finds and adopts it). ``SharedArena(path, size)`` allocates and maps every
+page up front, in pieces on threads (MADV_HUGEPAGE advised), so the request path never
+page-faults and a full tmpfs is an error here, never a SIGBUS later; with ``adopt=True`` it
+maps an existing file at once and populates it behind (``wait_populated``). Progress via
+``on_progress``; ``stop`` set raises ``AllocationStopped`` (a new file removed first).
+``close(keep)`` unmaps, removing the file unless ``keep``. ``stat`` identifies the file
+(never a client's pool); ``huge_pages`` says what the kernel gave.
 """
 
 from __future__ import annotations

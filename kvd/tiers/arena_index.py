@@ -1,39 +1,14 @@
 """The host tier's index file: what a new daemon needs to adopt the arena after a restart.
 
-``kvd-arena-<tag>.index`` lies beside the arena ``kvd-arena-<tag>`` in
-shm_dir (tag: the runtime dir's instance tag, so the next daemon of that
-dir finds both). It is a header page and then a table of fixed-size
-records, one per *committed shard* (an entry of a TP namespace has one per
-rank):
-
-header (``HEADER`` bytes, native byte order): magic, format ``VERSION``,
-record size, allocation alignment, chunk_tokens, arena capacity, the arena
-file's (st_dev, st_ino), ``state`` (``RUNNING`` while a daemon owns it,
-``CLEAN`` after an orderly stop), the owner's pid and start time, times of
-creation and of the last clean stop, adoptions so far.
-
-record (``RECORD`` bytes, ``RECORD_DTYPE``): state (``LIVE``, or anything
-else: free), flags (``SEALED``: ``digest`` holds the XXH3-64 of the
-shard's bytes; ``ON_DISK``), rank, shards, key, namespace digest, entry
-offset, shard bytes, digest, last-use clock, hits.
-
-Why a separate table and not a header in front of each chunk: a record
-found by scanning the arena could be forged by an engine's own KV bytes,
-and records here are at a fixed place, so a rebuild reads one small file.
-Why a record per shard: ranks commit separately, each with its own bytes.
-
-Crash consistency (the daemon dies at any instruction; tmpfs keeps every
-store it made): a record's body is written with its state word clear, then
-the state word (one aligned 4-byte store) is set to ``LIVE``; freeing a
-record clears the state word. The host tier writes a record only after
-the shard's bytes landed (commit) and frees it before the slot can be
-handed to another store (eviction), so a ``LIVE`` record always describes
-bytes that were complete; a torn state word is never ``LIVE``. Digests are
-written before the ``SEALED`` flag. Records are written on the event loop
-only (``struct.pack_into`` straight into the mapping: about 1 µs each).
-
-The table grows by doubling (``posix_fallocate`` first: a full tmpfs is a
-``False`` from ``grow``, never a SIGBUS).
+``kvd-arena-<tag>.index`` beside the arena: a header (format, alignment, chunk_tokens,
+capacity, the arena file's identity, ``RUNNING``/``CLEAN`` state, owner pid and start time)
+and fixed-size records, one per committed shard (``RECORD_DTYPE``: state, ``SEALED``/
+``ON_DISK`` flags, key, namespace, offset, sizes, digest, last use, hits). A separate table,
+because records found in the arena could be forged by an engine's KV bytes. Crash
+consistency: a record's body is written before its state word turns ``LIVE`` (one aligned
+store), only after the shard's bytes landed, and freed before the slot is reused; digests
+before ``SEALED``. Records are written on the event loop only; the table grows by doubling
+(``grow`` is False on a full tmpfs, never a SIGBUS).
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """Disk chunk files: the on-disk format of one chunk, and its IO.
 
-One file per chunk at ``<root>/<ns-hex[:2]>/<ns-hex>/<key-hex>.kvc``: a
-fixed ``HEADER_BYTES`` (4096) header, then the canonical chunk bytes
-(docs/protocol.md §9) zero-padded to a multiple of 4096. The header
-(little-endian, ``HEADER``) holds the magic ``b"KVDCHUNK"``, the file
-format version ``FORMAT_VERSION``, the canonical-bytes version, the
-namespace digest, the key, the payload length, shards, shard bytes, the
-payload digest (kvd/tiers/digest.py: XXH3-128 over XXH3-64s of 64 KiB
-segments) and an xxh3-64 of the header fields; the rest
-is zero. docs/protocol.md §11 is the prose version.
-
-Contracts:
-- ``ChunkFiles.write`` never leaves a partial file under a final name: it
-  writes ``<name>.tmp-<pid>-<rand>``, fsyncs, renames (atomically replacing
-  an older file of the same key), and fsyncs the parent directory when it
-  created that directory. A failed write removes its temp file and raises
-  ``OSError`` (errno kept: ENOSPC, EIO, ...).
-- ``ChunkFiles.read_into`` returns only after the header and the checksum
-  verified; a bad file raises ``ChunkCorrupt`` (the caller deletes it and
-  counts it), a vanished one ``FileNotFoundError``; after a failure the
-  bytes in ``dest`` are unspecified and must not be used.
-- ``read_header`` checks magic, versions, header digest and file length
-  without reading the payload (the recovery scan uses it).
-- IO is O_DIRECT when ``probe_direct`` says the filesystem takes it,
-  buffered otherwise. Payloads go straight from/to the caller's buffer
-  (``pwritev``/``preadv`` with the header page) when buffered, or when the
-  buffer is 4096-aligned in address and length; else through a 4096-aligned
-  anonymous-mmap bounce buffer (one per thread). Methods block: call them from IO threads, never the event loop.
-- Every payload byte goes through ``write_parts`` and ``read_parts`` (the
-  ``pwritev``/``preadv`` loops): tests inject IO faults by overriding them
-  in a subclass handed to the disk tier (tests/disk_faults.py); nothing
-  here reads the environment.
+One file per chunk, ``<root>/<ns-hex[:2]>/<ns-hex>/<key-hex>.kvc``: a 4096-byte header
+(magic, versions, namespace, key, lengths, payload digest of kvd.tiers.digest, header
+checksum; docs/protocol.md §11) then the padded canonical bytes. ``ChunkFiles.write`` never
+leaves a partial file under a final name (temp, fsync, rename); failures raise ``OSError``
+with errno kept. ``read_into`` returns only verified bytes, else ``ChunkCorrupt`` or
+``FileNotFoundError``; ``read_header`` checks without the payload. O_DIRECT where the
+filesystem takes it. Methods block: IO threads only, never the event loop. All payload IO
+goes through ``write_parts``/``read_parts`` (tests override them to inject faults).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The payload checksum of a disk chunk file, computable on the CPU and the GPU.
 
-Definition (file format 2, docs/protocol.md §11): zero-pad the payload to a
-multiple of ``PAD`` (4096) bytes, cut it into ``SEGMENT_BYTES`` (64 KiB)
-segments (the last one may be shorter, always a multiple of 4096), take the
-XXH3-64 (seed 0) of every segment, and the digest is the XXH3-128 (seed 0)
-of those 64-bit values written little-endian, in order.
-
-Why segments: XXH3 of one long input is a sequential chain, so a GPU
-cannot compute it fast; segment digests are independent, so a GPU Direct
-Storage read can be verified on the GPU (kvd/cuda/digest.py, one group of
-8 threads per segment) before a byte reaches an engine's pages, and the CPU
-path stays one library call per 64 KiB. Every segment is at least 4096
-bytes long, so the GPU needs only XXH3's long-input path.
+Definition (docs/protocol.md §11): zero-pad to a multiple of ``PAD`` (4096), cut into
+``SEGMENT_BYTES`` (64 KiB) segments, XXH3-64 each (seed 0); the digest is the XXH3-128 of
+those values, little-endian, in order. Why segments: they are independent, so a GPU Direct
+Storage read is verified on the GPU (kvd.cuda.digest) before a byte reaches an engine's
+pages, and the CPU path stays one library call per 64 KiB.
 """
 
 from __future__ import annotations

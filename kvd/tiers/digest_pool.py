@@ -1,23 +1,12 @@
 """Payload digests of host-arena memory, computed by helper processes outside the daemon's GIL.
 
-Why: the digest (kvd/tiers/digest.py) is one python-xxhash call per 64 KiB
-segment, and those calls hold the GIL; the zero-copy remote path checks
-every chunk it moves, so its threads' checks run one at a time however many
-cores there are. ``DigestPool(path, size, processes)`` starts ``processes``
-workers (kvd/tiers/digest_worker.py), each mapping the arena file
-read-only; ``digest(offset, view)`` (any thread; ``view`` is the arena's
-bytes at ``offset``) gives the same 16 bytes as ``payload_digest(view)``,
-computed by an idle worker while the calling thread waits outside the GIL
-(with no processes, ``path`` is never opened: every digest is the
-caller's).
-
-Failure: a worker that cannot be started, dies, answers late (past
-``timeout_s``) or answers wrongly is killed and dropped (``lost``,
-logged once each) and that digest, like every digest once no worker is
-left, is computed in the calling thread: the answer is always the same,
-only its speed depends on the workers. ``close`` ends them (they end by
-themselves too when the daemon dies: their stdin reaches its end).
-``stats`` counts digests by where they ran.
+Why: the digest holds the GIL per 64 KiB segment, so the remote tier's checks would run
+one at a time. ``DigestPool(path, size, processes)`` starts workers
+(kvd.tiers.digest_worker) mapping the arena read-only; ``digest(offset, view)`` equals
+``payload_digest(view)``, computed by an idle worker while the caller waits off the GIL.
+A worker that fails, dies, or answers late or wrongly is killed and dropped (``lost``,
+logged once), and the digest computed in the caller: the answer never changes, only its
+speed. ``close`` ends them; ``stats`` counts digests by where they ran.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """A checksum process: payload digests of ranges of one shared-memory file.
 
-Started by kvd/tiers/digest_pool.py as ``python -m kvd.tiers.digest_worker
-PATH SIZE``; it maps the first SIZE bytes of PATH (the host arena)
-read-only. Each request on stdin is two little-endian uint64 (offset,
-length); each answer on stdout is one status byte (``OK``, or ``OUTSIDE``
-for a range past SIZE or empty) and the 16-byte payload digest of
-kvd/tiers/digest.py over those bytes (zeros when refused). Requests are
-answered in order, one at a time. It ends when stdin ends (the daemon
-closed it, or died), and ignores SIGINT and SIGTERM: a Ctrl-C reaches the
-daemon's whole process group and systemd's stop its whole cgroup, while
-the daemon may still be checking chunks as it shuts down; the daemon
-decides when its helpers end.
+``python -m kvd.tiers.digest_worker PATH SIZE`` maps SIZE bytes of PATH read-only; per
+request on stdin (two little-endian uint64: offset, length) it answers a status byte
+(``OK``/``OUTSIDE``) and the 16-byte digest (kvd.tiers.digest), in order. It ends when
+stdin ends and ignores SIGINT/SIGTERM: the daemon decides when its helpers end.
 """
 
 from __future__ import annotations

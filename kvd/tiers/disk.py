@@ -1,38 +1,13 @@
 """Disk tier: the index of chunk files, its LRU, its IO threads and recovery.
 
-State (index, byte accounting, counters) lives on the event loop; every
-file operation runs on a ``ThreadPoolExecutor`` of ``threads`` workers and
-reports back to the loop, so several reads and writes are in flight at once
-and the loop never blocks on IO.
-
-Contracts:
-- ``used_bytes`` (file sizes, header and padding included) plus the bytes
-  of writes in flight never exceeds ``capacity``: room is made before a
-  write starts by deleting least-recently-used files nobody is reading.
-- ``submit_write`` never blocks: it returns None (and counts a dropped
-  demotion) when the write-behind queue holds ``queue_chunks`` writes, when
-  the key is already on disk or being written, or when no room can be made.
-  A key has at most one write in flight, and a write of a key waits for a
-  pending delete of that key, so one key leaves exactly one final file.
-- ``read_into`` fills ``dest`` with verified bytes and returns True, or
-  returns False: checksum/header failure (file deleted, counted), file gone
-  (counted), IO error (counted). Never raises for IO; never wrong bytes.
-  ``read_many(entries, read)`` runs another reader (kvd.cuda.gds: into GPU
-  memory) on an IO thread under the same pinning, accounting and failure
-  handling, and returns how many entries, in order, it read fine.
-- Recovery (``start``): a background task counts the directory's files,
-  then scans them in jobs of ``SCAN_BATCH`` files, ``threads`` jobs at once;
-  removes temp files of earlier processes and files with a wrong header,
-  version or length (counted); adds the rest to the index as least recently
-  used. ``recovery`` (in ``stats``) holds its state (counting, scanning,
-  done, failed: ..., cancelled) and ``files_scanned`` of ``files_total``;
-  a progress line (percent, files/s, time left) every ``PROGRESS_S`` goes to
-  the log and to ``on_progress(text)``, and one summary line at the end.
-  Keys written since start-up win over scanned files.
-- One daemon per directory: an exclusive flock on ``.kvd-disk.lock`` (gone
-  with the process, kill -9 included); a second one gets ``OSError(EBUSY)``.
-- File IO goes through ``files`` (a ``ChunkFiles`` over ``root`` unless one
-  is given: tests give one that injects faults, tests/disk_faults.py).
+State lives on the event loop; file IO runs on ``threads`` workers, never blocking the loop.
+Promises: used bytes plus writes in flight never exceed ``capacity`` (LRU files nobody reads
+are deleted first); ``submit_write`` never blocks (None and a counted drop when the queue is
+full, the key is there, or no room); one key leaves exactly one final file; ``read_into``
+returns True with verified bytes or False (bad file deleted, all counted), never raises for
+IO, never gives wrong bytes (``read_many``: another reader, e.g. GDS, under the same rules).
+Recovery (``start``) scans the directory in the background with progress lines; keys
+written since start win. One daemon per directory (flock; a second gets ``EBUSY``).
 """
 
 from __future__ import annotations

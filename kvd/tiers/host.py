@@ -1,49 +1,14 @@
 """Host tier: the index of cached chunks over the shared-memory arena.
 
-Operations: ``reserve_many`` the shards a store copies in (dedup where a
-shard is already stored or being written; otherwise allocate, evicting
-least-recently-used entries; all or nothing), ``reserve`` one shard (disk
-promotions), ``commit``/``abort`` a shard once its copy finished or failed,
-``ready_prefix`` for lookups, ``pin``/``unpin`` for leases, in-flight loads
-and demotions, ``clear``. Visibility: an entry is visible to lookups only
-when every shard is stored (``ready``), and only to readers of its own
-namespace and shard geometry (a ``Scope``).
-
-Eviction: only *evictable* entries (no pin, no shard being written) sit in
-an LRU queue (kvd/tiers/lru.py: O(1) removal from the middle), so eviction
-pops its head and never walks past entries in use. A use (a lookup or load
-hit, a commit, a store that finds the key cached, ``touch``) moves an entry
-to the most recently used end; an entry in use leaves the queue and, when
-its last pin drops, re-enters at the most recently used end (a pin is a
-use). The one exception is a demotion's pin: an entry the demoter copied to
-disk and nobody used meanwhile re-enters at the least recently used end,
-behind those that came back so before it (``unpin(..., cold_since=)``):
-demotions take the coldest entries first, so this keeps their order. An entry the disk tier also
-holds (``on_disk``) loses only its host copy. Quotas (kvd/tiers/quota.py): entries count in
-their store's ``acct``; the book's index and queue stand in for the plain ones, pick victims.
-
-No space: a reservation first counts the free and evictable bytes against
-what it needs and raises ``NoSpace`` before evicting anything when they fall
-short; when they suffice but fragmentation (chunks of several sizes) still
-leaves no hole, every eviction it made is undone (same offsets, same LRU
-order) before ``NoSpace`` is raised (the request's keys that were cached
-count as used). A slot in use is never taken; capacity
-is the arena's size and is never exceeded.
-
-Demotion scan (kvd/tiers/tiering.py): ``scan_next``/``scan_mark`` walk the
-queue from its LRU end once; the queued prefix already examined and its
-ready bytes (``scanned_bytes``) are kept up to date as entries come and go,
-so a demotion pass resumes where the last one stopped instead of rescanning.
-
-Warm restart: a ``journal`` (kvd/tiers/journal.py) hears of every shard
-committed, entry dropped or put back and ``on_disk`` change, so the
-arena's index file describes the committed shards. ``adopt`` starts from
-the entries a previous daemon left; shards adopted after a crash stay
-``unverified`` until checked (``verified``): no hits, a store of one is a
-dedup (a miss at worst, never wrong bytes), a bad one is dropped (``drop_shard``).
-
-``stats()`` reads counters kept up to date (O(1)). Runs on the event loop
-only: no locks.
+Operations: ``reserve_many``/``reserve`` (dedup, allocate, evict LRU; all or nothing),
+``commit``/``abort``, ``ready_prefix``, ``pin``/``unpin``, ``clear``. An entry is visible
+only when every shard is stored, and only to its own namespace and shard geometry
+(``Scope``). Only evictable entries sit in the LRU queue (kvd.tiers.lru), so eviction never
+walks past entries in use; a demotion's pin re-enters cold. No space: ``NoSpace`` before
+evicting anything when free + evictable bytes fall short, and evictions undone when
+fragmentation still leaves no hole. A slot in use is never taken; capacity never exceeded.
+A ``journal`` hears every change for warm restart; quotas (kvd.tiers.quota) pick victims.
+Event loop only: no locks.
 """
 
 from __future__ import annotations

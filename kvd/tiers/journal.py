@@ -1,67 +1,14 @@
-"""Keeps the arena's index file (kvd/tiers/arena_index.py) in step with the host tier.
+"""Keeps the arena's index file (kvd.tiers.arena_index) in step with the host tier.
 
-The host tier calls the hooks on the event loop: ``committed_many(entries, rank)``
-writes each shard's record (after its bytes landed; about 1 µs), and queues
-its checksum; ``dropped(entry)`` frees the entry's records before its slot
-can be reused; ``restored(entry)`` takes them back (an eviction undone);
-``flag_on_disk(entry)``. Record numbers come from a free list; the table
-doubles when it is full (a full shm_dir: the shard goes unrecorded,
-counted in ``unrecorded_shards``, and is simply not adopted next time).
-
-With a ``delay`` (``warm_record_delay_s``, 0.5 s by default) ``committed_many``
-only notes the batch; each batch is recorded that long after its commit, one
-batch per turn of the loop, for the shards the tier still ``holds``. Under a
-stream of stores through a full tier most shards are evicted before their
-record is due and cost no record, no release and no checksum. A crash loses
-the stores of its last ``delay`` (misses, never wrong bytes); ``flush``
-records every waiting batch at once, for a clean stop.
-
-Checksums are computed off the event loop and off the store's path: each
-record written waits for its checksum in a ``SealQueue``
-(kvd/tiers/seal_queue.py: one flag per record, so it is bounded by the
-table whatever the traffic; a record freed while it waits stops waiting),
-which hands a few batches at a time to a ``Hasher`` thread pool; the
-threads XXH3-64 the arena bytes (xxhash releases the GIL; they run at
-niceness ``NICE``, so where cores are short the copies get them first) and
-hand each batch's digests back to the loop, where ``_sealed`` writes the
-digest and the ``SEALED`` flag into each record that still belongs to the
-shard it was read for (per-record generations; the bytes may have been
-evicted meanwhile and the digest then describes nothing).
-
-Hashing gives way to copies: a stream of stores outruns it, and reading
-host memory next to the copy engines is a suspect in MLA's both-ways
-figure (measured below):
-- a shard whose record was freed or reused before its turn is skipped
-  unread (``checksums_skipped``; one freed while it was being read is
-  counted in ``checksums_stale``). Staleness is one numpy comparison per
-  batch (generations): no Python per skipped shard on either side;
-- a shard is read only once the daemon's copies have been idle for
-  ``QUIET_S`` (``Hasher.idle``: the copy gate's ``Idle`` event, set while
-  no copy is queued, with the time it was set); until then its thread
-  sleeps off the GIL, waking on the event or every ``CHECK_S`` to see
-  whether the shard went stale. So a busy daemon hashes nothing, not even
-  in the short gaps between its copies, and catches up when traffic
-  pauses; under endless copies its records stay unsealed, which a new
-  daemon trusts on the order of writes (below). Verification after a
-  crash does not wait: unverified chunks are no hits until it is done.
-  Under endless copies the threads hold their batches (of resident, hot
-  shards) and every later record waits as a flag: at most one per record.
-
-Measured: on the loop, per store of 128 chunks through a full tier (this VM,
-tools/host_tier_bench.py), about 350 µs with a record at every commit, 40-80 µs
-with the delay. On an H100 (the pipelined GPU bench, MLA pages both ways,
-variants in rotating order) the journal costs 0.09-0.10 of memcpy in two
-calls of three with or without the delay; the delay gained 0.01-0.07, never
-beyond the noise of one call (docs/benchmarks.md in git history).
-
-The store's reply does not wait for any of it: a shard committed in the last milliseconds
-before a crash has a record without a digest, which a new daemon trusts on
-the order of writes alone (the record is written after the bytes landed
-and freed before the slot is reused) and seals then.
-
-``checkpoint`` (at a clean stop, after the loop stopped) writes every
-entry's last-use clock and hits, so the next daemon rebuilds the LRU order
-exactly; after a crash the order is that of the last commit or clean stop.
+Hooks on the event loop: ``committed_many`` writes shard records after their bytes landed
+(with ``delay``, batches recorded ``warm_record_delay_s`` later, so shards evicted before
+then cost nothing; a crash loses that window: misses, never wrong bytes), ``dropped`` frees
+records before a slot is reused, ``restored``, ``flag_on_disk``; ``flush`` and
+``checkpoint`` at a clean stop. Checksums run on a ``Hasher`` thread pool fed by a bounded
+``SealQueue`` and only while copies are idle (``QUIET_S``): a busy daemon hashes nothing;
+stale shards are skipped unread. Unsealed records are trusted on the order of writes.
+Measured cost per 128-chunk store through a full tier: ~350 µs per-commit, 40-80 µs with
+the delay (tools/host_tier_bench.py at commit ef6bcf2).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """An intrusive doubly linked LRU queue: O(1) append, insertion, and removal from the middle.
 
-The host tier keeps only its *evictable* entries here, least recently used
-first (as vLLM's free-block queue keeps only free blocks), so eviction pops
-the head and never walks past entries in use. Items carry their own links
-(``lru_prev``, ``lru_next``; ``None`` while not queued), so no per-item
-node is allocated and membership is an attribute test. An item is in at
-most one queue. Iteration is from the LRU end; removing the item just
-yielded is allowed.
-
-The queue also answers the host tier's eviction questions: ``victims`` (the
-entries to evict, one at a time: the least recently used), ``cap_victims``
-(entries a quota group must evict first: none) and ``reserved_bytes``
-(evictable bytes kept for others: none); the caller evicts every victim it
-is given, and says so when it puts one back (``evicted(item, -1)``).
-kvd/tiers/quota.py's queue answers by the configured quotas and counts.
+Holds only the host tier's evictable entries, least recently used first (as vLLM's free-block
+queue), so eviction pops the head. Items carry their own links (``lru_prev``/``lru_next``):
+no node allocations, membership is an attribute test, one queue per item. Removing the
+item just yielded while iterating is allowed. Answers the eviction questions plainly
+(``victims``: LRU order; ``cap_victims``/``reserved_bytes``: none); kvd.tiers.quota's
+queue answers them by the configured quotas.
 """
 
 from __future__ import annotations

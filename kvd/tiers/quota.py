@@ -1,53 +1,14 @@
-"""Quotas: host and disk bytes per model and tenant, capped and reserved (issue 42).
+"""Quotas: host and disk bytes per model and tenant, capped and reserved.
 
-Each quota rule (kvd/quota_rules.py, the ``quota`` knob: duck-typed here,
-with ``model``, ``tenant``, ``host_max``, ``host_reserve``, ``disk_max``) is
-a group, a ``Bucket`` of usage and counters; chunks no rule matches count in
-the ``other`` bucket. A rule matches a chunk by the model id its namespace
-was registered with (any dtype, TP size) and/or the ``tenant`` label of the
-store that made it; the daemon cannot verify a label (it is for accounting
-between cooperating engines: salts in the keys isolate the bytes).
-
-An entry's ``acct`` (kvd/tiers/entry.py) is an index into ``accounts``: one
-per distinct set of rules a (model, tenant) matches (at most a model rule,
-a tenant rule and a (model, tenant) rule), so the table grows only with the
-config, never with labels clients send; account 0 is "no rule" (``other``).
-
-``QuotaBook`` watches the host tier through the two containers it hands it
-(``index()``, ``queue()``), so the tier's code paths stay as they are: the
-index counts each entry's bytes in its groups from reservation to drop (the
-tier only assigns and deletes its keys), the queue mirrors, per account,
-the evictable entries in LRU order (an ``OrderedDict``: O(1) per change)
-and answers the tier's eviction questions (kvd/tiers/lru.py):
-
-- ``cap_victims``: a reservation whose groups would pass ``host_max``
-  evicts those groups' own least recently used entries first, never
-  another group's; when the bytes in use of such a group (leased, being
-  loaded or written) leave no room it raises ``OverQuota`` having changed
-  nothing (counted in ``host_refused``).
-- ``victims``: general eviction goes by the global LRU order but passes
-  over an entry whose eviction would take a group other than the
-  requester's below its ``host_reserve``; one reservation's walk resumes
-  after the last entry it passed, so it walks past protected entries once.
-  Both count each victim in its groups' ``host_evictions`` as they hand it
-  out (the tier evicts every one; ``evicted(e, -1)`` when it undoes one).
-- ``reserved_bytes``: those protected bytes, for the tier's room check
-  before it evicts anything.
-
-Disk (kvd/tiers/tiering.py calls): ``disk_admit`` before a demotion is
-queued: where a group of the chunk would pass ``disk_max``, the group's
-oldest disk chunks (by write, or promotion: ``disk_touch``) are deleted
-first, of the ``DISK_TRIES`` oldest those ``delete(key)`` may delete (the
-tiering deletes only files no one reads whose chunk left the host tier: a
-chunk still there would be demoted again, round and round); else the chunk
-is not demoted (``disk_refused``). ``disk_forget`` when a file leaves the
-disk tier (counted in ``disk_evictions``) or its write failed;
-``disk_account`` gives a promoted chunk its account back. Host chunks
-adopted at a warm restart and disk files found at start-up carry no label:
-they count in ``other`` and in no group.
-
-Runs on the event loop. ``stats()`` reads ints of a fixed tuple of buckets
-(the metrics thread calls it too).
+Each rule (kvd.quota_rules) is a group, a ``Bucket`` of usage and counters; unmatched chunks
+count in ``other``. An entry's ``acct`` indexes one account per distinct rule set, so the
+table grows with the config, never with labels clients send (labels are unverified:
+accounting between cooperating engines). ``QuotaBook`` watches the host tier through the
+index and queue it hands it: ``cap_victims`` evicts a group's own entries before it passes
+``host_max`` (``OverQuota`` having changed nothing when it cannot), ``victims`` skips entries
+another group reserves (``host_reserve``), ``reserved_bytes`` feeds the room check.
+Disk: ``disk_admit`` deletes a group's oldest unread disk chunks before passing ``disk_max``,
+else the chunk is not demoted. Event loop; ``stats()`` is safe from the metrics thread.
 """
 
 from __future__ import annotations

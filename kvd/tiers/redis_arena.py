@@ -1,32 +1,13 @@
 """Valkey/Redis values moved straight between the host arena and a connection's socket.
 
 ``put_from``/``get_into`` on one redis-py connection: the zero-copy calls of
-kvd/tiers/remote_store.py's ``RedisStore``, which gives them a connection of
-its pool (the contract is the one of
-kvd/tiers/remote_mooncake.py's, which kvd/tiers/remote_zero_copy.py calls).
-A value is the same bytes as on the bytes path (head, then payload), so
-nodes on either path share it.
-
-- **SET from the arena**: the commands of a batch are framed here (RESP2)
-  around the payloads, which are sent as views of the arena (redis-py's
-  ``send_packed_command`` sends each buffer as it is: no copy of a payload
-  in Python); the replies are read by redis-py, an error reply failing its
-  value only.
-- **GET into the arena**: the GETs of a batch go out pipelined and their
-  replies are read off the socket by ``BulkReader``, not by redis-py's
-  parser (which builds each value as Python bytes under the GIL, the
-  bottleneck of a multi-MiB GET): a reply's payload goes by ``recv_into``
-  straight into its slot (the GIL released), its head into bytes. A reply
-  of another length is drained and answered with its length (the caller
-  must not trust that slot); a missing value is None, an error reply the
-  value's ``RemoteError``.
-
-Any failure inside a batch's IO (timeout, a broken or out-of-step stream)
-raises, and the store then closes the connection, so the pool never hands
-out a connection with replies left unread. A reader needs the connection's socket
-and RESP2 (RESP3 may interleave push messages): ``raw_socket`` says when
-it has neither, and the store then reads replies with redis-py and copies
-each payload once.
+kvd.tiers.remote_store's ``RedisStore`` (contract as kvd.tiers.remote_mooncake's). Values
+are the same bytes as on the bytes path. SETs are framed here (RESP2) around arena views;
+GET replies are read by ``BulkReader`` with ``recv_into`` straight into their slots (redis-py
+would build Python bytes under the GIL). A reply of another length is drained and answered
+with its length; missing is None; an error reply is that value's ``RemoteError``. Any IO
+failure in a batch raises and the store closes the connection, so no connection goes back
+with unread replies. Without a raw socket and RESP2 (``raw_socket``) the store copies once.
 """
 
 from __future__ import annotations

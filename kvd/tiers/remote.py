@@ -1,33 +1,13 @@
 """Remote tier IO: calls to a distributed store that never make a request slow.
 
-Every store call (kvd/tiers/remote_store.py) runs on one of ``threads``
-daemon threads (kvd/tiers/daemon_threads.py) and is awaited for at most
-``timeout_s`` (calls that carry a payload: plus its size at
-``FLOOR_BYTES_S``); a call past it is abandoned, counted as a timeout, and
-its result, if one ever comes, is dropped. A circuit breaker
-(kvd/tiers/breaker.py) sits in front: ``breaker_failures`` consecutive
-errors or timeouts open it, and while open every call is refused at once
-(counted as ``skipped``): kvd serves from its local tiers only. A probe
-task connects, pings and puts a small probe value every ``breaker_retry_s``
-while open and closes it when all of that worked; the breaker starts open,
-so start-up never waits on the store. When every thread is taken (calls
-stuck in a dying store), a call is refused at once (``busy``) instead of
-queueing behind them.
-
-Payload work (packing values, verifying them, copying into host slots) runs
-on separate CPU threads, never behind network calls, and is always waited
-for: it touches the arena. Checksums hold the GIL (xxhash), so ``start``
-lowers the interpreter's switch interval to ``SWITCH_S`` for the process's
-life: other threads wait for the GIL a fraction of a millisecond, not 5 ms.
-Failures are never raised to requests: ``exists_prefix`` returns 0, ``get``
-None, ``put`` None. ``known`` remembers (bounded, LRU) the names this node
-saw present, so chunks are not put twice; ``bad`` those dropped as corrupt
-(no hit for ``BAD_HOLD_S``: a bad value is fetched and counted once).
-``put_from``/``get_into``: the zero-copy calls of a store that has them
-(Mooncake, kvd/tiers/remote_mooncake.py), several values' payloads between
-registered arena memory and the store in one call, each value's outcome its
-own; ``on_done`` tells when the thread left the call (an abandoned call may
-still read or write that memory until then). Runs on the event loop.
+Every store call runs on one of ``threads`` daemon threads and is awaited at most
+``timeout_s`` (plus payload size at ``FLOOR_BYTES_S``); late calls are abandoned and counted.
+A circuit breaker (kvd.tiers.breaker) opens after ``breaker_failures`` failures, refusing
+calls at once, and a probe closes it; it starts open, so start-up never waits on the store.
+All threads taken: refused at once (``busy``). Payload work runs on separate CPU threads and
+is always waited for (it touches the arena). Never raises to requests: ``exists_prefix`` 0,
+``get``/``put`` None. ``known`` and ``bad`` remember names present and dropped as corrupt.
+Zero-copy ``put_from``/``get_into``: ``on_done`` says when the thread left the call.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Value buffers reused across remote puts.
 
-A fresh multi-MiB buffer per put costs the kernel's zeroing and a page fault
-every 4 KiB, on the CPU threads that pack values: about a fifth of a put's
-throughput on a 2-core VM (docs/cluster.md). ``take(n)`` gives a bytearray
-of exactly ``n`` bytes, reused when one of that size was given back;
-``give(buf)`` returns one whose put is finished. A buffer whose put failed
-or timed out must never be given back: the abandoned call may still be
-reading it (a reused buffer would send other bytes under a valid header).
-At most ``per_size`` free buffers are kept per size and ``sizes`` sizes
-(the least recently used size goes first): chunks of one namespace share
-one size. Runs on the event loop only.
+Why: a fresh multi-MiB buffer per put costs zeroing and page faults, about a fifth of a
+put's throughput on a 2-core VM. ``take(n)`` gives an ``n``-byte bytearray, reused when one
+of that size was given back; ``give(buf)`` returns one whose put finished. Never give back a
+buffer whose put failed or timed out: the abandoned call may still read it. Keeps at most
+``per_size`` buffers of ``sizes`` sizes (LRU size first). Event loop only.
 """
 
 from __future__ import annotations

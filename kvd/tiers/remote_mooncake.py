@@ -1,47 +1,14 @@
 """Mooncake Store as a remote chunk store (kvd-cache's ``mooncake`` extra).
 
-The backend interface of kvd/tiers/remote_store.py over
-``mooncake.store.MooncakeDistributedStore`` with the TCP transport: a
-``mooncake_master`` (``address``: its RPC host:port) keeps the object
-metadata; the bytes live in the memory segments that clients lend to the
-cluster (``segment_bytes``: what this daemon lends; 0 lends nothing and
-uses the segments of other clients or of Mooncake's own store services).
-``metadata`` is the transfer engine's metadata service: a URL
-(``http://host:8080/metadata``, the master's own with
-``--enable_http_metadata_server``), ``P2PHANDSHAKE`` or an etcd address;
-empty means ``http://<master host>:8080/metadata``. ``local_host`` is the
-address other nodes reach this one on (empty: the address this host uses
-to reach the master).
-
-Mooncake's ``setup`` holds the GIL and retries without end while the master
-is down, which would freeze the whole daemon, so ``connect`` first checks
-that the master (and an HTTP metadata server) accept a TCP connection
-within the timeout and only then calls it; once set up, the client
-reconnects to a restarted master by itself, and its data calls release
-the GIL. ``get`` cannot tell "absent" from "failed" (both give no bytes):
-either is a miss. The master's own objects are gone when it restarts
-without high availability: the remote tier is a cache.
-
-Zero-copy (``zero_copy``, on by default): ``lend(ptr, size)`` names the
-host arena before ``connect``; once set up, ``connect`` registers it and a
-small side buffer of value heads (``HEADS`` slots of ``HEAD_SLOT`` bytes)
-with ``register_buffer``, and ``put_from`` / ``get_into`` then move values,
-several in one batch call, each as two parts, its head through a head slot
-and its payload straight from or into arena memory
-(``batch_put_from_multi_buffers``, ``batch_get_into_multi_buffers``: one
-call moves a run of chunks, the transfer engine's parallelism instead of
-one Python thread a chunk; the stored object is the same header,
-tag and payload as a ``put`` of the packed value, so nodes on either path
-share values). ``zero_copy_off`` says why the path is off ("" when on:
-registration refused, a client without these calls, no arena lent, or the
-knob); it is logged once. A head slot is given back only when its call
-returned, never while an abandoned call may still use it; the caller keeps
-the arena bytes of a call alive the same way (kvd/tiers/remote_zero_copy.py).
-Per value, ``get_into`` returns the head (bytes), None when the store lacks
-the value, or the stored value's size when it is not the size asked (a
-value of another geometry, or damaged: the caller must not trust its slot),
-and ``put_from`` None once stored; a value whose transfer failed gets its
-``RemoteError`` (a return value), and a call whose every value failed raises.
+kvd.tiers.remote_store's interface over ``MooncakeDistributedStore`` (TCP transport):
+``address`` the master, ``segment_bytes`` what this daemon lends, ``metadata`` the transfer
+engine's metadata service, ``local_host`` this node's address. ``connect`` checks the master
+accepts TCP first (Mooncake's ``setup`` holds the GIL and retries forever). ``get`` cannot
+tell absent from failed: either is a miss. Zero-copy: ``lend`` names the arena; ``put_from``/
+``get_into`` move runs of values as head (via ``HEADS`` head slots) + payload straight from/
+into the arena, same stored bytes as ``put``. Per value: head, None (absent), or the stored
+size when it differs; a failed value gets its ``RemoteError``; a call whose every value
+failed raises. A head slot is reused only after its call returned.
 """
 
 from __future__ import annotations

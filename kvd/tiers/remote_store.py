@@ -1,33 +1,12 @@
 """The interface of a remote chunk store, and its Valkey/Redis backend.
 
-A backend is a blocking client of an existing distributed store: the
-remote tier (kvd/tiers/remote.py) calls it only from its daemon threads,
-bounds every call with a timeout and puts a circuit breaker in front. Values
-are opaque bytes (kvd/tiers/remote_value.py makes and checks them); names
-are strings. Methods (any failure raises; ``RemoteError`` where the backend
-reports one itself):
-
-- ``connect()``: set up the client (called by the breaker's probe, again
-  after a failure, never at daemon start-up: a dead store must not stop kvd
-  from serving);
-- ``ping()``: raise unless the store answers now;
-- ``exists(names) -> list[bool]``: one round trip for all names;
-- ``get(name) -> bytes | None`` (None: not there);
-- optional ``get_many(names) -> list`` (each bytes or None): one round trip for
-  all (Redis: MGET); the tier asks it for runs of small values only;
-- ``put(name, value)``: store ``value`` (a buffer) under ``name``, replacing
-  any value there;
-- ``delete(name)``: best effort;
-- ``close()``;
-- optional zero-copy calls (``zero_copy`` says when they work; ``lend(ptr,
-  size)`` names the host arena): ``put_from``/``get_into`` move several
-  values between arena memory and the store in one call (contract in
-  kvd/tiers/remote_mooncake.py; Redis: kvd/tiers/redis_arena.py).
-
-Backends: ``RedisStore`` here (Valkey or Redis; ``address`` a URL:
-redis://host:port/db, rediss://..., unix:///path) and ``MooncakeStore``
-(kvd/tiers/remote_mooncake.py; ``address`` the master's host:port); a bad
-address raises ``ValueError`` at construction. Client libraries are
+A backend is a blocking client the remote tier calls only from its threads, under timeouts
+and a breaker. Values are opaque bytes (kvd.tiers.remote_value), names strings. Methods
+(failures raise, ``RemoteError`` where the store reports one): ``connect`` (never at daemon
+start-up), ``ping``, ``exists(names)``, ``get``, optional ``get_many``, ``put``, ``delete``
+(best effort), ``close``, optional zero-copy ``lend``/``put_from``/``get_into``.
+Backends: ``RedisStore`` (``address`` a redis://, rediss:// or unix:// URL) and
+``MooncakeStore``; a bad address raises ``ValueError`` at construction. Client libraries are
 imported by ``connect`` only, so kvd without the extras still starts.
 """
 

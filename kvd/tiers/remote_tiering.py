@@ -1,49 +1,14 @@
 """Policy between the host tier and a remote store: publication and promotion.
 
-Order of the tiers a lookup walks: host, then disk, then remote. The disk is
-this node's own and answers in tens of microseconds at several GB/s; the
-remote store is shared by the cluster and costs a network round trip and
-the link's bandwidth, so it is asked only for what no local tier holds.
-
-- **Publication** (``publish``): with "store", every chunk a store commits
-  (all its shards) is queued for the remote store at once, so the other
-  nodes hit a prefix as soon as one node computed it; with "demote", a
-  chunk goes when the disk tier's demoter takes it (host above
-  ``disk_high_watermark``: cold chunks only, less traffic, later sharing).
-  Queued or in flight at most ``queue_chunks`` (more are dropped and
-  counted; nothing is queued while the breaker is open). At most a quarter
-  of the remote threads put at once (half fetch, the rest answer lookups),
-  and as many more values are packed meanwhile, so a put slot never waits
-  for a pack; each put pins its host entry only while a CPU thread packs it
-  into a private buffer (kvd/tiers/remote_value.py; reused across puts,
-  kvd/tiers/remote_buffers.py), never during network IO. A
-  chunk the store already holds is not sent again: the chunks of one store
-  (or demotion) are asked in one exists round trip before their puts, not
-  one each.
-- **Promotion**: ``lookup`` asks the store which keys past the local prefix it
-  holds (one round trip) and starts fetching them; ``promote_prefix`` (load)
-  waits only for the fetches of its own keys and returns the ready host
-  entries, pinned (``fetches`` gives the fetches themselves, for a load that
-  copies each run of chunks as it lands, kvd/server/remote_load.py); a host
-  entry of another namespace or shard geometry than the reader's (its
-  ``Scope``) ends the prefix, and the store is asked only under the reader's
-  namespace. Values of at most 2 MiB are fetched 4 MiB at a time in one round
-  trip (the store's ``get_many``: Redis MGET), larger ones one a call. Fetches
-  queue on the loop for their threads, in key order, so a long prefix is
-  fetched whole, never refused for want of a thread. A fetch reads the value
-  into private memory, checks its header against the key, namespace and shard
-  sizes, reserves the host entry, verifies the payload digest (and, with a
-  ``seal``, the keyed tag of ``remote_secret``) while copying it in and
-  commits; any failure aborts the reservation (a miss, never wrong bytes), and
-  a value that fails verification is counted and deleted from the store.
-- **Zero-copy** (a store with ``put_from``/``get_into`` on the arena: Mooncake,
-  its arena registered, or Redis; kvd/tiers/remote_zero_copy.py): puts send
-  the payload from the host slot (pinned until the store's call returned)
-  and fetches land in a reserved host slot, verified there before the entry
-  is committed; no payload goes through Python bytes, and a run of chunks
-  (up to 16 MiB; Redis 4 MiB) moves in one store call, put or fetch.
-  Fetches whose geometry is not known yet (a namespace no store or layout
-  of this node named) take the bytes path.
+Lookups walk host, then disk, then remote (shared, a network round trip away).
+Publication (``publish``: at "store" or at "demote") queues chunks for the store, bounded by
+``queue_chunks`` (more dropped and counted; none while the breaker is open); a chunk the
+store holds is not sent again; host entries are pinned only while packed, never during
+network IO. Promotion: ``lookup`` asks which keys past the local prefix the store holds and
+starts fetching them; ``promote_prefix`` returns the ready entries, pinned (``fetches`` for
+loads that copy runs as they land). A fetch is checked (header, digest, keyed tag) before
+its reservation is committed: any failure is a miss, never wrong bytes; a bad value is
+counted and deleted. Zero-copy stores take kvd.tiers.remote_zero_copy.
 """
 
 from __future__ import annotations

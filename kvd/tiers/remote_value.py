@@ -1,46 +1,12 @@
 """One chunk as a remote store holds it: the disk file's header, then the payload.
 
-Value: the chunk file header of kvd/tiers/chunk_file.py (``HEADER.size``
-bytes: magic, format and canonical-bytes versions, namespace digest, key,
-payload length, shards, shard bytes, the segmented payload digest of
-kvd/tiers/digest.py and the xxh3-64 of those fields), then the payload's
-``length`` bytes (no padding: a store is not a block device). The same
-fields and the same checksums as a disk file, so a chunk verifies the same
-wherever it came from (docs/protocol.md §11a). Those checksums catch
-damage, not forgery: anyone who can write to the store can re-pack other
-bytes with valid ones. With a cluster secret (``remote_secret``, a
-``Seal``) the header is followed by a ``TAG_BYTES`` tag, BLAKE2b-256 keyed
-with a key derived from the secret, over the header and the whole payload
-(a tag over the XXH3 payload digest alone would be only as strong as XXH3
-against crafted collisions, which is not at all), and a value without a
-valid tag is refused.
-
-Name: ``<prefix>/<namespace digest hex>/<chunk key hex>``. ``prefix`` is the
-``remote_prefix`` knob (one per cluster or tenant sharing a store), followed
-with a secret by ``/<key id>`` (``Seal.key_id``: 16 hex digits derived
-from the key), so nodes of different secrets never read, or delete as
-forged, each other's values; the chunk key already chains the namespace
-digest and the salt (kvd_protocol.keys), so two clusters, tenants or models
-never read each other's chunks.
-
-Contracts:
-- ``pack`` copies the payload once into a new buffer the caller owns, or
-  into the caller's ``out`` (the host slot may be reused as soon as it
-  returns); it blocks (digest, tag
-  and copy of the whole payload): call it from a thread.
-- ``parse`` checks the header (magic, versions, header digest, shard sizes)
-  and that it names this namespace and key and the value's length (with a
-  seal: the tag's bytes included); it raises ``ChunkCorrupt`` and reads no
-  payload byte.
-- ``copy_verified`` recomputes the payload digest (and with a seal the
-  tag), then copies the payload into ``dest``; ``ChunkCorrupt`` leaves
-  ``dest`` untouched.
-- The zero-copy path (kvd/tiers/remote_zero_copy.py) sends and fetches a
-  value in two parts, its head (header and tag, ``head_bytes``) and its
-  payload, with no copy of the payload: ``make_head`` is the head of a
-  payload (digest and tag computed where the payload lies), and
-  ``verify_in_place`` checks a fetched head and the payload already in a
-  host slot nobody can see yet (``ChunkCorrupt``: the caller frees it).
+Value: kvd.tiers.chunk_file's header, with ``remote_secret`` a keyed BLAKE2b ``TAG_BYTES``
+tag over header and payload, then the payload (docs/protocol.md §11a). Checksums catch
+damage; only the tag stops forgery. Name: ``<prefix>[/<key id>]/<ns hex>/<key hex>``, so
+clusters, tenants and secrets never read each other's values. ``pack`` copies the payload
+once (blocking: call from a thread); ``parse`` checks the header against namespace, key and
+length without reading the payload; ``copy_verified`` verifies then copies (``ChunkCorrupt``
+leaves ``dest`` untouched); ``make_head``/``verify_in_place`` serve the zero-copy path.
 """
 
 from __future__ import annotations

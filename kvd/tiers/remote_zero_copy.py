@@ -1,40 +1,13 @@
 """The zero-copy remote path: chunks move between the host arena and the store, no bytes copy.
 
-Taken by kvd/tiers/remote_tiering.py for puts and fetches while the store
-says ``zero_copy`` (Mooncake: the arena is registered with it,
-kvd/tiers/remote_mooncake.py; Redis: kvd/tiers/redis_arena.py); otherwise
-values go through Python bytes.
-The stored value is the same on both paths (kvd/tiers/remote_value.py:
-header, tag with a seal, payload), so nodes on either path share it. A run
-of chunks (``batch_chunks``: at most ``BATCH_BYTES``, or the store's
-``batch_bytes``, and ``BATCH_CHUNKS``)
-moves in one store call (Mooncake's transfer engine moves them in
-parallel, Redis pipelines them), instead of one network thread and one
-round of thread hops a chunk.
-
-- **Put** (``publish``): the entries are pinned, a CPU thread computes each
-  value's head over its payload where it lies in the arena (digest, and the
-  keyed tag of a seal; digests in checksum processes where the tiering has
-  them, kvd/tiers/digest_pool.py), and the store sends heads and payloads from their
-  registered memory. The pins are dropped only when the store's call
-  returned, not when the tier gave up on it at its timeout: an abandoned
-  call may still be reading the slots, and a slot must not be reused under
-  it (the other bytes would go out under this chunk's head; readers would
-  refuse them, but they would cost a fetch). So the entries stay pinned for
-  the network IO too, unlike on the bytes path.
-- **Fetch** (``promote``, the chunks' geometry known): each host entry is
-  reserved first (invisible to lookups and loads), the store writes each
-  value's payload straight into its slot and its head into a head slot; then,
-  in key order, a CPU thread checks each head (key, namespace, geometry,
-  length) and the payload digest (and tag) over the slot, and only then is
-  that entry committed and its future set (a load copies it while later
-  ones are checked). Anything else (absent, a failed or timed-out call, a
-  value of another size, a failed check) aborts the reservation: a miss,
-  never served. A value that fails its check, or has another size, is
-  counted ``corrupt`` once and deleted from the store. An abandoned call may
-  still write into the slots, so a miss's slot is freed only when the call
-  returned.
-Runs on the event loop; the store's calls on the remote tier's threads.
+Used by kvd.tiers.remote_tiering while the store says ``zero_copy`` (Mooncake: arena
+registered; Redis: kvd.tiers.redis_arena). Same stored value as the bytes path; a run of
+chunks (``batch_chunks``) moves in one store call. Put: entries pinned, heads computed over
+the payloads in place (digests maybe in kvd.tiers.digest_pool), pins dropped only when the
+store's call returned, never at the tier's timeout. Fetch: entries reserved first, payloads
+written into their slots, each checked in key order before its commit; anything else is a
+miss, never served; a bad value is counted once and deleted; a miss's slot is freed only
+when the call returned. Runs on the event loop; store calls on the tier's threads.
 """
 
 from __future__ import annotations

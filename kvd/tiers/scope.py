@@ -1,20 +1,10 @@
 """What one reader may read: its namespace digest and its shard geometry.
 
-Keys are computed by clients, so the daemon cannot trust that a key it is
-sent belongs to the sender's namespace: a client registered as another
-model, TP size or shard size may send keys it learnt elsewhere. Every read
-path (host tier, disk tier, remote tier, GPU Direct Storage, and lookups of
-``attach`` registrations) asks ``admits(entry)`` before it counts or copies
-an entry; an entry of another namespace digest, shard count or shard size
-is a miss for this reader and ends its prefix there.
-
-A ``Scope`` is made per request (``Registration.scope()``): ``shard_bytes``
-is None for a registration without a pool (``attach``), whose namespace
-fixes the shard size anyway. ``refused`` counts the entries it turned away,
-so the request can be counted once in the daemon's ``foreign_ns_misses``.
-Entries of every tier (kvd/tiers/entry.py, kvd/tiers/disk.py's
-``DiskEntry``, a remote value's ``ChunkHeader``) carry ``ns``, ``shards``
-and ``shard_bytes``.
+Keys come from clients, so the daemon cannot trust a key belongs to the sender's
+namespace. Every read path (host, disk, remote, GDS, ``attach`` lookups) asks
+``admits(entry)`` before it counts or copies: another namespace, shard count or shard size
+is a miss that ends the prefix. A ``Scope`` is made per request; ``refused`` counts what it
+turned away (once per request in ``foreign_ns_misses``).
 """
 
 from __future__ import annotations

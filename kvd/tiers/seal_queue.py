@@ -1,26 +1,11 @@
 """The checksums the arena index's records wait for: bounded, one flag per record.
 
-The journal (kvd/tiers/journal.py) hands each record it writes to ``add``;
-the record then *waits* (its flag in ``state``) until a batch of waiting
-records goes to the ``Hasher`` as one job. At most ``MAX_JOBS_PER_THREAD``
-jobs per hashing thread, of at most ``BATCH`` records each, are with the
-hasher at once; the rest wait here. So what waits is bounded by the index
-table (one byte per record, whatever the traffic): a record written twice
-waits once (coalesced), a record freed while it waits stops waiting at once
-(``freed``: counted in ``checksums_skipped``, never read), and a record put
-back by an eviction undone (``restored``) waits again. A hashing thread
-that holds its job until the copies pause (the hasher's ``patient`` jobs:
-resident chunks under endless copies) holds at most ``BATCH`` records; the
-stores behind it cost a flag each, not a job each.
-
-Generations: ``gen[number]`` is bumped when a record is handed out and when
-it is freed (and bumped back when restored). A job carries the generations
-of its records; a hashing thread skips those whose generation moved (one
-numpy comparison per job), and ``on_digest(number, digest)`` (on the loop)
-is called only for records still of the generation that was read.
-
-Everything but ``stale`` (called from hashing threads: numpy reads under
-the GIL) runs on the event loop: no locks.
+The journal hands each record written to ``add``; it waits (a flag in ``state``) until a
+batch goes to the ``Hasher`` (at most ``MAX_JOBS_PER_THREAD`` jobs of ``BATCH`` records per
+thread). Bounded by the index table whatever the traffic: a record written twice waits
+once, one freed stops waiting (``freed``), one restored waits again. Generations (``gen``)
+let hashing threads skip stale records (``stale``) and ``on_digest`` apply only to the
+generation read. Everything but ``stale`` runs on the event loop: no locks.
 """
 
 from __future__ import annotations

@@ -1,42 +1,13 @@
 """Policy between the host tier and the disk tier: demotion and promotion.
 
-Runs on the event loop; the disk tier does the IO on its threads.
-
-- **Demotion by watermark**: when the host tier's used bytes exceed
-  ``high_watermark`` × capacity, a background task walks the host tier's
-  evictable entries from least recently used and queues a disk write for
-  each ready entry not yet on disk, until the coldest ``used -
-  (high_watermark - 0.1) × capacity`` bytes of them are on disk or queued.
-  The walk resumes where the last pass stopped (the host tier's demotion
-  scan, kvd/tiers/host.py), so a pass costs the entries it newly examines,
-  not the whole tier. The entry stays pinned while its bytes are read on an
-  IO thread, so its slot cannot be reused mid-copy (at most
-  ``PINNED_SHARE`` of the host tier, or one entry, is pinned so at once);
-  on success it is marked ``on_disk`` and, if nobody used it meanwhile,
-  goes back to the cold end of the host LRU. Each store wakes the demoter.
-  Host eviction then drops only the host copy (the chunk stays findable on
-  disk); entries evicted before reaching disk are lost and counted by the
-  host tier. ``min_hits`` > 0 demotes only entries looked up at least that
-  often (Dynamo's "second hit" rule). Leased entries are not evictable and
-  wait for their lease to end; ``flush`` (an operator command) writes
-  every ready entry, leased or not, whatever ``min_hits`` says (before a
-  planned restart, everything is worth keeping).
-- **Promotion**: ``disk_prefix`` continues a lookup's host prefix with keys
-  found on disk and starts their promotion (disk → a fresh host slot);
-  ``promote_prefix`` (load) waits for those promotions and returns the
-  ready host entries, pinned. Both end the prefix at a chunk of another
-  namespace or shard geometry than the reader's (its ``Scope``). A promotion reserves every shard of the host
-  entry (invisible until the verified bytes are in), reads on an IO thread,
-  then commits; any failure aborts the reservation: a miss, never wrong bytes.
-- **Quotas** (kvd/tiers/quota.py, the host tier's ``quota``): a demotion
-  whose quota groups would pass their ``disk_max`` first deletes those
-  groups' oldest disk chunks that left the host tier and nobody reads (one
-  still in the host tier would be demoted again, round and round), else it
-  is passed over (counted); a promotion reserves the host entry in the
-  chunk's account again and makes its file the account's newest.
-- **After a warm restart** the host tier's ``on_disk`` marks come from the
-  arena's index; once the disk tier's recovery scan is done, a mark whose
-  file is no longer there is cleared (``_reconcile``).
+Runs on the event loop; the disk tier does the IO. Demotion: above ``high_watermark`` a
+background task writes the coldest ready entries to disk, resuming its walk where it
+stopped, pinning at most ``PINNED_SHARE`` at once; ``min_hits`` demotes only entries looked
+up that often; ``flush`` writes every ready entry. Host eviction of an ``on_disk`` entry
+keeps it findable on disk. Promotion: ``disk_prefix``/``promote_prefix`` continue a host
+prefix from disk (a reservation committed only after verified bytes; failures are misses,
+never wrong bytes), ending at another ``Scope``. Quotas: ``disk_max`` via kvd.tiers.quota.
+After a warm restart, ``on_disk`` marks whose file is gone are cleared once recovery ends.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ word and the completion ride on those. Unless those streams wait for the
 kernels (``CopyPlan.after_device``), the engine can read GDS's pages before
 they land, and a dead engine's pool can be closed under them. Drives the
 real ``CudaCopyEngine._scatter_dma`` and ``DmaPath`` with CUDA stubbed
-(tools/dma_host_cost.py's stand-in, recording the runtime's event calls and
+(tests/instant_cupy.py's stand-in, recording the runtime's event calls and
 the driver's batches): with ``after_device``, every load stream waits on an
 event recorded on the kernel stream before the load's first batch, whether
 the loop or the load thread queues it; without it, no stream waits on the
@@ -17,15 +17,12 @@ kernel stream. The real copies: tests/cuda/test_gpu_gds.py.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import dma_host_cost as stub  # noqa: E402
+import instant_cupy as stub  # noqa: E402
 from test_dma_queue import Event  # noqa: E402 - events whose landing the test sets
 
 from kvd.copy.plan import CopyPlan  # noqa: E402
@@ -36,7 +33,7 @@ from kvd.cuda.backend import CudaCopyEngine, CudaPool, _Device  # noqa: E402
 CALLS: list = []  # ("record", stream) / ("wait", stream) / ("rows", stream), in order
 
 
-class Runtime(stub._Runtime):
+class Runtime(stub.Runtime):
     def eventRecord(self, event, stream) -> None:
         CALLS.append(("record", stream))
 
@@ -45,7 +42,7 @@ class Runtime(stub._Runtime):
 
 
 class Cupy(stub.StubCupy):
-    cuda = type("cuda", (stub._Cuda,), {"Event": Event, "runtime": Runtime()})
+    cuda = type("cuda", (stub.Cuda,), {"Event": Event, "runtime": Runtime()})
 
 
 def rows(stream, dsts, srcs, sizes) -> None:

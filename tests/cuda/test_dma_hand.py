@@ -1,7 +1,7 @@
 """``kvd.cuda.dma_hand``: DMA copies queued with the driver by a thread, not the event loop.
 
 Drives the real ``DmaPath`` with ``store_thread`` and ``load_thread`` on and CUDA stubbed (the
-stand-in of tools/dma_host_cost.py, events whose completion the test sets,
+stand-in of tests/instant_cupy.py, events whose completion the test sets,
 driver calls the test holds or refuses): ``store`` returns before the
 driver saw the store; the store is done only once the thread queued it and
 its event landed; a refused step raises only after the queue's streams were
@@ -20,20 +20,18 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import dma_host_cost as stub  # noqa: E402
+import instant_cupy as stub  # noqa: E402
 from test_dma_queue import Event  # noqa: E402 - events whose landing the test sets
 
 from kvd.cuda import dma, dma_hand, dma_plan  # noqa: E402
 from kvd_protocol.cuda_driver import CudaExportError  # noqa: E402
 
 
-class Runtime(stub._Runtime):
+class Runtime(stub.Runtime):
     joins = 0
 
     def streamWaitEvent(self, stream, event, flags) -> None:
@@ -41,7 +39,7 @@ class Runtime(stub._Runtime):
 
 
 class Cupy(stub.StubCupy):
-    cuda = type("cuda", (stub._Cuda,), {"Event": Event, "runtime": Runtime()})
+    cuda = type("cuda", (stub.Cuda,), {"Event": Event, "runtime": Runtime()})
 
 
 class Driver:

@@ -1,7 +1,7 @@
 """``kvd.cuda.dma.DmaQueue`` keeps only the batches that have not landed.
 
 It drives the real ``DmaPath`` and ``DmaQueue`` with CUDA stubbed
-(tools/dma_host_cost.py's stand-in for CuPy, with events whose completion
+(tests/instant_cupy.py's stand-in for CuPy, with events whose completion
 the test sets): a daemon that only stores never waits on its store queue,
 so the queue itself must let go of what landed, or every store's event and
 op arrays stay for the daemon's lifetime. Batches land in the order they
@@ -12,15 +12,12 @@ The real copies are in test_fake_gpu_dma.py and test_gpu_dma.py.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import dma_host_cost as stub  # noqa: E402
+import instant_cupy as stub  # noqa: E402
 
 from kvd.copy.poll import EventPoller  # noqa: E402
 from kvd.cuda import dma, dma_plan  # noqa: E402
@@ -44,7 +41,7 @@ class Event:
 
 
 class Cupy(stub.StubCupy):
-    cuda = type("cuda", (stub._Cuda,), {"Event": Event})
+    cuda = type("cuda", (stub.Cuda,), {"Event": Event})
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@
 # where the checkout has no ../shared beside it). About 6.5 MiB: carry .gpu with the tree.
 #   bash tools/gpu/stage_gpu_tests.sh
 # then on the GPU machine (a skip for any reason but a missing second GPU fails the run):
-#   bash .gpu/run.sh bash tools/gpu_all.sh
+#   bash .gpu/run.sh bash tools/gpu/run_all.sh
 set -euo pipefail
 repo=$(git rev-parse --show-toplevel)
 cd "$repo"

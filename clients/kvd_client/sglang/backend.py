@@ -1,60 +1,14 @@
-"""KvdHiCacheStorage: kvd as SGLang's HiCache storage tier (``HiCacheStorage``, SGLang 0.5.16 and 0.5.23).
+"""KvdHiCacheStorage: kvd as SGLang's HiCache storage tier (``HiCacheStorage``, 0.5.16 and 0.5.23).
 
-SGLang loads it with ``--hicache-storage-backend dynamic`` and the extra
-config ``{"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
-"class_name": "KvdHiCacheStorage", "interface_v1": 1, "kvd_...": ...}``
-(options: kvd_client.sglang.options). One instance per scheduler process
-(TP/PP rank); it registers the rank's staging pool (kvd_client.sglang.staging,
-laid out from the host pool, kvd_client.sglang.host_pages) with the daemon
-once SGLang registered its host pool and the daemon answered.
-
-Operations, each on a batch of SGLang pages (hashes + host slots):
-
-- ``batch_exists``: pages of the longest prefix kvd holds (one ``lookup``).
-- ``batch_get_v1`` / ``batch_set_v1`` (``interface_v1``: SGLang's zero-copy
-  path): kvd loads into / stores from the staging pool, one copy between
-  it and SGLang's host pool, page by page on ``copy_threads`` threads;
-  per-page success, a prefix. A load asks kvd for ``load_pipeline_pages``
-  pages at a time; the copy threads move each request's pages on into the
-  host pool while kvd moves the next.
-  With ``host_pool`` 'shared' (kvd_client.sglang.shared_host) SGLang's host
-  pool itself lives in a file kvd maps: kvd loads and stores the pages in
-  place, ``staging_pages`` per request, no copy in the backend.
-- ``get``/``batch_get``/``set``/``batch_set``/``exists``: the generic
-  interface over SGLang's flat pages (SGLang copies each page once more;
-  staging only).
-
-Keys: each SGLang page of ``P`` tokens is ``P / chunk_tokens`` kvd chunks.
-With ``key_mode`` 'tokens' their keys come from the page's token ids
-(kvd_client.sglang.hashing, .chain), the same keys any kvd client computes
-for the same prefix, model, dtype and TP size; a page whose tokens are
-unknown is a miss. With 'hashes' they come from SGLang's page hash
-(kvd_client.sglang.keyring holds both ways).
-
-Timings: with ``$KVD_SGLANG_TRACE`` each call appends one line to a
-timeline (kvd_client.sglang.timeline); ``kvd_gil_switch_ms`` sets the
-process's GIL switch interval (kvd_client.sglang.options) at construction.
-
-SGLang versions: 0.5.23's interface, and 0.5.16's, which differs where it
-matters here: its storage config has no ``dcp_size`` (no
-decode context parallelism), its radix tree is always Python's (no
-``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``; ``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE``
-is the native one), and its page hashes carry no request namespace and are
-also made through a ``get_hash_str`` reference taken before the backend
-exists (kvd_client.sglang.hashing says what follows); its MHA host pools
-have no ``v_head_dim`` (kvd_client.sglang.host_pages). docs/sglang.md lists it all.
-
-Failures are misses, never errors into SGLang: no daemon (yet, or any
-more), a timeout, no space: ``batch_exists`` says 0, loads and stores report
-the pages that did not move as failed, and SGLang recomputes or keeps them
-in host memory. Stores carry the fixed salt (``kvd_salt``) as their tenant
-label for the daemon's quotas: a HiCache batch does not say which request
-(and so which cache_salt) its pages came from. The client reconnects and
-re-registers by itself. A
-configuration kvd cannot serve (an unsupported host layout, a chunk size
-that does not divide SGLang's page size) is a ``ValueError`` when SGLang
-attaches the backend, or, if the daemon is reached later, an error logged
-once, then misses.
+One instance per scheduler process (TP/PP rank), configured by the ``kvd_*`` extra config
+keys (kvd_client.sglang.options); registers the rank's staging pool (or, with ``host_pool``
+'shared', SGLang's host pool itself: kvd_client.sglang.shared_host) once the daemon answers.
+``batch_exists`` (one lookup), ``batch_get_v1``/``batch_set_v1`` (per-page prefix results,
+pipelined copies) and the generic ``get``/``set`` family. Keys: from token ids
+(``key_mode`` 'tokens', same as any kvd client) or SGLang's page hash ('hashes').
+Promises: failures are misses, never errors into SGLang; the client reconnects by itself.
+A configuration kvd cannot serve is a ``ValueError`` at attach (or one logged error, then
+misses). Version differences: docs/sglang.md.
 """
 
 from __future__ import annotations

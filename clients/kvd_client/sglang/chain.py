@@ -1,22 +1,11 @@
 """From SGLang's page hashes to kvd chunk keys.
 
-SGLang gives its storage backends only page hashes (SHA-256 chained over
-each page's token ids); kvd's keys (kvd_protocol.keys) are xxh3 chained
-over token ids, so that every engine computes the same key for the same
-prefix. ``PageChain`` remembers, for each SGLang page hash it was told
-about (``record``: the page's parent hash, or the chain's salt where the
-chain starts, and the page's token ids), enough to compute the page's kvd
-keys (``page_keys``) by walking back to a page whose keys it knows or to the
-chain's start. Keys are memoized per (namespace digest, chunk size), so a
-daemon restart with another chunk size still keys correctly. It forgets the
-least recently used pages beyond ``capacity``; a page it does not know (or
-whose ancestors it forgot) gets no keys, which the backend treats as a
-miss, never as another page's keys. Thread-safe.
-
-``hash_page_keys`` is the other key mode: keys derived from SGLang's hash
-itself and the fixed salt (shared by SGLang engines only). ``request_salt`` assembles the
-salt of a request as kvd's vLLM connector does, so that a prompt salted the
-same way in both engines has the same keys.
+SGLang gives storage backends only page hashes; kvd's keys (kvd_protocol.keys) chain over
+token ids so every engine computes the same key for a prefix. ``PageChain`` records each
+page's parent and token ids and computes its kvd keys (``page_keys``), memoized per
+(namespace, chunk size), forgetting LRU pages past ``capacity``. A page it does not know
+gets no keys (a miss), never another page's keys. Thread-safe. ``hash_page_keys`` is the
+other key mode; ``request_salt`` salts as kvd's vLLM connector does.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """SGLang's GPU KV pool as a kvd pool, and SGLang's device slots as kvd page ids.
 
-``kvd_pool(kvcache, chunk_tokens)`` describes SGLang's device pool
-(``MHATokenToKVPool``: K and V per layer ``[slots, kv_heads, head_dim]``;
-``MLATokenToKVPool``: one latent row per slot) for ``register_kv``: a
-``CudaKVPool`` of layout ``sglang_mha`` or ``sglang_mla`` whose kvd page is
-``chunk_tokens`` consecutive slots, exported by CUDA IPC, so the daemon's
-copy engines write SGLang's GPU pages directly. Other pool classes (SWA,
-Mamba, NSA, K and V of other widths) are a ``ValueError``.
-
-``page_ids(device_indices, pages, page_size, chunk_tokens)`` turns the slots
-SGLang hands a linker (``page_size`` slots per SGLang page, each page's
-slots consecutive and page-aligned: SGLang's paged allocator) into kvd page
-ids, or None when they are not laid out that way (the linker then refuses
-the transfer and SGLang recomputes). Never touches the pool's bytes.
+``kvd_pool(kvcache, chunk_tokens)`` describes ``MHATokenToKVPool``/``MLATokenToKVPool`` as a
+``CudaKVPool`` (layout ``sglang_mha``/``sglang_mla``, a kvd page = ``chunk_tokens`` slots)
+exported by CUDA IPC; other pool classes are a ``ValueError``. ``page_ids(...)`` turns a
+linker's page-aligned slots into kvd page ids, or None when not laid out so (SGLang then
+recomputes). Never touches the pool's bytes.
 """
 
 from __future__ import annotations

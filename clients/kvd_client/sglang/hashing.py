@@ -1,27 +1,12 @@
 """Listening to SGLang's page hashing, to learn the token ids behind each page hash.
 
-SGLang's storage interface passes page hashes only. Every page hash SGLang
-computes in Python goes through ``sglang.srt.mem_cache.utils.get_hash_str``
-(token ids, prior hash, page size), which calls the module global
-``get_native_hash`` (token ids, prior digest, page size) of the same module;
-its callers are ``get_storage_hash_str`` (0.5.23's prefetch queries),
-``compute_node_hash_values`` (the Python radix-tree core's node hashes) and
-0.5.16's cache controller, which keeps its own reference to
-``get_hash_str`` from before the backend exists. ``listen(recorder)``
-therefore replaces ``get_native_hash`` (``get_hash_str`` in a version
-without it) with a wrapper that returns exactly what the original returns
-and then tells the recorder what was hashed; ``unlisten`` restores it once
-the last recorder left. The Rust radix-tree core (0.5.23's default) hashes
-nodes natively, past this function: the backend warns about it at start-up.
-
-``ChainRecorder`` turns one hashing call into ``PageChain.record``: a call
-whose prior hash is SGLang's namespace seed for the key's (extra_key,
-cache_salt), or none, starts a chain with the matching kvd salt; any other
-prior hash is the parent page. SGLang 0.5.16 has no namespace seed: its
-page hashes of a request with an ``extra_key`` (LoRA, cache salt) equal
-those of the same tokens without one, so such keys are not recorded and
-their pages stay misses (never another namespace's keys). Bigram (EAGLE)
-keys and calls that hash a partial page are not recorded either.
+``listen(recorder)`` replaces SGLang's ``get_native_hash`` (``get_hash_str`` where absent)
+with a wrapper returning exactly what the original returns, then telling the recorder what
+was hashed; ``unlisten`` restores it after the last recorder. ``ChainRecorder`` turns a call
+into ``PageChain.record``, starting a chain at SGLang's namespace seed. Never records what
+could map to another namespace's keys (0.5.16 pages with an ``extra_key``, bigram keys,
+partial pages): those stay misses. The Rust radix-tree core hashes past this hook (the
+backend warns).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """SGLang's host memory pool, seen one page at a time in one order.
 
-``HostPages(pool)`` accepts SGLang's ``MHATokenToKVPoolHost`` (K and V of
-equal width) and ``MLATokenToKVPoolHost`` (one latent row per token) in the
-layouts SGLang allocates them in, and gives every page as a strided view of
-the pool's own memory shaped ``[layers, planes, page_size, heads, dim]``
-(planes: K and V, or the MLA latent), whatever the layout:
-
-| pool | layout | ``kv_buffer`` | one page (``get_data_page(i, flat=False)``) |
-|---|---|---|---|
-| MHA | ``layer_first`` | ``[2, L, slots, H, D]`` | ``[2, L, P, H, D]`` |
-| MHA | ``page_first`` | ``[2, slots, L, H, D]`` | ``[2, P, L, H, D]`` |
-| MHA | ``page_first_direct`` | ``[2, pages, L, P, H, D]`` | ``[2, 1, L, P, H, D]`` |
-| MHA | ``page_head`` | ``[2, pages, H, P, L, D]`` | ``[2, 1, H, P, L, D]`` |
-| MLA | ``layer_first`` | ``[L, slots, 1, dim]`` | ``[L, P, 1, dim]`` |
-| MLA | ``page_first`` | ``[slots, L, 1, dim]`` | ``[P, L, 1, dim]`` |
-| MLA | ``page_first_direct`` | ``[pages, L, P, 1, dim]`` | ``[1, L, P, 1, dim]`` |
-
-Pages are addressed as SGLang addresses them: by the host slot index of
-their first token (``host_indices[i * page_size]``). ``flat_view`` reads a
-flat page of SGLang's generic storage interface (``get_data_page(i,
-flat=True)`` order) the same way. Anything else (``page_unified``, split
-K/V widths, decode context parallelism) is refused with a ``ValueError`` at
-start-up, naming what is supported.
+``HostPages(pool)`` accepts ``MHATokenToKVPoolHost`` and ``MLATokenToKVPoolHost`` in
+``layer_first``, ``page_first``, ``page_first_direct`` (and MHA ``page_head``) layouts and
+gives every page as a strided view ``[layers, planes, page_size, heads, dim]`` of the pool's
+own memory, addressed by the host slot of its first token; ``flat_view`` reads a flat page
+of the generic interface. Anything else (``page_unified``, split K/V widths, decode context
+parallelism) is a ``ValueError`` at start-up naming what is supported.
 """
 
 from __future__ import annotations

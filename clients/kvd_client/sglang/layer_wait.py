@@ -1,15 +1,10 @@
 """KvdLayerCounter: SGLang's per-layer load counter over kvd's layer-wise loads.
 
-SGLang registers a linker's ``layer_done_counter`` with its device KV pool,
-which calls ``wait_until(layer)`` before a layer's attention reads the KV,
-for the batch named by ``set_consumer(index)``. Here a batch is the kvd
-loads one ``start_layer_wise_loading`` submitted (``add_batch``);
-``wait_until(layer)`` asks the client to order the caller's work after that
-layer of each load landed (``KvdClient.wait_for_layer``: on a CUDA pool the
-engine's current stream waits on the flag page, no host round trip; on a
-host pool this thread waits). A failed load releases its waits (the client
-does) and shows in ``finish(index)``, which waits for every load of the
-batch and says whether each landed in full. Never raises into the forward.
+SGLang calls ``wait_until(layer)`` before a layer's attention for the batch named by
+``set_consumer(index)``; a batch is the kvd loads one ``start_layer_wise_loading`` submitted
+(``add_batch``). ``wait_until`` orders the caller's work after that layer of each load
+(``KvdClient.wait_for_layer``: on a CUDA pool the stream waits, no host round trip).
+``finish(index)`` says whether each load landed in full. Never raises into the forward.
 """
 
 from __future__ import annotations

@@ -1,42 +1,14 @@
-"""KvdLinker: kvd as SGLang's external cache linker (``UnifiedCacheLinker``, SGLang ≥ 0.5.23).
+"""KvdLinker: kvd as SGLang's external cache linker (``UnifiedCacheLinker``, SGLang >= 0.5.23).
 
-SGLang's ``UnifiedRadixCache`` can link its GPU KV pool straight to an
-external store, no host tier in between::
-
-    python -m sglang.launch_server ... --enable-unified-cache-external-linker \\
-        --unified-cache-external-linker-backend dynamic \\
-        --unified-cache-external-linker-config '{"linker": "KvdLinker",
-            "linker_module_path": "kvd_client.sglang.linker",
-            "linker_extra_config": {"kvd_runtime_dir": "/run/kvd"}}'
-
-One linker per scheduler process (TP/PP rank). Once the daemon answers it
-registers SGLang's GPU KV pool with kvd by CUDA IPC
-(kvd_client.sglang.device_pages): a hit is one copy, by the daemon's copy
-engines, from kvd's host tier into SGLang's GPU pages, layer by layer.
-
-- ``lookup``: one kvd ``lookup`` for the request's uncached pages, its hits
-  pinned (a lease of ``kvd_timeout_s``) until the request's load consumes
-  them, so an eviction in between cannot fail the load (which SGLang would
-  answer by aborting the request); every prefix length up to the hit is
-  restorable (the KV pool is a plain prefix).
-- ``load`` queues a request's pages (its private device slots);
-  ``start_layer_wise_loading`` submits every queued request as one kvd
-  layer-wise load each, ordered on the forward stream after the kernels
-  that last used those slots; the forward's per-layer ``wait_until`` makes
-  the GPU wait for that layer only (kvd_client.sglang.layer_wait);
-  ``finish_layer_wise_loading`` waits for the loads and says whether every
-  page landed (SGLang aborts the requests otherwise).
-- ``offload`` stores a node's pages, ordered on the forward stream after the
-  forward that wrote them; completions are reported in order. MLA: only TP
-  rank 0 stores (every rank holds the same latent).
-
-Keys and options: the HiCache backend's (kvd_client.sglang.options,
-``kvd_*`` keys of ``linker_extra_config``; the host-pool and staging options
-do not apply), so a page HiCache stored is a hit here and the other way.
-Failures are misses: no daemon (yet), a timeout, unknown tokens, slots not
-page-aligned: ``lookup`` finds nothing, ``load``/``offload`` return False,
-a load that fails mid-way is reported by ``finish_layer_wise_loading``.
-Only the Full KV component is supported (SWA, Mamba: ``ValueError``).
+One per scheduler process; registers SGLang's GPU KV pool by CUDA IPC
+(kvd_client.sglang.device_pages), so a hit is one copy from kvd's host tier into SGLang's
+GPU pages, layer by layer. ``lookup`` pins hits under a lease until the load consumes them;
+``load`` + ``start_layer_wise_loading`` submit layer-wise loads ordered after the kernels
+that last used the slots (``wait_until`` per layer: kvd_client.sglang.layer_wait);
+``finish_layer_wise_loading`` reports success; ``offload`` stores (MLA: TP rank 0 only).
+Keys and options are the HiCache backend's, so pages are shared both ways. Failures are
+misses or False, never exceptions into SGLang. Full KV only (SWA, Mamba: ``ValueError``).
+Launch flags: docs/sglang.md.
 """
 
 from __future__ import annotations

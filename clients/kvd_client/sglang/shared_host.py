@@ -1,33 +1,12 @@
 """SharedHostPool: SGLang's own host pool moved into a file kvd maps, so pages cross no staging copy.
 
-SGLang allocates its host pool as one anonymous shared mapping (its
-``alloc_mmap``: ``MAP_SHARED | MAP_ANONYMOUS``, pinned with
-``cudaHostRegister``), which no other process can open. ``SharedHostPool``
-puts a file of ``shm_dir`` under the very same addresses: piece by piece
-(``PIECE_BYTES``, so memory never holds the pool twice) it allocates the
-file's range, copies the piece's bytes into it when the pool already holds
-pages, and maps the file over the piece with ``MAP_FIXED``. Every tensor,
-view and device pointer SGLang took of the pool stays valid; the registration
-with CUDA is dropped before and made again after (a registration pins the
-old pages). kvd then loads and stores the pool's pages in place.
-
-Contract:
-
-- ``SharedHostPool(pages, chunk_tokens, shm_dir, group)``: ``pages`` a
-  ``HostPages``. Raises ``ValueError`` (the pool is left as it was) when
-  the pool is not one tensor at the start of one anonymous shared mapping,
-  its layout has no kvd descriptor at this chunk size (``page_first_direct``
-  and ``page_head`` need ``chunk_tokens`` equal to SGLang's page size), or
-  ``shm_dir`` lacks the room; ``OSError``/``RuntimeError`` when the move
-  fails midway (the pool's memory is still whole and pinned again).
-- ``descriptor``, ``buffers``: what the daemon registers, the pool's own
-  layout; ``kvd_pages(slot)``: kvd's page ids of the SGLang page whose first
-  token is host slot ``slot``.
-- ``close()``: unlinks the file; the mapping stays SGLang's (its allocator
-  unmaps it when the pool goes).
-
-Only CUDA's registration is touched, and only where the pool was pinned
-(``pin_memory``) and CUDA is initialised in this process.
+SGLang's host pool is an anonymous shared mapping no other process can open.
+``SharedHostPool(pages, chunk_tokens, shm_dir, group)`` maps a ``shm_dir`` file over the
+very same addresses piece by piece (``MAP_FIXED``; memory never holds the pool twice), so
+every tensor and pointer SGLang took stays valid; the CUDA pin is dropped and redone.
+``ValueError`` (pool untouched) when it cannot apply; ``OSError``/``RuntimeError`` when the
+move fails midway (memory still whole and pinned). ``descriptor``/``buffers`` are what the
+daemon registers, ``kvd_pages(slot)`` the ids of a page; ``close()`` unlinks the file.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The staging pool: SGLang pages on their way to and from kvd, in a file kvd can map.
 
-SGLang allocates its host pool in anonymous memory (or a memfd): no path
-the daemon could open, and kvd's wire passes no file descriptors. So each
-page crosses one extra copy, through this pool: a file in ``shm_dir``
-(kvd_client.shm: flocked, removed on ``close`` or by the next pool after a
-crash) registered with kvd like any ``SharedKVPool``. It holds
-``2 * pages`` SGLang pages, ``pages`` for loads and ``pages`` for stores, so
-that SGLang's prefetch and backup threads never share a slot, as one token
-pool ``[layers, planes, tokens, heads, dim]``; kvd sees pages of
-``chunk_tokens`` tokens (the daemon's chunk), so one SGLang page of ``P``
-tokens is ``P / chunk_tokens`` kvd pages: ``kvd_pages(slot)`` names them.
-``slot(i)`` is SGLang page slot ``i`` as a ``[layers, planes, P, heads, dim]``
-view, the shape ``HostPages`` gives host pages in.
+SGLang's host pool has no path the daemon could open, so each page crosses one extra copy
+through this pool: a ``shm_dir`` file (kvd_client.shm) registered like any
+``SharedKVPool``, holding ``pages`` SGLang pages for loads and ``pages`` for stores (prefetch
+and backup threads never share a slot). ``kvd_pages(slot)`` names a page's kvd pages;
+``slot(i)`` is its ``[layers, planes, P, heads, dim]`` view, as ``HostPages`` gives.
 """
 
 from __future__ import annotations

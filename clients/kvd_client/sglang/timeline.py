@@ -1,17 +1,9 @@
 """Timeline: per-call timings of kvd's SGLang backend and linker, to see where a hit's time goes.
 
-Off unless ``$KVD_SGLANG_TRACE`` names a file (read when the backend or
-linker starts). Then every call records one JSON line appended to it::
-
-    {"src": "backend", "op": "batch_exists", "t0": 1234.5678, "t1": 1234.5691,
-     "thread": "Thread-3", "pid": 4242, "pages": 128, "hit_pages": 128}
-
-``t0``/``t1`` are ``time.monotonic()`` seconds (CLOCK_MONOTONIC: one clock
-for every process of the host, so a client's own timestamps line up with
-them); the other fields are the op's (pages asked and moved, kvd requests).
-``examples/sglang_ttft.py --trace`` reads it back into a per-hit breakdown.
-Writing never raises into SGLang: a file that cannot be opened or written
-turns the timeline off with one warning.
+Off unless ``$KVD_SGLANG_TRACE`` names a file; then every call appends one JSON line
+(``src``, ``op``, ``t0``/``t1`` in ``time.monotonic()`` seconds, thread, pid, the op's
+counts). ``examples/sglang_ttft.py --trace`` reads it back. Never raises into SGLang: a file
+that cannot be written turns the timeline off with one warning.
 """
 
 from __future__ import annotations

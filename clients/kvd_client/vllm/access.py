@@ -1,34 +1,11 @@
 """vLLM 0.34's questions about the KV memory: how kvd reaches it, and when it is lent out.
 
-``kv_cache_access(kv_transfer_config)`` answers vLLM's ``KVCacheAccess``: with
-``kv_cache_sharing`` ``fd`` it is ``EXPORTS_FD`` (vLLM keeps its extensible,
-virtual-memory KV cache, created exportable; the workers lend its allocations
-to kvd by file descriptor: kvd_protocol.cuda_vmm, kvd_protocol.fd_pass); with
-``legacy_ipc`` it is ``LEGACY_IPC`` (vLLM turns the extensible cache off and
-allocates the KV cache where CUDA IPC exports it); ``auto`` (the default) is
-``fd`` when the daemon of the configured runtime directory serves virtual
-memory (its ``fds.sock`` exists: a daemon with GPUs that import file
-descriptors), else ``legacy_ipc``. vLLM asks before any worker starts, in the
-engine's process, so this is a file check, never a daemon call.
-
-``may_load_async(settings, request, loads)`` is the cheap guess vLLM 0.34 asks
-for when a request enters its waiting queue (with ``--max-num-inflight-kv-loads``
-a yes lets its load start while the batch is full, and holds a load slot): yes
-for a prompt longer than ``async_load_min_tokens`` (0: every prompt), the hits
-the scheduler loads asynchronously (kvd_client.vllm.scheduler); shorter
-prompts, whose hits mostly load layer by layer inside the step, get no and wait
-in vLLM's ordinary queue, which is vLLM's default path and costs nothing.
-
-``hit_sources(state, tokens, chunk)`` splits a hit vLLM 0.34 asks about by the
-tier it comes from (``host``, ``disk``, ``p2p`` for kvd's remote tier: vLLM's
-``CacheHitSource`` values). A lookup's hits run from chunk 0: the host tier's
-prefix, then what continues it on disk, then in the remote store (the daemon's
-reply says how many of each); the loaded tokens are ``[local, hit)`` of that.
-
-``VERSIONS_TESTED`` names the vLLM releases the connector knows (engines
-tested on 0.26 and 0.32, the API of 0.34), and
-``version_note(version)`` is the one line logged when it meets another.
-Imports vLLM only inside ``kv_cache_access`` (vLLM 0.34 has ``KVCacheAccess``).
+``kv_cache_access(kv_transfer_config)``: ``EXPORTS_FD`` (``kv_cache_sharing`` ``fd``: the
+extensible cache lent by file descriptor) or ``LEGACY_IPC``; ``auto`` picks ``fd`` when the
+runtime dir has ``fds.sock`` (a file check, never a daemon call). ``may_load_async``: yes for
+prompts longer than ``async_load_min_tokens``. ``hit_sources`` splits a hit by tier (``host``,
+``disk``, ``p2p``). ``VERSIONS_TESTED`` and ``version_note`` name the releases known.
+Imports vLLM only inside ``kv_cache_access``.
 """
 
 from __future__ import annotations

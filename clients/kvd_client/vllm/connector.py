@@ -1,45 +1,13 @@
 """``KvdConnector``: vLLM's ``KVConnectorBase_V1`` on kvd (vLLM 0.34, 0.32 and 0.26's APIs).
 
-Loaded out of tree::
-
-    --kv-transfer-config '{"kv_connector": "KvdConnector",
-                           "kv_connector_module_path": "kvd_client.vllm",
-                           "kv_role": "kv_both", "kv_connector_extra_config": {...}}'
-
-vLLM builds one instance per role. Both first ask kvd_client.vllm.support
-whether kvd can serve this engine at all, and raise its one-line reason if
-not, before vLLM allocates anything. The SCHEDULER instance (engine core)
-attaches kvd's namespace and plans (kvd_client.vllm.scheduler); each WORKER
-instance (one per TP rank) registers its rank's KV tensors and moves KV
-(kvd_client.vllm.worker). An fp8 cache's namespace carries the digest of
-the K and V scales the workers loaded (kvd_client.vllm.layers): the workers
-send it in vLLM's connector handshake (``get_handshake_metadata``), which
-vLLM's engine core hands the scheduler once after building it
-(``set_xfer_handshake_metadata``); the scheduler attaches then. So does a
-namespace of whole GPU blocks (``gpu_block_format = "blocks"``), whose
-order inside a block is what the workers' tensors have: an attention
-backend may pick it in the workers' processes only. This module only translates vLLM's calls; the
-namespace comes from vLLM's configs (kvd_client.vllm.spec), the options
-from ``kv_connector_extra_config`` (kvd_client.vllm.settings). ``kv_role``
-``kv_consumer`` only loads, ``kv_producer`` only stores. The connector sets
-vLLM's ``kv_load_failure_policy`` to its ``load_failure_policy`` option
-(``recompute``): a kvd failure costs a recompute, never a request.
-
-KV cache groups: the connector is ``SupportsHMA`` (where vLLM has it: 0.32),
-so vLLM keeps its hybrid KV cache manager on; each group (full attention,
-sliding window, Mamba / linear-attention state) is a kvd namespace of its own
-(kvd_client.vllm.groups; states: kvd_client.vllm.states), with
-one registration per group in the scheduler and in every worker. vLLM hands
-block ids per group (``request_finished_all_groups``) and takes the load
-failures of several groups per request (``get_transfer_results``'s
-``failed_recving``); without that API (vLLM 0.26) several groups are refused.
-
-CPU engines: ``get_mem_pool_context`` places vLLM's KV cache in a /dev/shm
-file kvd maps (kvd_client.vllm.shm_alloc), so kvd copies blocks with no
-staging copy; GPU engines register vLLM's CUDA tensors (kvd_client.vllm.pool)
-through CUDA IPC, or, vLLM 0.34's extensible KV cache, by file descriptor
-(kvd_client.vllm.access). Counters go out as vLLM connector stats
-(kvd_client.vllm.stats).
+Translates vLLM's calls only: the SCHEDULER instance plans (kvd_client.vllm.scheduler), each
+WORKER moves KV (kvd_client.vllm.worker). Both first ask kvd_client.vllm.support and raise
+its one-line reason before vLLM allocates anything. fp8 scales and GPU block order reach the
+scheduler through vLLM's connector handshake. ``SupportsHMA``: each KV cache group is its own
+namespace (kvd_client.vllm.groups). Sets ``kv_load_failure_policy`` to ``recompute``: a kvd
+failure costs a recompute, never a request. CPU engines get their KV cache in a /dev/shm
+file kvd maps (``get_mem_pool_context``); GPU engines are registered by CUDA IPC or file
+descriptor. Counters go out as vLLM connector stats.
 """
 
 from __future__ import annotations

@@ -1,45 +1,12 @@
 """What kvd needs to know about a vLLM KV cache, and how its tensors map to kvd.
 
-``KVGeometry`` is derived from vLLM's configs alone (kvd_client.vllm.spec),
-identically in the scheduler (which only looks up) and in every worker
-(which registers its tensors), so both name the same kvd namespace. Two
-kinds of vLLM cache exist in the pinned versions (0.26 to 0.32):
-
-- **MLA**: per layer ``[num_blocks, block_size, C]`` (0.26) or
-  ``[num_blocks, 1, block_size, C]`` (0.32), a latent row per token: kvd's
-  ``vllm_mla`` layout, attention ``mla`` (chunks shared with any engine of
-  the same model and dtype).
-- **GPU blocks** (flash-attn, FlashInfer, Triton, ...): per layer the
-  logical ``[num_blocks, kv_heads, block_size, 2 * head_size]`` with K and
-  V side by side inside each head, in a physical order the attention
-  backend picks (``HNC``: heads outer; ``NHC``: tokens outer; blocks of all
-  layers interleaved). A token's K (or V) row is ``kv_heads`` pieces, one
-  per head. By default (``gpu_block_format = "blocks"``) kvd keeps whole
-  blocks, as for CPU attention below but under the page format
-  ``vllm-gpu <interior> bs=<block size>``: a (layer, block) is one byte range,
-  which the copy engines move. With ``"rows"``: kvd's ``vllm_kv_blocks``
-  layout (head-strided rows), attention ``mha`` under the plain model
-  identity, so a chunk is the same entry as SGLang's (or any MHA engine's) of
-  the same model, dtype and TP size.
-- **CPU attention**: the same logical shape, but K is transposed inside a
-  block and packed per CPU ISA: no token rows. kvd moves whole blocks:
-  attention ``opaque`` with the page format in the model string
-  (``page_format``), shared only with CPU engines of that format.
-
-``describe(geometry, refs, num_blocks)`` turns the worker's tensors (as
-``TensorRef``) into a kvd layout descriptor and checks them against the
-geometry; a layout kvd cannot map raises ``ValueError`` naming it. Kernel
-blocks smaller than vLLM's blocks (vLLM's block splitting for attention
-backends that need them) are merged back into vLLM's blocks first, where a
-block's tokens stay evenly spaced (``manager_blocks``): the namespace does
-not change, so such an engine shares chunks with one that does not split.
-
-- **State blocks** (``interior == "state"``, a Mamba / linear-attention
-  group, kvd_client.vllm.spec): per layer one block per request holding its
-  state (vLLM 0.32 CPU: an int8 view ``[num_blocks, 1, 1, state bytes]``;
-  a list of state tensors: the first one starts the block). kvd moves the
-  first ``block_size x row`` bytes of each block (the state, rounded up to
-  whole rows, within the block's stride) as one opaque page per chunk key.
+``KVGeometry`` comes from vLLM's configs alone (kvd_client.vllm.spec), identical in scheduler
+and workers, so both name one namespace. Kinds: MLA (``vllm_mla``); GPU blocks, kept whole
+by default (page format ``vllm-gpu <interior> bs=<n>``, moved by copy engines) or as
+head-strided rows (``"rows"``: attention ``mha``, shared with SGLang); CPU attention blocks
+(``opaque``, ISA-packed); state blocks (Mamba, linear attention). ``describe(geometry, refs,
+num_blocks)`` turns a worker's tensors into a layout descriptor, merging split kernel blocks
+back into vLLM's blocks; a layout kvd cannot map raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
 """vLLM's KV cache groups as kvd namespaces, and which blocks of each a hit needs.
 
-With vLLM's hybrid KV cache manager on (kvd's connector is ``SupportsHMA``),
-a model that mixes full-attention and sliding-window layers has several KV
-cache groups: each group holds some layers, and vLLM gives every request one
-list of block ids per group (from one shared block pool). kvd keeps each
-group in a namespace of its own, so a chunk of one group never stands for
-another's: the namespace's ``fingerprint`` carries ``group_tag`` (the group's
-kind, its window, its target layers' indices). A model with one
-full-attention group keeps the plain namespace (no tag), as before.
-
-- **full attention** (``FullAttentionSpec``, MLA): every block of a prefix is
-  kept; a hit of N tokens loads every chunk below N.
-- **sliding window** (``SlidingWindowSpec``, window W): vLLM frees a
-  request's blocks once they leave the window and puts its null block
-  (block id 0) in their place. For N computed tokens it keeps blocks from
-  ``first_block(N) = max(0, N - W + 1 - extra) // block_size`` on (``extra``:
-  the spec's ``extra_retained_tokens``; vLLM's ``get_num_skipped_tokens``),
-  and for a hit of N tokens it allocates exactly those (the ones below are
-  null placeholders). So a load fills only the chunks from the one holding
-  ``first_block(N)``, and a store takes a chunk only while all its blocks are
-  still the request's: at a step whose allocation saw ``before`` computed
-  tokens, chunks from ``held_chunk(before)`` on.
-
-- **state** (``MambaSpec``: Mamba, linear attention, short convolutions):
-  with prefix caching off (vLLM's ``mamba_cache_mode`` ``none``) a request
-  holds one block of the group, the state after its last computed token,
-  rewritten in place by every step. Only a state at a chunk end can be
-  kept: kvd stores it under that chunk's key (the key of the chunk that ends
-  there) when a step ends exactly there, and a hit of N tokens loads the
-  state under chunk N's key into the request's block
-  (kvd_client.vllm.states).
-
-A hit counts only up to the longest prefix every group holds (the scheduler
-takes the minimum over the groups' lookups; a state group: the last chunk
-end below that with a state), so a group that lost a chunk shortens the hit
-instead of leaving wrong KV. Reads vLLM's objects by attribute; nothing here
-imports vLLM.
+With vLLM's hybrid manager each group (full attention, sliding window, state) is a kvd
+namespace of its own (``group_tag`` in the fingerprint; one full-attention group keeps the
+plain namespace). Full attention: every chunk below a hit. Sliding window: only chunks from
+``first_block(N)`` (vLLM's null blocks below); stores only while all blocks are still held
+(``held_chunk``). State (Mamba, prefix caching off): one state per chunk end a step ended on
+(kvd_client.vllm.states). A hit is the shortest every group holds, so a lost chunk shortens
+the hit, never leaves wrong KV. Nothing here imports vLLM.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """What the scheduler labels a request's chunks with, and which keys it does not offer.
 
-- ``salt(settings, request)``: the text mixed into the request's chunk keys
-  (kvd_protocol.keys.chain_root): the configured ``salt``, the request's
-  ``cache_salt`` (with ``salt_per_request``), its LoRA (with ``salt_lora``);
-  None when there is none.
-- ``tenant(settings, request)``: the label the daemon's quotas count its
-  stores under (kvd_protocol.wire.tenant_label): the request's
-  ``cache_salt`` (with ``salt_per_request``), else the configured ``salt``.
-- ``FailedKeys``: keys whose load failed, not offered again until their time
-  is up (re-offering a failed hit loops: vLLM asks again at once); bounded
-  (``MAX_FAILED_KEYS``: past it, the table starts over).
-
-Reads vLLM's ``Request`` by attribute; nothing here imports vLLM.
+``salt(settings, request)``: text mixed into the chunk keys (configured ``salt``,
+``cache_salt`` with ``salt_per_request``, LoRA with ``salt_lora``), or None.
+``tenant(settings, request)``: the quota label of its stores. ``FailedKeys``: keys whose load
+failed, not offered again until their time is up (bounded by ``MAX_FAILED_KEYS``).
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations

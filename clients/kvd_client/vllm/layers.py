@@ -1,28 +1,10 @@
 """Which of vLLM's KV cache layers kvd moves (the target model's), and their per-layer specs.
 
-vLLM puts a speculative drafter's attention layers (the ``draft_model``
-method, EAGLE heads, MTP layers) in the same KV cache groups as the target
-model's when their specs match. kvd keeps only the target model's KV: a
-chunk means the same thing to an engine with a drafter and to one without,
-so they share a namespace. The drafter's own KV is neither stored nor
-loaded; for tokens kvd loaded, the drafter sees blocks it never wrote,
-which can lower its acceptance rate, never change the target's output
-(the target verifies every drafted token).
-
-Drafter layers are recognised by name, as vLLM 0.26 and 0.32 name them:
-under ``draft_model.`` (the ``draft_model`` method's prefix), or with a
-layer index at or past the target's layer count (EAGLE and MTP heads are
-numbered after the target's layers; vLLM's kv_cache_utils relies on the same
-rule). Without a speculative config every layer is the target's.
-
-- ``target_groups(vllm_config, kv_cache_config)``: ``[(group index, target
-  layer names)]`` for the groups that hold target layers;
-- ``layer_specs(group, names)``: each layer's spec (``UniformTypeKVCacheSpecs``
-  holds one per layer, other specs are the group's);
-- ``kv_scales(vllm_config, names)``: a digest of the layers' fp8 K and V
-  scales (worker only: it reads the loaded model's attention layers).
-
-Reads vLLM's objects by attribute; nothing here imports vLLM.
+kvd keeps only the target model's KV, so engines with and without a speculative drafter
+share a namespace; drafter layers (under ``draft_model.``, or indexed past the target's
+layer count) are neither stored nor loaded, which may lower acceptance, never change
+output. ``target_groups``: groups holding target layers; ``layer_specs``: each layer's spec;
+``kv_scales``: a digest of the layers' fp8 K/V scales (worker only). Never imports vLLM.
 """
 
 from __future__ import annotations

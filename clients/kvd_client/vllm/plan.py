@@ -1,26 +1,11 @@
 """What the scheduler tells the workers each step, and what they tell it back.
 
-Plain, picklable data (vLLM ships the step's metadata to worker processes):
-chunk keys are computed once, by the scheduler, with the same namespace the
-workers register, and travel as 16-byte strings with the block ids they go
-to or come from. A page list holds ``blocks_per_chunk`` block ids per key.
-``group`` is the item's KV cache group (its index in the connector's list,
-kvd_client.vllm.groups): each group has its own namespace and block ids.
-``StepPlan.namespace`` joins the groups' namespace digests.
-
-- ``LoadItem``: copy ``keys`` into ``pages``. ``pages[:scratch]`` are writes
-  to throw away: the first chunk of a load that starts inside a local
-  prefix-cache hit covers blocks vLLM already holds (and shares with other
-  requests), so those pages point at vLLM's null block, which no request
-  reads (kvd_client.vllm.groups). ``layerwise``: a sync load
-  inside the step (the forward waits per layer); otherwise asynchronous,
-  between steps.
-- ``StoreItem``: copy ``pages`` out under ``keys``; ``after_forward``: the
-  step's forward writes that KV (submitted at ``wait_for_save``), else it
-  is final already (submitted at ``start_load_kv``); ``tenant``: the label
-  the daemon's quotas count the chunks under (the request's salt name).
-- ``WorkerReport``: keys whose load failed, so the scheduler stops offering
-  them for a while (re-offering a failed hit loops: vLLM asks again).
+Plain, picklable data: keys computed once by the scheduler, 16-byte strings with the block
+ids (``blocks_per_chunk`` per key) and the item's KV cache ``group``.
+``LoadItem``: ``keys`` into ``pages`` (``pages[:scratch]`` are throw-away writes, sent to
+vLLM's null block; ``layerwise``: inside the step). ``StoreItem``: ``pages`` out under
+``keys`` (``after_forward``: submitted at ``wait_for_save``; ``tenant``).
+``StepPlan.namespace`` joins the groups' digests. ``WorkerReport``: keys whose load failed.
 """
 
 from __future__ import annotations

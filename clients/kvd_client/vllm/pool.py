@@ -1,15 +1,10 @@
 """vLLM's own KV tensors as a kvd pool, for ``KvdClient.register_kv``.
 
-``tensor_ref(t, base)`` describes a torch tensor as a ``TensorRef`` at its
-byte offset from ``base``. ``host_pool`` takes the per-layer tensors that
-live in the connector's /dev/shm file (kvd_client.vllm.shm_alloc) and names
-that file as the one ``shm`` buffer; ``cuda_pool`` exports, per distinct
-CUDA allocation the tensors live in, a ``cuda_ipc`` buffer (as
-kvd_client.torch_pool does for its layouts). Both return a ``VllmKVPool``
-whose descriptor comes from kvd_client.vllm.geometry. A tensor outside the
-memory it should be in raises ``ValueError``. ``state_block(t)``: the tensor
-that starts a state layer's blocks (vLLM 0.32 CPU hands one int8 view per
-layer; a list of state tensors starts with the first).
+``tensor_ref(t, base)`` describes a tensor at its offset from ``base``; ``host_pool`` names the
+connector's /dev/shm file (kvd_client.vllm.shm_alloc) as one ``shm`` buffer; ``cuda_pool``
+exports one ``cuda_ipc`` buffer per CUDA allocation. Both return a ``VllmKVPool`` whose
+descriptor comes from kvd_client.vllm.geometry; a tensor outside its memory raises
+``ValueError``. ``state_block(t)``: the tensor that starts a state layer's blocks.
 """
 
 from __future__ import annotations

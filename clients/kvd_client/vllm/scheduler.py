@@ -1,66 +1,14 @@
 """The scheduler's half of the connector: lookups, load and store plans, frees.
 
-``SchedulerSide`` runs in vLLM's engine-core process, which holds no KV: it
-``attach``es kvd's namespace (kvd_client.vllm.geometry) and looks prompts
-up there. Per request it keeps the chunk keys (computed once, extended as
-tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
-
-- ``matched(request, local)``: tokens kvd can add past vLLM's own
-  prefix-cache hit ``local``, in whole chunks, never the whole request (at
-  least one token must be computed), cut at the first key whose load failed
-  recently. The hit is leased (pinned in kvd) until the request ends or the
-  lease runs out. The lookup never blocks a step: the first call sends it
-  (kvd_client.lookup) and waits at most what is left of the step's
-  ``lookup_wait_ms`` (all requests of a step share it); no reply yet
-  answers None (vLLM skips the request this step and asks again in a later
-  one, scheduling the others meanwhile), a later call reads the reply. No
-  reply by ``timeout_s``, or no daemon, is a miss (the client then answers
-  further lookups at once with misses until the daemon answers again). An
-  answer stands while vLLM asks again (no blocks yet, a preemption) as long
-  as its lease is held and younger than half of ``lease_ms``; older, it is
-  asked again. A request that ends with its lookup out leaves it to the
-  client, which releases the lease when the reply comes. Hits of
-  ``async_load_min_tokens`` or more load asynchronously, unless the load
-  starts inside the local hit (its scratch writes need a block of this
-  step, see kvd_client.vllm.plan). A layer-wise
-  load (inside the step) leaves at least ``layerwise_min_compute`` tokens to
-  compute (2 + speculative tokens): its step then has a query longer than a
-  decode's, which vLLM never runs as a full CUDA graph (whose replay would
-  skip the per-layer waits); shorter remainders load asynchronously, or give
-  up their last chunk where that cannot be. With ``layerwise`` off (vLLM runs
-  prefills as full CUDA graphs too) every load is asynchronous, and a hit
-  that cannot be is not offered.
-- ``allocated``: turns the hit into a ``LoadItem`` once vLLM gave blocks
-  (none: the lookup and its lease are dropped).
-- ``step(scheduler_output)``: the ``StepPlan`` of the step: planned loads,
-  stores of chunks this step computes (``store_policy = all``), stores of
-  finished requests (``finish``), and preempted requests.
-- ``finished(request, block_ids)``: whether vLLM must keep the blocks until
-  the workers report the request (stores or an async load in flight).
-- ``update(finished_recving, report)``: async loads that ended; keys whose
-  load failed are not offered again for ``retry_failed_after_s``, and are
-  stored again once recomputed (a worker never stores what a step computed
-  on top of a failed load: that KV is wrong).
-
-KV cache groups (vLLM's hybrid manager, kvd_client.vllm.groups): each
-group has its own namespace, keys, block ids and lookup; a hit is the
-shortest of the groups' (every group must hold its chunks), a load fills
-each group's blocks from the first one vLLM allocated for it (a
-sliding-window group: the window before the hit) and a store takes a
-sliding-window group's chunks only while vLLM still holds their blocks. A
-state group (Mamba, linear attention: kvd_client.vllm.states) keeps one
-state per chunk end a step ended on; a hit ends on a chunk end whose state
-it holds, and loads that state. With several groups every load is asynchronous (vLLM takes load failures
-of several groups per request only, ``failed_recving``) and starts on a
-chunk: a hit that cannot is not offered.
-
-Stores carry a tenant label for the daemon's quotas, keys a salt
-(kvd_client.vllm.labels).
-
-Requests with images or prompt embeddings are neither looked up nor stored:
-their token ids do not say what their KV holds. Calls are duck-typed on
-vLLM's objects (``Request``, ``KVCacheBlocks``, ``SchedulerOutput``);
-nothing here imports vLLM.
+``SchedulerSide`` runs in vLLM's engine core (no KV): it attaches kvd's namespace and keeps
+per request its keys, blocks and what moved. ``matched`` answers tokens kvd adds past vLLM's
+own hit, whole chunks, leased, without ever blocking a step (``lookup_wait_ms``; None means
+ask again); no daemon is a miss. Large hits load asynchronously; layer-wise loads leave
+enough tokens to compute that vLLM never replays a full CUDA graph over them. ``allocated``,
+``step`` (the ``StepPlan``), ``finished`` and ``update`` (failed keys not offered for
+``retry_failed_after_s``) follow vLLM's calls. KV cache groups: kvd_client.vllm.groups.
+Requests with images or prompt embeddings are neither looked up nor stored. Nothing here
+imports vLLM.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """CPU engines: vLLM's KV cache allocated in a /dev/shm file that kvd maps.
 
-vLLM (0.32) allocates the whole KV cache as one
-``torch.zeros(size, dtype=torch.int8)`` inside the context a connector's
-``get_mem_pool_context()`` returns. ``ShmKVAllocation`` is that context: a
-``TorchFunctionMode`` that answers exactly that call (CPU, int8, the size
-vLLM's ``KVCacheConfig`` announced, once) with ``torch.from_file(...,
-shared=True)`` over a new file in the daemon's shm directory, created by
-kvd_client.shm (mode 0600, or 0660 of the daemon's group; a fresh file
-reads as zeros; flocked while this process lives). Every other call passes
-through. ``close()`` unlinks the file (the mapping lives on until vLLM drops
-the tensor); files of processes that died are removed by the next pool
-kvd_client creates.
+``ShmKVAllocation`` is the context ``get_mem_pool_context()`` returns: a ``TorchFunctionMode``
+answering exactly vLLM's one ``torch.zeros(size, int8)`` KV allocation with
+``torch.from_file(..., shared=True)`` over a new kvd_client.shm file; every other call passes
+through. ``close()`` unlinks the file (the mapping lives until vLLM drops the tensor).
 """
 
 from __future__ import annotations

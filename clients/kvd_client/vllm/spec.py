@@ -1,39 +1,12 @@
 """``KVGeometry`` from vLLM's configs, the same in the scheduler and every worker.
 
-Reads ``VllmConfig`` and ``KVCacheConfig`` by attribute (vLLM 0.26 to 0.32),
-once kvd_client.vllm.support found nothing to refuse, one per KV cache
-group (kvd_client.vllm.groups: a group's tag joins the fingerprint): the
-target model's layers of the group (a speculative drafter's layers are left
-out: kvd_client.vllm.layers), their spec's block size, KV heads of this TP
-shard, head size and dtype, the cache dtype (``auto``, ``fp8``/``fp8_e4m3``,
-``fp8_e5m2``) and the TP size. fp8 blocks are only meaningful with the
-scales they were quantised with: their namespace's ``fingerprint`` is
-``kv_scales=<digest>`` of every layer's K and V scale
-(``layers.kv_scales``, read by the workers from the loaded model; the
-scheduler learns it from them, kvd_client.vllm.connector), so engines
-with other scales never share. MLA caches are attention
-``mla``. Other caches on a GPU, with ``block_format = "blocks"`` (the
-connector's ``gpu_block_format``, default), are attention ``opaque`` whole
-blocks under the page format ``vllm-gpu <interior> bs=<block size>``: one
-byte range per (layer, block), which the daemon moves with the copy engines,
-shared by vLLM GPU engines of that format. With ``"rows"`` (or a layout whose
-blocks are not one byte range each) they are attention ``mha`` under the
-plain model identity (token rows, whatever order the attention backend
-picked: the descriptor follows the tensors' strides), so their chunks are
-SGLang's too, moved by SM kernels (head-strided rows).
-On CPU (``device_type == "cpu"``) blocks stay ``opaque``: the page format
-appended to the model names the physical order inside a block
-(``kv_cache_config.kv_cache_layout`` (0.32), else vLLM's
-``get_kv_cache_layout()`` (0.26)), the vLLM version and the attention ISA
-vLLM picks (``amx``, ``vec``, ...), because CPU blocks are packed per ISA.
-A dtype kvd has no name for raises ``ValueError`` with the reason.
-
-A state group (``MambaSpec``, kvd_client.vllm.groups) is whole state blocks:
-attention ``opaque``, dtype ``uint8``, one page per chunk key (``block_size``
-= the daemon's ``chunk_tokens``: the page holds the state after that chunk,
-not its tokens), its bytes the state's (the spec's shapes and dtypes,
-rounded up to whole rows) under the page format ``vllm-cpu <version> state
-<mamba type> <shapes> <dtypes>``.
+Reads ``VllmConfig`` and ``KVCacheConfig`` by attribute, per KV cache group, once
+kvd_client.vllm.support refused nothing: target layers, block size, KV heads of this TP
+shard, head size, dtypes, TP size. fp8 namespaces carry a digest of the K/V scales, so
+engines with other scales never share. MLA is attention ``mla``; GPU blocks are ``opaque``
+whole blocks by default (``vllm-gpu`` page format) or ``mha`` rows; CPU blocks ``opaque``
+with a page format naming layout, version and ISA; state groups ``opaque`` state pages.
+A dtype kvd has no name for raises ``ValueError``.
 """
 
 from __future__ import annotations

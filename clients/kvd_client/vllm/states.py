@@ -1,29 +1,11 @@
-"""State groups in the scheduler: which chunk ends have a state in kvd, what a hit loads and
-a step stores (kvd_client.vllm.groups: Mamba and linear-attention layers).
+"""State groups in the scheduler: which chunk ends have a state in kvd, what a hit loads and a step stores.
 
-With prefix caching off (vLLM's ``mamba_cache_mode`` ``none``, the only mode
-kvd_client.vllm.support lets through) a request holds one block of a state
-group: the state after its last computed token, rewritten in place by every
-step. vLLM reads it as the initial state of a request whose computed tokens
-are more than 0, so a hit of N tokens loads the state after token N into
-that block, and an external hit needs nothing else of the group.
-
-- A state can only be kept where a step ended exactly on a chunk end (a
-  prompt of whole chunks, a chunked prefill's step, every chunk end a decode
-  passes): ``store_item`` then stores the block under the key of the chunk
-  that ends there. The group is fenced (kvd_client.vllm.worker): the store
-  ends before the next step rewrites the block.
-- States are sparse, so a lookup asks for each candidate chunk end on its
-  own (``submit``: one key per lookup, the newest ``MAX_CANDIDATES`` chunk
-  ends below the usable prefix); attention groups ask for their prefix as
-  before. ``combine`` answers the hit: the last chunk end that every state
-  group holds and every attention group's prefix reaches (0: no hit), the
-  leases to keep (one per group) and those to release now.
-- ``load_item``: the state under the hit's last chunk key, into the group's
-  block (its first block id: vLLM's block for the request's state).
-
-Failure is a value: a candidate not found, or no block to load into, is
-no hit (``combine`` returns 0, ``load_item`` None). Nothing here imports vLLM.
+With prefix caching off a request holds one state block, rewritten every step; a hit of N
+tokens loads the state after token N. ``store_item`` keeps a state only where a step ended
+on a chunk end (fenced before the next step rewrites it). ``submit`` asks per candidate
+chunk end (newest ``MAX_CANDIDATES``); ``combine`` picks the last end every group reaches
+and the leases to keep. ``load_item``: the state into the group's block. Failure is a value
+(0 or None). Nothing here imports vLLM.
 """
 
 from __future__ import annotations

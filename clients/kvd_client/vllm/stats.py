@@ -1,17 +1,9 @@
 """The connector's counters the way vLLM exposes connector stats.
 
-``KvdConnectorStats`` is vLLM's ``KVConnectorStats``. Its data maps
-``"<source>/<counter>"`` to that source's running total since it started
-(kvd_client.vllm.counters): a source is the scheduler or one worker process.
-vLLM collects the stats of the workers and the scheduler every step and
-merges them (``aggregate``: per key the larger total, so merging the same
-source twice counts nothing twice), logs ``reduce()`` (each counter summed
-over sources: totals since the engine started) as "KV Transfer metrics: ..."
-and hands the data to ``KvdPromMetrics.observe``, which adds to the
-Prometheus counter ``vllm:kvd_<counter>_total`` (labelled per engine like
-vLLM's own metrics; ``LLM.get_metrics()`` lists them when stats are on) what
-each source's total grew by since it last saw it. A step whose stats vLLM
-drops is therefore counted with the next one it records.
+``KvdConnectorStats`` (vLLM's ``KVConnectorStats``) maps ``"<source>/<counter>"`` to running
+totals per source (scheduler or a worker); ``aggregate`` keeps the larger total, so merging
+twice counts nothing twice; ``reduce()`` sums over sources. ``KvdPromMetrics.observe`` adds
+each total's growth to ``vllm:kvd_<counter>_total``, so a dropped step counts with the next.
 """
 
 from __future__ import annotations

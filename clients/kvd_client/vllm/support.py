@@ -1,29 +1,13 @@
 """What kvd's vLLM connector refuses, and why: one function per check.
 
-Each check takes ``(vllm_config, kv_cache_config, environ)``, reads vLLM's
-configs by attribute (vLLM 0.26 and 0.32) and returns the one line that
-refuses the configuration (the setting, why kvd cannot serve it, what to
-do), or None. ``refusal(...)`` runs them in order and returns the first
-reason; the connector raises it as ``ValueError`` from its ``__init__``, in
-both roles, before vLLM allocates its KV cache. Nothing here imports vLLM.
-
-Refused here: pipeline and context parallelism (decode and prefill), sleep
-mode and the cumem allocator, PyTorch's expandable segments (GPU; all three
-served with vLLM 0.34's extensible KV cache, which lives outside PyTorch's
-allocator and is lent to kvd by file descriptor),
-quantised KV formats other than per-tensor fp8, fp8 scales computed at run
-time (``calculate_kv_scales``), attention KV cache groups of different block
-sizes, layer kinds other than full attention, MLA, sliding window and state
-(``MambaSpec``), and target layers of one group of different shapes or
-dtypes. Several KV cache groups (vLLM's hybrid manager: sliding-window or
-state layers next to full attention) are served, each in a namespace of its
-own (kvd_client.vllm.groups). State groups (Mamba, linear attention) are
-served with prefix caching off only (``mamba_cache_mode`` ``none``: one
-state block per request), next to attention layers, without speculative
-decoding, on vLLM's CPU build (the one tested; on a GPU they are refused). Refused later,
-where only the worker's tensors tell: block layouts kvd cannot map (kvd_client.vllm.geometry), memory CUDA IPC cannot export
-(kvd_client.vllm.pool). Supported with conditions elsewhere: drafter layers
-(kvd_client.vllm.layers), fp8 scales in the namespace (kvd_client.vllm.spec).
+Each check takes ``(vllm_config, kv_cache_config, environ)`` and returns one line (setting,
+why, what to do) or None; ``refusal`` returns the first, which the connector raises as
+``ValueError`` before vLLM allocates its KV cache. Refused: pipeline/context parallelism,
+sleep mode, cumem and expandable segments (served with 0.34's extensible cache instead),
+quantised KV other than per-tensor fp8, run-time fp8 scales, mixed block sizes, layer kinds
+other than full attention, MLA, sliding window and state, state groups outside their tested
+conditions. Layouts and memory only the worker can check are refused there
+(kvd_client.vllm.geometry, .pool). Nothing here imports vLLM.
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """The worker's half of the connector: kvd transfers in and out of vLLM's blocks.
 
-``WorkerSide`` runs in each vLLM worker (one per TP rank), registers the
-rank's KV pool with kvd and carries out the scheduler's ``StepPlan``
-(kvd_client.vllm.plan), every transfer non-blocking (``submit_load`` /
-``submit_store``):
-
-- ``start(plan)`` (vLLM's ``start_load_kv``): submits the loads (layer-wise
-  when they feed this step's forward) and the stores of KV that is final
-  already (finished requests).
-- ``wait_layer(name)``: orders layer ``name``'s attention after that layer
-  of this step's loads landed (CUDA: a stream wait; host: this thread waits).
-- ``after_forward(plan)`` (``wait_for_save``): waits until this step's
-  loads ended, then submits the stores of KV this step computed, except for
-  a request whose load failed (what the step computed on top of it is
-  wrong, and is never stored).
-- ``finished(ids)`` (``get_finished``): requests whose transfers are all
-  done (ended and fenced: kvd never touches their blocks again) — stores of
-  finished requests, so vLLM frees the blocks, and async loads.
-- ``load_errors()``: the blocks of loads that failed or came back short, so
-  vLLM recomputes them; their keys go back in ``report()``.
-
-KV cache groups (kvd_client.vllm.groups): the worker registers one pool
-per group (the group's layers, a namespace each) and moves each item with
-its group's registration. vLLM frees a sliding-window group's blocks while
-the request runs, and hands them to other requests at once, and rewrites a
-state group's block (Mamba) in every step: stores from such ``fenced``
-groups end before the next step's forward and loads
-(``preempted``, which vLLM calls before every forward, and ``start``). With several groups a failed load is reported per request
-(``failed_recving``: vLLM recomputes it whole), not per block.
-
-The scheduler's namespace digests ride in every plan: a worker whose own
-registrations differ refuses to move anything (and says so once), instead
-of mixing chunks. Nothing here imports vLLM.
+``WorkerSide`` (one per TP rank) registers the rank's KV pool (one per KV cache group) and
+carries out the scheduler's ``StepPlan``, every transfer non-blocking: ``start`` (loads,
+stores of final KV), ``wait_layer`` (a layer's attention after its load), ``after_forward``
+(stores of this step's KV, never on top of a failed load), ``finished`` (requests whose
+transfers ended and are fenced), ``load_errors``/``report``. Stores of ``fenced`` groups
+(sliding window, state) end before the next forward. A worker whose registrations differ
+from the plan's namespace digests refuses to move anything. Nothing here imports vLLM.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU in one go, on a machine with a CUDA GPU, torch and cupy, from the checkout:
-#   OUT=/tmp/gpu bash tools/gpu_all.sh                 (logs under $OUT)
+#   OUT=/tmp/gpu bash tools/gpu/run_all.sh                 (logs under $OUT)
 # 1. every GPU test (kernels in-process; daemon + engines over CUDA IPC); the run lists the
 #    skips and fails on one whose reason does not match GPU_ALLOWED_SKIPS (default
 #    "needs two": a second GPU); KvikIO for the GDS tests: tools/gpu/stage_gpu_tests.sh;
@@ -8,22 +8,16 @@
 #    the pools vLLM and SGLang allocate; BENCH_ARGS adds flags, e.g.
 #    "--blocking --repeat 5 --json $OUT/gpu.json --plot $OUT/gpu.png");
 # 3. `kvd bench --restart` (cold vs warm restart of a RESTART_GIB host tier, default 64);
-# 4. sweep: tools/ab_runs.sh with DAEMON_LOG=1, one round (the pipelined bench per
-#    daemon setting, with the daemon's phases; SWEEP_VARIANTS as ab_runs.sh's VARIANTS,
-#    SWEEP_ARGS its bench flags);
-# 5. interference: the engine's GEMM and decode steps next to kvd's copies in separate
+# 4. interference: the engine's GEMM and decode steps next to kvd's copies in separate
 #    processes: a no-copy control, staged and straight DMA (INTERFERENCE_VARIANTS), on
 #    one-allocation pools (INTERFERENCE_ARGS adds
 #    flags, e.g. --mps).
-# 6. snapshot: the pipelined bench on every pool kind, each its own run and log under $OUT
+# 5. snapshot: the pipelined bench on every pool kind, each its own run and log under $OUT
 #    (block-outer with 16-token chunks of one page; one allocation and per-layer with
 #    256-token chunks), with --json, for docs/data.
-# 7. probe: the copy engines alone (tools/probes/dma_probe.py, no daemon) for the cases kvd's
-#    snapshot misses: pages of 64 and 16 as one copy per (layer, page) (per-layer pools)
-#    and as pitched ops, 1 and 8 streams (PROBE_CASES, PROBE_WAYS change them).
-# GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,sweep,interference).
+# GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,restart,interference).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT" || exit 2
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/clients:$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -48,15 +42,6 @@ if [[ $steps == *restart* ]]; then
     | tee "$OUT/restart_bench.log" | tail -n 20
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "RESTART BENCH FAILED"; rc=1; }
 fi
-if [[ $steps == *sweep* ]]; then
-  echo "== tools/ab_runs.sh (sweep)"
-  # shellcheck disable=SC2086  # SWEEP_ARGS is a list of flags
-  OUT="$OUT/sweep" ROUNDS=1 DAEMON_LOG=1 RUN_TIMEOUT=300 \
-    VARIANTS=${SWEEP_VARIANTS:-"default|;alone1|KVD_MAX_QUEUED_COPIES_ALONE=1"} \
-    timeout 400 bash tools/ab_runs.sh ${SWEEP_ARGS:---pipeline 4 --clients 2 \
-    --gpu-page-sizes 16 --repeat 3 --gpu-pool one} 2>&1 | tee "$OUT/sweep.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "DMA SWEEP FAILED"; rc=1; }
-fi
 if [[ $steps == *interference* ]]; then
   echo "== kvd bench --gpu --interference"
   timeout 500 python3 -m kvd bench --gpu --interference --interference-workloads gemm,decode \
@@ -77,12 +62,5 @@ if [[ $steps == *snapshot* ]]; then
       --json "$OUT/snapshot-$name.json" 2>&1 | tee "$OUT/snapshot-$name.log" | sed -n '/^pipelined/,$p'
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "SNAPSHOT $name FAILED"; rc=1; }
   done
-fi
-if [[ $steps == *probe* ]]; then
-  echo "== tools/probes/dma_probe.py"
-  timeout 300 python3 tools/probes/dma_probe.py --reps 5 --cases "${PROBE_CASES:-mla:64,llama:64,mla:16,llama:16}" \
-    --ways "${PROBE_WAYS:-1d,3d}" --streams 1,8 2>"$OUT/probe.err" | tee "$OUT/probe.jsonl" \
-    | grep -v '^{"gpu"'
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "PROBE FAILED"; tail -n 5 "$OUT/probe.err"; rc=1; }
 fi
 exit $rc
