@@ -105,26 +105,33 @@ class FdIntake:
         magic, count = fd_pass.HEADER.unpack(head)
         if magic != fd_pass.MAGIC or not 1 <= count <= MAX_FDS:
             return f"bad header (1 to {MAX_FDS} file descriptors)"
+        over = None  # past the budget: still read the batch (closing it) so the reply arrives
         if count > self.max_held - self.held():
-            return (f"{count} file descriptors lent while {self.held()} wait for their "
+            over = (f"{count} file descriptors lent while {self.held()} wait for their "
                     f"registration: at most {self.max_held} at once (the open-files limit)")
         room = socket.CMSG_SPACE(fd_pass.BATCH * 4)
         deadline = time.monotonic() + IO_TIMEOUT_S * (2 + count // fd_pass.BATCH)
-        while len(fds) < count:
+        received = 0
+        while received < count:
             if time.monotonic() > deadline:  # one lender must not hold the thread for long
                 return "too slow"
             data, ancillary, flags, _ = conn.recvmsg(2, room)
             for level, kind, payload in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     usable = len(payload) - len(payload) % 4
-                    fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
+                    got = list(struct.unpack(f"{usable // 4}i", payload[:usable]))
+                    received += len(got)
+                    if over:
+                        close_fds(got)
+                    else:
+                        fds.extend(got)
             if flags & socket.MSG_CTRUNC:
                 return f"more than {fd_pass.BATCH} file descriptors in one message"
             if data != b"F":
                 return "bad message"
-        if len(fds) != count:
-            return f"{len(fds)} file descriptors sent, {count} announced"
-        return None
+        if received != count:
+            return f"{received} file descriptors sent, {count} announced"
+        return over
 
     def _keep(self, cred: PeerCred, fds: list):
         now = time.monotonic()
