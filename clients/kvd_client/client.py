@@ -338,17 +338,20 @@ class KvdClient:
         return t
 
     def submit_load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
-                    reg: KVRegistration | None = None, layerwise: bool = False) -> Transfer:
+                    reg: KVRegistration | None = None, layerwise: bool = False,
+                    tail_pages: int = 0) -> Transfer:
         """Copy the cached prefix of ``tokens`` (or ``ChunkKeys``) into ``page_ids``, asynchronously. With
         ``layerwise``, ``wait_for_layer(i, transfer)`` orders the engine's work after
-        layer i landed while later layers still copy."""
+        layer i landed while later layers still copy. With ``tail_pages``, only the first
+        ``tail_pages`` pages of the last chunk are loaded (page ids given for those only):
+        a hit that ends inside a chunk at a page boundary."""
         reg = self._default(reg)
-        keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
+        keys, pages = self._keys_pages(tokens, page_ids, salt, reg, tail_pages)
         deadline = time.monotonic() + self.timeout
         slot = self._pump.free_slot(reg, deadline)
         reg.load_seq = next_seq(reg.load_seq)
         t = Transfer(self, "load", reg, keys, pages, deadline, slot, reg.load_seq, layerwise)
-        t.collect, t.lease = True, lease
+        t.collect, t.lease, t.tail_pages = True, lease, tail_pages
         with self._lock:
             reg.owners[slot] = t
             reg.last_load = t
@@ -398,11 +401,11 @@ class KvdClient:
             out, self._finished = self._finished, []
         return out
 
-    def _keys_pages(self, tokens, page_ids, salt, reg):
+    def _keys_pages(self, tokens, page_ids, salt, reg, tail_pages: int = 0):
         if reg.pool is None:
             raise ValueError("this registration was attached for lookups: it has no KV pool")
         keys = self.keys(tokens, salt, reg)
-        return keys, page_frame(reg, len(keys), page_ids)
+        return keys, page_frame(reg, len(keys), page_ids, tail_pages)
 
     # ---- progress: the pump (kvd_client.pump) does the work ----------------------
 

@@ -103,6 +103,8 @@ class Pump:
             fields.update(slot=t.slot, seq=t.seq, layerwise=t.layerwise)
             if getattr(t, "lease", None) is not None:
                 fields["lease"] = t.lease
+            if t.tail_pages:
+                fields["tail_pages"] = t.tail_pages
         with c._lock:  # registered before any thread can collect its reply
             req_id = c.channel.reserve_id()
             c._pending[req_id] = t
@@ -175,7 +177,7 @@ class Pump:
             return
         if error is None:
             chunks = result["loaded"] if item.op == "load" else result["stored"] + result["deduped"]
-            item.succeed(chunks * item.reg.namespace.chunk_tokens)
+            item.succeed(item.tokens_of(chunks))
             self._finished(item)
         elif isinstance(error, NoSession):  # the daemon restarted or reaped us: hello next
             self.session_lost(item.sent_under)

@@ -14,7 +14,9 @@ with ``cancelled``), queue the gather, then wait for it and commit the
 shards only if it landed before the client's deadline (the client may have
 reused the pages after it). The reply means the pages may be reused.
 
-Load: pin the longest ready prefix of chunks of the registration's namespace
+Load: its ``tail_pages`` (optional) cut the last chunk to its first pages: the
+copy skips the rest of that chunk (``SKIP_PAGE``), so a hit may end inside a
+chunk at a page boundary. Pin the longest ready prefix of chunks of the registration's namespace
 and shard geometry (kvd.tiers.scope: another namespace's chunk is a miss,
 counted in ``foreign_ns_misses``; host entries (with ``verify_loads``, up to
 the first that fails its checksum: kvd.server.load_verify), then disk: promotions
@@ -42,7 +44,7 @@ import time
 import numpy as np
 
 from kvd.copy.flags import LoadSignal
-from kvd.copy.plan import CopyPlan
+from kvd.copy.plan import SKIP_PAGE, CopyPlan
 from kvd.copy.poll import EventPoller
 from kvd.server.copy_gate import CopyGate
 from kvd.server.remote_load import Pieces, queue_pieces
@@ -288,13 +290,21 @@ class Transfers:
     # ---- shared -------------------------------------------------------------------
 
     def _keys_and_pages(self, reg: Registration, req):
+        """The request's keys and page ids, ``pages_per_chunk`` ids per key: a load's
+        ``tail_pages`` (its last chunk's first pages only) padded with ``SKIP_PAGE``."""
         keys = wire.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
         pages = wire.pages_from_frame(req.frames[1])
-        if len(pages) != len(keys) * reg.pages_per_chunk:
-            raise BadRequest(f"{len(keys)} chunks need {len(keys) * reg.pages_per_chunk} page ids, "
-                             f"got {len(pages)}")
+        ppc, tail = reg.pages_per_chunk, req.fields.get("tail_pages")
+        if tail is not None and (not keys or not 1 <= tail < ppc):
+            raise BadRequest(f"tail_pages must be between 1 and {ppc - 1} (a chunk's pages less "
+                             f"one) and name the last of at least one key, got {tail}")
+        need = len(keys) * ppc - (0 if tail is None else ppc - tail)
+        if len(pages) != need:
+            raise BadRequest(f"{len(keys)} chunks need {need} page ids, got {len(pages)}")
         if len(pages) and (pages.min() < 0 or pages.max() >= reg.layout.num_pages):
             raise OutOfRange(f"page ids must lie in [0, {reg.layout.num_pages})")
+        if tail is not None:
+            pages = np.concatenate([pages, np.full(ppc - tail, SKIP_PAGE, np.int64)])
         return keys, pages
 
     async def _start(self, reg: Registration, start, direction: str, nbytes: int,

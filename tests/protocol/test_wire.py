@@ -42,7 +42,7 @@ SAMPLES = {
     "lookup": ({"reg": 5, "lease_ms": 100}, [KEYS2]),
     "store": ({"reg": 5, "after": 1, "deadline_us": 10**12, "tenant": "acme"}, [KEYS2, PAGES]),
     "load": ({"reg": 5, "slot": 3, "seq": 2**32 - 1, "after": 7, "lease": 9, "layerwise": True,
-              "deadline_us": 10**12}, [KEYS2, PAGES]),
+              "deadline_us": 10**12, "tail_pages": 1}, [KEYS2, PAGES]),
     "release": ({"lease": 9}, []),
     "heartbeat": ({}, []),
     "bye": ({}, []),

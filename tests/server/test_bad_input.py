@@ -228,6 +228,37 @@ def test_keys_and_page_frames(daemon, good, zctx, raw_pool):
     good.assert_intact(raw.errors)
 
 
+def test_bad_tail_pages(daemon, good, zctx, raw_pool):
+    """A load's ``tail_pages`` (its last chunk's first pages only) must cut a chunk: 1 to
+    pages_per_chunk - 1 (4 pages a chunk here), of at least one key, with exactly that many
+    page ids for the last chunk; a store takes no ``tail_pages``. Typed errors, nothing
+    written; a valid partial load then writes exactly its pages."""
+    raw = engine(daemon, zctx)
+    raw.hello()
+    reg = raw.register(raw_pool)
+    keys = b"".join(good.keys[:2])
+    for tail in (0, 4, 5, 2**40):
+        assert "tail_pages" in raw.fails("bad_request", "load", [keys, pages(*range(4 + tail % 8))],
+                                         reg=reg, tail_pages=tail)
+    for tail in (-1, True, 1.5, "2", None):
+        raw.fails("bad_request", "load", [keys, pages(*range(6))], reg=reg, tail_pages=tail)
+    raw.fails("bad_request", "load", [b"", b""], reg=reg, tail_pages=1)
+    for n in (4, 5, 7, 8):  # 2 keys, tail of 2 pages: exactly 6 page ids
+        raw.fails("bad_request", "load", [keys, pages(*range(n))], reg=reg, tail_pages=2)
+    raw.fails("out_of_range", "load", [keys, pages(*range(5), 64)], reg=reg, tail_pages=2)
+    raw.fails("bad_request", "store", [keys, pages(*range(6))], reg=reg, tail_pages=2)
+    assert not raw_pool.raw.any()
+    assert raw.ok("load", [keys, pages(*range(10, 16))], reg=reg, tail_pages=2) == {"loaded": 2}
+    for src, got in zip(good.pool.tensors, raw_pool.tensors):  # [k|v, page, ...] per layer
+        src, got = src.view(np.uint8), got.view(np.uint8)
+        assert (got[:, 10:16] == src[:, 0:6]).all()  # chunk 0's 4 pages, chunk 1's first 2
+        got[:, 10:16] = 0
+    assert not raw_pool.raw.any()  # nothing past the tail's 2 pages, nothing else
+    raw.ok("bye")
+    raw.close()
+    good.assert_intact(raw.errors)
+
+
 def test_a_page_id_named_twice_in_one_request(good):
     """Not bad input (kvd's vLLM connector points the pages of a load's first chunk that vLLM
     holds already at one scratch block), but defined (docs/protocol.md §5.6, §5.7): a store
