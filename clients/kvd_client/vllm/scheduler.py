@@ -6,8 +6,9 @@ up there. Per request it keeps the chunk keys (computed once, extended as
 tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
 
 - ``matched(request, local)``: tokens kvd can add past vLLM's own
-  prefix-cache hit ``local``, in whole chunks, never the whole request (at
-  least one token must be computed), cut at the first key whose load failed
+  prefix-cache hit ``local``, ending on a block (the last chunk loaded in
+  part; on a chunk with a state group: kvd_client.vllm.hits), never the whole
+  request (at least one token must be computed), cut at the first key whose load failed
   recently. The hit is leased (pinned in kvd) until the request ends or the
   lease runs out. The lookup never blocks a step: the first call sends it
   (kvd_client.lookup) and waits at most what is left of the step's
@@ -26,8 +27,8 @@ tokens arrive), the block ids vLLM gave it, and what was loaded or stored.
   load (inside the step) leaves at least ``layerwise_min_compute`` tokens to
   compute (2 + speculative tokens): its step then has a query longer than a
   decode's, which vLLM never runs as a full CUDA graph (whose replay would
-  skip the per-layer waits); shorter remainders load asynchronously, or give
-  up their last chunk where that cannot be. With ``layerwise`` off (vLLM runs
+  skip the per-layer waits); shorter remainders load asynchronously, or end
+  that much earlier (on a block) where that cannot be. With ``layerwise`` off (vLLM runs
   prefills as full CUDA graphs too) every load is asynchronous, and a hit
   that cannot be is not offered.
 - ``allocated``: turns the hit into a ``LoadItem`` once vLLM gave blocks
@@ -72,7 +73,7 @@ from dataclasses import dataclass, field
 from kvd_client.lookup import Lookup
 from kvd_protocol.keys import chain_root, chunk_keys, namespace_digest
 
-from . import labels, states
+from . import hits, labels, states
 from .counters import Counters
 from .groups import NULL_BLOCK, KVGroup
 from .plan import LoadItem, StepPlan, StoreItem, WorkerReport
@@ -96,6 +97,7 @@ class ReqState:
     found_at: float | None = None  # when it was answered (None: no answer to reuse)
     local: int = 0          # vLLM's own prefix-cache hit, tokens
     hit: int = 0            # local + what kvd adds, tokens
+    served: int = 0         # the most tokens not computed at an admission (local, or a load)
     asynchronous: bool = False
     loads: list[LoadItem] = field(default_factory=list)  # per group, for the next step
     loading: bool = False   # an async load was sent and has not been reported
@@ -118,6 +120,7 @@ class SchedulerSide:
         self.layerwise_min_compute, self.layerwise = layerwise_min_compute, layerwise
         self.block_size, self.loads, self.stores = block_size, loads, stores
         self.counters = counters
+        self.partial = not any(g.state for g in self.groups)  # hits end on blocks (hits.py)
         self.reqs: dict[str, ReqState] = {}
         self.failed = labels.FailedKeys()
         self.finish_stores: list[StoreItem] = []
@@ -155,6 +158,7 @@ class SchedulerSide:
     def matched(self, request, local: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local, st.hit, st.loads = local, local, []
+        st.served = max(st.served, local)
         usable = self._usable(st, local)
         if not usable:
             self._forget(st)
@@ -162,16 +166,21 @@ class SchedulerSide:
         found = self._found(st, usable)
         if found is None:
             return None, False  # vLLM skips the request this step and asks again later
-        return self._offer(st, min(found, usable * self.chunk))
+        return self._offer(st, min(found, usable * self.chunk, self._top(st)))
+
+    def _top(self, st: ReqState) -> int:
+        """The most tokens a hit may cover: one token left to compute, on a block (on a
+        chunk with a state group: kvd_client.vllm.hits)."""
+        return hits.top(st.request.num_tokens, self.chunk, self.block_size, self.partial)
 
     def _usable(self, st: ReqState, local: int) -> int:
         """Chunks worth looking up (0: none past the local hit)."""
-        c = self.chunk
-        limit = (st.request.num_tokens - 1) // c  # whole chunks, and one token left to compute
-        if not self.loads or not st.cacheable or limit * c <= local or c % self.block_size:
+        c, top = self.chunk, self._top(st)
+        limit = hits.chunks(top, st.request.num_tokens, c)  # chunks with a key
+        if not self.loads or not st.cacheable or min(limit * c, top) <= local or c % self.block_size:
             return 0
         usable = min(self.failed.before(self._keys(st, limit, g)) for g in range(len(self.groups)))
-        return usable if usable * c > local else 0
+        return usable if min(usable * c, top) > local else 0
 
     def _found(self, st: ReqState, usable: int) -> int | None:
         """Tokens kvd holds of the first ``usable`` chunks; None while the lookup is out."""
@@ -225,8 +234,9 @@ class SchedulerSide:
         if st.asynchronous and not self._on_chunks(tokens) or several and not st.asynchronous:
             self._release(st)  # an async load cannot throw writes away (no block of this step)
             return 0, False
-        if not st.asynchronous and short:
-            tokens -= c  # a layer-wise load's step must not be a pure-decode one (a full CUDA graph)
+        if not st.asynchronous and short:  # its step must not be a pure-decode one (a full CUDA graph)
+            tokens = hits.layerwise_end(st.request.num_tokens, self.layerwise_min_compute,
+                                        self.block_size if self.partial else c)
         if not st.asynchronous and (tokens <= local or not self.layerwise):
             self._release(st)
             return 0, False
@@ -251,8 +261,8 @@ class SchedulerSide:
                         external, request.request_id, st.hit - st.local)
             return
         all_ids, c, rid = blocks.get_block_ids(), self.chunk, request.request_id
-        last, loads = st.hit // c, []
-        tokens = (last - st.local // c) * c
+        last, loads = -(-st.hit // c), []  # the chunks the hit reaches into
+        tail, tokens = hits.tail(st.hit, c, self.block_size), st.hit - st.local // c * c
         for g, group in enumerate(self.groups):
             ids, keys = list(all_ids[group.gid]), self._keys(st, last, g)
             if group.state:  # the state after the hit, into the request's state block
@@ -260,7 +270,7 @@ class SchedulerSide:
             else:  # from the first block past the local hit, and in the window
                 where = group.load_pages(ids, st.local, st.hit, self.block_size, c)
                 item = where and LoadItem(rid, keys[where[0]:], where[1], where[2],
-                                          not st.asynchronous, g, tokens)
+                                          not st.asynchronous, g, tokens, tail)
             if not item:
                 log.warning("kvd: no block past the hit of %s to take scratch writes, or a null "
                             "block in it; not loading", rid)
@@ -268,6 +278,7 @@ class SchedulerSide:
                 return
             loads.append(item)
         st.loads, st.stored = loads, [max(n, last) for n in st.stored]
+        st.served = max(st.served, st.hit)
 
     # ---- each step ----------------------------------------------------------------
 
@@ -351,6 +362,8 @@ class SchedulerSide:
         if st is None:
             return False
         self._forget(st)
+        prompt = request.num_prompt_tokens
+        self.counters.add(requests=1, prompt_tokens=prompt, recomputed_tokens=max(0, prompt - st.served))
         if st.loading:
             return True  # the load lands in these blocks; finished_recving frees them
         if self.stores and self.s.store_policy == "finish" and self._worth_storing(st):

@@ -1,0 +1,92 @@
+"""Hits at vLLM's block size, not kvd's chunk size: both connector halves on a real daemon.
+
+A prompt kvd holds whole is a hit of all but its last block (vLLM computes at
+least one token), the last chunk loaded in part (``tail_pages``): its first
+blocks hold the storer's bytes, the blocks past them keep what they held.
+Asynchronously, layer-wise, and layer-wise with too little left to compute
+(the hit then ends ``layerwise_min_compute`` tokens earlier, on a block). The
+counters say what each request recomputed. vLLM's objects are stand-ins
+(tests/vllm/halves.py); test_engine_blocks.py runs the same in vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from halves import BS, CHUNK, Blocks, Request, fill, step_output, store_prompt
+
+
+def until_received(engine, req_id: str) -> list:
+    plans = []
+    for _ in range(500):
+        plan, _, recving, errors = engine.run_step(step_output())
+        plans.append(plan)
+        assert errors == set()
+        if recving:
+            assert recving == {req_id}
+            return plans
+        time.sleep(0.01)
+    raise AssertionError("the async load never ended")
+
+
+@pytest.mark.parametrize("extra, hit, layerwise, min_async", [
+    (0, 4 * CHUNK - BS, False, 32),   # 64 tokens: all but the last block, async
+    (0, 4 * CHUNK - BS, True, 1000),  # the same inside the step
+    (1, 4 * CHUNK, False, 1000),      # 65: 64 leaves 1 token, fewer than 2: async after all
+    (3, 4 * CHUNK, True, 1000),       # 67: 64 leaves 3 to compute: the 4 chunks whole
+])
+def test_a_stored_prompt_hits_all_but_its_last_block(engines, extra, hit, layerwise, min_async):
+    _, make = engines
+    a = make()
+    b = make(async_load_min_tokens=min_async)
+    tokens = list(range(500, 500 + 4 * CHUNK + extra))
+    store_prompt(a, "r1", tokens, list(range(1, 1 + len(tokens) // BS)))
+    req = Request("r2", tokens)
+    assert b.sched.matched(req, 0) == (hit, not layerwise)
+    ids = list(range(30, 30 + -(-len(tokens) // BS)))
+    b.sched.allocated(req, Blocks(ids), hit)
+    fill(b, ids, seed=7)
+    before = b.kv.copy()
+    if layerwise:
+        plan, _, _, errors = b.run_step(step_output(new=[("r2", ids, 0)],
+                                                    scheduled={"r2": len(tokens) - hit}))
+        assert errors == set()
+    else:
+        plan = until_received(b, "r2")[0]
+    load = plan.loads[0]
+    assert len(load.keys) == -(-hit // CHUNK) and load.tail == hit % CHUNK // BS
+    assert load.pages == ids[:hit // BS] and load.layerwise == layerwise
+    n = hit // BS  # blocks loaded: the storer's, the rest of the pool as it was
+    assert np.array_equal(b.kv[:, ids[:n]], a.kv[:, list(range(1, 1 + n))])
+    b.kv[:, ids[:n]] = before[:, ids[:n]]
+    assert np.array_equal(b.kv, before), "a block past the hit was written"
+    c = b.counters.take()
+    assert c["hit_tokens"] == c["loaded_tokens"] == hit and "load_failures" not in c
+    b.sched.finished(req, ids)
+    c = b.counters.take()
+    assert (c["requests"], c["prompt_tokens"], c["recomputed_tokens"]) == \
+        (1, len(tokens), len(tokens) - hit)
+
+
+@pytest.mark.parametrize("extra, hit", [(0, 2 * CHUNK - BS), (1, 2 * CHUNK - BS)])
+def test_a_hit_past_a_local_hit_that_ends_inside_a_chunk(engines, extra, hit):
+    """vLLM's own prefix cache holds the first 2 blocks (block-granular): kvd adds the rest
+    up to the last block, its first chunk's local blocks going to scratch as before. A load
+    starting inside a chunk runs in the step, so with 33 tokens (32 would leave 1 to
+    compute, fewer than 2) the hit ends a block earlier instead."""
+    _, make = engines
+    a, b = make(), make(async_load_min_tokens=1000)
+    tokens = list(range(900, 900 + 2 * CHUNK + extra))
+    store_prompt(a, "r1", tokens, list(range(1, 9)))
+    req = Request("r2", tokens)
+    assert b.sched.matched(req, 2 * BS) == (hit - 2 * BS, False)
+    ids = list(range(40, 49))
+    b.sched.allocated(req, Blocks(ids), hit - 2 * BS)
+    plan, _, _, errors = b.run_step(step_output(new=[("r2", ids, 2 * BS)],
+                                                scheduled={"r2": len(tokens) - hit}))
+    load = plan.loads[0]
+    assert errors == set() and load.scratch == 2 and load.tail == 3
+    assert load.pages == [ids[7], ids[7]] + ids[2:7]
+    assert np.array_equal(b.kv[:, ids[2:7]], a.kv[:, list(range(3, 8))])
