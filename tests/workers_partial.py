@@ -11,6 +11,9 @@ from __future__ import annotations
 import numpy as np
 import workers_data as W
 
+from kvd_client import ChunkKeys
+from kvd_protocol.keys import chain_root, namespace_digest, part_key
+
 CHUNK = W.CHUNK
 
 
@@ -66,3 +69,73 @@ def partial_load_of_a_miss(runtime_dir: str, spec: dict, seed: int, tokens, mode
             return loaded
     finally:
         pool.close()
+
+
+
+def tail_key(c, reg, tokens, n_tokens: int) -> bytes:
+    """The partial key of ``tokens``'s first ``n_tokens`` past its whole chunks."""
+    n = len(tokens) // CHUNK
+    prev = c.keys(tokens[:n * CHUNK], reg=reg)[-1] if n else chain_root(namespace_digest(reg.namespace))
+    return part_key(prev, tokens[n * CHUNK:n * CHUNK + n_tokens])
+
+
+def store_with_tail(runtime_dir: str, spec: dict, seed: int, tokens, model: str, tail: int) -> int:
+    """Store the whole chunks of ``tokens`` and, as a partial entry (protocol §8.5), its first
+    ``tail`` tokens after them (``tokens`` is cut there), from the storer's pages
+    (``store_pages``: the tail's pages follow the chunks'). Returns tokens cached."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    n, ppc, ps = len(tokens) // CHUNK, W.ppc(spec), spec["page_size"]
+    pages = W.store_pages(spec, seed, n * ppc + tail // ps)
+    pool = W.make_pool(spec, seed)
+    try:
+        with W.client(runtime_dir) as c:
+            reg = c.register_kv(pool, model=model)
+            stored = c.store(tokens[:n * CHUNK], pages[:n * ppc], reg=reg) if n else 0
+            t = c.submit_store(ChunkKeys([tail_key(c, reg, tokens, tail)]), pages[n * ppc:],
+                               reg=reg, part_tokens=tail)
+            return stored + c._blocking(t)
+    finally:
+        pool.close()
+
+
+def load_with_tail(runtime_dir: str, spec: dict, src_seed: int, tokens, model: str,
+                   tail: int) -> dict:
+    """In a poisoned pool: look ``tokens`` up with partial candidates (the tail one page
+    longer, the tail, one page shorter: the stored one must answer), load its whole chunks
+    and its partial entry; the pages hold exactly the storer's rows, nothing else moved.
+    Then the reads that must miss: the partial key as a whole chunk, or as another length."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    n, ppc, ps = len(tokens) // CHUNK, W.ppc(spec), spec["page_size"]
+    src_pages = W.store_pages(spec, src_seed, n * ppc + tail // ps)
+    src = W.source_rows(spec, src_seed, src_pages, n * CHUNK + tail)
+    pool = W.make_pool(spec, src_seed + 3)
+    out = {}
+    try:
+        with W.client(runtime_dir) as c:
+            reg = c.register_kv(pool, model=model)
+            chain = c.keys(tokens[:n * CHUNK], reg=reg)
+            counts = [t for t in (tail + ps, tail, tail - ps) if 0 < t < CHUNK]
+            cands = [tail_key(c, reg, tokens, t) for t in counts]
+            look = c.submit_lookup(ChunkKeys(chain + cands), 1000, reg=reg, part_tokens=counts)
+            out["lookup"], lease = look.result()
+            out["part"] = look.part
+            c.release(lease)
+            out["plain_lookup"] = c.lookup(ChunkKeys(chain + cands[:1]), reg=reg)
+            before = W.poison(pool)
+            perm = np.random.default_rng([src_seed, 5]).permutation(spec["num_pages"])
+            lp = perm[:n * ppc + tail // ps]
+            out["loaded"] = c.load(ChunkKeys(chain), lp[:n * ppc], reg=reg) if n else 0
+            key = tail_key(c, reg, tokens, tail)
+            out["part_loaded"] = c._blocking(c.submit_load(ChunkKeys([key]), lp[n * ppc:], reg=reg,
+                                                           part_tokens=tail))
+            exp = W.expect_after_load(pool, spec, before, [(lp, src)])
+            W.assert_pool(pool, exp, "whole chunks and a partial entry")
+            before = W.poison(pool)
+            out["as_chunk"] = c.load(ChunkKeys([key]), perm[:ppc], reg=reg)
+            if tail > ps:
+                out["as_shorter"] = c._blocking(c.submit_load(
+                    ChunkKeys([key]), lp[:tail // ps - 1], reg=reg, part_tokens=tail - ps))
+            W.assert_pool(pool, before, "reads of a partial entry that must miss")
+    finally:
+        pool.close()
+    return out

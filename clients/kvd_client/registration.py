@@ -70,6 +70,11 @@ class ChunkKeys(tuple):
     chunks the engine holds already, page ids given for chunks ``i..`` only."""
 
 
+def part_pages(reg: KVRegistration, part_tokens: int) -> int:
+    """Page ids a partial entry of ``part_tokens`` takes (0: none asked for)."""
+    return -(-part_tokens // reg.pool.descriptor.page_size) if part_tokens and reg.pool else 0
+
+
 def page_frame(reg: KVRegistration, chunks: int, page_ids, tail_pages: int = 0) -> bytes:
     """The page-id frame of ``chunks`` whole chunks, or with ``tail_pages`` of the last
     chunk only its first pages (a ``ValueError`` naming what is missing when ``page_ids``

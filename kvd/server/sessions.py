@@ -56,11 +56,15 @@ class Registration:
     def shard_bytes(self) -> int:
         return self.layout.shard_bytes(self.ns.chunk_tokens)
 
-    def scope(self) -> Scope:
+    def scope(self, part: int = 0) -> Scope:
         """What this registration's requests may read (a new one per request: it counts
-        the chunks of other namespaces it turned away)."""
-        shard_bytes = None if self.layout is None else self.shard_bytes  # attach: no layout
-        return Scope(self.ns_digest, self.ns.shards, shard_bytes)
+        the chunks of other namespaces it turned away); ``part``: partial entries of that
+        many tokens instead of whole chunks."""
+        if self.layout is None:  # attach: no layout
+            shard_bytes = None
+        else:
+            shard_bytes = self.layout.shard_bytes(part) if part else self.shard_bytes
+        return Scope(self.ns_digest, self.ns.shards, shard_bytes, part)
 
     @property
     def pages_per_chunk(self) -> int:

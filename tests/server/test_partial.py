@@ -43,3 +43,20 @@ def test_a_partial_load_of_a_chunk_not_stored_stops_before_it(daemon, procs):
     rd = str(daemon.runtime_dir)
     assert procs.apply(W.store_one, (rd, s, 41, tokens[:2 * CHUNK], "partial")) == 2 * CHUNK
     assert procs.apply(P.partial_load_of_a_miss, (rd, s, 42, tokens, "partial")) == 2 * CHUNK
+
+
+@pytest.mark.parametrize("layout", ["vllm_flash_attn", "vllm_mla", "sglang_mha", "opaque"])
+@pytest.mark.parametrize("chunks", [2, 0])
+def test_a_tail_stored_as_a_partial_entry_loads_back_exact(daemon, procs, layout, chunks):
+    """Whole chunks and the tail after them as a partial entry (protocol §8.5): a lookup with
+    partial candidates finds the stored length; the partial entry loads into its pages
+    exactly; read as a whole chunk or as another length it is a miss that writes nothing."""
+    s = spec(layout)
+    tokens = W.seq_tokens(51, [chunks * CHUNK + 12])[0]
+    rd = str(daemon.runtime_dir)
+    assert procs.apply(P.store_with_tail, (rd, s, 51, tokens, "tails", 8)) == chunks * CHUNK + 8
+    got = procs.apply(P.load_with_tail, (rd, s, 51, tokens, "tails", 8))
+    assert got == {"lookup": chunks * CHUNK + 8, "part": 8, "plain_lookup": chunks * CHUNK,
+                   "loaded": chunks * CHUNK, "part_loaded": 8, "as_chunk": 0, "as_shorter": 0}
+    host = daemon.stats()["tiers"]["host"]
+    assert host["entries"] == chunks + 1
