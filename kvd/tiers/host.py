@@ -126,12 +126,10 @@ class HostTier:
 
     # ---- reservations -----------------------------------------------------------------
 
-    def reserve_many(self, keys: list, ns: bytes, shard_bytes: int, shards: int, rank: int, acct=0,
-                     part: int = 0):
+    def reserve_many(self, keys: list, ns: bytes, shard_bytes: int, shards: int, rank: int, acct=0, part=0):
         """Reserve shard ``rank`` of every distinct key in quota account ``acct`` (``part``: as
-        partial entries of that many tokens), all or nothing:
-        (todo, deduped) with todo the ``(index, entry)`` pairs the caller must copy in, in key
-        order, and deduped ``len(keys) - len(todo)``. Raises ``NoSpace`` (``OverQuota``) or
+        partial entries of that many tokens), all or nothing: (todo, deduped) with todo the
+        ``(index, entry)`` pairs to copy in, in key order, and deduped ``len(keys) - len(todo)``. Raises ``NoSpace`` (``OverQuota``) or
         ``BadRequest`` (a key cached under another namespace or size) having changed nothing."""
         bit, seen = 1 << rank, set()
         fresh, joins, dedups = [], [], []
@@ -142,8 +140,7 @@ class HostTier:
             entry = self.entries.get(key)
             if entry is None:
                 fresh.append((i, key))
-            elif entry.ns != ns or entry.shard_bytes != shard_bytes or entry.shards != shards \
-                    or entry.part != part:
+            elif (entry.ns, entry.shard_bytes, entry.shards, entry.part) != (ns, shard_bytes, shards, part):
                 raise BadRequest("key already cached with a different namespace or size")
             elif (entry.stored | entry.writing | entry.unverified) & bit:
                 dedups.append(entry)
