@@ -120,7 +120,7 @@ class WorkerSide:
             try:
                 t = self.client.submit_load(ChunkKeys(item.keys), item.pages,
                                             reg=self.regs[item.group], layerwise=item.layerwise,
-                                            tail_pages=item.tail)
+                                            tail_pages=item.tail, part_tokens=item.part)
             except (KvdError, ValueError) as exc:  # no free load slot in time; a page count
                 log.warning("kvd: load for %s not sent: %s", item.req_id, exc)
                 self._failed_load(item, 0)
@@ -181,7 +181,8 @@ class WorkerSide:
             return
         try:
             t = self.client.submit_store(ChunkKeys(item.keys), item.pages,
-                                         reg=self.regs[item.group], tenant=item.tenant)
+                                         reg=self.regs[item.group], tenant=item.tenant,
+                                         part_tokens=item.part)
             stores.append(t)
             if item.group in self.fenced:
                 self.fence.append(t)
