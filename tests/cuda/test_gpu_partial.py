@@ -6,6 +6,8 @@ Real engine (this process, torch tensors in one allocation as vLLM's), real
 pinned arena, DMA straight and DMA staged; a Llama-like and an MLA pool; whole
 and layer-wise loads. The loaded pages hold exactly the stored pages, the pages
 past the tail keep their poison, and no other byte of the allocation moves.
+A partial entry (``part_tokens``: a request's tail, a shard of only its rows)
+stores and loads back exact on the same paths.
 Skipped without torch, cupy or a GPU.
 """
 
@@ -20,6 +22,8 @@ from gpu_env import require_gpu  # noqa: E402
 torch = require_gpu()
 
 import kvd_client  # noqa: E402
+from kvd_client import ChunkKeys  # noqa: E402
+from kvd_protocol.keys import part_key  # noqa: E402
 from kvd.cuda.dma import STAGE_IDLE_S  # noqa: E402
 from kvd_client.torch_pool import CudaKVPool  # noqa: E402
 
@@ -84,4 +88,38 @@ def test_partial_load_bit_exact_and_nothing_past_its_tail(start_daemon, layout, 
             poison(layout, views, dst[:n])
             assert torch.equal(whole.view(torch.uint8), before.view(torch.uint8)), \
                 f"a byte past the {n} loaded pages moved (tail {tail})"
+    assert d.stop() == 0, d.log()
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("layout", sorted(SHAPES))
+def test_partial_entry_round_trip(start_daemon, layout, path):
+    d = start_daemon(**BASE, **PATHS[path])
+    pages = 4 * PPC
+    whole, views = pool_views(layout, pages)
+    with kvd_client.KvdClient(runtime_dir=str(d.runtime_dir), raise_errors=True) as client:
+        client.register_kv(CudaKVPool(layout, views, page_size=PAGE), model=f"part-{layout}")
+        for n_pages, layerwise in ((1, False), (3, True)):
+            perm = torch.randperm(pages).tolist()
+            src, dst = perm[:n_pages], perm[n_pages:2 * n_pages]
+            n = n_pages * PAGE
+            key = part_key(bytes([n_pages]) * 16, list(range(n)))
+            expect = [[x.clone() for x in page_of(layout, views, p)] for p in src]
+            torch.cuda.synchronize()
+            assert client._blocking(client.submit_store(ChunkKeys([key]), src, part_tokens=n)) == n
+            poison(layout, views, dst)
+            before = whole.clone()
+            time.sleep(2 * STAGE_IDLE_S)
+            t = client.submit_load(ChunkKeys([key]), dst, layerwise=layerwise, part_tokens=n)
+            for layer in range(LAYERS if layerwise else 0):
+                client.wait_for_layer(layer, t)
+            assert client._blocking(t) == n
+            torch.cuda.synchronize()
+            for p, want in zip(dst, expect):
+                got = page_of(layout, views, p)
+                assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+                           for g, w in zip(got, want)), f"page {p} ({n} tokens)"
+            poison(layout, views, dst)
+            assert torch.equal(whole.view(torch.uint8), before.view(torch.uint8)), \
+                f"a byte past the partial entry's {n_pages} pages moved"
     assert d.stop() == 0, d.log()

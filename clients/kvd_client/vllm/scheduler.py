@@ -56,7 +56,10 @@ of several groups per request only, ``failed_recving``) and starts on a
 chunk: a hit that cannot is not offered.
 
 Stores carry a tenant label for the daemon's quotas, keys a salt
-(kvd_client.vllm.labels).
+(kvd_client.vllm.labels); which chunks go when: kvd_client.vllm.stores (a
+mixin). Partial entries (kvd_client.vllm.tails, one full-attention group): a
+request's tail is stored when it ends; where a whole-chunk hit stops, a second
+lookup asks for that chunk's partial keys and the hit ends on the longest found.
 
 Requests with images or prompt embeddings are neither looked up nor stored:
 their token ids do not say what their KV holds. Calls are duck-typed on
