@@ -100,7 +100,7 @@ class SchedulerSide(Stores):
         self.block_size, self.loads, self.stores = block_size, loads, stores
         self.counters = counters
         self.partial = not any(g.state for g in self.groups)  # hits end on blocks (hits.py)
-        self.partials = tails.enabled(self.groups)  # partial entries at a request's end (tails.py)
+        self.partials = settings.partial_tails and tails.enabled(self.groups)  # tails.py
         self.reqs: dict[str, ReqState] = {}
         self.failed = labels.FailedKeys()
         self.finish_stores: list[StoreItem] = []
