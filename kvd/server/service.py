@@ -137,7 +137,8 @@ class Service:
                 "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
                 "client_timeout_s": self.cfg.client_timeout_s,
                 "lease_max_ms": self.cfg.lease_max_ms, "backend": self.backends,
-                "daemon_pid": os.getpid(), "instance": self.instance, "tenant_labels": True}
+                "daemon_pid": os.getpid(), "instance": self.instance, "tenant_labels": True,
+                "partial_chunks": True}
 
     async def op_heartbeat(self, session: Session, req):
         return {}

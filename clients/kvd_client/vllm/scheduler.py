@@ -151,7 +151,12 @@ class SchedulerSide(Stores):
     def _top(self, st: ReqState) -> int:
         """The most tokens a hit may cover: one token left to compute, on a block (on a
         chunk with a state group: kvd_client.vllm.hits)."""
-        return hits.top(st.request.num_tokens, self.chunk, self.block_size, self.partial)
+        partial = self.partial and self._daemon_partial()
+        return hits.top(st.request.num_tokens, self.chunk, self.block_size, partial)
+
+    def _daemon_partial(self) -> bool:
+        """Whether the daemon takes partial loads and entries (its hello says so)."""
+        return bool(self.client.limits.get("partial_chunks"))
 
     def _usable(self, st: ReqState, local: int) -> int:
         """Chunks worth looking up (0: none past the local hit)."""
@@ -194,7 +199,7 @@ class SchedulerSide(Stores):
         """Ask for the partial entries of the chunk where a whole-chunk hit of ``found`` tokens
         stops (kvd_client.vllm.tails); None when there is nothing to ask."""
         top, c = self._top(st), self.chunk
-        if not self.partials or found % c or found >= top:
+        if not self.partials or found % c or found >= top or not self._daemon_partial():
             return None
         return tails.ask(self.client, self.reg, st.request.all_token_ids, self._prev(st, found // c),
                          found // c, c, self.block_size, top, self.failed, self.s.lease_ms)
@@ -235,8 +240,9 @@ class SchedulerSide(Stores):
             self._release(st)  # an async load cannot throw writes away (no block of this step)
             return 0, False
         if not st.asynchronous and short:  # its step must not be a pure-decode one (a full CUDA graph)
+            granule = self.block_size if self.partial and self._daemon_partial() else c
             tokens = tails.fit(st.tail, hits.layerwise_end(st.request.num_tokens,
-                               self.layerwise_min_compute, self.block_size if self.partial else c), c)
+                                                            self.layerwise_min_compute, granule), c)
         if not st.asynchronous and (tokens <= local or not self.layerwise):
             self._release(st)
             return 0, False
@@ -339,7 +345,8 @@ class SchedulerSide(Stores):
                     self._store_item(st, g, computed // self.chunk, ids, False, held)
                 if item is not None:
                     self.finish_stores.append(item)
-        if self.partials and self.stores and self.s.store_policy != "off" and st.cacheable:
+        if self.partials and self.stores and self.s.store_policy != "off" and st.cacheable \
+                and self._daemon_partial():
             self._store_tail(st, request, list(block_ids[self.groups[0].gid]))
         return st.stores_sent
 
