@@ -329,8 +329,7 @@ class KvdClient:
     def submit_store(self, tokens, page_ids, salt: str | None = None,
                      reg: KVRegistration | None = None, tenant: str | None = None, part_tokens=0) -> Transfer:
         """Offload the whole chunks of ``tokens`` (or ``ChunkKeys``) from ``page_ids``, asynchronously;
-        ``tenant`` labels new chunks for the daemon's quotas (``kvd_protocol.wire.tenant_label``);
-        ``part_tokens``: ``ChunkKeys([key])`` names one partial entry of that many tokens."""
+        ``tenant`` labels new chunks for quotas (``wire.tenant_label``); ``part_tokens``: a partial entry."""
         reg = self._default(reg)
         keys, pages = self._keys_pages(tokens, page_ids, salt, reg, 0, part_tokens)
         t = Transfer(self, "store", reg, keys, pages, time.monotonic() + self.timeout)
@@ -342,9 +341,8 @@ class KvdClient:
                     reg: KVRegistration | None = None, layerwise: bool = False,
                     tail_pages: int = 0, part_tokens: int = 0) -> Transfer:
         """Copy the cached prefix of ``tokens`` (or ``ChunkKeys``) into ``page_ids``, asynchronously. With
-        ``layerwise``, ``wait_for_layer(i, transfer)`` orders the engine's work after layer i
-        landed while later layers still copy. ``tail_pages``: the last chunk's first pages only
-        (page ids for those only); ``part_tokens``: one partial entry, as for a store."""
+        ``layerwise``, ``wait_for_layer(i, transfer)`` orders the engine's work after layer i landed
+        while later layers still copy; ``tail_pages``: the last chunk's first pages; ``part_tokens``."""
         reg = self._default(reg)
         keys, pages = self._keys_pages(tokens, page_ids, salt, reg, tail_pages, part_tokens)
         deadline = time.monotonic() + self.timeout
@@ -365,9 +363,8 @@ class KvdClient:
 
     def load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
              reg: KVRegistration | None = None) -> int:
-        """Copy the cached prefix of ``tokens`` into ``page_ids``; returns tokens loaded (0
-        on failure: then the pages hold undefined bytes, and the daemon no longer writes
-        them). Layer-wise loads are ``submit_load(..., layerwise=True)``."""
+        """Copy the cached prefix of ``tokens`` into ``page_ids``; returns tokens loaded (0 on failure:
+        the pages hold undefined bytes, the daemon no longer writes them). Layer-wise: ``submit_load``."""
         return self._blocking(self.submit_load(tokens, page_ids, salt, lease, reg))
 
     def _blocking(self, t: Transfer) -> int:
@@ -404,7 +401,7 @@ class KvdClient:
     def _keys_pages(self, tokens, page_ids, salt, reg, tail_pages: int = 0, part_tokens: int = 0):
         if reg.pool is None:
             raise ValueError("this registration was attached for lookups: it has no KV pool")
-        keys = self.keys(tokens, salt, reg)
+        keys = self.keys(tokens, salt, reg)  # a partial entry's pages: page_frame's tail
         return keys, page_frame(reg, len(keys), page_ids, part_pages(reg, part_tokens) or tail_pages)
 
     # ---- progress: the pump (kvd_client.pump) does the work ----------------------

@@ -302,9 +302,7 @@ def pages_from_frame(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=PAGE_DTYPE)
 
 
-# ---- partial entries (docs/protocol.md §8.5) ----------------------------------
-
-MAX_PART_CANDIDATES = 256  # partial keys one lookup may ask for
+MAX_PART_CANDIDATES = 256  # partial keys one lookup may ask for (docs/protocol.md §8.5)
 
 
 def part_tokens_from_wire(value, chunk_tokens: int, page_size: int | None) -> int:
@@ -312,13 +310,11 @@ def part_tokens_from_wire(value, chunk_tokens: int, page_size: int | None) -> in
     size (None: an ``attach`` registration, which has none)."""
     if not _int(value) or not 0 < value < chunk_tokens or (page_size and value % page_size):
         step = f"a multiple of the page size {page_size} " if page_size else ""
-        raise BadRequest(f"part_tokens must be {step}between 1 and {chunk_tokens - 1}, "
-                         f"got {describe(value)}")
+        raise BadRequest(f"part_tokens must be {step}between 1 and {chunk_tokens - 1}, got {describe(value)}")
     return value
 
 
-def part_candidates_from_wire(values, chunk_tokens: int, page_size: int | None,
-                              keys: int) -> list[int]:
+def part_candidates_from_wire(values, chunk_tokens: int, page_size: int | None, keys: int) -> list[int]:
     """A lookup's ``part_tokens``: one token count per partial key at the end of its keys
     frame (at most ``MAX_PART_CANDIDATES``, at most its keys)."""
     if not isinstance(values, list) or not 1 <= len(values) <= min(keys, MAX_PART_CANDIDATES):

@@ -136,9 +136,8 @@ class Service:
                 "max_inflight": self.cfg.max_inflight,
                 "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
                 "client_timeout_s": self.cfg.client_timeout_s,
-                "lease_max_ms": self.cfg.lease_max_ms, "backend": self.backends,
-                "daemon_pid": os.getpid(), "instance": self.instance, "tenant_labels": True,
-                "partial_chunks": True}
+                "lease_max_ms": self.cfg.lease_max_ms, "backend": self.backends, "partial_chunks": True,
+                "daemon_pid": os.getpid(), "instance": self.instance, "tenant_labels": True}
 
     async def op_heartbeat(self, session: Session, req):
         return {}
@@ -305,8 +304,7 @@ class Service:
 
     async def op_lookup(self, session: Session, req):
         reg = self._registration(session, req.fields["reg"])  # a lease belongs to the session
-        keys = wire.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
-        keys, parts = self._part_candidates(reg, req, keys)
+        keys, parts = reg.lookup_keys(req, self.cfg.max_keys_per_request)  # chain, partial keys
         scope = reg.scope()  # another namespace's chunk is a miss on every tier
         hits = self.tier.ready_prefix(keys, scope)
         for entry in hits:
@@ -327,10 +325,7 @@ class Service:
         extra = {} if self.tiering is None else {"disk_hits": disk_hits}
         if self.remote is not None:
             extra["remote_hits"] = remote_hits
-        if parts:  # the partial entry that continues a whole prefix: the longest asked for
-            part = self._part_hit(reg, parts) if found == len(keys) else None
-            extra["part"] = part and part.part
-            hits = hits + [part] if part else hits
+        extra.update(reg.part_hit(self.tier, parts, hits, found == len(keys)))  # pins with hits
         lease_ms = min(req.fields.get("lease_ms", 0), self.cfg.lease_max_ms)
         # a lease pins host hits (other hits are best effort); a session reaped while the
         # remote store answered must not keep new pins
@@ -341,27 +336,6 @@ class Service:
         session.leases[lease.id] = lease
         self.sessions.leases[lease.id] = lease
         return {"hits": found, "lease": lease.id, **extra}
-
-    @staticmethod
-    def _part_candidates(reg, req, keys: list) -> tuple[list, list]:
-        """A lookup's chain keys, and its partial keys (``part_tokens``, protocol §8.5) as
-        (key, tokens) pairs: the last keys of its frame."""
-        if "part_tokens" not in req.fields:
-            return keys, []
-        page = reg.layout.page_size if reg.layout is not None else None
-        counts = wire.part_candidates_from_wire(req.fields["part_tokens"], reg.ns.chunk_tokens,
-                                                page, len(keys))
-        chain = len(keys) - len(counts)
-        return keys[:chain], list(zip(keys[chain:], counts))
-
-    def _part_hit(self, reg, parts: list):
-        """The first of ``parts`` the host tier holds ready, as a partial entry of its tokens."""
-        for key, tokens in parts:
-            found = self.tier.ready_prefix([key], reg.scope(tokens))
-            if found:
-                found[0].hits += 1
-                return found[0]
-        return None
 
     async def op_store(self, session: Session, req):
         reg = self._with_pool(session, req.fields["reg"])
