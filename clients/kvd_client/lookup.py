@@ -6,7 +6,9 @@ its reply is routed to it by the client's pump (kvd_client.pump), like a
 transfer's. ``poll()`` never waits; ``wait(timeout)`` drives the client up
 to ``timeout``; both say whether the lookup is done: answered, failed, or
 past its deadline (the client's timeout after it was sent). ``result()``
-waits until it is done and returns ``(tokens, lease)``: unavailability (no
+waits until it is done and returns ``(tokens, lease)`` (with ``part_tokens``,
+the tokens of the partial entry found past a whole prefix count too; ``part``
+says which): unavailability (no
 daemon, no answer by the deadline) is a miss ``(0, None)``, a contract
 error raises (the client's rules, ``KvdClient._guard``). ``answered_at`` is
 when the reply came (monotonic seconds; None until then). Answered
@@ -32,7 +34,8 @@ from kvd_protocol.errors import NoSession, Timeout
 
 
 class Lookup:
-    def __init__(self, client, reg, keys: list[bytes], lease_ms: int, deadline: float):
+    def __init__(self, client, reg, keys: list[bytes], lease_ms: int, deadline: float,
+                 part_tokens: list[int] | None = None):
         self._client = client
         self.reg = reg
         self.keys, self.lease_ms = keys, lease_ms
@@ -49,10 +52,12 @@ class Lookup:
         self.done = False
         self.abandoned = False          # nobody reads it: a lease that comes is released
         self._taken = False             # result() handed the lease to the caller
+        self.part_tokens = part_tokens  # the last keys are partial keys of these tokens (§8.5)
+        self.part: int | None = None    # tokens of the partial entry found past the hits
 
     @property
     def tokens(self) -> int:
-        return self.hits * self.reg.namespace.chunk_tokens
+        return self.hits * self.reg.namespace.chunk_tokens + (self.part or 0)
 
     def poll(self) -> bool:
         """Whether it is done, collecting replies that arrived; never waits."""
@@ -110,7 +115,7 @@ class Lookup:
                 return
         self.error, self.answered_at = error, time.monotonic()
         if error is None:
-            self.hits, self.lease = result["hits"], lease
+            self.hits, self.lease, self.part = result["hits"], lease, result.get("part")
             self.disk_hits, self.remote_hits = result.get("disk_hits", 0), result.get("remote_hits", 0)
         if self.abandoned:
             self._stray(self.lease)

@@ -27,7 +27,8 @@ there are fewer chunks than (layer, plane) pairs.
 ``np.take`` is never used on a strided pool view: it would copy the whole
 view first. A row of ``heads > 1`` pieces (kvd_protocol.layout) is a
 ``[heads, piece]`` pair of trailing view dims, ``[row_bytes]`` otherwise;
-canonical rows are the pieces back to back either way.
+canonical rows are the pieces back to back either way. A scatter leaves out
+the pages of negative ids (``kvd.copy.plan.SKIP_PAGE``: a partial load).
 """
 
 from __future__ import annotations
@@ -126,8 +127,12 @@ def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, sh
     if whole is not None:
         span = slice(layers.start, layers.stop)
         for c, offset in enumerate(shard_offsets):
-            whole[span, :, pages[c * ppc:(c + 1) * ppc]] = \
-                shard_view(arena, offset, d, chunk_tokens)[span]
+            ids, src = pages[c * ppc:(c + 1) * ppc], shard_view(arena, offset, d, chunk_tokens)[span]
+            keep = ids >= 0  # SKIP_PAGE: a partial load's tail
+            if keep.all():
+                whole[span, :, ids] = src
+            else:
+                whole[span, :, ids[keep]] = src[:, :, keep]
         return
     segs = _Segments(arena, d, chunk_tokens, shard_offsets)
     staging = np.empty((min(segs.per, segs.chunks) * segs.per_seg, segs.g), dtype=np.uint8)
@@ -137,5 +142,14 @@ def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, sh
             for c, rows in segs.blocks(layer, plane):
                 part = staging[:rows.size]
                 np.take(segs.rows, rows, axis=0, out=part, mode="clip")
-                view[pages[c * ppc:(c + segs.per) * ppc]] = \
-                    part.reshape(-1, d.page_size, *row_dims(d)[0])
+                _put(view, pages[c * ppc:(c + segs.per) * ppc],
+                     part.reshape(-1, d.page_size, *row_dims(d)[0]))
+
+
+def _put(view: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+    """``view[ids] = rows``, leaving out the pages of ``SKIP_PAGE`` ids (negative)."""
+    keep = ids >= 0
+    if keep.all():
+        view[ids] = rows
+    else:
+        view[ids[keep]] = rows[keep]

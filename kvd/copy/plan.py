@@ -9,7 +9,9 @@ backend also registers with the driver. ``close_pool(pool)`` unmaps it and
 is called only after the pool's copies completed; it never waits on a GPU.
 
 ``gather(plan)`` copies engine pages into arena shards and ``scatter(plan)``
-copies arena shards into engine pages. Both are coroutines that return
+copies arena shards into engine pages (skipping the rows of a page id
+``SKIP_PAGE``: a load that ends inside its last chunk, at a page boundary,
+writes only that chunk's first pages). Both are coroutines that return
 once the copy is *queued* (requests of one registration are queued in
 arrival order by the service) with an ``asyncio.Future`` that resolves
 (result None) when the bytes have landed, or fails with the backend's
@@ -37,12 +39,17 @@ from kvd_protocol.layout import LayoutDescriptor
 from .flags import FlagPage, LoadSignal
 
 
+SKIP_PAGE = -1  # a scatter's page id that names no page: its rows are not copied
+
+
 @dataclass
 class CopyPlan:
     pool: object
     layout: LayoutDescriptor
     chunk_tokens: int
-    page_ids: np.ndarray      # int64, pages_per_chunk ids per chunk, chunk-major
+    # int64, pages_per_chunk ids per chunk, chunk-major; in a scatter, SKIP_PAGE for a page
+    # not to write (the pages past a partial load's end: its last chunk's tail)
+    page_ids: np.ndarray
     shard_offsets: list[int]  # arena byte offset of each chunk's shard
     signal: LoadSignal | None = None  # scatter only: the load's flag words
     # scatter only: kernels of this load were queued on the GPU before it (GPU Direct Storage's

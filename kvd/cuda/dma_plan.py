@@ -25,7 +25,8 @@ Contract:
   to_host, by_layer, groups)``: one copy of whole pages, pool -> arena when
   ``to_host``, planned once: one op per (row group, run of pages), where a run
   is pages at consecutive ids (when the pool's pages are adjacent) that are
-  adjacent in the chunk too; its rows are the group's planes. Groups of fewer
+  adjacent in the chunk too (a negative id, ``SKIP_PAGE``, is in no run: a
+  partial load's tail); its rows are the group's planes. Groups of fewer
   than ``MIN_ROWS`` planes (and every group when ``by_layer``) go as single
   rows instead. An op is cut into rows where its rows would overlap in the
   pool or its host side would cross from one separately registered piece of
@@ -130,14 +131,18 @@ class CopyOps:
         start = np.ones(ids.shape, bool)
         if layout.page_stride == page_bytes:  # pages adjacent in the pool: runs merge
             start[:, 1:] = ids[:, 1:] != ids[:, :-1] + 1
+        skip = ids < 0  # SKIP_PAGE (kvd.copy.plan): a partial load's tail, in no run
+        ends = np.flatnonzero(start | skip) if skip.any() else np.flatnonzero(start)
+        start &= ~skip
         c, j = np.nonzero(start)
         self.run_chunk = c  # the chunk each run of pages is in
-        self.run_width = np.diff(np.append(np.flatnonzero(start), ids.size)).astype(np.uint64) \
-            * np.uint64(page_bytes)
+        first = np.flatnonzero(start)
+        self.run_width = (np.append(ends, ids.size)[np.searchsorted(ends, first) + 1] - first) \
+            .astype(np.uint64) * np.uint64(page_bytes)
         self.run_host = np.asarray(shard_ptrs, np.uint64)[c] + j.astype(np.uint64) * np.uint64(page_bytes)
         run_pool = ids[c, j].astype(np.uint64) * np.uint64(layout.page_stride)
         groups = pool_groups(layout, bases) if groups is None else groups
-        self.layer_bytes = self.planes * ids.size * page_bytes
+        self.layer_bytes = self.planes * (ids.size - int(skip.sum())) * page_bytes
         self.row_layer, self.rows_per_run = None, 0  # > 0: rows run-major, this many per run
         if not by_layer and ppc == 1 and self._chunk_per_row(bases, run_pool, groups):
             return

@@ -20,7 +20,8 @@ Contract:
 - Copies are asynchronous on the given CuPy stream (the current stream when
   none is given); the caller waits on that stream before it reads the
   destination. Page ids are checked against ``num_pages`` when given and
-  must be >= 0; the pointers are not checked.
+  must be >= 0, except a scatter's -1 (``SKIP_PAGE``: the kernel copies
+  nothing of that page); the pointers are not checked.
 - Head-strided rows (``heads > 1``, kvd_protocol.layout): the kernels copy
   each token row as ``heads`` pieces of ``row_bytes // heads`` bytes,
   ``head_stride`` apart in the pool, back to back in the shard.
@@ -98,6 +99,17 @@ def vector_bytes(row_bytes: int, page_stride: int, token_stride: int,
         if acc % width == 0:
             return width
     return 1
+
+
+def _pages_ok(pids: np.ndarray, num_pages: int | None, skips: bool) -> bool:
+    """Whether every id is a page (below ``num_pages`` when given), or -1 where ``skips``."""
+    if skips and int(pids.min()) == -1:
+        pids = pids[pids != -1]
+        if not pids.size:
+            return True
+    if num_pages is None:
+        return int(pids.min()) >= 0
+    return int(pids.view(np.uint64).max()) < num_pages  # one pass: negatives wrap high
 
 
 def group_threads(piece_bytes: int, vec: int) -> int:
@@ -215,8 +227,7 @@ class KernelCopier:
         ppc = chunk_tokens // page_size
         if pids.size % ppc:
             raise ValueError(f"{pids.size} page ids are not whole chunks of {ppc} pages")
-        if pids.size and (int(pids.min()) < 0 if num_pages is None  # one pass: -1 wraps high
-                          else int(pids.view(np.uint64).max()) >= num_pages):
+        if pids.size and not _pages_ok(pids, num_pages, kind == "scatter"):
             raise ValueError("page id out of range")
         vec = vector_bytes(row_bytes, page_stride, token_stride, bases, ptrs, heads, head_stride)
         cp = self._cp

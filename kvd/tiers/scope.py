@@ -6,7 +6,9 @@ model, TP size or shard size may send keys it learnt elsewhere. Every read
 path (host tier, disk tier, remote tier, GPU Direct Storage, and lookups of
 ``attach`` registrations) asks ``admits(entry)`` before it counts or copies
 an entry; an entry of another namespace digest, shard count or shard size
-is a miss for this reader and ends its prefix there.
+is a miss for this reader and ends its prefix there. A partial entry
+(``part`` tokens, kvd/tiers/entry.py) is read only by a scope of that many
+tokens (``part``), and a whole chunk never by such a scope.
 
 A ``Scope`` is made per request (``Registration.scope()``): ``shard_bytes``
 is None for a registration without a pool (``attach``), whose namespace
@@ -21,18 +23,20 @@ from __future__ import annotations
 
 
 class Scope:
-    __slots__ = ("ns", "shards", "shard_bytes", "refused")
+    __slots__ = ("ns", "shards", "shard_bytes", "part", "refused")
 
-    def __init__(self, ns: bytes, shards: int, shard_bytes: int | None):
+    def __init__(self, ns: bytes, shards: int, shard_bytes: int | None, part: int = 0):
         self.ns = ns
         self.shards = shards
         self.shard_bytes = shard_bytes
+        self.part = part  # tokens of the partial entries it reads; 0: whole chunks only
         self.refused = 0
 
     def admits(self, entry) -> bool:
         """Whether ``entry`` is a chunk of this reader's namespace and geometry; counts it
         in ``refused`` when not."""
         if (entry.ns == self.ns and entry.shards == self.shards
+                and getattr(entry, "part", 0) == self.part
                 and (self.shard_bytes is None or entry.shard_bytes == self.shard_bytes)):
             return True
         self.refused += 1

@@ -14,7 +14,10 @@ kvd_client.vllm.groups): each group has its own namespace and block ids.
   requests), so those pages point at vLLM's null block, which no request
   reads (kvd_client.vllm.groups). ``layerwise``: a sync load
   inside the step (the forward waits per layer); otherwise asynchronous,
-  between steps.
+  between steps. ``tail``: a hit that ends inside its last chunk, at a block
+  boundary, loads only that chunk's first ``tail`` blocks (``pages`` then
+  holds ``tail`` ids for it; 0: the whole chunk). ``part``: the load (or
+  store) of one partial entry of that many tokens (kvd_client.vllm.tails).
 - ``StoreItem``: copy ``pages`` out under ``keys``; ``after_forward``: the
   step's forward writes that KV (submitted at ``wait_for_save``), else it
   is final already (submitted at ``start_load_kv``); ``tenant``: the label
@@ -37,6 +40,15 @@ class LoadItem:
     layerwise: bool = True
     group: int = 0
     tokens: int = 0         # tokens of the hit it serves (a sliding window loads fewer)
+    tail: int = 0           # blocks of the last chunk to load (0: all of it)
+    part: int = 0           # tokens of the one partial entry it loads (keys: its partial key)
+
+    def complete(self, loaded_tokens: int, chunk: int, block_size: int) -> bool:
+        """Whether a load that brought ``loaded_tokens`` (scratch pages counted) brought it all."""
+        if self.part:
+            return loaded_tokens >= self.part
+        short = chunk - self.tail * block_size if self.tail else 0
+        return loaded_tokens >= len(self.keys) * chunk - short
 
     def real_pages(self, from_chunk: int, blocks_per_chunk: int) -> set[int]:
         """The request's own blocks from chunk ``from_chunk`` of this load on."""
@@ -51,6 +63,7 @@ class StoreItem:
     after_forward: bool = True
     tenant: str | None = None
     group: int = 0
+    part: int = 0           # tokens of the one partial entry it stores (keys: its partial key)
 
 
 @dataclass
