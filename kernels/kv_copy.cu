@@ -16,7 +16,8 @@
 //                 layer-major: plane_bases[layer*planes + plane]
 //   page_ids      device array, n_chunks*ppc page ids, ppc = chunk_tokens/page_size;
 //                 chunk c's token i lives in page page_ids[c*ppc + i/page_size],
-//                 slot i % page_size. The caller validates the ids.
+//                 slot i % page_size. The caller validates the ids; a negative
+//                 id (kvd's SKIP_PAGE, scatter only) copies nothing of its page
 //   chunk_ptrs    device array, n_chunks device-accessible addresses, each the
 //                 start of one chunk shard's canonical bytes
 //                 [layer][plane][token][row_bytes] for ALL num_layers layers
@@ -97,6 +98,7 @@ __device__ __forceinline__ void kv_copy_rows(
         const unsigned t = i - slot * upage;
 
         const long long page = __ldg(page_ids + (unsigned long long)c * ppc + slot);
+        if (page < 0) continue;  // a scatter's skipped page: a partial load's tail
         const unsigned long long pool_addr = __ldg(plane_bases + plane_idx)
             + (unsigned long long)(page * page_stride + (long long)t * token_stride
                                    + (long long)h * head_stride);

@@ -40,7 +40,7 @@ from .flags import ClientFlags
 from .liveness import DaemonProbe
 from .lookup import Lookup
 from .pump import Pump
-from .registration import Call, ChunkKeys, KVRegistration, engine_stream, next_seq, page_frame
+from .registration import Call, ChunkKeys, KVRegistration, engine_stream, next_seq, page_frame, part_pages
 from .retry import Retry
 from .transfer import Transfer
 from .transport import Channel
@@ -281,12 +281,12 @@ class KvdClient:
         return self.submit_lookup(tokens, lease_ms, salt, reg).result()
 
     def submit_lookup(self, tokens, lease_ms: int, salt: str | None = None,
-                      reg: KVRegistration | None = None) -> Lookup:
+                      reg: KVRegistration | None = None, part_tokens=None) -> Lookup:
         """Send a lookup (hits pinned for ``lease_ms``) and return at once: a ``Lookup``
-        (kvd_client.lookup), done at once when it cannot be sent (a miss)."""
+        (kvd_client.lookup, also for ``part_tokens``), done at once when it cannot be sent."""
         reg = self._default(reg)
         lookup = Lookup(self, reg, self.keys(tokens, salt, reg), lease_ms,
-                        time.monotonic() + self.timeout)
+                        time.monotonic() + self.timeout, part_tokens)
         self._pump.start_lookup(lookup)
         return lookup
 
@@ -313,28 +313,29 @@ class KvdClient:
     # ---- transfers --------------------------------------------------------------
 
     def submit_store(self, tokens, page_ids, salt: str | None = None,
-                     reg: KVRegistration | None = None, tenant: str | None = None) -> Transfer:
+                     reg: KVRegistration | None = None, tenant: str | None = None, part_tokens=0) -> Transfer:
         """Offload the whole chunks of ``tokens`` (or ``ChunkKeys``) from ``page_ids``, asynchronously;
-        ``tenant`` labels new chunks for the daemon's quotas (``kvd_protocol.wire.tenant_label``)."""
+        ``tenant`` labels new chunks for quotas (``wire.tenant_label``); ``part_tokens``: a partial entry."""
         reg = self._default(reg)
-        keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
+        keys, pages = self._keys_pages(tokens, page_ids, salt, reg, 0, part_tokens)
         t = Transfer(self, "store", reg, keys, pages, time.monotonic() + self.timeout)
-        t.collect, t.tenant = True, wire.checked_tenant(tenant)
+        t.collect, t.tenant, t.part_tokens = True, wire.checked_tenant(tenant), part_tokens
         self._pump.start(t)
         return t
 
     def submit_load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
-                    reg: KVRegistration | None = None, layerwise: bool = False) -> Transfer:
+                    reg: KVRegistration | None = None, layerwise: bool = False,
+                    tail_pages: int = 0, part_tokens: int = 0) -> Transfer:
         """Copy the cached prefix of ``tokens`` (or ``ChunkKeys``) into ``page_ids``, asynchronously. With
-        ``layerwise``, ``wait_for_layer(i, transfer)`` orders the engine's work after
-        layer i landed while later layers still copy."""
+        ``layerwise``, ``wait_for_layer(i, transfer)`` orders the engine's work after layer i landed
+        while later layers still copy; ``tail_pages``: the last chunk's first pages; ``part_tokens``."""
         reg = self._default(reg)
-        keys, pages = self._keys_pages(tokens, page_ids, salt, reg)
+        keys, pages = self._keys_pages(tokens, page_ids, salt, reg, tail_pages, part_tokens)
         deadline = time.monotonic() + self.timeout
         slot = self._pump.free_slot(reg, deadline)
         reg.load_seq = next_seq(reg.load_seq)
         t = Transfer(self, "load", reg, keys, pages, deadline, slot, reg.load_seq, layerwise)
-        t.collect, t.lease = True, lease
+        t.collect, t.lease, t.tail_pages, t.part_tokens = True, lease, tail_pages, part_tokens
         with self._lock:
             reg.owners[slot] = t
             reg.last_load = t
@@ -348,9 +349,8 @@ class KvdClient:
 
     def load(self, tokens, page_ids, salt: str | None = None, lease: int | None = None,
              reg: KVRegistration | None = None) -> int:
-        """Copy the cached prefix of ``tokens`` into ``page_ids``; returns tokens loaded (0
-        on failure: then the pages hold undefined bytes, and the daemon no longer writes
-        them). Layer-wise loads are ``submit_load(..., layerwise=True)``."""
+        """Copy the cached prefix of ``tokens`` into ``page_ids``; returns tokens loaded (0 on failure:
+        the pages hold undefined bytes, the daemon no longer writes them). Layer-wise: ``submit_load``."""
         return self._blocking(self.submit_load(tokens, page_ids, salt, lease, reg))
 
     def _blocking(self, t: Transfer) -> int:
@@ -384,11 +384,11 @@ class KvdClient:
             out, self._finished = self._finished, []
         return out
 
-    def _keys_pages(self, tokens, page_ids, salt, reg):
+    def _keys_pages(self, tokens, page_ids, salt, reg, tail_pages: int = 0, part_tokens: int = 0):
         if reg.pool is None:
             raise ValueError("this registration was attached for lookups: it has no KV pool")
-        keys = self.keys(tokens, salt, reg)
-        return keys, page_frame(reg, len(keys), page_ids)
+        keys = self.keys(tokens, salt, reg)  # a partial entry's pages: page_frame's tail
+        return keys, page_frame(reg, len(keys), page_ids, part_pages(reg, part_tokens) or tail_pages)
 
     # ---- progress: the pump (kvd_client.pump) does the work ----------------------
 

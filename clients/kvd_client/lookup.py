@@ -2,11 +2,11 @@
 
 ``Lookup`` asks for the longest cached prefix (pinned under a lease) without waiting; its
 reply is routed by the pump. ``poll()`` never waits, ``wait(timeout)`` drives the client;
-``result()`` returns ``(tokens, lease)``: unavailability is a miss ``(0, None)``, a
+``result()`` returns ``(tokens, lease)`` (with ``part_tokens``, a partial entry found past a
+whole prefix counts too; ``part`` says which): unavailability is a miss ``(0, None)``, a
 contract error raises. Answered ``no_session``, it is resent after hello per ``Retry``.
-Promises: no lookup leaks a lease (after ``cancel()`` or its deadline, a late reply's
-lease is released at once); a lookup past its deadline marks the daemon as not answering,
-so a hung daemon costs one deadline, not one per lookup.
+Promises: no lookup leaks a lease (a late reply's lease is released at once); a lookup
+past its deadline marks the daemon as not answering: a hung daemon costs one deadline.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from kvd_protocol.errors import NoSession, Timeout
 
 
 class Lookup:
-    def __init__(self, client, reg, keys: list[bytes], lease_ms: int, deadline: float):
+    def __init__(self, client, reg, keys: list[bytes], lease_ms: int, deadline: float,
+                 part_tokens: list[int] | None = None):
         self._client = client
         self.reg = reg
         self.keys, self.lease_ms = keys, lease_ms
@@ -34,10 +35,12 @@ class Lookup:
         self.done = False
         self.abandoned = False          # nobody reads it: a lease that comes is released
         self._taken = False             # result() handed the lease to the caller
+        self.part_tokens = part_tokens  # the last keys are partial keys of these tokens (§8.5)
+        self.part: int | None = None    # tokens of the partial entry found past the hits
 
     @property
     def tokens(self) -> int:
-        return self.hits * self.reg.namespace.chunk_tokens
+        return self.hits * self.reg.namespace.chunk_tokens + (self.part or 0)
 
     def poll(self) -> bool:
         """Whether it is done, collecting replies that arrived; never waits."""
@@ -95,7 +98,7 @@ class Lookup:
                 return
         self.error, self.answered_at = error, time.monotonic()
         if error is None:
-            self.hits, self.lease = result["hits"], lease
+            self.hits, self.lease, self.part = result["hits"], lease, result.get("part")
             self.disk_hits, self.remote_hits = result.get("disk_hits", 0), result.get("remote_hits", 0)
         if self.abandoned:
             self._stray(self.lease)

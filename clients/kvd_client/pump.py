@@ -73,8 +73,10 @@ class Pump:
             c._ensure_connected()
             lookup.sent_under = c._hellos
             # never waits for the socket: a daemon that cannot take it now is a miss
-            c._send_call(lookup, "lookup", {"lease_ms": lookup.lease_ms, "reg": lookup.reg.id},
-                         [wire.keys_frame(lookup.keys)], wait=0.0)
+            fields = {"lease_ms": lookup.lease_ms, "reg": lookup.reg.id}
+            if lookup.part_tokens:
+                fields["part_tokens"] = list(lookup.part_tokens)
+            c._send_call(lookup, "lookup", fields, [wire.keys_frame(lookup.keys)], wait=0.0)
         except KvdError as exc:
             with c._lock:
                 lookup.resolve(None, exc)
@@ -84,12 +86,16 @@ class Pump:
         fields = {"reg": t.reg.id, "deadline_us": int(t.deadline * 1e6)}
         if getattr(t, "after", None) is not None:
             fields["after"] = t.after
+        if t.part_tokens:
+            fields["part_tokens"] = t.part_tokens
         if getattr(t, "tenant", None) is not None and c.limits.get("tenant_labels"):
             fields["tenant"] = t.tenant  # a daemon before quotas refuses unknown fields
         if t.op == "load":
             fields.update(slot=t.slot, seq=t.seq, layerwise=t.layerwise)
             if getattr(t, "lease", None) is not None:
                 fields["lease"] = t.lease
+            if t.tail_pages and not t.part_tokens:
+                fields["tail_pages"] = t.tail_pages
         with c._lock:  # registered before any thread can collect its reply
             req_id = c.channel.reserve_id()
             c._pending[req_id] = t
@@ -162,7 +168,7 @@ class Pump:
             return
         if error is None:
             chunks = result["loaded"] if item.op == "load" else result["stored"] + result["deduped"]
-            item.succeed(chunks * item.reg.namespace.chunk_tokens)
+            item.succeed(item.tokens_of(chunks))
             self._finished(item)
         elif isinstance(error, NoSession):  # the daemon restarted or reaped us: hello next
             self.session_lost(item.sent_under)

@@ -79,11 +79,20 @@ class ChunkKeys(tuple):
     chunks the engine holds already, page ids given for chunks ``i..`` only."""
 
 
-def page_frame(reg: KVRegistration, chunks: int, page_ids) -> bytes:
-    """The page-id frame of ``chunks`` whole chunks (a ``ValueError`` naming what is
-    missing when ``page_ids`` are too few: ceil(tokens / page_size) per chunk)."""
+def part_pages(reg: KVRegistration, part_tokens: int) -> int:
+    """Page ids a partial entry of ``part_tokens`` takes (0: none asked for)."""
+    return -(-part_tokens // reg.pool.descriptor.page_size) if part_tokens and reg.pool else 0
+
+
+def page_frame(reg: KVRegistration, chunks: int, page_ids, tail_pages: int = 0) -> bytes:
+    """The page-id frame of ``chunks`` whole chunks, or with ``tail_pages`` of the last
+    chunk only its first pages (a ``ValueError`` naming what is missing when ``page_ids``
+    are too few: ceil(tokens / page_size) per chunk)."""
     ppc = reg.pages_per_chunk or reg.namespace.chunk_tokens // reg.pool.descriptor.page_size
-    need = chunks * ppc
+    if tail_pages and (chunks < 1 or not 0 < tail_pages < ppc):
+        raise ValueError(f"tail_pages must be between 1 and {ppc - 1} and cut a chunk, "
+                         f"got {tail_pages} for {chunks} chunks")
+    need = chunks * ppc - (ppc - tail_pages if tail_pages else 0)
     pages = np.asarray(page_ids, dtype=np.int64)
     if pages.ndim != 1 or len(pages) < need:
         raise ValueError(f"{chunks} chunks of {reg.namespace.chunk_tokens} tokens need "

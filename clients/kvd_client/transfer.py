@@ -25,6 +25,8 @@ class Transfer:
         self.pages = pages
         self.deadline = deadline  # CLOCK_MONOTONIC seconds
         self.slot, self.seq, self.layerwise = slot, seq, layerwise
+        self.tail_pages = 0  # a load of only the first pages of its last chunk
+        self.part_tokens = 0  # a store or load of one partial entry of this many tokens
         self.status = "pending"
         self.tokens = 0
         self.error: Exception | None = None
@@ -37,6 +39,18 @@ class Transfer:
     @property
     def chunks(self) -> int:
         return len(self.keys)
+
+    def tokens_of(self, chunks: int) -> int:
+        """Tokens in the first ``chunks`` chunks of the transfer (a partial load's last chunk:
+        its ``tail_pages`` pages)."""
+        if self.part_tokens:
+            return self.part_tokens * chunks
+        tokens = chunks * self.reg.namespace.chunk_tokens
+        tail = self.tail_pages
+        if tail and chunks == len(self.keys):
+            ps = self.reg.pool.descriptor.page_size
+            tokens -= self.reg.namespace.chunk_tokens - tail * ps
+        return tokens
 
     @property
     def ok(self) -> bool:

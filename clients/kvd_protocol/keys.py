@@ -4,8 +4,9 @@
 (``Namespace``: model, dtype, layers from ``first_layer``, ``fingerprint``...). The chain root
 is that digest, or with a salt ``xxh3_128(digest || b"salt" || utf8(salt))``; chunk ``i``'s key
 is ``xxh3_128(key_{i-1} || tokens_i)`` (token ids as little-endian uint32), canonical 16-byte
-big-endian. Only whole chunks get keys. Spec and vectors: docs/protocol.md,
-tests/protocol/test_keys.py.
+big-endian. Only whole chunks are links of the chain; ``part_key`` names a chunk's first
+tokens (a partial entry) under another seed, never equal to a chunk key. Spec and vectors:
+docs/protocol.md, tests/protocol/test_keys.py.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvd_protocol.limits import (
 )
 
 KEY_BYTES = 16
+PART_SEED = int.from_bytes(b"kvd-part", "little")  # the seed of partial chunks' keys
 NAMESPACE_VERSION = 2  # 2: first_layer and fingerprint
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "int8": 1, "uint8": 1}
@@ -116,6 +118,29 @@ def chain_root(ns_digest: bytes, salt: str | None = None) -> bytes:
 
 def chunk_keys(root: bytes, tokens, chunk_tokens: int) -> list[bytes]:
     """Keys of every whole chunk of ``tokens`` (ints in [0, 2**32))."""
+    ids = _token_ids(tokens)
+    n = ids.size // chunk_tokens
+    raw = ids[: n * chunk_tokens].astype("<u4").tobytes()
+    step = chunk_tokens * 4
+    keys, prev = [], root
+    for i in range(n):
+        prev = xxhash.xxh3_128_digest(prev + raw[i * step:(i + 1) * step])
+        keys.append(prev)
+    return keys
+
+
+def part_key(prev: bytes, tokens) -> bytes:
+    """The key of a partial chunk: its first ``len(tokens)`` tokens (1 to chunk_tokens - 1)
+    after the chunk whose key is ``prev`` (the chain root for chunk 0). XXH3-128 under its
+    own seed (``PART_SEED``): never a whole chunk's key, never a link of the chain."""
+    ids = _token_ids(tokens)
+    if not ids.size:
+        raise ValueError("a partial chunk holds at least one token")
+    return xxhash.xxh3_128_digest(prev + struct.pack("<I", ids.size) + ids.astype("<u4").tobytes(),
+                                  seed=PART_SEED)
+
+
+def _token_ids(tokens) -> np.ndarray:
     try:
         ids = np.asarray(tokens)
     except (OverflowError, ValueError):
@@ -128,11 +153,4 @@ def chunk_keys(root: bytes, tokens, chunk_tokens: int) -> list[bytes]:
         raise ValueError(f"token ids must be integers, got {ids.dtype}")
     if ids.size and (ids.min() < 0 or ids.max() >= 2**32):
         raise ValueError("token ids must lie in [0, 2**32)")
-    n = ids.size // chunk_tokens
-    raw = ids[: n * chunk_tokens].astype("<u4").tobytes()
-    step = chunk_tokens * 4
-    keys, prev = [], root
-    for i in range(n):
-        prev = xxhash.xxh3_128_digest(prev + raw[i * step:(i + 1) * step])
-        keys.append(prev)
-    return keys
+    return ids

@@ -101,11 +101,12 @@ OPS = {
                     "flags": _map}),
     "attach": Op({"namespace": _map, "tp_rank": _int}),
     "unregister": Op({"reg": _int}),
-    "lookup": Op({"reg": _int}, {"lease_ms": _int}, frames=1),
-    "store": Op({"reg": _int}, {"after": _u32, "deadline_us": _int, "tenant": valid_tenant},
-                 frames=2),
+    "lookup": Op({"reg": _int}, {"lease_ms": _int, "part_tokens": _list}, frames=1),
+    "store": Op({"reg": _int}, {"after": _u32, "deadline_us": _int, "tenant": valid_tenant,
+                                "part_tokens": _int}, frames=2),
     "load": Op({"reg": _int, "slot": _int, "seq": _u32},
-               {"after": _u32, "lease": _int, "layerwise": _bool, "deadline_us": _int}, frames=2),
+               {"after": _u32, "lease": _int, "layerwise": _bool, "deadline_us": _int,
+                "tail_pages": _int, "part_tokens": _int}, frames=2),
     "release": Op({"lease": _int}),
     "heartbeat": Op(),
     "bye": Op(),
@@ -287,6 +288,27 @@ def pages_from_frame(data: bytes) -> np.ndarray:
     if len(data) % PAGE_DTYPE.itemsize:
         raise BadRequest("page id frame length is not a multiple of 8")
     return np.frombuffer(data, dtype=PAGE_DTYPE)
+
+
+MAX_PART_CANDIDATES = 256  # partial keys one lookup may ask for (docs/protocol.md §8.5)
+
+
+def part_tokens_from_wire(value, chunk_tokens: int, page_size: int | None) -> int:
+    """A partial entry's tokens: fewer than a chunk's, a multiple of the registration's page
+    size (None: an ``attach`` registration, which has none)."""
+    if not _int(value) or not 0 < value < chunk_tokens or (page_size and value % page_size):
+        step = f"a multiple of the page size {page_size} " if page_size else ""
+        raise BadRequest(f"part_tokens must be {step}between 1 and {chunk_tokens - 1}, got {describe(value)}")
+    return value
+
+
+def part_candidates_from_wire(values, chunk_tokens: int, page_size: int | None, keys: int) -> list[int]:
+    """A lookup's ``part_tokens``: one token count per partial key at the end of its keys
+    frame (at most ``MAX_PART_CANDIDATES``, at most its keys)."""
+    if not isinstance(values, list) or not 1 <= len(values) <= min(keys, MAX_PART_CANDIDATES):
+        raise BadRequest(f"lookup: part_tokens must be a list of 1 to {MAX_PART_CANDIDATES} "
+                         f"token counts, one per partial key at the end of the {keys} keys")
+    return [part_tokens_from_wire(v, chunk_tokens, page_size) for v in values]
 
 
 # ---- nested maps of register ------------------------------------------------

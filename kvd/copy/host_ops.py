@@ -4,8 +4,8 @@ Pure functions over uint8 arrays; the host backend's copies and the reference th
 kernels are tested against. Callers validated the descriptor and page ids first, so the
 strided views stay in bounds. Promises: numpy calls per request grow with (layer, plane)
 pairs and MiB moved, never with the chunk count alone; canonical rows are a row's head
-pieces back to back (kvd_protocol.layout). Never calls ``np.take`` on a strided pool view
-(it would copy the whole view first).
+pieces back to back (kvd_protocol.layout); a scatter leaves out pages of id ``SKIP_PAGE``
+(a partial load). Never calls ``np.take`` on a strided pool view (it would copy it first).
 """
 
 from __future__ import annotations
@@ -104,8 +104,12 @@ def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, sh
     if whole is not None:
         span = slice(layers.start, layers.stop)
         for c, offset in enumerate(shard_offsets):
-            whole[span, :, pages[c * ppc:(c + 1) * ppc]] = \
-                shard_view(arena, offset, d, chunk_tokens)[span]
+            ids, src = pages[c * ppc:(c + 1) * ppc], shard_view(arena, offset, d, chunk_tokens)[span]
+            keep = ids >= 0  # SKIP_PAGE: a partial load's tail
+            if keep.all():
+                whole[span, :, ids] = src
+            else:
+                whole[span, :, ids[keep]] = src[:, :, keep]
         return
     segs = _Segments(arena, d, chunk_tokens, shard_offsets)
     staging = np.empty((min(segs.per, segs.chunks) * segs.per_seg, segs.g), dtype=np.uint8)
@@ -115,5 +119,14 @@ def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, sh
             for c, rows in segs.blocks(layer, plane):
                 part = staging[:rows.size]
                 np.take(segs.rows, rows, axis=0, out=part, mode="clip")
-                view[pages[c * ppc:(c + segs.per) * ppc]] = \
-                    part.reshape(-1, d.page_size, *row_dims(d)[0])
+                _put(view, pages[c * ppc:(c + segs.per) * ppc],
+                     part.reshape(-1, d.page_size, *row_dims(d)[0]))
+
+
+def _put(view: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+    """``view[ids] = rows``, leaving out the pages of ``SKIP_PAGE`` ids (negative)."""
+    keep = ids >= 0
+    if keep.all():
+        view[ids] = rows
+    else:
+        view[ids[keep]] = rows[keep]

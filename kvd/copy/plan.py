@@ -4,9 +4,9 @@
 (files must belong to ``owner_uid``); ``close_pool`` unmaps, only after the pool's copies
 completed, never waiting on a GPU. ``gather``/``scatter(plan)`` return once the copy is
 queued, with a future that resolves when the bytes landed or fails with the backend's
-error; a signalled scatter writes layer and done words and honours the cancel word; if
-it raises, nothing was queued. ``queue_of(pool, direction)`` names the queue a copy joins
-(for kvd.server.copy_gate's fair shares).
+error; a scatter skips pages of id ``SKIP_PAGE`` (a load ending inside its last chunk); a
+signalled scatter writes layer and done words and honours the cancel word; if it raises,
+nothing was queued. ``queue_of(pool, direction)`` names the queue a copy joins.
 """
 
 from __future__ import annotations
@@ -22,12 +22,17 @@ from kvd_protocol.layout import LayoutDescriptor
 from .flags import FlagPage, LoadSignal
 
 
+SKIP_PAGE = -1  # a scatter's page id that names no page: its rows are not copied
+
+
 @dataclass
 class CopyPlan:
     pool: object
     layout: LayoutDescriptor
     chunk_tokens: int
-    page_ids: np.ndarray      # int64, pages_per_chunk ids per chunk, chunk-major
+    # int64, pages_per_chunk ids per chunk, chunk-major; in a scatter, SKIP_PAGE for a page
+    # not to write (the pages past a partial load's end: its last chunk's tail)
+    page_ids: np.ndarray
     shard_offsets: list[int]  # arena byte offset of each chunk's shard
     signal: LoadSignal | None = None  # scatter only: the load's flag words
     # scatter only: kernels of this load were queued on the GPU before it (GPU Direct Storage's

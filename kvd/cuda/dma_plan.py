@@ -4,9 +4,10 @@ Why pitched: below ~64 KiB the copy engines pay per copy, not per byte; one 3D o
 of pages over all (layer, plane) planes at one pitch moves 0.82-1.04 of a memcpy where
 single copies moved 0.4-0.75. ``OP_DTYPE`` is the driver's ``CUDA_MEMCPY3D_BATCH_OP``.
 ``row_groups``/``pool_groups`` find the pool's planes at one pitch in one allocation.
-``CopyOps`` plans one copy once: ops per (row group, run of pages), cut where rows overlap
-or the host side crosses an arena registration; ``steps(most)`` cover it exactly once.
-Promises little NumPy per copy: planning runs on the event loop (0.4-0.7 ms for 268 MB).
+``CopyOps`` plans one copy once: ops per (row group, run of pages; a ``SKIP_PAGE`` id is in no
+run: a partial load's tail), cut where rows overlap or the host side crosses an arena
+registration; ``steps(most)`` cover it exactly once. Promises little NumPy per copy:
+planning runs on the event loop (0.4-0.7 ms for 268 MB).
 """
 
 from __future__ import annotations
@@ -88,14 +89,18 @@ class CopyOps:
         start = np.ones(ids.shape, bool)
         if layout.page_stride == page_bytes:  # pages adjacent in the pool: runs merge
             start[:, 1:] = ids[:, 1:] != ids[:, :-1] + 1
+        skip = ids < 0  # SKIP_PAGE (kvd.copy.plan): a partial load's tail, in no run
+        ends = np.flatnonzero(start | skip) if skip.any() else np.flatnonzero(start)
+        start &= ~skip
         c, j = np.nonzero(start)
         self.run_chunk = c  # the chunk each run of pages is in
-        self.run_width = np.diff(np.append(np.flatnonzero(start), ids.size)).astype(np.uint64) \
-            * np.uint64(page_bytes)
+        first = np.flatnonzero(start)
+        self.run_width = (np.append(ends, ids.size)[np.searchsorted(ends, first) + 1] - first) \
+            .astype(np.uint64) * np.uint64(page_bytes)
         self.run_host = np.asarray(shard_ptrs, np.uint64)[c] + j.astype(np.uint64) * np.uint64(page_bytes)
         run_pool = ids[c, j].astype(np.uint64) * np.uint64(layout.page_stride)
         groups = pool_groups(layout, bases) if groups is None else groups
-        self.layer_bytes = self.planes * ids.size * page_bytes
+        self.layer_bytes = self.planes * (ids.size - int(skip.sum())) * page_bytes
         self.row_layer, self.rows_per_run = None, 0  # > 0: rows run-major, this many per run
         if not by_layer and ppc == 1 and self._chunk_per_row(bases, run_pool, groups):
             return

@@ -3,11 +3,11 @@
 ``KernelCopier(device_id)`` compiles ``kernels/kv_copy.cu`` once (CuPy imported lazily;
 without it, ``RuntimeError``); nothing on the request path compiles. ``gather``/``scatter``
 copy pool rows to/from canonical shards (kvd_protocol.layout), any dtype, widest aligned
-access, head-strided rows as pieces; ``batch`` validates a request and uploads its tables
-once (from a pinned slot on a side stream) for any number of launches. The grid is capped
-(``max_blocks``) to leave the engine SMs; ``cancel=(address, seq)`` skips the copy when the
-load's cancel word is set. Asynchronous on the given stream; ``busy_slot`` is the event to
-await before reusing a table slot, so the daemon never blocks its loop on the GPU.
+access, head-strided rows as pieces; a scatter copies nothing of a page id -1 (``SKIP_PAGE``).
+``batch`` validates a request and uploads its tables once for any number of launches. The
+grid is capped (``max_blocks``) to leave the engine SMs; ``cancel=(address, seq)`` skips the
+copy when the load's cancel word is set. Asynchronous on the given stream; ``busy_slot`` is
+the event to await before reusing a table slot: the daemon never blocks its loop on the GPU.
 """
 
 from __future__ import annotations
@@ -60,6 +60,17 @@ def vector_bytes(row_bytes: int, page_stride: int, token_stride: int,
         if acc % width == 0:
             return width
     return 1
+
+
+def _pages_ok(pids: np.ndarray, num_pages: int | None, skips: bool) -> bool:
+    """Whether every id is a page (below ``num_pages`` when given), or -1 where ``skips``."""
+    if skips and int(pids.min()) == -1:
+        pids = pids[pids != -1]
+        if not pids.size:
+            return True
+    if num_pages is None:
+        return int(pids.min()) >= 0
+    return int(pids.view(np.uint64).max()) < num_pages  # one pass: negatives wrap high
 
 
 def group_threads(piece_bytes: int, vec: int) -> int:
@@ -177,8 +188,7 @@ class KernelCopier:
         ppc = chunk_tokens // page_size
         if pids.size % ppc:
             raise ValueError(f"{pids.size} page ids are not whole chunks of {ppc} pages")
-        if pids.size and (int(pids.min()) < 0 if num_pages is None  # one pass: -1 wraps high
-                          else int(pids.view(np.uint64).max()) >= num_pages):
+        if pids.size and not _pages_ok(pids, num_pages, kind == "scatter"):
             raise ValueError("page id out of range")
         vec = vector_bytes(row_bytes, page_stride, token_stride, bases, ptrs, heads, head_stride)
         cp = self._cp

@@ -135,7 +135,7 @@ class Service:
                 "max_inflight": self.cfg.max_inflight,
                 "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
                 "client_timeout_s": self.cfg.client_timeout_s,
-                "lease_max_ms": self.cfg.lease_max_ms, "backend": self.backends,
+                "lease_max_ms": self.cfg.lease_max_ms, "backend": self.backends, "partial_chunks": True,
                 "daemon_pid": os.getpid(), "instance": self.instance, "tenant_labels": True}
 
     async def op_heartbeat(self, session: Session, req):
@@ -331,7 +331,7 @@ class Service:
 
     async def op_lookup(self, session: Session, req):
         reg = self._registration(session, req.fields["reg"])  # a lease belongs to the session
-        keys = wire.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
+        keys, parts = reg.lookup_keys(req, self.cfg.max_keys_per_request)  # chain, partial keys
         scope = reg.scope()  # another namespace's chunk is a miss on every tier
         hits = self.tier.ready_prefix(keys, scope)
         for entry in hits:
@@ -352,6 +352,7 @@ class Service:
         extra = {} if self.tiering is None else {"disk_hits": disk_hits}
         if self.remote is not None:
             extra["remote_hits"] = remote_hits
+        extra.update(reg.part_hit(self.tier, parts, hits, found == len(keys)))  # pins with hits
         lease_ms = min(req.fields.get("lease_ms", 0), self.cfg.lease_max_ms)
         # a lease pins host hits (other hits are best effort); a session reaped while the
         # remote store answered must not keep new pins

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvd.tiers.scope import Scope
+from kvd_protocol import wire
 from kvd_protocol.keys import Namespace
 from kvd_protocol.layout import LayoutDescriptor
 
@@ -46,11 +47,41 @@ class Registration:
     def shard_bytes(self) -> int:
         return self.layout.shard_bytes(self.ns.chunk_tokens)
 
-    def scope(self) -> Scope:
+    def scope(self, part: int = 0) -> Scope:
         """What this registration's requests may read (a new one per request: it counts
-        the chunks of other namespaces it turned away)."""
-        shard_bytes = None if self.layout is None else self.shard_bytes  # attach: no layout
-        return Scope(self.ns_digest, self.ns.shards, shard_bytes)
+        the chunks of other namespaces it turned away); ``part``: partial entries of that
+        many tokens instead of whole chunks."""
+        if self.layout is None:  # attach: no layout
+            shard_bytes = None
+        else:
+            shard_bytes = self.layout.shard_bytes(part) if part else self.shard_bytes
+        return Scope(self.ns_digest, self.ns.shards, shard_bytes, part)
+
+    def lookup_keys(self, req, max_keys: int) -> tuple[list, list]:
+        """A lookup's chain keys, and its partial keys (``part_tokens``, protocol §8.5) as
+        (key, tokens) pairs: the last keys of its frame."""
+        keys = wire.keys_from_frame(req.frames[0], max_keys)
+        if "part_tokens" not in req.fields:
+            return keys, []
+        page = self.layout.page_size if self.layout is not None else None
+        counts = wire.part_candidates_from_wire(req.fields["part_tokens"], self.ns.chunk_tokens,
+                                                page, len(keys))
+        chain = len(keys) - len(counts)
+        return keys[:chain], list(zip(keys[chain:], counts))
+
+    def part_hit(self, tier, parts: list, hits: list, whole: bool) -> dict:
+        """A lookup's answer for its partial keys (``{}``: it asked for none): the tokens of the
+        first ``tier`` holds ready as a partial entry of that length, when the chain hit
+        ``whole``; that entry joins ``hits`` (a lease pins it)."""
+        if not parts:
+            return {}
+        for key, tokens in parts if whole else ():
+            found = tier.ready_prefix([key], self.scope(tokens))
+            if found:
+                found[0].hits += 1
+                hits.append(found[0])
+                return {"part": tokens}
+        return {"part": None}
 
     @property
     def pages_per_chunk(self) -> int:

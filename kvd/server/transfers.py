@@ -5,9 +5,10 @@ for the copy runs outside it. Store: reserve shards (dedup, all or nothing, quot
 the host for the engine's stream to reach the store's ``seq``, queue the gather, commit
 only if it landed before the client's deadline. Load: pin the longest ready prefix of the
 registration's scope (host, verified if asked; disk promotions or GDS; remote fetches via
-kvd.server.remote_load), then queue the scatter with the load's signal. Never lets an engine
-stream wait forever: on failure before the scatter, the slot's words are released; never
-writes into the pages after the done word. Flow: docs/architecture.md.
+kvd.server.remote_load), then queue the scatter with the load's signal; ``tail_pages`` cut
+the last chunk to its first pages. ``part_tokens``: one partial entry (host tier only).
+Never lets an engine stream wait forever: on failure before the scatter, the slot's words
+are released; never writes into the pages after the done word. Flow: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import numpy as np
 
 from kvd.copy.flags import LoadSignal
-from kvd.copy.plan import CopyPlan
+from kvd.copy.plan import SKIP_PAGE, CopyPlan
 from kvd.copy.poll import EventPoller
 from kvd.server.copy_gate import CopyGate
 from kvd.server.remote_load import Pieces, queue_pieces
@@ -59,12 +60,13 @@ class Transfers:
     async def store(self, reg: Registration, req: wire.Request) -> dict:
         t0 = time.perf_counter()
         keys, pages = self._keys_and_pages(reg, req)
+        shard_bytes = reg.layout.shard_bytes(tokens := (part := _part(reg, req)) or reg.ns.chunk_tokens)
         deadline = req.fields.get("deadline_us")
         stamps: dict = {}
         async with reg.turn:
             stamps["turn"] = time.perf_counter()
             _check_open(reg)
-            todo, deduped = self._reserve(reg, keys, req.fields.get("tenant"))
+            todo, deduped = self._reserve(reg, keys, req.fields.get("tenant"), shard_bytes, part)
             self.stats.add("store_dedup", deduped)
             if not todo:
                 return {"stored": 0, "deduped": deduped}
@@ -73,11 +75,11 @@ class Transfers:
                     await self._engine_reached(reg, req.fields["after"], deadline)
                 stamps["mark"] = time.perf_counter()
                 chunks = [i for i, _ in todo]
-                plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens,
+                plan = CopyPlan(reg.pool, reg.layout, tokens,
                                 pages.reshape(len(keys), -1)[chunks].reshape(-1),
                                 [e.shard_offset(reg.tp_rank) for _, e in todo])
                 landed = await self._start(reg, reg.engine.gather(plan), "store",
-                                           len(todo) * reg.shard_bytes, stamps)
+                                           len(todo) * shard_bytes, stamps)
             except BaseException:
                 self._abort(reg, todo)
                 raise
@@ -93,7 +95,7 @@ class Transfers:
         if self.tiering is not None:
             self.tiering.wake.set()  # the demoter looks at the watermark now
         _log_timing("store", len(todo), t0, waited, stamps)
-        self.stats.copied("stored", reg.engine.name, len(todo), len(todo) * reg.shard_bytes)
+        self.stats.copied("stored", reg.engine.name, len(todo), len(todo) * shard_bytes)
         return {"stored": len(todo), "deduped": deduped}
 
     async def _engine_reached(self, reg: Registration, mark: int, deadline_us) -> None:
@@ -119,13 +121,14 @@ class Transfers:
             reg.waiting.discard(waiter)
             waiter.cancel()
 
-    def _reserve(self, reg: Registration, keys: list, tenant: str | None):
+    def _reserve(self, reg: Registration, keys: list, tenant: str | None, shard_bytes: int,
+                 part: int):
         """Reserve every shard to copy, all or nothing (kvd.tiers.host.HostTier.reserve_many),
         new chunks in the quota account of the registration's model and ``tenant``."""
         quota = self.tier.quota
         acct = 0 if quota is None else quota.account(reg.ns.model, tenant)
-        return self.tier.reserve_many(keys, reg.ns_digest, reg.shard_bytes, reg.ns.shards,
-                                      reg.tp_rank, acct)
+        return self.tier.reserve_many(keys, reg.ns_digest, shard_bytes, reg.ns.shards,
+                                      reg.tp_rank, acct, part)
 
     def _abort(self, reg: Registration, todo: list) -> None:
         for _, entry in todo:
@@ -139,7 +142,8 @@ class Transfers:
         f = req.fields
         reg.flags.check_slot(f["slot"])
         signal = LoadSignal(reg.flags, f["slot"], f["seq"], bool(f.get("layerwise")))
-        entries, direct, stamps, scope = [], 0, {}, reg.scope()
+        part = _part(reg, req)
+        entries, direct, stamps, scope = [], 0, {}, reg.scope(part)
         pieces = Pieces()
         try:
             async with reg.turn:
@@ -158,7 +162,7 @@ class Transfers:
                                            fetches, signal, stamps, pieces, scope)
                     else:
                         one = await self._queue_scatter(reg, req, entries, direct, host_pages,
-                                                        signal, stamps)
+                                                        signal, stamps, part)
                         pieces.landed += [] if one is None else [one]
                 except BaseException:
                     if not pieces.signalled:
@@ -174,7 +178,8 @@ class Transfers:
             raise Cancelled("the client cancelled the load; its pages hold undefined bytes")
         _log_timing("load", len(entries), t0, waited, stamps)
         loaded = len(entries) + direct
-        self.stats.copied("loaded", reg.engine.name, loaded, loaded * reg.shard_bytes)
+        self.stats.copied("loaded", reg.engine.name, loaded,
+                          loaded * reg.layout.shard_bytes(part or reg.ns.chunk_tokens))
         return {"loaded": loaded}
 
     async def _pin_prefix(self, reg: Registration, req, keys: list, pages, signal: LoadSignal,
@@ -187,7 +192,7 @@ class Transfers:
         load copies each run as it lands (kvd/server/remote_load.py)."""
         entries = self.tier.ready_prefix(keys, scope)
         self.tier.pin(entries)
-        ppc = reg.pages_per_chunk
+        ppc = scope.part // reg.layout.page_size if scope.part else reg.pages_per_chunk
         direct, fetches = 0, []
         try:
             if self.verifier is not None and entries:
@@ -196,6 +201,8 @@ class Transfers:
                 if len(entries) < hits:  # a corrupt chunk ends the prefix: no tier goes past it
                     return entries, 0, pages[:len(entries) * ppc], []
             host_pages = pages[:len(entries) * ppc]
+            if scope.part:  # a partial entry lives in the host tier only
+                return entries, 0, host_pages, []
             if self.tiering is not None and len(entries) < len(keys):
                 direct, promoted, promoted_pages = await self._from_disk(
                     reg, req, keys, pages, len(entries), signal, scope)
@@ -227,17 +234,18 @@ class Transfers:
         return direct, promoted, pages[first:first + len(promoted) * ppc]
 
     async def _queue_scatter(self, reg: Registration, req, entries: list, direct: int, host_pages,
-                             signal: LoadSignal, stamps: dict):
-        """Queue the scatter (None when there is nothing to load: the slot is released)."""
+                             signal: LoadSignal, stamps: dict, part: int = 0):
+        """Queue the scatter (None: nothing to load, the slot released); ``part``: tokens of
+        the partial entry it loads."""
         if not entries and not direct:
             signal.release()
             return None
         self._check_start(req, signal, direct)
-        plan = CopyPlan(reg.pool, reg.layout, reg.ns.chunk_tokens, host_pages,
+        plan = CopyPlan(reg.pool, reg.layout, tokens := part or reg.ns.chunk_tokens, host_pages,
                         [e.shard_offset(reg.tp_rank) for e in entries], signal=signal,
                         after_device=direct > 0)
         return await self._start(reg, reg.engine.scatter(plan), "load",
-                                 len(entries) * reg.shard_bytes, stamps)
+                                 len(entries) * reg.layout.shard_bytes(tokens), stamps)
 
     @staticmethod
     def _check_start(req, signal: LoadSignal, direct: int) -> None:
@@ -265,13 +273,25 @@ class Transfers:
     # ---- shared -------------------------------------------------------------------
 
     def _keys_and_pages(self, reg: Registration, req):
+        """The request's keys and page ids, ``pages_per_chunk`` ids per key: a load's
+        ``tail_pages`` (its last chunk's first pages only) padded with ``SKIP_PAGE``."""
         keys = wire.keys_from_frame(req.frames[0], self.cfg.max_keys_per_request)
         pages = wire.pages_from_frame(req.frames[1])
-        if len(pages) != len(keys) * reg.pages_per_chunk:
-            raise BadRequest(f"{len(keys)} chunks need {len(keys) * reg.pages_per_chunk} page ids, "
-                             f"got {len(pages)}")
+        ppc, tail = reg.pages_per_chunk, req.fields.get("tail_pages")
+        if part := _part(reg, req):  # one key, a partial entry's: its pages
+            if tail is not None or len(keys) != 1:
+                raise BadRequest("part_tokens names exactly one key, without tail_pages")
+            ppc = part // reg.layout.page_size
+        if tail is not None and (not keys or not 1 <= tail < ppc):
+            raise BadRequest(f"tail_pages must be between 1 and {ppc - 1} (a chunk's pages less "
+                             f"one) and name the last of at least one key, got {tail}")
+        need = len(keys) * ppc - (0 if tail is None else ppc - tail)
+        if len(pages) != need:
+            raise BadRequest(f"{len(keys)} chunks need {need} page ids, got {len(pages)}")
         if len(pages) and (pages.min() < 0 or pages.max() >= reg.layout.num_pages):
             raise OutOfRange(f"page ids must lie in [0, {reg.layout.num_pages})")
+        if tail is not None:
+            pages = np.concatenate([pages, np.full(ppc - tail, SKIP_PAGE, np.int64)])
         return keys, pages
 
     async def _start(self, reg: Registration, start, direction: str, nbytes: int,
@@ -337,6 +357,14 @@ async def _landed_all(landed: list) -> float:
         await asyncio.gather(*landed, return_exceptions=True)
         raise
     return waited
+
+
+def _part(reg: Registration, req) -> int:
+    """The tokens of the partial entry a store or load names (``part_tokens``), 0 for none."""
+    value = req.fields.get("part_tokens")
+    if value is None:
+        return 0
+    return wire.part_tokens_from_wire(value, reg.ns.chunk_tokens, reg.layout.page_size)
 
 
 def _check_open(reg: Registration) -> None:

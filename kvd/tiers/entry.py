@@ -8,7 +8,9 @@ pins (``refs``) that keep it from eviction. It is ``ready`` (visible to
 lookups) once every shard is stored, and ``evictable`` with no pin and no
 shard being written. It carries its own LRU links (kvd/tiers/lru.py), its
 index records (kvd/tiers/journal.py) and its quota account (``acct``: an
-index into kvd/tiers/quota.py's table, 0 where no quota applies).
+index into kvd/tiers/quota.py's table, 0 where no quota applies). A partial
+entry (``part`` tokens, fewer than a chunk: docs/protocol.md §8.5) lives in
+the host tier only: it is never demoted, published or journaled.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Entry:
     scan: int = 0          # the demotion scan generation that examined it
     scan_bytes: int = 0    # what it added to ``scanned_bytes`` then
     unverified: int = 0    # shards adopted after a crash whose checksum is not checked yet
+    part: int = 0          # a partial entry's tokens (fewer than a chunk's; host only); 0: a chunk
     recs: list | None = field(default=None, repr=False)  # index record of each shard (journal)
     lru_prev: object = field(default=None, repr=False)
     lru_next: object = field(default=None, repr=False)

@@ -91,10 +91,10 @@ class HostTier:
 
     # ---- reservations -----------------------------------------------------------------
 
-    def reserve_many(self, keys: list, ns: bytes, shard_bytes: int, shards: int, rank: int, acct=0):
-        """Reserve shard ``rank`` of every distinct key in quota account ``acct``, all or nothing:
-        (todo, deduped) with todo the ``(index, entry)`` pairs the caller must copy in, in key
-        order, and deduped ``len(keys) - len(todo)``. Raises ``NoSpace`` (``OverQuota``) or
+    def reserve_many(self, keys: list, ns: bytes, shard_bytes: int, shards: int, rank: int, acct=0, part=0):
+        """Reserve shard ``rank`` of every distinct key in quota account ``acct`` (``part``: as
+        partial entries of that many tokens), all or nothing: (todo, deduped) with todo the
+        ``(index, entry)`` pairs to copy in, in key order, and deduped ``len(keys) - len(todo)``. Raises ``NoSpace`` (``OverQuota``) or
         ``BadRequest`` (a key cached under another namespace or size) having changed nothing."""
         bit, seen = 1 << rank, set()
         fresh, joins, dedups = [], [], []
@@ -105,7 +105,7 @@ class HostTier:
             entry = self.entries.get(key)
             if entry is None:
                 fresh.append((i, key))
-            elif entry.ns != ns or entry.shard_bytes != shard_bytes or entry.shards != shards:
+            elif (entry.ns, entry.shard_bytes, entry.shards, entry.part) != (ns, shard_bytes, shards, part):
                 raise BadRequest("key already cached with a different namespace or size")
             elif (entry.stored | entry.writing | entry.unverified) & bit:
                 dedups.append(entry)
@@ -131,7 +131,7 @@ class HostTier:
             entry.writing |= bit
             todo.append((i, entry))
         for (i, key), offset in zip(fresh, offsets):
-            entry = Entry(key, ns, offset, shard_bytes, shards, slot, acct, writing=bit)
+            entry = Entry(key, ns, offset, shard_bytes, shards, slot, acct, writing=bit, part=part)
             self.entries[key] = entry
             todo.append((i, entry))
         if joins:  # fresh keys alone are in key order already
@@ -245,7 +245,7 @@ class HostTier:
             elif e.refs == 0 and e.writing == 0:  # became evictable
                 lru.append(e)
                 self.evictable_bytes += e.slot_bytes
-            if live.get(e.key) is e:
+            if live.get(e.key) is e and not e.part:  # partial entries: not kept across restarts
                 recorded.append(e)
         if self.journal is not None and recorded:
             self.journal.committed_many(recorded, rank)

@@ -101,7 +101,7 @@ class RemoteTiering:
         one exists round trip for them all decides which the store lacks."""
         todo: dict = {}
         for entry in entries:
-            if entry.key in self.publishing or entry.key in todo or \
+            if entry.part or entry.key in self.publishing or entry.key in todo or \
                     self.remote.name(entry.ns, entry.key) in self.remote.known:
                 continue
             if not self.remote.breaker.allow():

@@ -104,7 +104,7 @@ class Tiering:
             entry = host.scan_next()
             if entry is None:
                 break
-            if entry.ready and not entry.on_disk and not self._cold(entry):
+            if entry.ready and not entry.on_disk and not entry.part and not self._cold(entry):
                 state = self._submit(entry)
                 if state == "full":
                     break  # queue full, no room, or pinned share reached: a later pass
@@ -117,7 +117,7 @@ class Tiering:
     def _demote_all(self, tried: set | None) -> int:
         queued = 0
         for entry in list(self.host.entries.values()):  # an operator's flush: rare
-            if not entry.ready or entry.on_disk or entry.key in self.demoting:
+            if not entry.ready or entry.on_disk or entry.part or entry.key in self.demoting:
                 continue
             if tried is not None and entry.key in tried:
                 continue

@@ -17,7 +17,8 @@ and copies every piece of chunks ``[0, n_chunks)`` x layers
 vec_bytes) * vec_bytes`` bytes a piece (``piece = row_bytes // heads``),
 between ``plane_bases[l*planes+k] + page*page_stride + t*token_stride +
 h*head_stride`` and the canonical offset ``chunk_ptrs[c] +
-(((l*planes+k)*chunk_tokens + i)*heads + h)*piece``. A
+(((l*planes+k)*chunk_tokens + i)*heads + h)*piece``, leaving out the
+pieces of a negative page id (kvd's SKIP_PAGE). A
 ``vec_bytes`` other than 16/8/4/2/1 copies nothing; an address not a
 multiple of ``vec_bytes`` is a misaligned-address fault, an address no
 region holds an illegal-address fault (fakecuda.memory). The cancel word is
@@ -112,10 +113,18 @@ def _copy(a: SimpleNamespace, gather: bool, touched: set) -> None:
     in_page = token % a.page_size * a.token_stride + head * a.head_stride
     for c in range(a.n_chunks):
         pages = pids[c * ppc + token // a.page_size].astype(np.int64)
-        for k in range(planes):
-            pool = int(bases[k]) + pages * a.page_stride + in_page
-            canon = int(ptrs[c]) + (first + k) * a.chunk_tokens * a.row_bytes
-            _rows(pool, canon, a, piece, width, gather, touched)
+        for lo, hi in _kept(pages):  # the kernel skips the pieces of a negative page id
+            for k in range(planes):
+                pool = int(bases[k]) + pages[lo:hi] * a.page_stride + in_page[lo:hi]
+                canon = int(ptrs[c]) + (first + k) * a.chunk_tokens * a.row_bytes + lo * piece
+                _rows(pool, canon, a, piece, width, gather, touched)
+
+
+def _kept(pages: np.ndarray) -> list[tuple[int, int]]:
+    """Runs ``[lo, hi)`` of pieces whose page id is not negative."""
+    keep = np.concatenate([[False], pages >= 0, [False]])
+    edges = np.flatnonzero(keep[1:] != keep[:-1])
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
 def _rows(pool: np.ndarray, canon: int, a: SimpleNamespace, piece: int, width: int,

@@ -23,21 +23,29 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvd_protocol.keys import KEY_BYTES, Namespace, chain_root, chunk_keys, namespace_digest
+from kvd_protocol.keys import (
+    KEY_BYTES,
+    Namespace,
+    chain_root,
+    chunk_keys,
+    namespace_digest,
+    part_key,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 MARKER = "<!-- key-test-vectors -->"
 
 
-def load_vectors() -> list[dict]:
+def load_vectors(marker: str = MARKER) -> list[dict]:
     text = DOC.read_text(encoding="utf-8")
-    assert text.count(MARKER) == 1, f"{DOC} must hold exactly one {MARKER}"
-    m = re.match(r"\s*```json\n(.*?)\n```", text.split(MARKER, 1)[1], re.S)
-    assert m, f"a ```json fenced block must follow {MARKER} in {DOC}"
+    assert text.count(marker) == 1, f"{DOC} must hold exactly one {marker}"
+    m = re.match(r"\s*```json\n(.*?)\n```", text.split(marker, 1)[1], re.S)
+    assert m, f"a ```json fenced block must follow {marker} in {DOC}"
     return json.loads(m.group(1))
 
 
 VECTORS = load_vectors()
+PART_MARKER = "<!-- part-key-test-vectors -->"
 BY_NAME = {v["name"]: v for v in VECTORS}
 
 
@@ -342,3 +350,40 @@ def test_deterministic_across_processes(seed):
                                            c["namespace"]["chunk_tokens"])] for c in cases]
     assert got == expect
     assert got[1:] == [v["keys"] for v in VECTORS]
+
+
+# ---- partial chunk keys (docs/protocol.md §8.5) -----------------------------------
+
+PART_VECTORS = load_vectors(PART_MARKER)
+PART_SEED_SPEC = int.from_bytes(b"kvd-part", "little")  # 0x747261702d64766b, from the prose
+
+
+def spec_part_key(prev: bytes, tokens: list[int]) -> bytes:
+    data = prev + struct.pack("<I", len(tokens)) + b"".join(struct.pack("<I", t) for t in tokens)
+    return xxhash.xxh3_128_intdigest(data, seed=PART_SEED_SPEC).to_bytes(16, "big")
+
+
+@pytest.mark.parametrize("vec", PART_VECTORS, ids=[v["name"] for v in PART_VECTORS])
+def test_part_key_vectors(vec):
+    prev = bytes.fromhex(vec["prev"])
+    assert part_key(prev, vec["tokens"]).hex() == vec["key"]
+    assert spec_part_key(prev, vec["tokens"]).hex() == vec["key"]
+    assert PART_SEED_SPEC == 0x747261702D64766B
+
+
+def test_part_keys_chain_on_the_whole_chunks_and_never_equal_a_chunk_key():
+    base = BY_NAME["mha-tp1-two-chunks"]
+    root, keys = bytes.fromhex(base["root"]), [bytes.fromhex(k) for k in base["keys"]]
+    by_prev = {v["prev"] for v in PART_VECTORS}
+    assert by_prev == {base["root"], base["keys"][0]}
+    toks = base["tokens"]
+    parts = {part_key(prev, toks[i * 16:i * 16 + n]) for i, prev in enumerate([root, keys[0]])
+             for n in range(1, 16)}
+    assert len(parts) == 30 and not parts & set(keys)
+    # a chunk whose first words spell the length and the would-be tag is still another key
+    assert part_key(root, toks[:14]) != chunk_keys(root, [14, *toks[:14], 0], 16)[0]
+    assert part_key(keys[0], toks[16:24]) != part_key(root, toks[16:24])  # chained on prev
+    with pytest.raises(ValueError):
+        part_key(root, [])
+    with pytest.raises(ValueError):
+        part_key(root, [2**32])

@@ -39,10 +39,11 @@ SAMPLES = {
                   "layout": LAYOUT_WIRE, "flags": FLAGS}, []),
     "attach": ({"namespace": NS_WIRE, "tp_rank": 0}, []),
     "unregister": ({"reg": 5}, []),
-    "lookup": ({"reg": 5, "lease_ms": 100}, [KEYS2]),
-    "store": ({"reg": 5, "after": 1, "deadline_us": 10**12, "tenant": "acme"}, [KEYS2, PAGES]),
+    "lookup": ({"reg": 5, "lease_ms": 100, "part_tokens": [4]}, [KEYS2]),
+    "store": ({"reg": 5, "after": 1, "deadline_us": 10**12, "tenant": "acme", "part_tokens": 4},
+              [KEYS2, PAGES]),
     "load": ({"reg": 5, "slot": 3, "seq": 2**32 - 1, "after": 7, "lease": 9, "layerwise": True,
-              "deadline_us": 10**12}, [KEYS2, PAGES]),
+              "deadline_us": 10**12, "tail_pages": 1, "part_tokens": 4}, [KEYS2, PAGES]),
     "release": ({"lease": 9}, []),
     "heartbeat": ({}, []),
     "bye": ({}, []),
@@ -519,3 +520,15 @@ def test_malformed_reply(raw):
         P.parse_reply([raw])
     with pytest.raises(BadRequest):
         P.parse_reply([b"\xc1"])
+
+
+def test_part_tokens_are_checked_against_the_registration():
+    assert P.part_tokens_from_wire(8, 16, 4) == 8
+    assert P.part_tokens_from_wire(3, 16, None) == 3  # attach: no page size to check
+    for bad in (0, 16, 17, 6, -4, True, 8.0, "8", None, 2**64):
+        with pytest.raises(BadRequest, match="part_tokens"):
+            P.part_tokens_from_wire(bad, 16, 4)
+    assert P.part_candidates_from_wire([12, 8, 4], 16, 4, 5) == [12, 8, 4]
+    for bad in ([], [8] * 6, [8] * (P.MAX_PART_CANDIDATES + 1), 8, "8", None, [8, 0], [[8]]):
+        with pytest.raises(BadRequest, match="part_tokens"):
+            P.part_candidates_from_wire(bad, 16, 4, 5 if len(str(bad)) < 100 else 10**4)

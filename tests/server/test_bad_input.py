@@ -228,6 +228,82 @@ def test_keys_and_page_frames(daemon, good, zctx, raw_pool):
     good.assert_intact(raw.errors)
 
 
+def test_bad_tail_pages(daemon, good, zctx, raw_pool):
+    """A load's ``tail_pages`` (its last chunk's first pages only) must cut a chunk: 1 to
+    pages_per_chunk - 1 (4 pages a chunk here), of at least one key, with exactly that many
+    page ids for the last chunk; a store takes no ``tail_pages``. Typed errors, nothing
+    written; a valid partial load then writes exactly its pages."""
+    raw = engine(daemon, zctx)
+    raw.hello()
+    reg = raw.register(raw_pool)
+    keys = b"".join(good.keys[:2])
+    for tail in (0, 4, 5, 2**40):
+        assert "tail_pages" in raw.fails("bad_request", "load", [keys, pages(*range(4 + tail % 8))],
+                                         reg=reg, tail_pages=tail)
+    for tail in (-1, True, 1.5, "2", None):
+        raw.fails("bad_request", "load", [keys, pages(*range(6))], reg=reg, tail_pages=tail)
+    raw.fails("bad_request", "load", [b"", b""], reg=reg, tail_pages=1)
+    for n in (4, 5, 7, 8):  # 2 keys, tail of 2 pages: exactly 6 page ids
+        raw.fails("bad_request", "load", [keys, pages(*range(n))], reg=reg, tail_pages=2)
+    raw.fails("out_of_range", "load", [keys, pages(*range(5), 64)], reg=reg, tail_pages=2)
+    raw.fails("bad_request", "store", [keys, pages(*range(6))], reg=reg, tail_pages=2)
+    assert not raw_pool.raw.any()
+    assert raw.ok("load", [keys, pages(*range(10, 16))], reg=reg, tail_pages=2) == {"loaded": 2}
+    for src, got in zip(good.pool.tensors, raw_pool.tensors):  # [k|v, page, ...] per layer
+        src, got = src.view(np.uint8), got.view(np.uint8)
+        assert (got[:, 10:16] == src[:, 0:6]).all()  # chunk 0's 4 pages, chunk 1's first 2
+        got[:, 10:16] = 0
+    assert not raw_pool.raw.any()  # nothing past the tail's 2 pages, nothing else
+    raw.ok("bye")
+    raw.close()
+    good.assert_intact(raw.errors)
+
+
+def test_bad_part_tokens(daemon, good, zctx, raw_pool):
+    """A partial entry (protocol §8.5) has 1 to chunk_tokens - 1 tokens (16 here), a multiple
+    of the page size (4), one key and exactly its pages; a lookup's ``part_tokens`` is a
+    list of such counts, no longer than its keys. Typed errors, nothing stored; a valid
+    partial store then stores one entry of its size, found only as that length."""
+    raw = engine(daemon, zctx)
+    raw.hello()
+    reg = raw.register(raw_pool)
+    for n in (0, 16, 17, 6, 2**40):
+        for op in ("store", "load"):
+            assert "part_tokens" in raw.fails("bad_request", op, [KEY, pages(0, 1)], reg=reg,
+                                              part_tokens=n)
+    for n in (-4, True, 8.0, "8", None, [8]):
+        raw.fails("bad_request", "store", [KEY, pages(0, 1)], reg=reg, part_tokens=n)
+    raw.fails("bad_request", "store", [KEY * 2, pages(0, 1, 2, 3)], reg=reg, part_tokens=8)
+    raw.fails("bad_request", "load", [KEY, pages(0, 1)], reg=reg, part_tokens=8, tail_pages=2)
+    for n in (1, 3, 4):  # 8 tokens: exactly 2 page ids
+        raw.fails("bad_request", "store", [KEY, pages(*range(n))], reg=reg, part_tokens=8)
+        raw.fails("bad_request", "load", [KEY, pages(*range(n))], reg=reg, part_tokens=8)
+    raw.fails("out_of_range", "store", [KEY, pages(0, 64)], reg=reg, part_tokens=8)
+    keys = b"".join(good.keys[:2]) + KEY
+    for bad in ([], [8, 8, 8, 8], [0], [16], [6], [8.0], "8", 8, [[8]], [None]):
+        raw.fails("bad_request", "lookup", [keys], reg=reg, part_tokens=bad)
+    assert not raw_pool.raw.any()
+    assert raw.ok("store", [KEY, pages(10, 11)], reg=reg, part_tokens=8) == {"stored": 1,
+                                                                              "deduped": 0}
+    raw.fails("bad_request", "store", [KEY, pages(10)], reg=reg, part_tokens=4)  # other size
+    raw.fails("bad_request", "store", [KEY, pages(*range(4))], reg=reg)  # as a whole chunk
+    assert raw.ok("lookup", [KEY], reg=reg) == {"hits": 0, "lease": None}
+    assert raw.ok("lookup", [KEY], reg=reg, part_tokens=[8]) == {"hits": 0, "lease": None,
+                                                                 "part": 8}
+    assert raw.ok("lookup", [KEY * 2], reg=reg, part_tokens=[12, 4]) == {  # other lengths
+        "hits": 0, "lease": None, "part": None}
+    assert raw.ok("load", [KEY, pages(20, 21)], reg=reg, part_tokens=8) == {"loaded": 1}
+    for t in raw_pool.tensors:
+        t.view(np.uint8)[:, 20:22] = 0
+    assert not raw_pool.raw.any()  # only the partial entry's 2 pages were written
+    raw.ok("bye")
+    raw.close()
+    stats = daemon.stats()
+    assert stats["tiers"]["host"]["entries"] == good.stats0["tiers"]["host"]["entries"] + 1
+    good.stats0 = {**good.stats0, "tiers": stats["tiers"], "chunks_stored": stats["chunks_stored"]}
+    good.assert_intact(raw.errors)
+
+
 def test_a_page_id_named_twice_in_one_request(good):
     """Not bad input (kvd's vLLM connector points the pages of a load's first chunk that vLLM
     holds already at one scratch block), but defined (docs/protocol.md §5.6, §5.7): a store

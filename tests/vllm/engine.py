@@ -3,7 +3,8 @@
     python engine.py SPEC.json OUT.json
         SPEC: {"model": DIR, "kvd": null | {extra config}, "multiprocess": bool,
                "phases": [{"prompts": [[token ids]], "freeze_daemon": pid | null}],
-               "max_tokens": int, "kv_cache_dtype": str, "speculative": {config} | null,
+               "max_tokens": int, "max_model_len": int (2048), "kv_cache_dtype": str,
+               "speculative": {config} | null,
                "kv_role": "kv_both" (default) | "kv_producer" (stores only) | "kv_consumer",
                "state_digests": bool (tests/vllm/engine_states.py; in-process engines)}
         OUT: per phase the greedy tokens, the chosen tokens' logprobs, each
@@ -46,7 +47,8 @@ def run(spec: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     kw = dict(model=spec["model"], load_format="safetensors", dtype="bfloat16", seed=0,
-              max_model_len=2048, max_num_batched_tokens=2048, max_num_seqs=8,
+              max_model_len=spec.get("max_model_len", 2048), max_num_batched_tokens=2048,
+              max_num_seqs=8,
               block_size=BLOCK_SIZE, enforce_eager=True, enable_prefix_caching=False,
               skip_tokenizer_init=True, disable_log_stats=False, kv_cache_memory_bytes=64 << 20)
     if not spec.get("multiprocess"):

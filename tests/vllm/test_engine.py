@@ -19,7 +19,10 @@ off: every cached token comes from kvd.
    the daemon frozen just before the loads: the loads fail, vLLM recomputes
    (identical outputs again) and the failed keys are not offered again. Its
    lookups never wait (``lookup_wait_ms`` 0): each prompt is first answered
-   None and vLLM asks again in a later step; one lookup per prompt.
+   None and vLLM asks again in a later step; one lookup per prompt. Between
+   the two, a phase of another prompt steps the engine once more, so the
+   tails of the first phase's requests are stored (partial entries): the
+   frozen phase's hits reach them, and their loads fail too.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ FIRST = [PREFIX + list(range(500, 540))]            # stored by engine 2
 SECOND = [PREFIX + list(range(600, 640)),           # hit 320 (limit: 359 // 64 = 5 chunks)
           PREFIX[:128] + list(range(700, 740))]     # hit 128 (2 chunks)
 HITS = [320, 128]
+TAIL_HITS = [352, 160]  # once the first phase stored their tails: up to a block (32) from the end
+FLUSH = list(range(900, 940))
 ASYNC_MIN = 256       # the 320-token hit loads between steps, the 128-token hit inside the step
 
 
@@ -100,8 +105,11 @@ def test_second_engine_loads_the_first_ones_prefixes(model, start_daemon, tmp_pa
     assert first["phases"][0]["counters"]["vllm:kvd_stored_tokens"] >= 320
     assert daemon.stats()["tiers"]["host"]["chunks"] >= 5
 
-    hits, fails = run_engine(tmp_path, "load", {"model": str(model), "kvd": kvd, "phases": [
-        {"prompts": SECOND}, {"prompts": SECOND, "freeze_daemon": daemon.proc.pid}]})["phases"]
+    # the flush phase steps the engine once more, which stores the tails of SECOND's ended
+    # requests (partial entries): the frozen phase's prompts hit them too
+    hits, _, fails = run_engine(tmp_path, "load", {"model": str(model), "kvd": kvd, "phases": [
+        {"prompts": SECOND}, {"prompts": [FLUSH]},
+        {"prompts": SECOND, "freeze_daemon": daemon.proc.pid}]})["phases"]
 
     # kvd's hits, loaded for real: the same tokens and logprobs as without kvd (the suffix
     # computed against a loaded prefix, in batches the lookups' timing decides: decode
@@ -119,10 +127,12 @@ def test_second_engine_loads_the_first_ones_prefixes(model, start_daemon, tmp_pa
     assert same_outputs(fails, base), (fails, base)
     assert fails["finish_reasons"] == ["length", "length"]
     f = fails["counters"]
-    assert f["vllm:kvd_load_failures"] == 2 and "vllm:kvd_loaded_tokens" not in f
-    assert f["vllm:kvd_hit_tokens"] == sum(HITS)  # offered once; not again after the failure
+    # each hit now ends on its prompt's last block but one: its whole chunks and the tail
+    # the first phase stored, two loads each, all failed
+    assert f["vllm:kvd_load_failures"] == 4 and "vllm:kvd_loaded_tokens" not in f
+    assert f["vllm:kvd_hit_tokens"] == sum(TAIL_HITS)  # offered once; not again after failing
     assert f["vllm:kvd_lookups"] == 2
     # vLLM counts a failed async hit as computed, a failed sync hit as cached (its stats are
     # taken at admission), though both were recomputed
-    assert computed(f) == computed(base["counters"]) - HITS[1]
+    assert computed(f) == computed(base["counters"]) - TAIL_HITS[1]
     assert daemon.proc.poll() is None and daemon.control("health")["status"] == "ok"

@@ -102,7 +102,8 @@ def test_engines_on_both_runners_share_kv_byte_for_byte(model, start_daemon, tmp
     # under auto's gpu_dma_min_piece), SM kernels for token rows
     daemon = start_daemon(gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB", gpu_copy_path="dma",
                           client_timeout_s=30.0, heartbeat_interval_s=1.0)
-    kvd = {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 10.0, "async_load_min_tokens": ASYNC_MIN}
+    kvd = {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 10.0, "async_load_min_tokens": ASYNC_MIN,
+           "partial_tails": False}  # hits of whole chunks (HITS)
     sets = {"v2": prompts("stored-by-v2"), "v1": prompts("stored-by-v1")}
     formats = {"v2": "blocks", "v1": "rows"}  # each set in one gpu_block_format, both covered
 
@@ -166,7 +167,8 @@ def test_a_corrupt_host_chunk_is_recomputed_never_served(model, start_daemon, tm
     before that chunk; vLLM recomputes the rest (the same first token), never reads it."""
     daemon = start_daemon(gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB", gpu_copy_path="dma",
                           verify_loads="on", client_timeout_s=30.0, heartbeat_interval_s=1.0)
-    kvd = {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 10.0, "async_load_min_tokens": ASYNC_MIN}
+    kvd = {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 10.0, "async_load_min_tokens": ASYNC_MIN,
+           "partial_tails": False}  # hits of whole chunks (HITS)
     long = prompts("corrupt")["long"]
 
     def spec(poison=None) -> dict:

@@ -45,7 +45,7 @@ def daemon_and_settings(start_daemon) -> tuple:
     daemon = start_daemon(gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB",
                           client_timeout_s=30.0, heartbeat_interval_s=1.0)
     return daemon, {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 10.0,
-                    "async_load_min_tokens": ASYNC_MIN}
+                    "async_load_min_tokens": ASYNC_MIN, "partial_tails": False}  # HITS: whole chunks
 
 
 def store_then_load(tmp_path, model, kvd: dict, name: str) -> tuple[dict, dict]:

@@ -67,7 +67,7 @@ def test_a_prefix_computed_on_one_node_is_served_on_another_through_the_store(
     def spec(d, names: list, poison=None) -> dict:
         return {"model": str(model), "poison": poison, "batches": [[p[n]] for n in names],
                 "kvd": {"runtime_dir": str(d.runtime_dir), "timeout_s": 10.0,
-                        "async_load_min_tokens": ASYNC_MIN}}
+                        "async_load_min_tokens": ASYNC_MIN, "partial_tails": False}}
     (stored,) = finish([spawn(tmp_path, "store-node-a", spec(nodes[0], ["long", "short"]), "v2",
                               env={"CUDA_VISIBLE_DEVICES": str(GPUS[0])})])
     chunks = (HITS["long"] + HITS["short"]) // CHUNK

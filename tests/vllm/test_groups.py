@@ -64,6 +64,8 @@ def test_a_window_needs_the_blocks_vllm_keeps():
 class Lookups:
     """A client stand-in: each namespace holds the first ``held[fingerprint]`` chunks."""
 
+    limits: dict = {}  # a daemon that says nothing of partial chunks: whole-chunk hits
+
     def __init__(self, held):
         self.held, self.released = held, []
 

@@ -50,7 +50,8 @@ def avx512() -> bool:
 
 
 def kvd_options(daemon) -> dict:
-    return {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 5.0}
+    # HITS are whole chunks: no request's tail kept (test_engine_blocks.py covers those)
+    return {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 5.0, "partial_tails": False}
 
 
 def model_dir(tmp_path_factory, name: str, **overrides) -> Path:

@@ -310,13 +310,16 @@ def test_finish_policy_stores_once_when_the_request_ends(engines):
     req.num_computed_tokens = 37
     assert e.sched.finished(req, list(range(1, 11))) is True
     plan, sending, _, _ = e.run_step(step_output(), finished=["f1"])
-    assert [(s.after_forward, len(s.keys)) for s in plan.stores] == [(False, 2)]
+    # the 2 whole chunks, and the 5 tokens past them cut to a block: a partial entry of 4
+    assert [(s.after_forward, len(s.keys), s.part) for s in plan.stores] == [(False, 2, 0),
+                                                                          (False, 1, 4)]
     for _ in range(500):
         if sending:
             break
         time.sleep(0.01)
         _, sending, _, _ = e.run_step(step_output())
-    assert sending == {"f1"} and daemon.stats()["tiers"]["host"]["chunks"] == 2
+    host = daemon.stats()["tiers"]["host"]
+    assert sending == {"f1"} and host["chunks"] == host["entries"] == 3
 
 
 def test_stores_are_labelled_with_the_requests_salt_for_the_daemons_quotas(start_daemon):

@@ -27,6 +27,11 @@ HELP = {
     "store_failures": "stores that failed (nothing of them is cached)",
     "stored_tokens": "tokens now cached in kvd by stores (new or already there)",
     "stored_bytes": "bytes of KV offered to kvd by stores that succeeded (this rank's shard)",
+    "requests": "requests that ended (finished or aborted)",
+    "prompt_tokens": "prompt tokens of the requests that ended",
+    "recomputed_tokens": "prompt tokens of the requests that ended that neither vLLM's own "
+                         "prefix cache nor kvd served at admission (per request: divide by "
+                         "requests; loads that failed later are in load_failures)",
 }
 
 

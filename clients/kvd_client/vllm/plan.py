@@ -3,8 +3,9 @@
 Plain, picklable data: keys computed once by the scheduler, 16-byte strings with the block
 ids (``blocks_per_chunk`` per key) and the item's KV cache ``group``.
 ``LoadItem``: ``keys`` into ``pages`` (``pages[:scratch]`` are throw-away writes, sent to
-vLLM's null block; ``layerwise``: inside the step). ``StoreItem``: ``pages`` out under
-``keys`` (``after_forward``: submitted at ``wait_for_save``; ``tenant``).
+vLLM's null block; ``layerwise``: inside the step; ``tail``: only the last chunk's first
+``tail`` blocks; ``part``: one partial entry of that many tokens). ``StoreItem``: ``pages``
+out under ``keys`` (``after_forward``: at ``wait_for_save``; ``tenant``; ``part``).
 ``StepPlan.namespace`` joins the groups' digests. ``WorkerReport``: keys whose load failed.
 """
 
@@ -22,6 +23,15 @@ class LoadItem:
     layerwise: bool = True
     group: int = 0
     tokens: int = 0         # tokens of the hit it serves (a sliding window loads fewer)
+    tail: int = 0           # blocks of the last chunk to load (0: all of it)
+    part: int = 0           # tokens of the one partial entry it loads (keys: its partial key)
+
+    def complete(self, loaded_tokens: int, chunk: int, block_size: int) -> bool:
+        """Whether a load that brought ``loaded_tokens`` (scratch pages counted) brought it all."""
+        if self.part:
+            return loaded_tokens >= self.part
+        short = chunk - self.tail * block_size if self.tail else 0
+        return loaded_tokens >= len(self.keys) * chunk - short
 
     def real_pages(self, from_chunk: int, blocks_per_chunk: int) -> set[int]:
         """The request's own blocks from chunk ``from_chunk`` of this load on."""
@@ -36,6 +46,7 @@ class StoreItem:
     after_forward: bool = True
     tenant: str | None = None
     group: int = 0
+    part: int = 0           # tokens of the one partial entry it stores (keys: its partial key)
 
 
 @dataclass

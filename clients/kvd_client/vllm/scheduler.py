@@ -2,58 +2,35 @@
 
 ``SchedulerSide`` runs in vLLM's engine core (no KV): it attaches kvd's namespace and keeps
 per request its keys, blocks and what moved. ``matched`` answers tokens kvd adds past vLLM's
-own hit, whole chunks, leased, without ever blocking a step (``lookup_wait_ms``; None means
+own hit, ending on a block (the last chunk loaded in part; on a chunk with a state group:
+kvd_client.vllm.hits), leased, without ever blocking a step (``lookup_wait_ms``; None means
 ask again); no daemon is a miss. Large hits load asynchronously; layer-wise loads leave
 enough tokens to compute that vLLM never replays a full CUDA graph over them. ``allocated``,
-``step`` (the ``StepPlan``), ``finished`` and ``update`` (failed keys not offered for
-``retry_failed_after_s``) follow vLLM's calls. KV cache groups: kvd_client.vllm.groups.
-Requests with images or prompt embeddings are neither looked up nor stored. Nothing here
-imports vLLM.
+``step`` (the ``StepPlan``), ``finished`` and ``update`` follow vLLM's calls. KV cache
+groups: kvd_client.vllm.groups; stores: kvd_client.vllm.stores; a request's tail is stored
+as a partial entry and found by a second lookup: kvd_client.vllm.tails. Requests with
+images or prompt embeddings are neither looked up nor stored. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
-from kvd_client.lookup import Lookup
 from kvd_protocol.keys import chain_root, chunk_keys, namespace_digest
 
-from . import labels, states
+from . import hits, labels, states, tails
 from .counters import Counters
 from .groups import NULL_BLOCK, KVGroup
 from .plan import LoadItem, StepPlan, StoreItem, WorkerReport
+from .request import ReqState
+from .stores import Stores
 from .settings import Settings
 
 log = logging.getLogger("vllm.kvd")  # under vLLM's logger: its format and level
 
 
-@dataclass
-class ReqState:
-    request: object
-    salt: str | None
-    tenant: str | None = None  # the stores' label for the daemon's quotas
-    keys: list[list[bytes]] = field(default_factory=list)     # per group
-    blocks: list[list[int]] = field(default_factory=list)     # per group
-    leases: list[int | None] = field(default_factory=list)   # per group, of the last answer
-    lookups: list[Lookup] | None = None  # in flight, or answered and not yet read
-    questions: list = field(default_factory=list)  # per lookup: (group, chunk) (kvd_client.vllm.states)
-    asked: int = 0          # chunks the last lookup asked for
-    found: int = 0          # tokens it found
-    tiers: tuple = (0, 0)   # of its prefix's chunks: on kvd's disk tier, on the remote tier
-    found_at: float | None = None  # when it was answered (None: no answer to reuse)
-    local: int = 0          # vLLM's own prefix-cache hit, tokens
-    hit: int = 0            # local + what kvd adds, tokens
-    asynchronous: bool = False
-    loads: list[LoadItem] = field(default_factory=list)  # per group, for the next step
-    loading: bool = False   # an async load was sent and has not been reported
-    stored: list[int] = field(default_factory=list)  # per group: chunks known to be in kvd
-    stores_sent: bool = False
-    cacheable: bool = True  # token ids say it all (no images, no prompt embeddings)
-
-
-class SchedulerSide:
+class SchedulerSide(Stores):
     def __init__(self, client, reg, settings: Settings, block_size: int, loads: bool, stores: bool,
                  counters: Counters, layerwise_min_compute: int = 2, layerwise: bool = True,
                  groups: list[KVGroup] | None = None):
@@ -67,6 +44,8 @@ class SchedulerSide:
         self.layerwise_min_compute, self.layerwise = layerwise_min_compute, layerwise
         self.block_size, self.loads, self.stores = block_size, loads, stores
         self.counters = counters
+        self.partial = not any(g.state for g in self.groups)  # hits end on blocks (hits.py)
+        self.partials = settings.partial_tails and tails.enabled(self.groups)  # tails.py
         self.reqs: dict[str, ReqState] = {}
         self.failed = labels.FailedKeys()
         self.finish_stores: list[StoreItem] = []
@@ -104,6 +83,7 @@ class SchedulerSide:
     def matched(self, request, local: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local, st.hit, st.loads = local, local, []
+        st.served = max(st.served, local)
         usable = self._usable(st, local)
         if not usable:
             self._forget(st)
@@ -111,16 +91,26 @@ class SchedulerSide:
         found = self._found(st, usable)
         if found is None:
             return None, False  # vLLM skips the request this step and asks again later
-        return self._offer(st, min(found, usable * self.chunk))
+        return self._offer(st, min(found, self._top(st)))
+
+    def _top(self, st: ReqState) -> int:
+        """The most tokens a hit may cover: one token left to compute, on a block (on a
+        chunk with a state group: kvd_client.vllm.hits)."""
+        partial = self.partial and self._daemon_partial()
+        return hits.top(st.request.num_tokens, self.chunk, self.block_size, partial)
+
+    def _daemon_partial(self) -> bool:
+        """Whether the daemon takes partial loads and entries (its hello says so)."""
+        return bool(self.client.limits.get("partial_chunks"))
 
     def _usable(self, st: ReqState, local: int) -> int:
         """Chunks worth looking up (0: none past the local hit)."""
-        c = self.chunk
-        limit = (st.request.num_tokens - 1) // c  # whole chunks, and one token left to compute
-        if not self.loads or not st.cacheable or limit * c <= local or c % self.block_size:
+        c, top = self.chunk, self._top(st)
+        limit = hits.chunks(top, st.request.num_tokens, c)  # chunks with a key
+        if not self.loads or not st.cacheable or min(limit * c, top) <= local or c % self.block_size:
             return 0
         usable = min(self.failed.before(self._keys(st, limit, g)) for g in range(len(self.groups)))
-        return usable if usable * c > local else 0
+        return usable if min(usable * c, top) > local else 0
 
     def _found(self, st: ReqState, usable: int) -> int | None:
         """Tokens kvd holds of the first ``usable`` chunks; None while the lookup is out."""
@@ -145,7 +135,27 @@ class SchedulerSide:
             st.tiers = next(((getattr(x, "disk_hits", 0), getattr(x, "remote_hits", 0))
                              for x, (_, i) in zip(st.lookups, st.questions) if i is None), (0, 0))
             st.lookups = None
-        return st.found
+            st.tail = self._ask_tail(st, min(st.found, usable * self.chunk))
+        if st.tail is not None and not st.tail.answered:  # the partial entry where it stops
+            if not self._wait(st.tail.lookup):
+                return None
+            st.tail.read()
+        return min(st.found, usable * self.chunk) + (st.tail.tokens if st.tail else 0)
+
+    def _ask_tail(self, st: ReqState, found: int):
+        """Ask for the partial entries of the chunk where a whole-chunk hit of ``found`` tokens
+        stops (kvd_client.vllm.tails); None when there is nothing to ask."""
+        top, c = self._top(st), self.chunk
+        if not self.partials or found % c or found >= top or not self._daemon_partial():
+            return None
+        return tails.ask(self.client, self.reg, st.request.all_token_ids, self._prev(st, found // c),
+                         found // c, c, self.block_size, top, self.failed, self.s.lease_ms)
+
+    def _prev(self, st: ReqState, chunk: int) -> bytes:
+        """The key chunk ``chunk``'s key chains on (the root for chunk 0)."""
+        if chunk:
+            return self._keys(st, chunk)[-1]
+        return chain_root(namespace_digest(self.reg.namespace), st.salt)
 
     def _reusable(self, st: ReqState, usable: int) -> bool:
         """vLLM asks again (no blocks this step, a preemption): a recent answer for the same
@@ -176,8 +186,10 @@ class SchedulerSide:
         if st.asynchronous and not self._on_chunks(tokens) or several and not st.asynchronous:
             self._release(st)  # an async load cannot throw writes away (no block of this step)
             return 0, False
-        if not st.asynchronous and short:
-            tokens -= c  # a layer-wise load's step must not be a pure-decode one (a full CUDA graph)
+        if not st.asynchronous and short:  # its step must not be a pure-decode one (a full CUDA graph)
+            granule = self.block_size if self.partial and self._daemon_partial() else c
+            tokens = tails.fit(st.tail, hits.layerwise_end(st.request.num_tokens,
+                                                            self.layerwise_min_compute, granule), c)
         if not st.asynchronous and (tokens <= local or not self.layerwise):
             self._release(st)
             return 0, False
@@ -202,8 +214,9 @@ class SchedulerSide:
                         external, request.request_id, st.hit - st.local)
             return
         all_ids, c, rid = blocks.get_block_ids(), self.chunk, request.request_id
-        last, loads = st.hit // c, []
-        tokens = (last - st.local // c) * c
+        part = st.tail.tokens if st.tail is not None else 0  # a partial entry ends the hit
+        last, loads = -(-(st.hit - part) // c), []  # the chunks the hit reaches into
+        tail, tokens = hits.tail(st.hit - part, c, self.block_size), st.hit - st.local // c * c
         for g, group in enumerate(self.groups):
             ids, keys = list(all_ids[group.gid]), self._keys(st, last, g)
             if group.state:  # the state after the hit, into the request's state block
@@ -211,13 +224,16 @@ class SchedulerSide:
             else:  # from the first block past the local hit, and in the window
                 where = group.load_pages(ids, st.local, st.hit, self.block_size, c)
                 item = where and LoadItem(rid, keys[where[0]:], where[1], where[2],
-                                          not st.asynchronous, g, tokens)
+                                          not st.asynchronous, g, tokens, tail)
             if not item:
                 log.warning("kvd: a null block in the hit of %s; not loading", rid)
                 st.hit = st.local
                 return
             loads.append(item)
+        if part:
+            loads = tails.split(loads[0], st.tail, c // self.block_size)
         st.loads, st.stored = loads, [max(n, last) for n in st.stored]
+        st.served = max(st.served, st.hit)
 
     # ---- each step ----------------------------------------------------------------
 
@@ -249,47 +265,6 @@ class SchedulerSide:
             st.blocks = [list(new[g.gid]) if resumed else st.blocks[k] + list(new[g.gid])
                          for k, g in enumerate(self.groups)]
 
-    def _store_computed(self, so, plan: StepPlan) -> None:
-        computed = {nr.req_id: nr.num_computed_tokens for nr in so.scheduled_new_reqs}
-        cr = so.scheduled_cached_reqs
-        computed.update(zip(cr.req_ids, cr.num_computed_tokens))
-        for req_id, before in computed.items():
-            st = self.reqs.get(req_id)
-            if st is None or not self._worth_storing(st):
-                continue
-            end = min(before + so.num_scheduled_tokens.get(req_id, 0), st.request.num_tokens)
-            for g, group in enumerate(self.groups):  # a window's blocks vLLM freed are not kept
-                held = group.held_chunk(before, self.block_size, self.chunk)
-                item = self._state_item(st, g, end, True) if group.state else \
-                    self._store_item(st, g, end // self.chunk, st.blocks[g], True, held)
-                if item is not None:
-                    plan.stores.append(item)
-
-    def _worth_storing(self, st: ReqState) -> bool:
-        return st.cacheable and st.request.num_prompt_tokens >= max(self.s.store_min_tokens, self.chunk)
-
-    def _state_item(self, st: ReqState, g: int, end: int, after_forward: bool, blocks=None):
-        """Group ``g``'s state after ``end`` tokens, at a chunk end not yet stored."""
-        item = states.store_item(st.request.request_id, self._keys(st, end // self.chunk, g),
-                                 st.blocks[g] if blocks is None else blocks, end, self.chunk,
-                                 st.stored[g], after_forward, st.tenant, g)
-        if item is not None:
-            st.stored[g], st.stores_sent = end // self.chunk, True
-        return item
-
-    def _store_item(self, st: ReqState, g: int, upto: int, blocks: list[int], after_forward: bool,
-                    held: int = 0):
-        """Group ``g``'s chunks from the first not in kvd (and not before ``held``) to ``upto``."""
-        bpc = self.chunk // self.block_size
-        upto = min(upto, len(blocks) // bpc)
-        start = max(st.stored[g], held)
-        if upto <= start:
-            return None
-        item = StoreItem(st.request.request_id, self._keys(st, upto, g)[start:],
-                         blocks[start * bpc:upto * bpc], after_forward, st.tenant, g)
-        st.stored[g], st.stores_sent = upto, True
-        return item
-
     # ---- the end of a request, and the workers' news -------------------------------
 
     def finished(self, request, block_ids) -> bool:
@@ -301,6 +276,8 @@ class SchedulerSide:
         if st is None:
             return False
         self._forget(st)
+        prompt = request.num_prompt_tokens
+        self.counters.add(requests=1, prompt_tokens=prompt, recomputed_tokens=max(0, prompt - st.served))
         if st.loading:
             return True  # the load lands in these blocks; finished_recving frees them
         if self.stores and self.s.store_policy == "finish" and self._worth_storing(st):
@@ -314,6 +291,9 @@ class SchedulerSide:
                     self._store_item(st, g, computed // self.chunk, ids, False, held)
                 if item is not None:
                     self.finish_stores.append(item)
+        if self.partials and self.stores and self.s.store_policy != "off" and st.cacheable \
+                and self._daemon_partial():
+            self._store_tail(st, request, list(block_ids[self.groups[0].gid]))
         return st.stores_sent
 
     def update(self, finished_recving, report: WorkerReport | None) -> None:
@@ -332,6 +312,10 @@ class SchedulerSide:
                     st.stored[g] = bad[0]
 
     def _release(self, st: ReqState) -> None:
+        if st.tail is not None:  # its lookup, its lease: as the chunks'
+            st.tail.lookup.cancel()
+            st.leases.append(st.tail.lease)
+            st.tail = None
         for lease in st.leases:
             if lease is not None:  # never stalls a step; a lost release expires
                 self.client.release(lease, wait=False)

@@ -43,6 +43,9 @@ OPTIONS = {
                            "needs one more engine step) or 'off' (lookups and loads only)",
                            STORE_POLICIES),
     "store_min_tokens": Option(int, 0, "requests with fewer prompt tokens are not stored"),
+    "partial_tails": Option(bool, True, "keep a request's tail past its last whole chunk (cut to a "
+                            "block) as a partial entry when it ends, and look partial entries up "
+                            "where a whole-chunk hit stops (one full-attention KV cache group only)"),
     "async_load_min_tokens": Option(int, 65536, "a hit of at least this many tokens loads "
                                     "asynchronously, between steps (the request waits outside the "
                                     "batch, other requests' steps are not stretched by its copy); "
@@ -85,6 +88,7 @@ class Settings:
     salt_lora: bool = True
     store_policy: str = "all"
     store_min_tokens: int = 0
+    partial_tails: bool = True
     async_load_min_tokens: int = 65536
     load_failure_policy: str = "recompute"
     retry_failed_after_s: float = 30.0

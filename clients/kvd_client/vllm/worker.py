@@ -94,7 +94,8 @@ class WorkerSide:
                 continue
             try:
                 t = self.client.submit_load(ChunkKeys(item.keys), item.pages,
-                                            reg=self.regs[item.group], layerwise=item.layerwise)
+                                            reg=self.regs[item.group], layerwise=item.layerwise,
+                                            tail_pages=item.tail, part_tokens=item.part)
             except (KvdError, ValueError) as exc:  # no free load slot in time; a page count
                 log.warning("kvd: load for %s not sent: %s", item.req_id, exc)
                 self._failed_load(item, 0)
@@ -127,12 +128,14 @@ class WorkerSide:
         self.sync = []
 
     def _check_load(self, item: LoadItem, t) -> bool:
-        loaded = t.tokens // self.chunk if t.ok else 0
+        got = t.tokens if t.ok else 0  # a partial last chunk (item.tail): its blocks' tokens
+        whole = item.complete(got, self.chunk, self.geo.block_size)
+        loaded = len(item.keys) if whole else got // self.chunk
         if item.group == 0:  # a request's load counts once, as the tokens of its hit
-            whole = loaded >= len(item.keys) and item.tokens
-            self.counters.add(loads=1, loaded_tokens=item.tokens if whole else loaded * self.chunk)
-        self.counters.add(loaded_bytes=loaded * self.chunk * self.token_bytes[item.group])
-        if loaded >= len(item.keys):
+            self.counters.add(loads=1, loaded_tokens=item.tokens if whole and item.tokens
+                              else loaded * self.chunk)
+        self.counters.add(loaded_bytes=got * self.token_bytes[item.group])
+        if whole:
             return True
         if t.error is not None:
             log.warning("kvd: load for %s failed, vLLM recomputes: %s", item.req_id, t.error)
@@ -153,7 +156,8 @@ class WorkerSide:
             return
         try:
             t = self.client.submit_store(ChunkKeys(item.keys), item.pages,
-                                         reg=self.regs[item.group], tenant=item.tenant)
+                                         reg=self.regs[item.group], tenant=item.tenant,
+                                         part_tokens=item.part)
             stores.append(t)
             if item.group in self.fenced:
                 self.fence.append(t)
