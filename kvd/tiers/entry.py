@@ -1,16 +1,13 @@
 """One cached chunk of the host tier: where its shards live and what holds them.
 
-An ``Entry`` is the host tier's record of a key (kvd/tiers/host.py owns every
-field's changes): its arena slot (``offset``, ``slot_bytes``), one bit per
-TP shard in ``stored`` (landed), ``writing`` (a store copying it in) and
-``unverified`` (adopted after a crash, checksum not checked yet), and the
-pins (``refs``) that keep it from eviction. It is ``ready`` (visible to
-lookups) once every shard is stored, and ``evictable`` with no pin and no
-shard being written. It carries its own LRU links (kvd/tiers/lru.py), its
-index records (kvd/tiers/journal.py) and its quota account (``acct``: an
-index into kvd/tiers/quota.py's table, 0 where no quota applies). A partial
-entry (``part`` tokens, fewer than a chunk: docs/protocol.md §8.5) lives in
-the host tier only: it is never demoted, published or journaled.
+An ``Entry`` is the host tier's record of a key (kvd/tiers/host.py owns every field's
+changes): its arena slot (``offset``, ``slot_bytes``), one bit per TP shard in ``stored``,
+``writing`` (a store copying it in), ``unverified`` (adopted after a crash) and the pins
+(``refs``) that keep it from eviction. ``ready`` (visible to lookups) once every shard is
+stored, ``evictable`` with no pin and no shard being written. It carries its LRU links
+(kvd/tiers/lru.py), index records (kvd/tiers/journal.py) and quota account (``acct``). A
+partial entry (``part`` tokens: docs/protocol.md §8.5) lives in the host tier only: never
+demoted, published or journaled.
 """
 
 from __future__ import annotations

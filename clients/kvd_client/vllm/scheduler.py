@@ -2,14 +2,12 @@
 
 ``SchedulerSide`` runs in vLLM's engine core (no KV): it attaches kvd's namespace and keeps
 per request its keys, blocks and what moved. ``matched`` answers tokens kvd adds past vLLM's
-own hit, ending on a block (the last chunk loaded in part; on a chunk with a state group:
-kvd_client.vllm.hits), leased, without ever blocking a step (``lookup_wait_ms``; None means
-ask again); no daemon is a miss. Large hits load asynchronously; layer-wise loads leave
-enough tokens to compute that vLLM never replays a full CUDA graph over them. ``allocated``,
-``step`` (the ``StepPlan``), ``finished`` and ``update`` follow vLLM's calls. KV cache
-groups: kvd_client.vllm.groups; stores: kvd_client.vllm.stores; a request's tail is stored
-as a partial entry and found by a second lookup: kvd_client.vllm.tails. Requests with
-images or prompt embeddings are neither looked up nor stored. Nothing here imports vLLM.
+own hit, ending on a block (kvd_client.vllm.hits), leased, never blocking a step
+(``lookup_wait_ms``; None: ask again); no daemon is a miss. Large hits load asynchronously;
+layer-wise loads leave enough to compute that vLLM never replays a full CUDA graph over
+them. ``allocated``, ``step``, ``finished``, ``update`` follow vLLM's calls. Groups:
+kvd_client.vllm.groups; stores: .stores; partial entries (a request's tail): .tails.
+Requests with images or prompt embeddings are neither looked up nor stored. No vLLM import.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Partial chunks in the scheduler: a request's tail shorter than a chunk, kept when it ends
 and found by a later request that shares it (docs/protocol.md §8.5).
 
-kvd's chain keys name whole chunks; the tokens a request computed past its last
-whole chunk, cut to a block, are kept as a **partial entry** under a partial key
-(``kvd_protocol.keys.part_key``, chained on the chunk before): ``store_item`` when
-the request ends. A later request whose whole-chunk hit stops at chunk ``j`` (the
-first chunk kvd lacks, or the last with a key) asks, in a second lookup, for
-chunk ``j``'s partial keys of every block-aligned length it could use (longest
-first, within the tokens it may hit: ``ask``); kvd answers with the longest it
-holds, and the hit ends there. ``split`` turns the load of such a hit into the
-whole chunks' ``LoadItem`` and one for the partial entry (``part`` tokens). In a
-multi-turn conversation the next turn holds the previous one's prompt and answer,
-so it hits the previous turn's tail instead of recomputing it.
-
-Only for engines with one full-attention KV cache group (``enabled``): a window's
-blocks may be gone, and a state exists only at chunk ends. A partial hit that a
-layer-wise cut would shorten is dropped (``fit``): partial entries load whole.
-Failure is a miss: no answer in time, a lost lease, a failed load (its key is not
-offered again for ``retry_failed_after_s``, as a chunk's). Nothing here imports vLLM.
+``store_item``: when a request ends, its computed tokens past its last whole chunk, cut to
+a block, go to kvd under a partial key (``kvd_protocol.keys.part_key``). ``ask``: where a
+later request's whole-chunk hit stops at chunk ``j``, a second lookup asks for ``j``'s
+partial keys of every usable block-aligned length, longest first; ``split`` loads the
+whole chunks and the partial entry found. So a conversation's next turn hits the previous
+turn's tail. One full-attention KV cache group only (``enabled``); a partial hit a
+layer-wise cut would shorten is dropped (``fit``). Failure is a miss. No vLLM import.
 """
 
 from __future__ import annotations
