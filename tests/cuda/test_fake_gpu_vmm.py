@@ -204,6 +204,9 @@ def test_restarted_daemon_is_lent_the_descriptors_again(fake_engine, fake_daemon
             assert c.store(tokens, range(4)) == 4 * CHUNK
             d.kill()
             d2 = fake_daemon(runtime_dir=d.runtime_dir, **knobs)
+            # new tokens: the first daemon's chunks come back unverified after its SIGKILL,
+            # and a load may miss them until the new daemon checked them
+            tokens = tokens + 10_000
             deadline = time.monotonic() + 20
             while c.store(tokens, range(4)) != 4 * CHUNK:
                 assert time.monotonic() < deadline, "the client did not come back"
