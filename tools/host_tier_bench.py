@@ -12,14 +12,14 @@ that scans from the LRU end -- and then times, per request of ``--chunks`` keys:
 
 Medians over ``--requests`` requests, in microseconds. Flat figures across N mean the
 per-request cost does not grow with the number of cached entries. ``--journal`` runs each
-size twice, without and with the warm-restart journal (kvd/tiers/journal.py: an index
+size twice, without and with the warm-restart journal (kvd/tiers/host/journal.py: an index
 record per commit, checksums on hashing threads), alternating, so the second row is its
 cost on the event loop; ``--journal-delay S`` gives that journal a record delay
 (``warm_record_delay_s``; default 0: a record per commit), and the ``flush`` column is the
 time its delayed records took on the loop, per request. ``--rebuild`` instead times what a
 restarted daemon does before it
 serves, per size: reading the index file and rebuilding the entries
-(kvd/tiers/adopt.py ``rebuild``, on a thread in the daemon) and ``HostTier.adopt`` (on the
+(kvd/tiers/host/adopt.py ``rebuild``, on a thread in the daemon) and ``HostTier.adopt`` (on the
 loop). Usage:
 ``.venv/bin/python tools/host_tier_bench.py [--sizes 1000,10000,100000] [--leased 0.5]``
 (the record delay's figures: ``--sizes 1500 --leased 0 --chunks 128 --requests 1000
@@ -38,11 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.tiers.adopt import rebuild
-from kvd.tiers.arena_index import ArenaIndex
-from kvd.tiers.host import HostTier
-from kvd.tiers.journal import Hasher, Journal
-from kvd.tiers.tiering import Tiering
+from kvd.tiers.disk.tiering import Tiering
+from kvd.tiers.host.adopt import rebuild
+from kvd.tiers.host.arena_index import ArenaIndex
+from kvd.tiers.host.journal import Hasher, Journal
+from kvd.tiers.host.tier import HostTier
 
 ENTRY = 256  # bytes per entry: the bookkeeping is what is measured, not copies
 NS = b"n" * 16

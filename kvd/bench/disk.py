@@ -1,7 +1,7 @@
 """``kvd bench --disk``: the disk tier against raw IO of the same bytes.
 
 In one run, on one directory (``--disk-dir``), for ``--disk-gib`` GiB of
-chunks of ``--disk-chunk`` bytes each: (1) the disk tier (kvd.tiers.disk:
+chunks of ``--disk-chunk`` bytes each: (1) the disk tier (kvd.tiers.disk.tier:
 temp file, header, xxh3 checksum, fsync, rename; reads verify the header
 and checksum and copy into the destination) with ``--disk-threads`` IO
 threads; (2) raw IO of the same file sizes in the same block size with the
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.tiers.chunk_file import file_size, probe_direct
-from kvd.tiers.disk import DiskTier
+from kvd.tiers.disk.chunk_file import file_size, probe_direct
+from kvd.tiers.disk.tier import DiskTier
 
 from .common import size_arg
 

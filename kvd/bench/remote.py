@@ -10,12 +10,12 @@ check, put) and promotes them back into fresh host slots (get, header
 check, digest verified), ``--remote-threads`` puts and fetches at a time;
 the store's own client puts and gets the same bytes on as many threads.
 Redis: kvd's zero-copy path (values sent from the arena, GET replies read
-into it, kvd/tiers/redis_arena.py) and its bytes path
+into it, kvd/tiers/remote/redis_arena.py) and its bytes path
 (``remote_redis_zero_copy = false``) against redis-py with its defaults,
 and against redis-py with kvd's checksum work added (``client+digest``).
 Mooncake (Mooncake's
 ``MooncakeDistributedStore``, the tier's own instance: one per process):
-kvd's zero-copy path (the host arena registered, kvd/tiers/remote_zero_copy.py)
+kvd's zero-copy path (the host arena registered, kvd/tiers/remote/zero_copy.py)
 and its bytes path (``remote_mooncake_zero_copy = false``), against the
 client's ``put``/``get`` of bytes and its own zero-copy calls
 (``batch_put_from``/``batch_get_into`` of one object each, from and into
@@ -26,7 +26,7 @@ transfer costs with no kvd machinery). Prints the median GB/s of each and
 kvd's first side over the client's matching ones. kvd's host tier is a
 shared-memory file as the daemon's is, and its zero-copy side computes
 checksums in ``--remote-digest-processes`` processes (the daemon's
-``remote_digest_processes``, kvd/tiers/digest_pool.py). Then the end-to-end load
+``remote_digest_processes``, kvd/tiers/remote/digest_pool.py). Then the end-to-end load
 (kvd/bench/remote_load.py, each store): a prefix half local, half remote,
 against each half loaded alone. ``--json PATH`` also writes every run's
 figures there (``moves_gbps``: GB/s of each side and direction per round;
@@ -46,13 +46,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.tiers.arena import SharedArena, arena_path
-from kvd.tiers.digest import payload_digest
-from kvd.tiers.digest_pool import DigestPool, auto_processes
-from kvd.tiers.host import HostTier
-from kvd.tiers.remote import CPU_THREADS, RemoteTier
-from kvd.tiers.remote_tiering import RemoteTiering
-from kvd.tiers.remote_value import Seal
+from kvd.tiers.disk.digest import payload_digest
+from kvd.tiers.host.arena import SharedArena, arena_path
+from kvd.tiers.host.tier import HostTier
+from kvd.tiers.remote.digest_pool import DigestPool, auto_processes
+from kvd.tiers.remote.tier import CPU_THREADS, RemoteTier
+from kvd.tiers.remote.tiering import RemoteTiering
+from kvd.tiers.remote.value import Seal
 from kvd.tiers.scope import Scope
 
 from .stores import MooncakeMaster, RedisServer, mooncake_env
@@ -137,11 +137,11 @@ def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, se
 
 def _tier_store(server, name: str, nbytes: int, repeat: int):
     if name == "redis":
-        from kvd.tiers.remote_store import RedisStore
+        from kvd.tiers.remote.store import RedisStore
         return RedisStore(server.url, 5.0)
     import os
     os.environ.update(mooncake_env())
-    from kvd.tiers.remote_mooncake import MooncakeStore
+    from kvd.tiers.remote.mooncake import MooncakeStore
     # its segment holds every side's values of every round (a removed value's space may come
     # back only after its lease ends)
     return MooncakeStore(server.address, 5.0, server.metadata, "127.0.0.1",

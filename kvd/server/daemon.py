@@ -35,8 +35,8 @@ per frame), and a message whose frames together exceed it gets a
 ``too_large`` reply and is not run. A request that fails validation, and an
 internal error, are logged at most once per peer per 10 s
 (kvd.server.logs.PeerLimiter). With ``disk_dir`` set, the disk tier
-(kvd.tiers.tiering) starts with the loop and scans its directory in the
-background; with ``remote_backend`` set, the remote tier (kvd.tiers.remote)
+(kvd.tiers.disk.tiering) starts with the loop and scans its directory in the
+background; with ``remote_backend`` set, the remote tier (kvd.tiers.remote.tier)
 starts local-only and connects in the background. SIGTERM/SIGINT: stop
 reading, end every request waiting on a client (``shutting_down``), let the
 others (and their copies) finish and finish disk and remote tier IO within
@@ -72,7 +72,7 @@ from kvd.server.peers import AccessPolicy, ZapGate, credentials_available, recv_
 from kvd.server.peers_alive import Intake, Liveness, reply
 from kvd.server.runtime_dir import InstanceLock, reclaim_stale, share_socket
 from kvd.server.service import Service
-from kvd.tiers.tiering import Tiering
+from kvd.tiers.disk.tiering import Tiering
 from kvd_protocol import wire
 from kvd_protocol.errors import ConfigError, ServerError, ShuttingDown, TooLarge
 from kvd_protocol.runtime import control_endpoint, engine_endpoint, instance_tag, resolve_runtime_dir

@@ -1,12 +1,12 @@
 """The host tier at start-up and at exit: adopt the arena a previous daemon left, or make one.
 
 ``HostTierSetup.open()`` (under the runtime dir's lock) looks for
-``kvd-arena-<tag>`` and its index (kvd/tiers/arena_index.py) in shm_dir:
+``kvd-arena-<tag>`` and its index (kvd/tiers/host/arena_index.py) in shm_dir:
 
 - with ``warm_restart`` on and ``cold_start`` off, an arena whose index is
   of this format, made for this ``host_capacity``, slot alignment and
   ``chunk_tokens``, for this very file, is **adopted**: mapped (no
-  zeroing), the host tier rebuilt from its records (kvd/tiers/adopt.py) on
+  zeroing), the host tier rebuilt from its records (kvd/tiers/host/adopt.py) on
   a thread, then served at once. After a clean stop every chunk is trusted;
   after a crash (the index was still ``RUNNING``) ``start_verify`` checks
   every checksum in the background while the daemon serves. If the
@@ -38,13 +38,13 @@ from pathlib import Path
 
 from kvd.config import size_text
 from kvd.server.kept_tier import drop_command
-from kvd.tiers.adopt import rebuild, verify
-from kvd.tiers.arena import AllocationStopped, SharedArena, arena_path
-from kvd.tiers.arena_index import CLEAN, ArenaIndex, IndexProblem, index_path, process_state
-from kvd.tiers.host import HostTier
-from kvd.tiers.journal import Hasher, Journal
+from kvd.tiers.host.adopt import rebuild, verify
+from kvd.tiers.host.arena import AllocationStopped, SharedArena, arena_path
+from kvd.tiers.host.arena_index import CLEAN, ArenaIndex, IndexProblem, index_path, process_state
+from kvd.tiers.host.journal import Hasher, Journal
+from kvd.tiers.host.quota import QuotaBook
+from kvd.tiers.host.tier import HostTier
 from kvd.tiers.progress import Progress
-from kvd.tiers.quota import QuotaBook
 from kvd_protocol.runtime import instance_tag
 
 log = logging.getLogger("kvd")
@@ -103,7 +103,7 @@ class HostTierSetup:
         return True
 
     def _new_tier(self) -> HostTier:
-        """An empty host tier, keeping the ``quota`` knob's rules (kvd/tiers/quota.py)."""
+        """An empty host tier, keeping the ``quota`` knob's rules (kvd/tiers/host/quota.py)."""
         book = QuotaBook(self.cfg.quota) if self.cfg.quota else None
         return HostTier(self.cfg.host_capacity, self.align, book)
 

@@ -7,14 +7,14 @@ hashes each entry's shard on ``verify_threads`` daemon threads
 (kvd/tiers/daemon_threads.py; not the journal's hashing threads, whose
 jobs wait for the copies to pause) and compares the XXH3-64 with the one
 the arena index already holds for that shard (``SEALED`` records,
-kvd/tiers/arena_index.py: the warm restart checksum, so ``verify_loads``
+kvd/tiers/host/arena_index.py: the warm restart checksum, so ``verify_loads``
 needs ``warm_restart``). The prefix ends before the first shard that does
 not match: that shard is dropped from the host tier (never a hit again,
 counted in ``host_corrupt_dropped``), the entries after it are unpinned,
 and the load answers with fewer chunks (the client recomputes the rest).
 
 A shard whose checksum is not written yet (stored in the last moments, or
-under copies that never pause: kvd/tiers/journal.py) is trusted: hashing it
+under copies that never pause: kvd/tiers/host/journal.py) is trusted: hashing it
 now would only take the checksum of whatever bytes are there, with nothing
 to compare it to. Such shards are counted in ``host_verify_unsealed``.
 """
@@ -35,7 +35,7 @@ LOG_DROPS = 10  # corrupt shards logged one by one; the rest are counted
 class LoadVerifier:
     def __init__(self, tier, index, view, threads: int, stats):
         self.tier = tier
-        self.index = index  # kvd.tiers.arena_index.ArenaIndex: the shards' checksums
+        self.index = index  # kvd.tiers.host.arena_index.ArenaIndex: the shards' checksums
         self.view = view  # the arena's bytes (uint8)
         self.stats = stats
         self.pool = DaemonThreads(threads, "kvd-verify")  # normal priority: a load waits on them

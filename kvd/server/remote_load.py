@@ -3,7 +3,7 @@ remote run's copy as its fetches land.
 
 Contract (kvd.server.transfers.Transfers.load calls ``queue_pieces`` for a load that has
 remote hits past its local prefix, layer-wise or not; ``fetches`` are the remote tier's
-futures for those hits, in key order, kvd.tiers.remote_tiering.RemoteTiering.fetches):
+futures for those hits, in key order, kvd.tiers.remote.tiering.RemoteTiering.fetches):
 
 - the copy of the local prefix (host entries, disk promotions) is queued at once, without
   the load's signal;
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvd.copy.plan import CopyPlan
-from kvd.tiers.tiering import hold_ready
+from kvd.tiers.disk.tiering import hold_ready
 from kvd_protocol.errors import NotFound
 
 

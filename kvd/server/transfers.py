@@ -6,7 +6,7 @@ the copy outside it, so later requests queue while earlier copies run.
 
 Store: reserve the shards (dedup, all or nothing; new chunks count in the
 quota account of the registration's model and the store's ``tenant``
-label, kvd/tiers/quota.py), wait on the host until
+label, kvd/tiers/host/quota.py), wait on the host until
 the engine's stream reached the store's ``seq`` in the flag page (the
 daemon's streams never wait on anything of the engine's; the wait ends at
 the client's deadline with ``deadline_exceeded`` and at reaping or shutdown
@@ -19,7 +19,7 @@ and shard geometry (kvd.tiers.scope: another namespace's chunk is a miss,
 counted in ``foreign_ns_misses``; host entries (with ``verify_loads``, up to
 the first that fails its checksum: kvd.server.load_verify), then disk: promotions
 into host slots, or GPU Direct Storage reads queued on the load stream,
-then the remote store: fetches into host slots, kvd.tiers.remote_tiering),
+then the remote store: fetches into host slots, kvd.tiers.remote.tiering),
 then queue the scatter with the load's ``LoadSignal`` (with remote hits: the
 local part's copy at once, each remote run's as it lands, the signal with
 the last, after every earlier piece landed, kvd/server/remote_load.py): layer words as
@@ -67,9 +67,9 @@ class Transfers:
         self.cfg = cfg
         self.tier = tier
         self.stats = stats
-        self.tiering = None  # kvd.tiers.tiering.Tiering when the disk tier is on
+        self.tiering = None  # kvd.tiers.disk.tiering.Tiering when the disk tier is on
         self.gds = None      # kvd.cuda.gds.GdsLoader when disk_gds is on and available
-        self.remote = None   # kvd.tiers.remote_tiering.RemoteTiering when remote_backend is set
+        self.remote = None   # kvd.tiers.remote.tiering.RemoteTiering when remote_backend is set
         self.verifier = None  # kvd.server.load_verify.LoadVerifier when verify_loads is on
         self.stopping = False
         # a store may wait a whole forward pass for the engine: poll gently when idle
@@ -143,7 +143,7 @@ class Transfers:
             waiter.cancel()
 
     def _reserve(self, reg: Registration, keys: list, tenant: str | None):
-        """Reserve every shard to copy, all or nothing (kvd.tiers.host.HostTier.reserve_many),
+        """Reserve every shard to copy, all or nothing (kvd.tiers.host.tier.HostTier.reserve_many),
         new chunks in the quota account of the registration's model and ``tenant``."""
         quota = self.tier.quota
         acct = 0 if quota is None else quota.account(reg.ns.model, tenant)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How fast the host arena is made and adopted (kvd/tiers/arena.py), by populating threads.
+"""How fast the host arena is made and adopted (kvd/tiers/host/arena.py), by populating threads.
 
 For each thread count of ``--threads`` (alternating, ``--repeat`` rounds) it makes a new
 arena of ``--gib`` GiB in ``--dir`` (MADV_POPULATE_WRITE: allocate and zero every page),
@@ -17,14 +17,13 @@ plain /dev/shm). Usage (the GPU machine: ``--gib 64 --threads 1,4,8,16``):
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import statistics
 import time
 from pathlib import Path
 
-import mmap
-
-from kvd.tiers.arena import MADV_HUGEPAGE, MADV_POPULATE_WRITE, PIECE, SharedArena
+from kvd.tiers.host.arena import MADV_HUGEPAGE, MADV_POPULATE_WRITE, PIECE, SharedArena
 
 
 def once(path: Path, size: int, threads: int) -> tuple[float, float, float]:

@@ -1,14 +1,14 @@
 """One cached chunk of the host tier: where its shards live and what holds them.
 
-An ``Entry`` is the host tier's record of a key (kvd/tiers/host.py owns every
+An ``Entry`` is the host tier's record of a key (kvd/tiers/host/tier.py owns every
 field's changes): its arena slot (``offset``, ``slot_bytes``), one bit per
 TP shard in ``stored`` (landed), ``writing`` (a store copying it in) and
 ``unverified`` (adopted after a crash, checksum not checked yet), and the
 pins (``refs``) that keep it from eviction. It is ``ready`` (visible to
 lookups) once every shard is stored, and ``evictable`` with no pin and no
-shard being written. It carries its own LRU links (kvd/tiers/lru.py), its
-index records (kvd/tiers/journal.py) and its quota account (``acct``: an
-index into kvd/tiers/quota.py's table, 0 where no quota applies).
+shard being written. It carries its own LRU links (kvd/tiers/host/lru.py), its
+index records (kvd/tiers/host/journal.py) and its quota account (``acct``: an
+index into kvd/tiers/host/quota.py's table, 0 where no quota applies).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Entry:
     shard_bytes: int
     shards: int
     slot_bytes: int = 0    # the arena bytes it holds (size rounded to the alignment)
-    acct: int = 0          # the quota account its bytes count in (kvd/tiers/quota.py)
+    acct: int = 0          # the quota account its bytes count in (kvd/tiers/host/quota.py)
     stored: int = 0
     writing: int = 0
     refs: int = 0

@@ -1,6 +1,6 @@
 """Mooncake Store as a remote chunk store (``pip install 'kvd[mooncake]'``).
 
-The backend interface of kvd/tiers/remote_store.py over
+The backend interface of kvd/tiers/remote/store.py over
 ``mooncake.store.MooncakeDistributedStore`` with the TCP transport: a
 ``mooncake_master`` (``address``: its RPC host:port) keeps the object
 metadata; the bytes live in the memory segments that clients lend to the
@@ -36,7 +36,7 @@ share values). ``zero_copy_off`` says why the path is off ("" when on:
 registration refused, a client without these calls, no arena lent, or the
 knob); it is logged once. A head slot is given back only when its call
 returned, never while an abandoned call may still use it; the caller keeps
-the arena bytes of a call alive the same way (kvd/tiers/remote_zero_copy.py).
+the arena bytes of a call alive the same way (kvd/tiers/remote/zero_copy.py).
 Per value, ``get_into`` returns the head (bytes), None when the store lacks
 the value, or the stored value's size when it is not the size asked (a
 value of another geometry, or damaged: the caller must not trust its slot),
@@ -54,7 +54,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvd.tiers.remote_errors import RemoteError, unless_all_failed
+from kvd.tiers.remote.errors import RemoteError, unless_all_failed
 
 log = logging.getLogger("kvd")
 DEFAULT_METADATA_PORT = 8080

@@ -1,10 +1,10 @@
 """The zero-copy remote path: chunks move between the host arena and the store, no bytes copy.
 
-Taken by kvd/tiers/remote_tiering.py for puts and fetches while the store
+Taken by kvd/tiers/remote/tiering.py for puts and fetches while the store
 says ``zero_copy`` (Mooncake: the arena is registered with it,
-kvd/tiers/remote_mooncake.py; Redis: kvd/tiers/redis_arena.py); otherwise
+kvd/tiers/remote/mooncake.py; Redis: kvd/tiers/remote/redis_arena.py); otherwise
 values go through Python bytes.
-The stored value is the same on both paths (kvd/tiers/remote_value.py:
+The stored value is the same on both paths (kvd/tiers/remote/value.py:
 header, tag with a seal, payload), so nodes on either path share it. A run
 of chunks (``batch_chunks``: at most ``BATCH_BYTES``, or the store's
 ``batch_bytes``, and ``BATCH_CHUNKS``)
@@ -15,7 +15,7 @@ round of thread hops a chunk.
 - **Put** (``publish``): the entries are pinned, a CPU thread computes each
   value's head over its payload where it lies in the arena (digest, and the
   keyed tag of a seal; digests in checksum processes where the tiering has
-  them, kvd/tiers/digest_pool.py), and the store sends heads and payloads from their
+  them, kvd/tiers/remote/digest_pool.py), and the store sends heads and payloads from their
   registered memory. The pins are dropped only when the store's call
   returned, not when the tier gave up on it at its timeout: an abandoned
   call may still be reading the slots, and a slot must not be reused under
@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvd.tiers.chunk_file import ChunkCorrupt
-from kvd.tiers.remote_value import head_bytes, make_head, verify_in_place
+from kvd.tiers.disk.chunk_file import ChunkCorrupt
+from kvd.tiers.remote.value import head_bytes, make_head, verify_in_place
 
 BATCH_BYTES = 16 << 20  # payload bytes one store call moves at most (a single larger chunk alone)
 # unless the store says otherwise (``batch_bytes``: Redis, one connection a call, serves a
@@ -173,5 +173,5 @@ def _slot(t, entry):
 
 def _digest_of(t, entry):
     """The payload digest of ``entry``'s slot, from a checksum process where the tiering has
-    one (kvd/tiers/digest_pool.py), otherwise on the calling thread."""
+    one (kvd/tiers/remote/digest_pool.py), otherwise on the calling thread."""
     return lambda slot: t.digests.digest(entry.offset, slot)

@@ -1,11 +1,11 @@
 """Remote tier IO: calls to a distributed store that never make a request slow.
 
-Every store call (kvd/tiers/remote_store.py) runs on one of ``threads``
+Every store call (kvd/tiers/remote/store.py) runs on one of ``threads``
 daemon threads (kvd/tiers/daemon_threads.py) and is awaited for at most
 ``timeout_s`` (calls that carry a payload: plus its size at
 ``FLOOR_BYTES_S``); a call past it is abandoned, counted as a timeout, and
 its result, if one ever comes, is dropped. A circuit breaker
-(kvd/tiers/breaker.py) sits in front: ``breaker_failures`` consecutive
+(kvd/tiers/remote/breaker.py) sits in front: ``breaker_failures`` consecutive
 errors or timeouts open it, and while open every call is refused at once
 (counted as ``skipped``): kvd serves from its local tiers only. A probe
 task connects, pings and puts a small probe value every ``breaker_retry_s``
@@ -24,7 +24,7 @@ None, ``put`` None. ``known`` remembers (bounded, LRU) the names this node
 saw present, so chunks are not put twice; ``bad`` those dropped as corrupt
 (no hit for ``BAD_HOLD_S``: a bad value is fetched and counted once).
 ``put_from``/``get_into``: the zero-copy calls of a store that has them
-(Mooncake, kvd/tiers/remote_mooncake.py), several values' payloads between
+(Mooncake, kvd/tiers/remote/mooncake.py), several values' payloads between
 registered arena memory and the store in one call, each value's outcome its
 own; ``on_done`` tells when the thread left the call (an abandoned call may
 still read or write that memory until then). Runs on the event loop.
@@ -39,9 +39,9 @@ import sys
 import time
 from collections import Counter, OrderedDict
 
-from kvd.tiers.breaker import Breaker
 from kvd.tiers.daemon_threads import DaemonThreads
-from kvd.tiers.remote_value import store_name
+from kvd.tiers.remote.breaker import Breaker
+from kvd.tiers.remote.value import store_name
 
 log = logging.getLogger("kvd")
 PROBE_PERIOD_S = 0.05

@@ -1,9 +1,9 @@
 """One chunk as a remote store holds it: the disk file's header, then the payload.
 
-Value: the chunk file header of kvd/tiers/chunk_file.py (``HEADER.size``
+Value: the chunk file header of kvd/tiers/disk/chunk_file.py (``HEADER.size``
 bytes: magic, format and canonical-bytes versions, namespace digest, key,
 payload length, shards, shard bytes, the segmented payload digest of
-kvd/tiers/digest.py and the xxh3-64 of those fields), then the payload's
+kvd/tiers/disk/digest.py and the xxh3-64 of those fields), then the payload's
 ``length`` bytes (no padding: a store is not a block device). The same
 fields and the same checksums as a disk file, so a chunk verifies the same
 wherever it came from (docs/protocol.md §11a). Those checksums catch
@@ -35,7 +35,7 @@ Contracts:
 - ``copy_verified`` recomputes the payload digest (and with a seal the
   tag), then copies the payload into ``dest``; ``ChunkCorrupt`` leaves
   ``dest`` untouched.
-- The zero-copy path (kvd/tiers/remote_zero_copy.py) sends and fetches a
+- The zero-copy path (kvd/tiers/remote/zero_copy.py) sends and fetches a
   value in two parts, its head (header and tag, ``head_bytes``) and its
   payload, with no copy of the payload: ``make_head`` is the head of a
   payload (digest and tag computed where the payload lies), and
@@ -50,8 +50,8 @@ import hmac
 
 import numpy as np
 
-from kvd.tiers.chunk_file import HEADER, ChunkCorrupt, ChunkHeader, pack_header, unpack_header
-from kvd.tiers.digest import payload_digest
+from kvd.tiers.disk.chunk_file import HEADER, ChunkCorrupt, ChunkHeader, pack_header, unpack_header
+from kvd.tiers.disk.digest import payload_digest
 
 TAG_BYTES = 32
 
@@ -101,7 +101,7 @@ def head_bytes(seal: Seal | None = None) -> int:
 def make_head(ns: bytes, key: bytes, payload, shards: int, shard_bytes: int,
               seal: Seal | None = None, digest_of=payload_digest) -> bytes:
     """Header (and tag) of the value of ``payload``, read where it lies; ``digest_of(payload)``
-    gives its payload digest (kvd/tiers/digest_pool.py computes it in another process)."""
+    gives its payload digest (kvd/tiers/remote/digest_pool.py computes it in another process)."""
     src = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
     header = pack_header(ns, key, src.nbytes, shards, shard_bytes, digest_of(src))
     return header if seal is None else header + seal.tag(header, src)

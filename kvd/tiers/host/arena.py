@@ -2,7 +2,7 @@
 
 Named ``kvd-arena-<instance tag>`` under the shm directory (``arena_path``;
 the tag is the runtime dir's, not the pid: the next daemon of that dir
-finds it and adopts it, kvd/tiers/adopt.py). ``SharedArena(path, size)``
+finds it and adopts it, kvd/tiers/host/adopt.py). ``SharedArena(path, size)``
 makes a new one and maps every page in (posix_fallocate, then
 MADV_POPULATE_WRITE: the pages are allocated and zeroed up front, so the
 request path never page-faults, and a full tmpfs is an error here, never a

@@ -48,12 +48,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvd.tiers.chunk_file import ChunkCorrupt, ChunkFiles, file_size
-from kvd.tiers.disk_scan import count_entries
-from kvd.tiers.disk_scan import names as _names
-from kvd.tiers.disk_scan import ns_dirs as _ns_dirs
-from kvd.tiers.disk_scan import scan_files as _scan_files
-from kvd.tiers.disk_scan import unlink as _unlink
+from kvd.tiers.disk.chunk_file import ChunkCorrupt, ChunkFiles, file_size
+from kvd.tiers.disk.scan import count_entries
+from kvd.tiers.disk.scan import names as _names
+from kvd.tiers.disk.scan import ns_dirs as _ns_dirs
+from kvd.tiers.disk.scan import scan_files as _scan_files
+from kvd.tiers.disk.scan import unlink as _unlink
 from kvd.tiers.progress import Progress
 
 log = logging.getLogger("kvd")

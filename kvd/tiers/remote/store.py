@@ -1,9 +1,9 @@
 """The interface of a remote chunk store, and its Valkey/Redis backend.
 
 A backend is a blocking client of an existing distributed store: the
-remote tier (kvd/tiers/remote.py) calls it only from its daemon threads,
+remote tier (kvd/tiers/remote/tier.py) calls it only from its daemon threads,
 bounds every call with a timeout and puts a circuit breaker in front. Values
-are opaque bytes (kvd/tiers/remote_value.py makes and checks them); names
+are opaque bytes (kvd/tiers/remote/value.py makes and checks them); names
 are strings. Methods (any failure raises; ``RemoteError`` where the backend
 reports one itself):
 
@@ -22,11 +22,11 @@ reports one itself):
 - optional zero-copy calls (``zero_copy`` says when they work; ``lend(ptr,
   size)`` names the host arena): ``put_from``/``get_into`` move several
   values between arena memory and the store in one call (contract in
-  kvd/tiers/remote_mooncake.py; Redis: kvd/tiers/redis_arena.py).
+  kvd/tiers/remote/mooncake.py; Redis: kvd/tiers/remote/redis_arena.py).
 
 Backends: ``RedisStore`` here (Valkey or Redis; ``address`` a URL:
 redis://host:port/db, rediss://..., unix:///path) and ``MooncakeStore``
-(kvd/tiers/remote_mooncake.py; ``address`` the master's host:port); a bad
+(kvd/tiers/remote/mooncake.py; ``address`` the master's host:port); a bad
 address raises ``ValueError`` at construction. Client libraries are
 imported by ``connect`` only, so kvd without the extras still starts.
 """
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import logging
 
-from kvd.tiers import redis_arena
-from kvd.tiers.remote_errors import RemoteError, unless_all_failed
+from kvd.tiers.remote import redis_arena
+from kvd.tiers.remote.errors import RemoteError, unless_all_failed
 
 log = logging.getLogger("kvd")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -95,7 +95,7 @@ class RedisStore:
             self.client.close()
         # no retries inside the client: a failure goes to the breaker at once; RESP2 (redis-py 8
         # speaks RESP3 by default) unless the address asks otherwise: the zero-copy path reads
-        # GET replies off the socket itself (kvd/tiers/redis_arena.py)
+        # GET replies off the socket itself (kvd/tiers/remote/redis_arena.py)
         self.client = redis.Redis.from_url(
             self.address, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,

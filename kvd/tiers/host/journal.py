@@ -1,4 +1,4 @@
-"""Keeps the arena's index file (kvd/tiers/arena_index.py) in step with the host tier.
+"""Keeps the arena's index file (kvd/tiers/host/arena_index.py) in step with the host tier.
 
 The host tier calls the hooks on the event loop: ``committed_many(entries, rank)``
 writes each shard's record (after its bytes landed; about 1 µs), and queues
@@ -18,7 +18,7 @@ records every waiting batch at once, for a clean stop.
 
 Checksums are computed off the event loop and off the store's path: each
 record written waits for its checksum in a ``SealQueue``
-(kvd/tiers/seal_queue.py: one flag per record, so it is bounded by the
+(kvd/tiers/host/seal_queue.py: one flag per record, so it is bounded by the
 table whatever the traffic; a record freed while it waits stops waiting),
 which hands a few batches at a time to a ``Hasher`` thread pool; the
 threads XXH3-64 the arena bytes (xxhash releases the GIL; they run at
@@ -76,8 +76,8 @@ from collections import Counter, deque
 import numpy as np
 import xxhash
 
-from kvd.tiers.arena_index import ON_DISK, ArenaIndex
-from kvd.tiers.seal_queue import SealQueue
+from kvd.tiers.host.arena_index import ON_DISK, ArenaIndex
+from kvd.tiers.host.seal_queue import SealQueue
 
 log = logging.getLogger("kvd")
 NICE = 10  # the hashing threads' niceness (the daemon's other threads keep theirs)
@@ -225,7 +225,7 @@ class Journal:
     def sealed(self) -> int:
         return self.seals.sealed
 
-    # ---- hooks (kvd/tiers/host.py) ------------------------------------------------------
+    # ---- hooks (kvd/tiers/host/tier.py) ------------------------------------------------------
 
     def committed_many(self, entries: list, rank: int) -> None:
         """Each entry's shard record, then their checksums queued as one job (about 2 µs

@@ -13,7 +13,7 @@ entries to evict, one at a time: the least recently used), ``cap_victims``
 (entries a quota group must evict first: none) and ``reserved_bytes``
 (evictable bytes kept for others: none); the caller evicts every victim it
 is given, and says so when it puts one back (``evicted(item, -1)``).
-kvd/tiers/quota.py's queue answers by the configured quotas and counts.
+kvd/tiers/host/quota.py's queue answers by the configured quotas and counts.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class LruQueue:
             yield item
             item = nxt
 
-    # ---- eviction policy: plain LRU (kvd/tiers/quota.py's queue applies quotas) ----------
+    # ---- eviction policy: plain LRU (kvd/tiers/host/quota.py's queue applies quotas) ----------
 
     def victims(self, acct: int):
         """The entries one reservation of account ``acct`` evicts, as it asks for them (None:

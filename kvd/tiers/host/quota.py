@@ -8,7 +8,7 @@ was registered with (any dtype, TP size) and/or the ``tenant`` label of the
 store that made it; the daemon cannot verify a label (it is for accounting
 between cooperating engines: salts in the keys isolate the bytes).
 
-An entry's ``acct`` (kvd/tiers/entry.py) is an index into ``accounts``: one
+An entry's ``acct`` (kvd/tiers/host/entry.py) is an index into ``accounts``: one
 per distinct set of rules a (model, tenant) matches (at most a model rule,
 a tenant rule and a (model, tenant) rule), so the table grows only with the
 config, never with labels clients send; account 0 is "no rule" (``other``).
@@ -18,7 +18,7 @@ config, never with labels clients send; account 0 is "no rule" (``other``).
 index counts each entry's bytes in its groups from reservation to drop (the
 tier only assigns and deletes its keys), the queue mirrors, per account,
 the evictable entries in LRU order (an ``OrderedDict``: O(1) per change)
-and answers the tier's eviction questions (kvd/tiers/lru.py):
+and answers the tier's eviction questions (kvd/tiers/host/lru.py):
 
 - ``cap_victims``: a reservation whose groups would pass ``host_max``
   evicts those groups' own least recently used entries first, never
@@ -34,7 +34,7 @@ and answers the tier's eviction questions (kvd/tiers/lru.py):
 - ``reserved_bytes``: those protected bytes, for the tier's room check
   before it evicts anything.
 
-Disk (kvd/tiers/tiering.py calls): ``disk_admit`` before a demotion is
+Disk (kvd/tiers/disk/tiering.py calls): ``disk_admit`` before a demotion is
 queued: where a group of the chunk would pass ``disk_max``, the group's
 oldest disk chunks (by write, or promotion: ``disk_touch``) are deleted
 first, of the ``DISK_TRIES`` oldest those ``delete(key)`` may delete (the
@@ -56,7 +56,7 @@ import heapq
 from collections import OrderedDict
 from itertools import islice
 
-from kvd.tiers.lru import LruQueue
+from kvd.tiers.host.lru import LruQueue
 from kvd_protocol.errors import OverQuota
 
 ANY = "*"          # the label of a rule's model or tenant left unnamed

@@ -10,7 +10,7 @@ when every shard is stored (``ready``), and only to readers of its own
 namespace and shard geometry (a ``Scope``).
 
 Eviction: only *evictable* entries (no pin, no shard being written) sit in
-an LRU queue (kvd/tiers/lru.py: O(1) removal from the middle), so eviction
+an LRU queue (kvd/tiers/host/lru.py: O(1) removal from the middle), so eviction
 pops its head and never walks past entries in use. A use (a lookup or load
 hit, a commit, a store that finds the key cached, ``touch``) moves an entry
 to the most recently used end; an entry in use leaves the queue and, when
@@ -19,7 +19,7 @@ use). The one exception is a demotion's pin: an entry the demoter copied to
 disk and nobody used meanwhile re-enters at the least recently used end,
 behind those that came back so before it (``unpin(..., cold_since=)``):
 demotions take the coldest entries first, so this keeps their order. An entry the disk tier also
-holds (``on_disk``) loses only its host copy. Quotas (kvd/tiers/quota.py): entries count in
+holds (``on_disk``) loses only its host copy. Quotas (kvd/tiers/host/quota.py): entries count in
 their store's ``acct``; the book's index and queue stand in for the plain ones, pick victims.
 
 No space: a reservation first counts the free and evictable bytes against
@@ -30,12 +30,12 @@ order) before ``NoSpace`` is raised (the request's keys that were cached
 count as used). A slot in use is never taken; capacity
 is the arena's size and is never exceeded.
 
-Demotion scan (kvd/tiers/tiering.py): ``scan_next``/``scan_mark`` walk the
+Demotion scan (kvd/tiers/disk/tiering.py): ``scan_next``/``scan_mark`` walk the
 queue from its LRU end once; the queued prefix already examined and its
 ready bytes (``scanned_bytes``) are kept up to date as entries come and go,
 so a demotion pass resumes where the last one stopped instead of rescanning.
 
-Warm restart: a ``journal`` (kvd/tiers/journal.py) hears of every shard
+Warm restart: a ``journal`` (kvd/tiers/host/journal.py) hears of every shard
 committed, entry dropped or put back and ``on_disk`` change, so the
 arena's index file describes the committed shards. ``adopt`` starts from
 the entries a previous daemon left; shards adopted after a crash stay
@@ -48,23 +48,23 @@ only: no locks.
 
 from __future__ import annotations
 
-from kvd.tiers.allocator import ExtentAllocator
-from kvd.tiers.entry import Entry
-from kvd.tiers.lru import LruQueue
+from kvd.tiers.host.allocator import ExtentAllocator
+from kvd.tiers.host.entry import Entry
+from kvd.tiers.host.lru import LruQueue
 from kvd_protocol.errors import BadRequest, NoSpace
 
 
 class HostTier:
     def __init__(self, capacity: int, align: int = 256, quota=None):
         self.alloc = ExtentAllocator(capacity, align)
-        self.quota = quota  # kvd.tiers.quota.QuotaBook, or None: no quotas
+        self.quota = quota  # kvd.tiers.host.quota.QuotaBook, or None: no quotas
         self.entries: dict[bytes, Entry] = {} if quota is None else quota.index()
         self.lru = LruQueue() if quota is None else quota.queue()  # evictable only, LRU first
         self.evictable_bytes = self.ready_count = self.on_disk_ready = self.clock = 0
         self.scan_gen, self.scan_last, self.scanned_bytes = 1, None, 0
         self.cold_tail = None  # the last entry queued cold: the front run they form ends there
         self.evictions = self.evicted_not_on_disk = self.dedup_hits = 0
-        self.journal = None  # kvd.tiers.journal.Journal: keeps the arena's index file
+        self.journal = None  # kvd.tiers.host.journal.Journal: keeps the arena's index file
 
     @property
     def capacity(self) -> int:

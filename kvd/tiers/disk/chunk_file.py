@@ -6,7 +6,7 @@ fixed ``HEADER_BYTES`` (4096) header, then the canonical chunk bytes
 (little-endian, ``HEADER``) holds the magic ``b"KVDCHUNK"``, the file
 format version ``FORMAT_VERSION``, the canonical-bytes version, the
 namespace digest, the key, the payload length, shards, shard bytes, the
-payload digest (kvd/tiers/digest.py: XXH3-128 over XXH3-64s of 64 KiB
+payload digest (kvd/tiers/disk/digest.py: XXH3-128 over XXH3-64s of 64 KiB
 segments) and an xxh3-64 of the header fields; the rest
 is zero. docs/protocol.md §11 is the prose version.
 
@@ -47,11 +47,11 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvd.tiers.digest import payload_digest
+from kvd.tiers.disk.digest import payload_digest
 from kvd_protocol.layout import CANONICAL_VERSION
 
 MAGIC = b"KVDCHUNK"
-FORMAT_VERSION = 2  # 2: segmented payload digest (kvd/tiers/digest.py)
+FORMAT_VERSION = 2  # 2: segmented payload digest (kvd/tiers/disk/digest.py)
 HEADER_BYTES = 4096
 ALIGN = 4096
 SUFFIX = ".kvc"

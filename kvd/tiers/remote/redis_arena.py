@@ -1,9 +1,9 @@
 """Valkey/Redis values moved straight between the host arena and a connection's socket.
 
 ``put_from``/``get_into`` on one redis-py connection: the zero-copy calls of
-kvd/tiers/remote_store.py's ``RedisStore``, which gives them a connection of
+kvd/tiers/remote/store.py's ``RedisStore``, which gives them a connection of
 its pool (the contract is the one of
-kvd/tiers/remote_mooncake.py's, which kvd/tiers/remote_zero_copy.py calls).
+kvd/tiers/remote/mooncake.py's, which kvd/tiers/remote/zero_copy.py calls).
 A value is the same bytes as on the bytes path (head, then payload), so
 nodes on either path share it.
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import ctypes
 
-from kvd.tiers.remote_errors import RemoteError
+from kvd.tiers.remote.errors import RemoteError
 
 LINE_READ = 4096  # a reply's first line is read this much at a time (the rest into its slot)
 DRAIN_READ = 1 << 20

@@ -1,6 +1,6 @@
 """The checksums the arena index's records wait for: bounded, one flag per record.
 
-The journal (kvd/tiers/journal.py) hands each record it writes to ``add``;
+The journal (kvd/tiers/host/journal.py) hands each record it writes to ``add``;
 the record then *waits* (its flag in ``state``) until a batch of waiting
 records goes to the ``Hasher`` as one job. At most ``MAX_JOBS_PER_THREAD``
 jobs per hashing thread, of at most ``BATCH`` records each, are with the

@@ -1,11 +1,11 @@
 """A checksum process: payload digests of ranges of one shared-memory file.
 
-Started by kvd/tiers/digest_pool.py as ``python -m kvd.tiers.digest_worker
+Started by kvd/tiers/remote/digest_pool.py as ``python -m kvd.tiers.remote.digest_worker
 PATH SIZE``; it maps the first SIZE bytes of PATH (the host arena)
 read-only. Each request on stdin is two little-endian uint64 (offset,
 length); each answer on stdout is one status byte (``OK``, or ``OUTSIDE``
 for a range past SIZE or empty) and the 16-byte payload digest of
-kvd/tiers/digest.py over those bytes (zeros when refused). Requests are
+kvd/tiers/disk/digest.py over those bytes (zeros when refused). Requests are
 answered in order, one at a time. It ends when stdin ends (the daemon
 closed it, or died), and ignores SIGINT and SIGTERM: a Ctrl-C reaches the
 daemon's whole process group and systemd's stop its whole cgroup, while
@@ -21,7 +21,7 @@ import signal
 import struct
 import sys
 
-from kvd.tiers.digest import payload_digest
+from kvd.tiers.disk.digest import payload_digest
 
 REQUEST = struct.Struct("<QQ")
 OK, OUTSIDE = 0, 1
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if len(argv) != 2 or not argv[1].isdigit():
-        print("usage: python -m kvd.tiers.digest_worker PATH SIZE", file=sys.stderr)
+        print("usage: python -m kvd.tiers.remote.digest_worker PATH SIZE", file=sys.stderr)
         return 2
     serve(argv[0], int(argv[1]))
     return 0

@@ -8,7 +8,7 @@ Runs on the event loop; the disk tier does the IO on its threads.
   each ready entry not yet on disk, until the coldest ``used -
   (high_watermark - 0.1) × capacity`` bytes of them are on disk or queued.
   The walk resumes where the last pass stopped (the host tier's demotion
-  scan, kvd/tiers/host.py), so a pass costs the entries it newly examines,
+  scan, kvd/tiers/host/tier.py), so a pass costs the entries it newly examines,
   not the whole tier. The entry stays pinned while its bytes are read on an
   IO thread, so its slot cannot be reused mid-copy (at most
   ``PINNED_SHARE`` of the host tier, or one entry, is pinned so at once);
@@ -28,7 +28,7 @@ Runs on the event loop; the disk tier does the IO on its threads.
   namespace or shard geometry than the reader's (its ``Scope``). A promotion reserves every shard of the host
   entry (invisible until the verified bytes are in), reads on an IO thread,
   then commits; any failure aborts the reservation: a miss, never wrong bytes.
-- **Quotas** (kvd/tiers/quota.py, the host tier's ``quota``): a demotion
+- **Quotas** (kvd/tiers/host/quota.py, the host tier's ``quota``): a demotion
   whose quota groups would pass their ``disk_max`` first deletes those
   groups' oldest disk chunks that left the host tier and nobody reads (one
   still in the host tier would be demoted again, round and round), else it
@@ -45,9 +45,9 @@ import asyncio
 import logging
 from collections import Counter
 
-from kvd.tiers.chunk_file import file_size
-from kvd.tiers.disk import DiskTier
-from kvd.tiers.host import HostTier
+from kvd.tiers.disk.chunk_file import file_size
+from kvd.tiers.disk.tier import DiskTier
+from kvd.tiers.host.tier import HostTier
 from kvd_protocol.errors import ServerError
 
 log = logging.getLogger("kvd")
@@ -70,7 +70,7 @@ class Tiering:
         self.wake = asyncio.Event()
         self._task = self._reconciling = None
         self.on_demote = None  # callable(entry) for each demotion queued (remote_publish = demote)
-        self.quota = host.quota  # kvd.tiers.quota.QuotaBook or None
+        self.quota = host.quota  # kvd.tiers.host.quota.QuotaBook or None
         disk.on_evict = self._off_disk
 
     def start(self) -> None:

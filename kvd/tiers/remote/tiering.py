@@ -15,8 +15,8 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   of the remote threads put at once (half fetch, the rest answer lookups),
   and as many more values are packed meanwhile, so a put slot never waits
   for a pack; each put pins its host entry only while a CPU thread packs it
-  into a private buffer (kvd/tiers/remote_value.py; reused across puts,
-  kvd/tiers/remote_buffers.py), never during network IO. A
+  into a private buffer (kvd/tiers/remote/value.py; reused across puts,
+  kvd/tiers/remote/buffers.py), never during network IO. A
   chunk the store already holds is not sent again: the chunks of one store
   (or demotion) are asked in one exists round trip before their puts, not
   one each.
@@ -37,7 +37,7 @@ the link's bandwidth, so it is asked only for what no local tier holds.
   commits; any failure aborts the reservation (a miss, never wrong bytes), and
   a value that fails verification is counted and deleted from the store.
 - **Zero-copy** (a store with ``put_from``/``get_into`` on the arena: Mooncake,
-  its arena registered, or Redis; kvd/tiers/remote_zero_copy.py): puts send
+  its arena registered, or Redis; kvd/tiers/remote/zero_copy.py): puts send
   the payload from the host slot (pinned until the store's call returned)
   and fetches land in a reserved host slot, verified there before the entry
   is committed; no payload goes through Python bytes, and a run of chunks
@@ -52,14 +52,14 @@ import asyncio
 import logging
 from collections import Counter
 
-from kvd.tiers.chunk_file import ChunkCorrupt
-from kvd.tiers import remote_zero_copy as zero_copy
-from kvd.tiers.digest_pool import DigestPool
-from kvd.tiers.host import HostTier
-from kvd.tiers.remote import RemoteTier
-from kvd.tiers.remote_buffers import ValueBuffers
-from kvd.tiers.remote_value import Seal, copy_verified, pack, parse, value_bytes
-from kvd.tiers.tiering import hold_ready
+from kvd.tiers.disk.chunk_file import ChunkCorrupt
+from kvd.tiers.disk.tiering import hold_ready
+from kvd.tiers.host.tier import HostTier
+from kvd.tiers.remote import zero_copy
+from kvd.tiers.remote.buffers import ValueBuffers
+from kvd.tiers.remote.digest_pool import DigestPool
+from kvd.tiers.remote.tier import RemoteTier
+from kvd.tiers.remote.value import Seal, copy_verified, pack, parse, value_bytes
 from kvd_protocol.errors import ServerError
 
 log = logging.getLogger("kvd")
@@ -94,7 +94,7 @@ class RemoteTiering:
     @property
     def zero_copy(self) -> bool:
         """Chunks move between the arena and the store without copies (the store registered
-        the arena; kvd/tiers/remote_zero_copy.py)."""
+        the arena; kvd/tiers/remote/zero_copy.py)."""
         return getattr(self.remote.store, "zero_copy", False)
 
     def parallel(self, puts: int, fetches: int) -> None:
@@ -232,7 +232,7 @@ class RemoteTiering:
 
     def _start_fetches(self, scope, keys: list) -> None:
         """Promotions of ``keys``. Zero-copy: runs of chunks a store call
-        (kvd/tiers/remote_zero_copy.py). Else values of at most half ``BATCH_BYTES`` are
+        (kvd/tiers/remote/zero_copy.py). Else values of at most half ``BATCH_BYTES`` are
         fetched ``BATCH_BYTES`` at a time in one round trip (the store's ``get_many``, one
         fetch slot), larger ones one a call (no round trip to save, and a batch would delay
         its first chunk)."""

@@ -1,7 +1,7 @@
 """Adopting an arena a previous daemon left: rebuild the host tier from its index, verify.
 
 ``rebuild(index, capacity, align, crashed)`` reads every ``LIVE`` record
-(kvd/tiers/arena_index.py) and makes the host tier's entries: records of
+(kvd/tiers/host/arena_index.py) and makes the host tier's entries: records of
 one key form one entry (one record per committed shard). A record is
 dropped (freed in the file, counted in ``bad_records``) when its fields
 cannot be right -- rank not below shards, shards outside 1..MAX_TP_SIZE,
@@ -15,7 +15,7 @@ shards with a checksum are ``unverified`` (no hits) until ``verify``
 checked them, most recently used first, on the hashing threads, at most
 ``VERIFY_INFLIGHT`` bytes queued at once (stores' own checksums queue
 between); shards the crash caught before their checksum was written are
-trusted on the order of writes (kvd/tiers/journal.py). A shard whose bytes
+trusted on the order of writes (kvd/tiers/host/journal.py). A shard whose bytes
 do not match is dropped and counted (``checksum_failures``). Every shard
 without a checksum gets one (``Journal.seal``).
 """
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd.tiers.arena_index import ON_DISK, SEALED, ArenaIndex
-from kvd.tiers.host import Entry, HostTier
+from kvd.tiers.host.arena_index import ON_DISK, SEALED, ArenaIndex
+from kvd.tiers.host.tier import Entry, HostTier
 from kvd_protocol.limits import MAX_TP_SIZE
 
 log = logging.getLogger("kvd")

@@ -1,10 +1,10 @@
 """Payload digests of host-arena memory, computed by helper processes outside the daemon's GIL.
 
-Why: the digest (kvd/tiers/digest.py) is one python-xxhash call per 64 KiB
+Why: the digest (kvd/tiers/disk/digest.py) is one python-xxhash call per 64 KiB
 segment, and those calls hold the GIL; the zero-copy remote path checks
 every chunk it moves, so its threads' checks run one at a time however many
 cores there are. ``DigestPool(path, size, processes)`` starts ``processes``
-workers (kvd/tiers/digest_worker.py), each mapping the arena file
+workers (kvd/tiers/remote/digest_worker.py), each mapping the arena file
 read-only; ``digest(offset, view)`` (any thread; ``view`` is the arena's
 bytes at ``offset``) gives the same 16 bytes as ``payload_digest(view)``,
 computed by an idle worker while the calling thread waits outside the GIL
@@ -30,8 +30,8 @@ import subprocess
 import sys
 import threading
 
-from kvd.tiers.digest import payload_digest
-from kvd.tiers.digest_worker import ANSWER_BYTES, OK, REQUEST, read_exactly
+from kvd.tiers.disk.digest import payload_digest
+from kvd.tiers.remote.digest_worker import ANSWER_BYTES, OK, REQUEST, read_exactly
 
 log = logging.getLogger("kvd")
 TIMEOUT_S = 5.0
@@ -61,7 +61,7 @@ class DigestPool:
     def _start(self) -> None:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvd.tiers.digest_worker", self.path, str(self.size)],
+                [sys.executable, "-m", "kvd.tiers.remote.digest_worker", self.path, str(self.size)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         except OSError as exc:
             log.warning("checksum process not started (checksums stay on the daemon's threads): "
