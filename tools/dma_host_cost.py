@@ -6,7 +6,7 @@ nothing else is queued, so where that host time nears the copy's PCIe time
 the daemon, not the bus, sets the rate ("enqueued in" in the daemon's debug
 log: 1.2-1.3 ms for a straight 268 MB store, 2.2-3.1 ms for a load, ~3 ms
 staged, on the H100 host, docs/benchmarks.md in git history). This tool times kvd's own
-part of it on any machine, no GPU: ``kvd.cuda.dma.DmaPath.store`` and
+part of it on any machine, no GPU: ``kvd.cuda.dma.path.DmaPath.store`` and
 ``load`` (straight and staged) with a stand-in for CuPy's streams, events and
 runtime calls and for the driver's batch calls, each of which returns at
 once. What it prints is therefore Python and NumPy time only; the driver's
@@ -38,8 +38,9 @@ import numpy as np
 
 from kvd.bench.common import size_arg
 from kvd.copy.poll import EventPoller
-from kvd.cuda import dma, dma_plan
-from kvd.cuda.staging import StagingRing
+from kvd.cuda.dma import path as dma
+from kvd.cuda.dma import plan as dma_plan
+from kvd.cuda.dma.staging import StagingRing
 from kvd_protocol import cuda_driver
 from kvd_protocol.layout import LayoutDescriptor
 
@@ -105,7 +106,7 @@ class _Cuda:
 
 
 class StubCupy:
-    """What kvd.cuda.dma and kvd.cuda.staging call of CuPy, each call returning at once."""
+    """What kvd.cuda.dma.path and kvd.cuda.dma.staging call of CuPy, each call returning at once."""
     cuda = _Cuda
 
 

@@ -11,7 +11,7 @@ Memory from CUDA virtual-memory allocators (PyTorch expandable segments,
 vLLM sleep mode) cannot be exported with ``cuIpcGetMemHandle``: that is
 detected up front and raised as ``CudaExportError`` naming the cause.
 Only libcuda is needed: no cupy in the engine. The daemon also queues its
-copy-engine-only copies here (``memcpy3d_batch_async``, kvd.cuda.dma).
+copy-engine-only copies here (``memcpy3d_batch_async``, kvd.cuda.dma.path).
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def has_memcpy3d_batch() -> bool:
 
 def memcpy3d_batch_async(stream: int, ops_addr: int, count: int) -> None:
     """Queue ``count`` pitched copies (an array of ``CUDA_MEMCPY3D_BATCH_OP`` at
-    ``ops_addr``, kvd.cuda.dma_plan.OP_DTYPE) on ``stream`` as one batch, in stream
+    ``ops_addr``, kvd.cuda.dma.plan.OP_DTYPE) on ``stream`` as one batch, in stream
     order: each is done by the copy engines, with no kernel. Any direction; host
     addresses must be pinned. ``stream`` must not be the legacy default stream (the
     driver refuses it)."""

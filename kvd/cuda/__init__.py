@@ -2,9 +2,9 @@
 
 Owns the backend (``backend``: opening pools, per-GPU streams, gather and
 scatter), the copy kernels' loader and launcher (``kernels``, over
-kernels/kv_copy.cu), the staging ring (``staging``), completion polling
-from the event loop (``poll``), the GPU payload digest (``digest``) and GPU
-Direct Storage loads (``gds``).
+kernels/kv_copy.cu), the copy-engine family (``dma/``: the staging ring,
+copies by DMA alone), when a copy landed (``completion``), the GPU payload
+digest (``digest``) and GPU Direct Storage loads (``gds``).
 
 Imports: kvd.copy (the interface), kvd.tiers (gds reads chunk files),
 kvd_protocol, and CuPy, which is imported lazily so that importing this

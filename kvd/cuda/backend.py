@@ -12,13 +12,13 @@ devices some client registered memory on. The host arena is registered
 with the driver as pinned (portable, in pieces) on first use.
 
 Copy paths (``copy_path``): ``dma`` moves pages between the pool and the arena with the
-copy engines only (``kvd.cuda.dma``; small pitched pages staged through the slots below,
-``kvd.cuda.dma_stage``), for pools whose pages are byte ranges of at least
+copy engines only (``kvd.cuda.dma.path``; small pitched pages staged through the slots below,
+``kvd.cuda.dma.stage``), for pools whose pages are byte ranges of at least
 ``dma_settings.min_piece`` bytes (``auto``; ``dma``: any size); no kernel of the daemon's
 runs, so the engine keeps its GPU time slices (the driver calls of stores, and with
 ``gpu_dma_load_thread`` of loads, made by a thread of each GPU and direction, not the event
 loop). Other pools (and every pool with ``kernels``) use SM kernels.
-Kernel copies are staged (``kvd.cuda.staging``): per GPU and direction a ring of
+Kernel copies are staged (``kvd.cuda.dma.staging``): per GPU and direction a ring of
 ``stage_slots`` device buffers of ``stage_slot_bytes`` (2 x slots x bytes of the engine
 GPU's memory: 256 MiB by default), kernels between the pool and the ring, DMA between the
 ring and the arena. Where one layer of one chunk does not fit a slot (or ``stage_slots``
@@ -53,12 +53,12 @@ from kvd.copy.flags import FlagPage
 from kvd.copy.plan import CopyPlan
 from kvd.copy.poll import EventPoller
 from kvd.cuda import buffers as buffers_mod
-from kvd.cuda import dma
 from kvd.cuda.completion import completion, failed_after, gpu_start
-from kvd.cuda.dma_plan import pool_groups
+from kvd.cuda.dma import path as dma
+from kvd.cuda.dma.plan import pool_groups
+from kvd.cuda.dma.staging import StagingRing
 from kvd.cuda.kernels import KernelCopier, copy_params, plane_bases
 from kvd.cuda.signal import GpuSignal
-from kvd.cuda.staging import StagingRing
 from kvd_protocol import cuda_driver
 from kvd_protocol.errors import BadRequest, ServerError
 from kvd_protocol.layout import LayoutDescriptor
@@ -89,7 +89,7 @@ class CudaPool:
     bases: np.ndarray
     flags: FlagPage
     by_dma: bool = False
-    groups: list | None = None  # kvd.cuda.dma_plan.pool_groups, with by_dma
+    groups: list | None = None  # kvd.cuda.dma.plan.pool_groups, with by_dma
     closed: bool = False
 
 

@@ -12,7 +12,7 @@ Contract:
   seen by the poller, and ``began`` (``t0``, monotonic as the request lines).
   ``done`` (an object with the poller's ``done``, ``stream`` None): what to
   wait for instead of an event recorded now, for a copy that another
-  thread queues (``kvd.cuda.dma_hand.Handed``).
+  thread queues (``kvd.cuda.dma.hand.Handed``).
 - ``gpu_start(cp, stream)``: with debug logging on, a timing event recorded
   on ``stream`` before a copy is queued there (else None). Passed as
   ``start``, the log line adds the copy's time on the GPU, from when

@@ -32,7 +32,7 @@ Contract:
 - ``batch(kind, ...)`` validates one request and uploads its small tables
   (bases, page ids, chunk pointers) once; the returned ``CopyBatch``
   launches any number of kernels over them (chunk and layer subranges, a
-  chunk-pointer table indexed apart from the page ids: ``kvd.cuda.staging``
+  chunk-pointer table indexed apart from the page ids: ``kvd.cuda.dma.staging``
   points each piece at a staging slot). ``gather``/``scatter`` are one
   batch with one launch.
 - Tables travel in one host-to-device copy from a pinned staging slot, on a

@@ -242,7 +242,7 @@ def make_cuda_engine(cfg, arena_view):
         return None
     try:
         from kvd.cuda.backend import CudaCopyEngine
-        from kvd.cuda.dma import DmaSettings
+        from kvd.cuda.dma.path import DmaSettings
         dma = DmaSettings(cfg.gpu_dma_streams, cfg.gpu_dma_min_piece, cfg.gpu_dma_load_window,
                           cfg.gpu_dma_stage_below, cfg.gpu_dma_spread_below,
                           cfg.gpu_dma_store_thread, cfg.gpu_dma_load_thread)

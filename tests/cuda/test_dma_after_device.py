@@ -30,8 +30,10 @@ from test_dma_queue import Event  # noqa: E402 - events whose landing the test s
 
 from kvd.copy.plan import CopyPlan  # noqa: E402
 from kvd.copy.poll import EventPoller  # noqa: E402
-from kvd.cuda import dma, dma_hand, dma_plan  # noqa: E402
 from kvd.cuda.backend import CudaCopyEngine, CudaPool, _Device  # noqa: E402
+from kvd.cuda.dma import hand as dma_hand  # noqa: E402
+from kvd.cuda.dma import path as dma  # noqa: E402
+from kvd.cuda.dma import plan as dma_plan  # noqa: E402
 
 CALLS: list = []  # ("record", stream) / ("wait", stream) / ("rows", stream), in order
 

@@ -1,4 +1,4 @@
-"""``kvd.cuda.dma_hand``: DMA copies queued with the driver by a thread, not the event loop.
+"""``kvd.cuda.dma.hand``: DMA copies queued with the driver by a thread, not the event loop.
 
 Drives the real ``DmaPath`` with ``store_thread`` and ``load_thread`` on and CUDA stubbed (the
 stand-in of tools/dma_host_cost.py, events whose completion the test sets,
@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import dma_host_cost as stub  # noqa: E402
 from test_dma_queue import Event  # noqa: E402 - events whose landing the test sets
 
-from kvd.cuda import dma, dma_hand, dma_plan  # noqa: E402
+from kvd.cuda.dma import hand as dma_hand  # noqa: E402
+from kvd.cuda.dma import path as dma  # noqa: E402
+from kvd.cuda.dma import plan as dma_plan  # noqa: E402
 from kvd_protocol.cuda_driver import CudaExportError  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""``kvd.cuda.dma.DmaQueue`` keeps only the batches that have not landed.
+"""``kvd.cuda.dma.path.DmaQueue`` keeps only the batches that have not landed.
 
 It drives the real ``DmaPath`` and ``DmaQueue`` with CUDA stubbed
 (tools/dma_host_cost.py's stand-in for CuPy, with events whose completion
@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import dma_host_cost as stub  # noqa: E402
 
 from kvd.copy.poll import EventPoller  # noqa: E402
-from kvd.cuda import dma, dma_plan  # noqa: E402
+from kvd.cuda.dma import path as dma  # noqa: E402
+from kvd.cuda.dma import plan as dma_plan  # noqa: E402
 
 
 class Event:

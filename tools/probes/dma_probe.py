@@ -64,7 +64,7 @@ import numpy as np
 from interference_probe import _Attr, _Loc, timeit  # this tool's neighbours in tools/
 from probe_host import anon_huge_kib, registered
 
-from kvd.cuda.dma_plan import OP_DTYPE, OPERAND_POINTER, ORDER_STREAM
+from kvd.cuda.dma.plan import OP_DTYPE, OPERAND_POINTER, ORDER_STREAM
 
 SHAPES = {"llama": (32, 2, 8 * 128 * 2), "mla": (61, 1, 1152)}  # layers, planes, row bytes
 CHUNK, CHUNKS = 256, 8

@@ -18,12 +18,12 @@ CUDA MPS (+1-4% straight; ``kvd bench --gpu --interference``, H100).
 Contract:
 
 - ``chunk_pieces(n_chunks, chunk_bytes, layers, slot_bytes)``: the copy as
-  ``kvd.cuda.staging`` pieces ``(c0, c1, 0, layers)`` of whole chunks, as
+  ``kvd.cuda.dma.staging`` pieces ``(c0, c1, 0, layers)`` of whole chunks, as
   many as one slot holds; None when one chunk does not fit a slot.
 - ``CeFill(queue, layout, bases, groups, page_ids, pieces, chunk_tokens,
   to_slot)`` stands in for the ring's kernel copier in
   ``StagingRing.run(..., copier=fill)``. It plans the copy's pitched
-  device-to-device ops once (``kvd.cuda.dma_plan.CopyOps``, whose ops in run
+  device-to-device ops once (``kvd.cuda.dma.plan.CopyOps``, whose ops in run
   order make a piece's ops one slice; ``pieces`` from
   ``chunk_pieces``, chunk ``c`` at ``c % per_piece`` chunks from its slot's start); ``batch(...)`` gives an
   object whose ``launch(first, count, a, b, ptr_first)`` queues the ops of
@@ -32,7 +32,7 @@ Contract:
   stream queued so far (the slot's last DMA), and makes the fill stream wait
   for them. Whole chunks only (``a == 0``, ``b == layers``). It cannot read a
   cancel word: the caller gates loads piece by piece
-  (``kvd.cuda.dma.DmaPath.load``).
+  (``kvd.cuda.dma.path.DmaPath.load``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.cuda.dma_plan import CopyOps, Step
+from kvd.cuda.dma.plan import CopyOps, Step
 
 _NO_SPLIT = (0, 1 << 63)  # device memory: no registration pieces to respect
 FILL_STREAMS = 2  # a fill is 3-14x faster than PCIe: more streams only cost host time

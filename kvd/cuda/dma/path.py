@@ -17,7 +17,7 @@ Contract:
   ``groups`` is ``dma_plan.pool_groups``, computed once per pool).
   Smaller copies are slow on the copy engines (32 KiB one by one: 0.5-0.75 of
   a memcpy; 2 KiB rows: 0.3 even pitched), so they stay with the kernels.
-- What a copy queues is ``kvd.cuda.dma_plan.CopyOps``: pitched ops, one per
+- What a copy queues is ``kvd.cuda.dma.plan.CopyOps``: pitched ops, one per
   run of pages and group of planes at one pitch, cut by layers.
 - ``DmaQueue`` is one direction of one GPU: ``n`` streams. ``enqueue`` splits
   an op array into ``n`` (or fewer, when asked) parts of about equal bytes,
@@ -42,10 +42,10 @@ Contract:
   goes straight (the ops above) or, where ``staged`` says so (pitched pages
   under ``stage_below`` bytes, whole chunks fit a slot, the other direction
   idle for ``STAGE_IDLE_S``), through the staging ring with
-  ``kvd.cuda.dma_stage.CeFill`` in place of the kernels. ``store`` returns
+  ``kvd.cuda.dma.stage.CeFill`` in place of the kernels. ``store`` returns
   the stream the copy ends on, how it went (``DIRECT`` or ``STAGED``) and
   None; with ``store_thread`` (``gpu_dma_store_thread``) the loop only plans
-  a store, ``kvd.cuda.dma_hand`` queues it, and ``store`` returns None, how,
+  a store, ``kvd.cuda.dma.hand`` queues it, and ``store`` returns None, how,
   and its ``Handed`` to poll (not with ``stage_below``: the thread owns the
   store queue's streams, which the staging slots' fills share);
   ``load`` returns how it went (it ends on ``load_queue.stream``) and what
@@ -77,9 +77,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvd.cuda.dma_hand import DmaHand
-from kvd.cuda.dma_plan import MIN_ROWS, OP_DTYPE, CopyOps, Step, rows
-from kvd.cuda.dma_stage import CeFill, chunk_pieces
+from kvd.cuda.dma.hand import DmaHand
+from kvd.cuda.dma.plan import MIN_ROWS, OP_DTYPE, CopyOps, Step, rows
+from kvd.cuda.dma.stage import CeFill, chunk_pieces
 from kvd_protocol import cuda_driver
 
 _EVENT_NO_TIMING = 0x2

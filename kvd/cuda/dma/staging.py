@@ -30,7 +30,7 @@ Contract:
   once every piece of layer l is scattered, and its kernels skip the
   engine's pages once the load's cancel word is set. ``run(...,
   copier=...)`` fills and empties the slots with another copier of the same
-  ``batch``/``launch`` shape (kvd.cuda.dma_stage's copy-engine fills, which
+  ``batch``/``launch`` shape (kvd.cuda.dma.stage's copy-engine fills, which
   cannot read the cancel word: their caller gates them). Reusing a slot waits
   (on the GPU) for the piece that last used it, across requests; nothing
   here waits on another process and nothing blocks the host.
