@@ -136,7 +136,7 @@ class Daemon(DaemonStart):
             await asyncio.wait(self.tasks, timeout=max(0.0, self.deadline - time.monotonic()))
         if self.tasks and (abandoned := self.service.abandon_copies()):
             # a request whose copy never lands would hold the loop's teardown; the engines'
-            # close gives the GPU its own bounded wait (kvd.cuda.backend.CLOSE_WAIT_S)
+            # close gives the GPU its own bounded wait (kvd.cuda.devices.CLOSE_WAIT_S)
             log.warning("%d copies still queued after shutdown_grace_s; not waiting for them",
                         abandoned)
             await asyncio.wait(self.tasks, timeout=1.0)

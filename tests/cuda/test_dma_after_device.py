@@ -30,7 +30,8 @@ from test_dma_queue import Event  # noqa: E402 - events whose landing the test s
 
 from kvd.copy.plan import CopyPlan  # noqa: E402
 from kvd.copy.poll import EventPoller  # noqa: E402
-from kvd.cuda.backend import CudaCopyEngine, CudaPool, _Device  # noqa: E402
+from kvd.cuda.backend import CudaCopyEngine  # noqa: E402
+from kvd.cuda.devices import CudaPool, GpuDevice  # noqa: E402
 from kvd.cuda.dma import hand as dma_hand  # noqa: E402
 from kvd.cuda.dma import path as dma  # noqa: E402
 from kvd.cuda.dma import plan as dma_plan  # noqa: E402
@@ -59,7 +60,7 @@ def _engine(load_thread: bool) -> tuple[CudaCopyEngine, CudaPool, object]:
     layout, bases = stub.pool(61, 1, 1152, 16, "per-layer")
     settings = dma.DmaSettings(streams=4, load_thread=load_thread)
     path = dma.DmaPath(Cupy(), 0, settings, (stub.ARENA, stub.PIECE), EventPoller())
-    dev = _Device(0, None, [Cupy.cuda.Stream() for _ in range(4)], None, None, path)
+    dev = GpuDevice(0, None, [Cupy.cuda.Stream() for _ in range(4)], None, None, path)
     engine = object.__new__(CudaCopyEngine)  # its __init__ would take a GPU; the rest is real
     engine.cp, engine.poller = Cupy(), path.poller
     pool = CudaPool(dev, [], bases, None, True, dma_plan.pool_groups(layout, bases))

@@ -115,7 +115,7 @@ def run(torch, dirs: list, copies: int, depth: int) -> dict:
 def _regions(nbytes: int, n: int) -> list[int]:
     """Offsets of ``n`` regions of ``nbytes``, none across a registered piece's end (one
     copy cannot span two registrations; kvd cuts its copies there)."""
-    from kvd.cuda.backend import REGISTER_PIECE
+    from kvd.cuda.devices import REGISTER_PIECE
     out, at = [], 0
     while len(out) < n:
         if at // REGISTER_PIECE != (at + nbytes - 1) // REGISTER_PIECE:

@@ -23,7 +23,7 @@ def registered(nbytes: int, kind: str = "shm") -> np.ndarray:
     import mmap
     import os
 
-    from kvd.cuda.backend import REGISTER_PIECE
+    from kvd.cuda.devices import REGISTER_PIECE
     from kvd_protocol import cuda_driver
     huge = 2 << 20
     size = -(-nbytes // huge) * huge
