@@ -12,7 +12,7 @@ A ``Scope`` is made per request (``Registration.scope()``): ``shard_bytes``
 is None for a registration without a pool (``attach``), whose namespace
 fixes the shard size anyway. ``refused`` counts the entries it turned away,
 so the request can be counted once in the daemon's ``foreign_ns_misses``.
-Entries of every tier (kvd/tiers/host/entry.py, kvd/tiers/disk/tier.py's
+Entries of every tier (kvd/tiers/host/entry.py, kvd/tiers/disk/entry.py's
 ``DiskEntry``, a remote value's ``ChunkHeader``) carry ``ns``, ``shards``
 and ``shard_bytes``.
 """
