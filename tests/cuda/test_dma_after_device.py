@@ -35,6 +35,7 @@ from kvd.cuda.devices import CudaPool, GpuDevice  # noqa: E402
 from kvd.cuda.dma import hand as dma_hand  # noqa: E402
 from kvd.cuda.dma import path as dma  # noqa: E402
 from kvd.cuda.dma import plan as dma_plan  # noqa: E402
+from kvd_protocol import cuda_driver  # noqa: E402
 
 CALLS: list = []  # ("record", stream) / ("wait", stream) / ("rows", stream), in order
 
@@ -85,7 +86,7 @@ async def _load(engine, pool, layout, after_device: bool) -> None:
 @pytest.mark.parametrize("after_device", [False, True])
 def test_a_dma_load_waits_for_the_kernel_stream_only_after_device_work(monkeypatch, load_thread,
                                                                        after_device):
-    monkeypatch.setattr(dma.cuda_driver, "memcpy_batch_async", rows)
+    monkeypatch.setattr(cuda_driver, "memcpy_batch_async", rows)
     monkeypatch.setattr(dma_hand.cuda_driver, "ensure_context", lambda ordinal: None)
     monkeypatch.setattr(Event, "instances", [], raising=False)
     monkeypatch.setattr(Event, "__init__", _tracked_init)

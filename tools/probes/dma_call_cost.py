@@ -5,7 +5,7 @@
         [--streams 1,2,8] [--row-bytes 1179648] [--repeat 21]
 
 What the daemon's event loop pays to queue one copy of N single rows
-(``kvd.cuda.dma.path.DmaQueue.enqueue``: the rows split over S streams, one
+(``kvd.cuda.dma.queue.DmaQueue.enqueue``: the rows split over S streams, one
 ``cuMemcpyBatchAsync`` per stream, events joining the streams), next to N
 plain ``cudaMemcpyAsync`` calls on one stream. Rows go from a pinned host
 buffer to device memory at random row slots. Per (N, S): the median host
@@ -34,7 +34,7 @@ def main() -> int:
     args = p.parse_args()
     import cupy as cp
 
-    from kvd.cuda.dma.path import DmaQueue
+    from kvd.cuda.dma.queue import DmaQueue
     from kvd.cuda.dma.plan import OP_DTYPE, Step
 
     counts = [int(v) for v in args.rows.split(",")]

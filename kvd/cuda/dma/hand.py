@@ -12,7 +12,7 @@ beside the loop.
 Contract:
 
 - ``DmaHand(cp, ordinal, queue, name)``: a thread (started on first use)
-  that owns the enqueueing of ``queue`` (a ``kvd.cuda.dma.path.DmaQueue``, one
+  that owns the enqueueing of ``queue`` (a ``kvd.cuda.dma.queue.DmaQueue``, one
   direction): once a copy is handed here, everything queued on that queue's
   streams goes through this thread, in the order handed.
 - ``hand(work, then=None) -> Handed``: runs ``work()`` (it queues a copy's
