@@ -9,7 +9,8 @@ differences). Use it with one flag::
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvdConnector",
         "kv_connector_module_path": "kvd_client.vllm", "kv_role": "kv_both"}'
 
-Modules: ``connector`` (the ``KVConnectorBase_V1`` subclass; imports vLLM),
+Modules: ``connector`` (the ``KVConnectorBase_V1`` subclass; imports vLLM, as do
+``messages``, what vLLM carries between its instances, and ``compat``, its API by version),
 ``scheduler`` and ``worker`` (the two halves, plain Python), ``plan``
 (what travels between them), ``support`` (what kvd refuses, and why),
 ``access`` (vLLM 0.34's ``kv_cache_access``, ``may_load_async``; the versions known),
