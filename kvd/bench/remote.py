@@ -49,8 +49,9 @@ import numpy as np
 from kvd.tiers.disk.digest import payload_digest
 from kvd.tiers.host.arena import SharedArena, arena_path
 from kvd.tiers.host.tier import HostTier
+from kvd.tiers.remote.calls import CPU_THREADS
 from kvd.tiers.remote.digest_pool import DigestPool, auto_processes
-from kvd.tiers.remote.tier import CPU_THREADS, RemoteTier
+from kvd.tiers.remote.tier import RemoteTier
 from kvd.tiers.remote.tiering import RemoteTiering
 from kvd.tiers.remote.value import Seal
 from kvd.tiers.scope import Scope

@@ -169,10 +169,11 @@ def make_remote(cfg, host, view, arena_path):
     the background: a store that is down at start-up leaves kvd local-only until it answers.
     The zero-copy path (Mooncake, Redis) checks chunks in ``remote_digest_processes`` processes that
     map the arena at ``arena_path`` (kvd/tiers/remote/digest_pool.py)."""
+    from kvd.tiers.remote.calls import CPU_THREADS
     from kvd.tiers.remote.digest_pool import DigestPool, auto_processes
     from kvd.tiers.remote.mooncake import MooncakeStore
     from kvd.tiers.remote.store import RedisStore
-    from kvd.tiers.remote.tier import CPU_THREADS, RemoteTier
+    from kvd.tiers.remote.tier import RemoteTier
     from kvd.tiers.remote.tiering import RemoteTiering
     from kvd.tiers.remote.value import Seal, store_prefix
     try:

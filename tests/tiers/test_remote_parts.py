@@ -22,8 +22,9 @@ import pytest
 from kvd.tiers.daemon_threads import DaemonThreads
 from kvd.tiers.disk import chunk_file as F
 from kvd.tiers.remote.breaker import Breaker
+from kvd.tiers.remote.calls import RemoteUnavailable
 from kvd.tiers.remote.store import RedisStore
-from kvd.tiers.remote.tier import RemoteTier, RemoteUnavailable
+from kvd.tiers.remote.tier import RemoteTier
 from kvd.tiers.remote.value import TAG_BYTES, Seal, copy_verified, pack, parse, store_name
 from kvd.tiers.scope import Scope
 
