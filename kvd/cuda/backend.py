@@ -1,4 +1,4 @@
-"""CUDA copy backend: engine KV pools opened through CUDA IPC, staged copies.
+"""CUDA copy backend: gather and scatter between engine KV pools and the arena, by kernels or DMA.
 
 Devices, the pinned arena and pools (``cuda_ipc``, ``cuda_vmm``): kvd/cuda/devices.py
 (``CudaDevices``, which ``CudaCopyEngine`` extends).
