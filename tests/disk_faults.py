@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from kvd.tiers.chunk_file import ChunkFiles
+from kvd.tiers.disk.chunk_file import ChunkFiles
 
 FAULTS = ("enospc", "eio_read", "slow_read", "slow_write", "gds_eio", "rebuild_bug")
 SLOW_READ_S = 2.5
@@ -70,7 +70,7 @@ class EioKvikio:
 def install(faults) -> None:
     """Make this process's daemon build its disk tier and GDS loader from the doubles."""
     import kvd.cuda.gds as gds
-    import kvd.tiers.disk as disk
+    import kvd.tiers.disk.tier as disk
 
     faults = set(faults)
     files_faults = faults - {"gds_eio", "rebuild_bug"}

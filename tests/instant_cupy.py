@@ -1,7 +1,7 @@
 """A CuPy whose every call returns at once, and pool layouts to plan copies over: for tests of
-the daemon's DMA planning and queuing (kvd.cuda.dma, kvd.cuda.staging) on any machine.
+the daemon's DMA planning and queuing (kvd.cuda.dma.path, kvd.cuda.dma.staging) on any machine.
 
-``StubCupy`` serves the CuPy calls kvd.cuda.dma and kvd.cuda.staging make (streams, events,
+``StubCupy`` serves the CuPy calls kvd.cuda.dma.path and kvd.cuda.dma.staging make (streams, events,
 runtime calls, allocations), each doing nothing; tests subclass ``Cuda``/``Runtime`` to record
 or hold what they care about. ``pool(layers, planes, row, page_size, kind)`` is a layout and
 its plane bases as vLLM (``one``, ``block-outer``) or SGLang (``per-layer``) allocate them.
@@ -76,7 +76,7 @@ class Cuda:
 
 
 class StubCupy:
-    """What kvd.cuda.dma and kvd.cuda.staging call of CuPy, each call returning at once."""
+    """What kvd.cuda.dma.path and kvd.cuda.dma.staging call of CuPy, each call returning at once."""
     cuda = Cuda
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.tiers.arena_index import HEADER, LIVE, RECORD_DTYPE
+from kvd.tiers.host.arena_index import HEADER, LIVE, RECORD_DTYPE
 from kvd_protocol.runtime import instance_tag
 
 SHM = Path("/dev/shm")

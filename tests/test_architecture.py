@@ -22,7 +22,9 @@ MAX_LINES = 420
 
 # package -> the packages its modules may import (besides its own modules); "kvd" is the
 # top package itself and its plain modules (its __version__, kvd.quota_rules,
-# kvd.config_checks; of kvd's own they import only kvd.sizes)
+# kvd.config_checks; of kvd's own they import only kvd.sizes). TIERS: kvd.tiers' subpackages,
+# in layer order (each may import those before it), and its top package of shared modules.
+TIERS = ("kvd.tiers.host", "kvd.tiers.disk", "kvd.tiers.remote", "kvd.tiers")
 ALLOWED = {
     "kvd_protocol": set(),
     "kvd_client": {"kvd_protocol"},
@@ -34,11 +36,15 @@ ALLOWED = {
     "kvd.config": {"kvd", "kvd.knobs", "kvd.sizes", "kvd_protocol"},
     "kvd.config_env": {"kvd.config"},
     "kvd.tiers": {"kvd_protocol"},
+    "kvd.tiers.host": {"kvd.tiers", "kvd_protocol"},
+    "kvd.tiers.disk": {"kvd.tiers", "kvd.tiers.host", "kvd_protocol"},
+    "kvd.tiers.remote": {"kvd.tiers", *TIERS[:2], "kvd_protocol"},
     "kvd.copy": {"kvd_protocol"},
-    "kvd.cuda": {"kvd.copy", "kvd.tiers", "kvd_protocol"},
-    "kvd.server": {"kvd", "kvd.cuda", "kvd.copy", "kvd.tiers", "kvd.config", "kvd.config_env",
+    "kvd.cuda.dma": {"kvd_protocol"},
+    "kvd.cuda": {"kvd.cuda.dma", "kvd.copy", *TIERS, "kvd_protocol"},
+    "kvd.server": {"kvd", "kvd.cuda", "kvd.cuda.dma", "kvd.copy", *TIERS, "kvd.config", "kvd.config_env",
                    "kvd_protocol"},
-    "kvd.bench": {"kvd.server", "kvd.cuda", "kvd.tiers", "kvd.config", "kvd_client", "kvd_protocol"},
+    "kvd.bench": {"kvd.server", "kvd.cuda", *TIERS, "kvd.config", "kvd_client", "kvd_protocol"},
     "kvd.cli": {"kvd", "kvd.bench", "kvd.server", "kvd.config", "kvd.config_env", "kvd_client",
                 "kvd_protocol"},
     "kvd.__main__": {"kvd.cli"},
@@ -145,15 +151,15 @@ def test_the_checker_sees_cycles_and_private_names():
     """The rules above would fire: a made-up graph with a cycle, a real private import."""
     saved = dict(GRAPH)
     try:
-        GRAPH["kvd.tiers.host"] = saved["kvd.tiers.host"] + [("kvd.tiers.arena", None, 1)]
-        GRAPH["kvd.tiers.arena"] = saved["kvd.tiers.arena"] + [("kvd.tiers.host", "_x", 1)]
+        GRAPH["kvd.tiers.host.tier"] = saved["kvd.tiers.host.tier"] + [("kvd.tiers.host.arena", None, 1)]
+        GRAPH["kvd.tiers.host.arena"] = saved["kvd.tiers.host.arena"] + [("kvd.tiers.host.tier", "_x", 1)]
         with pytest.raises(AssertionError, match="import cycle"):
             test_no_import_cycles()
         with pytest.raises(AssertionError, match="private name _x"):
-            test_no_private_names_across_modules("kvd.tiers.arena")
-        GRAPH["kvd.tiers.arena"] = saved["kvd.tiers.arena"] + [("kvd.server.daemon", None, 1)]
+            test_no_private_names_across_modules("kvd.tiers.host.arena")
+        GRAPH["kvd.tiers.host.arena"] = saved["kvd.tiers.host.arena"] + [("kvd.server.daemon", None, 1)]
         with pytest.raises(AssertionError, match="may import only"):
-            test_imports_go_only_downward("kvd.tiers.arena")
+            test_imports_go_only_downward("kvd.tiers.host.arena")
     finally:
         GRAPH.clear()
         GRAPH.update(saved)

@@ -2,7 +2,7 @@
 
 Random (the default, the worst case), sorted and contiguous sets are
 disjoint halves of the pool's first 2n pages; what each makes of a per-layer
-DeepSeek-MLA copy (kvd.cuda.dma_plan.CopyOps, no GPU): one row per (layer,
+DeepSeek-MLA copy (kvd.cuda.dma.plan.CopyOps, no GPU): one row per (layer,
 page) at random ids, one per (layer, chunk) when a chunk's pages are
 consecutive.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvd.bench.common import PAGE_ORDERS, page_sets
-from kvd.cuda.dma_plan import CopyOps
+from kvd.cuda.dma.plan import CopyOps
 
 import instant_cupy as stub
 

@@ -4,7 +4,7 @@
 handle, base, size and device UUID (the daemon adds the tensor's offset). Virtual-memory
 allocations cannot be exported this way: detected up front, ``CudaExportError`` naming the
 cause. Only libcuda is needed, no CuPy in the engine. The daemon also queues its
-copy-engine batches here (``memcpy3d_batch_async``, kvd.cuda.dma).
+copy-engine batches here (``memcpy3d_batch_async``, kvd.cuda.dma.path).
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def has_memcpy3d_batch() -> bool:
 
 def memcpy3d_batch_async(stream: int, ops_addr: int, count: int) -> None:
     """Queue ``count`` pitched copies (an array of ``CUDA_MEMCPY3D_BATCH_OP`` at
-    ``ops_addr``, kvd.cuda.dma_plan.OP_DTYPE) on ``stream`` as one batch, in stream
+    ``ops_addr``, kvd.cuda.dma.plan.OP_DTYPE) on ``stream`` as one batch, in stream
     order: each is done by the copy engines, with no kernel. Any direction; host
     addresses must be pinned. ``stream`` must not be the legacy default stream (the
     driver refuses it)."""

@@ -132,7 +132,7 @@ def stop_daemon(proc: subprocess.Popen, rundir: str, timeout: float = 60.0,
 
 def remove_host_tier(rundir: str, shm_dir: str = "/dev/shm") -> None:
     """Delete the host tier (arena and index) the daemons of ``rundir`` keep across restarts."""
-    from kvd.tiers.arena_index import kept_files
+    from kvd.tiers.host.arena_index import kept_files
     from kvd_protocol.runtime import instance_tag
 
     for path in kept_files(Path(shm_dir), instance_tag(Path(rundir))):

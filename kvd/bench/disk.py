@@ -1,6 +1,6 @@
 """``kvd bench --disk``: the disk tier against raw IO of the same bytes.
 
-On one directory (``--disk-dir``): the disk tier (kvd.tiers.disk: header, checksum, fsync,
+On one directory (``--disk-dir``): the disk tier (kvd.tiers.disk.tier: header, checksum, fsync,
 rename; verified reads) against raw ``pwrite``+``fsync`` / ``pread`` of the same file sizes
 on as many threads, alternating in rounds so a shared disk's slow spells hit both alike.
 O_DIRECT where the directory takes it (said in the output). Prints median GB/s of
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.tiers.chunk_file import file_size, probe_direct
-from kvd.tiers.disk import DiskTier
+from kvd.tiers.disk.chunk_file import file_size, probe_direct
+from kvd.tiers.disk.tier import DiskTier
 
 from .common import size_arg
 

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.tiers.arena import SharedArena, arena_path
-from kvd.tiers.digest import payload_digest
-from kvd.tiers.digest_pool import DigestPool, auto_processes
-from kvd.tiers.host import HostTier
-from kvd.tiers.remote import CPU_THREADS, RemoteTier
-from kvd.tiers.remote_tiering import RemoteTiering
-from kvd.tiers.remote_value import Seal
+from kvd.tiers.disk.digest import payload_digest
+from kvd.tiers.host.arena import SharedArena, arena_path
+from kvd.tiers.host.tier import HostTier
+from kvd.tiers.remote.calls import CPU_THREADS
+from kvd.tiers.remote.digest_pool import DigestPool, auto_processes
+from kvd.tiers.remote.tier import RemoteTier
+from kvd.tiers.remote.tiering import RemoteTiering
+from kvd.tiers.remote.value import Seal
 from kvd.tiers.scope import Scope
 
 from .stores import MooncakeMaster, RedisServer, mooncake_env
@@ -112,11 +113,11 @@ def _store_runs(name: str, chunks: int, size: int, threads: int, repeat: int, se
 
 def _tier_store(server, name: str, nbytes: int, repeat: int):
     if name == "redis":
-        from kvd.tiers.remote_store import RedisStore
+        from kvd.tiers.remote.store import RedisStore
         return RedisStore(server.url, 5.0)
     import os
     os.environ.update(mooncake_env())
-    from kvd.tiers.remote_mooncake import MooncakeStore
+    from kvd.tiers.remote.mooncake import MooncakeStore
     # its segment holds every side's values of every round (a removed value's space may come
     # back only after its lease ends)
     return MooncakeStore(server.address, 5.0, server.metadata, "127.0.0.1",

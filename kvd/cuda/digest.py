@@ -1,4 +1,4 @@
-"""Segment digests (kvd/tiers/digest.py) of chunk payloads already in GPU memory.
+"""Segment digests (kvd/tiers/disk/digest.py) of chunk payloads already in GPU memory.
 
 ``secret_tables()``: the XXH3 default secret as the 64-bit words
 ``kernels/xxh3_segments.cu`` reads (a CPU test replays the kernel on them).
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvd.cuda.kernels import kernel_source_path
-from kvd.tiers.digest import PAD, SEGMENT_BYTES, segment_count
+from kvd.tiers.disk.digest import PAD, SEGMENT_BYTES, segment_count
 
 KERNEL_FILE = "xxh3_segments.cu"
 THREADS = 256

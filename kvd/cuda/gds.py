@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from kvd.tiers.chunk_file import HEADER_BYTES, ChunkCorrupt, read_header
-from kvd.tiers.digest import combine, padded_length
+from kvd.tiers.disk.chunk_file import HEADER_BYTES, ChunkCorrupt, read_header
+from kvd.tiers.disk.digest import combine, padded_length
 
 log = logging.getLogger("kvd")
 SLOTS = 2

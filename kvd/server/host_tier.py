@@ -1,9 +1,9 @@
 """The host tier at start-up and at exit: adopt the arena a previous daemon left, or make one.
 
 ``HostTierSetup.open()`` (under the runtime dir's lock) adopts ``kvd-arena-<tag>`` when
-``warm_restart`` is on, ``cold_start`` off and its index (kvd.tiers.arena_index) matches
+``warm_restart`` is on, ``cold_start`` off and its index (kvd.tiers.host.arena_index) matches
 this format, capacity, alignment and ``chunk_tokens``: mapped without zeroing, rebuilt on a
-thread (kvd.tiers.adopt), after a crash verified in the background while serving; it first
+thread (kvd.tiers.host.adopt), after a crash verified in the background while serving; it first
 waits for a still-exiting previous owner, whose last DMA must not land in a reused slot.
 Anything else found is deleted with one line saying why, and a new arena is allocated.
 ``drain`` waits for pending checksums; ``close`` keeps both files for the next start (one
@@ -21,13 +21,13 @@ from pathlib import Path
 
 from kvd.config import size_text
 from kvd.server.kept_tier import drop_command
-from kvd.tiers.adopt import rebuild, verify
-from kvd.tiers.arena import AllocationStopped, SharedArena, arena_path
-from kvd.tiers.arena_index import CLEAN, ArenaIndex, IndexProblem, index_path, process_state
-from kvd.tiers.host import HostTier
-from kvd.tiers.journal import Hasher, Journal
+from kvd.tiers.host.adopt import rebuild, verify
+from kvd.tiers.host.arena import AllocationStopped, SharedArena, arena_path
+from kvd.tiers.host.arena_index import CLEAN, ArenaIndex, IndexProblem, index_path, process_state
+from kvd.tiers.host.journal import Hasher, Journal
+from kvd.tiers.host.quota import QuotaBook
+from kvd.tiers.host.tier import HostTier
 from kvd.tiers.progress import Progress
-from kvd.tiers.quota import QuotaBook
 from kvd_protocol.runtime import instance_tag
 
 log = logging.getLogger("kvd")
@@ -86,7 +86,7 @@ class HostTierSetup:
         return True
 
     def _new_tier(self) -> HostTier:
-        """An empty host tier, keeping the ``quota`` knob's rules (kvd/tiers/quota.py)."""
+        """An empty host tier, keeping the ``quota`` knob's rules (kvd/tiers/host/quota.py)."""
         book = QuotaBook(self.cfg.quota) if self.cfg.quota else None
         return HostTier(self.cfg.host_capacity, self.align, book)
 

@@ -1,7 +1,7 @@
 """The host tier a stopped daemon keeps in shm_dir for the next start (warm restart).
 
 Its files are ``kvd-arena-<tag>`` and ``kvd-arena-<tag>.index`` (the tag
-names the runtime dir; kvd.tiers.arena_index.kept_files), and they hold
+names the runtime dir; kvd.tiers.host.arena_index.kept_files), and they hold
 ``host_capacity`` of memory until the next daemon of that runtime dir
 adopts them. ``kept_bytes`` is that memory (the start-up room check counts
 it as room: the tier is adopted or replaced). ``drop`` deletes them, and the
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from kvd.server.runtime_dir import InstanceLock
-from kvd.tiers.arena_index import kept_files
+from kvd.tiers.host.arena_index import kept_files
 from kvd_protocol.runtime import instance_tag
 
 

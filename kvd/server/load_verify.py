@@ -24,7 +24,7 @@ LOG_DROPS = 10  # corrupt shards logged one by one; the rest are counted
 class LoadVerifier:
     def __init__(self, tier, index, view, threads: int, stats):
         self.tier = tier
-        self.index = index  # kvd.tiers.arena_index.ArenaIndex: the shards' checksums
+        self.index = index  # kvd.tiers.host.arena_index.ArenaIndex: the shards' checksums
         self.view = view  # the arena's bytes (uint8)
         self.stats = stats
         self.pool = DaemonThreads(threads, "kvd-verify")  # normal priority: a load waits on them

@@ -250,7 +250,7 @@ def _cache(scraped: dict, s):
     yield from (cap, used, chunks, evictions)
     yield _counter("kvd_host_evicted_not_on_disk_total", "Host chunks evicted with no copy on disk "
                    "(lost from the cache).", tier.evicted_not_on_disk)
-    if tier.journal is not None:  # warm restart (kvd/tiers/journal.py)
+    if tier.journal is not None:  # warm restart (kvd/tiers/host/journal.py)
         w = dict(tier.journal.counters)
         yield _counter("kvd_host_checksum_failures_total", "Host chunks adopted after a crash whose "
                        "checksum did not match (dropped).", w.get("checksum_failures", 0))

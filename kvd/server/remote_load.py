@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvd.copy.plan import CopyPlan
-from kvd.tiers.tiering import hold_ready
+from kvd.tiers.disk.tiering import hold_ready
 from kvd_protocol.errors import NotFound
 
 

@@ -25,7 +25,7 @@ from kvd.server.sessions import Lease, Registration, Session, SessionTable
 from kvd.server.stats import Stats
 from kvd.server.tenants import TenantBindings
 from kvd.server.transfers import Transfers
-from kvd.tiers.host import HostTier
+from kvd.tiers.host.tier import HostTier
 from kvd_protocol import wire
 from kvd_protocol.errors import (
     BadRequest,

@@ -23,7 +23,7 @@ from kvd.server import metrics
 from kvd.server.kept_tier import kept_bytes
 from kvd.server.runtime_dir import prepare_runtime_dir
 from kvd.server.tenants import TenantBindings
-from kvd.tiers.arena import room_problem
+from kvd.tiers.host.arena import room_problem
 from kvd_protocol.errors import ConfigError
 
 log = logging.getLogger("kvd")
@@ -140,7 +140,7 @@ def disk_room_problem(disk_dir: Path, capacity: int) -> str | None:
 def _chunk_file_bytes(root: Path, enough: int) -> int:
     """Bytes of the chunk files under ``root`` (their sizes, as the disk tier counts them
     against disk_capacity), counted until ``enough``."""
-    from kvd.tiers.chunk_file import SUFFIX
+    from kvd.tiers.disk.chunk_file import SUFFIX
     total = 0
     for parent, _, names in os.walk(root):
         for name in names:
@@ -169,16 +169,17 @@ def _check_remote(cfg) -> None:
 
 
 def make_remote(cfg, host, view, arena_path):
-    """The remote tier (kvd.tiers.remote_tiering) over ``cfg.remote_backend``; it connects in
+    """The remote tier (kvd.tiers.remote.tiering) over ``cfg.remote_backend``; it connects in
     the background: a store that is down at start-up leaves kvd local-only until it answers.
     The zero-copy path (Mooncake, Redis) checks chunks in ``remote_digest_processes`` processes that
-    map the arena at ``arena_path`` (kvd/tiers/digest_pool.py)."""
-    from kvd.tiers.digest_pool import DigestPool, auto_processes
-    from kvd.tiers.remote import CPU_THREADS, RemoteTier
-    from kvd.tiers.remote_mooncake import MooncakeStore
-    from kvd.tiers.remote_store import RedisStore
-    from kvd.tiers.remote_tiering import RemoteTiering
-    from kvd.tiers.remote_value import Seal, store_prefix
+    map the arena at ``arena_path`` (kvd/tiers/remote/digest_pool.py)."""
+    from kvd.tiers.remote.calls import CPU_THREADS
+    from kvd.tiers.remote.digest_pool import DigestPool, auto_processes
+    from kvd.tiers.remote.mooncake import MooncakeStore
+    from kvd.tiers.remote.store import RedisStore
+    from kvd.tiers.remote.tier import RemoteTier
+    from kvd.tiers.remote.tiering import RemoteTiering
+    from kvd.tiers.remote.value import Seal, store_prefix
     try:
         if cfg.remote_backend == "redis":
             store = RedisStore(cfg.remote_address, cfg.remote_timeout_s, cfg.remote_ttl_s,
@@ -202,7 +203,7 @@ def make_remote(cfg, host, view, arena_path):
 
 
 def open_disk(cfg):
-    from kvd.tiers.disk import DiskTier
+    from kvd.tiers.disk.tier import DiskTier
     try:
         return DiskTier(cfg.disk_dir, cfg.disk_capacity, cfg.disk_io_threads, cfg.disk_queue_chunks)
     except OSError as exc:
@@ -250,7 +251,7 @@ def make_cuda_engine(cfg, arena_view):
         return None
     try:
         from kvd.cuda.backend import CudaCopyEngine
-        from kvd.cuda.dma import DmaSettings
+        from kvd.cuda.dma.path import DmaSettings
         dma = DmaSettings(cfg.gpu_dma_streams, cfg.gpu_dma_min_piece, cfg.gpu_dma_load_window,
                           cfg.gpu_dma_stage_below, cfg.gpu_dma_spread_below,
                           cfg.gpu_dma_store_thread, cfg.gpu_dma_load_thread)

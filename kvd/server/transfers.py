@@ -45,9 +45,9 @@ class Transfers:
         self.cfg = cfg
         self.tier = tier
         self.stats = stats
-        self.tiering = None  # kvd.tiers.tiering.Tiering when the disk tier is on
+        self.tiering = None  # kvd.tiers.disk.tiering.Tiering when the disk tier is on
         self.gds = None      # kvd.cuda.gds.GdsLoader when disk_gds is on and available
-        self.remote = None   # kvd.tiers.remote_tiering.RemoteTiering when remote_backend is set
+        self.remote = None   # kvd.tiers.remote.tiering.RemoteTiering when remote_backend is set
         self.verifier = None  # kvd.server.load_verify.LoadVerifier when verify_loads is on
         self.stopping = False
         # a store may wait a whole forward pass for the engine: poll gently when idle
@@ -123,7 +123,7 @@ class Transfers:
 
     def _reserve(self, reg: Registration, keys: list, tenant: str | None, shard_bytes: int,
                  part: int):
-        """Reserve every shard to copy, all or nothing (kvd.tiers.host.HostTier.reserve_many),
+        """Reserve every shard to copy, all or nothing (kvd.tiers.host.tier.HostTier.reserve_many),
         new chunks in the quota account of the registration's model and ``tenant``."""
         quota = self.tier.quota
         acct = 0 if quota is None else quota.account(reg.ns.model, tenant)

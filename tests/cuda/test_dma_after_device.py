@@ -27,8 +27,12 @@ from test_dma_queue import Event  # noqa: E402 - events whose landing the test s
 
 from kvd.copy.plan import CopyPlan  # noqa: E402
 from kvd.copy.poll import EventPoller  # noqa: E402
-from kvd.cuda import dma, dma_hand, dma_plan  # noqa: E402
-from kvd.cuda.backend import CudaCopyEngine, CudaPool, _Device  # noqa: E402
+from kvd.cuda.backend import CudaCopyEngine  # noqa: E402
+from kvd.cuda.devices import CudaPool, GpuDevice  # noqa: E402
+from kvd.cuda.dma import hand as dma_hand  # noqa: E402
+from kvd.cuda.dma import path as dma  # noqa: E402
+from kvd.cuda.dma import plan as dma_plan  # noqa: E402
+from kvd_protocol import cuda_driver  # noqa: E402
 
 CALLS: list = []  # ("record", stream) / ("wait", stream) / ("rows", stream), in order
 
@@ -54,7 +58,7 @@ def _engine(load_thread: bool) -> tuple[CudaCopyEngine, CudaPool, object]:
     layout, bases = stub.pool(61, 1, 1152, 16, "per-layer")
     settings = dma.DmaSettings(streams=4, load_thread=load_thread)
     path = dma.DmaPath(Cupy(), 0, settings, (stub.ARENA, stub.PIECE), EventPoller())
-    dev = _Device(0, None, [Cupy.cuda.Stream() for _ in range(4)], None, None, path)
+    dev = GpuDevice(0, None, [Cupy.cuda.Stream() for _ in range(4)], None, None, path)
     engine = object.__new__(CudaCopyEngine)  # its __init__ would take a GPU; the rest is real
     engine.cp, engine.poller = Cupy(), path.poller
     pool = CudaPool(dev, [], bases, None, True, dma_plan.pool_groups(layout, bases))
@@ -79,7 +83,7 @@ async def _load(engine, pool, layout, after_device: bool) -> None:
 @pytest.mark.parametrize("after_device", [False, True])
 def test_a_dma_load_waits_for_the_kernel_stream_only_after_device_work(monkeypatch, load_thread,
                                                                        after_device):
-    monkeypatch.setattr(dma.cuda_driver, "memcpy_batch_async", rows)
+    monkeypatch.setattr(cuda_driver, "memcpy_batch_async", rows)
     monkeypatch.setattr(dma_hand.cuda_driver, "ensure_context", lambda ordinal: None)
     monkeypatch.setattr(Event, "instances", [], raising=False)
     monkeypatch.setattr(Event, "__init__", _tracked_init)

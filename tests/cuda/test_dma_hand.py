@@ -1,4 +1,4 @@
-"""``kvd.cuda.dma_hand``: DMA copies queued with the driver by a thread, not the event loop.
+"""``kvd.cuda.dma.hand``: DMA copies queued with the driver by a thread, not the event loop.
 
 Drives the real ``DmaPath`` with ``store_thread`` and ``load_thread`` on and CUDA stubbed (the
 stand-in of tests/instant_cupy.py, events whose completion the test sets,
@@ -27,7 +27,10 @@ import pytest
 import instant_cupy as stub  # noqa: E402
 from test_dma_queue import Event  # noqa: E402 - events whose landing the test sets
 
-from kvd.cuda import dma, dma_hand, dma_plan  # noqa: E402
+from kvd.cuda.dma import hand as dma_hand  # noqa: E402
+from kvd.cuda.dma import path as dma  # noqa: E402
+from kvd.cuda.dma import plan as dma_plan  # noqa: E402
+from kvd_protocol import cuda_driver  # noqa: E402
 from kvd_protocol.cuda_driver import CudaExportError  # noqa: E402
 
 
@@ -81,7 +84,7 @@ def per_layer(monkeypatch):
     """A DmaPath with the store thread over a per-layer MLA pool (one row a (layer, page),
     spread over 8 streams: 8 driver calls a store), and the driver stand-in."""
     driver = Driver()
-    monkeypatch.setattr(dma.cuda_driver, "memcpy_batch_async", driver.rows)
+    monkeypatch.setattr(cuda_driver, "memcpy_batch_async", driver.rows)
     monkeypatch.setattr(dma_hand.cuda_driver, "ensure_context", lambda ordinal: None)
     layout, bases = stub.pool(61, 1, 1152, 16, "per-layer")
     settings = dma.DmaSettings(spread_below=1 << 30, store_thread=True, load_thread=True)

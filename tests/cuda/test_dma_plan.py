@@ -1,4 +1,4 @@
-"""kvd.cuda.dma_plan's pitched ops against a plain loop over (layer, chunk, plane, page), no GPU.
+"""kvd.cuda.dma.plan's pitched ops against a plain loop over (layer, chunk, plane, page), no GPU.
 
 Every byte the ops of layers ``[a, b)`` copy must be exactly the bytes of the
 page-by-page reference for those layers (same pool address for the same host
@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvd.cuda import dma, dma_plan
+from kvd.cuda.dma import path as dma
+from kvd.cuda.dma import plan as dma_plan
 from kvd_protocol.layout import LayoutDescriptor
 
 HOST0 = 1 << 32

@@ -1,4 +1,4 @@
-"""``kvd.cuda.dma.DmaQueue`` keeps only the batches that have not landed.
+"""``kvd.cuda.dma.queue.DmaQueue`` keeps only the batches that have not landed.
 
 It drives the real ``DmaPath`` and ``DmaQueue`` with CUDA stubbed
 (tests/instant_cupy.py's stand-in for CuPy, with events whose completion
@@ -20,7 +20,9 @@ import pytest
 import instant_cupy as stub  # noqa: E402
 
 from kvd.copy.poll import EventPoller  # noqa: E402
-from kvd.cuda import dma, dma_plan  # noqa: E402
+from kvd.cuda.dma import path as dma  # noqa: E402
+from kvd.cuda.dma import plan as dma_plan  # noqa: E402
+from kvd_protocol import cuda_driver  # noqa: E402
 
 
 class Event:
@@ -47,8 +49,8 @@ class Cupy(stub.StubCupy):
 @pytest.fixture
 def mla(monkeypatch):
     """A DmaPath over MLA's shape (one allocation), and what a copy of 8 chunks needs."""
-    monkeypatch.setattr(dma.cuda_driver, "memcpy3d_batch_async", lambda stream, at, n: None)
-    monkeypatch.setattr(dma.cuda_driver, "memcpy_batch_async", lambda stream, d, s, n: None)
+    monkeypatch.setattr(cuda_driver, "memcpy3d_batch_async", lambda stream, at, n: None)
+    monkeypatch.setattr(cuda_driver, "memcpy_batch_async", lambda stream, d, s, n: None)
     layout, bases = stub.pool(61, 1, 1152, 16)
     settings = dma.DmaSettings(store_thread=False, load_thread=False)  # the loop's (test_dma_hand.py)
     path = dma.DmaPath(Cupy(), 0, settings, (stub.ARENA, stub.PIECE), None)

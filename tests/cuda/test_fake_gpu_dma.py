@@ -1,4 +1,4 @@
-"""The copy-engine-only path (``gpu_copy_path``, kvd.cuda.dma) on the fake GPU (tests/fakecuda).
+"""The copy-engine-only path (``gpu_copy_path``, kvd.cuda.dma.path) on the fake GPU (tests/fakecuda).
 
 A real daemon runs kvd.cuda over the fake GPU; this process is the engine
 (tests/cuda/conftest.py). The fake's ``cuMemcpy3DBatchAsync_v2`` runs each
@@ -42,7 +42,7 @@ from test_fake_gpu_copies import store_then_load
 from test_fake_gpu_signals import flag_writes
 
 import kvd_client
-from kvd.cuda.dma import STAGE_IDLE_S
+from kvd.cuda.dma.path import STAGE_IDLE_S
 from kvd_protocol.flags import FlagLayout
 
 CHUNK = 16

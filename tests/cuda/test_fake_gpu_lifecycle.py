@@ -27,7 +27,7 @@ import pytest
 from daemons import engine_killed_after, wait_reaped
 
 import kvd_client
-from kvd.cuda.backend import CLOSE_WAIT_S
+from kvd.cuda.devices import CLOSE_WAIT_S
 
 CHUNK = 16
 LAYERS = 4

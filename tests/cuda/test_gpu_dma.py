@@ -33,7 +33,7 @@ from gpu_env import require_gpu  # noqa: E402
 torch = require_gpu()
 
 import kvd_client  # noqa: E402
-from kvd.cuda.dma import STAGE_IDLE_S  # noqa: E402
+from kvd.cuda.dma.path import STAGE_IDLE_S  # noqa: E402
 from kvd_client.torch_pool import CudaKVPool  # noqa: E402
 
 pytestmark = pytest.mark.gpu

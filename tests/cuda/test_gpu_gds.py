@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 import kvd_client  # noqa: E402
-from kvd.tiers import chunk_file as F  # noqa: E402
-from kvd.tiers import digest as D  # noqa: E402
+from kvd.tiers.disk import chunk_file as F  # noqa: E402
+from kvd.tiers.disk import digest as D  # noqa: E402
 from kvd_client.torch_pool import CudaKVPool  # noqa: E402
 from kvd_protocol.keys import namespace_digest  # noqa: E402
 

@@ -24,7 +24,7 @@ torch = require_gpu()
 import kvd_client  # noqa: E402
 from kvd_client import ChunkKeys  # noqa: E402
 from kvd_protocol.keys import part_key  # noqa: E402
-from kvd.cuda.dma import STAGE_IDLE_S  # noqa: E402
+from kvd.cuda.dma.path import STAGE_IDLE_S  # noqa: E402
 from kvd_client.torch_pool import CudaKVPool  # noqa: E402
 
 pytestmark = pytest.mark.gpu

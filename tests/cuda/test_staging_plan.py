@@ -1,4 +1,4 @@
-"""The staged copy planner of kvd.cuda.staging (pure functions, no GPU)."""
+"""The staged copy planner of kvd.cuda.dma.staging (pure functions, no GPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvd.cuda.staging import MAX_PITCH, host_runs, plan_pieces
+from kvd.cuda.dma.staging import MAX_PITCH, host_runs, plan_pieces
 
 MiB = 1 << 20
 
@@ -56,7 +56,7 @@ def test_host_runs():
 
 
 def test_piece_spans_split_exactly_at_registration_boundaries():
-    from kvd.cuda.staging import piece_spans
+    from kvd.cuda.dma.staging import piece_spans
     base, piece = 1000, 64
     assert piece_spans(1000, 64, base, piece) == [(0, 64)]
     assert piece_spans(1010, 20, base, piece) == [(0, 20)]

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from kvd.cuda.dma_plan import OP_DTYPE
+from kvd.cuda.dma.plan import OP_DTYPE
 
 from . import errors, runtime, streams, trace
 from .errors import INVALID_VALUE, NOT_READY, CudaError
@@ -227,7 +227,7 @@ class FakeLibcuda:
 
     @_status
     def cuMemcpy3DBatchAsync_v2(self, count, ops, flags, stream):
-        """Pitched copies (``kvd.cuda.dma_plan.OP_DTYPE``, pointer operands, depth 1) in
+        """Pitched copies (``kvd.cuda.dma.plan.OP_DTYPE``, pointer operands, depth 1) in
         stream order, as one piece of queued work: each op's whole extent on each side
         must lie in one live allocation or registration when queued and when run;
         ``FAKECUDA_KERNEL_DELAY_S``'s ``memcpy_batch`` delays it; the trace gets one

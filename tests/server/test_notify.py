@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kvd.tiers.chunk_file import ChunkFiles
+from kvd.tiers.disk.chunk_file import ChunkFiles
 
 
 class FakeSystemd:

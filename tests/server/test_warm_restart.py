@@ -28,7 +28,7 @@ from shm_files import arena_files
 
 import kvd_client
 from kvd.cli.format import format_stats
-from kvd.tiers.arena_index import HEADER, LIVE, RECORD_DTYPE
+from kvd.tiers.host.arena_index import HEADER, LIVE, RECORD_DTYPE
 
 FULL = W.CHUNKS * W.CHUNK  # tokens of one prompt
 KNOBS = {"chunk_tokens": W.CHUNK, "host_capacity": "64MiB"}
@@ -226,7 +226,7 @@ def test_sigkill_with_records_waiting_loses_only_the_stores_of_the_delay(start_d
 
 def record_offset(rd: Path, key: bytes) -> int:
     """The arena offset of ``key``'s (only) shard, read from the index file (its format:
-    kvd/tiers/arena_index.py)."""
+    kvd/tiers/host/arena_index.py)."""
     (index,) = [p for p in arena_files(rd) if p.suffix == ".index"]
     table = np.frombuffer(index.read_bytes()[HEADER:], RECORD_DTYPE)
     live = table[(table["state"] == LIVE) & (table["key"] == np.void(key))]

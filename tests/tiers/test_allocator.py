@@ -1,4 +1,4 @@
-"""The host arena's extent allocator (kvd.tiers.allocator): alignment, coalescing, no overlap."""
+"""The host arena's extent allocator (kvd.tiers.host.allocator): alignment, coalescing, no overlap."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from kvd.tiers.allocator import ExtentAllocator
+from kvd.tiers.host.allocator import ExtentAllocator
 
 
 def test_alloc_aligned_and_sequential():

@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from kvd.cuda.digest import secret_tables
-from kvd.tiers import digest as D
+from kvd.tiers.disk import digest as D
 
 M64 = (1 << 64) - 1
 PRIME32_1, PRIME64_1 = 0x9E3779B1, 0x9E3779B185EBCA87

@@ -1,5 +1,5 @@
-"""Checksum processes (kvd/tiers/digest_pool.py, kvd/tiers/digest_worker.py), real processes
-over a real shared-memory file: their digests are kvd/tiers/digest.py's, byte for byte, from
+"""Checksum processes (kvd/tiers/remote/digest_pool.py, kvd/tiers/remote/digest_worker.py), real processes
+over a real shared-memory file: their digests are kvd/tiers/disk/digest.py's, byte for byte, from
 several threads at once; a worker killed, hung or refusing is dropped and the digest is
 computed in the caller instead (the same answer); a worker refuses ranges outside its file
 and ends at the end of its input; ``close`` leaves no process."""
@@ -16,9 +16,9 @@ import threading
 import numpy as np
 import pytest
 
-from kvd.tiers.digest import SEGMENT_BYTES, payload_digest
-from kvd.tiers.digest_pool import DigestPool, auto_processes
-from kvd.tiers.digest_worker import ANSWER_BYTES, OK, OUTSIDE, REQUEST, read_exactly
+from kvd.tiers.disk.digest import SEGMENT_BYTES, payload_digest
+from kvd.tiers.remote.digest_pool import DigestPool, auto_processes
+from kvd.tiers.remote.digest_worker import ANSWER_BYTES, OK, OUTSIDE, REQUEST, read_exactly
 
 SIZE = 8 << 20
 RANGES = [(0, 1), (0, 4096), (5, 10_000), (4096, SEGMENT_BYTES), (12_345, 3 * SEGMENT_BYTES + 17),
@@ -98,7 +98,7 @@ def test_ranges_outside_the_arena_are_refused_before_any_worker_sees_them(arena,
 
 def test_a_worker_refuses_ranges_past_its_file_and_ends_with_its_input_only(arena):
     path, view = arena
-    proc = subprocess.Popen([sys.executable, "-m", "kvd.tiers.digest_worker", str(path), str(SIZE)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvd.tiers.remote.digest_worker", str(path), str(SIZE)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
     try:
         proc.stdin.write(REQUEST.pack(0, 4096))  # answered once it runs: its handlers are set
@@ -118,7 +118,7 @@ def test_a_worker_refuses_ranges_past_its_file_and_ends_with_its_input_only(aren
         proc.kill()
         proc.wait()
         proc.stdout.close()
-    bad = subprocess.run([sys.executable, "-m", "kvd.tiers.digest_worker", str(path)],
+    bad = subprocess.run([sys.executable, "-m", "kvd.tiers.remote.digest_worker", str(path)],
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "usage" in bad.stderr
 

@@ -1,4 +1,4 @@
-"""Unit tests of kvd.tiers.chunk_file (the chunk file format) and kvd.tiers.disk (index, IO, recovery).
+"""Unit tests of kvd.tiers.disk.chunk_file (the chunk file format) and kvd.tiers.disk.tier (index, IO, recovery).
 
 No daemon: the disk tier runs on a private event loop here. Covered: round
 trip in both IO modes, every kind of corruption (magic, version, header
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from disk_faults import FaultyChunkFiles
 
-from kvd.tiers import chunk_file as F
-from kvd.tiers.disk import DiskTier
+from kvd.tiers.disk import chunk_file as F
+from kvd.tiers.disk.tier import DiskTier
 
 NS = bytes(range(16))
 KEY = bytes(range(16, 32))

@@ -28,7 +28,7 @@ from daemons import wait_for as until
 from disk_faults import SLOW_READ_S
 
 from kvd.cli.format import format_stats
-from kvd.tiers import chunk_file as F
+from kvd.tiers.disk import chunk_file as F
 
 CHUNK = W.CHUNK
 # 16 KiB shards: a 256 KiB host tier holds 16 chunks

@@ -1,4 +1,4 @@
-"""The host tier's index (kvd.tiers.host): LRU order, pins, shards being written, capacity,
+"""The host tier's index (kvd.tiers.host.tier): LRU order, pins, shards being written, capacity,
 no-space behaviour, counters, and the demotion scan, against a plain reference model."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from kvd.tiers.host import HostTier
-from kvd.tiers.lru import LruQueue
+from kvd.tiers.host.lru import LruQueue
+from kvd.tiers.host.tier import HostTier
 from kvd.tiers.scope import Scope
 from kvd_protocol.errors import BadRequest, NoSpace
 

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 from test_warm_index import CAP, SLOT, arena, key, make_tier, on_loop, settle, store  # noqa: F401
 
-from kvd.tiers.journal import Journal
+from kvd.tiers.host.journal import Journal
 
 DELAY = 0.4
 EARLY = 0.02  # a look well before the delay is over (a stall of 0.38 s would spoil it)

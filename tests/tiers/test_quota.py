@@ -1,4 +1,4 @@
-"""Quotas in the host tier (kvd.tiers.quota composed into kvd.tiers.host): a capped group
+"""Quotas in the host tier (kvd.tiers.host.quota composed into kvd.tiers.host.tier): a capped group
 evicts only its own entries, a reservation holds against other groups' stores, a refusal
 changes nothing, an undone reservation puts every group's counters back, and the book's
 counters always match a brute-force look at the entries (random operations too)."""
@@ -10,8 +10,8 @@ import random
 import pytest
 
 from kvd.quota_rules import Quota
-from kvd.tiers.host import HostTier
-from kvd.tiers.quota import QuotaBook
+from kvd.tiers.host.quota import QuotaBook
+from kvd.tiers.host.tier import HostTier
 from kvd_protocol.errors import BadRequest, NoSpace, OverQuota
 
 SLOT = 256

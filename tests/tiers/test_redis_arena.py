@@ -1,4 +1,4 @@
-"""Redis's zero-copy calls (kvd/tiers/redis_arena.py, ``RedisStore.put_from``/``get_into``).
+"""Redis's zero-copy calls (kvd/tiers/remote/redis_arena.py, ``RedisStore.put_from``/``get_into``).
 
 ``BulkReader`` reads GET replies off a real socket pair fed a byte at a time
 (a reply split anywhere): heads and payloads exact, nil, error replies, a value
@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 from remote_servers import RedisServer, running
 
-from kvd.tiers.redis_arena import BulkReader, arena_view, raw_socket
-from kvd.tiers.remote_errors import RemoteError
-from kvd.tiers.remote_store import RedisStore
+from kvd.tiers.remote.errors import RemoteError
+from kvd.tiers.remote.redis_arena import BulkReader, arena_view, raw_socket
+from kvd.tiers.remote.store import RedisStore
 
 HEAD, SIZE = 24, 4096 + 7  # a payload not a multiple of any read size
 

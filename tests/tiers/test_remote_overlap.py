@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from kvd.server.remote_load import Pieces, queue_pieces
-from kvd.tiers.host import HostTier
-from kvd.tiers.remote import RemoteTier
-from kvd.tiers.remote_tiering import RemoteTiering
-from kvd.tiers.remote_value import pack, store_name
+from kvd.tiers.host.tier import HostTier
+from kvd.tiers.remote.tier import RemoteTier
+from kvd.tiers.remote.tiering import RemoteTiering
+from kvd.tiers.remote.value import pack, store_name
 from kvd.tiers.scope import Scope
 
 NS = bytes(range(16))

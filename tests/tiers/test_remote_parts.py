@@ -19,12 +19,13 @@ import time
 import numpy as np
 import pytest
 
-from kvd.tiers import chunk_file as F
-from kvd.tiers.breaker import Breaker
 from kvd.tiers.daemon_threads import DaemonThreads
-from kvd.tiers.remote import RemoteTier, RemoteUnavailable
-from kvd.tiers.remote_store import RedisStore
-from kvd.tiers.remote_value import TAG_BYTES, Seal, copy_verified, pack, parse, store_name
+from kvd.tiers.disk import chunk_file as F
+from kvd.tiers.remote.breaker import Breaker
+from kvd.tiers.remote.calls import RemoteUnavailable
+from kvd.tiers.remote.store import RedisStore
+from kvd.tiers.remote.tier import RemoteTier
+from kvd.tiers.remote.value import TAG_BYTES, Seal, copy_verified, pack, parse, store_name
 from kvd.tiers.scope import Scope
 
 NS = bytes(range(16))
@@ -231,8 +232,8 @@ def test_a_call_is_refused_when_every_thread_is_stuck():
 def test_a_long_prefix_is_fetched_whole_with_few_threads(redis_server):
     """20 chunks through 2 remote threads (1 fetches at a time): every one arrives, verified,
     none refused for want of a thread; the host slots hold the published bytes."""
-    from kvd.tiers.host import HostTier
-    from kvd.tiers.remote_tiering import RemoteTiering
+    from kvd.tiers.host.tier import HostTier
+    from kvd.tiers.remote.tiering import RemoteTiering
 
     size, n = 8192, 20
 

@@ -19,8 +19,8 @@ import numpy as np
 import workers_disk as D
 import workers_remote as R
 
-from kvd.tiers import chunk_file as F
-from kvd.tiers.remote_value import Seal, pack
+from kvd.tiers.disk import chunk_file as F
+from kvd.tiers.remote.value import Seal, pack
 
 CHUNK = D.CHUNK
 SPEC = {"layout": "vllm_flash_attn", "layers": 2, "page_size": 16, "dtype": "float16",

@@ -25,7 +25,7 @@ import workers_remote as R
 from remote_servers import SERVERS, RedisServer, free_port, remote_knobs, running
 
 from kvd.cli.format import format_stats
-from kvd.tiers import chunk_file as F
+from kvd.tiers.disk import chunk_file as F
 
 CHUNK = D.CHUNK
 SPEC = {"layout": "vllm_flash_attn", "layers": 2, "page_size": 16, "dtype": "float16",
@@ -72,7 +72,7 @@ def test_node_b_hits_what_node_a_stored_with_exact_bytes(store, start_daemon, pr
     assert procs.apply(D.store_seqs, (str(a.runtime_dir), SPEC, 61, count, chunks, model,
                                       False)) == count * chunks * CHUNK
     sent = wait_remote(a, lambda r: r["puts"] == count * chunks, "node A's puts")
-    # each value: the chunk header's fields, then the shard (kvd/tiers/chunk_file.py)
+    # each value: the chunk header's fields, then the shard (kvd/tiers/disk/chunk_file.py)
     assert sent["put_bytes"] == count * chunks * (F.HEADER.size + SHARD), sent
     assert sent["puts_failed"] == 0
     got = procs.apply(D.load_seqs, (str(b.runtime_dir), SPEC, 61, count, chunks, model))

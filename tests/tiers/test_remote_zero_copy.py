@@ -1,10 +1,10 @@
 """The zero-copy path against a real ``mooncake_master`` or Redis server and real daemons.
 
 Mooncake: each daemon registers its host arena with its Mooncake client
-(kvd/tiers/remote_mooncake.py) and moves chunks between the arena and the
+(kvd/tiers/remote/mooncake.py) and moves chunks between the arena and the
 store with Mooncake's multi-buffer batch calls; Redis: values are sent from
-the arena and GET replies read into it (kvd/tiers/redis_arena.py); a run of
-chunks a call (kvd/tiers/remote_zero_copy.py);
+the arena and GET replies read into it (kvd/tiers/remote/redis_arena.py); a run of
+chunks a call (kvd/tiers/remote/zero_copy.py);
 ``kvd stats`` shows it (``zero_copy``, ``zero_copy_puts``, ``zero_copy_gets``)
 and its log says so once. Proved here, engines checking every loaded byte
 against the storer's seed (tests/workers_disk.py): two daemons share chunks
@@ -15,7 +15,7 @@ once, deleted and never served, and its host slot is freed; a daemon with the pa
 registration also falls back to; ``remote_redis_zero_copy = false``) says why once and shares chunks both ways
 with a zero-copy one (the stored values are the same). Skipped, with the
 reason, without the Mooncake wheel or ``libibverbs.so.1``, or without a Redis server. A node with checksum processes
-(``remote_digest_processes``, kvd/tiers/digest_pool.py) checks through them, catches damage
+(``remote_digest_processes``, kvd/tiers/remote/digest_pool.py) checks through them, catches damage
 through them, and they end with it, also when it is killed.
 """
 
@@ -78,7 +78,7 @@ def rewrite(store, names: list, change) -> None:
 
 
 def test_two_daemons_share_chunks_byte_exact_on_the_zero_copy_path(store, start_daemon, procs):
-    """Node B checks in two checksum processes (kvd/tiers/digest_pool.py), node A in its own
+    """Node B checks in two checksum processes (kvd/tiers/remote/digest_pool.py), node A in its own
     threads (the default on a machine of fewer than 4 cores)."""
     a = node(start_daemon, store, remote_digest_processes=0)
     b = node(start_daemon, store, remote_digest_processes=2)
@@ -130,7 +130,7 @@ def digest_workers(d) -> list:
                 cmd = f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == pid and b"kvd.tiers.digest_worker" in cmd:
+        if ppid == pid and b"kvd.tiers.remote.digest_worker" in cmd:
             out.append(int(child))
     return out
 

@@ -22,11 +22,11 @@ import threading
 
 import numpy as np
 
-from kvd.tiers.host import HostTier
-from kvd.tiers.remote import RemoteTier
-from kvd.tiers.remote_tiering import RemoteTiering
-from kvd.tiers.remote_errors import RemoteError
-from kvd.tiers.remote_value import pack, store_name
+from kvd.tiers.host.tier import HostTier
+from kvd.tiers.remote.errors import RemoteError
+from kvd.tiers.remote.tier import RemoteTier
+from kvd.tiers.remote.tiering import RemoteTiering
+from kvd.tiers.remote.value import pack, store_name
 from kvd.tiers.scope import Scope
 
 NS = bytes(range(16))

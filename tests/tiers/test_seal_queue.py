@@ -1,4 +1,4 @@
-"""The journal's checksum queue (kvd/tiers/seal_queue.py) stays bounded whatever the traffic.
+"""The journal's checksum queue (kvd/tiers/host/seal_queue.py) stays bounded whatever the traffic.
 
 A ``SealQueue`` over a hasher double that keeps the jobs it is given (as
 real hashing threads do while copies never pause): under a stream of
@@ -13,8 +13,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from kvd.tiers import seal_queue
-from kvd.tiers.seal_queue import BATCH, MAX_JOBS_PER_THREAD, SealQueue
+from kvd.tiers.host import seal_queue
+from kvd.tiers.host.seal_queue import BATCH, MAX_JOBS_PER_THREAD, SealQueue
 
 RECORDS = 2048
 

@@ -1,4 +1,4 @@
-"""Watermark demotion (kvd.tiers.tiering) over a real host tier index and a real disk tier,
+"""Watermark demotion (kvd.tiers.disk.tiering) over a real host tier index and a real disk tier,
 in one process: which entries a pass writes, where they go back in the LRU, and that a pass
 resumes where the last one stopped."""
 
@@ -8,10 +8,10 @@ import asyncio
 
 import numpy as np
 
-from kvd.tiers.disk import DiskTier
-from kvd.tiers.host import HostTier
+from kvd.tiers.disk.tier import DiskTier
+from kvd.tiers.disk.tiering import Tiering
+from kvd.tiers.host.tier import HostTier
 from kvd.tiers.scope import Scope
-from kvd.tiers.tiering import Tiering
 
 SLOT = 4096
 NS = b"n" * 16

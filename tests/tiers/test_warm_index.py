@@ -19,12 +19,12 @@ import pytest
 import xxhash
 
 from kvd.server.copy_gate import Idle
-from kvd.tiers import journal as journal_module
-from kvd.tiers.adopt import rebuild, verify
-from kvd.tiers.allocator import ExtentAllocator
-from kvd.tiers.arena_index import HEADER, LIVE, RECORD, SEALED, ArenaIndex, IndexProblem
-from kvd.tiers.host import HostTier
-from kvd.tiers.journal import Hasher, Journal
+from kvd.tiers.host import journal as journal_module
+from kvd.tiers.host.adopt import rebuild, verify
+from kvd.tiers.host.allocator import ExtentAllocator
+from kvd.tiers.host.arena_index import HEADER, LIVE, RECORD, SEALED, ArenaIndex, IndexProblem
+from kvd.tiers.host.journal import Hasher, Journal
+from kvd.tiers.host.tier import HostTier
 from kvd.tiers.scope import Scope
 
 SLOT = 4096

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
 )
 
 from kvd_client import shm
@@ -30,59 +27,21 @@ from kvd_protocol.errors import KvdError
 from kvd_protocol.layout import TensorRef
 
 from . import access, layers, spec, support
+from .compat import HIT_SOURCE, CacheHitSource, KVConnectorTransferResults, SupportsHMA
 from .counters import Counters
 from .groups import kv_groups
-from .plan import StepPlan, WorkerReport
+from .messages import KvdConnectorMetadata, KvdHandshake, KvdWorkerMetadata
+from .plan import StepPlan
 from .pool import cuda_pool, host_pool, state_block
 from .scheduler import SchedulerSide
 from .settings import Settings
 from .stats import KvdConnectorStats, KvdPromMetrics
 from .worker import WorkerSide
 
-try:  # hits labelled by tier (get_external_cache_hit_sources: vLLM 0.34)
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-    HIT_SOURCE = CacheHitSource.HOST
-except ImportError:  # vLLM 0.26 does not label hits
-    HIT_SOURCE = None
-
-try:  # vLLM 0.32: several KV cache groups (the hybrid manager), failures per request
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorTransferResults,
-        SupportsHMA,
-    )
-except ImportError:  # vLLM 0.26: one group (vLLM turns its hybrid manager off)
-    KVConnectorTransferResults = None
-
-    class SupportsHMA:  # noqa: D101 - a stand-in base that vLLM does not recognise
-        pass
-
 log = logging.getLogger("vllm.kvd")  # under vLLM's logger: its format and level
 LOAD_SLOTS = 256  # the most a flag page has: async loads in flight at once
 DEFAULT_CHUNK_TOKENS = 256  # the daemon's default chunk_tokens
 
-
-@dataclass
-class KvdConnectorMetadata(KVConnectorMetadata):
-    plan: StepPlan = field(default_factory=StepPlan)
-
-
-@dataclass
-class KvdWorkerMetadata(KVConnectorWorkerMetadata):
-    report: WorkerReport = field(default_factory=WorkerReport)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        self.report.merge(other.report)
-        return self
-
-
-@dataclass
-class KvdHandshake(KVConnectorHandshakeMetadata):
-    """What a worker tells the scheduler once, at start-up: its fp8 KV scales' digest and
-    the order inside its GPU blocks kept whole (what its tensors have)."""
-
-    kv_scales: str = ""
-    interior: str = ""
 
 
 class KvdConnector(KVConnectorBase_V1, SupportsHMA):

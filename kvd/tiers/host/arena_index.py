@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvd.tiers.arena import arena_path
+from kvd.tiers.host.arena import arena_path
 
 MAGIC = b"kvd-host"
 VERSION = 1

@@ -5,7 +5,7 @@ as one range reaches 0.93-0.99 of a memcpy one way (0.81-0.90 straight). Off by 
 (``gpu_dma_stage_below`` = 0): the driver runs these ops like kernels, costing an engine's
 compute +19-23% without MPS (``kvd bench --gpu --interference``).
 ``chunk_pieces`` cuts a copy into whole-chunk slot pieces (None when a chunk does not
-fit); ``CeFill`` stands in for the ring's kernel copier (kvd.cuda.staging), queuing a
+fit); ``CeFill`` stands in for the ring's kernel copier (kvd.cuda.dma.staging), queuing a
 piece's ops after the slot's last DMA. It cannot read a cancel word: callers gate loads.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.cuda.dma_plan import CopyOps, Step
+from kvd.cuda.dma.plan import CopyOps, Step
 
 _NO_SPLIT = (0, 1 << 63)  # device memory: no registration pieces to respect
 FILL_STREAMS = 2  # a fill is 3-14x faster than PCIe: more streams only cost host time

@@ -1,7 +1,7 @@
 """Valkey/Redis values moved straight between the host arena and a connection's socket.
 
 ``put_from``/``get_into`` on one redis-py connection: the zero-copy calls of
-kvd.tiers.remote_store's ``RedisStore`` (contract as kvd.tiers.remote_mooncake's). Values
+kvd.tiers.remote.store's ``RedisStore`` (contract as kvd.tiers.remote.mooncake's). Values
 are the same bytes as on the bytes path. SETs are framed here (RESP2) around arena views;
 GET replies are read by ``BulkReader`` with ``recv_into`` straight into their slots (redis-py
 would build Python bytes under the GIL). A reply of another length is drained and answered
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 
-from kvd.tiers.remote_errors import RemoteError
+from kvd.tiers.remote.errors import RemoteError
 
 LINE_READ = 4096  # a reply's first line is read this much at a time (the rest into its slot)
 DRAIN_READ = 1 << 20

@@ -1,11 +1,11 @@
 """One cached chunk of the host tier: where its shards live and what holds them.
 
-An ``Entry`` is the host tier's record of a key (kvd/tiers/host.py owns every field's
+An ``Entry`` is the host tier's record of a key (kvd/tiers/host/tier.py owns every field's
 changes): its arena slot (``offset``, ``slot_bytes``), one bit per TP shard in ``stored``,
 ``writing`` (a store copying it in), ``unverified`` (adopted after a crash) and the pins
 (``refs``) that keep it from eviction. ``ready`` (visible to lookups) once every shard is
 stored, ``evictable`` with no pin and no shard being written. It carries its LRU links
-(kvd/tiers/lru.py), index records (kvd/tiers/journal.py) and quota account (``acct``). A
+(kvd/tiers/host/lru.py), index records (kvd/tiers/host/journal.py) and quota account (``acct``). A
 partial entry (``part`` tokens: docs/protocol.md §8.5) lives in the host tier only: never
 demoted, published or journaled.
 """
@@ -23,7 +23,7 @@ class Entry:
     shard_bytes: int
     shards: int
     slot_bytes: int = 0    # the arena bytes it holds (size rounded to the alignment)
-    acct: int = 0          # the quota account its bytes count in (kvd/tiers/quota.py)
+    acct: int = 0          # the quota account its bytes count in (kvd/tiers/host/quota.py)
     stored: int = 0
     writing: int = 0
     refs: int = 0

@@ -1,9 +1,9 @@
 """The zero-copy remote path: chunks move between the host arena and the store, no bytes copy.
 
-Used by kvd.tiers.remote_tiering while the store says ``zero_copy`` (Mooncake: arena
-registered; Redis: kvd.tiers.redis_arena). Same stored value as the bytes path; a run of
+Used by kvd.tiers.remote.tiering while the store says ``zero_copy`` (Mooncake: arena
+registered; Redis: kvd.tiers.remote.redis_arena). Same stored value as the bytes path; a run of
 chunks (``batch_chunks``) moves in one store call. Put: entries pinned, heads computed over
-the payloads in place (digests maybe in kvd.tiers.digest_pool), pins dropped only when the
+the payloads in place (digests maybe in kvd.tiers.remote.digest_pool), pins dropped only when the
 store's call returned, never at the tier's timeout. Fetch: entries reserved first, payloads
 written into their slots, each checked in key order before its commit; anything else is a
 miss, never served; a bad value is counted once and deleted; a miss's slot is freed only
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvd.tiers.chunk_file import ChunkCorrupt
-from kvd.tiers.remote_value import head_bytes, make_head, verify_in_place
+from kvd.tiers.disk.chunk_file import ChunkCorrupt
+from kvd.tiers.remote.value import head_bytes, make_head, verify_in_place
 
 BATCH_BYTES = 16 << 20  # payload bytes one store call moves at most (a single larger chunk alone)
 # unless the store says otherwise (``batch_bytes``: Redis, one connection a call, serves a
@@ -146,5 +146,5 @@ def _slot(t, entry):
 
 def _digest_of(t, entry):
     """The payload digest of ``entry``'s slot, from a checksum process where the tiering has
-    one (kvd/tiers/digest_pool.py), otherwise on the calling thread."""
+    one (kvd/tiers/remote/digest_pool.py), otherwise on the calling thread."""
     return lambda slot: t.digests.digest(entry.offset, slot)

@@ -1,4 +1,4 @@
-"""The disk tier's directory scan at start-up (kvd.tiers.disk runs it on IO threads).
+"""The disk tier's directory scan at start-up (kvd.tiers.disk.tier runs it on IO threads).
 
 ``ns_dirs(root)`` lists the namespace directories ``<root>/<xx>/<ns>``;
 ``names(dir)`` the entries of one; ``count_entries(dirs)`` how many entries
@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from kvd.tiers.chunk_file import TMP_MARK, ChunkCorrupt, parse_name, read_header
+from kvd.tiers.disk.chunk_file import TMP_MARK, ChunkCorrupt, parse_name, read_header
 
 log = logging.getLogger("kvd")
 

@@ -1,6 +1,6 @@
 """Adopting an arena a previous daemon left: rebuild the host tier from its index, verify.
 
-``rebuild(index, capacity, align, crashed)`` turns ``LIVE`` records (kvd.tiers.arena_index)
+``rebuild(index, capacity, align, crashed)`` turns ``LIVE`` records (kvd.tiers.host.arena_index)
 into host entries, one per key; a record that cannot be right (rank, shards, alignment,
 bounds), disagrees with its key's others, or overlaps another entry is dropped and counted
 (``bad_records``), so what remains can be adopted as is. After a clean stop every shard is
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvd.tiers.arena_index import ON_DISK, SEALED, ArenaIndex
-from kvd.tiers.host import Entry, HostTier
+from kvd.tiers.host.arena_index import ON_DISK, SEALED, ArenaIndex
+from kvd.tiers.host.tier import Entry, HostTier
 from kvd_protocol.limits import MAX_TP_SIZE
 
 log = logging.getLogger("kvd")

@@ -2,7 +2,7 @@
 
 Why: the digest holds the GIL per 64 KiB segment, so the remote tier's checks would run
 one at a time. ``DigestPool(path, size, processes)`` starts workers
-(kvd.tiers.digest_worker) mapping the arena read-only; ``digest(offset, view)`` equals
+(kvd.tiers.remote.digest_worker) mapping the arena read-only; ``digest(offset, view)`` equals
 ``payload_digest(view)``, computed by an idle worker while the caller waits off the GIL.
 A worker that fails, dies, or answers late or wrongly is killed and dropped (``lost``,
 logged once), and the digest computed in the caller: the answer never changes, only its
@@ -19,8 +19,8 @@ import subprocess
 import sys
 import threading
 
-from kvd.tiers.digest import payload_digest
-from kvd.tiers.digest_worker import ANSWER_BYTES, OK, REQUEST, read_exactly
+from kvd.tiers.disk.digest import payload_digest
+from kvd.tiers.remote.digest_worker import ANSWER_BYTES, OK, REQUEST, read_exactly
 
 log = logging.getLogger("kvd")
 TIMEOUT_S = 5.0
@@ -50,7 +50,7 @@ class DigestPool:
     def _start(self) -> None:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvd.tiers.digest_worker", self.path, str(self.size)],
+                [sys.executable, "-m", "kvd.tiers.remote.digest_worker", self.path, str(self.size)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         except OSError as exc:
             log.warning("checksum process not started (checksums stay on the daemon's threads): "

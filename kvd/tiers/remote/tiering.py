@@ -8,7 +8,7 @@ network IO. Promotion: ``lookup`` asks which keys past the local prefix the stor
 starts fetching them; ``promote_prefix`` returns the ready entries, pinned (``fetches`` for
 loads that copy runs as they land). A fetch is checked (header, digest, keyed tag) before
 its reservation is committed: any failure is a miss, never wrong bytes; a bad value is
-counted and deleted. Zero-copy stores take kvd.tiers.remote_zero_copy.
+counted and deleted. Zero-copy stores take kvd.tiers.remote.zero_copy.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import asyncio
 import logging
 from collections import Counter
 
-from kvd.tiers.chunk_file import ChunkCorrupt
-from kvd.tiers import remote_zero_copy as zero_copy
-from kvd.tiers.digest_pool import DigestPool
-from kvd.tiers.host import HostTier
-from kvd.tiers.remote import RemoteTier
-from kvd.tiers.remote_buffers import ValueBuffers
-from kvd.tiers.remote_value import Seal, copy_verified, pack, parse, value_bytes
-from kvd.tiers.tiering import hold_ready
+from kvd.tiers.disk.chunk_file import ChunkCorrupt
+from kvd.tiers.disk.tiering import hold_ready
+from kvd.tiers.host.tier import HostTier
+from kvd.tiers.remote import zero_copy
+from kvd.tiers.remote.buffers import ValueBuffers
+from kvd.tiers.remote.digest_pool import DigestPool
+from kvd.tiers.remote.tier import RemoteTier
+from kvd.tiers.remote.value import Seal, copy_verified, pack, parse, value_bytes
 from kvd_protocol.errors import ServerError
 
 log = logging.getLogger("kvd")
@@ -59,7 +59,7 @@ class RemoteTiering:
     @property
     def zero_copy(self) -> bool:
         """Chunks move between the arena and the store without copies (the store registered
-        the arena; kvd/tiers/remote_zero_copy.py)."""
+        the arena; kvd/tiers/remote/zero_copy.py)."""
         return getattr(self.remote.store, "zero_copy", False)
 
     def parallel(self, puts: int, fetches: int) -> None:
@@ -197,7 +197,7 @@ class RemoteTiering:
 
     def _start_fetches(self, scope, keys: list) -> None:
         """Promotions of ``keys``. Zero-copy: runs of chunks a store call
-        (kvd/tiers/remote_zero_copy.py). Else values of at most half ``BATCH_BYTES`` are
+        (kvd/tiers/remote/zero_copy.py). Else values of at most half ``BATCH_BYTES`` are
         fetched ``BATCH_BYTES`` at a time in one round trip (the store's ``get_many``, one
         fetch slot), larger ones one a call (no round trip to save, and a batch would delay
         its first chunk)."""

@@ -1,8 +1,8 @@
 """A checksum process: payload digests of ranges of one shared-memory file.
 
-``python -m kvd.tiers.digest_worker PATH SIZE`` maps SIZE bytes of PATH read-only; per
+``python -m kvd.tiers.remote.digest_worker PATH SIZE`` maps SIZE bytes of PATH read-only; per
 request on stdin (two little-endian uint64: offset, length) it answers a status byte
-(``OK``/``OUTSIDE``) and the 16-byte digest (kvd.tiers.digest), in order. It ends when
+(``OK``/``OUTSIDE``) and the 16-byte digest (kvd.tiers.disk.digest), in order. It ends when
 stdin ends and ignores SIGINT/SIGTERM: the daemon decides when its helpers end.
 """
 
@@ -14,7 +14,7 @@ import signal
 import struct
 import sys
 
-from kvd.tiers.digest import payload_digest
+from kvd.tiers.disk.digest import payload_digest
 
 REQUEST = struct.Struct("<QQ")
 OK, OUTSIDE = 0, 1
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if len(argv) != 2 or not argv[1].isdigit():
-        print("usage: python -m kvd.tiers.digest_worker PATH SIZE", file=sys.stderr)
+        print("usage: python -m kvd.tiers.remote.digest_worker PATH SIZE", file=sys.stderr)
         return 2
     serve(argv[0], int(argv[1]))
     return 0

@@ -1,6 +1,6 @@
 """Mooncake Store as a remote chunk store (kvd-cache's ``mooncake`` extra).
 
-kvd.tiers.remote_store's interface over ``MooncakeDistributedStore`` (TCP transport):
+kvd.tiers.remote.store's interface over ``MooncakeDistributedStore`` (TCP transport):
 ``address`` the master, ``segment_bytes`` what this daemon lends, ``metadata`` the transfer
 engine's metadata service, ``local_host`` this node's address. ``connect`` checks the master
 accepts TCP first (Mooncake's ``setup`` holds the GIL and retries forever). ``get`` cannot
@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvd.tiers.remote_errors import RemoteError, unless_all_failed
+from kvd.tiers.remote.errors import RemoteError, unless_all_failed
 
 log = logging.getLogger("kvd")
 DEFAULT_METADATA_PORT = 8080

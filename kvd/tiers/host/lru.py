@@ -4,7 +4,7 @@ Holds only the host tier's evictable entries, least recently used first (as vLLM
 queue), so eviction pops the head. Items carry their own links (``lru_prev``/``lru_next``):
 no node allocations, membership is an attribute test, one queue per item. Removing the
 item just yielded while iterating is allowed. Answers the eviction questions plainly
-(``victims``: LRU order; ``cap_victims``/``reserved_bytes``: none); kvd.tiers.quota's
+(``victims``: LRU order; ``cap_victims``/``reserved_bytes``: none); kvd.tiers.host.quota's
 queue answers them by the configured quotas.
 """
 
@@ -88,7 +88,7 @@ class LruQueue:
             yield item
             item = nxt
 
-    # ---- eviction policy: plain LRU (kvd/tiers/quota.py's queue applies quotas) ----------
+    # ---- eviction policy: plain LRU (kvd/tiers/host/quota.py's queue applies quotas) ----------
 
     def victims(self, acct: int):
         """The entries one reservation of account ``acct`` evicts, as it asks for them (None:

@@ -1,6 +1,6 @@
 """One chunk as a remote store holds it: the disk file's header, then the payload.
 
-Value: kvd.tiers.chunk_file's header, with ``remote_secret`` a keyed BLAKE2b ``TAG_BYTES``
+Value: kvd.tiers.disk.chunk_file's header, with ``remote_secret`` a keyed BLAKE2b ``TAG_BYTES``
 tag over header and payload, then the payload (docs/protocol.md §11a). Checksums catch
 damage; only the tag stops forgery. Name: ``<prefix>[/<key id>]/<ns hex>/<key hex>``, so
 clusters, tenants and secrets never read each other's values. ``pack`` copies the payload
@@ -16,8 +16,8 @@ import hmac
 
 import numpy as np
 
-from kvd.tiers.chunk_file import HEADER, ChunkCorrupt, ChunkHeader, pack_header, unpack_header
-from kvd.tiers.digest import payload_digest
+from kvd.tiers.disk.chunk_file import HEADER, ChunkCorrupt, ChunkHeader, pack_header, unpack_header
+from kvd.tiers.disk.digest import payload_digest
 
 TAG_BYTES = 32
 
@@ -67,7 +67,7 @@ def head_bytes(seal: Seal | None = None) -> int:
 def make_head(ns: bytes, key: bytes, payload, shards: int, shard_bytes: int,
               seal: Seal | None = None, digest_of=payload_digest) -> bytes:
     """Header (and tag) of the value of ``payload``, read where it lies; ``digest_of(payload)``
-    gives its payload digest (kvd/tiers/digest_pool.py computes it in another process)."""
+    gives its payload digest (kvd/tiers/remote/digest_pool.py computes it in another process)."""
     src = np.frombuffer(memoryview(payload).cast("B"), np.uint8)
     header = pack_header(ns, key, src.nbytes, shards, shard_bytes, digest_of(src))
     return header if seal is None else header + seal.tag(header, src)

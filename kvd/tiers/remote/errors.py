@@ -1,7 +1,7 @@
 """The error a remote store backend raises for a failure the store itself reported.
 
-Shared by the backends (kvd/tiers/remote_store.py, kvd/tiers/remote_mooncake.py,
-kvd/tiers/redis_arena.py); the remote tier (kvd/tiers/remote.py) counts any
+Shared by the backends (kvd/tiers/remote/store.py, kvd/tiers/remote/mooncake.py,
+kvd/tiers/remote/redis_arena.py); the remote tier (kvd/tiers/remote/tier.py) counts any
 exception of a store call as a failure, this one included.
 """
 

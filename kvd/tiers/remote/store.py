@@ -1,7 +1,7 @@
 """The interface of a remote chunk store, and its Valkey/Redis backend.
 
 A backend is a blocking client the remote tier calls only from its threads, under timeouts
-and a breaker. Values are opaque bytes (kvd.tiers.remote_value), names strings. Methods
+and a breaker. Values are opaque bytes (kvd.tiers.remote.value), names strings. Methods
 (failures raise, ``RemoteError`` where the store reports one): ``connect`` (never at daemon
 start-up), ``ping``, ``exists(names)``, ``get``, optional ``get_many``, ``put``, ``delete``
 (best effort), ``close``, optional zero-copy ``lend``/``put_from``/``get_into``.
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from kvd.tiers import redis_arena
-from kvd.tiers.remote_errors import RemoteError, unless_all_failed
+from kvd.tiers.remote import redis_arena
+from kvd.tiers.remote.errors import RemoteError, unless_all_failed
 
 log = logging.getLogger("kvd")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -74,7 +74,7 @@ class RedisStore:
             self.client.close()
         # no retries inside the client: a failure goes to the breaker at once; RESP2 (redis-py 8
         # speaks RESP3 by default) unless the address asks otherwise: the zero-copy path reads
-        # GET replies off the socket itself (kvd/tiers/redis_arena.py)
+        # GET replies off the socket itself (kvd/tiers/remote/redis_arena.py)
         self.client = redis.Redis.from_url(
             self.address, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,

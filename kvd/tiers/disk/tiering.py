@@ -6,7 +6,7 @@ stopped, pinning at most ``PINNED_SHARE`` at once; ``min_hits`` demotes only ent
 up that often; ``flush`` writes every ready entry. Host eviction of an ``on_disk`` entry
 keeps it findable on disk. Promotion: ``disk_prefix``/``promote_prefix`` continue a host
 prefix from disk (a reservation committed only after verified bytes; failures are misses,
-never wrong bytes), ending at another ``Scope``. Quotas: ``disk_max`` via kvd.tiers.quota.
+never wrong bytes), ending at another ``Scope``. Quotas: ``disk_max`` via kvd.tiers.host.quota.
 After a warm restart, ``on_disk`` marks whose file is gone are cleared once recovery ends.
 """
 
@@ -16,9 +16,9 @@ import asyncio
 import logging
 from collections import Counter
 
-from kvd.tiers.chunk_file import file_size
-from kvd.tiers.disk import DiskTier
-from kvd.tiers.host import HostTier
+from kvd.tiers.disk.chunk_file import file_size
+from kvd.tiers.disk.tier import DiskTier
+from kvd.tiers.host.tier import HostTier
 from kvd_protocol.errors import ServerError
 
 log = logging.getLogger("kvd")
@@ -41,7 +41,7 @@ class Tiering:
         self.wake = asyncio.Event()
         self._task = self._reconciling = None
         self.on_demote = None  # callable(entry) for each demotion queued (remote_publish = demote)
-        self.quota = host.quota  # kvd.tiers.quota.QuotaBook or None
+        self.quota = host.quota  # kvd.tiers.host.quota.QuotaBook or None
         disk.on_evict = self._off_disk
 
     def start(self) -> None:

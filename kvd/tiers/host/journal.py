@@ -1,4 +1,4 @@
-"""Keeps the arena's index file (kvd.tiers.arena_index) in step with the host tier.
+"""Keeps the arena's index file (kvd.tiers.host.arena_index) in step with the host tier.
 
 Hooks on the event loop: ``committed_many`` writes shard records after their bytes landed
 (with ``delay``, batches recorded ``warm_record_delay_s`` later, so shards evicted before
@@ -23,8 +23,8 @@ from collections import Counter, deque
 import numpy as np
 import xxhash
 
-from kvd.tiers.arena_index import ON_DISK, ArenaIndex
-from kvd.tiers.seal_queue import SealQueue
+from kvd.tiers.host.arena_index import ON_DISK, ArenaIndex
+from kvd.tiers.host.seal_queue import SealQueue
 
 log = logging.getLogger("kvd")
 NICE = 10  # the hashing threads' niceness (the daemon's other threads keep theirs)
@@ -172,7 +172,7 @@ class Journal:
     def sealed(self) -> int:
         return self.seals.sealed
 
-    # ---- hooks (kvd/tiers/host.py) ------------------------------------------------------
+    # ---- hooks (kvd/tiers/host/tier.py) ------------------------------------------------------
 
     def committed_many(self, entries: list, rank: int) -> None:
         """Each entry's shard record, then their checksums queued as one job (about 2 µs

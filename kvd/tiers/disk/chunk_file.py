@@ -1,7 +1,7 @@
 """Disk chunk files: the on-disk format of one chunk, and its IO.
 
 One file per chunk, ``<root>/<ns-hex[:2]>/<ns-hex>/<key-hex>.kvc``: a 4096-byte header
-(magic, versions, namespace, key, lengths, payload digest of kvd.tiers.digest, header
+(magic, versions, namespace, key, lengths, payload digest of kvd.tiers.disk.digest, header
 checksum; docs/protocol.md §11) then the padded canonical bytes. ``ChunkFiles.write`` never
 leaves a partial file under a final name (temp, fsync, rename); failures raise ``OSError``
 with errno kept. ``read_into`` returns only verified bytes, else ``ChunkCorrupt`` or
@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvd.tiers.digest import payload_digest
+from kvd.tiers.disk.digest import payload_digest
 from kvd_protocol.layout import CANONICAL_VERSION
 
 MAGIC = b"KVDCHUNK"
-FORMAT_VERSION = 2  # 2: segmented payload digest (kvd/tiers/digest.py)
+FORMAT_VERSION = 2  # 2: segmented payload digest (kvd/tiers/disk/digest.py)
 HEADER_BYTES = 4096
 ALIGN = 4096
 SUFFIX = ".kvc"

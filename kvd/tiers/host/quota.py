@@ -17,7 +17,7 @@ import heapq
 from collections import OrderedDict
 from itertools import islice
 
-from kvd.tiers.lru import LruQueue
+from kvd.tiers.host.lru import LruQueue
 from kvd_protocol.errors import OverQuota
 
 ANY = "*"          # the label of a rule's model or tenant left unnamed
