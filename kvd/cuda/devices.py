@@ -1,18 +1,13 @@
 """The CUDA backend's devices and pools: set-up, pinning, opening, closing.
 
-A pool buffer is ``{kind: "cuda_ipc", handle, offset, size, device_uuid}``:
-the daemon maps the UUID to its own device ordinal (engines usually run
-with CUDA_VISIBLE_DEVICES), opens the handle once on that device, checks
-that ``offset + size`` lies inside the opened allocation, and closes it in
-``close_pool`` (called only after the pool's copies completed); or a
-``cuda_vmm`` buffer of virtual memory lent by file descriptor, mapped and
-unmapped the same way (kvd.cuda.buffers). A CUDA
-context, streams, the compiled kernels and the staging rings exist only on
-devices some client registered memory on. The host arena is registered
-with the driver as pinned (portable, in pieces) on first use.
-
-``CudaDevices`` holds them; ``CudaCopyEngine`` (kvd/cuda/backend.py) queues the copies.
-``close`` gives queued copies at most ``CLOSE_WAIT_S`` before the process exits anyway.
+A pool buffer is ``cuda_ipc`` (the daemon maps the device UUID to its ordinal, opens the
+handle once, checks ``offset + size`` lies inside the allocation) or ``cuda_vmm`` (virtual
+memory lent by file descriptor, mapped by kvd.cuda.buffers); ``close_pool`` closes or
+unmaps it, only after the pool's copies completed. Contexts, streams, kernels and staging
+rings exist only on devices a client registered memory on; the host arena is pinned
+(portable, in pieces) on first use. ``CudaDevices`` holds them; ``CudaCopyEngine``
+(kvd/cuda/backend.py) queues the copies. ``close`` gives queued copies at most
+``CLOSE_WAIT_S`` before the process exits anyway.
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """One direction of one GPU's copy-engine copies: batches of ops spread over streams.
 
-Taken by ``DmaPath`` (kvd/cuda/dma/path.py) for each GPU and direction.
-
-``DmaQueue`` is one direction of one GPU: ``n`` streams. ``enqueue`` splits
-an op array into ``n`` (or fewer, when asked) parts of about equal bytes,
-or queues it on one stream when its pieces (ops and single rows) average
-``spread_below`` bytes or more (large pieces keep up with PCIe on one
-stream, and spread they lost both-ways throughput); per stream, the ops of
-several rows go as one ``cuMemcpy3DBatchAsync`` (a range of the step's
-one contiguous op array, passed by address) and single rows as one
-``cuMemcpyBatchAsync`` (a one-row 3D op is slow). Should the driver refuse
-a 3D batch, each op is queued alone and the refused ones row by row (a
-refused call queues nothing; warned once per queue). Then ``streams[0]``
-waits for the others (events), so work queued on ``streams[0]`` afterwards
-(a layer word, the done word, the completion event) follows the whole
-batch. It only enqueues, and never blocks the host; it keeps each batch's
-arrays (what the driver reads) until the next ``enqueue`` or
-``queued_bytes`` after the batch landed. Batches land in order, so
-``queued_bytes`` queries the oldest only. ``follow(stream)`` orders what
-is queued next after ``stream``'s work so far; ``idle_for()`` is how long
-ago its last copy landed (``landed``: the caller's completion future calls
-it; a batch adds no query to the event loop's polling).
+``DmaQueue`` (taken by ``DmaPath``, kvd/cuda/dma/path.py) has ``n`` streams. ``enqueue``
+splits an op array into parts of about equal bytes over them, or one stream when pieces
+average ``spread_below`` bytes or more; per stream, 3D ops go as one ``cuMemcpy3DBatchAsync``
+and single rows as one ``cuMemcpyBatchAsync``; a refused 3D batch is queued op by op, the
+refused ones row by row (warned once). ``streams[0]`` then waits for the others, so work
+queued after (layer word, done word, completion event) follows the batch. Only enqueues,
+never blocks the host; keeps each batch's arrays until it landed. ``follow(stream)``
+orders what comes next after ``stream``; ``idle_for()``: time since its last copy landed.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The disk tier's recovery at start-up: its directory scanned into the index, in the background.
 
 ``DiskRecovery`` is extended by ``DiskTier`` (kvd/tiers/disk/tier.py), whose state it fills;
-the scan itself runs on the IO threads (kvd/tiers/disk/scan.py).
-
-Recovery (``start``): a background task counts the directory's files,
-then scans them in jobs of ``SCAN_BATCH`` files, ``threads`` jobs at once;
-removes temp files of earlier processes and files with a wrong header,
-version or length (counted); adds the rest to the index as least recently
-used. ``recovery`` (in ``stats``) holds its state (counting, scanning,
-done, failed: ..., cancelled) and ``files_scanned`` of ``files_total``;
-a progress line (percent, files/s, time left) every ``PROGRESS_S`` goes to
-the log and to ``on_progress(text)``, and one summary line at the end.
-Keys written since start-up win over scanned files.
+the scan runs on the IO threads (kvd/tiers/disk/scan.py) in jobs of ``SCAN_BATCH`` files:
+temp files of earlier processes and files with a wrong header, version or length are
+removed (counted), the rest join the index as least recently used. ``recovery`` (in
+``stats``) holds its state and ``files_scanned`` of ``files_total``; a progress line every
+``PROGRESS_S`` (log and ``on_progress``), one summary at the end. Keys written since
+start-up win over scanned files.
 """
 
 from __future__ import annotations

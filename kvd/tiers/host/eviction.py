@@ -1,36 +1,14 @@
 """The host tier's eviction: its LRU queue of evictable entries, room, and the demotion scan.
 
-``HostEviction`` holds the host tier's index and counters and everything that
-chooses or undoes evictions; ``HostTier`` (kvd/tiers/host/tier.py) builds
-reservations, commits, lookups and pins on it.
-
-Eviction: only *evictable* entries (no pin, no shard being written) sit in
-an LRU queue (kvd/tiers/host/lru.py: O(1) removal from the middle), so eviction
-pops its head and never walks past entries in use. A use (a lookup or load
-hit, a commit, a store that finds the key cached, ``touch``) moves an entry
-to the most recently used end; an entry in use leaves the queue and, when
-its last pin drops, re-enters at the most recently used end (a pin is a
-use). The one exception is a demotion's pin: an entry the demoter copied to
-disk and nobody used meanwhile re-enters at the least recently used end,
-behind those that came back so before it (``unpin(..., cold_since=)``):
-demotions take the coldest entries first, so this keeps their order. An entry the disk tier also
-holds (``on_disk``) loses only its host copy. Quotas (kvd/tiers/host/quota.py): entries count in
-their store's ``acct``; the book's index and queue stand in for the plain ones, pick victims.
-
-No space: a reservation first counts the free and evictable bytes against
-what it needs and raises ``NoSpace`` before evicting anything when they fall
-short; when they suffice but fragmentation (chunks of several sizes) still
-leaves no hole, every eviction it made is undone (same offsets, same LRU
-order) before ``NoSpace`` is raised (the request's keys that were cached
-count as used). A slot in use is never taken; capacity
-is the arena's size and is never exceeded.
-
-Demotion scan (kvd/tiers/disk/tiering.py): ``scan_next``/``scan_mark`` walk the
-queue from its LRU end once; the queued prefix already examined and its
-ready bytes (``scanned_bytes``) are kept up to date as entries come and go,
-so a demotion pass resumes where the last one stopped instead of rescanning.
-
-Runs on the event loop only: no locks.
+``HostEviction`` holds the index and counters and chooses or undoes evictions; ``HostTier``
+(kvd/tiers/host/tier.py) builds reservations, commits, lookups and pins on it. Only
+evictable entries (no pin, no shard being written) sit in the LRU queue (host/lru.py), so
+eviction never walks past entries in use; a use moves an entry to the MRU end, a
+demotion's pin puts it back at the LRU end. Quotas (host/quota.py) pick victims per
+account. No space: ``NoSpace`` before evicting anything when free + evictable bytes fall
+short, and every eviction undone (same offsets and order) when fragmentation still leaves
+no hole; a slot in use is never taken, capacity never exceeded. ``scan_next``/``scan_mark``
+let demotion passes (disk/tiering.py) resume where the last stopped. Event loop only.
 """
 
 from __future__ import annotations

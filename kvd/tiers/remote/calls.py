@@ -1,27 +1,14 @@
 """How the remote tier calls a store: threads, timeouts, the breaker and its probe.
 
-Every store call (kvd/tiers/remote/store.py) runs on one of ``threads``
-daemon threads (kvd/tiers/daemon_threads.py) and is awaited for at most
-``timeout_s`` (calls that carry a payload: plus its size at
-``FLOOR_BYTES_S``); a call past it is abandoned, counted as a timeout, and
-its result, if one ever comes, is dropped. A circuit breaker
-(kvd/tiers/remote/breaker.py) sits in front: ``breaker_failures`` consecutive
-errors or timeouts open it, and while open every call is refused at once
-(counted as ``skipped``): kvd serves from its local tiers only. A probe
-task connects, pings and puts a small probe value every ``breaker_retry_s``
-while open and closes it when all of that worked; the breaker starts open,
-so start-up never waits on the store. When every thread is taken (calls
-stuck in a dying store), a call is refused at once (``busy``) instead of
-queueing behind them.
-
-Payload work (packing values, verifying them, copying into host slots) runs
-on separate CPU threads, never behind network calls, and is always waited
-for: it touches the arena. Checksums hold the GIL (xxhash), so ``start``
-lowers the interpreter's switch interval to ``SWITCH_S`` for the process's
-life: other threads wait for the GIL a fraction of a millisecond, not 5 ms.
-
-``StoreCalls`` does this; ``RemoteTier`` (kvd/tiers/remote/tier.py) builds the
-tier's operations on these calls.
+``StoreCalls`` runs every store call (kvd/tiers/remote/store.py) on one of ``threads``
+daemon threads, awaited at most ``timeout_s`` (plus payload size at ``FLOOR_BYTES_S``); a
+late call is abandoned, counted, its result dropped. A breaker (kvd/tiers/remote/breaker.py)
+opens after ``breaker_failures`` consecutive failures: calls are refused at once (local
+tiers only) until a probe every ``breaker_retry_s`` succeeds; it starts open, so start-up
+never waits on the store. All threads taken: a call is refused (``busy``), never queued.
+Payload work (packing, verifying, copying into host slots) runs on separate CPU threads
+and is always waited for; ``start`` lowers the switch interval to ``SWITCH_S`` (xxhash holds
+the GIL). ``RemoteTier`` (kvd/tiers/remote/tier.py) builds the tier's operations on these.
 """
 
 from __future__ import annotations
