@@ -26,7 +26,7 @@
 #   0700 for uid 10001 (the kvd user here) unless KVD_ACCESS_GROUP is set:
 #   -e KVD_ACCESS_GROUP=10001 makes it 0750 and the sockets 0660 of gid
 #   10001, and engines run with that primary gid (--user UID:10001) connect
-#   (docs/operations.md, "Engines of other users and in other containers").
+#   (docs/install.md, "Engines of other users and in other containers").
 # Metrics: configs/kvd.toml serves /metrics on 127.0.0.1:9477 inside the
 #   container; publish it with -e KVD_METRICS_ADDRESS=0.0.0.0 -p 127.0.0.1:9477:9477.
 # Disk tier: mount the NVMe directory and name it, e.g.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# docs/operations.md's systemd install steps, run as written, then the unit's ExecStart as
+# docs/install.md's systemd install steps, run as written, then the unit's ExecStart as
 # its User=/Group=, where systemd itself is absent (CI). Everything happens in a private
 # mount namespace: /etc, /opt, /usr and /var are overlays over the real ones (writes land in
 # a tmpfs), /run is a fresh tmpfs; nothing outside changes. The steps' `apt-get` is not run
@@ -33,7 +33,7 @@ tmp=$(mktemp -d /tmp/kvd-service-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 # the install steps: the first ```sh block of the "## systemd" section
 awk '/^## systemd$/ {s = 1} s && /^```sh$/ {b = 1; next} b && /^```$/ {exit} b {print}' \
-  docs/operations.md > "$tmp/steps.sh"
+  docs/install.md > "$tmp/steps.sh"
 grep -q "^groupadd" "$tmp/steps.sh" || { echo "check_service_install: no install steps found" >&2; exit 1; }
 export CHECKOUT=$PWD TMPROOT=$tmp
 unshare --mount --propagation private bash -euo pipefail -c '

@@ -46,7 +46,7 @@ SOURCES = {
     "gpu_copy": ["gpu_copy_*.json"],
     "summary": ["vllm_ttft_h200.json", "vllm_load_h200.json", "gpu_copy_*.json"],
     "sglang_ttft": ["sglang_ttft_h200.json"],
-    "host_bench": ["host_bench_vm.json"],  # kvd bench --json: performance.md and operations.md
+    "host_bench": ["host_bench_vm.json"],  # kvd bench --json: performance.md and restart.md
     "host_verify": ["host_bench_vm.json", "host_bench_vm_verify.json"],
     "fleet": ["fleet_*.json"],
 }

@@ -11,7 +11,7 @@ from kvd.knobs.knob import Knob
 
 KNOBS = (
     Knob("quota", "quotas", (), "Caps and reservations per model and tenant, so one cannot evict "
-         "everyone else's cache (docs/operations.md, Quotas): [[quota]] tables at the end of the "
+         "everyone else's cache (docs/configure.md, Quotas): [[quota]] tables at the end of the "
          "file, in place of quota = [], of model (a registered model id), tenant (the label "
          "stores carry; empty: any), host_max, host_reserve, disk_max (sizes), users, groups (only "
          "they may use the label). Env and flags: TOML inline tables, " + quota_rules.EXAMPLE + "."),
@@ -31,6 +31,6 @@ KNOBS = (
          "warm restarts) and verifying them after a crash or on load.", minimum=1),
     Knob("verify_loads", "str", "off", "on: check every host tier chunk a load reads against "
          "its warm_restart checksum first (off the loop; a mismatch is dropped and the load "
-         "ends before it; docs/operations.md has the cost); off: trust the daemon's own memory.",
+         "ends before it; docs/restart.md has the cost); off: trust the daemon's own memory.",
          choices=("off", "on")),
 )

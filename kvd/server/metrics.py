@@ -5,7 +5,7 @@ missing library or unbindable address: start-up fails with one line) through
 kvd.server.metrics_http on the event loop, bounded so no scraper can take the daemon's
 descriptors or slow its engines. ``KvdCollector`` reads at render time the counters the
 loop keeps anyway, through copies and ``len()``. Names follow Prometheus conventions
-(``kvd_`` prefix, base units, ``_total``); docs/operations.md lists them.
+(``kvd_`` prefix, base units, ``_total``); docs/observe.md lists them.
 """
 
 from __future__ import annotations

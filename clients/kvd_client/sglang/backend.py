@@ -307,7 +307,7 @@ class KvdHiCacheStorage(HiCacheStorage):
 
     def clear(self) -> bool:
         log.warning("kvd: an engine does not clear the shared cache; an operator can "
-                    "(kvd ctl, docs/operations.md)")
+                    "(kvd ctl, docs/observe.md)")
         return False
 
     def kvd_stats(self) -> dict:
