@@ -100,7 +100,7 @@ pytest:
 	LD_LIBRARY_PATH="$(STORES_LIBS)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
 	KVD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python KVD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
 	KVD_VLLM034_SRC=$(abspath $(VLLM034_SRC)) \
-	  $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup
+	  $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=10
 
 # After the dev venv: its editable install and this clean one both build in the source tree.
 check-install: $(VENV)/.installed-dev
