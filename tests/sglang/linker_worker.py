@@ -27,10 +27,7 @@ page_size, heads, dim]`` (the HiCache backend's host page order).
 from __future__ import annotations
 
 import base64
-import json
-import sys
 import time
-import traceback
 import types
 import warnings
 
@@ -49,6 +46,7 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str
 from kvd_client import SharedKVPool
 from kvd_client.sglang import device_pages
 from kvd_client.sglang.linker import KvdLinker
+from sglang_worker import serve  # this directory: the command loop both workers share
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 TORCH_FROM_STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -201,17 +199,7 @@ def run(engines, cmd):
 
 
 def main():
-    engines = {}
-    print(json.dumps({"ok": "ready"}), flush=True)
-    for line in sys.stdin:
-        try:
-            reply = {"ok": run(engines, json.loads(line))}
-        except Exception as exc:  # the test asserts on it
-            traceback.print_exc(file=sys.stderr)
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(reply), flush=True)
-    for e in engines.values():
-        e.linker.close()
+    serve(run, lambda e: e.linker.close())
 
 
 if __name__ == "__main__":

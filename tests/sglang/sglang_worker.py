@@ -162,7 +162,9 @@ def run(engines, cmd):
     raise ValueError(f"unknown op {op!r}")
 
 
-def main():
+def serve(run, close) -> None:
+    """Answer JSON commands on stdin with ``run(engines, cmd)`` until EOF, then ``close`` each
+    engine left (also the linker worker's loop)."""
     engines = {}
     print(json.dumps({"ok": "ready"}), flush=True)
     for line in sys.stdin:
@@ -173,7 +175,11 @@ def main():
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(reply), flush=True)
     for e in engines.values():
-        e.backend.close()
+        close(e)
+
+
+def main():
+    serve(run, lambda e: e.backend.close())
 
 
 if __name__ == "__main__":
