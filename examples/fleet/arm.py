@@ -29,6 +29,7 @@ import threading
 import time
 
 from . import bench
+from .lmcache import lmcache_start, lmcache_status
 from .procs import Procs, get, kvd_drop, kvd_start, kvd_stats, post, server_cmd, wait_http
 
 
@@ -59,6 +60,9 @@ def run_arm(args, procs: Procs, arm: str, index: int) -> dict:
     out = {"arm": arm, "servers": count}
     try:
         daemon = kvd_start(args, procs, run, cold=True) if arm == "kvd" else None
+        if arm == "lmcache":
+            lmcache_start(args, procs, count)
+            say(f"lmcache: its server is up ({args.host_gib:g} GiB of L1)")
         say(f"{arm}: starting {count} servers")
         servers, out["start_s"] = start_servers(args, procs, arm, ports, run)
         say(f"{arm}: servers up in {out['start_s']:.0f} s")
@@ -82,6 +86,8 @@ def run_arm(args, procs: Procs, arm: str, index: int) -> dict:
             previous = result
         if arm == "kvd":
             out["kvd_stats"] = kvd_stats(args, run)
+        if arm == "lmcache":
+            out["lmcache_status"] = lmcache_status(args)
     finally:
         procs.stop_all()
         if arm == "kvd":

@@ -116,7 +116,8 @@ def server_cmd(args, arm: str, port: int, kvd_run: Path) -> list:
     if arm == "native":
         cmd += ["--kv-offloading-size", f"{args.host_gib / args.servers:g}", "--kv-offloading-backend", "native"]
     elif arm == "lmcache":
-        cmd += ["--kv-offloading-size", f"{args.host_gib:g}", "--kv-offloading-backend", "lmcache"]
+        from .lmcache import connector_config  # noqa: PLC0415 (imports this module)
+        cmd += ["--kv-transfer-config", connector_config(args)]
     elif arm == "kvd":
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KvdConnector", "kv_connector_module_path": "kvd_client.vllm",

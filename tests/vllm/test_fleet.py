@@ -10,6 +10,9 @@ arms, the kvd arm's answers are the reference's, request for request, and
 the second server (which never computed most of the prefixes it was sent)
 counts kvd hits in its Prometheus counters, which vLLM also reports as
 prompt tokens from the connector. Timings are printed, never asserted.
+Also: each arm's server command, parsed by vLLM's own argument parser, gives
+the cache the arm names (the ``lmcache`` arm's LMCache server cannot run
+on a CPU: its command is what can be checked here).
 """
 
 from __future__ import annotations
@@ -64,6 +67,50 @@ def test_fleet_answers_match_and_second_server_hits(tmp_path):
     second = kvd["hits_by_server"][1]
     assert second["kvd_hit_tokens"] > 0 and second["external"] > 0, kvd["hits_by_server"]
     assert none["hits"]["external"] == 0 and none["hits"]["kvd_hit_tokens"] == 0
+
+
+ARM_CONFIGS = """
+import importlib.util, json, shutil, sys
+sys.argv = ["fleet.py", "--tiny", "--lmcache-port", "18090"]
+spec = importlib.util.spec_from_file_location("fleet_main", "examples/fleet.py")
+fleet_main = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fleet_main)
+from fleet.procs import server_cmd
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+except ImportError:  # vLLM 0.26
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = fleet_main.parse()
+fleet_main.prepare(args)
+try:
+    fleet_main.write_model(args)
+    out = {}
+    for arm in fleet_main.ARMS:
+        cmd = server_cmd(args, arm, 8000, args.work / "kvd")
+        engine_args = AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(cmd[3:]))
+        # building the whole config imports the connector's class: LMCache's needs LMCache
+        kv = engine_args.kv_transfer_config if arm == "lmcache" else engine_args.create_engine_config().kv_transfer_config
+        out[arm] = kv and {"connector": kv.kv_connector, "extra": kv.kv_connector_extra_config}
+    print("ARMS " + json.dumps(out))
+finally:
+    shutil.rmtree(args.work, ignore_errors=True)
+"""
+
+
+def test_each_arm_command_configures_its_cache_in_vllm():
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", ARM_CONFIGS], cwd=ROOT, env=engine_env(),
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ARMS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    arms = json.loads(lines[-1][len("ARMS "):])
+    assert arms["none"] is None
+    assert arms["native"] == {"connector": "OffloadingConnector",
+                              "extra": {"cpu_bytes_to_use": 0.25 / 2 * (1 << 30)}}  # --host-gib over 2 servers
+    assert arms["kvd"]["connector"] == "KvdConnector" and arms["kvd"]["extra"]["runtime_dir"].endswith("kvd")
+    assert arms["lmcache"] == {"connector": "LMCacheMPConnector",
+                               "extra": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 18090}}
 
 
 def logs(folder: Path) -> str:
