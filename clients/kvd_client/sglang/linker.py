@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections import deque
 
@@ -26,24 +25,15 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCache
 from kvd_protocol.errors import KvdError
 from kvd_protocol.wire import tenant_label
 
-from ..client import KvdClient
 from ..registration import ChunkKeys
 from . import device_pages
+from .device_link import DeviceLink
 from .keyring import Keyring
 from .layer_wait import KvdLayerCounter
 from .options import Options
 from .timeline import Timeline
 
 log = logging.getLogger("kvd_client.sglang")
-RETRY_S = 1.0  # how often a linker without a daemon tries again
-
-
-def _tp(server_args, params) -> tuple[int, int]:
-    """This rank's (index, size) in the group that shares one KV layout."""
-    group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
-    return 0, int(getattr(server_args, "tp_size", 1) or 1)
 
 
 class KvdLinker(UnifiedCacheLinker):
@@ -59,20 +49,13 @@ class KvdLinker(UnifiedCacheLinker):
             raise ValueError(f"kvd linker: only the full KV component is supported, not {others}")
         self.page_size = params.page_size
         self.kvcache = params.token_to_kv_pool_allocator.get_kvcache()
-        self.mla = device_pages.pool_kind(self.kvcache) == "sglang_mla"
         self.pools = {PoolName.KV: self.kvcache}
-        self.tp_rank, self.tp_size = _tp(server_args, params)
-        self.model = opts.model_id or getattr(server_args, "served_model_name", None) \
-            or getattr(server_args, "model_path", "")
-        if not self.model:
-            raise ValueError("kvd linker: SGLang gave no model name; set kvd_model_id")
-        self.client = KvdClient(opts.runtime_dir or None, timeout=opts.timeout_s,
-                                name=f"sglang-linker:tp{self.tp_rank}:{os.getpid()}").connect()
+        self.link = DeviceLink(opts, self.kvcache, self.page_size, server_args, params, "linker",
+                               self.pool_factory)
+        self.mla, self.tp_rank, self.client = self.link.mla, self.link.tp_rank, self.link.client
         self.keyring = Keyring(opts)
         self.timeline = Timeline.from_env("linker")
         self.layer_done_counter = KvdLayerCounter(self.client, self.kvcache.layer_num)
-        self.reg = None
-        self._retry_at, self._refused = 0.0, None
         self.pending_loads: dict[str, tuple] = {}  # rid -> (keys, kvd pages, tokens, lease)
         self.leases: dict[str, int] = {}  # rid -> the lease its lookup took
         self.offloads: deque = deque()  # (transfer or None, tokens asked), in submission order
@@ -82,36 +65,12 @@ class KvdLinker(UnifiedCacheLinker):
 
     # ---- set-up ----------------------------------------------------------------------
 
+    @property
+    def reg(self):
+        return self.link.reg
+
     def _session(self):
-        """The registration of SGLang's GPU pool, once the daemon answered."""
-        if self.reg is not None or self._refused:
-            return self.reg
-        now = time.monotonic()
-        if now < self._retry_at:
-            return None
-        self._retry_at = now + RETRY_S
-        try:
-            chunk = self.client.chunk_tokens
-        except KvdError as exc:
-            log.info("kvd not reachable (%s); the linker misses until it is", exc)
-            return None
-        if self.page_size % chunk:
-            self._refused = (f"kvd's chunk ({chunk} tokens) does not divide SGLang's page size "
-                             f"({self.page_size})")
-            log.error("%s; kvd stays unused", self._refused)
-            return None
-        try:
-            pool = self.pool_factory(self.kvcache, chunk)
-            if self.options.kv_dtype:
-                pool.kv_dtype = self.options.kv_dtype
-            self.reg = self.client.register_kv(
-                pool, self.model, tp_size=1 if self.mla else self.tp_size, tp_rank=self.tp_rank,
-                first_layer=getattr(self.kvcache, "start_layer", 0) or 0,
-                fingerprint=self.options.fingerprint)
-        except (KvdError, ValueError, OSError) as exc:
-            self._refused = f"kvd refused SGLang's device pool: {exc}"
-            log.error("%s; kvd stays unused", self._refused)
-        return self.reg
+        return self.link.session()
 
     def _keyed(self, kv, reg) -> ChunkKeys | None:
         """The chunk keys of every page of ``kv``, or None when a page has none."""
@@ -121,8 +80,7 @@ class KvdLinker(UnifiedCacheLinker):
         return ChunkKeys(k for page in keyed for k in page)
 
     def _slots(self, kv, reg) -> list[int] | None:
-        return device_pages.page_ids(kv.device_indices, len(kv.keys), self.page_size,
-                                     reg.namespace.chunk_tokens)
+        return self.link.slots_to_pages(kv.device_indices, len(kv.keys))
 
     def _on_forward_stream(self):
         """Where a transfer's stream mark goes: after the forward's kernels on its pages."""
@@ -262,10 +220,10 @@ class KvdLinker(UnifiedCacheLinker):
         self.reset()
         self.keyring.close()
         self.timeline.close()
-        self.client.close()
+        self.link.close()
 
     def kvd_stats(self) -> dict:
-        return {**self.counters, "refused": self._refused, "registered": self.reg is not None}
+        return {**self.counters, "refused": self.link.refused, "registered": self.reg is not None}
 
 
 def _kv(transfers):
