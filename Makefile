@@ -6,9 +6,10 @@ VENV ?= .venv
 VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
 VLLM034_SRC ?= .vllm-0.34-src
+SGLANG016_SRC ?= .sglang-0.5.16
 ARGS ?=
 
-.PHONY: serve test pytest setup setup-dev setup-vllm setup-vllm034 setup-sglang check-disk check-install clean
+.PHONY: serve test pytest setup setup-dev setup-vllm setup-vllm034 setup-sglang setup-sglang016 check-disk check-install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,15 @@ $(VLLM034_SRC)/.installed:
 	rm -rf $(VLLM034_SRC)/wheel
 	touch $@
 
+# SGLang 0.5.16 (the GPU machine's) beside the SGLang venv, for kvd's radix cache
+# (tests/sglang/test_radix.py): its sources and the few packages whose versions differ, in a
+# folder the tests put first on PYTHONPATH of the venv's python (about 370 MB).
+$(SGLANG016_SRC)/.installed: $(SGLANG_VENV)/.installed tests/sglang/requirements-0.5.16.txt
+	rm -rf $(SGLANG016_SRC)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps --target $(SGLANG016_SRC) \
+	  -r tests/sglang/requirements-0.5.16.txt
+	touch $@
+
 # SGLang (0.5.23, its torch, --no-deps for the rest) for the HiCache backend's tests, apart
 # from the main venv; the page-hash extension SGLang compiles on first use is built here once.
 $(SGLANG_VENV)/.installed: tests/sglang/requirements.txt tests/sglang/requirements-nodeps.txt
@@ -63,6 +73,7 @@ setup-dev: $(VENV)/.installed-dev
 setup-vllm: $(VLLM_VENV)/.installed
 setup-sglang: $(SGLANG_VENV)/.installed
 setup-vllm034: $(VLLM034_SRC)/.installed
+setup-sglang016: $(SGLANG016_SRC)/.installed
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/kvd serve $(ARGS)
@@ -88,7 +99,7 @@ TEST_JOBS ?= 2
 STORES ?= .test-stores
 STORES_LIBS = $(subst $(eval) ,:,$(wildcard $(CURDIR)/$(STORES)/root/usr/lib/*-linux-gnu $(CURDIR)/$(STORES)/root/lib/*-linux-gnu))
 test: check-disk
-	$(MAKE) --no-print-directory -j4 setup-dev setup-vllm setup-vllm034 setup-sglang check-install
+	$(MAKE) --no-print-directory -j4 setup-dev setup-vllm setup-vllm034 setup-sglang setup-sglang016 check-install
 	bash tools/install_test_stores.sh $(STORES)
 	$(MAKE) --no-print-directory pytest
 	bash tools/check_kernels.sh
@@ -99,7 +110,7 @@ pytest:
 	PATH="$(CURDIR)/$(STORES)/root/usr/bin:$$PATH" \
 	LD_LIBRARY_PATH="$(STORES_LIBS)$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
 	KVD_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python KVD_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python \
-	KVD_VLLM034_SRC=$(abspath $(VLLM034_SRC)) \
+	KVD_VLLM034_SRC=$(abspath $(VLLM034_SRC)) KVD_SGLANG016_SRC=$(abspath $(SGLANG016_SRC)) \
 	  $(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=10
 
 # After the dev venv: its editable install and this clean one both build in the source tree.
@@ -107,4 +118,4 @@ check-install: $(VENV)/.installed-dev
 	bash tools/check_install.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM034_SRC) $(SGLANG_VENV) $(STORES) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM034_SRC) $(SGLANG016_SRC) $(SGLANG_VENV) $(STORES) build *.egg-info

@@ -20,7 +20,9 @@ own process (this script again, with ``--role``):
   host caches are flushed, so each repeat's prefix comes from kvd (SGLang's
   ``cached_tokens_details`` say how much); TTFT of the prefix plus a new
   suffix. One such engine per ``--host-pools`` entry (the backend's
-  ``kvd_host_pool``: ``staging``, ``shared``), each loading what ``store`` left;
+  ``kvd_host_pool``: ``staging``, ``shared``; ``radix``: kvd's radix cache
+  instead of HiCache, ``--radix-cache-backend kvd``, a hit loaded straight into
+  the GPU pool), each loading what ``store`` left;
 - ``full``: an engine without HiCache, radix cache on: TTFT of a fresh prefix
   plus suffix (the whole prefill), then ``suffix``: the same prefix with another
   suffix (SGLang's GPU cache holds the prefix: the cost of the suffix alone);
@@ -91,6 +93,12 @@ def engine_args(args, role: str) -> dict:
     if role == "host":  # SGLang's own host tier; a device pool one filler prompt empties
         kw.update(enable_hierarchical_cache=True, hicache_ratio=2.0,
                   hicache_write_policy="write_through", max_total_tokens=longest + 512)
+    elif role.startswith("kvd-radix"):  # kvd's radix cache: no HiCache, straight into the GPU
+        extra = {"kvd_runtime_dir": args.runtime_dir, **json.loads(args.extra)}
+        gil = role.partition("@")[2]
+        if gil:
+            extra["kvd_gil_switch_ms"] = float(gil)
+        kw.update(radix_cache_backend="kvd", hicache_storage_backend_extra_config=json.dumps(extra))
     elif role != "full":
         extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
                  "class_name": "KvdHiCacheStorage", "interface_v1": 1,
@@ -117,6 +125,8 @@ def engine(args, role: str) -> dict:
     trace = Path(args.runtime_dir).parent / f"trace-{role}.jsonl"
     if args.trace and role.startswith("kvd-"):  # the scheduler process inherits it
         os.environ["KVD_SGLANG_TRACE"] = str(trace)
+    if role.startswith("kvd-radix"):
+        offer_plugin(Path(args.runtime_dir).parent)
     llm = sglang.Engine(**engine_args(args, role))
     one = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
     window = {}  # the last request: sent, first token (time.monotonic()), SGLang's own times
@@ -145,7 +155,7 @@ def engine(args, role: str) -> dict:
                     before = load_seconds(args)
                     t, details = ttft(shared + tokens(f"kvd/{r}", sfx))
                     runs.append(t)
-                    hits.append(details.get("storage", 0))
+                    hits.append(details.get("storage", 0) or details.get("host", 0))
                     daemon.append(load_seconds(args) - before)
                     windows.append(dict(window))
                 pool = role[len("kvd-"):]
@@ -168,7 +178,7 @@ def engine(args, role: str) -> dict:
         if role == "store":
             wait_stored(args, 256 // PAGE + sum((n + sfx) // PAGE for n in args.prefix_list))
     finally:
-        if role not in ("full", "host"):  # the engines with kvd's backend
+        if role not in ("full", "host") and not role.startswith("kvd-radix"):  # kvd's backend
             detach(llm)
         llm.shutdown()
     return out
@@ -187,6 +197,22 @@ def host_hits(ttft, shared: list, n: int, args) -> dict:
         runs.append(t)
         hits.append(details.get("host", 0))
     return {"host": runs, "host_hit_tokens": hits}
+
+
+def offer_plugin(folder: Path) -> None:
+    """kvd-cache's ``sglang.srt.plugins`` entry point (``--radix-cache-backend kvd``) where
+    kvd-cache is not installed in this environment (run from a checkout): a dist-info in
+    ``folder``, put first on the PYTHONPATH SGLang's processes inherit."""
+    import os
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "kvd" for ep in entry_points(group="sglang.srt.plugins")):
+        return
+    info = folder / "kvd_cache-0.0.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvd-cache\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[sglang.srt.plugins]\nkvd = kvd_client.sglang.plugin:register\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
 
 
 def detach(llm) -> None:
@@ -228,8 +254,9 @@ def main() -> None:
     ap.add_argument("--mem-fraction-static", type=float, default=0.85)
     ap.add_argument("--extra", default="{}", help="more of the storage backend's extra config (JSON)")
     ap.add_argument("--host-pools", default="shared",
-                    help="the kvd_host_pool of each kvd engine, comma-separated (staging, shared; "
-                         "empty: none, the full role alone)")
+                    help="the kvd engines, comma-separated: staging, shared (HiCache with kvd's "
+                         "backend, its kvd_host_pool), radix (kvd's radix cache, no HiCache: "
+                         "straight into the GPU pool); empty: none, the full role alone")
     ap.add_argument("--no-full", action="store_true", help="leave out the engine without kvd")
     ap.add_argument("--host-hit", action="store_true",
                     help="an engine with SGLang's own host tier: a hit from it, side by side")
@@ -247,8 +274,8 @@ def main() -> None:
     if any(n % PAGE for n in args.prefix_list):
         raise SystemExit(f"prefixes must be whole pages of {PAGE} tokens")
     pools = [p for p in args.host_pools.split(",") if p]
-    if not set(pools) <= {"staging", "shared"}:
-        raise SystemExit(f"--host-pools: staging and/or shared, not {args.host_pools!r}")
+    if not set(pools) <= {"staging", "shared", "radix"}:
+        raise SystemExit(f"--host-pools: of staging, shared, radix, not {args.host_pools!r}")
     try:
         gils = [float(g) for g in args.gil_switch_ms.split(",")]
     except ValueError:

@@ -23,12 +23,16 @@ to that value first: a page kvd should have loaded and did not keeps it.
 stored that many pages (SGLang backs up to storage after the request ends).
 At the end SGLang detaches the backend, which closes it (the scheduler
 process is killed at shutdown, and would leave its staging pool behind).
+``"cache": "radix"``: kvd's radix cache instead of HiCache (``--radix-cache-backend
+kvd``, the ``kvd_*`` options in the same extra config; kvd-cache's plugin entry
+point offered by a dist-info on PYTHONPATH), stores when a request ends.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -37,17 +41,36 @@ TOP_LOGPROBS = 20
 
 
 def engine_args(spec: dict) -> dict:
+    common = {"model_path": spec["model"], "dtype": "bfloat16", "skip_tokenizer_init": True,
+              "page_size": spec.get("page_size", 64), "attention_backend": "triton",
+              "sampling_backend": "pytorch", "disable_cuda_graph": True, "grammar_backend": "none",
+              "random_seed": 0, "max_total_tokens": spec.get("max_total_tokens", 32768),
+              "mem_fraction_static": 0.6, "log_level": "info"}
+    if spec.get("cache") == "radix":  # kvd's radix cache: straight into the GPU pool
+        return {**common, "radix_cache_backend": "kvd",
+                "hicache_storage_backend_extra_config": json.dumps(spec["kvd"]), **spec.get("engine", {})}
     extra = {"backend_name": "kvd", "module_path": "sglang_probe", "class_name": "KvdHiCacheStorage",
              "interface_v1": 1, **spec["kvd"]}
-    return {"model_path": spec["model"], "dtype": "bfloat16", "skip_tokenizer_init": True,
-            "page_size": spec.get("page_size", 64), "attention_backend": "triton",
-            "sampling_backend": "pytorch", "disable_cuda_graph": True, "grammar_backend": "none",
-            "random_seed": 0, "max_total_tokens": spec.get("max_total_tokens", 32768),
-            "mem_fraction_static": 0.6, "enable_hierarchical_cache": True, "hicache_ratio": 2.0,
+    return {**common, "enable_hierarchical_cache": True, "hicache_ratio": 2.0,
             "hicache_write_policy": "write_through", "hicache_storage_backend": "dynamic",
             "hicache_storage_prefetch_policy": "wait_complete",
-            "hicache_storage_backend_extra_config": json.dumps(extra), "log_level": "info",
-            **spec.get("engine", {})}
+            "hicache_storage_backend_extra_config": json.dumps(extra), **spec.get("engine", {})}
+
+
+def offer_plugins() -> str:
+    """kvd-cache's ``sglang.srt.plugins`` entry point (and the probe's) as an installed kvd-cache
+    offers it, for SGLang's processes: a dist-info in a folder put first on PYTHONPATH."""
+    site = tempfile.mkdtemp(prefix="kvd-sgl-plugins-")
+    info = os.path.join(site, "kvd_cache-0.0.dist-info")
+    os.mkdir(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: kvd-cache\nVersion: 0.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[sglang.srt.plugins]\nkvd = kvd_client.sglang.plugin:register\n"
+                "kvd_probe = sglang_probe:install\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])
+    sys.path.insert(0, site)
+    return site
 
 
 class Probe:
@@ -86,11 +109,12 @@ def run_prompt(engine, probe, tokens: list[int]) -> dict:
             "details": meta.get("cached_tokens_details") or {}, **pages}
 
 
-def wait_stored(probe, pages: int, timeout: float = 60.0) -> dict:
+def wait_stored(probe, pages: int, page_size: int, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        stats = probe("stats")
-        if stats.get("stored_pages", 0) >= pages or time.monotonic() > deadline:
+        stats = probe("stats")  # the radix cache counts tokens, the backend pages
+        stored = stats.get("stored_pages", stats.get("stored_tokens", 0) // page_size)
+        if stored >= pages or time.monotonic() > deadline:
             return stats
         time.sleep(0.5)
 
@@ -98,6 +122,7 @@ def wait_stored(probe, pages: int, timeout: float = 60.0) -> dict:
 def run(spec: dict) -> dict:
     import sglang
 
+    site = offer_plugins() if spec.get("cache") == "radix" else None
     engine = sglang.Engine(**engine_args(spec))
     probe = Probe(engine)
     try:
@@ -105,7 +130,7 @@ def run(spec: dict) -> dict:
             probe("poison", value=spec["poison"])
         results = [run_prompt(engine, probe, p) for p in spec["prompts"]]
         if spec.get("wait_stored_pages"):
-            stats = wait_stored(probe, spec["wait_stored_pages"])
+            stats = wait_stored(probe, spec["wait_stored_pages"], spec.get("page_size", 64))
         else:
             stats = probe("stats")
         detached = probe("detach")  # the backend closes: its staging pool leaves /dev/shm
@@ -113,6 +138,8 @@ def run(spec: dict) -> dict:
     finally:
         probe.close()
         engine.shutdown()
+        if site is not None:
+            shutil.rmtree(site, ignore_errors=True)
 
 
 if __name__ == "__main__":

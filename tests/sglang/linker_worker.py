@@ -43,31 +43,11 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from kvd_client import SharedKVPool
-from kvd_client.sglang import device_pages
 from kvd_client.sglang.linker import KvdLinker
-from sglang_worker import serve  # this directory: the command loop both workers share
+from sglang_worker import serve  # this directory: the command loop the workers share
+from shm_pool import shm_device_pool
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-TORCH_FROM_STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def shm_device_pool(kvcache, chunk_tokens: int) -> SharedKVPool:
-    """A SharedKVPool of the device pool's layout; the pool's tensors now live in it."""
-    kind = device_pages.pool_kind(kvcache)
-    first = device_pages.layer_tensors(kvcache)[0]
-    first = first[0] if kind == "sglang_mha" else first
-    slots, heads, dim = first.shape
-    dtype = str(first.dtype).removeprefix("torch.")
-    pool = SharedKVPool(kind, kvcache.layer_num, slots // chunk_tokens, chunk_tokens, heads, dim,
-                        dtype)
-    views = [torch.from_numpy(a).view(TORCH_FROM_STORAGE[dtype]) for a in pool.tensors]
-    if kind == "sglang_mha":
-        kvcache.k_buffer = [v.copy_(k) for v, k in zip(views[0::2], kvcache.k_buffer)]
-        kvcache.v_buffer = [v.copy_(k) for v, k in zip(views[1::2], kvcache.v_buffer)]
-    else:
-        kvcache.kv_buffer = [v.copy_(k) for v, k in zip(views, kvcache.kv_buffer)]
-    return pool
 
 
 class ShmLinker(KvdLinker):

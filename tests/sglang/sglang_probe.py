@@ -1,9 +1,9 @@
 """A probe into a running SGLang scheduler, for tests/sglang/gpu_server.py.
 
 SGLang loads the storage backend with ``module_path: "sglang_probe"`` and
-``class_name: "KvdHiCacheStorage"``: this module re-exports kvd's backend
-unchanged, and importing it (in the scheduler process, where the backend
-lives) adds one method to SGLang's ``Scheduler``, which the engine reaches
+``class_name: "KvdHiCacheStorage"`` (with kvd's radix cache: SGLang's plugin
+loader runs ``install``): this module re-exports kvd's backend unchanged, and
+importing it (in the scheduler process) adds one method to SGLang's ``Scheduler``, which the engine reaches
 through ``Engine.collective_rpc("kvd_probe", path=..., op=...)``:
 
 - ``op="poison"``: every byte of the GPU KV pool and of the HiCache host pool
@@ -39,10 +39,12 @@ def _poison(scheduler, value: float) -> dict:
     pool = _kv_pool(scheduler)
     for buf in [*pool.k_buffer, *pool.v_buffer]:
         buf.fill_(value)
-    host = scheduler.tree_cache.cache_controller.mem_pool_host
-    host.kv_buffer.fill_(value)
+    controller = getattr(scheduler.tree_cache, "cache_controller", None)  # none: kvd's radix cache
+    host = controller.mem_pool_host if controller is not None else None
+    if host is not None:
+        host.kv_buffer.fill_(value)
     torch.cuda.synchronize()
-    return {"layers": len(pool.k_buffer), "host_bytes": host.kv_buffer.nbytes}
+    return {"layers": len(pool.k_buffer), "host_bytes": host.kv_buffer.nbytes if host is not None else 0}
 
 
 def _match_params(key):
@@ -77,12 +79,19 @@ def _digests(scheduler, tokens: list[int]) -> dict:
 
 
 def _stats(scheduler) -> dict:
-    backend = scheduler.tree_cache.cache_controller.storage_backend
+    tree = scheduler.tree_cache
+    if hasattr(tree, "kvd_stats"):  # kvd's radix cache
+        return tree.kvd_stats()
+    backend = tree.cache_controller.storage_backend
     return backend.kvd_stats() if backend is not None else {}
 
 
 def _detach(scheduler) -> dict:
-    ok, message = scheduler.tree_cache.detach_storage_backend()
+    tree = scheduler.tree_cache
+    if hasattr(tree, "kvd_stats"):  # kvd's radix cache: its link to the daemon closes
+        tree.close()
+        return {"ok": True, "message": "kvd radix cache closed"}
+    ok, message = tree.detach_storage_backend()
     return {"ok": ok, "message": message}
 
 
@@ -103,6 +112,11 @@ def kvd_probe(self, path: str, op: str) -> None:
         raise ValueError(f"unknown probe op {op!r}")
     with open(path, "w") as f:
         json.dump(result, f)
+
+
+def install() -> None:
+    """The ``sglang.srt.plugins`` entry point gpu_server.py offers with kvd's radix cache, which
+    loads no backend module: importing this module added the method."""
 
 
 Scheduler.kvd_probe = kvd_probe

@@ -24,6 +24,10 @@ a control (another prefix of 1024 tokens, the same suffix):
 Both ways the backend moves pages (``kvd_host_pool``): through its staging
 pool, and with SGLang's host pool shared in place (kvd_client.sglang.shared_host:
 CUDA's registration of the pool dropped and made again over the file).
+
+The same with kvd's radix cache (``--radix-cache-backend kvd``, no HiCache):
+engine A stores when each request ends, engine B loads straight into its GPU
+pool; B's pages and first token are A's, the control's prefix moves them.
 """
 
 from __future__ import annotations
@@ -136,3 +140,29 @@ def check(store: dict, load: dict) -> None:
     assert c["loaded_pages"] == hit_pages and c["hit_pages"] >= hit_pages, c
     assert c["failed_loads"] == 0 and c["refused"] is None, c
     assert store["detached"]["ok"] and load["detached"]["ok"], (store["detached"], load["detached"])
+
+
+def test_the_radix_cache_loads_what_another_stored_straight_into_the_gpu(model, start_daemon, tmp_path):
+    daemon = start_daemon(gpu="on", chunk_tokens=CHUNK, host_capacity="1GiB",
+                          client_timeout_s=30.0, heartbeat_interval_s=1.0)
+    kvd = {"kvd_runtime_dir": str(daemon.runtime_dir), "kvd_timeout_s": 10.0}
+    p, hit = prompts(), HITS["long"] + HITS["short"]
+    a = finish(spawn(tmp_path, "store", {"model": str(model), "kvd": kvd, "page_size": PAGE,
+                                         "cache": "radix", "prompts": [p["long"], p["short"]],
+                                         "wait_stored_pages": hit // PAGE}))
+    assert a["backend"]["stored_tokens"] >= hit and a["backend"]["refused"] is None, a["backend"]
+    b = finish(spawn(tmp_path, "load", {"model": str(model), "kvd": kvd, "page_size": PAGE,
+                                        "cache": "radix", "poison": 0.75,
+                                        "prompts": [p["long"], p["short"], p["control"]]}))
+    src, dst = dict(zip(["long", "short"], a["prompts"])), dict(zip(["long", "short", "control"], b["prompts"]))
+    for name in ("long", "short"):
+        pages = HITS[name] // PAGE
+        bad = [i for i in range(pages) if src[name]["digests"][i] != dst[name]["digests"][i]]
+        assert len(dst[name]["digests"]) >= pages and not bad, (name, dst[name]["matched_tokens"], bad[:4])
+        assert dst[name]["token"] == src[name]["token"]
+        assert top_diff(src[name]["logprobs"], dst[name]["logprobs"]) <= LOGPROB_TOL
+    assert top_diff(dst["long"]["logprobs"], dst["control"]["logprobs"]) > 4 * LOGPROB_TOL
+    c = b["backend"]
+    assert c["loaded_tokens"] == hit and c["failed_loads"] == 0 and c["refused"] is None, c
+    assert daemon.stats()["chunks_loaded"] == hit // CHUNK
+    assert a["detached"]["ok"] and b["detached"]["ok"]

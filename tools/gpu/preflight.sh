@@ -67,6 +67,7 @@ if [ -d .sgstage/site/sglang ]; then
   PYTHONPATH=.sgstage/site:clients:. "$PY" -c '
 import sys, sglang
 from kvd_client.sglang.backend import KvdHiCacheStorage
+from kvd_client.sglang.radix import KvdRadixCache  # noqa: F401 (imports on this SGLang)
 left = sorted(KvdHiCacheStorage.__abstractmethods__)
 print("sglang", sglang.__version__, "backend:", "ok" if not left else left); sys.exit(1 if left else 0)' 2>&1 | tail -1 \
     | grep "backend: ok" || fail "SGLang backend"

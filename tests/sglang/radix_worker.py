@@ -1,0 +1,182 @@
+"""An SGLang 0.5.16 process for the radix-cache tests (no GPU): kvd's ``KvdRadixCache``.
+
+JSON commands on stdin, one JSON answer a line, as sglang_worker.py. SGLang's parts are real:
+its device pool on ``device="cpu"``, paged allocator, ``ReqToTokenPool``, ``CacheInitParams``,
+its plugin loader (``load_plugins`` finds kvd-cache's ``sglang.srt.plugins`` entry point: a
+``dist-info`` written for it) and ``create_tree_cache``, which builds the cache registered
+under ``--radix-cache-backend``. A request is driven as SGLang's scheduler drives one:
+``match_prefix`` with the request, ``init_load_back`` for a host hit, slots allocated for the
+rest and "computed" (written with bytes of the engine's own seed), ``req_to_token`` filled,
+``cache_finished_req``. The one part that differs from a GPU: ``kvd-shm`` is KvdRadixCache with
+the device pool moved into a kvd SharedKVPool (shm_pool.py); ``kvd`` is the plain class (on the
+CPU: refused, with the reason in its stats). Pages travel as digests of their bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+import tomllib
+import types
+import warnings
+from array import array
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+import torch
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.registry import (TreeCacheBuildContext, create_tree_cache,
+                                           register_radix_cache_backend)
+
+from kvd_client.sglang.radix import KvdRadixCache
+from sglang_worker import serve  # this directory: the command loop the workers share
+from shm_pool import shm_device_pool
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_kvd_plugin() -> None:
+    """SGLang's own plugin loader, finding kvd-cache's entry point as an installed kvd-cache
+    would offer it (the project's pyproject.toml names it)."""
+    points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    entry = "".join(f"{name} = {target}\n" for name, target in points["sglang.srt.plugins"].items())
+    site = Path(tempfile.mkdtemp(prefix="kvd-plugin-"))
+    info = site / "kvd_cache-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvd-cache\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{entry}")
+    sys.path.insert(0, str(site))
+    from sglang.srt.plugins import load_plugins
+
+    try:
+        load_plugins()
+    finally:
+        sys.path.remove(str(site))
+        shutil.rmtree(site)
+
+
+class ShmRadixCache(KvdRadixCache):
+    pool_factory = staticmethod(shm_device_pool)
+
+    def close(self) -> None:
+        super().close()
+        if self.link.reg is not None:
+            self.link.reg.pool.close()  # its /dev/shm file goes
+
+
+class Engine:
+    """One SGLang rank: its device pool, allocator, request slots and radix cache."""
+
+    def __init__(self, extra, backend="kvd-shm", page_size=16, layers=3, heads=2, dim=8,
+                 pages=64, seed=0, model="tiny"):
+        size = pages * page_size
+        self.dev = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16,
+                                    head_num=heads, head_dim=dim, layer_num=layers, device="cpu",
+                                    enable_memory_saver=False, start_layer=0, end_layer=layers)
+        self.alloc = PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", self.dev,
+                                                 False)
+        self.reqs = ReqToTokenPool(size=8, max_context_len=size, device="cpu",
+                                   enable_memory_saver=False)
+        params = CacheInitParams(disable=False, req_to_token_pool=self.reqs,
+                                 token_to_kv_pool_allocator=self.alloc, page_size=page_size)
+        server_args = types.SimpleNamespace(
+            model_path=model, served_model_name=model, tp_size=1, radix_cache_backend=backend,
+            hicache_storage_backend_extra_config=json.dumps(extra), enable_streaming_session=False)
+        self.tree = create_tree_cache(TreeCacheBuildContext(
+            server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=False, disable_radix_cache=False,
+            effective_chunked_prefill_size=None, tp_worker=None, model_config=None, tp_size=1,
+            tp_rank=0, tp_group=None))
+        self.page_size, self.seed, self.count = page_size, seed, 0
+
+    def request(self, tokens: list[int]) -> dict:
+        """One request through the cache as the scheduler drives it; what it hit, its pages."""
+        self.count += 1
+        req = types.SimpleNamespace(rid=f"r{self.count}", origin_input_ids=array("q", tokens),
+                                    output_ids=array("q"), extra_key=None, last_node=None, priority=0,
+                                    cache_protected_len=0, session_id=None, req_pool_idx=None)
+        key = RadixKey(array("q", tokens), None, limit=len(tokens) - 1)  # one token computed
+        match = self.tree.match_prefix(MatchPrefixParams(key=key, req=req))
+        prefix, node = match.device_indices, match.last_device_node
+        self.tree.inc_lock_ref(node)
+        kvd = match.host_hit_length
+        if kvd:
+            loaded, node2 = self.tree.init_load_back(InitLoadBackParams(
+                best_match_node=match.best_match_node, host_hit_length=kvd, req=req))
+            self.tree.dec_lock_ref(node)
+            self.tree.inc_lock_ref(node2)
+            prefix, node = torch.cat([prefix, loaded]), node2
+        have = len(prefix)
+        rest = -(-(len(tokens) - have) // self.page_size) * self.page_size
+        fresh = self.alloc.alloc(rest) if rest else prefix[:0]
+        self._compute(fresh, tokens[have:])
+        self.reqs.alloc([req])  # sets req.req_pool_idx
+        slots = torch.cat([prefix, fresh])[:len(tokens)]
+        self.reqs.req_to_token[req.req_pool_idx, :len(tokens)] = slots.to(torch.int32)
+        pages = self.page_digests(slots)
+        req.last_node, req.cache_protected_len = node, have
+        self.tree.cache_finished_req(req, kv_len_to_handle=len(tokens))
+        self.reqs.free(req)
+        return {"device": len(match.device_indices), "kvd": kvd, "loaded": have - len(
+            match.device_indices), "pages": pages}
+
+    def _compute(self, slots: torch.Tensor, tokens: list[int]) -> None:
+        """What a forward writes: bytes of this engine's seed and the tokens' positions."""
+        if not len(slots):
+            return
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + len(tokens) + tokens[0])
+        for layer in range(self.dev.layer_num):
+            for t in (self.dev.k_buffer[layer], self.dev.v_buffer[layer]):
+                rows = t[slots].view(torch.uint8)
+                t[slots] = torch.randint(0, 256, rows.shape, dtype=torch.uint8,
+                                         generator=gen).view(t.dtype)
+
+    def page_digests(self, slots: torch.Tensor) -> list[str]:
+        out = []
+        for start in range(0, len(slots) - self.page_size + 1, self.page_size):
+            idx = slots[start:start + self.page_size].to(torch.int64)
+            h = hashlib.sha256()
+            for layer in range(self.dev.layer_num):
+                h.update(self.dev.k_buffer[layer][idx].contiguous().view(torch.uint8).numpy())
+                h.update(self.dev.v_buffer[layer][idx].contiguous().view(torch.uint8).numpy())
+            out.append(h.hexdigest()[:16])
+        return out
+
+
+def run(engines, cmd):
+    op = cmd.pop("op")
+    if op == "engine":
+        name = cmd.pop("name")
+        engines[name] = Engine(**cmd)
+        return type(engines[name].tree).__name__
+    e = engines[cmd["name"]]
+    if op == "request":
+        return e.request(cmd["tokens"])
+    if op == "drain":
+        e.tree._drain_stores(wait=True)
+        return e.tree.kvd_stats()
+    if op == "stats":
+        return e.tree.kvd_stats()
+    if op == "close":
+        e.tree.close()
+        del engines[cmd["name"]]
+        return True
+    raise ValueError(f"unknown op {op!r}")
+
+
+def main():
+    load_kvd_plugin()
+    register_radix_cache_backend("kvd-shm", ShmRadixCache)
+    serve(run, lambda e: e.tree.close())
+
+
+if __name__ == "__main__":
+    main()

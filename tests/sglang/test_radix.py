@@ -1,0 +1,116 @@
+"""kvd's radix cache for SGLang 0.5.16 (kvd_client.sglang.radix) against SGLang's own classes, on the CPU.
+
+A worker (radix_worker.py) runs SGLang 0.5.16 (``make setup-sglang016``: its sources beside the
+SGLang venv's torch) with its device pool, paged allocator, request slots, plugin loader and
+``create_tree_cache``, against a real ``kvd serve``. Requests go through the cache as SGLang's
+scheduler drives them; each engine "computes" pages with bytes of its own seed, so a page that
+holds another engine's bytes came from kvd. Checked: a second engine loads the first one's
+pages byte for byte and computes only the rest, behind its own GPU prefix too; a stored page
+stays locked in the tree until its store ended; no daemon, or the plain class on a CPU, is a
+miss and every request still completes; the entry point registers ``kvd`` through SGLang's
+plugin loader; bad options stop SGLang at start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+from test_hicache import ROOT, Worker, WorkerError, _sglang_python, daemon  # noqa: F401
+
+RADIX_WORKER = Path(__file__).resolve().parent / "radix_worker.py"
+SGLANG_016 = Path(os.environ.get("KVD_SGLANG016_SRC") or ROOT / ".sglang-0.5.16")
+pytestmark = pytest.mark.skipif(
+    _sglang_python() is None or not (SGLANG_016 / "sglang" / "__init__.py").exists(),
+    reason=f"no SGLang 0.5.16 sources at {SGLANG_016} beside the SGLang venv (make setup-sglang016)")
+
+PAGE = 16
+_starts = itertools.count(9_000_000, 10_000)
+
+
+def tokens(n: int) -> list[int]:
+    start = next(_starts)
+    return list(range(start, start + n))
+
+
+@pytest.fixture(scope="module")
+def rw(tmp_path_factory):
+    env = {"PYTHONPATH": f"{SGLANG_016}{os.pathsep}{ROOT / 'clients'}"}
+    w = Worker(_sglang_python(), tmp_path_factory.mktemp("radix") / "worker.log", RADIX_WORKER, env)
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def engines(rw):
+    made = []
+
+    def make(runtime_dir, name, **kw):
+        extra = {"kvd_runtime_dir": str(runtime_dir), **kw.pop("extra", {})}
+        made.append(name)
+        assert rw("engine", name=name, extra=extra, **kw) in ("ShmRadixCache", "KvdRadixCache")
+        return lambda op, **f: rw(op, name=name, **f)
+
+    yield make
+    for name in made:
+        try:
+            rw("close", name=name)
+        except WorkerError:
+            pass
+
+
+def test_a_second_engine_loads_the_first_ones_pages_and_computes_the_rest(daemon, engines):
+    a = engines(daemon.runtime_dir, "a", seed=1)
+    b = engines(daemon.runtime_dir, "b", seed=2)
+    toks = tokens(4 * PAGE + 5)                 # 4 whole pages and a tail
+    first = a("request", tokens=toks)
+    assert first["kvd"] == 0 and first["device"] == 0
+    stats = a("drain")
+    assert stats["stored_tokens"] == 4 * PAGE and stats["failed_stores"] == 0
+    second = b("request", tokens=toks)
+    assert second["device"] == 0 and second["kvd"] == 4 * PAGE and second["loaded"] == 4 * PAGE
+    assert second["pages"] == first["pages"]    # byte for byte, every layer, K and V
+    again = b("request", tokens=toks)            # now in b's own tree: no kvd round
+    assert again["device"] == 4 * PAGE and again["kvd"] == 0
+    assert b("stats")["loaded_tokens"] == 4 * PAGE
+
+
+def test_kvd_adds_the_pages_past_the_engines_own_gpu_prefix(daemon, engines):
+    a = engines(daemon.runtime_dir, "a", seed=3)
+    b = engines(daemon.runtime_dir, "b", seed=4)
+    toks = tokens(6 * PAGE)
+    stored = a("request", tokens=toks)["pages"]
+    a("drain")
+    own = b("request", tokens=toks[:2 * PAGE])["pages"]      # b computed the first two pages
+    got = b("request", tokens=toks)
+    assert got["device"] == 2 * PAGE and got["kvd"] == 4 * PAGE - PAGE
+    # b's own two pages stay; kvd fills pages 3-5; the last page is computed (SGLang needs
+    # at least one token to compute: kvd answers whole pages before it)
+    assert got["pages"][:2] == own and got["pages"][2:5] == stored[2:5]
+    assert got["pages"][5] != stored[5]
+
+
+def test_without_a_daemon_every_request_is_computed(engines, tmp_path):
+    x = engines(tmp_path / "nothing", "x", seed=5)
+    toks = tokens(3 * PAGE)
+    got = x("request", tokens=toks)
+    assert got["kvd"] == 0 and len(got["pages"]) == 3
+    assert x("stats")["registered"] is False
+
+
+def test_on_a_cpu_the_plain_class_says_why_and_misses(daemon, engines):
+    p = engines(daemon.runtime_dir, "p", backend="kvd", seed=6)  # the entry point's name
+    got = p("request", tokens=tokens(2 * PAGE))
+    assert got["kvd"] == 0
+    stats = p("stats")
+    assert stats["registered"] is False and "CUDA" in stats["refused"]
+
+
+def test_bad_options_stop_sglang_at_start(rw, daemon):
+    extra = {"kvd_runtime_dir": str(daemon.runtime_dir)}
+    with pytest.raises(WorkerError, match="unknown kvd option"):
+        rw("engine", name="bad", extra={**extra, "kvd_no_such_option": 1})
+    with pytest.raises(WorkerError, match="kvd_key_mode must be 'tokens'"):
+        rw("engine", name="bad", extra={**extra, "kvd_key_mode": "hashes"})
