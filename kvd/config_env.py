@@ -26,6 +26,7 @@ OTHER_VARIABLES = (
     "KVD_TEST_LOG_DIR",  # tests: where the daemons' logs are copied (the GPU machine)
     "KVD_EXTRAS",  # Dockerfile: the pip extras of the image (a build argument)
     "KVD_VLLM034_SRC",  # tests: vLLM 0.34's Python sources, from its wheel (make test sets it)
+    "KVD_SGLANG016_SRC",  # tests: SGLang 0.5.16 beside the SGLang venv (make test sets it)
 )
 
 
