@@ -206,13 +206,10 @@ def offer_plugin(folder: Path) -> None:
     import os
     from importlib.metadata import entry_points
 
-    if any(ep.name == "kvd" for ep in entry_points(group="sglang.srt.plugins")):
-        return
-    info = folder / "kvd_cache-0.0.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvd-cache\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[sglang.srt.plugins]\nkvd = kvd_client.sglang.plugin:register\n")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])
+    from kvd_client.sglang import plugin
+
+    if not any(ep.name == plugin.NAME for ep in entry_points(group="sglang.srt.plugins")):
+        os.environ["PYTHONPATH"] = os.pathsep.join([plugin.offer(folder), os.environ.get("PYTHONPATH", "")])
 
 
 def detach(llm) -> None:

@@ -58,16 +58,11 @@ def engine_args(spec: dict) -> dict:
 
 
 def offer_plugins() -> str:
-    """kvd-cache's ``sglang.srt.plugins`` entry point (and the probe's) as an installed kvd-cache
-    offers it, for SGLang's processes: a dist-info in a folder put first on PYTHONPATH."""
-    site = tempfile.mkdtemp(prefix="kvd-sgl-plugins-")
-    info = os.path.join(site, "kvd_cache-0.0.dist-info")
-    os.mkdir(info)
-    with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: kvd-cache\nVersion: 0.0\n")
-    with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[sglang.srt.plugins]\nkvd = kvd_client.sglang.plugin:register\n"
-                "kvd_probe = sglang_probe:install\n")
+    """kvd-cache's ``sglang.srt.plugins`` entry point, and the probe's, for SGLang's processes:
+    a dist-info in a folder put first on PYTHONPATH (kvd_client.sglang.plugin.offer)."""
+    from kvd_client.sglang import plugin
+
+    site = plugin.offer(tempfile.mkdtemp(prefix="kvd-sgl-plugins-"), {"kvd_probe": "sglang_probe:install"})
     os.environ["PYTHONPATH"] = os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])
     sys.path.insert(0, site)
     return site

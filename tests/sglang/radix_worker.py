@@ -19,11 +19,9 @@ import json
 import shutil
 import sys
 import tempfile
-import tomllib
 import types
 import warnings
 from array import array
-from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
@@ -36,30 +34,23 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.registry import (TreeCacheBuildContext, create_tree_cache,
                                            register_radix_cache_backend)
 
+from kvd_client.sglang import plugin
 from kvd_client.sglang.radix import KvdRadixCache
 from sglang_worker import serve  # this directory: the command loop the workers share
 from shm_pool import shm_device_pool
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
 def load_kvd_plugin() -> None:
     """SGLang's own plugin loader, finding kvd-cache's entry point as an installed kvd-cache
-    would offer it (the project's pyproject.toml names it)."""
-    points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
-    entry = "".join(f"{name} = {target}\n" for name, target in points["sglang.srt.plugins"].items())
-    site = Path(tempfile.mkdtemp(prefix="kvd-plugin-"))
-    info = site / "kvd_cache-0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvd-cache\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{entry}")
-    sys.path.insert(0, str(site))
+    offers it (kvd_client.sglang.plugin.offer; pyproject.toml names the same, test_radix.py
+    checks)."""
     from sglang.srt.plugins import load_plugins
 
+    site = plugin.offer(tempfile.mkdtemp(prefix="kvd-plugin-"))
+    sys.path.insert(0, site)
     try:
         load_plugins()
     finally:
-        sys.path.remove(str(site))
+        sys.path.remove(site)
         shutil.rmtree(site)
 
 

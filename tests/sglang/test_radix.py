@@ -108,6 +108,15 @@ def test_on_a_cpu_the_plain_class_says_why_and_misses(daemon, engines):
     assert stats["registered"] is False and "CUDA" in stats["refused"]
 
 
+def test_pyproject_offers_the_entry_point_sglang_loads():
+    import tomllib
+
+    from kvd_client.sglang import plugin
+
+    points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert points["sglang.srt.plugins"] == {plugin.NAME: plugin.ENTRY_POINT}
+
+
 def test_bad_options_stop_sglang_at_start(rw, daemon):
     extra = {"kvd_runtime_dir": str(daemon.runtime_dir)}
     with pytest.raises(WorkerError, match="unknown kvd option"):
