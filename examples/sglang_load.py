@@ -17,7 +17,10 @@ page 64, triton attention (``--attention-backend``), no CUDA graphs unless
   of the prompts: no hit from kvd, what kvd costs an engine it does not
   help (lookups that miss, stores);
 - ``linker``: SGLang ≥ 0.5.23 only: no host tier, kvd as the unified cache's
-  external linker (kvd_client.sglang.linker), offloading every page.
+  external linker (kvd_client.sglang.linker), offloading every page;
+- ``radix``: SGLang 0.5.16: no host tier, kvd's radix cache
+  (``--radix-cache-backend kvd``, kvd_client.sglang.radix): a lookup per new
+  request, every finished request's pages stored.
 
 ``--roles`` picks them (default ``none,hicache,kvd``). Each role runs two
 workloads, ``--repeat`` times on new prompts each (the same prompts in every
@@ -46,11 +49,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_ttft import offer_plugin  # noqa: E402
 from vllm_ttft import (LLAMA3_8B, add_common_args, environment, private_daemon,  # noqa: E402
                        run_role, write_config)
 
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
-ROLES = ("none", "hicache", "kvd", "linker")
+ROLES = ("none", "hicache", "kvd", "linker", "radix")
 
 
 def tokens(seed: str, n: int) -> list[int]:
@@ -74,6 +78,8 @@ def engine_args(args, role: str) -> dict:
                   hicache_storage_backend_extra_config=json.dumps(
                       {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
                        "class_name": "KvdHiCacheStorage", "interface_v1": 1, **extra}))
+    if role == "radix":
+        kw.update(radix_cache_backend="kvd", hicache_storage_backend_extra_config=json.dumps(extra))
     if role == "linker":
         kw.update(enable_unified_cache_external_linker=True,
                   unified_cache_external_linker_backend="dynamic",
@@ -107,6 +113,8 @@ async def run_batch(llm, prompts: list, max_tokens: int) -> dict:
 def role_main(args, role: str) -> dict:
     import sglang
 
+    if role == "radix":  # kvd-cache's plugin entry point, where it is not installed
+        offer_plugin(Path(args.runtime_dir).parent)
     llm = sglang.Engine(**engine_args(args, role))
     run = llm.loop.run_until_complete
     try:
