@@ -2,18 +2,18 @@
 
 JSON commands on stdin, one JSON answer a line, as sglang_worker.py. SGLang's parts are real:
 its device pool on ``device="cpu"``, paged allocator, ``ReqToTokenPool``, ``CacheInitParams``,
-its plugin loader (``load_plugins`` finds kvd-cache's ``sglang.srt.plugins`` entry point: a
-``dist-info`` written for it) and ``create_tree_cache``, which builds the cache registered
-under ``--radix-cache-backend``. A request is driven as SGLang's scheduler drives one:
-``match_prefix`` with the request, ``init_load_back`` for a host hit, slots allocated for the
-rest and "computed" (written with bytes of the engine's own seed), ``req_to_token`` filled,
-``cache_finished_req``. The one part that differs from a GPU: ``kvd-shm`` is KvdRadixCache with
-the device pool moved into a kvd SharedKVPool (shm_pool.py); ``kvd`` is the plain class (on the
-CPU: refused, with the reason in its stats). Pages travel as digests of their bytes.
+its plugin loader (``load_plugins`` finds kvd-cache's ``sglang.srt.plugins`` entry point) and
+``create_tree_cache``, its ``Req`` (matched by ``init_next_round_input``) and ``PrefillAdder``
+(which loads a host hit back through ``init_load_back``). Then the worker stands in for the
+forward: slots for the rest written with bytes of the engine's own seed, ``req_to_token``
+filled, ``cache_finished_req``. The one part that differs from a GPU: ``kvd-shm`` is
+KvdRadixCache with the device pool moved into a kvd SharedKVPool (shm_pool.py); ``kvd`` is
+the plain class (on the CPU: refused, with the reason in its stats). Pages travel as digests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -26,13 +26,16 @@ from array import array
 warnings.filterwarnings("ignore")
 
 import torch
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.registry import (TreeCacheBuildContext, create_tree_cache,
                                            register_radix_cache_backend)
+from sglang.srt.runtime_context import get_context
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
 
 from kvd_client.sglang import plugin
 from kvd_client.sglang.radix import KvdRadixCache
@@ -89,22 +92,20 @@ class Engine:
         self.page_size, self.seed, self.count = page_size, seed, 0
 
     def request(self, tokens: list[int]) -> dict:
-        """One request through the cache as the scheduler drives it; what it hit, its pages."""
+        """One request through the cache as SGLang's scheduler admits it (its ``Req`` matched,
+        its ``PrefillAdder`` loading a host hit back), computed, finished; its hits and pages."""
         self.count += 1
-        req = types.SimpleNamespace(rid=f"r{self.count}", origin_input_ids=array("q", tokens),
-                                    output_ids=array("q"), extra_key=None, last_node=None, priority=0,
-                                    cache_protected_len=0, session_id=None, req_pool_idx=None)
-        key = RadixKey(array("q", tokens), None, limit=len(tokens) - 1)  # one token computed
-        match = self.tree.match_prefix(MatchPrefixParams(key=key, req=req))
-        prefix, node = match.device_indices, match.last_device_node
-        self.tree.inc_lock_ref(node)
-        kvd = match.host_hit_length
-        if kvd:
-            loaded, node2 = self.tree.init_load_back(InitLoadBackParams(
-                best_match_node=match.best_match_node, host_hit_length=kvd, req=req))
-            self.tree.dec_lock_ref(node)
-            self.tree.inc_lock_ref(node2)
-            prefix, node = torch.cat([prefix, loaded]), node2
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        params.normalize(None)
+        req = Req(f"r{self.count}", "", array("q", tokens), params)
+        req.init_next_round_input(self.tree)  # match_prefix with the request: GPU + kvd
+        device, kvd = len(req.prefix_indices), req.host_hit_length
+        adder = PrefillAdder(self.page_size, self.tree, self.alloc, ScheduleBatch(reqs=[]),
+                             new_token_ratio=0.5, rem_input_tokens=1 << 20, rem_chunk_tokens=None)
+        admitted = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+        if admitted is not AddReqResult.CONTINUE:
+            raise RuntimeError(f"SGLang did not admit the request: {admitted}")
+        prefix = req.prefix_indices  # with what init_load_back loaded
         have = len(prefix)
         rest = -(-(len(tokens) - have) // self.page_size) * self.page_size
         fresh = self.alloc.alloc(rest) if rest else prefix[:0]
@@ -113,11 +114,9 @@ class Engine:
         slots = torch.cat([prefix, fresh])[:len(tokens)]
         self.reqs.req_to_token[req.req_pool_idx, :len(tokens)] = slots.to(torch.int32)
         pages = self.page_digests(slots)
-        req.last_node, req.cache_protected_len = node, have
         self.tree.cache_finished_req(req, kv_len_to_handle=len(tokens))
         self.reqs.free(req)
-        return {"device": len(match.device_indices), "kvd": kvd, "loaded": have - len(
-            match.device_indices), "pages": pages}
+        return {"device": device, "kvd": kvd, "loaded": have - device, "pages": pages}
 
     def _compute(self, slots: torch.Tensor, tokens: list[int]) -> None:
         """What a forward writes: bytes of this engine's seed and the tokens' positions."""
@@ -163,7 +162,20 @@ def run(engines, cmd):
     raise ValueError(f"unknown op {op!r}")
 
 
+def publish_server_args() -> None:
+    """SGLang's process-wide server args, which its request and admission code read: the
+    defaults of each field (SGLang's launcher would also resolve a model and a GPU)."""
+    args = object.__new__(ServerArgs)
+    for f in dataclasses.fields(ServerArgs):
+        factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        setattr(args, f.name, factory() if factory else None if f.default is dataclasses.MISSING
+                else f.default)
+    args.model_path = "tiny"
+    get_context().set_server_args(args)
+
+
 def main():
+    publish_server_args()
     load_kvd_plugin()
     register_radix_cache_backend("kvd-shm", ShmRadixCache)
     serve(run, lambda e: e.tree.close())

@@ -2,8 +2,9 @@
 
 A worker (radix_worker.py) runs SGLang 0.5.16 (``make setup-sglang016``: its sources beside the
 SGLang venv's torch) with its device pool, paged allocator, request slots, plugin loader and
-``create_tree_cache``, against a real ``kvd serve``. Requests go through the cache as SGLang's
-scheduler drives them; each engine "computes" pages with bytes of its own seed, so a page that
+``create_tree_cache``, against a real ``kvd serve``. Requests are SGLang's own ``Req``, admitted
+by its ``PrefillAdder`` (which loads a host hit back); each engine "computes" the rest with bytes
+of its own seed, so a page that
 holds another engine's bytes came from kvd. Checked: a second engine loads the first one's
 pages byte for byte and computes only the rest, behind its own GPU prefix too; a stored page
 stays locked in the tree until its store ended; no daemon, or the plain class on a CPU, is a
