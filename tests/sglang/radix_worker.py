@@ -150,6 +150,8 @@ def run(engines, cmd):
     e = engines[cmd["name"]]
     if op == "request":
         return e.request(cmd["tokens"])
+    if op == "sizes":  # no drain first: a store in flight keeps its node locked (protected)
+        return {"protected": e.tree.protected_size(), "evictable": e.tree.evictable_size()}
     if op == "drain":
         e.tree._drain_stores(wait=True)
         return e.tree.kvd_stats()

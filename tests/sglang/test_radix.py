@@ -3,9 +3,8 @@
 A worker (radix_worker.py) runs SGLang 0.5.16 (``make setup-sglang016``: its sources beside the
 SGLang venv's torch) with its device pool, paged allocator, request slots, plugin loader and
 ``create_tree_cache``, against a real ``kvd serve``. Requests are SGLang's own ``Req``, admitted
-by its ``PrefillAdder`` (which loads a host hit back); each engine "computes" the rest with bytes
-of its own seed, so a page that
-holds another engine's bytes came from kvd. Checked: a second engine loads the first one's
+by its ``PrefillAdder`` (which loads a host hit back); each engine "computes" the rest with
+bytes of its own seed, so a page that holds another engine's bytes came from kvd. Checked: a second engine loads the first one's
 pages byte for byte and computes only the rest, behind its own GPU prefix too; a stored page
 stays locked in the tree until its store ended; no daemon, or the plain class on a CPU, is a
 miss and every request still completes; the entry point registers ``kvd`` through SGLang's
@@ -91,6 +90,14 @@ def test_kvd_adds_the_pages_past_the_engines_own_gpu_prefix(daemon, engines):
     # at least one token to compute: kvd answers whole pages before it)
     assert got["pages"][:2] == own and got["pages"][2:5] == stored[2:5]
     assert got["pages"][5] != stored[5]
+
+
+def test_a_stored_page_stays_locked_in_the_tree_until_its_store_ended(daemon, engines):
+    a = engines(daemon.runtime_dir, "a", seed=7)
+    a("request", tokens=tokens(3 * PAGE + 1))
+    assert a("sizes") == {"protected": 3 * PAGE, "evictable": 0}   # the store still holds it
+    assert a("drain")["stored_tokens"] == 3 * PAGE
+    assert a("sizes") == {"protected": 0, "evictable": 3 * PAGE}
 
 
 def test_without_a_daemon_every_request_is_computed(engines, tmp_path):
