@@ -9,6 +9,7 @@ forward: slots for the rest written with bytes of the engine's own seed, ``req_t
 filled, ``cache_finished_req``. The one part that differs from a GPU: ``kvd-shm`` is
 KvdRadixCache with the device pool moved into a kvd SharedKVPool (shm_pool.py); ``kvd`` is
 the plain class (on the CPU: refused, with the reason in its stats). Pages travel as digests.
+TP: one worker process per rank, in a gloo group (``tp_rank``, ``tp_size``, ``dist``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def load_kvd_plugin() -> None:
         shutil.rmtree(site)
 
 
+def tp_group(rank: int, size: int, init_file: str):
+    """A gloo group of the TP ranks (one worker process each), as SGLang's CPU TP group; the
+    process joins the default group first, at its first TP engine."""
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                             world_size=size)
+    return torch.distributed.new_group(list(range(size)))
+
+
 class ShmRadixCache(KvdRadixCache):
     pool_factory = staticmethod(shm_device_pool)
 
@@ -70,8 +80,9 @@ class Engine:
     """One SGLang rank: its device pool, allocator, request slots and radix cache."""
 
     def __init__(self, extra, backend="kvd-shm", page_size=16, layers=3, heads=2, dim=8,
-                 pages=64, seed=0, model="tiny"):
+                 pages=64, seed=0, model="tiny", tp_rank=0, tp_size=1, dist=None, pp_size=1):
         size = pages * page_size
+        group = tp_group(tp_rank, tp_size, dist) if tp_size > 1 else None
         self.dev = MHATokenToKVPool(size=size, page_size=page_size, dtype=torch.bfloat16,
                                     head_num=heads, head_dim=dim, layer_num=layers, device="cpu",
                                     enable_memory_saver=False, start_layer=0, end_layer=layers)
@@ -80,15 +91,16 @@ class Engine:
         self.reqs = ReqToTokenPool(size=8, max_context_len=size, device="cpu",
                                    enable_memory_saver=False)
         params = CacheInitParams(disable=False, req_to_token_pool=self.reqs,
-                                 token_to_kv_pool_allocator=self.alloc, page_size=page_size)
+                                 token_to_kv_pool_allocator=self.alloc, page_size=page_size,
+                                 tp_cache_group=group, pp_size=pp_size)
         server_args = types.SimpleNamespace(
-            model_path=model, served_model_name=model, tp_size=1, radix_cache_backend=backend,
+            model_path=model, served_model_name=model, tp_size=tp_size, radix_cache_backend=backend,
             hicache_storage_backend_extra_config=json.dumps(extra), enable_streaming_session=False)
         self.tree = create_tree_cache(TreeCacheBuildContext(
             server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
             enable_hierarchical_cache=False, disable_radix_cache=False,
-            effective_chunked_prefill_size=None, tp_worker=None, model_config=None, tp_size=1,
-            tp_rank=0, tp_group=None))
+            effective_chunked_prefill_size=None, tp_worker=None, model_config=None,
+            tp_size=tp_size, tp_rank=tp_rank, tp_group=group))
         self.page_size, self.seed, self.count = page_size, seed, 0
 
     def request(self, tokens: list[int]) -> dict:

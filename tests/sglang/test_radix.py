@@ -8,12 +8,14 @@ bytes of its own seed, so a page that holds another engine's bytes came from kvd
 pages byte for byte and computes only the rest, behind its own GPU prefix too; a stored page
 stays locked in the tree until its store ended; no daemon, or the plain class on a CPU, is a
 miss and every request still completes; the entry point registers ``kvd`` through SGLang's
-plugin loader; bad options stop SGLang at start.
+plugin loader; bad options stop SGLang at start; TP-2 (two worker processes, a gloo group):
+each rank loads its own shard, and a hit one rank lacks is taken by neither.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from pathlib import Path
 
@@ -41,6 +43,25 @@ def rw(tmp_path_factory):
     w = Worker(_sglang_python(), tmp_path_factory.mktemp("radix") / "worker.log", RADIX_WORKER, env)
     yield w
     w.close()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two SGLang processes: TP ranks 0 and 1 (a gloo group between them)."""
+    env = {"PYTHONPATH": f"{SGLANG_016}{os.pathsep}{ROOT / 'clients'}"}
+    logs = tmp_path_factory.mktemp("radix-tp")
+    ws = [Worker(_sglang_python(), logs / f"rank{r}.log", RADIX_WORKER, env) for r in range(2)]
+    yield ws
+    for w in ws:
+        w.close()
+
+
+def both(ws, op: str, per_rank=({}, {}), **fields) -> list:
+    """``op`` on both ranks at once (their collectives meet), then both answers."""
+    for w, own in zip(ws, per_rank):
+        w.proc.stdin.write(json.dumps({"op": op, **fields, **own}) + "\n")
+        w.proc.stdin.flush()
+    return [w._reply() for w in ws]
 
 
 @pytest.fixture
@@ -131,3 +152,30 @@ def test_bad_options_stop_sglang_at_start(rw, daemon):
         rw("engine", name="bad", extra={**extra, "kvd_no_such_option": 1})
     with pytest.raises(WorkerError, match="kvd_key_mode must be 'tokens'"):
         rw("engine", name="bad", extra={**extra, "kvd_key_mode": "hashes"})
+    with pytest.raises(WorkerError, match="pipeline parallelism is not supported"):
+        rw("engine", name="bad", extra=extra, pp_size=2)
+
+
+@pytest.mark.timeout(180)  # ranks that disagree would wait for each other for ever
+def test_tp_ranks_load_their_own_shards_and_agree_on_every_hit(daemon, pair, tmp_path):
+    init, good = str(tmp_path / "gloo"), {"kvd_runtime_dir": str(daemon.runtime_dir)}
+    ranks = lambda seed, extra1=good: [{"tp_rank": 0, "seed": seed, "extra": good},  # noqa: E731
+                                       {"tp_rank": 1, "seed": seed + 1, "extra": extra1}]
+    toks = tokens(3 * PAGE + 1)
+    made = []
+    try:
+        for name, seed, extra1 in (("ta", 20, good), ("tb", 30, good),
+                                   ("tc", 40, {"kvd_runtime_dir": str(tmp_path / "no-daemon")})):
+            both(pair, "engine", ranks(seed, extra1), name=name, tp_size=2, dist=init)
+            made.append(name)
+        stored = both(pair, "request", name="ta", tokens=toks)
+        assert all(s["stored_tokens"] == 3 * PAGE for s in both(pair, "drain", name="ta"))
+        got = both(pair, "request", name="tb", tokens=toks)
+        for rank in (0, 1):  # each rank its own shard, byte for byte
+            assert got[rank]["kvd"] == 3 * PAGE and got[rank]["pages"] == stored[rank]["pages"]
+        assert stored[0]["pages"] != stored[1]["pages"]
+        # rank 1 has no daemon: rank 0's hit is not taken either, the trees stay alike
+        assert [g["kvd"] for g in both(pair, "request", name="tc", tokens=toks)] == [0, 0]
+    finally:
+        for name in made:
+            both(pair, "close", name=name)

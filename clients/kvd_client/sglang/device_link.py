@@ -5,7 +5,8 @@ Shared by the linker (SGLang >= 0.5.23) and the radix cache (SGLang 0.5.16). Own
 kvd_client.sglang.device_pages), made on first need and tried again every second while
 the daemon is away. A pool kvd cannot take (a chunk that does not divide SGLang's page,
 a pool kvd refuses) is refused once, with the reason in ``refused``: kvd then stays
-unused and SGLang computes. ``session()`` never raises.
+unused and SGLang computes. ``session()`` never raises. ``agree_min`` makes TP ranks agree
+on a number (a hit's length, a load's success) where each rank's tree must stay the same.
 """
 
 from __future__ import annotations
@@ -25,10 +26,19 @@ log = logging.getLogger("kvd_client.sglang")
 RETRY_S = 1.0  # how often a link without a daemon tries again
 
 
+def tp_group(params):
+    """The group of ranks that share one KV layout (SGLang's CPU group for it)."""
+    return getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
+
+
+def distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def tp_of(server_args, params) -> tuple[int, int]:
     """This rank's (index, size) in the group that shares one KV layout."""
-    group = getattr(params, "attn_tp_cache_group", None) or getattr(params, "tp_cache_group", None)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if distributed():
+        group = tp_group(params)
         return torch.distributed.get_rank(group=group), torch.distributed.get_world_size(group=group)
     return 0, int(getattr(server_args, "tp_size", 1) or 1)
 
@@ -48,6 +58,7 @@ class DeviceLink:
         self.pool_factory = pool_factory
         self.mla = device_pages.pool_kind(kvcache) == "sglang_mla"
         self.tp_rank, self.tp_size = tp_of(server_args, params)
+        self.group = tp_group(params)
         self.model = model_of(options, server_args, who)
         self.client = KvdClient(options.runtime_dir or None, timeout=options.timeout_s,
                                 name=f"sglang-{who}:tp{self.tp_rank}:{os.getpid()}").connect()
@@ -89,6 +100,15 @@ class DeviceLink:
         """kvd page ids of ``pages`` SGLang pages at ``device_indices`` (None: not page-aligned)."""
         return device_pages.page_ids(device_indices, pages, self.page_size,
                                      self.reg.namespace.chunk_tokens)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` of every TP rank (each rank must call it at the same point);
+        ``value`` itself with one rank."""
+        if self.tp_size <= 1 or not distributed():
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return int(t.item())
 
     def close(self) -> None:
         self.client.close()

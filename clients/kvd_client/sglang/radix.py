@@ -1,14 +1,14 @@
 """KvdRadixCache: SGLang 0.5.16's radix cache with kvd under its GPU pool (``--radix-cache-backend kvd``).
 
-SGLang 0.5.16 has no linker interface; its narrowest hook into the GPU pool is a radix cache of
-one's own (kvd_client.sglang.plugin registers this one). SGLang's ``RadixCache``, plus:
+SGLang 0.5.16 has no linker; its narrowest hook into the GPU pool is a radix cache of one's
+own (kvd_client.sglang.plugin registers this one): SGLang's ``RadixCache``, plus:
 ``match_prefix`` (for a request) looks up the page-aligned tokens past the GPU prefix in kvd,
-pins the hit under a lease and reports it as a host hit; ``init_load_back`` allocates GPU
-slots, has the daemon copy the pages straight into them (one copy, by the copy engines,
-ordered after the scheduler stream's work) and waits for it before linking them into the tree;
-``cache_finished_req`` stores the request's full pages from the tree's slots, their node
-locked until the store ended. Keys are token keys (key_mode 'tokens'): shared with vLLM and the
-HiCache backend. Every failure is a miss or a skipped store, never an exception into SGLang.
+pins the hit under a lease, reports it as a host hit; ``init_load_back`` allocates GPU slots and
+has the daemon copy the pages straight into them (one copy, the copy engines, after the
+scheduler stream's work), waited for before they join the tree; ``cache_finished_req`` stores
+a request's full pages from the tree's slots, their node locked until the store ended. TP
+ranks agree on each hit and load (their trees stay alike). Token keys, shared with vLLM and
+the HiCache backend. Every failure is a miss or a skipped store, never an exception.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class KvdRadixCache(RadixCache):
         self.hits: OrderedDict[str, Hit] = OrderedDict()
         self.stores: deque = deque()  # (transfer, node locked for it), in submission order
         super().__init__(ctx.params)
+        if (getattr(ctx.params, "pp_size", 1) or 1) > 1:  # stages' trees would need agreeing too
+            raise ValueError("kvd radix cache: pipeline parallelism is not supported")
         self.options = opts = options_of(ctx.server_args)
         opts.apply_process_settings()
         self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
@@ -78,7 +80,7 @@ class KvdRadixCache(RadixCache):
         self.client = self.link.client
         self.timeline = Timeline.from_env("radix")
         self.counters = {"lookups": 0, "hit_tokens": 0, "loaded_tokens": 0, "failed_loads": 0,
-                         "stored_tokens": 0, "failed_stores": 0, "refused": 0}
+                         "stored_tokens": 0, "failed_stores": 0, "refused_slots": 0}
         if self.is_eagle:
             log.warning("kvd radix cache: EAGLE's bigram keys are not kvd's token keys; kvd "
                         "stays unused")
@@ -107,19 +109,12 @@ class KvdRadixCache(RadixCache):
         self._forget(rid)
         device, aligned = shape
         hit = Hit(shape, None)
-        reg = self.link.session()
-        if reg is not None and aligned > device:
+        if aligned > device:  # the same on every TP rank: each looks up, then they agree
             t0 = time.monotonic()
             hit.salt = request_salt(self.options.salt, None, key.extra_key)
             tokens = list(key.raw_token_ids()[:aligned])
-            try:
-                found, lease = self.client.lookup_lease(
-                    tokens, int(self.options.timeout_s * 1000), hit.salt, reg)
-            except KvdError as exc:
-                log.warning("kvd lookup failed, a miss: %s", exc)
-                found, lease = 0, None
-            self.counters["lookups"] += 1
-            end = found // self.page_size * self.page_size
+            found, lease = self._found(tokens, hit.salt)
+            end = self.link.agree_min(found // self.page_size * self.page_size)
             if end > device:
                 hit.key, hit.device, hit.extra, hit.lease = radix_key(tokens[:end], key.extra_key), \
                     device, end - device, lease
@@ -131,6 +126,18 @@ class KvdRadixCache(RadixCache):
         while len(self.hits) > MEMO:
             self._forget(next(iter(self.hits)))
         return hit
+
+    def _found(self, tokens: list[int], salt) -> tuple[int, int | None]:
+        """Tokens of kvd's hit for ``tokens`` (0 without a daemon), and its lease."""
+        reg = self.link.session()
+        if reg is None:
+            return 0, None
+        self.counters["lookups"] += 1
+        try:
+            return self.client.lookup_lease(tokens, int(self.options.timeout_s * 1000), salt, reg)
+        except KvdError as exc:
+            log.warning("kvd lookup failed, a miss: %s", exc)
+            return 0, None
 
     def _forget(self, rid: str) -> None:
         hit = self.hits.pop(rid, None)
@@ -154,30 +161,17 @@ class KvdRadixCache(RadixCache):
         return slots, self._link_node(hit, last, slots)
 
     def _load(self, hit: Hit, last: TreeNode):
-        """GPU slots holding the hit's pages, or None (nothing held, the lease let go)."""
-        t0, reg, n = time.monotonic(), self.link.reg, hit.extra
+        """GPU slots holding the hit's pages on every TP rank, or None (nothing held)."""
+        t0, n = time.monotonic(), hit.extra
         child = hit.key[hit.device:hit.device + self.page_size].child_key(self.page_size)
-        if reg is None or child in last.children:  # the tree grew there meanwhile: compute
+        if child in last.children:  # the tree grew there meanwhile (every rank's alike): compute
             self._let_go(hit)
             return None
         if self.token_to_kv_pool_allocator.available_size() < n:
             self.evict(EvictParams(num_tokens=n))
         slots = self.token_to_kv_pool_allocator.alloc(n)
-        pages = None if slots is None else self.link.slots_to_pages(slots, n // self.page_size)
-        landed = False
-        if pages is not None:
-            chunk = reg.namespace.chunk_tokens
-            keys = self.client.keys(list(hit.key.raw_token_ids()), hit.salt, reg)
-            want = ChunkKeys(keys[hit.device // chunk:(hit.device + n) // chunk])
-            try:  # after the scheduler stream's work on these slots; waited for before use
-                t = self.client.submit_load(want, pages, lease=hit.lease, reg=reg)
-                t.wait()
-                landed = t.ok and t.tokens >= n
-            except KvdError as exc:
-                log.warning("kvd load failed, SGLang computes: %s", exc)
-        elif hit.lease is not None:
-            self.counters["refused"] += slots is not None
-            self.client.release(hit.lease, wait=False)
+        landed = slots is not None and self._copy(hit, slots)
+        landed = bool(self.link.agree_min(int(landed)))  # a rank that failed: all compute
         self.timeline.record("load", t0, tokens=n, landed=landed)
         if landed:
             self.counters["loaded_tokens"] += n
@@ -185,6 +179,26 @@ class KvdRadixCache(RadixCache):
         if slots is not None:
             self.token_to_kv_pool_allocator.free(slots)
         return None
+
+    def _copy(self, hit: Hit, slots) -> bool:
+        """The daemon copies the hit's pages into ``slots`` (after the scheduler stream's
+        work on them) and this thread waits for it: True when every token landed."""
+        reg, n = self.link.reg, hit.extra
+        pages = None if reg is None else self.link.slots_to_pages(slots, n // self.page_size)
+        if pages is None:
+            self.counters["refused_slots"] += reg is not None
+            self._let_go(hit)
+            return False
+        chunk = reg.namespace.chunk_tokens
+        keys = self.client.keys(list(hit.key.raw_token_ids()), hit.salt, reg)
+        want = ChunkKeys(keys[hit.device // chunk:(hit.device + n) // chunk])
+        try:
+            t = self.client.submit_load(want, pages, lease=hit.lease, reg=reg)
+            t.wait()
+            return t.ok and t.tokens >= n
+        except KvdError as exc:
+            log.warning("kvd load failed, SGLang computes: %s", exc)
+            return False
 
     def _let_go(self, hit: Hit) -> None:
         if hit.lease is not None:
