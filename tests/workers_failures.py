@@ -1,13 +1,15 @@
 """Client processes for the failure tests (module-level: the spawn context imports them).
 
 ``victim`` registers a pool, leases some chunks and then stores large
-requests in a loop until the test SIGKILLs it. ``roundtrip`` is a
-well-behaved engine: store, lookup, load, compare raw bytes, close.
+requests in a loop until the test SIGKILLs it. ``holder`` registers a pool
+and waits to be killed. ``roundtrip`` is a well-behaved engine: store,
+lookup, load, compare raw bytes, close.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -39,6 +41,17 @@ def victim(runtime_dir: str, report, stores_started) -> None:
         with stores_started.get_lock():
             stores_started.value += 1
         client.store(tokens, pages)
+
+
+def holder(runtime_dir: str, report) -> None:
+    """Register a small pool (its file and its flag page in /dev/shm), report, wait."""
+    client = kvd_client.KvdClient(runtime_dir=runtime_dir, raise_errors=True).connect()
+    pool = kvd_client.SharedKVPool("vllm_flash_attn", 2, 16, 4, 2, 8, "float16")
+    client.register_kv(pool, model="holder")
+    report.send({"pid": os.getpid(), "pool": str(pool.path)})
+    report.close()
+    while True:
+        time.sleep(1)
 
 
 def roundtrip(runtime_dir: str, seed: int, model: str = "roundtrip") -> bool:

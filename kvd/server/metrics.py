@@ -268,6 +268,8 @@ def _sessions(c: dict, sessions):
     yield _gauge("kvd_leases", "Leases held on cached chunks.", len(sessions.leases))
     yield _counter("kvd_clients_reaped_total", "Sessions removed for silence or a re-hello.",
                    c.get("clients_reaped", 0))
+    yield _counter("kvd_client_files_removed_total", "Shared-memory files of lost clients removed.",
+                   c.get("client_files_removed", 0))
     yield _counter("kvd_connections_refused_total", "Connections refused by the peer credential "
                    "check.", c.get("connections_refused", 0))
     over = _counter("kvd_connections_over_cap_total", "Connections closed at once: their socket, "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvd.copy.flags import FlagPage
 from kvd.printable import printable
-from kvd.server import logs
+from kvd.server import leftovers, logs
 from kvd.server.fd_intake import close_fds
 from kvd.server.sessions import Lease, Registration, Session, SessionTable
 from kvd.server.stats import Stats
@@ -168,7 +168,9 @@ class Service:
             close_fds(lent)
         shard = 0 if ns.attention == "mla" else f["tp_rank"]  # MLA: one copy for all ranks
         reg = Registration(self.sessions.next_id(), session, ns, namespace_digest(ns),
-                           shard, layout, pool, engine, flags)
+                           shard, layout, pool, engine, flags,
+                           leftovers.identify([flags_spec["path"]] + [b["path"] for b in buffers
+                                                                      if b["kind"] == "shm"]))
         if self.gds is not None:
             self._prepare_gds(reg)
         self._adopt(session, reg)
@@ -276,8 +278,11 @@ class Service:
         t0 = time.monotonic()
         for lease in list(session.leases.values()):
             self._drop_lease(lease)
+        files = [f for reg in session.registrations.values() for f in reg.files]
         for reg in list(session.registrations.values()):
             await self._close_registration(reg)
+        if why != "bye" and files:  # a client lost: the files it could not remove
+            self.stats.add("client_files_removed", leftovers.remove_abandoned(files))
         if self.sessions.by_peer.get(session.peer) is session:
             del self.sessions.by_peer[session.peer]
         if why != "bye":

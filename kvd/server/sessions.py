@@ -33,6 +33,7 @@ class Registration:
     pool: object
     engine: object
     flags: object  # kvd.copy.flags.FlagPage
+    files: tuple = ()  # the client's shm files mapped (kvd.server.leftovers.identify)
     inflight: set = field(default_factory=set)
     waiting: set = field(default_factory=set)
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)

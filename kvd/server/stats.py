@@ -110,7 +110,8 @@ class Stats:
                 "host_verify_unsealed": c["host_verify_unsealed"],
                 "errors": c["errors"], "busy": c["busy"],
                 "replies_dropped": c["replies_dropped"],
-                "clients_reaped": c["clients_reaped"], "uptime_s": round(time.monotonic() - self.started, 1),
+                "clients_reaped": c["clients_reaped"],
+                "client_files_removed": c["client_files_removed"], "uptime_s": round(time.monotonic() - self.started, 1),
                 "loop_cpu_s": round(self.loop_cpu_s(), 3)}
 
 

@@ -2,7 +2,7 @@
 
 kvd is a cache: it may lose entries but never takes an engine down. A client
 that dies is reaped after ``client_timeout_s`` (leases and mappings
-released); a live idle client is not. A daemon that stops or crashes turns
+released, the shared-memory files it left removed); a live idle client is not. A daemon that stops or crashes turns
 client calls into quick misses, and a new daemon on the same runtime dir
 reclaims the sockets the old one left, adopts its host tier (warm restart:
 tests/server/test_warm_restart.py has the details) and serves the same
@@ -116,6 +116,35 @@ def test_killed_client_is_reaped_and_its_leases_released(daemon, procs):
         observer.close()
         pool.close()
         if info is not None:  # a killed process leaves its pool and flag files
+            Path(info["pool"]).unlink(missing_ok=True)
+            for leftover in Path("/dev/shm").glob(f"kvd-flags-{info['pid']}-*"):
+                leftover.unlink()
+
+
+def test_a_killed_clients_shared_memory_files_are_removed_by_the_daemon(daemon):
+    """No other client starts meanwhile (a new one would remove dead files too): the daemon
+    removes the pool and flag page a SIGKILLed engine left, once it reaped it."""
+    ctx = multiprocessing.get_context("spawn")
+    report, child_end = ctx.Pipe(duplex=False)
+    holder = ctx.Process(target=W.holder, args=(str(daemon.runtime_dir), child_end), daemon=True)
+    holder.start()
+    child_end.close()
+    info = None
+    try:
+        assert report.poll(30), "the holder did not start"
+        info = report.recv()
+        flags = list(Path("/dev/shm").glob(f"kvd-flags-{info['pid']}-*"))
+        assert Path(info["pool"]).exists() and len(flags) == 1
+        os.kill(info["pid"], signal.SIGKILL)
+        holder.join(10)
+        stats = wait_for(lambda: (s := daemon.stats())["clients_reaped"] >= 1 and s, 20,
+                         "the killed client to be reaped")
+        assert stats["client_files_removed"] == 2
+        assert not Path(info["pool"]).exists() and not flags[0].exists()
+    finally:
+        if holder.is_alive():
+            holder.kill()
+        if info is not None:  # where the daemon did not (the test failed)
             Path(info["pool"]).unlink(missing_ok=True)
             for leftover in Path("/dev/shm").glob(f"kvd-flags-{info['pid']}-*"):
                 leftover.unlink()

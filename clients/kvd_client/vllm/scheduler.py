@@ -259,7 +259,8 @@ class SchedulerSide(Stores):
             st, new = self.reqs.get(req_id), cr.new_block_ids[i]
             if st is None or new is None:
                 continue
-            resumed = req_id in cr.resumed_req_ids
+            # vLLM < 0.34 flags a resumed request here; 0.34 re-sends it among the new ones
+            resumed = req_id in getattr(cr, "resumed_req_ids", ())
             st.blocks = [list(new[g.gid]) if resumed else st.blocks[k] + list(new[g.gid])
                          for k, g in enumerate(self.groups)]
 
