@@ -76,10 +76,12 @@ spec = importlib.util.spec_from_file_location("fleet_main", "examples/fleet.py")
 fleet_main = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fleet_main)
 from fleet.procs import server_cmd
-try:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-except ImportError:  # vLLM 0.26
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
+for where in ("common", "launchers", "openai"):  # vLLM 0.34, 0.32, 0.26
+    try:
+        make_arg_parser = importlib.import_module(f"vllm.entrypoints.{where}.cli_args").make_arg_parser
+        break
+    except ImportError:
+        pass
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 args = fleet_main.parse()

@@ -313,14 +313,17 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self.closed:
             return
         self.closed = True
+        if self.alloc is not None:
+            # the pool file's name first (the daemon's mapping and vLLM's outlive it): a process
+            # killed later leaves no file, one killed sooner never said bye and the daemon,
+            # losing it, removes its files (vLLM kills its processes at shutdown)
+            self.alloc.close()
         if self.worker is not None:
             self.worker.close(self.settings.timeout_s)  # closes the client too
         else:
             if self.sched is not None:
                 self.sched.close()
             self.client.close()
-        if self.alloc is not None:
-            self.alloc.close()
 
 
 def _speculative_tokens(vllm_config) -> int:
