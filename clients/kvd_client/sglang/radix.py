@@ -119,7 +119,7 @@ class KvdRadixCache(RadixCache):
                 hit.key, hit.device, hit.extra, hit.lease = radix_key(tokens[:end], key.extra_key), \
                     device, end - device, lease
                 self.counters["hit_tokens"] += hit.extra
-            elif lease is not None:
+            elif lease is not None:  # no hit SGLang can take: let the pinned chunks go
                 self.client.release(lease, wait=False)
             self.timeline.record("lookup", t0, tokens=aligned, device=device, hit=hit.extra, rid=rid)
         self.hits[rid] = hit
@@ -141,8 +141,8 @@ class KvdRadixCache(RadixCache):
 
     def _forget(self, rid: str) -> None:
         hit = self.hits.pop(rid, None)
-        if hit is not None and hit.lease is not None:
-            self.client.release(hit.lease, wait=False)
+        if hit is not None:
+            self._let_go(hit)
 
     # ---- loads --------------------------------------------------------------------------
 
@@ -151,8 +151,8 @@ class KvdRadixCache(RadixCache):
         hit = self.hits.pop(params.req.rid, None) if params.req is not None else None
         none = torch.empty((0,), dtype=torch.int64, device=self.device)
         if hit is None or not hit.extra or hit.extra != params.host_hit_length:
-            if hit is not None and hit.lease is not None:
-                self.client.release(hit.lease, wait=False)
+            if hit is not None:
+                self._let_go(hit)
             return none, last
         slots = self._load(hit, last)
         if slots is None:
