@@ -139,8 +139,10 @@ def test_a_killed_clients_shared_memory_files_are_removed_by_the_daemon(daemon):
         holder.join(10)
         stats = wait_for(lambda: (s := daemon.stats())["clients_reaped"] >= 1 and s, 20,
                          "the killed client to be reaped")
-        assert stats["client_files_removed"] == 2
         assert not Path(info["pool"]).exists() and not flags[0].exists()
+        # another test's client starting now removes dead processes' files too (xdist workers
+        # share /dev/shm): the daemon took at least one of the two
+        assert 1 <= stats["client_files_removed"] <= 2
     finally:
         if holder.is_alive():
             holder.kill()
