@@ -141,8 +141,9 @@ def test_a_killed_clients_shared_memory_files_are_removed_by_the_daemon(daemon):
                          "the killed client to be reaped")
         assert not Path(info["pool"]).exists() and not flags[0].exists()
         # another test's client starting now removes dead processes' files too (xdist workers
-        # share /dev/shm): the daemon took at least one of the two
-        assert 1 <= stats["client_files_removed"] <= 2
+        # share /dev/shm), so who took them is not fixed here; tests/server/test_leftovers.py
+        # pins the daemon's own rule
+        assert stats["client_files_removed"] <= 2
     finally:
         if holder.is_alive():
             holder.kill()
