@@ -10,6 +10,7 @@ arm; ``wait_http`` waits for a URL to answer 200 while its process lives;
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -92,7 +93,7 @@ def wait_http(url: str, p: subprocess.Popen, procs: Procs, timeout: float) -> fl
         try:
             get(url, 2.0)
             return time.monotonic() - t0
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not listening yet; or a TCP self-connect
             time.sleep(0.5)
     sys.exit(f"{p.name} did not answer {url} within {timeout:.0f} s; the end of its log:\n"
              f"{procs.tail(p.name)}")

@@ -332,7 +332,10 @@ def test_device_side_shards_and_checks(copier):
     bad[3] = 40
     with pytest.raises(ValueError):
         copier.gather(bases, bad, ptrs, chunk_tokens=CHUNK_TOKENS, **desc_params(desc))
-    bad[3] = -1
+    bad[3] = -1  # SKIP_PAGE: a scatter's way to leave a page alone; never a gather's page
+    with pytest.raises(ValueError):
+        copier.gather(bases, bad, ptrs, chunk_tokens=CHUNK_TOKENS, **desc_params(desc))
+    bad[3] = -2
     with pytest.raises(ValueError):
         copier.scatter(bases, bad, ptrs, chunk_tokens=CHUNK_TOKENS, **desc_params(desc))
     with pytest.raises(ValueError):

@@ -18,6 +18,7 @@ on a CPU: its command is what can be checked here).
 from __future__ import annotations
 
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -30,12 +31,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600), NEEDS_VLLM]
 
 
 def free_port_base(span: int = 40) -> int:
-    """A base port whose next ``span`` ports were free a moment ago (two arms use 20 each)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span < 65535 and all(_free(base + i) for i in range(span)):
+    """A base port whose next ``span`` ports were free a moment ago (two arms use 20 each),
+    below the kernel's ephemeral range: a poll of a port there that nothing listens on yet
+    can connect to itself (TCP self-connect) and read its own request back."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, low - span)
+        if all(_free(base + i) for i in range(span)):
             return base
     raise RuntimeError("no run of free ports")
 
