@@ -1,8 +1,9 @@
 """The fleet page's tables and pictures (docs/fleet.md), from ``examples/fleet.py --out`` JSON.
 
 ``render_fleet(docs)`` gives the marked block of every ``docs/data/fleet_*.json``
-(one run each: the steady pass per arm, the restart scenarios, the ratios the
-targets name, and the machine and command); ``cdf_images(docs, out)`` draws
+(one run each: the steady pass per arm, where its time to first token went,
+the restart scenarios, the ratios the targets name, and the machine and
+command); ``cdf_images(docs, out)`` draws
 each run's TTFT CDF per arm (steady pass) as ``fleet_<gpu>.png``. Called by
 tools/plot_docs.py; nothing here reads anything but the documents given.
 """
@@ -69,6 +70,23 @@ def restart_rows(doc: dict) -> list[list[str]]:
     return rows
 
 
+def time_rows(doc: dict) -> list[list[str]]:
+    """Where the steady pass's time to first token went, by the engines' own clocks (mean ms)
+    and the daemon's (p50 ms of its lookups and loads); runs from before the split was kept
+    have no rows."""
+    rows = []
+    for arm, r in doc["arms"].items():
+        p = r.get("passes", {}).get("steady", {})
+        t = p.get("engine_times")
+        if not t:
+            continue
+        lat = p.get("daemon", {}).get("latency", {})
+        rows.append([LABELS.get(arm, arm), cell(t.get("ttft_mean_ms")), cell(t.get("queue_mean_ms")),
+                     cell(t.get("prefill_mean_ms")), cell(lat.get("lookup", {}).get("p50_ms"), "{:.2f}"),
+                     cell(lat.get("load", {}).get("p50_ms"), "{:.2f}")])
+    return rows
+
+
 def ratios(doc: dict) -> str:
     steady = {a: r["passes"]["steady"]["summary"] for a, r in doc["arms"].items()
               if "steady" in r.get("passes", {})}
@@ -105,6 +123,10 @@ def render_fleet(docs: list[dict]) -> str:
         out += [*table(["arm", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p99", "output tok/s", "req/s",
                         "prompt from GPU cache", "from kvd / CPU", "computed", "answers ≠ none's"],
                        steady_rows(doc)), ""]
+        rows = time_rows(doc)
+        if rows:
+            out += [*table(["arm (steady pass)", "engine TTFT mean ms", "queued", "scheduled to first token",
+                            "kvd lookup p50 ms", "kvd load p50 ms"], rows), ""]
         rows = restart_rows(doc)
         if rows:
             out += [*table(["arm", "server restart", "failed meanwhile", "its first 50: TTFT p50 ms (n)",

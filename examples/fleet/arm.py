@@ -121,6 +121,7 @@ def one_pass(ctx, tag: str, during=None) -> tuple[dict, dict]:
     """A pass of the benchmark through the proxy; ``during(thread)`` runs while it does."""
     args = ctx["args"]
     before = [bench.scrape(u) for u in ctx["urls"]]
+    daemon_before = kvd_stats(args, ctx["run"]) if ctx["arm"] == "kvd" else None
     logged = json.loads(get(ctx["proxy"] + "/fleet/state"))["logged"]
     t, box = in_thread(lambda: bench.bench(args, ctx["proxy"], f"{ctx['arm']}-{tag}"))
     extra = during(t, logged) if during else {}
@@ -129,11 +130,25 @@ def one_pass(ctx, tag: str, during=None) -> tuple[dict, dict]:
     records = json.loads(get(f"{ctx['proxy']}/fleet/log?since={logged}", 30))
     fig = {"summary": bench.summary(result), "hits": bench.hits(before, after),
            "hits_by_server": [bench.hits([b], [a]) for b, a in zip(before, after)],
+           "engine_times": bench.engine_times(before, after),
            "ttfts_ms": [round(t, 2) for t in bench.ttfts_ms(result)],
            "backend_ttft_p50_ms": backend_p50(records, len(ctx["urls"])), "records": records,
            "errors": sorted({e for e in result.get("errors", []) if e})[:5],
            "text_hashes": [hashlib.sha1(t.encode()).hexdigest()[:10] for t in bench.texts(result)], **extra}
+    if daemon_before is not None:
+        fig["daemon"] = daemon_pass(daemon_before, kvd_stats(args, ctx["run"]))
     return fig, result
+
+
+def daemon_pass(before: dict, after: dict) -> dict:
+    """What the daemon did in a pass: the bytes it moved and its requests' latencies (p50/p99
+    ms of its latest requests, up to 2,048 an op, as ``kvd stats`` gives them: a restarted
+    daemon's cover only the part after its restart)."""
+    moved = {k: after.get(k, 0) - (before.get(k, 0) if after.get("uptime_s", 0) >= before.get("uptime_s", 0) else 0)
+             for k in ("bytes_stored", "bytes_loaded", "chunks_stored", "chunks_loaded", "hits", "misses")}
+    latency = {op: {"count": v.get("count"), "p50_ms": v.get("p50_ms"), "p99_ms": v.get("p99_ms")}
+               for op, v in after.get("latency", {}).items() if op in ("lookup", "load", "store", "lease")}
+    return {**moved, "latency": latency, "uptime_s": after.get("uptime_s")}
 
 
 def backend_p50(records: list, n: int) -> list[float]:

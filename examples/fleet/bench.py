@@ -5,7 +5,9 @@
 same seed every pass: the same prompts in the same order) and returns its
 ``--save-result --save-detailed`` JSON. ``scrape(url)`` sums a server's
 Prometheus counters by name and ``source`` label; ``hits(before, after)``
-turns the deltas of all servers into prompt tokens by where they came from.
+turns the deltas of all servers into prompt tokens by where they came from,
+``engine_times(before, after)`` into the engines' own split of the time to
+first token (queued, then prefill).
 ``summary(result)`` is the figures a table shows; ``pct`` a percentile.
 """
 
@@ -23,6 +25,9 @@ from .procs import get
 COUNTERS = ("vllm:prompt_tokens_by_source", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
             "vllm:external_prefix_cache_queries", "vllm:external_prefix_cache_hits", "vllm:kvd_",
             "vllm:request_success", "vllm:generation_tokens", "vllm:num_preemptions")
+# the engine's own split of a request's time to first token (histograms: their _sum and _count)
+TIMES = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+         "prefill": "vllm:request_prefill_time_seconds"}
 
 
 def bench(args, url: str, tag: str) -> dict:
@@ -64,11 +69,11 @@ def scrape(url: str) -> dict:
     except OSError:
         return out  # a server restarting: its counters start again from 0
     for line in text.splitlines():
-        if not line.startswith(COUNTERS) or not line.split(" ")[0].endswith(("_total", "}")):
+        if not line.startswith(COUNTERS + tuple(TIMES.values())) or line.startswith("#"):
             continue
         name_labels, value = line.rsplit(" ", 1)
         name = name_labels.split("{", 1)[0]
-        if not name.endswith("_total"):
+        if not name.endswith(("_total", "_sum", "_count")) or name.endswith("_bucket"):
             continue
         source = name_labels.split('source="', 1)[1].split('"', 1)[0] if 'source="' in name_labels else ""
         key = f"{name}{{{source}}}" if source else name
@@ -87,6 +92,18 @@ def hits(before: list[dict], after: list[dict]) -> dict:
             "computed": delta(src + "{local_compute}"), "kvd_hit_tokens": delta("vllm:kvd_hit_tokens_total"),
             "kvd_load_failures": delta("vllm:kvd_load_failures_total"),
             "preemptions": delta("vllm:num_preemptions_total")}
+
+
+def engine_times(before: list[dict], after: list[dict]) -> dict:
+    """The servers' own mean time to first token and its parts, in ms, over the requests that
+    ended between ``before`` and ``after``: ``queue`` (waiting to be scheduled) and ``prefill``
+    (scheduled to first token: a kvd or native load, then the computed part)."""
+    out = {}
+    for key, name in TIMES.items():
+        total = sum(a.get(name + "_sum", 0.0) - b.get(name + "_sum", 0.0) for b, a in zip(before, after))
+        count = sum(a.get(name + "_count", 0.0) - b.get(name + "_count", 0.0) for b, a in zip(before, after))
+        out[f"{key}_mean_ms"] = round(total / count * 1e3, 2) if count > 0 else None
+    return out
 
 
 def pct(values: list[float], q: float) -> float:

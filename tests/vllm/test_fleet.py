@@ -70,6 +70,13 @@ def test_fleet_answers_match_and_second_server_hits(tmp_path):
     second = kvd["hits_by_server"][1]
     assert second["kvd_hit_tokens"] > 0 and second["external"] > 0, kvd["hits_by_server"]
     assert none["hits"]["external"] == 0 and none["hits"]["kvd_hit_tokens"] == 0
+    for run in (none, kvd):  # the engines' own split of the time to first token
+        t = run["engine_times"]
+        assert 0 < t["queue_mean_ms"] < t["ttft_mean_ms"] and 0 < t["prefill_mean_ms"] < t["ttft_mean_ms"], t
+    daemon = kvd["daemon"]  # what the daemon did in the pass, by its own stats
+    assert daemon["bytes_loaded"] > 0 and daemon["bytes_stored"] > 0, daemon
+    assert daemon["latency"]["lookup"]["count"] > 0 and daemon["latency"]["load"]["p50_ms"] > 0, daemon
+    assert "daemon" not in none
 
 
 ARM_CONFIGS = """
