@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -77,7 +78,9 @@ def parse() -> argparse.Namespace:
                         help=f"default {value} (--tiny: {TINY[key]})")
     ap.add_argument("--none-servers", type=int, default=0, help="servers of the none arm (0: --servers); "
                     "one is enough where that arm is only the reference answers")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.15, help="per server")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                    help="per server; 0: what the weights, --gpu-blocks of KV cache and 4 GiB take, "
+                         "at least 0.15 (on an H200 that is 0.15 up to 32 layers)")
     ap.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                     help="vLLM's GPU prefix cache off in every server (every hit is the connector's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile and CUDA graphs (default: eager, "
@@ -120,12 +123,34 @@ def prepare(args) -> None:
     per_token = args.layers * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
     args.block_bytes = per_token * (args.block_size or 16)
     args.kv_bytes_per_token = per_token
+    if args.gpu:
+        args.gpu_memory_utilization = gpu_share(args, shape)
     path = os.pathsep.join([str(ROOT / "clients"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     args.server_env = {"PYTHONPATH": path.rstrip(os.pathsep), "HF_HUB_OFFLINE": "1",
                        "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if args.tiny:  # two servers and the benchmark share a small CPU
         args.server_env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     os.environ.update(PYTHONPATH=args.server_env["PYTHONPATH"])
+
+
+def gpu_share(args, shape: dict) -> float:
+    """The servers' ``--gpu-memory-utilization``: as asked, or (0) room for the weights, the KV
+    cache of ``--gpu-blocks`` and 4 GiB of activations and context; exits where the servers
+    would not fit on the GPU together."""
+    share = args.gpu_memory_utilization
+    got = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True) if shutil.which("nvidia-smi") else None
+    total = float(got.stdout.split()[0]) * (1 << 20) if got and got.returncode == 0 and got.stdout.strip() else 0
+    if not share:
+        if not total:
+            sys.exit("--gpu-memory-utilization 0 needs nvidia-smi to read the GPU's memory; give a share")
+        weights = 2 * sum(math.prod(s) for s in model.shapes(model.config(shape, args.layers, 1)).values())
+        need = weights + args.gpu_blocks * args.block_bytes + (4 << 30)
+        share = max(0.15, math.ceil(need / total * 100) / 100)
+    if share * args.servers > 0.92:
+        sys.exit(f"{args.servers} servers of --gpu-memory-utilization {share:g} do not fit on one GPU "
+                 f"(0.92 at most in all): fewer --servers, --layers or --gpu-blocks")
+    return share
 
 
 def write_model(args) -> None:
