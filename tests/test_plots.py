@@ -85,3 +85,15 @@ def test_docs_images_are_drawn_from_the_data_and_the_performance_tables(tmp_path
     assert drawn == sorted(p.name for p in (ROOT / "docs" / "img").glob("*.png"))
     for name in drawn:
         assert png_shape(tmp_path / name)[:2] == (480, 900)
+
+
+def test_the_fleet_page_splits_the_time_to_first_token_where_a_run_kept_it():
+    import plot_fleet  # noqa: PLC0415  (tools/, on the path above)
+
+    doc = json.loads((ROOT / "docs" / "data" / "fleet_h200.json").read_text())
+    assert "engine TTFT mean ms" not in plot_fleet.render_fleet([doc])  # kept no split: no table
+    steady = doc["arms"]["kvd"]["passes"]["steady"]
+    steady["engine_times"] = {"ttft_mean_ms": 45.5, "queue_mean_ms": 3.5, "prefill_mean_ms": 41.0}
+    steady["daemon"] = {"latency": {"lookup": {"p50_ms": 0.125}, "load": {"p50_ms": 1.5}}}
+    block = plot_fleet.render_fleet([doc])
+    assert "| kvd, one daemon for all servers | 45.5 | 3.5 | 41.0 | 0.12 | 1.50 |" in block, block
