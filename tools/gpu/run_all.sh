@@ -15,6 +15,8 @@
 # 5. snapshot: the pipelined bench on every pool kind, each its own run and log under $OUT
 #    (block-outer with 16-token chunks of one page; one allocation and per-layer with
 #    256-token chunks), with --json, for docs/data.
+# 6. vmm: the copy speed of a pool in CUDA virtual memory lent by file descriptor (vLLM 0.34's
+#    extensible KV cache) next to one ordinary allocation (vLLM's legacy pool), same run.
 # GPU_STEPS picks steps (default tests,bench; e.g. GPU_STEPS=tests,restart,interference).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -62,5 +64,11 @@ if [[ $steps == *snapshot* ]]; then
       --json "$OUT/snapshot-$name.json" 2>&1 | tee "$OUT/snapshot-$name.log" | sed -n '/^pipelined/,$p'
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "SNAPSHOT $name FAILED"; rc=1; }
   done
+fi
+if [[ $steps == *vmm* ]]; then
+  echo "== kvd bench --gpu --gpu-pool one,vmm"
+  timeout 300 python3 -m kvd bench --gpu --gpu-pool one,vmm --repeat 5 --json "$OUT/vmm.json" 2>&1 \
+    | tee "$OUT/vmm.log" | tail -n 20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "VMM BENCH FAILED"; rc=1; }
 fi
 exit $rc
