@@ -28,7 +28,7 @@ rc=0
 if [[ $steps == *tests* ]]; then
   echo "== pytest -m gpu"
   # a skip for any other reason (a package missing: tools/gpu/stage_gpu_tests.sh) fails the step
-  timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+  timeout 570 python3 -m pytest -q -m gpu -p no:cacheprovider -rs --durations=15 \
     --only-skips "${GPU_ALLOWED_SKIPS:-needs two}" tests/cuda/test_gpu_*.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -n 30
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "GPU TESTS FAILED"; rc=1; }
