@@ -144,7 +144,8 @@ def daemon_pass(before: dict, after: dict) -> dict:
     """What the daemon did in a pass: the bytes it moved and its requests' latencies (p50/p99
     ms of its latest requests, up to 2,048 an op, as ``kvd stats`` gives them: a restarted
     daemon's cover only the part after its restart)."""
-    moved = {k: after.get(k, 0) - (before.get(k, 0) if after.get("uptime_s", 0) >= before.get("uptime_s", 0) else 0)
+    restarted = after.get("uptime_s", 0) < before.get("uptime_s", 0)  # its counters began again
+    moved = {k: after.get(k, 0) - (0 if restarted else before.get(k, 0))
              for k in ("bytes_stored", "bytes_loaded", "chunks_stored", "chunks_loaded", "hits", "misses")}
     latency = {op: {"count": v.get("count"), "p50_ms": v.get("p50_ms"), "p99_ms": v.get("p99_ms")}
                for op, v in after.get("latency", {}).items() if op in ("lookup", "load", "store", "lease")}
