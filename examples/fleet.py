@@ -133,14 +133,23 @@ def prepare(args) -> None:
     os.environ.update(PYTHONPATH=args.server_env["PYTHONPATH"])
 
 
+def gpu_query(field: str) -> str | None:
+    """The first GPU's ``field`` as nvidia-smi gives it (units left out), or None without one."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    got = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    lines = got.stdout.splitlines() if got.returncode == 0 else []
+    return lines[0].strip() if lines and lines[0].strip() else None
+
+
 def gpu_share(args, shape: dict) -> float:
     """The servers' ``--gpu-memory-utilization``: as asked, or (0) room for the weights, the KV
     cache of ``--gpu-blocks`` and 4 GiB of activations and context; exits where the servers
     would not fit on the GPU together."""
     share = args.gpu_memory_utilization
-    got = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True) if shutil.which("nvidia-smi") else None
-    total = float(got.stdout.split()[0]) * (1 << 20) if got and got.returncode == 0 and got.stdout.strip() else 0
+    mib = gpu_query("memory.total")
+    total = float(mib) * (1 << 20) if mib else 0
     if not share:
         if not total:
             sys.exit("--gpu-memory-utilization 0 needs nvidia-smi to read the GPU's memory; give a share")
@@ -172,10 +181,8 @@ def workload(args) -> dict:
 def environment() -> dict:
     import vllm  # the benchmark runs in this process: imported once here
 
-    got = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                         text=True) if shutil.which("nvidia-smi") else None
-    gpu = got.stdout.splitlines()[0].strip() if got and got.returncode == 0 and got.stdout.strip() else "CPU"
-    return {"command": " ".join(["python", *sys.argv]), "vllm": vllm.__version__, "gpu": gpu,
+    return {"command": " ".join(["python", *sys.argv]), "vllm": vllm.__version__,
+            "gpu": gpu_query("name") or "CPU",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 

@@ -69,11 +69,11 @@ def scrape(url: str) -> dict:
     except OSError:
         return out  # a server restarting: its counters start again from 0
     for line in text.splitlines():
-        if not line.startswith(COUNTERS + tuple(TIMES.values())) or line.startswith("#"):
+        if not line.startswith(COUNTERS + tuple(TIMES.values())):  # "# HELP ..." lines too
             continue
         name_labels, value = line.rsplit(" ", 1)
         name = name_labels.split("{", 1)[0]
-        if not name.endswith(("_total", "_sum", "_count")) or name.endswith("_bucket"):
+        if not name.endswith(("_total", "_sum", "_count")):  # not a histogram's buckets
             continue
         source = name_labels.split('source="', 1)[1].split('"', 1)[0] if 'source="' in name_labels else ""
         key = f"{name}{{{source}}}" if source else name
@@ -81,11 +81,16 @@ def scrape(url: str) -> dict:
     return out
 
 
+def grown(before: list[dict], after: list[dict], key: str) -> float:
+    """How much ``key`` grew, summed over the servers (``scrape`` before and after)."""
+    return sum(a.get(key, 0.0) - b.get(key, 0.0) for b, a in zip(before, after))
+
+
 def hits(before: list[dict], after: list[dict]) -> dict:
     """Prompt tokens over all servers by source: ``gpu`` (vLLM's own prefix cache), ``external``
     (the connector: kvd or native CPU offloading), ``computed``; and kvd's own hit counter."""
     def delta(key: str) -> float:
-        return sum(a.get(key, 0.0) - b.get(key, 0.0) for b, a in zip(before, after))
+        return grown(before, after, key)
 
     src = "vllm:prompt_tokens_by_source_total"
     return {"gpu": delta(src + "{local_cache_hit}"), "external": delta(src + "{external_kv_transfer}"),
@@ -100,8 +105,7 @@ def engine_times(before: list[dict], after: list[dict]) -> dict:
     (scheduled to first token: a kvd or native load, then the computed part)."""
     out = {}
     for key, name in TIMES.items():
-        total = sum(a.get(name + "_sum", 0.0) - b.get(name + "_sum", 0.0) for b, a in zip(before, after))
-        count = sum(a.get(name + "_count", 0.0) - b.get(name + "_count", 0.0) for b, a in zip(before, after))
+        total, count = grown(before, after, name + "_sum"), grown(before, after, name + "_count")
         out[f"{key}_mean_ms"] = round(total / count * 1e3, 2) if count > 0 else None
     return out
 
