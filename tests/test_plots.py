@@ -97,3 +97,11 @@ def test_the_fleet_page_splits_the_time_to_first_token_where_a_run_kept_it():
     steady["daemon"] = {"latency": {"lookup": {"p50_ms": 0.125}, "load": {"p50_ms": 1.5}}}
     block = plot_fleet.render_fleet([doc])
     assert "| kvd, one daemon for all servers | 45.5 | 3.5 | 41.0 | 0.12 | 1.50 |" in block, block
+
+
+def test_a_fleet_image_is_named_for_the_gpu_model_not_its_memory():
+    import plot_fleet  # noqa: PLC0415  (tools/, on the path above)
+
+    assert plot_fleet.image_name({"gpu": "NVIDIA H100 80GB HBM3"}) == "fleet_h100.png"
+    assert plot_fleet.image_name({"gpu": "NVIDIA H200"}) == "fleet_h200.png"
+    assert plot_fleet.image_name({"gpu": "CPU"}) == "fleet_cpu.png"

@@ -142,8 +142,11 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def image_name(doc: dict) -> str:
-    gpu = "cpu" if doc["gpu"] == "CPU" else re.sub(r"[^a-z0-9]+", "_", doc["gpu"].lower()).split("_")[-1]
-    return f"fleet_{gpu}.png"
+    if doc["gpu"] == "CPU":
+        return "fleet_cpu.png"
+    words = re.sub(r"[^a-z0-9]+", " ", doc["gpu"].lower()).split()
+    model = next((w for w in words if w != "nvidia"), "gpu")  # "NVIDIA H100 80GB HBM3": the h100
+    return f"fleet_{model}.png"
 
 
 def cdf_images(docs: list[dict], out: Path) -> list[Path]:
