@@ -122,7 +122,10 @@ def server_cmd(args, arm: str, port: int, kvd_run: Path) -> list:
     elif arm == "kvd":
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KvdConnector", "kv_connector_module_path": "kvd_client.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"runtime_dir": str(kvd_run)}})]
+            "kv_role": "kv_both", "kv_connector_extra_config": {
+                # CUDA IPC: vLLM 0.34's extensible KV cache (lent by file descriptor) cannot
+                # have the fixed size that makes the arms' GPU caches equal
+                "runtime_dir": str(kvd_run), "kv_cache_sharing": "legacy_ipc"}})]
     return cmd
 
 

@@ -16,7 +16,9 @@ request and the worker extension reads the same engine's KV tensors. With
 ``rank_digests`` then holds every rank's digests (``digests`` rank 0's). With
 ``poison`` every KV byte is set to that value before the first batch: a block
 kvd should have loaded and did not keeps it. Prefix caching is off (every hit
-is kvd's). ``runner`` picks vLLM's model runner (``VLLM_USE_V2_MODEL_RUNNER``).
+is kvd's). ``runner`` picks vLLM's model runner (``VLLM_USE_V2_MODEL_RUNNER``; vLLM 0.34
+has only the second). On vLLM 0.34 with ``kv_cache_sharing`` ``fd`` (the default with a CUDA
+daemon) the KV cache is vLLM's extensible one, capped by ``gpu_util`` (``kv_bytes`` unused).
 """
 
 from __future__ import annotations
@@ -88,6 +90,32 @@ def _block_dim(kv, num_blocks: int) -> int:
     return dims[0]
 
 
+def extensible_kv_cache(kvd: dict) -> bool:
+    """vLLM 0.34 lends kvd its extensible KV cache (``kv_cache_sharing`` ``fd``, what ``auto``
+    picks with a CUDA daemon); earlier vLLM has no such cache."""
+    import dataclasses
+
+    from vllm.config import CacheConfig
+
+    from kvd_client.vllm.access import sharing
+    from kvd_client.vllm.settings import Settings
+
+    fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    return "enable_extensible_kv_cache" in fields and sharing(Settings.from_extra(kvd)) == "fd"
+
+
+def kv_cache_size(spec: dict) -> dict:
+    """A fixed KV cache (``kv_bytes``) where vLLM allows one; the extensible cache sizes itself
+    from measured memory and refuses ``kv_cache_memory_bytes``: there ``gpu_util`` caps it, low
+    enough that the engines of a test fit side by side on one GPU."""
+    if extensible_kv_cache(spec["kvd"]):
+        return {"gpu_memory_utilization": spec.get("gpu_util", 0.15)}
+    # gpu_memory_utilization is then only vLLM's free-memory check at start: below 0.9 so
+    # that engines of tests run side by side on one GPU pass it
+    return {"kv_cache_memory_bytes": spec.get("kv_bytes", 2 << 30),
+            "gpu_memory_utilization": spec.get("gpu_util", 0.4)}
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -96,10 +124,7 @@ def run(spec: dict) -> dict:
     llm = LLM(model=spec["model"], load_format="safetensors", dtype="bfloat16", seed=0,
               max_model_len=spec.get("max_model_len", 4096), enable_prefix_caching=False,
               skip_tokenizer_init=True, disable_log_stats=False, tensor_parallel_size=spec.get("tp", 1),
-              kv_cache_memory_bytes=spec.get("kv_bytes", 2 << 30),
-              # only vLLM's free-memory check at start: below 0.9 so that engines of tests
-              # run side by side on one GPU pass it
-              gpu_memory_utilization=spec.get("gpu_util", 0.4),
+              **kv_cache_size(spec),
               distributed_executor_backend="uni" if spec.get("tp", 1) == 1 else "mp",
               worker_extension_cls="gpu_engine.KVProbe",
               kv_transfer_config=KVTransferConfig(
