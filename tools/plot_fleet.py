@@ -108,21 +108,43 @@ def model(doc: dict) -> str:
     return f"Llama-3-8B shape, {a['layers']} layers, random N(0, 0.02) weights"
 
 
+def load(doc: dict) -> str:
+    """The load generator's workload, in words."""
+    a, w = doc["args"], doc["workload"]
+    sizes = (f"(working set {w['working_set_tokens']:,} tokens, {w['working_set_over_gpu_cache']:.1f}× one "
+             f"server's GPU cache)")
+    if w.get("kind") == "multi_turn":
+        return (f"`vllm bench serve`, a `custom` dataset of conversations: {a['conversations']} conversations "
+                f"of {a['turns']} turns ({w['prompts']} prompts) {sizes}, each opening with {a['prefix_len']} "
+                f"tokens of its own, {a['suffix_len']}-token questions, {a['output_len']}-token answers, "
+                f"each turn on another server than the one before")
+    return (f"`vllm bench serve`, `prefix_repetition`: {w['prompts']} prompts, {a['prefixes']} prefixes "
+            f"of {a['prefix_len']} tokens {sizes}, {a['suffix_len']}-token suffixes, {a['output_len']} "
+            f"output tokens")
+
+
+def turn_rows(doc: dict) -> list[list[str]]:
+    """The multi-turn workload: TTFT p50 of each turn's requests, steady pass."""
+    return [[LABELS.get(arm, arm), *(cell(t) for t in r["passes"]["steady"]["ttft_p50_by_turn"])]
+            for arm, r in doc["arms"].items() if "ttft_p50_by_turn" in r.get("passes", {}).get("steady", {})]
+
+
 def render_fleet(docs: list[dict]) -> str:
     out = []
     for doc in docs:
         a, w = doc["args"], doc["workload"]
         out += [f"**{doc['gpu']}**, vLLM {doc['vllm']}, {model(doc)}: {a['servers']} servers behind a "
                 f"round-robin proxy, {w['gpu_cache_tokens_per_server']:,} tokens of GPU KV cache each; "
-                f"`vllm bench serve`, `prefix_repetition`: {w['prompts']} prompts, {a['prefixes']} prefixes "
-                f"of {a['prefix_len']} tokens (working set {w['working_set_tokens']:,} tokens, "
-                f"{w['working_set_over_gpu_cache']:.1f}× one server's GPU cache), {a['suffix_len']}-token "
-                f"suffixes, {a['output_len']} output tokens, {a['concurrency']} requests in flight; host "
+                f"{load(doc)}; {a['concurrency']} requests in flight; host "
                 f"memory {float(a['host_gib']):g} GiB (kvd's tier; native: a share of it per server). "
                 f"From `{doc['command']}` ({doc['date']}).", ""]
         out += [*table(["arm", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p99", "output tok/s", "req/s",
                         "prompt from GPU cache", "from kvd / CPU", "computed", "answers ≠ none's"],
                        steady_rows(doc)), ""]
+        rows = turn_rows(doc)
+        if rows:
+            turns = max(len(r) for r in rows) - 1
+            out += [*table(["arm (steady pass): TTFT p50 ms of turn", *map(str, range(1, turns + 1))], rows), ""]
         rows = time_rows(doc)
         if rows:
             out += [*table(["arm (steady pass)", "engine TTFT mean ms", "queued", "scheduled to first token",

@@ -135,6 +135,8 @@ def one_pass(ctx, tag: str, during=None) -> tuple[dict, dict]:
            "backend_ttft_p50_ms": backend_p50(records, len(ctx["urls"])), "records": records,
            "errors": sorted({e for e in result.get("errors", []) if e})[:5],
            "text_hashes": [hashlib.sha1(t.encode()).hexdigest()[:10] for t in bench.texts(result)], **extra}
+    if args.workload == "multi_turn":
+        fig["ttft_p50_by_turn"] = bench.ttft_p50_by_turn(result, args.conversations)
     if daemon_before is not None:
         fig["daemon"] = daemon_pass(daemon_before, kvd_stats(args, ctx["run"]))
     return fig, result
@@ -189,7 +191,7 @@ def restart(ctx, previous):
     during, _ = joined(t, box)
     post(proxy + "/fleet/on/0")
     bounce = ctx["arm"] == "kvd" and "kvd-restart" in args.scenario_list
-    share = args.prefixes * args.per_prefix * 3 // (4 * len(ctx["urls"]))  # 3/4 of server 0's share
+    share = args.num_prompts * 3 // (4 * len(ctx["urls"]))  # 3/4 of server 0's share
     fig, result = one_pass(ctx, "restart", (lambda t, since: bounce_kvd(ctx, t, since, min(50, max(1, share))))
                            if bounce else None)
     first = [r["ttft"] * 1e3 for r in fig["records"] if r["backend"] == 0][:50]
@@ -203,7 +205,7 @@ def restart(ctx, previous):
 def bounce_kvd(ctx, t: threading.Thread, since: int, server0: int = 0) -> dict:
     """Stop the daemon (SIGTERM) and start it on the tier it left, once server 0 served
     ``server0`` requests of this pass (0: once a third of the pass was served)."""
-    args, procs, total = ctx["args"], ctx["procs"], ctx["args"].prefixes * ctx["args"].per_prefix
+    args, procs, total = ctx["args"], ctx["procs"], ctx["args"].num_prompts
     while t.is_alive():
         records = json.loads(get(f"{ctx['proxy']}/fleet/log?since={since}", 30))
         served = sum(r["backend"] == 0 for r in records) if server0 else len(records)

@@ -1,8 +1,9 @@
 """vLLM's own load generator against the proxy, and the counters the servers export.
 
 ``bench(args, url, tag)`` runs ``vllm bench serve`` (backend
-``vllm``, the ``prefix_repetition`` dataset, greedy, ``--ignore-eos``, the
-same seed every pass: the same prompts in the same order) and returns its
+``vllm``, the ``prefix_repetition`` dataset or, for ``--workload multi_turn``,
+the ``custom`` one of examples/fleet/conversations.py; greedy, ``--ignore-eos``,
+the same seed every pass: the same prompts in the same order) and returns its
 ``--save-result --save-detailed`` JSON. ``scrape(url)`` sums a server's
 Prometheus counters by name and ``source`` label; ``hits(before, after)``
 turns the deltas of all servers into prompt tokens by where they came from,
@@ -38,12 +39,8 @@ def bench(args, url: str, tag: str) -> dict:
 
     out = args.work / f"bench-{tag}.json"
     argv = ["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--model", "fleet",
-            "--tokenizer", str(args.model_dir), "--dataset-name", "prefix_repetition",
-            "--prefix-repetition-prefix-len", str(args.prefix_len),
-            "--prefix-repetition-suffix-len", str(args.suffix_len),
-            "--prefix-repetition-num-prefixes", str(args.prefixes),
-            "--prefix-repetition-output-len", str(args.output_len),
-            "--num-prompts", str(args.prefixes * args.per_prefix), "--seed", str(args.seed),
+            "--tokenizer", str(args.model_dir), *dataset_args(args),
+            "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
             "--max-concurrency", str(args.concurrency), "--request-rate", "inf",
             "--temperature", "0", "--ignore-eos", "--disable-tqdm",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
@@ -59,6 +56,16 @@ def bench(args, url: str, tag: str) -> dict:
             f.flush()
             sys.exit(f"vllm bench serve ({tag}) failed: {exc!r}\n{log.read_text()[-3000:]}")
     return json.loads(out.read_text())
+
+
+def dataset_args(args) -> list[str]:
+    if args.workload == "multi_turn":  # the file examples/fleet/conversations.py wrote, in its order
+        return ["--dataset-name", "custom", "--dataset-path", str(args.dataset), "--disable-shuffle",
+                "--skip-chat-template", "--custom-output-len", str(args.output_len)]
+    return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+            "--prefix-repetition-suffix-len", str(args.suffix_len),
+            "--prefix-repetition-num-prefixes", str(args.prefixes),
+            "--prefix-repetition-output-len", str(args.output_len)]
 
 
 def scrape(url: str) -> dict:
@@ -129,6 +136,15 @@ def summary(r: dict) -> dict:
 
 def ttfts_ms(r: dict) -> list[float]:
     return [t * 1e3 for t in r.get("ttfts", []) if t and t > 0]
+
+
+def ttft_p50_by_turn(r: dict, conversations: int) -> list[float]:
+    """The multi-turn workload: the TTFT p50 of each turn's requests (the benchmark keeps its
+    requests' order, round by round)."""
+    ttfts = r.get("ttfts", [])
+    rounds = [[t * 1e3 for t in ttfts[i:i + conversations] if t and t > 0]
+              for i in range(0, len(ttfts), conversations)]
+    return [round(pct(times, 50), 2) for times in rounds]
 
 
 def texts(r: dict) -> list[str]:

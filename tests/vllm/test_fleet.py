@@ -79,6 +79,35 @@ def test_fleet_answers_match_and_second_server_hits(tmp_path):
     assert "daemon" not in none
 
 
+def test_multi_turn_conversations_reload_their_history_from_kvd_on_another_server(tmp_path):
+    """``--workload multi_turn``: 9 conversations of 3 turns over 2 servers, every next turn on
+    the other server. The kvd arm computes each first turn and, of a later turn, little more
+    than its new tokens (the previous answer and the new question): the history comes from
+    kvd up to a block boundary (partial tails), never a whole chunk recomputed."""
+    out = tmp_path / "fleet.json"
+    cmd = [str(VLLM_PYTHON), str(ROOT / "examples" / "fleet.py"), "--tiny", "--workload", "multi_turn",
+           "--arms", "none,kvd", "--scenarios", "steady", "--none-servers", "1",
+           "--daemon-python", sys.executable, "--port", str(free_port_base()),
+           "--keep-logs", str(tmp_path / "logs"), "--out", str(out)]
+    proc = subprocess.run(cmd, env=engine_env(), capture_output=True, text=True, timeout=540)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:] + logs(tmp_path / "logs")
+    report = json.loads(out.read_text())
+    a = {k: int(v) for k, v in report["args"].items() if k in ("conversations", "turns", "prefix_len",
+                                                                 "suffix_len", "output_len", "block_size")}
+    none, kvd = (report["arms"][arm]["passes"]["steady"] for arm in ("none", "kvd"))
+    assert report["workload"]["prompts"] == a["conversations"] * a["turns"] == kvd["summary"]["completed"]
+    assert kvd["summary"]["failed"] == 0 and kvd["text_hashes"] == none["text_hashes"]
+    assert len(kvd["ttft_p50_by_turn"]) == a["turns"]
+    later = a["conversations"] * (a["turns"] - 1)
+    new_tokens = a["conversations"] * (a["prefix_len"] + a["suffix_len"]) + later * (a["output_len"] + a["suffix_len"])
+    # +1: vLLM's BOS; each later turn may recompute up to a block of its history, not more
+    assert new_tokens <= kvd["hits"]["computed"] <= new_tokens + a["conversations"] * a["turns"] + \
+        later * a["block_size"], kvd["hits"]
+    for server in kvd["hits_by_server"]:  # both servers load history the other one computed
+        assert server["external"] > 0, kvd["hits_by_server"]
+
+
 ARM_CONFIGS = """
 import importlib.util, json, shutil, sys
 sys.argv = ["fleet.py", "--tiny", "--lmcache-port", "18090"]
