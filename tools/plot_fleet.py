@@ -115,7 +115,7 @@ def load(doc: dict) -> str:
              f"server's GPU cache)")
     if w.get("kind") == "multi_turn":
         return (f"`vllm bench serve`, a `custom` dataset of conversations: {a['conversations']} conversations "
-                f"of {a['turns']} turns ({w['prompts']} prompts) {sizes}, each opening with {a['prefix_len']} "
+                f"of {a['turns']} turns, {w['prompts']} prompts {sizes}, each opening with {a['prefix_len']} "
                 f"tokens of its own, {a['suffix_len']}-token questions, {a['output_len']}-token answers, "
                 f"each turn on another server than the one before")
     return (f"`vllm bench serve`, `prefix_repetition`: {w['prompts']} prompts, {a['prefixes']} prefixes "
