@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300),
                                  reason=f"no vLLM 0.34 sources at {SRC}: `make setup-vllm034`")]
 
 CHECK = r'''
-import inspect, json, os, sys
+import inspect, json, logging, os, sys
 from pathlib import Path
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import vllm
@@ -61,6 +61,12 @@ out["hit_source"] = str(KvdConnector._cache_hit_source)
 out["host"] = str(CacheHitSource.HOST)
 
 run = Path(sys.argv[3])
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("vllm.kvd").addHandler(Keep())
+logging.getLogger("vllm.kvd").setLevel(logging.INFO)
 def access(**extra):
     cfg = KVTransferConfig(kv_connector="KvdConnector", kv_connector_module_path="kvd_client.vllm",
                            kv_role="kv_both",
@@ -70,6 +76,8 @@ def access(**extra):
 out["no_daemon"] = access()
 (run / "fds.sock").touch()
 out["fd_daemon"] = access()
+access()  # asked again (vLLM does): the hint is in the log once
+out["said"] = said[:]
 out["forced_legacy"] = access(kv_cache_sharing="legacy_ipc")
 (run / "fds.sock").unlink()
 out["forced_fd"] = access(kv_cache_sharing="fd")
@@ -102,6 +110,10 @@ def test_connector_meets_vllm_034s_api(tmp_path):
     assert out["hit_source"] == out["host"]
     assert out["no_daemon"] == ["LEGACY_IPC", False]
     assert out["fd_daemon"] == ["EXPORTS_FD", True]
+    # auto's pick is said once, with the setting a fixed KV cache size needs (vLLM's own
+    # refusal of one names another connector's option)
+    assert len(out["said"]) == 1 and "'legacy_ipc'" in out["said"][0], out["said"]
+    assert "--num-gpu-blocks-override" in out["said"][0] and "--kv-cache-memory-bytes" in out["said"][0]
     assert out["forced_legacy"] == ["LEGACY_IPC", False]
     assert out["forced_fd"] == ["EXPORTS_FD", True]
     assert "kv_cache_sharing" in (out["bad_option"] or "")

@@ -2,13 +2,16 @@
 
 ``kv_cache_access(kv_transfer_config)``: ``EXPORTS_FD`` (``kv_cache_sharing`` ``fd``: the
 extensible cache lent by file descriptor) or ``LEGACY_IPC``; ``auto`` picks ``fd`` when the
-runtime dir has ``fds.sock`` (a file check, never a daemon call). ``may_load_async``: yes for
+runtime dir has ``fds.sock`` (a file check, never a daemon call), and says so once in the
+log, with what to set where the engine fixes its KV cache size. ``may_load_async``: yes for
 prompts longer than ``async_load_min_tokens``. ``hit_sources`` splits a hit by tier (``host``,
 ``disk``, ``p2p``). ``VERSIONS_TESTED`` and ``version_note`` name the releases known.
 Imports vLLM only inside ``kv_cache_access``.
 """
 
 from __future__ import annotations
+
+import logging
 
 from kvd_protocol.runtime import fd_socket_path, resolve_runtime_dir
 
@@ -30,8 +33,23 @@ def kv_cache_access(kv_transfer_config):
 
     settings = Settings.from_extra(kv_transfer_config.kv_connector_extra_config)
     if sharing(settings) == "fd":
+        if settings.kv_cache_sharing == "auto":
+            _say_once(FD_PICKED)
         return KVCacheAccess.EXPORTS_FD
     return KVCacheAccess.LEGACY_IPC
+
+
+# vLLM's own refusal of a fixed KV cache size with this cache names another connector's option
+FD_PICKED = ("kvd: kv_cache_sharing 'auto' picked 'fd' (the daemon serves fds.sock): vLLM's extensible "
+             "KV cache, lent to kvd by file descriptor. It cannot have a fixed size: with "
+             "--num-gpu-blocks-override or --kv-cache-memory-bytes set kv_cache_sharing to 'legacy_ipc'")
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        logging.getLogger("vllm.kvd").info(line)
 
 
 def may_load_async(settings: Settings, request, loads: bool) -> bool:
