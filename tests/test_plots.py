@@ -96,7 +96,11 @@ def test_the_fleet_page_splits_the_time_to_first_token_where_a_run_kept_it():
     steady["engine_times"] = {"ttft_mean_ms": 45.5, "queue_mean_ms": 3.5, "prefill_mean_ms": 41.0}
     steady["daemon"] = {"latency": {"lookup": {"p50_ms": 0.125}, "load": {"p50_ms": 1.5}}}
     block = plot_fleet.render_fleet([doc])
-    assert "| kvd, one daemon for all servers | 45.5 | 3.5 | 41.0 | 0.12 | 1.50 |" in block, block
+    assert "| kvd, one daemon for all servers | 45.5 | 3.5 | 41.0 | 0.12 | 1.50 | – |" in block, block
+    steady["daemon"]["phases"] = {"load": {"turn": {"p50_ms": 0.25}, "engine": {"p50_ms": 1.0},
+                                           "copy": {"p50_ms": 0.5}}}
+    block = plot_fleet.render_fleet([doc])
+    assert "| 0.12 | 1.50 | 0.25 / 1.00 / 0.50 |" in block, block
 
 
 def test_a_fleet_image_is_named_for_the_gpu_model_not_its_memory():

@@ -81,9 +81,11 @@ def time_rows(doc: dict) -> list[list[str]]:
         if not t:
             continue
         lat = p.get("daemon", {}).get("latency", {})
+        load = (p.get("daemon", {}).get("phases") or {}).get("load") or {}
+        split = " / ".join(cell(load.get(k, {}).get("p50_ms"), "{:.2f}") for k in ("turn", "engine", "copy"))
         rows.append([LABELS.get(arm, arm), cell(t.get("ttft_mean_ms")), cell(t.get("queue_mean_ms")),
                      cell(t.get("prefill_mean_ms")), cell(lat.get("lookup", {}).get("p50_ms"), "{:.2f}"),
-                     cell(lat.get("load", {}).get("p50_ms"), "{:.2f}")])
+                     cell(lat.get("load", {}).get("p50_ms"), "{:.2f}"), split if load else "–"])
     return rows
 
 
@@ -148,7 +150,8 @@ def render_fleet(docs: list[dict]) -> str:
         rows = time_rows(doc)
         if rows:
             out += [*table(["arm (steady pass)", "engine TTFT mean ms", "queued", "scheduled to first token",
-                            "kvd lookup p50 ms", "kvd load p50 ms"], rows), ""]
+                            "kvd lookup p50 ms", "kvd load p50 ms",
+                            "of it p50: engine's turn / engine's stream / copy"], rows), ""]
         rows = restart_rows(doc)
         if rows:
             out += [*table(["arm", "server restart", "failed meanwhile", "its first 50: TTFT p50 ms (n)",

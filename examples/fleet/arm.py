@@ -145,13 +145,14 @@ def one_pass(ctx, tag: str, during=None) -> tuple[dict, dict]:
 def daemon_pass(before: dict, after: dict) -> dict:
     """What the daemon did in a pass: the bytes it moved and its requests' latencies (p50/p99
     ms of its latest requests, up to 2,048 an op, as ``kvd stats`` gives them: a restarted
-    daemon's cover only the part after its restart)."""
+    daemon's cover only the part after its restart), loads and stores split by phase."""
     restarted = after.get("uptime_s", 0) < before.get("uptime_s", 0)  # its counters began again
     moved = {k: after.get(k, 0) - (0 if restarted else before.get(k, 0))
              for k in ("bytes_stored", "bytes_loaded", "chunks_stored", "chunks_loaded", "hits", "misses")}
     latency = {op: {"count": v.get("count"), "p50_ms": v.get("p50_ms"), "p99_ms": v.get("p99_ms")}
                for op, v in after.get("latency", {}).items() if op in ("lookup", "load", "store", "lease")}
-    return {**moved, "latency": latency, "uptime_s": after.get("uptime_s")}
+    phases = {op: after.get("latency_phases", {}).get(op) for op in ("load", "store")}
+    return {**moved, "latency": latency, "phases": phases, "uptime_s": after.get("uptime_s")}
 
 
 def backend_p50(records: list, n: int) -> list[float]:

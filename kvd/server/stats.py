@@ -1,7 +1,8 @@
 """Counters and op latencies of one daemon, for the control socket and /metrics.
 
 Counters are plain ints bumped on the event loop; per op, the last ``window`` latencies
-(p50/p99 at read time) and a fixed-bucket histogram (``LATENCY_BUCKETS_S``): the request
+(p50/p99 at read time; stores and loads also split into phases: ``phases``) and a
+fixed-bucket histogram (``LATENCY_BUCKETS_S``): the request
 path pays an append, a bisect and two additions. ``scrape()`` may run on another thread:
 it only copies with single C calls and reads ints. ``loop_cpu_s()`` is the event loop
 thread's CPU time: near one CPU second per second, the loop queues copies late.
@@ -42,6 +43,7 @@ class Stats:
         self.moved: Counter = Counter()  # (counter name, backend) -> chunks or bytes
         self.histograms: dict[str, Histogram] = {}
         self._latency = defaultdict(lambda: deque(maxlen=window))
+        self._phases = defaultdict(lambda: deque(maxlen=window))  # (op, phase) -> seconds
         self.started = time.monotonic()
         self._loop_clock = _thread_cpu_clock()
 
@@ -63,6 +65,25 @@ class Stats:
         if hist is None:
             hist = self.histograms[op] = Histogram()
         hist.observe(seconds)
+
+    def phases(self, op: str, t0: float, stamps: dict, end: float) -> None:
+        """Where a store's or load's time went (``perf_counter`` stamps): ``turn`` waiting for
+        its registration's earlier requests, ``engine`` for the engine's stream to reach the
+        request's mark, ``copy`` the rest (pins, the copy queue, the copy)."""
+        turn, mark = stamps.get("turn"), stamps.get("mark")
+        if turn is None or mark is None:  # ended before it could copy: no split
+            return
+        for phase, seconds in (("turn", turn - t0), ("engine", mark - turn), ("copy", end - mark)):
+            self._phases[(op, phase)].append(seconds)
+
+    def phases_ms(self) -> dict:
+        """``{op: {phase: {p50_ms, p99_ms}}}`` over each op's latest requests (see ``phases``)."""
+        out: dict = {}
+        for (op, phase), samples in self._phases.items():
+            arr = np.fromiter(samples, dtype=np.float64) * 1e3
+            out.setdefault(op, {})[phase] = {"p50_ms": round(float(np.percentile(arr, 50)), 4),
+                                             "p99_ms": round(float(np.percentile(arr, 99)), 4)}
+        return out
 
     def error(self, op: str, code: str) -> None:
         """A request that got an error reply (``code``: the wire error code)."""

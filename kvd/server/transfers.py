@@ -94,7 +94,7 @@ class Transfers:
             self.remote.stored([e for _, e in todo])
         if self.tiering is not None:
             self.tiering.wake.set()  # the demoter looks at the watermark now
-        _log_timing("store", len(todo), t0, waited, stamps)
+        self._timing("store", len(todo), t0, waited, stamps)
         self.stats.copied("stored", reg.engine.name, len(todo), len(todo) * shard_bytes)
         return {"stored": len(todo), "deduped": deduped}
 
@@ -120,6 +120,17 @@ class Transfers:
         finally:
             reg.waiting.discard(waiter)
             waiter.cancel()
+
+    def _timing(self, op: str, chunks: int, t0: float, waited: float, stamps: dict) -> None:
+        """Its phases into the stats (``Stats.phases``); in the debug log, the service's time,
+        the copy's, and when (ms after the request reached the service) the request got its
+        registration's turn, the engine's mark, the copy gate, and had its copy queued."""
+        end = time.perf_counter()
+        self.stats.phases(op, t0, stamps, end)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s of %d chunks: %.3f ms in the service, %.3f ms of it in the copy; %s", op,
+                      chunks, (end - t0) * 1e3, waited * 1e3,
+                      ", ".join(f"{k} +{(v - t0) * 1e3:.3f}" for k, v in stamps.items()))
 
     def _reserve(self, reg: Registration, keys: list, tenant: str | None, shard_bytes: int,
                  part: int):
@@ -176,7 +187,7 @@ class Transfers:
             self.stats.add("foreign_ns_misses", scope.refused > 0)
         if signal.cancelled:
             raise Cancelled("the client cancelled the load; its pages hold undefined bytes")
-        _log_timing("load", len(entries), t0, waited, stamps)
+        self._timing("load", len(entries), t0, waited, stamps)
         loaded = len(entries) + direct
         self.stats.copied("loaded", reg.engine.name, loaded,
                           loaded * reg.layout.shard_bytes(part or reg.ns.chunk_tokens))
@@ -379,14 +390,7 @@ def _check_deadline(deadline_us) -> None:
         raise DeadlineExceeded("past the client's deadline; nothing kept or written")
 
 
-def _log_timing(op: str, chunks: int, t0: float, waited: float, stamps: dict) -> None:
-    """The service's time, the copy's, and when (ms after the request reached the service)
-    the request got its registration's turn, the engine's mark, the copy gate, and had
-    its copy queued."""
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("%s of %d chunks: %.3f ms in the service, %.3f ms of it in the copy; %s", op,
-                  chunks, (time.perf_counter() - t0) * 1e3, waited * 1e3,
-                  ", ".join(f"{k} +{(v - t0) * 1e3:.3f}" for k, v in stamps.items()))
+
 
 
 def _log_failure(future: asyncio.Future) -> None:

@@ -108,6 +108,13 @@ def test_counters_move_by_exactly_what_the_engine_did(start_daemon, procs):
                      if k[0] == "kvd_request_duration_seconds_bucket" and dict(k[1])["op"] == "store")
     assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
     assert buckets[0][0] == 50e-6 and buckets[-2][0] == 5.0
+    # kvd stats splits the stores and loads that copied by phase; each phase within the whole
+    st = d.stats()
+    phases, whole = st["latency_phases"], st["latency"]
+    assert set(phases) == {"store", "load"}, phases
+    for op, split in phases.items():
+        assert set(split) == {"turn", "engine", "copy"}, split
+        assert all(0 <= v["p50_ms"] <= v["p99_ms"] <= whole[op]["p99_ms"] for v in split.values()), (op, split)
 
 
 def _version() -> str:

@@ -76,6 +76,7 @@ def test_fleet_answers_match_and_second_server_hits(tmp_path):
     daemon = kvd["daemon"]  # what the daemon did in the pass, by its own stats
     assert daemon["bytes_loaded"] > 0 and daemon["bytes_stored"] > 0, daemon
     assert daemon["latency"]["lookup"]["count"] > 0 and daemon["latency"]["load"]["p50_ms"] > 0, daemon
+    assert set(daemon["phases"]["load"]) == {"turn", "engine", "copy"}, daemon
     assert "daemon" not in none
 
 
