@@ -53,8 +53,10 @@ SOURCES = {
 BLOCK = re.compile(r"(<!-- table: (\w+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 POOLS = {"one": "one allocation (vLLM)", "per-layer": "one allocation per layer (SGLang)",
-         "block-outer": "block-outer (vLLM `BLHNC`, opt-in)"}
+         "block-outer": "block-outer (vLLM `BLHNC`, opt-in)",
+         "vmm": "virtual memory by file descriptor (vLLM 0.34)"}
 SHAPES = {"llama3-8b": "Llama-3-8B", "deepseek-mla": "DeepSeek MLA"}
+SHORT_SHAPES = {"llama3-8b": "Llama", "deepseek-mla": "MLA"}  # a bar's label
 SUMMARY_COPIES = (("one", "llama3-8b", 16), ("per-layer", "deepseek-mla", 64))  # the README's rows
 
 
@@ -347,7 +349,7 @@ def images(root: Path, out: Path) -> list[Path]:
     rows = copy_rows(copies)
     bars(out / "gpu_copy.png",
          "kvd's GPU copies as a share of pinned cudaMemcpy (2 engines x 4 requests in flight)",
-         [f"{r['pool']}\n{SHAPES[r['shape']]} p{r['page']}" for r in rows],
+         [f"{r['pool']}\n{SHORT_SHAPES[r['shape']]} p{r['page']}" for r in rows],
          {"offload": [r["store_ratio"] for r in rows], "load": [r["load_ratio"] for r in rows],
           "both ways": [r["both_ratio"] for r in rows]},
          "ratio to memcpy", f"{copies[0]['gpu']}; kvd bench --gpu --pipeline 4 --clients 2 --repeat 5 "
