@@ -36,7 +36,8 @@ if [ -f "$M/done-$k" ]; then echo "piece $k was unpacked before: not again"; els
   done
   touch "$M/done-$k"
 fi
-count() { find "$D" -path "$M" -prune -o \( -type f -o -type l \) -printf '%s\n' | awk '{n++; b+=$1} END{print n+0, b+0}'; }
+count() {  # %.0f: mawk prints a sum over 2^31 as 2.35e+09 with print, clamps it to 2^31-1 with %d
+  find "$D" -path "$M" -prune -o \( -type f -o -type l \) -printf '%s\n' | awk '{n++; b+=$1} END{printf "%d %.0f\n", n, b}'; }
 read -r files bytes < <(count)
 echo "piece $k/$n unpacked: $(stat -c %s "$here/piece.tar.xz") bytes carried, $D now $files files," \
      "$((bytes / 1000000)) MB, $SECONDS s"
