@@ -61,8 +61,3 @@ def write(args, path: Path, vocab_size: int) -> Path:
                     chat += words(args.output_len) + words(args.suffix_len)
                 f.write(json.dumps({"prompt": " ".join(chat), "conversation": c, "turn": turn}) + "\n")
     return path
-
-
-def turn_of(index: int, args) -> int:
-    """The turn of the ``index``-th request of a pass (round by round, as written)."""
-    return index // args.conversations
