@@ -89,7 +89,14 @@ def format_stats(s: dict) -> str:
         lines.append(f"{'op':<12}{'count':>10}{'p50 ms':>10}{'p99 ms':>10}")
         for op, lat in sorted(s["latency"].items()):
             lines.append(f"{op:<12}{lat['count']:>10}{lat['p50_ms']:>10.3f}{lat['p99_ms']:>10.3f}")
+        for op, split in sorted(s.get("latency_phases", {}).items()):  # where a store's or load's time went
+            lines.append(f"  {op} p50: " + ", ".join(f"{PHASES[p]} {split[p]['p50_ms']:.3f} ms"
+                                                     for p in PHASES if p in split))
     return "\n".join(lines)
+
+
+PHASES = {"turn": "behind the engine's earlier requests", "engine": "waiting for the engine's stream",
+          "copy": "copying"}
 
 
 def _remote(r: dict, hits: int) -> str:

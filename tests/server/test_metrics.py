@@ -18,6 +18,7 @@ import workers_data as W
 import workers_ops
 from daemons import wait_for
 
+from kvd.cli.format import format_stats
 from kvd.server.metrics_http import RENDER_EVERY_S
 from kvd_protocol import wire
 
@@ -115,6 +116,8 @@ def test_counters_move_by_exactly_what_the_engine_did(start_daemon, procs):
     for op, split in phases.items():
         assert set(split) == {"turn", "engine", "copy"}, split
         assert all(0 <= v["p50_ms"] <= v["p99_ms"] <= whole[op]["p99_ms"] for v in split.values()), (op, split)
+    text = format_stats(st)  # kvd stats, for people
+    assert "  load p50: behind the engine's earlier requests " in text and "  store p50: " in text, text
 
 
 def _version() -> str:
