@@ -109,3 +109,14 @@ def test_a_fleet_image_is_named_for_the_gpu_model_not_its_memory():
     assert plot_fleet.image_name({"gpu": "NVIDIA H100 80GB HBM3"}) == "fleet_h100.png"
     assert plot_fleet.image_name({"gpu": "NVIDIA H200"}) == "fleet_h200.png"
     assert plot_fleet.image_name({"gpu": "CPU"}) == "fleet_cpu.png"
+
+
+def test_the_multi_turn_table_shows_each_turn_and_the_history_recomputed():
+    import plot_fleet  # noqa: PLC0415  (tools/, on the path above)
+
+    args = {"conversations": "2", "turns": "2", "prefix_len": "10", "suffix_len": "2", "output_len": "1"}
+    # new prompt tokens: 2 x (10 + 2) first turns + 2 x (1 + 2) second ones = 30; 4 more computed
+    steady = {"ttft_p50_by_turn": [1.0, 2.5], "hits": {"gpu": 0, "external": 20, "computed": 34}}
+    doc = {"args": args, "workload": {"kind": "multi_turn"},
+           "arms": {"kvd": {"passes": {"steady": steady}}, "none": {"passes": {}}}}
+    assert plot_fleet.turn_rows(doc) == [["kvd, one daemon for all servers", "1.0", "2.5", "2"]]

@@ -126,9 +126,20 @@ def load(doc: dict) -> str:
 
 
 def turn_rows(doc: dict) -> list[list[str]]:
-    """The multi-turn workload: TTFT p50 of each turn's requests, steady pass."""
-    return [[LABELS.get(arm, arm), *(cell(t) for t in r["passes"]["steady"]["ttft_p50_by_turn"])]
-            for arm, r in doc["arms"].items() if "ttft_p50_by_turn" in r.get("passes", {}).get("steady", {})]
+    """The multi-turn workload, steady pass: TTFT p50 of each turn's requests, and the prompt
+    tokens computed per later turn beyond its new ones (the answer and question it adds)."""
+    if doc.get("workload", {}).get("kind") != "multi_turn":
+        return []
+    a = {k: int(doc["args"][k]) for k in ("conversations", "turns", "prefix_len", "suffix_len", "output_len")}
+    later = a["conversations"] * (a["turns"] - 1)
+    new = a["conversations"] * (a["prefix_len"] + a["suffix_len"]) + later * (a["output_len"] + a["suffix_len"])
+    rows = []
+    for arm, r in doc["arms"].items():
+        p = r.get("passes", {}).get("steady", {})
+        if "ttft_p50_by_turn" in p:
+            again = (p["hits"]["computed"] - new) / later if later else None
+            rows.append([LABELS.get(arm, arm), *(cell(t) for t in p["ttft_p50_by_turn"]), cell(again, "{:.0f}")])
+    return rows
 
 
 def render_fleet(docs: list[dict]) -> str:
@@ -145,8 +156,9 @@ def render_fleet(docs: list[dict]) -> str:
                        steady_rows(doc)), ""]
         rows = turn_rows(doc)
         if rows:
-            turns = max(len(r) for r in rows) - 1
-            out += [*table(["arm (steady pass): TTFT p50 ms of turn", *map(str, range(1, turns + 1))], rows), ""]
+            turns = max(len(r) for r in rows) - 2
+            out += [*table(["arm (steady pass): TTFT p50 ms of turn", *map(str, range(1, turns + 1)),
+                            "history recomputed per later turn (tokens)"], rows), ""]
         rows = time_rows(doc)
         if rows:
             out += [*table(["arm (steady pass)", "engine TTFT mean ms", "queued", "scheduled to first token",
