@@ -109,6 +109,7 @@ def test_a_fleet_image_is_named_for_the_gpu_model_not_its_memory():
     assert plot_fleet.image_name({"gpu": "NVIDIA H100 80GB HBM3"}) == "fleet_h100.png"
     assert plot_fleet.image_name({"gpu": "NVIDIA H200"}) == "fleet_h200.png"
     assert plot_fleet.image_name({"gpu": "CPU"}) == "fleet_cpu.png"
+    assert plot_fleet.image_name({"gpu": "CPU", "workload": {"kind": "multi_turn"}}) == "fleet_cpu_multi_turn.png"
 
 
 def test_the_multi_turn_table_shows_each_turn_and_the_history_recomputed():

@@ -179,11 +179,12 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def image_name(doc: dict) -> str:
+    kind = "_multi_turn" if doc.get("workload", {}).get("kind") == "multi_turn" else ""
     if doc["gpu"] == "CPU":
-        return "fleet_cpu.png"
+        return f"fleet_cpu{kind}.png"
     words = re.sub(r"[^a-z0-9]+", " ", doc["gpu"].lower()).split()
     model = next((w for w in words if w != "nvidia"), "gpu")  # "NVIDIA H100 80GB HBM3": the h100
-    return f"fleet_{model}.png"
+    return f"fleet_{model}{kind}.png"
 
 
 def cdf_images(docs: list[dict], out: Path) -> list[Path]:
