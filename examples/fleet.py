@@ -184,17 +184,14 @@ def write_model(args) -> None:
 
 
 def workload(args) -> dict:
-    """The workload's sizes; for multi_turn also writes its prompts (args.dataset)."""
-    if args.workload == "multi_turn":
-        vocab = (model.TINY if args.tiny else model.LLAMA3_8B)["vocab_size"]
-        args.dataset = conversations.write(args, args.work / "conversations.jsonl", vocab)
-        working_set = args.conversations * conversations.final_len(args)
-    else:
-        working_set = args.prefixes * args.prefix_len
+    """The workload's sizes (multi_turn: also the prompt tokens no earlier turn held)."""
+    multi = args.workload == "multi_turn"
+    working_set = args.conversations * conversations.final_len(args) if multi else args.prefixes * args.prefix_len
     gpu_tokens = args.gpu_blocks * (args.block_size or 16)
     return {"kind": args.workload, "prompts": args.num_prompts, "working_set_tokens": working_set,
             "gpu_cache_tokens_per_server": gpu_tokens, "working_set_over_gpu_cache": working_set / gpu_tokens,
-            "working_set_gib": working_set * args.kv_bytes_per_token / (1 << 30)}
+            "working_set_gib": working_set * args.kv_bytes_per_token / (1 << 30),
+            **({"new_prompt_tokens": conversations.new_tokens(args)} if multi else {})}
 
 
 def remove_leftovers() -> None:
@@ -228,6 +225,9 @@ def main() -> None:
         report["command"] = f"{earlier['command']}; then {report['command']}"
     try:
         write_model(args)
+        if args.workload == "multi_turn":
+            vocab = (model.TINY if args.tiny else model.LLAMA3_8B)["vocab_size"]
+            args.dataset = conversations.write(args, args.work / "conversations.jsonl", vocab)
         report["workload"] = workload(args)
         say(f"workload: {json.dumps(report['workload'])}")
         slowest = 0.0

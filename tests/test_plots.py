@@ -118,6 +118,6 @@ def test_the_multi_turn_table_shows_each_turn_and_the_history_recomputed():
     args = {"conversations": "2", "turns": "2", "prefix_len": "10", "suffix_len": "2", "output_len": "1"}
     # new prompt tokens: 2 x (10 + 2) first turns + 2 x (1 + 2) second ones = 30; 4 more computed
     steady = {"ttft_p50_by_turn": [1.0, 2.5], "hits": {"gpu": 0, "external": 20, "computed": 34}}
-    doc = {"args": args, "workload": {"kind": "multi_turn"},
+    doc = {"args": args, "workload": {"kind": "multi_turn", "prompts": 4, "new_prompt_tokens": 30},
            "arms": {"kvd": {"passes": {"steady": steady}}, "none": {"passes": {}}}}
     assert plot_fleet.turn_rows(doc) == [["kvd, one daemon for all servers", "1.0", "2.5", "2"]]

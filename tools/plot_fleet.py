@@ -130,9 +130,8 @@ def turn_rows(doc: dict) -> list[list[str]]:
     tokens computed per later turn beyond its new ones (the answer and question it adds)."""
     if doc.get("workload", {}).get("kind") != "multi_turn":
         return []
-    a = {k: int(doc["args"][k]) for k in ("conversations", "turns", "prefix_len", "suffix_len", "output_len")}
-    later = a["conversations"] * (a["turns"] - 1)
-    new = a["conversations"] * (a["prefix_len"] + a["suffix_len"]) + later * (a["output_len"] + a["suffix_len"])
+    w = doc["workload"]
+    later, new = w["prompts"] - int(doc["args"]["conversations"]), w["new_prompt_tokens"]
     rows = []
     for arm, r in doc["arms"].items():
         p = r.get("passes", {}).get("steady", {})

@@ -47,6 +47,13 @@ def num_prompts(args) -> int:
     return args.conversations * args.turns
 
 
+def new_tokens(args) -> int:
+    """Prompt tokens no earlier turn held: every first turn, then each later turn's answer and
+    question (what an arm that reloads all history still computes)."""
+    later = args.conversations * (args.turns - 1)
+    return args.conversations * (args.prefix_len + args.suffix_len) + later * (args.output_len + args.suffix_len)
+
+
 def write(args, path: Path, vocab_size: int) -> Path:
     rng = random.Random(args.seed)
 

@@ -80,9 +80,7 @@ class Stats:
         """``{op: {phase: {p50_ms, p99_ms}}}`` over each op's latest requests (see ``phases``)."""
         out: dict = {}
         for (op, phase), samples in self._phases.items():
-            arr = np.fromiter(samples, dtype=np.float64) * 1e3
-            out.setdefault(op, {})[phase] = {"p50_ms": round(float(np.percentile(arr, 50)), 4),
-                                             "p99_ms": round(float(np.percentile(arr, 99)), 4)}
+            out.setdefault(op, {})[phase] = _p50_p99_ms(samples)
         return out
 
     def error(self, op: str, code: str) -> None:
@@ -105,12 +103,8 @@ class Stats:
                 "histograms": {op: (list(h.counts), h.sum) for op, h in hists.items()}}
 
     def latency_ms(self) -> dict:
-        out = {}
-        for op, samples in self._latency.items():
-            arr = np.fromiter(samples, dtype=np.float64) * 1e3
-            out[op] = {"count": self.counters[f"op_{op}"], "p50_ms": round(float(np.percentile(arr, 50)), 4),
-                       "p99_ms": round(float(np.percentile(arr, 99)), 4)}
-        return out
+        return {op: {"count": self.counters[f"op_{op}"], **_p50_p99_ms(samples)}
+                for op, samples in self._latency.items()}
 
     def latency_histogram(self) -> dict:
         """Bucket bounds, counts and summed seconds per op (``kvd top``'s percentiles over an
@@ -142,3 +136,9 @@ def _thread_cpu_clock() -> int | None:
         return time.pthread_getcpuclockid(threading.get_ident())
     except (AttributeError, OSError):
         return None
+
+
+def _p50_p99_ms(samples) -> dict:
+    """``{p50_ms, p99_ms}`` of latencies in seconds."""
+    arr = np.fromiter(samples, dtype=np.float64) * 1e3
+    return {"p50_ms": round(float(np.percentile(arr, 50)), 4), "p99_ms": round(float(np.percentile(arr, 99)), 4)}

@@ -390,9 +390,6 @@ def _check_deadline(deadline_us) -> None:
         raise DeadlineExceeded("past the client's deadline; nothing kept or written")
 
 
-
-
-
 def _log_failure(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.error("copy failed: %r", future.exception())
