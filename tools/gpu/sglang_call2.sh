@@ -25,4 +25,19 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export KVD_TEST_LOG_DIR=${KVD_TEST_LOG_DIR:-${OUT:-/tmp}/logs}
 python3 -c 'import sglang, sgl_kernel, torch; print("sglang", sglang.__version__, "torch", torch.__version__,
   torch.cuda.get_device_name())' || exit 1
-"$@"
+# what the JIT builds comes back (partJ under $OUT, at most 15 MiB): staged beside the other parts,
+# the next machine loads it instead of compiling (tvm-ffi loads a cached .so by name, Triton by key)
+jit_files() { (cd /tmp/sgsite && { find .cache/tvm-ffi -name '*.so'; find .cache/triton -type f; } 2>/dev/null | sort); }
+built=$(jit_files | md5sum)
+"$@"; rc=$?
+if [ -n "${OUT:-}" ] && [ "$(jit_files | md5sum)" != "$built" ]; then
+  mkdir -p /tmp/sgsite/.sgparts && touch /tmp/sgsite/.sgparts/partJ
+  for only in "" tvm-ffi; do  # Triton's too where they fit, else tvm-ffi's alone
+    { jit_files | grep "${only:-.}"; echo ./.sgparts/partJ; } | tar -C /tmp/sgsite --owner=0 --group=0 -cf - -T - \
+      | xz -6 -T0 > "$OUT/partJ.tar.xz"
+    [ "$(stat -c %s "$OUT/partJ.tar.xz")" -le $((15 << 20)) ] && break
+  done
+  echo "JIT caches: $(jit_files | wc -l) files, \$OUT/partJ.tar.xz $(stat -c %s "$OUT/partJ.tar.xz") bytes:" \
+       "put it in .sgstage/parts/ and run tools/gpu/carry_sglang.py"
+fi
+exit $rc
