@@ -3,7 +3,8 @@
 ``victim`` registers a pool, leases some chunks and then stores large
 requests in a loop until the test SIGKILLs it. ``holder`` registers a pool
 and waits to be killed. ``roundtrip`` is a well-behaved engine: store,
-lookup, load, compare raw bytes, close.
+lookup, load, compare raw bytes, close. ``random_pool`` and ``same_pages``
+are the pools and byte checks of the tests themselves (test_failures*.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ VICTIM_GEOMETRY = dict(num_layers=4, page_size=16, kv_heads=8, head_dim=64, dtyp
 VICTIM_PAGES = 192
 VICTIM_MODEL = "victim"
 LEASED_TOKENS = np.arange(4 * 16, dtype=np.int64)  # 4 chunks, leased by the victim
+
+GEOMETRY = ("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")  # 2 KiB per 16-token chunk
+
+
+def random_pool(seed: int, *geometry) -> kvd_client.SharedKVPool:
+    pool = kvd_client.SharedKVPool(*(geometry or GEOMETRY))
+    pool.raw[:] = np.random.default_rng(seed).integers(0, 256, pool.raw.size, dtype=np.uint8)
+    return pool
+
+
+def same_pages(pool, src: slice, dst: slice) -> bool:
+    """Raw bytes of pages ``dst`` equal those of ``src`` in every tensor (NaN-safe)."""
+    return all(bool((t.view(np.uint8)[:, dst] == t.view(np.uint8)[:, src]).all()) for t in pool.tensors)
 
 
 def victim(runtime_dir: str, report, stores_started) -> None:

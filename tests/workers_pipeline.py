@@ -1,10 +1,11 @@
-"""Engine processes for tests/server/test_pipeline.py (spawned, so importable by name)."""
+"""Engine processes (spawned, so importable by name) and pools of tests/server/test_pipeline*.py."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import numpy as np
 import zmq
 from rawwire import Raw, pages
 
@@ -13,6 +14,12 @@ from kvd_client.flags import ClientFlags
 from kvd_protocol.runtime import engine_endpoint
 
 GEOMETRY = ("vllm_flash_attn", 2, 64, 4, 2, 8, "float16")
+
+
+def random_pool(seed: int, num_pages: int = 64) -> kvd_client.SharedKVPool:
+    pool = kvd_client.SharedKVPool("vllm_flash_attn", 2, num_pages, 4, 2, 8, "float16")
+    pool.raw[:] = np.random.default_rng(seed).integers(0, 256, pool.raw.size, dtype=np.uint8)
+    return pool
 
 
 def stuck_store(runtime_dir: str, key: bytes, report) -> None:

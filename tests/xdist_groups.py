@@ -6,7 +6,8 @@ collection order, so what they share is set up once per run:
 
 - ``vllm-engines``: the vLLM CPU engine tests share one engine server that
   imported vLLM (tests/vllm/engine_forks.py, session-scoped per worker);
-- ``sglang``: the HiCache tests share a module-scoped SGLang worker;
+- ``sglang``: the HiCache tests (test_hicache.py, test_hicache_vllm.py), each
+  module sharing its module-scoped SGLang worker;
 - ``sglang-radix``: the radix-cache tests share theirs (SGLang 0.5.16).
 
 xdist hands out the largest units first, so both groups start at once, on
@@ -27,6 +28,7 @@ GROUPS = {
     "tests/vllm/test_models.py": "vllm-engines",
     "tests/vllm/test_corrupt.py": "vllm-engines",
     "tests/sglang/test_hicache.py": "sglang",
+    "tests/sglang/test_hicache_vllm.py": "sglang",
     "tests/sglang/test_radix.py": "sglang-radix",
 }
 

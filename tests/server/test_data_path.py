@@ -1,8 +1,9 @@
 """The data path end to end: a real ``kvd serve``, real engine processes.
 
-Engine halves run in spawned client processes (tests/workers_data.py); the
-bytes they expect are computed there from the engines' own tensor indexing
-and the storers' seeds, never by kvd's copy code. Covered: every layout x
+Engine halves run in spawned client processes (tests/workers_data_sharing.py,
+tests/workers_data_eviction.py); the bytes they expect are computed there
+from the engines' own tensor indexing and the storers' seeds
+(tests/workers_data.py), never by kvd's copy code. Covered: every layout x
 page size x dtype across processes, layouts sharing one namespace, prefix
 semantics, dedup across clients, namespace and salt isolation, eviction
 under memory pressure (LRU, pinning), tensor parallel shards and the MLA
@@ -21,6 +22,8 @@ import threading
 import numpy as np
 import pytest
 import workers_data as W
+import workers_data_eviction as E
+import workers_data_sharing as S
 
 from kvd_protocol.layout import LAYOUTS
 
@@ -83,9 +86,9 @@ def test_every_layout_page_size_dtype_roundtrips_across_processes(daemon, procs,
         rounds.append({"specs": [s] * 4, "seed": 1000 * LAYOUTS.index(layout) + i + 1,
                        "model": f"rt/{layout}/{ps}/{dtype}"})
     barrier = manager.Barrier(4)
-    checked = run_all(procs, W.roundtrip, [(str(daemon.runtime_dir), i, rounds, barrier)
+    checked = run_all(procs, S.roundtrip, [(str(daemon.runtime_dir), i, rounds, barrier)
                                            for i in range(4)])
-    whole = sum(n // CHUNK for n in W.SEQ_LENGTHS)
+    whole = sum(n // CHUNK for n in S.SEQ_LENGTHS)
     assert checked == [len(rounds) * whole * CHUNK] * 4
     st = daemon.stats()
     assert st["chunks_stored"] == 4 * whole * len(rounds)
@@ -108,7 +111,7 @@ def test_layouts_of_one_namespace_share_chunks(daemon, procs, manager):
               {"specs": mla, "seed": 9002, "model": "shared/mla"},
               {"specs": blocks, "seed": 9003, "model": "shared/vllm-gpu-blocks"}]
     barrier = manager.Barrier(4)
-    checked = run_all(procs, W.roundtrip, [(str(daemon.runtime_dir), i, rounds, barrier)
+    checked = run_all(procs, S.roundtrip, [(str(daemon.runtime_dir), i, rounds, barrier)
                                            for i in range(4)])
     assert all(c > 0 for c in checked)
     st = daemon.stats()
@@ -124,7 +127,7 @@ def test_changed_token_limits_lookup_and_load_to_the_prefix(daemon, procs):
     assert procs.apply(W.store_one, (rd, s, 77, tokens, "prefix")) == 4 * CHUNK
     # token position changed -> chunks that still match (None: unchanged)
     changes = {None: 4, 0: 0, CHUNK + 1: 1, 2 * CHUNK + 3: 2, 4 * CHUNK - 1: 3, 4 * CHUNK + 2: 4}
-    seen = procs.apply(W.prefix_probe, (rd, s, 77, tokens, "prefix", list(changes)))
+    seen = procs.apply(S.prefix_probe, (rd, s, 77, tokens, "prefix", list(changes)))
     for pos, k in changes.items():
         assert seen[pos] == (k * CHUNK, k * CHUNK), f"token {pos} changed: {seen[pos]}"
 
@@ -144,19 +147,19 @@ def test_dedup_across_clients(daemon, procs, manager):
     assert st["store_dedup"] == 3 and st["chunks_stored"] == 3
     assert st["tiers"]["host"]["chunks"] == 3 and st["tiers"]["host"]["entries"] == 3
     assert st["tiers"]["host"]["used_bytes"] == 3 * shard
-    owners = procs.apply(W.load_check, (rd, s, 13, tokens, "dedup", [11, 12]))
+    owners = procs.apply(S.load_check, (rd, s, 13, tokens, "dedup", [11, 12]))
     assert owners == [11, 11, 11]  # the first writer's bytes; the duplicate was not copied
 
     # four clients storing the same chunks at the same moment: one copy of each
     tokens = W.seq_tokens(6, [2 * CHUNK + 7])[0]
     barrier = manager.Barrier(4)
     seeds = [21, 22, 23, 24]
-    got = run_all(procs, W.store_in_step, [(rd, s, sd, tokens, "dedup", barrier) for sd in seeds])
+    got = run_all(procs, S.store_in_step, [(rd, s, sd, tokens, "dedup", barrier) for sd in seeds])
     assert got == [2 * CHUNK] * 4
     st = daemon.stats()
     assert st["chunks_stored"] == 3 + 2 and st["store_dedup"] == 3 + 3 * 2
     assert st["tiers"]["host"]["chunks"] == 5 and st["tiers"]["host"]["used_bytes"] == 5 * shard
-    owners = procs.apply(W.load_check, (rd, s, 25, tokens, "dedup", seeds))
+    owners = procs.apply(S.load_check, (rd, s, 25, tokens, "dedup", seeds))
     assert all(o in seeds for o in owners), owners
 
     # a longer sequence over a cached prefix: the prefix is dedup, only the new chunks
@@ -166,7 +169,7 @@ def test_dedup_across_clients(daemon, procs, manager):
     st = daemon.stats()
     assert st["chunks_stored"] == 5 + 2 and st["store_dedup"] == 9 + 3
     assert st["tiers"]["host"]["used_bytes"] == 7 * shard
-    owners = procs.apply(W.load_check, (rd, s, 15, longer, "dedup", [11, 12, 14]))
+    owners = procs.apply(S.load_check, (rd, s, 15, longer, "dedup", [11, 12, 14]))
     assert owners == [11, 11, 11, 14, 14]
 
 
@@ -194,7 +197,7 @@ def test_namespace_and_salt_isolation(daemon, procs):
         "empty fingerprint": ({"fingerprint": ""}, hit),
         "salt": ({"salt": "tenant-a"}, miss),
     }
-    seen = procs.apply(W.isolation_probe, (rd, base, plain, {k: v for k, (v, _) in plain_variants.items()}))
+    seen = procs.apply(S.isolation_probe, (rd, base, plain, {k: v for k, (v, _) in plain_variants.items()}))
     assert seen == {k: want for k, (_, want) in plain_variants.items()}
     salted_variants = {
         "no salt": ({}, miss),
@@ -202,7 +205,7 @@ def test_namespace_and_salt_isolation(daemon, procs):
         "other salt": ({"salt": "tenant-b"}, miss),
         "same salt, other model": ({"salt": "tenant-a", "model": "iso/other"}, miss),
     }
-    seen = procs.apply(W.isolation_probe, (rd, base, salted, {k: v for k, (v, _) in salted_variants.items()}))
+    seen = procs.apply(S.isolation_probe, (rd, base, salted, {k: v for k, (v, _) in salted_variants.items()}))
     assert seen == {k: want for k, (_, want) in salted_variants.items()}
 
 
@@ -221,7 +224,7 @@ def _evict_capacity() -> int:
 def test_eviction_keeps_memory_bounded_and_the_newest_chunks(start_daemon, procs):
     d = start_daemon(host_capacity=_evict_capacity())
     rd, n = str(d.runtime_dir), EVICT_N
-    res = procs.apply(W.eviction_store, (rd, EVICT_SPEC, 51, 3 * n, n))
+    res = procs.apply(E.eviction_store, (rd, EVICT_SPEC, 51, 3 * n, n))
     for i, h in enumerate(res["trace"]):
         assert h["used_bytes"] <= h["capacity_bytes"] <= _evict_capacity(), (i, h)
         assert h["chunks"] == min(i + 1, n), (i, h)
@@ -229,7 +232,7 @@ def test_eviction_keeps_memory_bounded_and_the_newest_chunks(start_daemon, procs
     assert res["trace"][-1]["evictions"] == 2 * n
     # LRU: with the tier full, a lookup of sequence 0 made it recent; sequence 1 went instead
     assert res["lru"] == {"seq0_before": CHUNK, "seq0_after": CHUNK, "seq1_after": 0}
-    hits = procs.apply(W.eviction_check, (rd, EVICT_SPEC, 51, 3 * n))
+    hits = procs.apply(E.eviction_check, (rd, EVICT_SPEC, 51, 3 * n))
     assert hits == [0] * (2 * n) + [CHUNK] * n
     st = d.stats()
     assert st["tiers"]["host"]["evictions"] == 2 * n
@@ -240,7 +243,7 @@ def test_eviction_keeps_memory_bounded_and_the_newest_chunks(start_daemon, procs
 def test_pinned_chunks_are_never_evicted(start_daemon, procs):
     d = start_daemon(host_capacity=_evict_capacity())
     n = EVICT_N
-    res = procs.apply(W.pinned_pressure, (str(d.runtime_dir), EVICT_SPEC, 61, n))
+    res = procs.apply(E.pinned_pressure, (str(d.runtime_dir), EVICT_SPEC, 61, n))
     assert res["full_store"] == "no_space"
     assert res["host_after"] == res["host_before"]
     assert res["host_before"]["chunks"] == n and res["host_before"]["evictions"] == 0
@@ -257,12 +260,12 @@ def test_lookup_and_load_stop_at_an_evicted_middle_chunk(start_daemon, procs):
     d = start_daemon(host_capacity=_evict_capacity())
     rd, s = str(d.runtime_dir), EVICT_SPEC
     chain, *fillers = W.seq_tokens(33, [3 * CHUNK] + [CHUNK] * (EVICT_N - 3 + 1))
-    seen = procs.apply(W.evict_middle_chunk, (rd, s, 33, chain, fillers, "hole"))
+    seen = procs.apply(E.evict_middle_chunk, (rd, s, 33, chain, fillers, "hole"))
     # the chain hits; once the tier is full chunk 0 is touched and the next store evicts chunk 1
     assert seen == [3 * CHUNK, CHUNK, CHUNK], seen
     assert host(d)["chunks"] == EVICT_N and host(d)["evictions"] == 1
     # another process: lookup and load give chunk 0 only; chunk 2 is cached but unreachable
-    assert procs.apply(W.prefix_probe, (rd, s, 33, chain, "hole", [None])) == {None: (CHUNK, CHUNK)}
+    assert procs.apply(S.prefix_probe, (rd, s, 33, chain, "hole", [None])) == {None: (CHUNK, CHUNK)}
 
 
 # ---- 6. tensor parallel ---------------------------------------------------------
@@ -272,7 +275,7 @@ def test_tensor_parallel_ranks_store_and_load_their_own_shards(daemon, procs, ma
     tokens = W.seq_tokens(70, [2 * CHUNK + 3])[0]
     barrier = manager.Barrier(2)
     seeds = [71, 72]
-    r0, r1 = run_all(procs, W.tp_rank_flow, [(str(daemon.runtime_dir), s, rank, seeds, tokens, barrier)
+    r0, r1 = run_all(procs, S.tp_rank_flow, [(str(daemon.runtime_dir), s, rank, seeds, tokens, barrier)
                                               for rank in (0, 1)])
     full = 2 * CHUNK
     for rank, r in enumerate((r0, r1)):
@@ -291,7 +294,7 @@ def test_tensor_parallel_mla_latent_is_stored_once(daemon, procs, manager):
     s = spec("vllm_mla", 16, "float8_e4m3fn")
     tokens = W.seq_tokens(80, [2 * CHUNK])[0]
     barrier = manager.Barrier(2)
-    r0, r1 = run_all(procs, W.tp_rank_flow, [(str(daemon.runtime_dir), s, rank, [81, 82], tokens, barrier)
+    r0, r1 = run_all(procs, S.tp_rank_flow, [(str(daemon.runtime_dir), s, rank, [81, 82], tokens, barrier)
                                               for rank in (0, 1)])
     full = 2 * CHUNK
     assert r0["store"] == full and r1["store"] == full  # rank 1's store is pure dedup
@@ -308,7 +311,7 @@ def test_tensor_parallel_mla_latent_is_stored_once(daemon, procs, manager):
 # ---- 7. leases --------------------------------------------------------------------
 
 def test_lease_is_consumed_by_the_load(daemon, procs):
-    out = procs.apply(W.lease_flow, (str(daemon.runtime_dir), spec("sglang_mha", 4, "bfloat16"), 90))
+    out = procs.apply(E.lease_flow, (str(daemon.runtime_dir), spec("sglang_mha", 4, "bfloat16"), 90))
     assert out["hit"] == 3 * CHUNK and out["lease"] is not None
     assert out["leases_held"] == 1
     assert out["load"] == 3 * CHUNK and out["leases_after_load"] == 0
