@@ -182,7 +182,7 @@ def report(args, rows: dict) -> None:
               f"{load['ttft_p50'] * 1e3:>8.1f}ms{load['ttft_p99'] * 1e3:>8.1f}ms"
               f"{dec['tokens_per_s']:>14.0f}{dec['tokens_per_s'] / base['decode']['tokens_per_s']:>10.3f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({**environment(), "args": vars(args), "roles": rows},
+        Path(args.out).write_text(json.dumps({**environment("sglang"), "args": vars(args), "roles": rows},
                                              indent=1, default=str))
 
 

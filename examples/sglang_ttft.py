@@ -35,7 +35,10 @@ own process (this script again, with ``--role``):
 
 TTFT is the wall time of ``generate`` of one prompt with one new token,
 median of ``--repeat`` runs; speedup = full / kvd (``--no-full`` leaves the
-``full`` role out). "in kvd" is the time the
+``full`` role out). The bound is what a perfect host cache could give, as in
+examples/vllm_ttft.py: ``suffix + floor``, the floor being the prefix's KV
+bytes at one pinned host-to-GPU copy, timed by the ``full`` role on the same
+GPU; ``kvd/bound`` is the ratio a kvd hit is held to. "in kvd" is the time the
 daemon spent on the repeat's load requests (its ``load`` latencies summed):
 the rest of a hit's TTFT beyond the suffix is the backend's copies and
 SGLang's own. ``--out`` keeps every run.
@@ -65,8 +68,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sglang_breakdown  # noqa: E402
-from vllm_ttft import (LLAMA3_8B, add_common_args, add_prompt_args,  # noqa: E402
-                       load_seconds, private_daemon, run_role, run_roles, write_config)
+from vllm_ttft import (LLAMA3_8B, add_common_args, add_prompt_args, environment,  # noqa: E402
+                       floor_s, load_seconds, private_daemon, run_role, run_roles, write_config)
 
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
 # SGLang's own timestamps of a request, in its meta_info when enable_metrics is on
@@ -174,7 +177,7 @@ def engine(args, role: str) -> dict:
                     fresh = tokens(f"fresh/{n}/{r}", n)
                     full.append(ttft(fresh + tokens(f"a/{r}", sfx))[0])    # the whole prefill
                     suffix.append(ttft(fresh + tokens(f"b/{r}", sfx))[0])  # prefix cached on the GPU
-                out[n] = {"full": full, "suffix": suffix}
+                out[n] = {"full": full, "suffix": suffix, "floor": [floor_s(args, n)]}
         if role == "store":
             wait_stored(args, 256 // PAGE + sum((n + sfx) // PAGE for n in args.prefix_list))
     finally:
@@ -299,17 +302,22 @@ def main() -> None:
 def report(args, rows: dict) -> None:
     med = {n: {k: statistics.median(v) for k, v in r.items() if not k.startswith("breakdown/")}
            for n, r in rows.items()}
-    print(f"{'prefix':>8}{'pool':>12}{'full ms':>10}{'suffix ms':>11}{'kvd ms':>10}{'in kvd ms':>11}"
-          f"{'kvd hit':>9}{'speedup':>9}")
+    for m in med.values():
+        if "suffix" in m and m.get("floor"):
+            m["bound"] = m["suffix"] + m["floor"]
+    print(f"{'prefix':>8}{'pool':>12}{'full ms':>10}{'suffix ms':>11}{'bound ms':>10}{'kvd ms':>10}"
+          f"{'in kvd ms':>11}{'kvd hit':>9}{'kvd/bound':>11}{'speedup':>9}")
     for n, m in med.items():
         for pool in args.pool_list:
             cells = "".join(f"{m[k] * 1e3:>{w}.1f}" if k in m else f"{'-':>{w}}" for k, w in
-                            (("full", 10), ("suffix", 11), (f"kvd/{pool}", 10), (f"daemon_load/{pool}", 11)))
+                            (("full", 10), ("suffix", 11), ("bound", 10), (f"kvd/{pool}", 10),
+                             (f"daemon_load/{pool}", 11)))
             hit = m.get(f"storage_hit_tokens/{pool}")
             hit = f"{int(hit):>9d}" if hit is not None else f"{'-':>9}"
             kvd = m.get(f"kvd/{pool}")
+            bound = f"{kvd / m['bound']:>10.2f}x" if kvd and "bound" in m else f"{'-':>11}"
             speed = f"{m['full'] / kvd:>8.1f}x" if "full" in m and kvd else f"{'-':>9}"
-            print(f"{n:>8}{pool:>12}{cells}{hit}{speed}")
+            print(f"{n:>8}{pool:>12}{cells}{hit}{bound}{speed}")
     if args.host_hit:
         print(f"\n{'prefix':>8}{'SGLang host-tier hit ms':>24}{'host hit tokens':>17}"
               + "".join(f"{'kvd ' + p + ' / it':>22}" for p in args.pool_list))
@@ -330,8 +338,8 @@ def report(args, rows: dict) -> None:
 
 def save(args, rows: dict, med: dict | None = None) -> None:
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": rows, "median": med},
-                                             default=str, indent=1))
+        Path(args.out).write_text(json.dumps({**environment("sglang"), "args": vars(args), "runs": rows,
+                                              "median": med}, default=str, indent=1))
 
 
 if __name__ == "__main__":

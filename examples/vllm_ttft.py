@@ -167,7 +167,7 @@ def floor_s(args, prefix: int) -> float:
     """The prefix's KV bytes over the pinned host-to-GPU bandwidth (0 without a GPU)."""
     import torch
 
-    if args.tiny or not torch.cuda.is_available():
+    if getattr(args, "tiny", False) or not torch.cuda.is_available():
         return 0.0
     shape = LLAMA3_8B
     nbytes = prefix * args.layers * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
@@ -323,14 +323,17 @@ def report(args, rows: dict) -> None:
     save(args, rows, med)
 
 
-def environment() -> dict:
-    """What the figures were measured with: the command, the GPU, vLLM's version."""
+def environment(engine: str = "vllm") -> dict:
+    """What the figures were measured with: the command, the GPU, the engine's version."""
+    import importlib
     import shlex
     argv = sys.argv[:sys.argv.index("--model")] if "--model" in sys.argv else sys.argv  # ours, appended
     out = {"command": "python " + " ".join(shlex.quote(a) for a in argv)}
     try:
-        import vllm
-        out["vllm"] = vllm.__version__
+        out[engine] = importlib.import_module(engine).__version__
+    except Exception:  # noqa: BLE001 - informative only
+        pass
+    try:
         import torch
         out["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     except Exception:  # noqa: BLE001 - informative only

@@ -224,19 +224,24 @@ def render_summary(docs: list[dict]) -> str:
 
 
 def render_sglang_ttft(docs: list[dict]) -> str:
-    """SGLang's TTFT: full prefill, the suffix alone, and a kvd hit per host pool (default first)."""
+    """SGLang's TTFT: full prefill, the suffix alone, the bound (suffix + the prefix's bytes at
+    one pinned copy, where the run timed it) and a kvd hit per host pool (default first)."""
     doc = docs[0]
-    pools, rows = doc["pools"], []
-    for n, m in ttft_medians(doc).items():
-        row = [k(n), ms(m.get("full")), ms(m.get("suffix"))]
+    pools, rows, med = doc["pools"], [], ttft_medians(doc)
+    bounded = any("bound" in m for m in med.values())
+    for n, m in med.items():
+        row = [k(n), ms(m.get("full")), ms(m.get("suffix"))] + ([ms(m.get("bound"))] if bounded else [])
         for pool in pools:
             row += [ms(m.get(f"kvd/{pool}")), ms(m.get(f"daemon_load/{pool}"))]
         hit = m.get(f"kvd/{pools[0]}")
+        if bounded:
+            row.append(f"{hit / m['bound']:.2f}×" if hit and "bound" in m else "–")
         row.append(f"{m['full'] / hit:.1f}×" if hit and "full" in m else "–")
         rows.append(row)
-    header = ["prefix", "full prefill", "suffix alone"]
+    header = ["prefix", "full prefill", "suffix alone"] + (["bound"] if bounded else [])
     for pool in pools:
         header += [f"kvd hit, {pool} host pool", "of it in kvd"]
+    header += [f"kvd / bound ({pools[0]})"] if bounded else []
     a = doc["args"]
     return block(header + [f"speedup ({pools[0]})"], rows,
                  f"{doc['gpu']}, SGLang {doc['sglang']}, {a['attention_backend']} attention, "

@@ -1,0 +1,39 @@
+"""examples/sglang_ttft.py's table: the bound (suffix + floor) and each kvd hit against it (no
+SGLang, no GPU: the report of rows as the roles return them)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import sglang_ttft as T  # noqa: E402
+
+
+def rows() -> dict:
+    # seconds per repeat, as the roles write them; 8k has no floor (an engine that ran without one)
+    return {2048: {"full": [0.066, 0.070, 0.060], "suffix": [0.040, 0.041, 0.042], "floor": [0.004],
+                   "kvd/radix": [0.050, 0.048, 0.052], "daemon_load/radix": [0.005, 0.005, 0.006],
+                   "storage_hit_tokens/radix": [2048, 2048, 2048]},
+            8192: {"full": [0.294], "suffix": [0.040], "kvd/radix": [0.100],
+                   "daemon_load/radix": [0.02], "storage_hit_tokens/radix": [8192]}}
+
+
+def test_the_bound_is_the_suffix_plus_the_floor_and_each_hit_is_held_to_it(tmp_path, capsys):
+    out = tmp_path / "ttft.json"
+    args = Namespace(pool_list=["radix"], host_hit=False, trace=False, out=str(out))
+    T.report(args, rows())
+    lines = {int(m[1]): m[0] for m in re.finditer(r"^ +(\d+) +radix .*$", capsys.readouterr().out, re.M)}
+    # 2k: bound 41 + 4 = 45 ms, kvd 50 ms: 1.11x; speedup 66 / 50 = 1.3x
+    assert re.search(r"41\.0 +45\.0 +50\.0 +5\.0 +2048 +1\.11x +1\.3x$", lines[2048]), lines[2048]
+    # 8k: no floor, no bound: the ratio is left out, never made up
+    assert re.search(r"40\.0 +- +100\.0 +20\.0 +8192 +- +2\.9x$", lines[8192]), lines[8192]
+    saved = json.loads(out.read_text())
+    assert saved["median"]["2048"]["bound"] == pytest.approx(0.045)
+    assert "bound" not in saved["median"]["8192"]
+    assert saved["command"].startswith("python ")
