@@ -106,12 +106,22 @@ class Engine:
     def request(self, tokens: list[int]) -> dict:
         """One request through the cache as SGLang's scheduler admits it (its ``Req`` matched,
         its ``PrefillAdder`` loading a host hit back), computed, finished; its hits and pages."""
+        self.match(tokens)
+        return self.admit()
+
+    def match(self, tokens: list[int]) -> dict:
+        """The request matched (the GPU tree, then kvd), not admitted yet (``admit``)."""
         self.count += 1
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         params.normalize(None)
         req = Req(f"r{self.count}", "", array("q", tokens), params)
         req.init_next_round_input(self.tree)  # match_prefix with the request: GPU + kvd
-        device, kvd = len(req.prefix_indices), req.host_hit_length
+        self.matched = (req, tokens, len(req.prefix_indices), req.host_hit_length)
+        return {"device": self.matched[2], "kvd": self.matched[3]}
+
+    def admit(self) -> dict:
+        """The matched request admitted (a host hit loaded back), computed, finished."""
+        req, tokens, device, kvd = self.matched
         adder = PrefillAdder(self.page_size, self.tree, self.alloc, ScheduleBatch(reqs=[]),
                              new_token_ratio=0.5, rem_input_tokens=1 << 20, rem_chunk_tokens=None)
         admitted = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
@@ -162,6 +172,13 @@ def run(engines, cmd):
     e = engines[cmd["name"]]
     if op == "request":
         return e.request(cmd["tokens"])
+    if op == "match":
+        return e.match(cmd["tokens"])
+    if op == "admit":
+        return e.admit()
+    if op == "accounting":  # SGLang's idle check: every slot free, in the tree, or locked there
+        return {"available": e.alloc.available_size(), "evictable": e.tree.evictable_size(),
+                "protected": e.tree.protected_size(), "total": e.alloc.size}
     if op == "sizes":  # no drain first: a store in flight keeps its node locked (protected)
         return {"protected": e.tree.protected_size(), "evictable": e.tree.evictable_size()}
     if op == "drain":

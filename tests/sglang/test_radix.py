@@ -7,7 +7,9 @@ by its ``PrefillAdder`` (which loads a host hit back); each engine "computes" th
 bytes of its own seed, so a page that holds another engine's bytes came from kvd. Checked: a second engine loads the first one's
 pages byte for byte and computes only the rest, behind its own GPU prefix too; a stored page
 stays locked in the tree until its store ended; no daemon, or the plain class on a CPU, is a
-miss and every request still completes; the entry point registers ``kvd`` through SGLang's
+miss and every request still completes; a load that fails after its hit (the daemon
+killed in between) frees its slots and the request is computed, every slot still free or in the
+tree (SGLang's idle check); the entry point registers ``kvd`` through SGLang's
 plugin loader; bad options stop SGLang at start; TP-2 (two worker processes, a gloo group):
 each rank loads its own shard, and a hit one rank lacks is taken by neither.
 """
@@ -93,6 +95,8 @@ def test_a_second_engine_loads_the_first_ones_pages_and_computes_the_rest(daemon
     second = b("request", tokens=toks)
     assert second["device"] == 0 and second["kvd"] == 4 * PAGE and second["loaded"] == 4 * PAGE
     assert second["pages"] == first["pages"]    # byte for byte, every layer, K and V
+    books = b("accounting")                     # the loaded slots joined the tree, none lost
+    assert books["available"] + books["evictable"] + books["protected"] == books["total"], books
     again = b("request", tokens=toks)            # now in b's own tree: no kvd round
     assert again["device"] == 4 * PAGE and again["kvd"] == 0
     assert b("stats")["loaded_tokens"] == 4 * PAGE
@@ -119,6 +123,26 @@ def test_a_stored_page_stays_locked_in_the_tree_until_its_store_ended(daemon, en
     assert a("sizes") == {"protected": 3 * PAGE, "evictable": 0}   # the store still holds it
     assert a("drain")["stored_tokens"] == 3 * PAGE
     assert a("sizes") == {"protected": 0, "evictable": 3 * PAGE}
+
+
+def test_a_load_that_fails_frees_its_slots_and_the_request_is_computed(start_daemon, engines):
+    d = start_daemon()
+    a = engines(d.runtime_dir, "fa", seed=8)
+    b = engines(d.runtime_dir, "fb", seed=9, extra={"kvd_timeout_s": 5.0})
+    toks = tokens(4 * PAGE + 5)
+    stored = a("request", tokens=toks)["pages"]
+    assert a("drain")["stored_tokens"] == 4 * PAGE
+    assert b("match", tokens=toks)["kvd"] == 4 * PAGE   # a hit, pinned under a lease
+    d.kill()                                            # the daemon dies before the load
+    got = b("admit")
+    assert got["loaded"] == 0 and b("stats")["failed_loads"] == 1
+    assert all(mine != theirs for mine, theirs in zip(got["pages"], stored))  # b computed them
+    b("drain")
+    books = b("accounting")  # every slot free or in the tree: SGLang's idle check holds
+    assert books["available"] + books["evictable"] + books["protected"] == books["total"], books
+    assert books["evictable"] == 4 * PAGE and books["protected"] == 0, books
+    again = b("request", tokens=toks)  # the tree holds b's own pages, not half-loaded ones
+    assert again["device"] == 4 * PAGE and again["pages"] == got["pages"]
 
 
 def test_without_a_daemon_every_request_is_computed(engines, tmp_path):
