@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -115,6 +116,8 @@ def role_main(args, role: str) -> dict:
 
     if role == "radix":  # kvd-cache's plugin entry point, where it is not installed
         offer_plugin(Path(args.runtime_dir).parent)
+    if role in ("kvd", "linker"):  # SGLang >= 0.5.23: kvd's token keys learn from its Python hashing
+        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
     llm = sglang.Engine(**engine_args(args, role))
     run = llm.loop.run_until_complete
     try:

@@ -22,7 +22,9 @@ own process (this script again, with ``--role``):
   suffix. One such engine per ``--host-pools`` entry (the backend's
   ``kvd_host_pool``: ``staging``, ``shared``; ``radix``: kvd's radix cache
   instead of HiCache, ``--radix-cache-backend kvd``, a hit loaded straight into
-  the GPU pool), each loading what ``store`` left;
+  the GPU pool (SGLang 0.5.16); ``linker``: kvd as the unified cache's external
+  linker, a hit loaded straight into the GPU pool layer by layer (SGLang
+  ≥ 0.5.23)), each loading what ``store`` left;
 - ``full``: an engine without HiCache, radix cache on: TTFT of a fresh prefix
   plus suffix (the whole prefill), then ``suffix``: the same prefix with another
   suffix (SGLang's GPU cache holds the prefix: the cost of the suffix alone);
@@ -96,12 +98,19 @@ def engine_args(args, role: str) -> dict:
     if role == "host":  # SGLang's own host tier; a device pool one filler prompt empties
         kw.update(enable_hierarchical_cache=True, hicache_ratio=2.0,
                   hicache_write_policy="write_through", max_total_tokens=longest + 512)
-    elif role.startswith("kvd-radix"):  # kvd's radix cache: no HiCache, straight into the GPU
+    elif role.startswith(("kvd-radix", "kvd-linker")):  # no HiCache: straight into the GPU pool
         extra = {"kvd_runtime_dir": args.runtime_dir, **json.loads(args.extra)}
         gil = role.partition("@")[2]
         if gil:
             extra["kvd_gil_switch_ms"] = float(gil)
-        kw.update(radix_cache_backend="kvd", hicache_storage_backend_extra_config=json.dumps(extra))
+        if role.startswith("kvd-radix"):  # SGLang 0.5.16: kvd's radix cache
+            kw.update(radix_cache_backend="kvd", hicache_storage_backend_extra_config=json.dumps(extra))
+        else:  # SGLang >= 0.5.23: the unified cache's external linker
+            kw.update(enable_unified_cache_external_linker=True,
+                      unified_cache_external_linker_backend="dynamic",
+                      unified_cache_external_linker_config={
+                          "linker": "KvdLinker", "linker_module_path": "kvd_client.sglang.linker",
+                          "linker_extra_config": extra})
     elif role != "full":
         extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
                  "class_name": "KvdHiCacheStorage", "interface_v1": 1,
@@ -128,6 +137,8 @@ def engine(args, role: str) -> dict:
     trace = Path(args.runtime_dir).parent / f"trace-{role}.jsonl"
     if args.trace and role.startswith("kvd-"):  # the scheduler process inherits it
         os.environ["KVD_SGLANG_TRACE"] = str(trace)
+    if role == "store" or role.startswith("kvd-"):  # SGLang >= 0.5.23: kvd's token keys learn
+        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")  # from its hashing
     if role.startswith("kvd-radix"):
         offer_plugin(Path(args.runtime_dir).parent)
     llm = sglang.Engine(**engine_args(args, role))
@@ -181,7 +192,7 @@ def engine(args, role: str) -> dict:
         if role == "store":
             wait_stored(args, 256 // PAGE + sum((n + sfx) // PAGE for n in args.prefix_list))
     finally:
-        if role not in ("full", "host") and not role.startswith("kvd-radix"):  # kvd's backend
+        if role not in ("full", "host") and not role.startswith(("kvd-radix", "kvd-linker")):  # HiCache's
             detach(llm)
         llm.shutdown()
     return out
@@ -255,8 +266,9 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="more of the storage backend's extra config (JSON)")
     ap.add_argument("--host-pools", default="shared",
                     help="the kvd engines, comma-separated: staging, shared (HiCache with kvd's "
-                         "backend, its kvd_host_pool), radix (kvd's radix cache, no HiCache: "
-                         "straight into the GPU pool); empty: none, the full role alone")
+                         "backend, its kvd_host_pool), radix (SGLang 0.5.16: kvd's radix cache, no "
+                         "HiCache: straight into the GPU pool), linker (SGLang >= 0.5.23: the unified "
+                         "cache's linker, the same, layer by layer); empty: none, the full role alone")
     ap.add_argument("--no-full", action="store_true", help="leave out the engine without kvd")
     ap.add_argument("--host-hit", action="store_true",
                     help="an engine with SGLang's own host tier: a hit from it, side by side")
@@ -274,8 +286,8 @@ def main() -> None:
     if any(n % PAGE for n in args.prefix_list):
         raise SystemExit(f"prefixes must be whole pages of {PAGE} tokens")
     pools = [p for p in args.host_pools.split(",") if p]
-    if not set(pools) <= {"staging", "shared", "radix"}:
-        raise SystemExit(f"--host-pools: of staging, shared, radix, not {args.host_pools!r}")
+    if not set(pools) <= {"staging", "shared", "radix", "linker"}:
+        raise SystemExit(f"--host-pools: of staging, shared, radix, linker, not {args.host_pools!r}")
     try:
         gils = [float(g) for g in args.gil_switch_ms.split(",")]
     except ValueError:

@@ -1,5 +1,5 @@
-"""examples/sglang_ttft.py's table: the bound (suffix + floor) and each kvd hit against it (no
-SGLang, no GPU: the report of rows as the roles return them)."""
+"""examples/sglang_ttft.py without SGLang or a GPU: its table (the bound, suffix + floor, and each
+kvd hit against it, from rows as the roles return them) and the linker engine's settings."""
 
 from __future__ import annotations
 
@@ -37,3 +37,15 @@ def test_the_bound_is_the_suffix_plus_the_floor_and_each_hit_is_held_to_it(tmp_p
     assert saved["median"]["2048"]["bound"] == pytest.approx(0.045)
     assert "bound" not in saved["median"]["8192"]
     assert saved["command"].startswith("python ")
+
+
+def test_the_linker_engine_loads_through_sglangs_linker_and_nothing_of_hicache():
+    args = Namespace(prefix_list=[2048], suffix=256, model="m", attention_backend="triton",
+                     mem_fraction_static=0.85, trace=False, sglang_times=False, runtime_dir="/run/kvd",
+                     extra='{"kvd_timeout_s": 5}')
+    kw = T.engine_args(args, "kvd-linker@0.2")
+    assert kw["enable_unified_cache_external_linker"] is True
+    assert kw["unified_cache_external_linker_config"] == {
+        "linker": "KvdLinker", "linker_module_path": "kvd_client.sglang.linker",
+        "linker_extra_config": {"kvd_runtime_dir": "/run/kvd", "kvd_timeout_s": 5, "kvd_gil_switch_ms": 0.2}}
+    assert "enable_hierarchical_cache" not in kw and "radix_cache_backend" not in kw

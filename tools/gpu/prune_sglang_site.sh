@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prune a staged SGLang 0.5.16 site dir (tools/gpu/stage_sglang.sh) to what a Llama on
+# Prune a staged SGLang site dir (tools/gpu/stage_sglang.sh: 0.5.16; stage_sglang023.sh:
+# 0.5.23 over the vLLM 0.34 staging) to what a Llama on
 # Hopper needs with --attention-backend triton and --sampling-backend pytorch:
 #
 #   bash tools/gpu/prune_sglang_site.sh .sgstage/site          # WITH_FA3=1: keep FlashAttention 3
@@ -17,7 +18,8 @@ rm -rf flashinfer/data/cutlass flashinfer/data/cccl  # 55 MB of JIT sources no L
                                                    # csrc/include stay: 0.5.16's RMSNorm is
                                                    # flashinfer's, JIT-built at first use
 rm -rf xgrammar/lib                                # a static library, 62 MB
-strip --strip-debug xgrammar/libxgrammar_bindings.so   # 53 MB -> 3 MB
+[ ! -f xgrammar/libxgrammar_bindings.so ] ||        # 53 MB -> 3 MB (an overlay may lack it)
+  strip --strip-debug xgrammar/libxgrammar_bindings.so
 rm -f zstandard/_cffi.*.so                         # the C backend stays (its default)
 rm -rf jedi/third_party                            # typeshed stubs for IPython's completion, 32 MB
 rm -rf sglang/multimodal_gen                       # the diffusion runtime, 12 MB
