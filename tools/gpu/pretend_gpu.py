@@ -4,3 +4,4 @@ get past tests/gpu_env.py's skip and are imported (collected, never run) on a ma
 import torch
 
 torch.cuda.is_available = lambda: True
+torch.cuda.get_device_name = lambda device=None: "pretend GPU"  # asked at import (SGLang's platform probe)

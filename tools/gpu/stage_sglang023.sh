@@ -76,6 +76,12 @@ print("sglang", sglang.__version__, "torch", torch.__version__, "| sgl_kernel op
 print("PREFLIGHT", "FAILED" if bad else "PASSED", f"({bad} failed)")
 sys.exit(1 if bad else 0)
 EOF2
+  local rc=$?  # and the GPU tests that need 0.5.23 collect (torch pretending a GPU)
+  LD_LIBRARY_PATH=$S/cudastub SGLANG_IS_FLASHINFER_AVAILABLE=false \
+    PYTHONPATH=$S/site:$BASE:$repo/clients:$repo:$repo/tools/gpu:.v034stage/cpufill/site:$S/cpufill \
+    "$GPUPY" -m pytest --collect-only -q -p pretend_gpu -p no:cacheprovider -m gpu tests/sglang/test_gpu_linker.py \
+    2>&1 | tail -1 | tee /dev/stderr | grep -q -E "^[1-9][0-9]* tests? collected" || { echo "PREFLIGHT FAILED: collect"; rc=1; }
+  return $rc
 }
 [ "${1:-}" = --preflight ] && { preflight; exit; }
 grep -qxF "/$S/" .git/info/exclude 2>/dev/null || echo "/$S/" >> .git/info/exclude
