@@ -48,6 +48,7 @@ if [ -n "${OUT:-}" ] && [ "$(jit_files | md5sum)" != "$built" ]; then
     [ "$(stat -c %s "$OUT/partJ.tar.xz")" -le $((15 << 20)) ] && break
   done
   echo "JIT caches: $(jit_files | wc -l) files, \$OUT/partJ.tar.xz $(stat -c %s "$OUT/partJ.tar.xz") bytes:" \
-       "put it in .sgstage/parts/ and run tools/gpu/carry_sglang.py"
+       "put it in the parts/ of the stage these runs came from ($SGSITE: .sgstage, or .sg023stage for" \
+       "/tmp/sg023site) and run tools/gpu/carry_sglang.py for that stage"
 fi
 exit $rc

@@ -118,7 +118,7 @@ bash $here/prune_sglang_site.sh $S/site
 rm -rf $S/site/triton_kernels  # sglang-kernel's copy of Triton's MoE kernels: no Llama path
 
 # 4. archives that each unpack alone: A (all but sgl_kernel), B (sgl_kernel); then the runs
-rm -f $S/parts/part*
+find $S/parts -name 'part*' ! -name 'partJ*' -delete  # partJ: the JIT's modules a GPU run sent back
 mkdir -p $S/site/.sgparts && printf 'partA\npartB\n' > $S/site/.sgparts/expected
 echo /tmp/v034site > $S/site/.sgparts/base && touch $S/site/.sgparts/part{A,B}
 pack() {  # name, then tar arguments
