@@ -1,7 +1,7 @@
 """Where one SGLang kvd hit's time goes: kvd's timeline (KVD_SGLANG_TRACE) cut at SGLang's calls.
 
 ``segments(lines, t_send, t_done, daemon_s)`` takes the timeline lines of
-kvd's HiCache backend (kvd_client.sglang.timeline: one JSON line per call,
+kvd's HiCache backend, radix cache or linker (kvd_client.sglang.timeline: one JSON line per call,
 CLOCK_MONOTONIC ``t0``/``t1``) that started while one request ran (sent at
 ``t_send``, first token at ``t_done``, both ``time.monotonic()`` of the
 client) and the daemon's own seconds on the request's loads, and partitions
@@ -28,7 +28,14 @@ layer by layer, and the suffix) and ``reply`` (prefill done → first token
 at the client); ``queue`` is SGLang's own waiting-queue time (it holds the
 prefetch wait). Without them these are None.
 
-Requests with no backend call in their window (a miss, no trace) give None.
+The radix cache and the linker have no prefetch threads: for them ``exists`` is their
+``lookup`` (at SGLang's prefix match) and ``get`` their loads. The radix cache's ``load``
+holds the daemon's whole copy (SGLang waits for it before the forward); the linker's are
+``submit_loads`` (queued on the forward's stream) and ``finish_loads`` (after that forward:
+did every page land), so its forward, with the copy layer by layer inside, falls in
+``between``.
+
+Requests with no call in their window (a miss, no trace) give None.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+LOOKUPS = ("batch_exists", "lookup")                                # the backend; radix, linker
+LOADS = ("batch_get_v1", "load", "submit_loads", "finish_loads")    # the backend; radix; linker
 SEGMENTS = ("before", "exists", "between", "get", "kvd", "daemon", "after", "to_forward",
             "prefill", "reply", "queue", "total")
 
@@ -50,17 +59,17 @@ def read(path: Path) -> list[dict]:
 def segments(lines: list[dict], t_send: float, t_done: float, daemon_s: float,
              sglang: dict | None = None, offset: float = 0.0) -> dict | None:
     mine = sorted((x for x in lines if t_send <= x["t0"] <= t_done), key=lambda x: x["t0"])
-    calls = [x for x in mine if x["op"] in ("batch_exists", "batch_get_v1")]
+    calls = [x for x in mine if x["op"] in LOOKUPS + LOADS]
     if not calls:
         return None
 
-    def spent(op: str) -> float:
-        return sum(x["t1"] - x["t0"] for x in mine if x["op"] == op)
+    def spent(*ops: str) -> float:
+        return sum(x["t1"] - x["t0"] for x in mine if x["op"] in ops)
 
     before = calls[0]["t0"] - t_send
     after = t_done - max(x["t1"] for x in calls)
     total = t_done - t_send
-    exists, get = spent("batch_exists"), spent("batch_get_v1")
+    exists, get = spent(*LOOKUPS), spent(*LOADS)
     out = {"before": before, "exists": exists, "between": total - before - exists - get - after,
            "get": get, "kvd": spent("kvd_load"), "daemon": daemon_s, "after": after,
            "total": total, **_sglang_parts(sglang, offset, t_done - after, t_done)}

@@ -47,3 +47,15 @@ def test_the_table_prints_medians_per_prefix_and_engine(tmp_path):
     assert rows[0].split() == ["prefix", "engine", *B.SEGMENTS]
     assert rows[1].split()[:2] == ["2048", "shared"] and len(rows) == 2
     assert B.read(tmp_path / "absent.jsonl") == []
+
+
+def test_the_radix_cache_and_the_linker_are_cut_at_their_own_calls():
+    radix = [line("lookup", 10.000, 10.001), line("load", 10.005, 10.025)]  # the copy inside
+    cut = B.segments(radix, 9.990, 10.070, 0.018)
+    assert cut["exists"] == pytest.approx(1.0) and cut["get"] == pytest.approx(20.0)
+    assert cut["before"] == pytest.approx(10.0) and cut["after"] == pytest.approx(45.0)
+    linker = [line("lookup", 10.000, 10.001), line("submit_loads", 10.004, 10.005),
+              line("finish_loads", 10.050, 10.051)]  # the forward between the two
+    cut = B.segments(linker, 9.990, 10.060, 0.03)
+    assert cut["get"] == pytest.approx(2.0) and cut["between"] == pytest.approx(48.0)
+    assert cut["after"] == pytest.approx(9.0) and cut["total"] == pytest.approx(70.0)
