@@ -2,7 +2,8 @@
 
     python engine.py SPEC.json OUT.json
         SPEC: {"model": DIR, "kvd": null | {extra config}, "multiprocess": bool,
-               "phases": [{"prompts": [[token ids]], "freeze_daemon": pid | null}],
+               "phases": [{"prompts": [[token ids]], "freeze_daemon": pid | null,
+                           "settle": bool}],
                "max_tokens": int, "max_model_len": int (2048), "kv_cache_dtype": str,
                "speculative": {config} | null,
                "kv_role": "kv_both" (default) | "kv_producer" (stores only) | "kv_consumer",
@@ -14,8 +15,9 @@
 The engine runs with prefix caching off (every hit is kvd's) and stats on.
 With ``freeze_daemon`` the phase's first loads find the daemon frozen
 (SIGSTOP, kvd_client.vllm's worker waits out its deadline and fails the
-loads) and the daemon is thawed once they ended: vLLM must recompute. The model is
-tests/vllm/tiny_llama.py's.
+loads) and the daemon is thawed once they ended: vLLM must recompute. With ``settle``
+(in-process engines) the phase ends once every store the worker submitted has ended, so
+the next phase's lookups find what it stored. The model is tests/vllm/tiny_llama.py's.
 """
 
 from __future__ import annotations
@@ -96,8 +98,20 @@ def run(spec: dict) -> dict:
         if spec.get("state_digests"):
             import engine_states
             phases[-1]["state_digests"] = engine_states.take()
+        if phase.get("settle"):
+            settle_stores()
     llm.llm_engine.engine_core.shutdown()
     return {"phases": phases}
+
+
+def settle_stores(timeout: float = 60.0) -> None:
+    """Every store the in-process worker submitted has ended (stores end on their own, after
+    the steps that submitted them: on a loaded machine, after the phase's last step)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().worker
+    for t in [t for stores in worker.open_stores.values() for t in stores]:
+        t.wait(timeout)
 
 
 def run_files(spec_path: str, out_path: str) -> None:

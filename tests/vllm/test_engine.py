@@ -106,9 +106,10 @@ def test_second_engine_loads_the_first_ones_prefixes(model, start_daemon, tmp_pa
     assert daemon.stats()["tiers"]["host"]["chunks"] >= 5
 
     # the flush phase steps the engine once more, which stores the tails of SECOND's ended
-    # requests (partial entries): the frozen phase's prompts hit them too
+    # requests (partial entries), and ends once they are stored: the frozen phase's prompts
+    # hit them too
     hits, _, fails = run_engine(tmp_path, "load", {"model": str(model), "kvd": kvd, "phases": [
-        {"prompts": SECOND}, {"prompts": [FLUSH]},
+        {"prompts": SECOND}, {"prompts": [FLUSH], "settle": True},
         {"prompts": SECOND, "freeze_daemon": daemon.proc.pid}]})["phases"]
 
     # kvd's hits, loaded for real: the same tokens and logprobs as without kvd (the suffix
