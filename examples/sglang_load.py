@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -50,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_ttft import offer_plugin  # noqa: E402
+from sglang_ttft import linker_args, offer_plugin, python_radix_core  # noqa: E402
 from vllm_ttft import (LLAMA3_8B, add_common_args, environment, private_daemon,  # noqa: E402
                        run_role, write_config)
 
@@ -82,11 +81,7 @@ def engine_args(args, role: str) -> dict:
     if role == "radix":
         kw.update(radix_cache_backend="kvd", hicache_storage_backend_extra_config=json.dumps(extra))
     if role == "linker":
-        kw.update(enable_unified_cache_external_linker=True,
-                  unified_cache_external_linker_backend="dynamic",
-                  unified_cache_external_linker_config={
-                      "linker": "KvdLinker", "linker_module_path": "kvd_client.sglang.linker",
-                      "linker_extra_config": extra})
+        kw.update(linker_args(extra))
     return kw
 
 
@@ -116,8 +111,8 @@ def role_main(args, role: str) -> dict:
 
     if role == "radix":  # kvd-cache's plugin entry point, where it is not installed
         offer_plugin(Path(args.runtime_dir).parent)
-    if role in ("kvd", "linker"):  # SGLang >= 0.5.23: kvd's token keys learn from its Python hashing
-        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    if role in ("kvd", "linker"):
+        python_radix_core()
     llm = sglang.Engine(**engine_args(args, role))
     run = llm.loop.run_until_complete
     try:

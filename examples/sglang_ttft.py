@@ -105,12 +105,8 @@ def engine_args(args, role: str) -> dict:
             extra["kvd_gil_switch_ms"] = float(gil)
         if role.startswith("kvd-radix"):  # SGLang 0.5.16: kvd's radix cache
             kw.update(radix_cache_backend="kvd", hicache_storage_backend_extra_config=json.dumps(extra))
-        else:  # SGLang >= 0.5.23: the unified cache's external linker
-            kw.update(enable_unified_cache_external_linker=True,
-                      unified_cache_external_linker_backend="dynamic",
-                      unified_cache_external_linker_config={
-                          "linker": "KvdLinker", "linker_module_path": "kvd_client.sglang.linker",
-                          "linker_extra_config": extra})
+        else:
+            kw.update(linker_args(extra))
     elif role != "full":
         extra = {"backend_name": "kvd", "module_path": "kvd_client.sglang.backend",
                  "class_name": "KvdHiCacheStorage", "interface_v1": 1,
@@ -137,8 +133,8 @@ def engine(args, role: str) -> dict:
     trace = Path(args.runtime_dir).parent / f"trace-{role}.jsonl"
     if args.trace and role.startswith("kvd-"):  # the scheduler process inherits it
         os.environ["KVD_SGLANG_TRACE"] = str(trace)
-    if role == "store" or role.startswith("kvd-"):  # SGLang >= 0.5.23: kvd's token keys learn
-        os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")  # from its hashing
+    if role == "store" or role.startswith("kvd-"):
+        python_radix_core()
     if role.startswith("kvd-radix"):
         offer_plugin(Path(args.runtime_dir).parent)
     llm = sglang.Engine(**engine_args(args, role))
@@ -196,6 +192,23 @@ def engine(args, role: str) -> dict:
             detach(llm)
         llm.shutdown()
     return out
+
+
+def linker_args(extra: dict) -> dict:
+    """SGLang >= 0.5.23's engine arguments for kvd as the unified cache's external linker."""
+    return {"enable_unified_cache_external_linker": True,
+            "unified_cache_external_linker_backend": "dynamic",
+            "unified_cache_external_linker_config": {
+                "linker": "KvdLinker", "linker_module_path": "kvd_client.sglang.linker",
+                "linker_extra_config": extra}}
+
+
+def python_radix_core() -> None:
+    """SGLang >= 0.5.23 in this process and its scheduler: kvd's token keys learn the token ids
+    from SGLang's Python hashing, which its default (rust) radix tree core does not call."""
+    import os
+
+    os.environ.setdefault("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
 
 
 def host_hits(ttft, shared: list, n: int, args) -> dict:

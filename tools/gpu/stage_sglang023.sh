@@ -32,13 +32,9 @@ PIP=(.sgstage/pip26/bin/python -m pip download -q --no-deps --only-binary=:all: 
 
 preflight() {  # import check on this CPU machine: the GPU image's Python, the overlay over the
   # base, a libcuda stub of every cu* symbol the extensions want (no GPU: torch says none)
-  mkdir -p $S/cudastub
-  [ -d $S/cpufill/pynvml.py ] || [ -f $S/cpufill/pynvml.py ] || {  # the image has it, its CPU copy not
+  [ -f $S/cpufill/pynvml.py ] || {  # the image has it, its CPU copy not
     "${PIP[@]}" -d $S/cpufill nvidia-ml-py && "$GPUPY" -m pip install -q --no-index --no-deps --target $S/cpufill $S/cpufill/*.whl; }
-  find $S/site/sgl_kernel $BASE/torch/lib -name '*.so*' -exec nm -D --undefined-only {} + 2>/dev/null \
-    | awk '{print $2}' | sed 's/@.*//' | grep -E '^cu[A-Z]' | sort -u \
-    | sed 's/.*/int &(void){return 100;}/' > $S/cudastub/stub.c
-  gcc -shared -fPIC -o $S/cudastub/libcuda.so.1 -Wl,-soname,libcuda.so.1 $S/cudastub/stub.c
+  bash $here/cuda_stub.sh $S/cudastub $S/site/sgl_kernel $BASE/torch/lib
   LD_LIBRARY_PATH=$S/cudastub PYTHONPATH=$S/site:$BASE:$repo/clients:$repo:.v034stage/cpufill/site:$S/cpufill \
     SGLANG_IS_FLASHINFER_AVAILABLE=false "$GPUPY" - "$S/site" <<'EOF2'
 import importlib, sys, traceback, types

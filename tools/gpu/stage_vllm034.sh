@@ -38,10 +38,7 @@ PIP=(download -q --no-deps --only-binary=:all: --python-version 3.12 --implement
 dl() { "$S/pip26/bin/python" -m pip "${PIP[@]}" "$@" 2> >(grep -v 'is ignored' >&2); }
 
 preflight() {  # import check on this CPU machine, with the GPU image's Python and a libcuda stub
-  mkdir -p $S/cudastub
-  find $SITE/vllm -name '*.so' -exec nm -D --undefined-only {} + | awk '{print $2}' | sed 's/@.*//' \
-    | grep -E '^cu[A-Z]' | sort -u | sed 's/.*/int &(void){return 100;}/' > $S/cudastub/stub.c
-  gcc -shared -fPIC -o $S/cudastub/libcuda.so.1 -Wl,-soname,libcuda.so.1 $S/cudastub/stub.c
+  bash "$here/cuda_stub.sh" $S/cudastub $SITE/vllm
   LD_LIBRARY_PATH=$S/cudastub PYTHONPATH=$SITE:$repo/clients:$repo:$S/cpufill/site \
     "$GPUPY" - "$SITE" <<'EOF'
 import glob, importlib, importlib.metadata, os, sys, traceback

@@ -7,12 +7,8 @@
 #   bash tools/gpu/v026_run.sh python3 examples/fleet.py --arms native,none ...
 set -u
 cd "$(dirname "$0")/../.."
-ls /tmp/vsite/vllm/__init__.py /tmp/vsite/vllm/_C*.so >/dev/null 2>&1 ||
+D=/tmp/vsite
+ls $D/vllm/__init__.py $D/vllm/_C*.so >/dev/null 2>&1 ||
   { echo "MACHINE LOST: /tmp/vsite lacks vLLM or its _C; run call1.sh, then call2.sh, back to back"; exit 42; }
-export PYTHONPATH=/tmp/vsite:$PWD/clients:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-# vLLM 0.26's default (V2) model runner imports flashinfer for its sampler unless this is 0;
-# flashinfer is not staged.
-export VLLM_USE_FLASHINFER_SAMPLER=0
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. tools/gpu/vllm_env.sh  # (the cd above: the checkout root)
 "$@"

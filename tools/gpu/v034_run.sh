@@ -11,9 +11,5 @@ cd "$(dirname "$0")/../.."
 D=/tmp/v034site
 [ -f $D/.v034/complete ] && [ -f $D/vllm/__init__.py ] ||
   { echo "MACHINE LOST: $D missing or incomplete; unpack the pieces again from 01, back to back"; exit 42; }
-export PYTHONPATH=$D:$PWD/clients:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-# vLLM's sampler imports flashinfer unless this is 0; flashinfer is not staged.
-export VLLM_USE_FLASHINFER_SAMPLER=0
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. tools/gpu/vllm_env.sh  # (the cd above: the checkout root)
 "$@"
