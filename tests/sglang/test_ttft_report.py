@@ -49,3 +49,14 @@ def test_the_linker_engine_loads_through_sglangs_linker_and_nothing_of_hicache()
         "linker": "KvdLinker", "linker_module_path": "kvd_client.sglang.linker",
         "linker_extra_config": {"kvd_runtime_dir": "/run/kvd", "kvd_timeout_s": 5, "kvd_gil_switch_ms": 0.2}}
     assert "enable_hierarchical_cache" not in kw and "radix_cache_backend" not in kw
+
+
+def test_kvd_engines_ask_sglang_for_its_python_radix_core(monkeypatch):
+    """kvd's token keys learn token ids from SGLang's Python hashing (docs/sglang.md)."""
+    monkeypatch.delenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", raising=False)
+    T.python_radix_core()
+    import os
+    assert os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "python"
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "rust")  # a user's choice stands
+    T.python_radix_core()
+    assert os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "rust"
