@@ -132,7 +132,7 @@ def prepare(args) -> None:
     multi = args.workload == "multi_turn"
     args.num_prompts = conversations.num_prompts(args) if multi else args.prefixes * args.per_prefix
     longest = conversations.final_len(args) if multi else args.prefix_len + args.suffix_len
-    args.max_model_len = longest + args.output_len + 64
+    args.max_model_len = model.context_len(longest, args.output_len, shape["vocab_size"])
     per_token = args.layers * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2
     args.block_bytes = per_token * (args.block_size or 16)
     args.kv_bytes_per_token = per_token

@@ -10,12 +10,14 @@ tools/plot_docs.py; nothing here reads anything but the documents given.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from pathlib import Path
 
 LABELS = {"none": "no offloading (GPU prefix cache)", "native": "vLLM native CPU offloading",
           "kvd": "kvd, one daemon for all servers", "lmcache": "LMCache"}
+NO_TEXT = hashlib.sha1(b"").hexdigest()[:10]  # a report's text hash of a request that failed
 
 
 def cell(value, fmt: str = "{:.1f}") -> str:
@@ -33,7 +35,7 @@ def steady_rows(doc: dict) -> list[list[str]]:
     rows = []
     for arm, r in doc["arms"].items():
         if "not_run" in r:
-            rows.append([LABELS.get(arm, arm), f"not run: {r['not_run']}"] + ["–"] * 10)
+            rows.append([LABELS.get(arm, arm), f"not run: {r['not_run']}"] + ["–"] * 11)
             continue
         p = r["passes"].get("steady")
         if p is None:
@@ -45,7 +47,7 @@ def steady_rows(doc: dict) -> list[list[str]]:
                                                                      "itl_p50", "itl_p99")),
                      cell(s["output_tok_s"], "{:.0f}"), cell(s["req_s"], "{:.2f}"),
                      share(h["gpu"]), share(h["external"]), share(h["computed"]),
-                     differ(p.get("text_hashes", []), ref)])
+                     str(s.get("failed", "–")), differ(p.get("text_hashes", []), ref)])
     return rows
 
 
@@ -125,17 +127,30 @@ def load(doc: dict) -> str:
             f"output tokens")
 
 
+def failed_requests(p: dict) -> list[int]:
+    """A pass's failed requests by index in the dataset (reports before the list was kept: the
+    requests that generated nothing)."""
+    if "failed_requests" in p:
+        return p["failed_requests"]
+    return [i for i, h in enumerate(p.get("text_hashes", [])) if h == NO_TEXT]
+
+
 def turn_rows(doc: dict) -> list[list[str]]:
     """The multi-turn workload, steady pass: TTFT p50 of each turn's requests, and the prompt
-    tokens computed per later turn beyond its new ones (the answer and question it adds)."""
+    tokens computed per later turn beyond its new ones (the answer and question it adds), over
+    the requests that completed."""
     if doc.get("workload", {}).get("kind") != "multi_turn":
         return []
-    w = doc["workload"]
-    later, new = w["prompts"] - int(doc["args"]["conversations"]), w["new_prompt_tokens"]
+    a, w = doc["args"], doc["workload"]
+    conv, first = int(a["conversations"]), int(a["prefix_len"]) + int(a["suffix_len"])
     rows = []
     for arm, r in doc["arms"].items():
         p = r.get("passes", {}).get("steady", {})
         if "ttft_p50_by_turn" in p:
+            failed_turns = [i // conv for i in failed_requests(p)]
+            later = w["prompts"] - conv - sum(t > 0 for t in failed_turns)
+            new = w["new_prompt_tokens"] - sum(
+                first if t == 0 else int(a["output_len"]) + int(a["suffix_len"]) for t in failed_turns)
             again = (p["hits"]["computed"] - new) / later if later else None
             rows.append([LABELS.get(arm, arm), *(cell(t) for t in p["ttft_p50_by_turn"]), cell(again, "{:.0f}")])
     return rows
@@ -151,7 +166,7 @@ def render_fleet(docs: list[dict]) -> str:
                 f"memory {float(a['host_gib']):g} GiB (kvd's tier; native: a share of it per server). "
                 f"From `{doc['command']}` ({doc['date']}).", ""]
         out += [*table(["arm", "TTFT p50 ms", "p90", "p99", "ITL p50 ms", "p99", "output tok/s", "req/s",
-                        "prompt from GPU cache", "from kvd / CPU", "computed", "answers ≠ none's"],
+                        "prompt from GPU cache", "from kvd / CPU", "computed", "failed", "answers ≠ none's"],
                        steady_rows(doc)), ""]
         rows = turn_rows(doc)
         if rows:

@@ -134,6 +134,7 @@ def one_pass(ctx, tag: str, during=None) -> tuple[dict, dict]:
            "ttfts_ms": [round(t, 2) for t in bench.ttfts_ms(result)],
            "backend_ttft_p50_ms": backend_p50(records, len(ctx["urls"])), "records": records,
            "errors": sorted({e for e in result.get("errors", []) if e})[:5],
+           "failed_requests": [i for i, e in enumerate(result.get("errors", [])) if e],
            "text_hashes": [hashlib.sha1(t.encode()).hexdigest()[:10] for t in bench.texts(result)], **extra}
     if args.workload == "multi_turn":
         fig["ttft_p50_by_turn"] = bench.ttft_p50_by_turn(result, args.conversations)

@@ -18,6 +18,20 @@ LLAMA3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_head
              "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0}
 TINY = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "intermediate_size": 256, "vocab_size": 1024, "rope_theta": 10000.0}
+SPARE_TOKENS = 64  # of context beyond the longest prompt and its output
+
+
+def context_len(prompt_tokens: int, output_len: int, vocab_size: int) -> int:
+    """The ``--max-model-len`` that serves prompts of up to ``prompt_tokens`` words.
+
+    vLLM refuses a text prompt of more characters than its input tokens (the context less the
+    request's output) times its tokenizer's longest token. A word here is up to that long plus the
+    space after it, so a prompt of n words can exceed n tokens' worth of characters: with the
+    Llama vocabulary (``w128255``: 7 characters) about 7.1 characters per word on average.
+    """
+    longest_word = len(f"w{vocab_size - 1}")
+    chars = prompt_tokens * (longest_word + 1)
+    return -(-chars // longest_word) + output_len + SPARE_TOKENS
 
 
 def config(shape: dict, layers: int, max_len: int) -> dict:
