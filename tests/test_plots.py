@@ -121,3 +121,10 @@ def test_the_multi_turn_table_shows_each_turn_and_the_history_recomputed():
     doc = {"args": args, "workload": {"kind": "multi_turn", "prompts": 4, "new_prompt_tokens": 30},
            "arms": {"kvd": {"passes": {"steady": steady}}, "none": {"passes": {}}}}
     assert plot_fleet.turn_rows(doc) == [["kvd, one daemon for all servers", "1.0", "2.5", "2"]]
+    # request 3 (conversation 1's second turn) failed: its 3 new tokens and its turn do not count
+    steady.update(failed_requests=[3], hits={"gpu": 0, "external": 10, "computed": 31})
+    assert plot_fleet.turn_rows(doc) == [["kvd, one daemon for all servers", "1.0", "2.5", "4"]]
+    # a report from before failed requests were listed: they are the ones that generated nothing
+    del steady["failed_requests"]
+    steady["text_hashes"] = ["a", "b", "c", plot_fleet.NO_TEXT]
+    assert plot_fleet.turn_rows(doc)[0][3] == "4"

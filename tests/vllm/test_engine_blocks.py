@@ -7,7 +7,7 @@ block: vLLM computes at least one token), where whole chunks alone would give
 logprobs), vLLM's counters show the 32 computed tokens, and kvd's counters the
 recomputed tokens per request. A two-turn conversation whose second turn runs
 on another engine hits the first turn's tail (a partial entry), not only its
-whole chunks. Engines run as in test_engine.py (the vLLM venv,
+whole chunks, whether its history holds the model's answer or another. Engines run as in test_engine.py (the vLLM venv,
 the checkout's ``kvd_client``).
 """
 
@@ -50,24 +50,41 @@ def test_a_stored_prompt_hits_all_but_its_last_block(model, start_daemon, tmp_pa
         == (1, 2048, BLOCK)
 
 
-def test_the_second_turn_on_another_engine_hits_the_first_turns_tail(model, start_daemon, tmp_path):
+def first_turn(model, kvd, tmp_path) -> list[int]:
+    """Turn 1 (600 prompt tokens: 2 chunks and 88) answered in 40 tokens by an engine that
+    stores; a second prompt steps it once more, which sends the ended request's stores (its
+    tails among them). Computed: the prompt and 39 answer tokens, 127 past the 2 chunks: kept
+    as a partial entry of 96 tokens (3 blocks: 88 of the prompt, 8 of the answer) and the
+    prompt's own, of 64 (2 blocks). Returns the answer."""
+    phases = [{"prompts": [TURN1]}, {"prompts": [PROMPT[1000:1100]]}]
+    first = run_engine(tmp_path, "turn1", {"model": str(model), "max_tokens": 40, "kvd": kvd,
+                                           "phases": phases})["phases"]
+    return first[0]["tokens"][0]
+
+
+TURN1 = PROMPT[:600]
+QUESTION = [(5 * i + 1) % 1000 + 10 for i in range(200)]
+
+
+@pytest.mark.parametrize("answer, hit", [("the model's", 2 * CHUNK + 3 * BLOCK),
+                                         ("another", 2 * CHUNK + 2 * BLOCK)])
+def test_the_second_turn_on_another_engine_hits_the_first_turns_tail(model, start_daemon, tmp_path,
+                                                                     answer, hit):
+    """The history holds the model's answer: the tail with the answer's first block hits. It
+    holds another answer (regenerated, edited, or a client's own): the prompt's tail hits, not
+    only the whole chunks (which a single tail entry over prompt and answer would give)."""
     daemon = start_daemon(chunk_tokens=CHUNK, client_timeout_s=20.0, heartbeat_interval_s=1.0)
     kvd = {"runtime_dir": str(daemon.runtime_dir), "timeout_s": 5.0}
     spec = {"model": str(model), "max_tokens": 4}
-    turn1 = PROMPT[:600]                           # 2 chunks and 88 tokens
-    # the first engine answers turn 1; a second prompt steps it once more, which sends the
-    # stores of the ended request (its tail among them)
-    first = run_engine(tmp_path, "turn1", {**spec, "kvd": kvd, "phases": [
-        {"prompts": [turn1]}, {"prompts": [PROMPT[1000:1100]]}]})["phases"]
-    turn2 = turn1 + first[0]["tokens"][0] + [(5 * i + 1) % 1000 + 10 for i in range(200)]
-    # computed in turn 1: its 600 prompt tokens and 3 of its 4 answer tokens; past the 2
-    # chunks that is 91 tokens, kept as a partial entry of 64 (2 blocks)
+    said = first_turn(model, kvd, tmp_path)
+    assert len(said) == 40
+    history = said if answer == "the model's" else [(t + 1) % 1000 + 10 for t in said]
+    turn2 = TURN1 + history + QUESTION
     base = run_engine(tmp_path, "base2", {**spec, "kvd": None,
                                           "phases": [{"prompts": [turn2]}]})["phases"][0]
     second = run_engine(tmp_path, "turn2", {**spec, "kvd": kvd,
                                             "phases": [{"prompts": [turn2]}]})["phases"][0]
     assert same_outputs(second, base, tol=0.03), (second, base)
-    hit = 2 * CHUNK + 2 * BLOCK
     assert second["num_cached_tokens"] == [hit]
     c = second["counters"]
     assert computed(c) == len(turn2) - hit

@@ -44,7 +44,8 @@ OPTIONS = {
                            STORE_POLICIES),
     "store_min_tokens": Option(int, 0, "requests with fewer prompt tokens are not stored"),
     "partial_tails": Option(bool, True, "keep a request's tail past its last whole chunk (cut to a "
-                            "block) as a partial entry when it ends, and look partial entries up "
+                            "block) as a partial entry when it ends, and its prompt's own tail where "
+                            "the answer reached past the prompt's last block; look partial entries up "
                             "where a whole-chunk hit stops (one full-attention KV cache group only)"),
     "async_load_min_tokens": Option(int, 65536, "a hit of at least this many tokens loads "
                                     "asynchronously, between steps (the request waits outside the "

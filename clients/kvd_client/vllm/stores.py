@@ -61,11 +61,16 @@ class Stores:
         return item
 
     def _store_tail(self, st: ReqState, request, ids: list[int]) -> None:
-        """The tokens computed past the last whole chunk, as a partial entry (tails.py)."""
+        """The tokens computed past the last whole chunk, as a partial entry (tails.py); and the
+        prompt's own tail where the answer's first tokens made that one longer: a next turn whose
+        history holds another answer (regenerated, edited, not the model's) still finds it."""
         computed = min(request.num_computed_tokens, request.num_tokens)
-        item = tails.store_item(request.request_id, request.all_token_ids,
-                                self._prev(st, computed // self.chunk), computed, self.chunk,
-                                self.block_size, ids, st.tenant, 0)
-        if item is not None:
-            self.finish_stores.append(item)
-            st.stores_sent = True
+        prompt = min(request.num_prompt_tokens, computed)
+        ends = {computed // self.block_size * self.block_size, prompt // self.block_size * self.block_size}
+        for end in sorted(ends, reverse=True):
+            item = tails.store_item(request.request_id, request.all_token_ids,
+                                    self._prev(st, end // self.chunk), end, self.chunk,
+                                    self.block_size, ids, st.tenant, 0)
+            if item is not None:
+                self.finish_stores.append(item)
+                st.stores_sent = True
