@@ -7,8 +7,8 @@ block: vLLM computes at least one token), where whole chunks alone would give
 logprobs), vLLM's counters show the 32 computed tokens, and kvd's counters the
 recomputed tokens per request. A two-turn conversation whose second turn runs
 on another engine hits the first turn's tail (a partial entry), not only its
-whole chunks, whether its history holds the model's answer or another. Engines run as in test_engine.py (the vLLM venv,
-the checkout's ``kvd_client``).
+whole chunks, whether its history holds the model's answer or another.
+Engines run as in test_engine.py (the vLLM venv, the checkout's ``kvd_client``).
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ class Stores:
         history holds another answer (regenerated, edited, not the model's) still finds it."""
         computed = min(request.num_computed_tokens, request.num_tokens)
         prompt = min(request.num_prompt_tokens, computed)
-        ends = {computed // self.block_size * self.block_size, prompt // self.block_size * self.block_size}
-        for end in sorted(ends, reverse=True):
+        b = self.block_size
+        for end in sorted({computed // b * b, prompt // b * b}, reverse=True):
             item = tails.store_item(request.request_id, request.all_token_ids,
                                     self._prev(st, end // self.chunk), end, self.chunk,
                                     self.block_size, ids, st.tenant, 0)
