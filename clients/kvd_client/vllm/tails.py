@@ -6,10 +6,9 @@ a block, go to kvd under a partial key (``kvd_protocol.keys.part_key``); so does
 prompt's own tail where the answer reached past the prompt's last block (the caller asks for
 both). ``ask``: where a later request's whole-chunk hit stops at chunk ``j``, a second
 lookup asks for ``j``'s partial keys of every usable block-aligned length, longest first;
-``split`` loads the whole chunks and the partial entry found. So a conversation's next turn
-hits the previous turn's tail. One full-attention KV cache group only (``enabled``); a
-partial hit a layer-wise cut would shorten is dropped (``fit``). Failure is a miss. No vLLM
-import.
+``split`` loads the whole chunks and the partial entry found: a conversation's next turn
+hits the previous turn's tail. One full-attention KV cache group only (``enabled``); a partial
+hit a layer-wise cut shortens is dropped (``fit``). Failure is a miss. No vLLM import.
 """
 
 from __future__ import annotations
