@@ -38,14 +38,12 @@ def test_every_multi_turn_prompt_fits_vllms_character_bound(tmp_path, name):
     s = SETTINGS[name]
     args = types.SimpleNamespace(seed=0, **{k: v for k, v in s.items() if k != "vocab"})
     path = conversations.write(args, tmp_path / "c.jsonl", s["vocab"])
-    prompts = path.read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
     longest = conversations.final_len(args)
     context = model.context_len(longest, args.output_len, s["vocab"])
     bound = vllm_char_bound(context, args.output_len, s["vocab"])
-    chars = [len(json.loads(p)["prompt"]) for p in prompts]
-    words = [len(json.loads(p)["prompt"].split()) for p in prompts]
-    assert max(words) == longest
-    assert max(chars) <= bound, (max(chars), bound)
+    assert max(len(p.split()) for p in prompts) == longest
+    assert max(len(p) for p in prompts) <= bound, (max(len(p) for p in prompts), bound)
 
 
 @pytest.mark.parametrize("vocab", [model.TINY["vocab_size"], model.LLAMA3_8B["vocab_size"]])

@@ -50,6 +50,10 @@ def test_a_stored_prompt_hits_all_but_its_last_block(model, start_daemon, tmp_pa
         == (1, 2048, BLOCK)
 
 
+TURN1 = PROMPT[:600]
+QUESTION = [(5 * i + 1) % 1000 + 10 for i in range(200)]
+
+
 def first_turn(model, kvd, tmp_path) -> list[int]:
     """Turn 1 (600 prompt tokens: 2 chunks and 88) answered in 40 tokens by an engine that
     stores; a second prompt steps it once more, which sends the ended request's stores (its
@@ -60,10 +64,6 @@ def first_turn(model, kvd, tmp_path) -> list[int]:
     first = run_engine(tmp_path, "turn1", {"model": str(model), "max_tokens": 40, "kvd": kvd,
                                            "phases": phases})["phases"]
     return first[0]["tokens"][0]
-
-
-TURN1 = PROMPT[:600]
-QUESTION = [(5 * i + 1) % 1000 + 10 for i in range(200)]
 
 
 @pytest.mark.parametrize("answer, hit", [("the model's", 2 * CHUNK + 3 * BLOCK),
