@@ -5,17 +5,15 @@ Takes tensors in the engine's own layout (kvd_protocol.layout: ``vllm_flash_attn
 ``page_first``, ``opaque``) and produces the layout descriptor and buffers: ``cuda_ipc``,
 one per CUDA allocation with each tensor's offset in it, or, for virtual-memory allocations
 (vLLM 0.34's extensible KV cache, sleep mode, expandable segments), ``cuda_vmm`` buffers whose
-file descriptors ``lend_buffers`` passes at each registration (kvd_client.vmm_share).
+file descriptors ``lend_buffers`` passes at each registration (kvd_client.cuda_buffers).
 ``device_index`` and ``stream_ptr()`` let the client mark and wait on the engine's stream.
 """
 
 from __future__ import annotations
 
-from kvd_protocol import cuda_vmm
 from kvd_protocol import layout as L
-from kvd_protocol.cuda_driver import device_uuid, export_allocation
 
-from . import vmm_share
+from .cuda_buffers import CudaBuffers, torch_extent
 
 
 class CudaKVPool:
@@ -41,13 +39,10 @@ class CudaKVPool:
             self.kv_heads = first.shape[1]
         self.device_index = self.device.index if self.device.index is not None \
             else torch.cuda.current_device()
-        vmm = [cuda_vmm.is_vmm(t.data_ptr()) for t in flat]
-        if any(vmm) and not all(vmm):
-            raise ValueError("these KV tensors mix virtual-memory and ordinary CUDA allocations")
-        self.lends_fds = all(vmm)  # lend_buffers() at each registration, else CUDA IPC
-        self.buffers, self.piece_bases, refs = [], [], []
-        place = self._vmm_buffers(flat) if self.lends_fds else self._ipc_buffers(flat)
-        for t, (index, offset) in zip(flat, place):
+        self._cuda = CudaBuffers([(t.data_ptr(), torch_extent(t)) for t in flat], self.device_index)
+        self.lends_fds, self.buffers = self._cuda.lends_fds, self._cuda.buffers
+        refs = []
+        for t, (index, offset) in zip(flat, self._cuda.place):
             item = t.element_size()
             refs.append(L.TensorRef(index, offset, tuple(t.shape),
                                     tuple(s * item for s in t.stride()), item))
@@ -55,38 +50,13 @@ class CudaKVPool:
         self.tensors = tensors  # keep the memory alive while registered
         self._torch = torch
 
-    def _ipc_buffers(self, flat) -> list[tuple[int, int]]:
-        """One cuda_ipc buffer per allocation; each tensor's (buffer, offset)."""
-        index, place = {}, []
-        for t in flat:
-            alloc = export_allocation(t.data_ptr())
-            if alloc.base not in index:
-                index[alloc.base] = len(self.buffers)
-                self.buffers.append({"kind": "cuda_ipc", "handle": alloc.handle, "offset": 0,
-                                     "size": alloc.size, "device_uuid": alloc.device_uuid})
-            place.append((index[alloc.base], t.data_ptr() - alloc.base))
-        return place
-
-    def _vmm_buffers(self, flat) -> list[tuple[int, int]]:
-        """cuda_vmm buffers (kvd_client.vmm_share); each tensor's (buffer, offset)."""
-        self.buffers, self.piece_bases, place = vmm_share.vmm_buffers(
-            [(t.data_ptr(), _extent(t)) for t in flat], device_uuid(self.device_index))
-        return place
-
     def lend_buffers(self, fd_socket, timeout: float) -> list[dict]:
         """The buffers, their allocations' file descriptors lent to the daemon anew."""
-        return vmm_share.lend(self.piece_bases, self.buffers, self.device_index, fd_socket, timeout)
+        return self._cuda.lend(fd_socket, timeout)
 
     def stream_ptr(self) -> int:
         """The engine's current CUDA stream on this pool's GPU (a ``cudaStream_t``)."""
         return self._torch.cuda.current_stream(self.device_index).cuda_stream
-
-
-def _extent(t) -> int:
-    """Bytes from a tensor's first element to just past its last."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _flatten(layout: str, tensors) -> list:

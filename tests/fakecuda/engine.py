@@ -10,7 +10,7 @@ CPU reads and writes "GPU" memory directly where a torch test would copy.
 heads, block_size, 2 * dim]`` stored heads outer; ``vllm_kv_blocks_nhc``
 the same stored tokens outer (the tensors are the logical views).
 ``vmm_kv_tensors`` places per-layer tensors in fake CUDA virtual memory as
-vLLM 0.34 does (their pool lends file descriptors through kvd_client.vmm_share).
+vLLM 0.34 does (their pool lends file descriptors through kvd_client.cuda_buffers).
 ``FakeCudaKVPool`` is ``kvd_client.torch_pool.CudaKVPool`` for such
 tensors: it exports each tensor's allocation through cuda_driver (the fake
 libcuda: fakecuda.driver), builds the same layout descriptor and buffer
@@ -26,10 +26,8 @@ import ctypes
 
 import numpy as np
 
-from kvd_client import vmm_share
-from kvd_protocol import cuda_vmm
+from kvd_client.cuda_buffers import CudaBuffers
 from kvd_protocol import layout as L
-from kvd_protocol.cuda_driver import device_uuid, export_allocation
 
 from .memory import SPACE
 from .streams import Stream
@@ -107,29 +105,17 @@ class FakeCudaKVPool:
         if layout.startswith("vllm_kv_blocks"):  # [blocks, heads, block_size, 2 * head_dim]
             self.kv_heads, self.head_dim = first.shape[1], first.shape[-1] // 2
             layout = "vllm_kv_blocks"
-        self.buffers, refs, index = [], [], {}
-        self.lends_fds = cuda_vmm.is_vmm(flat[0].ctypes.data)
-        if self.lends_fds:  # virtual memory: kvd_client's own code (CudaKVPool's)
-            self.buffers, self.piece_bases, place = vmm_share.vmm_buffers(
-                [(t.ctypes.data, t.nbytes) for t in flat], device_uuid(0))
-            refs = [L.TensorRef(i, off, tuple(t.shape), tuple(t.strides), t.itemsize)
-                    for t, (i, off) in zip(flat, place)]
-        for t in flat if not self.lends_fds else ():
-            ptr = t.ctypes.data
-            alloc = export_allocation(ptr)
-            if alloc.base not in index:
-                index[alloc.base] = len(self.buffers)
-                self.buffers.append({"kind": "cuda_ipc", "handle": alloc.handle, "offset": 0,
-                                     "size": alloc.size, "device_uuid": alloc.device_uuid})
-            refs.append(L.TensorRef(index[alloc.base], ptr - alloc.base, tuple(t.shape),
-                                    tuple(t.strides), t.itemsize))
+        self._cuda = CudaBuffers([(t.ctypes.data, t.nbytes) for t in flat], 0)  # kvd_client's own
+        self.lends_fds, self.buffers = self._cuda.lends_fds, self._cuda.buffers
+        refs = [L.TensorRef(i, off, tuple(t.shape), tuple(t.strides), t.itemsize)
+                for t, (i, off) in zip(flat, self._cuda.place)]
         self.descriptor = L.describe(layout, refs, page_size)
         self.tensors = tensors
         self.device_index = 0
         self.stream = stream or Stream(name="engine")
 
     def lend_buffers(self, fd_socket, timeout: float) -> list[dict]:
-        return vmm_share.lend(self.piece_bases, self.buffers, 0, fd_socket, timeout)
+        return self._cuda.lend(fd_socket, timeout)
 
     def stream_ptr(self) -> int:
         """The engine's current stream (a ``cudaStream_t`` of the fake GPU)."""

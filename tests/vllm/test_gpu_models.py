@@ -93,7 +93,7 @@ def test_mla_latent_blocks_load_byte_exact(start_daemon, tmp_path, tmp_path_fact
     daemon, kvd = daemon_and_settings(start_daemon)
     store, load = store_then_load(tmp_path, model, kvd, "mla")
     assert "'attention': 'mla'" in (tmp_path / "load-mla.log").read_text()
-    check_pair(store, load, block=load["block_size"])
+    check_pair(store, load)
     # one latent row of 576 bf16 per token and layer
     assert load["counters"]["vllm:kvd_loaded_bytes"] == (HITS["long"] + HITS["short"]) * 4 * 576 * 2
     assert daemon.stats()["chunks_loaded"] == (HITS["long"] + HITS["short"]) // CHUNK
