@@ -49,7 +49,9 @@ class WorkerError(Exception):
 class Worker:
     def __init__(self, python: str, log_path: Path, script: Path = WORKER, env: dict | None = None):
         venv = Path(python).absolute().parents[1]
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "clients"),
+        # the caller's path after ours: on the GPU machine SGLang itself is there (a staged site)
+        path = os.pathsep.join(p for p in (str(ROOT / "clients"), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path,
                "TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions"),
                "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python", **(env or {})}
         self.log = open(log_path, "w")

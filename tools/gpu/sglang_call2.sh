@@ -31,6 +31,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1
 export TVM_FFI_CACHE_DIR=$SGSITE/.cache/tvm-ffi TRITON_CACHE_DIR=$SGSITE/.cache/triton
 # flashinfer is staged without its JIT sources: let SGLang take its other paths (it still imports it)
 export SGLANG_IS_FLASHINFER_AVAILABLE=false
+# headers that a staged site's JIT builds need and its pruned torch lacks (0.5.23's page hash: pybind11)
+[ -d "$SGSITE/.include" ] && export CPLUS_INCLUDE_PATH=$SGSITE/.include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export KVD_TEST_LOG_DIR=${KVD_TEST_LOG_DIR:-${OUT:-/tmp}/logs}
 python3 -c 'import sglang, sgl_kernel, torch; print("sglang", sglang.__version__, "torch", torch.__version__,

@@ -36,7 +36,8 @@ preflight() {  # import check on this CPU machine: the GPU image's Python, the o
     "${PIP[@]}" -d $S/cpufill nvidia-ml-py && "$GPUPY" -m pip install -q --no-index --no-deps --target $S/cpufill $S/cpufill/*.whl; }
   bash $here/cuda_stub.sh $S/cudastub $S/site/sgl_kernel $BASE/torch/lib
   LD_LIBRARY_PATH=$S/cudastub PYTHONPATH=$S/site:$BASE:$repo/clients:$repo:.v034stage/cpufill/site:$S/cpufill \
-    SGLANG_IS_FLASHINFER_AVAILABLE=false "$GPUPY" - "$S/site" <<'EOF2'
+    SGLANG_IS_FLASHINFER_AVAILABLE=false CPLUS_INCLUDE_PATH=$repo/$S/site/.include \
+    TORCH_EXTENSIONS_DIR=$(mktemp -d) "$GPUPY" - "$S/site" <<'EOF2'
 import importlib, sys, traceback, types
 import torch
 site, bad = sys.argv[1], 0
@@ -62,6 +63,12 @@ for m in mods:
         bad += 1
         print(f"FAIL {m}: {type(e).__name__}: {str(e)[:300]}")
         traceback.print_exc(limit=-3)
+try:  # the page hash SGLang JIT-builds at its first hashed page, as on the GPU machine (call2.sh's path)
+    from sglang.srt.mem_cache.cpp_utils.native_hash import get_native_hash
+    print("ok   HiCache page hash, built:", len(get_native_hash([1, 2, 3, 4], None, 2)), "page hashes")
+except BaseException as e:  # noqa: BLE001
+    bad += 1
+    print(f"FAIL HiCache page hash: {type(e).__name__}: {e.__cause__ or e}"[:600])
 import sglang, torch
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
 from kvd_client.sglang.linker import KvdLinker
@@ -112,6 +119,12 @@ rm -rf $S/site
   2>&1 | grep -v 'is ignored' || true
 bash $here/prune_sglang_site.sh $S/site
 rm -rf $S/site/triton_kernels  # sglang-kernel's copy of Triton's MoE kernels: no Llama path
+# 0.5.23 JIT-builds its HiCache page hash (hash_binding.cpp, torch.utils.cpp_extension) at the first
+# hashed page: it includes pybind11, whose headers came with torch/include, which the vLLM 0.34 pieces
+# prune; the headers of the same torch wheel go in ./.include, which call2.sh adds to g++'s path
+rm -rf $S/site/.include && mkdir -p $S/site/.include
+unzip -q -o .v034stage/over/torch-2.14.1-*.whl 'torch/include/pybind11/*' -d $S/site/.include/wheel
+mv $S/site/.include/wheel/torch/include/pybind11 $S/site/.include/ && rm -rf $S/site/.include/wheel
 
 # 4. archives that each unpack alone: A (all but sgl_kernel), B (sgl_kernel); then the runs
 find $S/parts -name 'part*' ! -name 'partJ*' -delete  # partJ: the JIT's modules a GPU run sent back
