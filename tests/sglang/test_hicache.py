@@ -51,8 +51,10 @@ class Worker:
         venv = Path(python).absolute().parents[1]
         # the caller's path after ours: on the GPU machine SGLang itself is there (a staged site)
         path = os.pathsep.join(p for p in (str(ROOT / "clients"), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path,
-               "TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions"),
+        # SGLang's JIT builds (0.5.23's page hash) per venv, each against its own torch; where the
+        # venv is not ours to write (the GPU machine's image) torch's default place
+        builds = {"TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions")} if os.access(venv, os.W_OK) else {}
+        env = {**os.environ, "PYTHONPATH": path, **builds,
                "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python", **(env or {})}
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE,
