@@ -35,9 +35,10 @@ preflight() {  # import check on this CPU machine: the GPU image's Python, the o
   [ -f $S/cpufill/pynvml.py ] || {  # the image has it, its CPU copy not
     "${PIP[@]}" -d $S/cpufill nvidia-ml-py && "$GPUPY" -m pip install -q --no-index --no-deps --target $S/cpufill $S/cpufill/*.whl; }
   bash $here/cuda_stub.sh $S/cudastub $S/site/sgl_kernel $BASE/torch/lib
+  rm -rf $S/torch_extensions  # SGLang's page hash is built afresh, as on a fresh GPU machine
   LD_LIBRARY_PATH=$S/cudastub PYTHONPATH=$S/site:$BASE:$repo/clients:$repo:.v034stage/cpufill/site:$S/cpufill \
     SGLANG_IS_FLASHINFER_AVAILABLE=false CPLUS_INCLUDE_PATH=$repo/$S/site/.include \
-    TORCH_EXTENSIONS_DIR=$(mktemp -d) "$GPUPY" - "$S/site" <<'EOF2'
+    TORCH_EXTENSIONS_DIR=$repo/$S/torch_extensions "$GPUPY" - "$S/site" <<'EOF2'
 import importlib, sys, traceback, types
 import torch
 site, bad = sys.argv[1], 0
