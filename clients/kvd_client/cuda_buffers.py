@@ -5,7 +5,8 @@ buffers, one per ordinary CUDA allocation, or, when every tensor lies in CUDA vi
 memory (vLLM 0.34's extensible KV cache, sleep mode, expandable segments), ``cuda_vmm``
 buffers whose file descriptors ``lend`` passes to the daemon at each registration
 (kvd_client.vmm_share). ``place``: each tensor's ``(buffer, offset)``. Tensors that mix
-both kinds raise ``ValueError``. No torch: torch tensors, numpy views of the fake GPU.
+both kinds raise ``ValueError``. ``torch_extent`` and ``torch_device_index`` read a torch
+tensor's span and GPU; torch is imported only to ask for the current device.
 """
 
 from __future__ import annotations
@@ -53,3 +54,12 @@ def torch_extent(t) -> int:
     if t.numel() == 0:
         return 0
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def torch_device_index(t) -> int:
+    """The GPU a torch tensor lives on: its device's index, else the current device."""
+    if t.device.index is not None:
+        return t.device.index
+    import torch
+
+    return torch.cuda.current_device()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from kvd_protocol import layout as L
 
-from .cuda_buffers import CudaBuffers, torch_extent
+from .cuda_buffers import CudaBuffers, torch_device_index, torch_extent
 
 
 class CudaKVPool:
@@ -37,8 +37,7 @@ class CudaKVPool:
             self.kv_heads, self.head_dim = first.shape[1], first.shape[-1] // 2
         if layout == "opaque":  # [pages, kv_heads, page_size, row]: the head dim is the row
             self.kv_heads = first.shape[1]
-        self.device_index = self.device.index if self.device.index is not None \
-            else torch.cuda.current_device()
+        self.device_index = torch_device_index(first)
         self._cuda = CudaBuffers([(t.data_ptr(), torch_extent(t)) for t in flat], self.device_index)
         self.lends_fds, self.buffers = self._cuda.lends_fds, self._cuda.buffers
         refs = []

@@ -68,13 +68,9 @@ def host_pool(geo: KVGeometry, tensors: list, path: str, base: int, size: int,
 def cuda_pool(geo: KVGeometry, tensors: list, num_blocks: int) -> CudaVllmKVPool:
     """``cuda_ipc`` buffers, or ``cuda_vmm`` ones lent by file descriptor where vLLM 0.34's
     extensible KV cache (CUDA virtual memory) holds the tensors (kvd_client.cuda_buffers)."""
-    from ..cuda_buffers import CudaBuffers, torch_extent
+    from ..cuda_buffers import CudaBuffers, torch_device_index, torch_extent
 
-    device = tensors[0].device.index
-    if device is None:
-        import torch
-
-        device = torch.cuda.current_device()
+    device = torch_device_index(tensors[0])
     cuda = CudaBuffers([(t.data_ptr(), torch_extent(t)) for t in tensors], device)
     refs = [tensor_ref(t, index, offset) for t, (index, offset) in zip(tensors, cuda.place)]
     return CudaVllmKVPool(geo, refs, cuda, num_blocks, device)
