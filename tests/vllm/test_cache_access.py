@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvd_client.vllm.access import may_load_async, sharing, version_note
+from kvd_client.vllm.access import VERSIONS_TESTED, may_load_async, sharing, version_note
 from kvd_client.vllm.settings import Settings
 
 
@@ -32,3 +32,18 @@ def test_version_note_names_the_tested_releases():
     assert version_note("0.32.0") is None and version_note("0.26.0") is None
     assert version_note("0.33.1") == ("kvd: the connector knows vLLM 0.26, 0.32, 0.34 (docs/vllm.md "
                                       "says how each was tested), not 0.33.1; it may work")
+
+
+def test_the_vllm_extra_admits_only_the_tested_releases():
+    """``pip install 'kvd[vllm]'`` never resolves to a vLLM the tests did not run."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    (req,) = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["vllm"]
+    spec = Requirement(req).specifier
+    for minor in range(20, 41):
+        for patch in (0, 3):
+            version = f"0.{minor}.{patch}"
+            assert spec.contains(version) == (f"0.{minor}" in VERSIONS_TESTED), (version, req)
