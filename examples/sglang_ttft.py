@@ -52,6 +52,10 @@ after the backend's calls, ours inside them, the daemon's share);
 ``--sglang-times`` adds SGLang's own timestamps of each request (its
 ``enable_metrics``), which cut the part after our calls at the forward's
 start and end.
+``--merge EARLIER.json`` keeps an earlier report's figures (the same GPU, SGLang,
+layers, suffix and attention backend; other engines or prefixes) beside this
+run's, in its table and ``--out``: a run split over calls, e.g. ``--host-pools
+linker --no-full`` then ``--host-pools '' --host-hit --merge``.
 ``--gil-switch-ms 0,0.2`` runs one kvd engine per value (the backend's
 ``kvd_gil_switch_ms``: Python's GIL switch interval in SGLang's process; 0
 leaves Python's 5 ms): the cost of thread wake-ups while SGLang's scheduler
@@ -292,6 +296,9 @@ def main() -> None:
     ap.add_argument("--gil-switch-ms", default="0",
                     help="kvd_gil_switch_ms of the kvd engines, comma-separated: one engine per "
                          "value and host pool (0: Python's own 5 ms)")
+    ap.add_argument("--merge", type=Path, default=None,
+                    help="an earlier report of this script (same GPU, SGLang, layers, suffix, attention "
+                         "backend) whose figures this report keeps where this run measures nothing else")
     add_common_args(ap, gpu_share=False)
     ap.set_defaults(host_capacity="10GiB")
     args = ap.parse_args()
@@ -311,6 +318,7 @@ def main() -> None:
     if args.role:
         Path(args.role_out).write_text(json.dumps(engine(args, args.role)))
         return
+    earlier = read_earlier(args) if args.merge else None
     flags = ("--chunk-tokens", str(PAGE))
     with tempfile.TemporaryDirectory(prefix="kvd-sgl-ttft-") as tmp, \
             private_daemon(args, Path(tmp), flags) as model:
@@ -320,11 +328,45 @@ def main() -> None:
             run_role(args, "store", tmp, __file__)
         roles = [f"kvd-{p}" for p in args.pool_list] + ([] if args.no_full else ["full"]) \
             + (["host"] if args.host_hit else [])
-        rows = run_roles(args, roles, tmp, __file__, save)
-    report(args, rows)
+        rows = run_roles(args, roles, tmp, __file__, lambda a, r: save(a, merged(earlier, r), earlier=earlier))
+    rows = merged(earlier, rows)
+    if earlier:
+        args.pool_list += [p for p in earlier["args"]["pool_list"] if p not in args.pool_list]
+    report(args, rows, earlier)
 
 
-def report(args, rows: dict) -> None:
+MATCH = ("layers", "suffix", "attention_backend")  # the report's args two merged runs must share
+
+
+def read_earlier(args) -> dict:
+    """The report ``--merge`` names, refused (before any engine starts) where its figures were
+    measured otherwise than this run's would be."""
+    try:
+        earlier = json.loads(args.merge.read_text())
+        runs, old = earlier["runs"], earlier["args"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--merge {args.merge}: not a report of this script ({exc})") from None
+    here = {**environment("sglang"), **{k: getattr(args, k) for k in MATCH}}
+    theirs = {**earlier, **{k: old.get(k) for k in MATCH}}
+    differ = [f"{k} {theirs.get(k)!r} there, {here[k]!r} here" for k in ("gpu", "sglang", *MATCH)
+              if k in here and theirs.get(k) != here[k]]
+    if differ:
+        raise SystemExit(f"--merge {args.merge}: measured otherwise: {'; '.join(differ)}")
+    earlier["runs"] = {int(n): r for n, r in runs.items()}
+    return earlier
+
+
+def merged(earlier: dict | None, rows: dict) -> dict:
+    """This run's figures over the earlier report's, prefix by prefix."""
+    if not earlier:
+        return rows
+    out = {n: dict(r) for n, r in earlier["runs"].items()}
+    for n, r in rows.items():
+        out.setdefault(n, {}).update(r)
+    return dict(sorted(out.items()))
+
+
+def report(args, rows: dict, earlier: dict | None = None) -> None:
     med = {n: {k: statistics.median(v) for k, v in r.items() if not k.startswith("breakdown/")}
            for n, r in rows.items()}
     for m in med.values():
@@ -343,7 +385,7 @@ def report(args, rows: dict) -> None:
             bound = f"{kvd / m['bound']:>10.2f}x" if kvd and "bound" in m else f"{'-':>11}"
             speed = f"{m['full'] / kvd:>8.1f}x" if "full" in m and kvd else f"{'-':>9}"
             print(f"{n:>8}{pool:>12}{cells}{hit}{bound}{speed}")
-    if args.host_hit:
+    if any("host" in m for m in med.values()):
         print(f"\n{'prefix':>8}{'SGLang host-tier hit ms':>24}{'host hit tokens':>17}"
               + "".join(f"{'kvd ' + p + ' / it':>22}" for p in args.pool_list))
         for n, m in med.items():
@@ -353,18 +395,21 @@ def report(args, rows: dict) -> None:
             ratios = "".join(f"{m[f'kvd/{p}'] / host:>22.2f}" if f"kvd/{p}" in m else f"{'-':>22}"
                              for p in args.pool_list)
             print(f"{n:>8}{host * 1e3:>24.1f}{int(m['host_hit_tokens']):>17d}{ratios}")
-    if args.trace:
+    if any(k.startswith("breakdown/") for r in rows.values() for k in r):
         print("\nwhere a kvd hit's time goes (ms, medians; examples/sglang_breakdown.py):")
         cuts = {n: {pool: r.get(f"breakdown/{pool}", []) for pool in args.pool_list}
                 for n, r in rows.items()}
         print("\n".join(sglang_breakdown.table(cuts)))
-    save(args, rows, med)
+    save(args, rows, med, earlier)
 
 
-def save(args, rows: dict, med: dict | None = None) -> None:
+def save(args, rows: dict, med: dict | None = None, earlier: dict | None = None) -> None:
     if args.out:
-        Path(args.out).write_text(json.dumps({**environment("sglang"), "args": vars(args), "runs": rows,
-                                              "median": med}, default=str, indent=1))
+        env = environment("sglang")
+        if earlier:
+            env["command"] = f"{earlier['command']}; then {env['command']}"
+        Path(args.out).write_text(json.dumps({**env, "args": vars(args), "runs": rows, "median": med},
+                                             default=str, indent=1))
 
 
 if __name__ == "__main__":

@@ -60,3 +60,39 @@ def test_kvd_engines_ask_sglang_for_its_python_radix_core(monkeypatch):
     monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "rust")  # a user's choice stands
     T.python_radix_core()
     assert os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "rust"
+
+
+def report_args(tmp_path, name: str, pools: list, **kw) -> Namespace:
+    return Namespace(pool_list=pools, host_hit=False, trace=False, out=str(tmp_path / name), layers=32,
+                     suffix=256, attention_backend="triton", merge=tmp_path / "first.json", **kw)
+
+
+def test_a_run_split_over_calls_reports_both_halves_against_one_bound(tmp_path, capsys):
+    first = {n: {k: v for k, v in r.items() if "/" in k} for n, r in rows().items()}  # the kvd engine
+    second = {n: {k: v for k, v in r.items() if "/" not in k} for n, r in rows().items()}  # full, suffix
+    second[2048].update(host=[0.047], host_hit_tokens=[2048])
+    T.save(report_args(tmp_path, "first.json", ["radix"]), first)
+    args = report_args(tmp_path, "both.json", [])
+    earlier = T.read_earlier(args)
+    both = T.merged(earlier, second)
+    args.pool_list += earlier["args"]["pool_list"]
+    T.report(args, both, earlier)
+    out = capsys.readouterr().out
+    assert re.search(r"^ +2048 +radix +66\.0 +41\.0 +45\.0 +50\.0 +5\.0 +2048 +1\.11x +1\.3x$", out, re.M), out
+    assert re.search(r"^ +2048 +47\.0 +2048 +1\.06$", out, re.M), out  # kvd / SGLang's host-tier hit
+    saved = json.loads((tmp_path / "both.json").read_text())
+    assert saved["runs"]["2048"]["kvd/radix"] == rows()[2048]["kvd/radix"]
+    assert saved["runs"]["2048"]["full"] == rows()[2048]["full"]
+    assert saved["command"].count("python ") == 2 and "; then " in saved["command"]
+
+
+def test_a_merge_of_figures_measured_otherwise_is_refused_before_any_engine(tmp_path):
+    T.save(report_args(tmp_path, "first.json", ["linker"]), rows())
+    for change in ({"layers": 16}, {"suffix": 128}, {"attention_backend": "fa3"}):
+        args = report_args(tmp_path, "x.json", [])
+        vars(args).update(change)
+        with pytest.raises(SystemExit, match=f"measured otherwise: {next(iter(change))}"):
+            T.read_earlier(args)
+    (tmp_path / "first.json").write_text("{}")
+    with pytest.raises(SystemExit, match="not a report of this script"):
+        T.read_earlier(report_args(tmp_path, "x.json", []))

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU machine: SGLang (>= 0.5.23, the linker) against the copy bound, in steps that each fit one
+# run of at most 600 s on one warm machine (docs/sglang.md, "Measured"). Run through the stage's
+# call2.sh, which makes SGLang and this checkout importable:
+#
+#   bash .sg023stage/cur1/call2.sh bash tools/gpu/sglang_bound.sh ttft-kvd      # the first run
+#   SGSITE=/tmp/sg023site bash tools/gpu/sglang_bound.sh ttft-base              # later runs: the
+#   SGSITE=/tmp/sg023site bash tools/gpu/sglang_bound.sh load                   #   script calls
+#   SGSITE=/tmp/sg023site bash tools/gpu/sglang_bound.sh staging                #   call2.sh itself
+#
+# ttft-kvd: a storing engine, then a fresh one with the linker: a kvd hit at each length, traced;
+# ttft-base: full prefill, suffix alone, the bound's floor and SGLang's own host-tier hit, merged
+# with ttft-kvd's report into one table; load: throughput without kvd and with the linker (no hit);
+# staging: the daemon's copy into SGLang's host pools against a memcpy on this machine's cores.
+# Reports and logs go to $OUT (and /tmp/kvd-sglang-bound, where a later step finds the earlier).
+set -u
+step=${1:?"a step: ttft-kvd, ttft-base, load or staging"}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+keep=/tmp/kvd-sglang-bound OUT=${OUT:-$keep}
+mkdir -p "$keep" "$OUT"
+if [ -z "${KVD_SGLANG_CALL2:-}" ] && [ "$step" != ttft-kvd ]; then  # a later run: make SGLang importable
+  export KVD_SGLANG_CALL2=1
+  exec bash "$here/tools/gpu/sglang_call2.sh" bash "$here/tools/gpu/sglang_bound.sh" "$@"
+fi
+cd "$here" || exit 1
+PREFIXES=${PREFIXES:-2048,8192,16384,32768} REPEAT=${REPEAT:-5}
+common=(--prefixes "$PREFIXES" --repeat "$REPEAT" --attention-backend "${ATTENTION:-triton}")
+
+run() {  # name, seconds, command...: its output in $OUT/name.log, the tail shown
+  local name=$1 limit=$2; shift 2
+  echo "[$step] $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -v "Ignore import error\|is deprecated" "$OUT/$name.log" | tail -40
+  echo "[$step] $name: exit $rc"
+  return $rc
+}
+
+case $step in
+  ttft-kvd)
+    run ttft_kvd 560 python3 examples/sglang_ttft.py "${common[@]}" --host-pools linker --no-full \
+      --trace --out "$keep/ttft_kvd.json"
+    cp "$keep/ttft_kvd.json" "$OUT/" ;;
+  ttft-base)
+    [ -f "$keep/ttft_kvd.json" ] || { echo "MACHINE LOST: $keep/ttft_kvd.json is gone; run ttft-kvd first"; exit 42; }
+    run ttft 560 python3 examples/sglang_ttft.py "${common[@]}" --host-pools '' --host-hit \
+      --merge "$keep/ttft_kvd.json" --out "$OUT/sglang_ttft.json" ;;
+  load)
+    run load 560 python3 examples/sglang_load.py --roles none,linker --out "$OUT/sglang_load.json" ;;
+  staging)  # a daemon of its own (its arena leaves /dev/shm with it), then both host-pool modes
+    rd=$keep/staging-run
+    python3 -m kvd serve --runtime-dir "$rd" --chunk-tokens 64 --host-capacity 4GiB --warm-restart false \
+      > "$OUT/staging_kvd.log" 2>&1 &
+    daemon=$!
+    trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null' EXIT
+    for _ in $(seq 100); do python3 -m kvd health --runtime-dir "$rd" --timeout 0.5 >/dev/null 2>&1 && break; sleep 0.2; done
+    run staging 280 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool staging
+    run shared 280 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool shared ;;
+  *) echo "unknown step $step: ttft-kvd, ttft-base, load or staging"; exit 2 ;;
+esac
