@@ -166,7 +166,10 @@ def main() -> None:
             private_daemon(args, Path(tmp), flags) as model:
         write_config(model, LLAMA3_8B, args.layers,
                      args.prefix + args.unique + max(args.max_tokens, args.decode_tokens) + 128)
-        rows = {role: run_role(args, role, Path(tmp), __file__) for role in roles}
+        rows = {}
+        for role in roles:
+            rows[role] = run_role(args, role, Path(tmp), __file__)
+            save(args, rows)  # the engines that ran survive a run cut short
     report(args, rows)
 
 
@@ -179,6 +182,10 @@ def report(args, rows: dict) -> None:
         print(f"{role:>8}{load['tokens_per_s']:>12.0f}{load['tokens_per_s'] / base['load']['tokens_per_s']:>10.3f}"
               f"{load['ttft_p50'] * 1e3:>8.1f}ms{load['ttft_p99'] * 1e3:>8.1f}ms"
               f"{dec['tokens_per_s']:>14.0f}{dec['tokens_per_s'] / base['decode']['tokens_per_s']:>10.3f}")
+    save(args, rows)
+
+
+def save(args, rows: dict) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({**environment("sglang"), "args": vars(args), "roles": rows},
                                              indent=1, default=str))

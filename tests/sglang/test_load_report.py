@@ -1,0 +1,30 @@
+"""examples/sglang_load.py without SGLang or a GPU: its table (each engine against the first) and
+its report, which keeps the engines that ran."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import sglang_load as L  # noqa: E402
+
+
+def role(load_tps: float, decode_tps: float) -> dict:
+    return {"load": {"tokens_per_s": load_tps, "ttft_p50": 0.120, "ttft_p99": 0.480},
+            "decode": {"tokens_per_s": decode_tps}}
+
+
+def test_each_engine_is_held_to_the_first_and_the_report_keeps_them(tmp_path, capsys):
+    out = tmp_path / "load.json"
+    rows = {"none": role(4000.0, 2000.0), "linker": role(3900.0, 2010.0)}
+    L.report(Namespace(out=str(out)), rows)
+    table = capsys.readouterr().out
+    assert re.search(r"^ +none +4000 +1\.000 +120\.0ms +480\.0ms +2000 +1\.000$", table, re.M), table
+    assert re.search(r"^ +linker +3900 +0\.975 +120\.0ms +480\.0ms +2010 +1\.005$", table, re.M), table
+    saved = json.loads(out.read_text())
+    assert saved["roles"]["linker"]["load"]["tokens_per_s"] == 3900.0
+    assert saved["command"].startswith("python ")
