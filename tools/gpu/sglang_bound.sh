@@ -4,9 +4,9 @@
 # call2.sh, which makes SGLang and this checkout importable:
 #
 #   bash .sg023stage/cur1/call2.sh bash tools/gpu/sglang_bound.sh ttft-kvd      # the first run
-#   SGSITE=/tmp/sg023site bash tools/gpu/sglang_bound.sh ttft-base              # later runs: the
-#   SGSITE=/tmp/sg023site bash tools/gpu/sglang_bound.sh load                   #   script calls
-#   SGSITE=/tmp/sg023site bash tools/gpu/sglang_bound.sh staging                #   call2.sh itself
+#   bash tools/gpu/sglang_bound.sh ttft-base       # later runs, nothing carried: without SGLang
+#   bash tools/gpu/sglang_bound.sh load            #   importable the script goes through
+#   bash tools/gpu/sglang_bound.sh staging         #   sglang_call2.sh (SGSITE: /tmp/sg023site)
 #
 # ttft-kvd: a storing engine, then a fresh one with the linker: a kvd hit at each length, traced;
 # ttft-base: full prefill, suffix alone, the bound's floor and SGLang's own host-tier hit, merged
@@ -18,8 +18,8 @@ step=${1:?"a step: ttft-kvd, ttft-base, load or staging"}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 keep=/tmp/kvd-sglang-bound OUT=${OUT:-$keep}
 mkdir -p "$keep" "$OUT"
-if [ -z "${KVD_SGLANG_CALL2:-}" ] && [ "$step" != ttft-kvd ]; then  # a later run: make SGLang importable
-  export KVD_SGLANG_CALL2=1
+if [ -z "${KVD_SGLANG_CALL2:-}" ] && ! python3 -c 'import sglang' 2>/dev/null; then  # a later run
+  export KVD_SGLANG_CALL2=1 SGSITE=${SGSITE:-/tmp/sg023site}
   exec bash "$here/tools/gpu/sglang_call2.sh" bash "$here/tools/gpu/sglang_bound.sh" "$@"
 fi
 cd "$here" || exit 1
