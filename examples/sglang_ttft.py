@@ -328,7 +328,8 @@ def main() -> None:
             run_role(args, "store", tmp, __file__)
         roles = [f"kvd-{p}" for p in args.pool_list] + ([] if args.no_full else ["full"]) \
             + (["host"] if args.host_hit else [])
-        rows = run_roles(args, roles, tmp, __file__, lambda a, r: save(a, merged(earlier, r), earlier=earlier))
+        rows = run_roles(args, roles, tmp, __file__,
+                         lambda a, r: save(a, merged(earlier, r), earlier=earlier))
     rows = merged(earlier, rows)
     if earlier:
         args.pool_list += [p for p in earlier["args"]["pool_list"] if p not in args.pool_list]

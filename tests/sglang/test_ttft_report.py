@@ -78,7 +78,8 @@ def test_a_run_split_over_calls_reports_both_halves_against_one_bound(tmp_path, 
     args.pool_list += earlier["args"]["pool_list"]
     T.report(args, both, earlier)
     out = capsys.readouterr().out
-    assert re.search(r"^ +2048 +radix +66\.0 +41\.0 +45\.0 +50\.0 +5\.0 +2048 +1\.11x +1\.3x$", out, re.M), out
+    row = r"^ +2048 +radix +66\.0 +41\.0 +45\.0 +50\.0 +5\.0 +2048 +1\.11x +1\.3x$"  # both halves
+    assert re.search(row, out, re.M), out
     assert re.search(r"^ +2048 +47\.0 +2048 +1\.06$", out, re.M), out  # kvd / SGLang's host-tier hit
     saved = json.loads((tmp_path / "both.json").read_text())
     assert saved["runs"]["2048"]["kvd/radix"] == rows()[2048]["kvd/radix"]

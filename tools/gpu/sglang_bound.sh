@@ -42,7 +42,8 @@ case $step in
       --trace --out "$keep/ttft_kvd.json"
     cp "$keep/ttft_kvd.json" "$OUT/" ;;
   ttft-base)
-    [ -f "$keep/ttft_kvd.json" ] || { echo "MACHINE LOST: $keep/ttft_kvd.json is gone; run ttft-kvd first"; exit 42; }
+    [ -f "$keep/ttft_kvd.json" ] || {
+      echo "MACHINE LOST: $keep/ttft_kvd.json is gone; run ttft-kvd first"; exit 42; }
     run ttft 560 python3 examples/sglang_ttft.py "${common[@]}" --host-pools '' --host-hit \
       --merge "$keep/ttft_kvd.json" --out "$OUT/sglang_ttft.json" ;;
   load)
@@ -53,7 +54,9 @@ case $step in
       > "$OUT/staging_kvd.log" 2>&1 &
     daemon=$!
     trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null' EXIT
-    for _ in $(seq 100); do python3 -m kvd health --runtime-dir "$rd" --timeout 0.5 >/dev/null 2>&1 && break; sleep 0.2; done
+    for _ in $(seq 100); do
+      python3 -m kvd health --runtime-dir "$rd" --timeout 0.5 >/dev/null 2>&1 && break; sleep 0.2
+    done
     run staging 280 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool staging
     run shared 280 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool shared ;;
   *) echo "unknown step $step: ttft-kvd, ttft-base, load or staging"; exit 2 ;;
