@@ -18,8 +18,9 @@ step=${1:?"a step: ttft-kvd, ttft-base, load or staging"}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 keep=/tmp/kvd-sglang-bound OUT=${OUT:-$keep}
 mkdir -p "$keep" "$OUT"
-if [ -z "${KVD_SGLANG_CALL2:-}" ] && ! python3 -c 'import sglang' 2>/dev/null; then  # a later run
-  export KVD_SGLANG_CALL2=1 SGSITE=${SGSITE:-/tmp/sg023site}
+# a later run: through sglang_call2.sh, which stops before running us when SGLang does not import
+if ! python3 -c 'import sglang' 2>/dev/null; then
+  export SGSITE=${SGSITE:-/tmp/sg023site}
   exec bash "$here/tools/gpu/sglang_call2.sh" bash "$here/tools/gpu/sglang_bound.sh" "$@"
 fi
 cd "$here" || exit 1
