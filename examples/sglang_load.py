@@ -187,8 +187,8 @@ def report(args, rows: dict) -> None:
 
 def save(args, rows: dict) -> None:
     if args.out:
-        report = {**environment("sglang"), "args": vars(args), "roles": rows}
-        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+        doc = {**environment("sglang"), "args": vars(args), "roles": rows}
+        Path(args.out).write_text(json.dumps(doc, indent=1, default=str))
 
 
 if __name__ == "__main__":

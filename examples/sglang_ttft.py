@@ -348,9 +348,9 @@ def read_earlier(args) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"--merge {args.merge}: not a report of this script ({exc})") from None
     here = {**environment("sglang"), **{k: getattr(args, k) for k in MATCH}}
-    theirs = {**earlier, **{k: old.get(k) for k in MATCH}}
-    differ = [f"{k} {theirs.get(k)!r} there, {here[k]!r} here" for k in ("gpu", "sglang", *MATCH)
-              if k in here and theirs.get(k) != here[k]]
+    there = {**earlier, **old}  # its GPU and SGLang, and its arguments
+    differ = [f"{k} {there.get(k)!r} there, {here[k]!r} here" for k in ("gpu", "sglang", *MATCH)
+              if k in here and there.get(k) != here[k]]
     if differ:
         raise SystemExit(f"--merge {args.merge}: measured otherwise: {'; '.join(differ)}")
     earlier["runs"] = {int(n): r for n, r in runs.items()}
