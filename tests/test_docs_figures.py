@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "plot_docs.py"
 QUOTED = {"README.md": {"summary"}, "docs/vllm.md": {"vllm_ttft", "vllm_load"},
           "docs/gpu.md": {"gpu_copy"}, "docs/performance.md": {"vllm_ttft", "vllm_load", "gpu_copy"},
-          "docs/sglang.md": {"sglang_ttft"}, "docs/restart.md": {"host_verify"},
+          "docs/sglang.md": {"sglang_ttft", "sglang_linker", "sglang_breakdown", "sglang_load"}, "docs/restart.md": {"host_verify"},
           "docs/fleet.md": {"fleet"}}
 QUOTED["docs/performance.md"] = QUOTED["docs/performance.md"] | {"host_bench"}  # same JSON as host_verify
 

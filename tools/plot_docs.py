@@ -37,7 +37,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+from docs_tables import block, k, ms, ttft_medians  # noqa: E402
 from plot_fleet import cdf_images, render_fleet  # noqa: E402  (docs/fleet.md's blocks)
+from plot_sglang import render_sglang_breakdown, render_sglang_linker, render_sglang_load, render_sglang_ttft  # noqa: E402,E501
 
 # name -> the docs/data files it reads (glob patterns, relative to docs/data)
 SOURCES = {
@@ -46,6 +48,9 @@ SOURCES = {
     "gpu_copy": ["gpu_copy_*.json"],
     "summary": ["vllm_ttft_h200.json", "vllm_load_h200.json", "gpu_copy_*.json"],
     "sglang_ttft": ["sglang_ttft_h200.json"],
+    "sglang_linker": ["sglang_ttft_h100_linker.json"],
+    "sglang_breakdown": ["sglang_ttft_h100_linker.json"],
+    "sglang_load": ["sglang_load_h100.json"],
     "host_bench": ["host_bench_vm.json"],  # kvd bench --json: performance.md and restart.md
     "host_verify": ["host_bench_vm.json", "host_bench_vm_verify.json"],
     "fleet": ["fleet_*.json"],
@@ -73,17 +78,6 @@ def load(root: Path, name: str) -> list[dict]:
     return docs
 
 
-def ttft_medians(doc: dict) -> dict:
-    """prefix tokens -> {role: median seconds}, bound = suffix + floor (as the example computes)."""
-    out = {}
-    for prefix, runs in doc["runs"].items():
-        m = {role: statistics.median(v) for role, v in runs.items() if v}
-        if "suffix" in m and "floor" in m:
-            m["bound"] = m["suffix"] + m["floor"]
-        out[int(prefix)] = m
-    return dict(sorted(out.items()))
-
-
 def kvd_hit(m: dict) -> float:
     """kvd's TTFT as an engine gets it by default: layer-wise loads where they ran."""
     return m.get("kvd-layerwise", m.get("kvd"))
@@ -92,14 +86,6 @@ def kvd_hit(m: dict) -> float:
 def daemon_load(m: dict) -> float | None:
     """The daemon's load time in the hit ``kvd_hit`` picks (runs from before it was kept: None)."""
     return m.get("kvd-layerwise in kvd" if "kvd-layerwise" in m else "kvd in kvd")
-
-
-def k(tokens: int) -> str:
-    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
-
-
-def ms(seconds: float | None) -> str:
-    return "–" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 def copy_rows(docs: list[dict]) -> list[dict]:
@@ -131,16 +117,6 @@ def source(doc: dict) -> str:
 
 
 # ---- the tables -------------------------------------------------------------------
-
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(r) + " |" for r in rows)]
-
-
-def block(header: list[str], rows: list[list[str]], *notes: str) -> str:
-    """A marked block's text: the table, a blank line, then the ``notes`` lines under it."""
-    return "\n".join([*table(header, rows), "", *notes]) + "\n"
-
 
 def render_vllm_ttft(docs: list[dict]) -> str:
     doc = docs[0]
@@ -223,33 +199,6 @@ def render_summary(docs: list[dict]) -> str:
                  "Commands, settings and the full tables: [docs/performance.md](docs/performance.md).")
 
 
-def render_sglang_ttft(docs: list[dict]) -> str:
-    """SGLang's TTFT: full prefill, the suffix alone, the bound (suffix + the prefix's bytes at
-    one pinned copy, where the run timed it) and a kvd hit per host pool (default first)."""
-    doc = docs[0]
-    pools, rows, med = doc["pools"], [], ttft_medians(doc)
-    bounded = any("bound" in m for m in med.values())
-    for n, m in med.items():
-        row = [k(n), ms(m.get("full")), ms(m.get("suffix"))] + ([ms(m.get("bound"))] if bounded else [])
-        for pool in pools:
-            row += [ms(m.get(f"kvd/{pool}")), ms(m.get(f"daemon_load/{pool}"))]
-        hit = m.get(f"kvd/{pools[0]}")
-        if bounded:
-            row.append(f"{hit / m['bound']:.2f}×" if hit and "bound" in m else "–")
-        row.append(f"{m['full'] / hit:.1f}×" if hit and "full" in m else "–")
-        rows.append(row)
-    header = ["prefix", "full prefill", "suffix alone"] + (["bound"] if bounded else [])
-    for pool in pools:
-        header += [f"kvd hit, {pool} host pool", "of it in kvd"]
-    header += [f"kvd / bound ({pools[0]})"] if bounded else []
-    a = doc["args"]
-    return block(header + [f"speedup ({pools[0]})"], rows,
-                 f"{doc['gpu']}, SGLang {doc['sglang']}, {a['attention_backend']} attention, "
-                 f"Llama-3-8B shape, {a['layers']} layers, load_format=dummy; a {a['suffix']}-token suffix "
-                 f"after the prefix; medians of {a['repeat']} prompts. From `{doc['command']}` and "
-                 f"`{doc['command_full']}` ({doc['note']}).")
-
-
 def host_medians(doc: dict) -> dict:
     """what -> (median seconds, GB/s) of a host ``kvd bench --json`` file."""
     return {w: (statistics.median(s), doc["bytes"] / statistics.median(s) / 1e9)
@@ -279,7 +228,9 @@ def render_host_verify(docs: list[dict]) -> str:
 
 RENDER = {"vllm_ttft": render_vllm_ttft, "vllm_load": render_vllm_load, "gpu_copy": render_gpu_copy,
           "summary": render_summary, "sglang_ttft": render_sglang_ttft, "host_bench": render_host_bench,
-          "host_verify": render_host_verify, "fleet": render_fleet}
+          "host_verify": render_host_verify, "fleet": render_fleet,
+          "sglang_linker": render_sglang_linker, "sglang_breakdown": render_sglang_breakdown,
+          "sglang_load": render_sglang_load}
 
 
 # ---- checking and writing the marked blocks ----------------------------------------

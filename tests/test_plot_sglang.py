@@ -1,0 +1,59 @@
+"""docs/sglang.md's renderers (tools/plot_sglang.py) on reports made here, not the committed data:
+the ratios the targets name come from the medians, a hit short of its prefix is said, and the
+breakdown's parts are medians per part."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import plot_sglang  # noqa: E402
+
+
+def report(kvd_hits=(2048, 2048, 2048)) -> dict:
+    runs = {"kvd/linker": [0.050, 0.040, 0.030], "storage_hit_tokens/linker": list(kvd_hits),
+            "daemon_load/linker": [0.01, 0.01, 0.01], "full": [0.2, 0.2, 0.2], "suffix": [0.02, 0.02, 0.02],
+            "floor": [0.01], "host": [0.05, 0.05, 0.05], "host_hit_tokens": [2048, 2048, 2048],
+            "breakdown/linker": [{"before": 1.0, "exists": 1.0, "between": 20.0, "get": 1.0, "daemon": 9.0,
+                                  "after": 3.0, "total": 30.0},
+                                 {"before": 3.0, "exists": 2.0, "between": 30.0, "get": 2.0, "daemon": 9.0,
+                                  "after": 5.0, "total": 50.0}, None]}
+    return {"gpu": "GPU X", "sglang": "0.5.23", "command": "cmd",
+            "args": {"attention_backend": "triton", "layers": 32, "suffix": 256, "repeat": 3},
+            "runs": {"2048": runs}}
+
+
+def row(text: str, first: str) -> list[str]:
+    line = next(x for x in text.splitlines() if x.startswith(f"| {first} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_the_linker_table_takes_its_ratios_from_the_medians():
+    text = plot_sglang.render_sglang_linker([report()])
+    cells = row(text, "2k")
+    # kvd 40 ms; bound = suffix 20 + floor 10 = 30; host 50; full 200
+    assert cells[3:10] == ["30.0 ms", "50.0 ms", "40.0 ms", "10.0 ms", "1.33×", "0.80×", "5.0×"]
+    assert "every hit, kvd's and SGLang's, took the whole prefix" in text
+
+
+def test_a_hit_short_of_its_prefix_is_said():
+    text = plot_sglang.render_sglang_linker([report(kvd_hits=(2048, 1024, 2048))])
+    assert "some hits were short of the prefix at 2k" in text
+
+
+def test_the_breakdown_is_a_median_per_part_leaving_out_untraced_repeats():
+    cells = row(plot_sglang.render_sglang_breakdown([report()]), "2k")
+    assert cells[1:] == ["3.0", "2.0", "30.0", "2.0", "9.0", "5.0", "50.0"]  # median_high of two
+
+
+def test_the_load_table_is_against_the_first_engine_with_each_engines_spread():
+    def engine(tps):
+        one = {"tokens_per_s": tps, "wall_s": 1.0, "ttft_p50": 0.5, "ttft_p99": 0.9}
+        return {"load": one, "decode": one, "runs": {"load": [one, {**one, "tokens_per_s": tps / 2}]}}
+    doc = {"gpu": "GPU X", "sglang": "0.5.23", "command": "cmd",
+           "args": {"attention_backend": "triton", "layers": 32, "requests": 4, "prefix": 64, "unique": 8,
+                    "max_tokens": 2, "decode_tokens": 2, "repeat": 2},
+           "roles": {"none": engine(1000.0), "linker": engine(970.0)}}
+    cells = row(plot_sglang.render_sglang_load([doc]), "linker")
+    assert cells[1:4] == ["970", "485–970", "0.97"]
