@@ -16,6 +16,7 @@ from numpy.lib.stride_tricks import as_strided
 from kvd_protocol.layout import LayoutDescriptor
 
 BLOCK_BYTES = 1 << 20
+PAGE_COPY_MIN = 256 << 10  # below it, the per-(layer, plane) loop moves more per numpy call
 
 
 def row_dims(d: LayoutDescriptor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -85,6 +86,13 @@ def gather(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, sha
         return
     pages = np.asarray(page_ids, dtype=np.int64)
     ppc = chunk_tokens // d.page_size
+    whole = pool_view(buffers, d) if _by_page(d, d.num_layers) else None
+    if whole is not None:
+        for c, offset in enumerate(shard_offsets):
+            dst = shard_view(arena, offset, d, chunk_tokens)
+            for j, page in enumerate(pages[c * ppc:(c + 1) * ppc]):
+                dst[:, :, j] = whole[:, :, page]
+        return
     segs = _Segments(arena, d, chunk_tokens, shard_offsets)
     for layer in range(d.num_layers):
         for plane in range(d.planes):
@@ -100,16 +108,14 @@ def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, sh
     pages = np.asarray(page_ids, dtype=np.int64)
     ppc = chunk_tokens // d.page_size
     layers = range(d.num_layers) if layers is None else layers
-    whole = pool_view(buffers, d) if len(shard_offsets) <= len(layers) * d.planes else None
+    whole = pool_view(buffers, d) if _by_page(d, len(layers)) else None
     if whole is not None:
         span = slice(layers.start, layers.stop)
         for c, offset in enumerate(shard_offsets):
-            ids, src = pages[c * ppc:(c + 1) * ppc], shard_view(arena, offset, d, chunk_tokens)[span]
-            keep = ids >= 0  # SKIP_PAGE: a partial load's tail
-            if keep.all():
-                whole[span, :, ids] = src
-            else:
-                whole[span, :, ids[keep]] = src[:, :, keep]
+            src = shard_view(arena, offset, d, chunk_tokens)[span]
+            for j, page in enumerate(pages[c * ppc:(c + 1) * ppc]):
+                if page >= 0:  # SKIP_PAGE: a partial load's tail
+                    whole[span, :, page] = src[:, :, j]
         return
     segs = _Segments(arena, d, chunk_tokens, shard_offsets)
     staging = np.empty((min(segs.per, segs.chunks) * segs.per_seg, segs.g), dtype=np.uint8)
@@ -121,6 +127,13 @@ def scatter(buffers, arena, d: LayoutDescriptor, chunk_tokens: int, page_ids, sh
                 np.take(segs.rows, rows, axis=0, out=part, mode="clip")
                 _put(view, pages[c * ppc:(c + segs.per) * ppc],
                      part.reshape(-1, d.page_size, *row_dims(d)[0]))
+
+
+def _by_page(d: LayoutDescriptor, layers: int) -> bool:
+    """Copy page by page through one view of the whole pool when a page (of ``layers``)
+    moves at least ``PAGE_COPY_MIN``: a plain slice copies strided rows in one pass, where a
+    fancy index costs a second, and the calls grow with the MiB moved."""
+    return layers * d.planes * d.page_size * d.row_bytes >= PAGE_COPY_MIN
 
 
 def _put(view: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:

@@ -11,6 +11,7 @@ import pytest
 from vllm_blocks import VllmBlocksPool
 
 from kvd.copy import host_ops
+from kvd.copy.plan import SKIP_PAGE
 from kvd_client.pool import SharedKVPool
 from kvd_protocol import layout as L
 
@@ -46,10 +47,13 @@ def pool(request, tmp_path):
 @pytest.mark.parametrize("n", [2, 5], ids=["2-chunks", "5-chunks"])
 @pytest.mark.parametrize("block", [host_ops.BLOCK_BYTES, 1], ids=["1MiB-copies", "chunk-copies"])
 @pytest.mark.parametrize("bases", ["as-made", "layers-reversed"])
-def test_gather_then_scatter_match_the_reference(pool, align, n, block, bases, monkeypatch):
-    """Every path: per-chunk scatter (few chunks, evenly spaced bases) or per (layer, plane)
-    (more chunks than pairs, or bases not evenly spaced), in one or several blocks."""
+@pytest.mark.parametrize("page_copy", [0, 1 << 62], ids=["by-page", "by-layer"])
+def test_gather_then_scatter_match_the_reference(pool, align, n, block, bases, page_copy, monkeypatch):
+    """Every path: page by page through a view of the whole pool (pages large enough, bases
+    evenly spaced) or per (layer, plane) (small pages, or bases not evenly spaced), in one or
+    several blocks."""
     monkeypatch.setattr(host_ops, "BLOCK_BYTES", block)
+    monkeypatch.setattr(host_ops, "PAGE_COPY_MIN", page_copy)
     d, chunk = pool.descriptor, 8  # two pages per chunk
     if bases == "layers-reversed":
         order = [b for layer in reversed(range(d.num_layers))
@@ -94,3 +98,27 @@ def test_an_empty_request_touches_nothing(pool):
     host_ops.gather([pool.raw], arena, pool.descriptor, 8, np.zeros(0, np.int64), [])
     host_ops.scatter([pool.raw], arena, pool.descriptor, 8, np.zeros(0, np.int64), [])
     assert not arena.any() and (pool.raw == before).all()
+
+
+@pytest.mark.parametrize("page_copy", [0, 1 << 62], ids=["by-page", "by-layer"])
+def test_a_scatter_leaves_skipped_pages_and_every_other_page_alone(pool, page_copy, monkeypatch):
+    monkeypatch.setattr(host_ops, "PAGE_COPY_MIN", page_copy)
+    d, chunk = pool.descriptor, 8
+    shard = d.shard_bytes(chunk)
+    arena = np.random.default_rng(9).integers(0, 256, 2 * shard, dtype=np.uint8)
+    before = pool.raw.copy()
+    dest = np.array([3, SKIP_PAGE, 7, 11], np.int64)  # a partial load leaves out its second page
+    host_ops.scatter([pool.raw], arena, d, chunk, dest, [0, shard])
+    for page in range(d.num_pages):
+        for layer in range(d.num_layers):
+            for plane in range(d.planes):
+                for t in range(d.page_size):
+                    got = reference_row([pool.raw], d, layer, plane, page, t)
+                    if page in (3, 7, 11):
+                        i = list(dest).index(page)
+                        tok = (i % 2) * d.page_size + t
+                        at = (i // 2) * shard + canonical(d, chunk, layer, plane, tok)
+                        want = arena[at:at + d.row_bytes]
+                    else:
+                        want = reference_row([before], d, layer, plane, page, t)
+                    assert (got == want).all(), (page, layer, plane, t)
