@@ -11,6 +11,10 @@ page 64, triton attention (``--attention-backend``), no CUDA graphs unless
 ``--cuda-graph``:
 
 - ``none``: no hierarchical cache (SGLang's GPU radix cache only);
+- ``none-pytree``: the same on SGLang's Python radix tree core
+  (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``, which the ``kvd`` and
+  ``linker`` engines run for kvd's token keys): beside ``linker``, what kvd
+  itself costs, the tree's cost left out;
 - ``hicache``: SGLang's hierarchical cache, its own host tier, no storage;
 - ``kvd``: the same with kvd as its storage tier (``write_through``: every
   page a request computed is backed up to kvd), on a daemon that holds none
@@ -54,7 +58,8 @@ from vllm_ttft import (LLAMA3_8B, add_common_args, environment, private_daemon, 
                        run_role, write_config)
 
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
-ROLES = ("none", "hicache", "kvd", "linker", "radix")
+ROLES = ("none", "none-pytree", "hicache", "kvd", "linker", "radix")
+PYTHON_TREE_ROLES = ("none-pytree", "kvd", "linker")  # SGLang >= 0.5.23: its Python radix tree core
 
 
 def tokens(seed: str, n: int) -> list[int]:
@@ -106,13 +111,18 @@ async def run_batch(llm, prompts: list, max_tokens: int) -> dict:
             "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]}
 
 
+def prepare(args, role: str) -> None:
+    """What the engine's processes must find in the environment before SGLang starts."""
+    if role == "radix":  # kvd-cache's plugin entry point, where it is not installed
+        offer_plugin(Path(args.runtime_dir).parent)
+    if role in PYTHON_TREE_ROLES:
+        python_radix_core()
+
+
 def role_main(args, role: str) -> dict:
     import sglang
 
-    if role == "radix":  # kvd-cache's plugin entry point, where it is not installed
-        offer_plugin(Path(args.runtime_dir).parent)
-    if role in ("kvd", "linker"):
-        python_radix_core()
+    prepare(args, role)
     llm = sglang.Engine(**engine_args(args, role))
     run = llm.loop.run_until_complete
     try:

@@ -7,14 +7,17 @@
 #   bash tools/gpu/sglang_bound.sh ttft-base       # later runs, nothing carried: without SGLang
 #   bash tools/gpu/sglang_bound.sh load            #   importable the script goes through
 #   bash tools/gpu/sglang_bound.sh staging         #   sglang_call2.sh (SGSITE: /tmp/sg023site)
+#   bash tools/gpu/sglang_bound.sh load-tree
 #
 # ttft-kvd: a storing engine, then a fresh one with the linker: a kvd hit at each length, traced;
 # ttft-base: full prefill, suffix alone, the bound's floor and SGLang's own host-tier hit, merged
 # with ttft-kvd's report into one table; load: throughput without kvd and with the linker (no hit);
-# staging: the daemon's copy into SGLang's host pools against a memcpy on this machine's cores.
+# load-tree: the same with SGLang's Python radix tree core (which the linker needs) on both sides;
+# staging: the daemon's copy into SGLang's host pools against a memcpy on this machine's cores, the
+# daemon on 4 copy threads (its default) and on 16 (COPY_THREADS: the values).
 # Reports and logs go to $OUT (and /tmp/kvd-sglang-bound, where a later step finds the earlier).
 set -u
-step=${1:?"a step: ttft-kvd, ttft-base, load or staging"}
+step=${1:?"a step: ttft-kvd, ttft-base, load, load-tree or staging"}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 keep=/tmp/kvd-sglang-bound OUT=${OUT:-$keep}
 mkdir -p "$keep" "$OUT"
@@ -49,16 +52,23 @@ case $step in
       --merge "$keep/ttft_kvd.json" --out "$OUT/sglang_ttft.json" ;;
   load)
     run load 560 python3 examples/sglang_load.py --roles none,linker --out "$OUT/sglang_load.json" ;;
-  staging)  # a daemon of its own (its arena leaves /dev/shm with it), then both host-pool modes
-    rd=$keep/staging-run
-    python3 -m kvd serve --runtime-dir "$rd" --chunk-tokens 64 --host-capacity 4GiB --warm-restart false \
-      > "$OUT/staging_kvd.log" 2>&1 &
-    daemon=$!
-    trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null' EXIT
-    for _ in $(seq 100); do
-      python3 -m kvd health --runtime-dir "$rd" --timeout 0.5 >/dev/null 2>&1 && break; sleep 0.2
-    done
-    run staging 280 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool staging
-    run shared 280 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool shared ;;
-  *) echo "unknown step $step: ttft-kvd, ttft-base, load or staging"; exit 2 ;;
+  load-tree)  # the linker beside the same engine on SGLang's Python radix tree core, without kvd
+    run load_tree 560 python3 examples/sglang_load.py --roles none-pytree,linker \
+      --out "$OUT/sglang_load_tree.json" ;;
+  staging)  # per daemon copy_threads value a daemon of its own (its arena leaves /dev/shm with
+    # it), then both host-pool modes: the daemon's copy on 4 of the cores (its default) and on 16
+    for threads in ${COPY_THREADS:-4 16}; do
+      rd=$keep/staging-run-$threads
+      python3 -m kvd serve --runtime-dir "$rd" --chunk-tokens 64 --host-capacity 4GiB --warm-restart false \
+        --copy-threads "$threads" > "$OUT/staging_kvd_$threads.log" 2>&1 &
+      daemon=$!
+      trap 'kill $daemon 2>/dev/null; wait $daemon 2>/dev/null' EXIT
+      for _ in $(seq 100); do
+        python3 -m kvd health --runtime-dir "$rd" --timeout 0.5 >/dev/null 2>&1 && break; sleep 0.2
+      done
+      run "staging_t$threads" 200 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool staging
+      run "shared_t$threads" 140 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool shared
+      kill $daemon; wait $daemon 2>/dev/null
+    done ;;
+  *) echo "unknown step $step: ttft-kvd, ttft-base, load, load-tree or staging"; exit 2 ;;
 esac
