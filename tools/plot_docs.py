@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 from docs_tables import block, k, ms, ttft_medians  # noqa: E402
 from plot_fleet import cdf_images, render_fleet  # noqa: E402  (docs/fleet.md's blocks)
-from plot_sglang import render_sglang_breakdown, render_sglang_linker, render_sglang_load, render_sglang_ttft  # noqa: E402,E501
+from plot_sglang import (render_sglang_breakdown, render_sglang_linker, render_sglang_load,  # noqa: E402
+                         render_sglang_ttft)
 
 # name -> the docs/data files it reads (glob patterns, relative to docs/data)
 SOURCES = {

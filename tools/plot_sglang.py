@@ -26,7 +26,8 @@ def setting(doc: dict) -> str:
 
 def kvd_pools(doc: dict) -> list[str]:
     """The kvd engines of a report (``kvd/<pool>`` runs), in the order they ran."""
-    seen = dict.fromkeys(role[4:] for runs in doc["runs"].values() for role in runs if role.startswith("kvd/"))
+    roles = (role for runs in doc["runs"].values() for role in runs)
+    seen = dict.fromkeys(role[4:] for role in roles if role.startswith("kvd/"))
     return list(seen)
 
 
@@ -94,12 +95,14 @@ def render_sglang_load(docs: list[dict]) -> str:
                      f"{min(spread):.0f}–{max(spread):.0f}" if spread else "–",
                      f"{load['tokens_per_s'] / first['load']['tokens_per_s']:.2f}",
                      f"{load['ttft_p50'] * 1e3:.0f} ms", f"{load['ttft_p99'] * 1e3:.0f} ms",
-                     f"{dec['tokens_per_s']:.0f}", f"{dec['tokens_per_s'] / first['decode']['tokens_per_s']:.2f}"])
+                     f"{dec['tokens_per_s']:.0f}",
+                     f"{dec['tokens_per_s'] / first['decode']['tokens_per_s']:.2f}"])
     a = doc["args"]
     return block(["engine", "load: output tokens/s", "its runs", "vs first", "TTFT p50", "TTFT p99",
                   "decode: tokens/s", "vs first"], rows,
-                 f"{doc['gpu']}, SGLang {doc['sglang']}, {a['attention_backend']} attention, Llama-3-8B shape, "
-                 f"{a['layers']} layers, load_format=dummy; {a['requests']} requests at once, each a shared "
+                 f"{doc['gpu']}, SGLang {doc['sglang']}, {a['attention_backend']} attention, "
+                 f"Llama-3-8B shape, {a['layers']} layers, load_format=dummy; {a['requests']} requests "
+                 f"at once, each a shared "
                  f"{a['prefix']}-token prefix, {a['unique']} tokens of its own and {a['max_tokens']} output "
                  f"tokens; then {a['requests']} short prompts decoding {a['decode_tokens']} tokens each; "
                  f"medians of {a['repeat']} runs of each engine (the first run included). "

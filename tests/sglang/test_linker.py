@@ -12,6 +12,7 @@ import base64
 import itertools
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,22 @@ def test_a_lookup_pins_its_hits_until_the_load_consumes_or_a_cancel_releases_the
     assert b("lookup", keys=keys, rid="c") == [1, 2]
     assert b("queue_and_cancel", keys=keys)["cancelled"]
     wait_for(lambda: daemon.stats()["leases"] == 0, 5, "the cancel to release the lease")
+
+
+def test_a_waiting_requests_matches_reuse_one_answer_for_half_its_lease(daemon, engines):
+    """SGLang matches a waiting request on every scheduler pass: the same uncached pages are
+    answered from the last lookup (hit or miss) while its lease (kvd_timeout_s) has half to run."""
+    a = engines(daemon.runtime_dir, "a", extra={"kvd_timeout_s": 1.0})
+    keys = a("hash", tokens=tokens(2 * 16))
+    assert a("lookup", keys=keys, rid="w") == []            # a miss, remembered
+    assert a("offload", keys=keys, seed=3)["ok"]
+    assert a("lookup", keys=keys, rid="w") == []            # the same pages again: the same answer
+    assert (a("stats")["lookups"], a("stats")["reused_answers"]) == (1, 1)
+    assert a("lookup", keys=keys[:1], rid="w") == [1]       # other pages (a longer GPU prefix): asked
+    time.sleep(0.6)                                          # past half the lease: asked again
+    assert a("lookup", keys=keys[:1], rid="w") == [1]
+    assert a("lookup", keys=keys, rid="w") == [1, 2]
+    assert a("stats")["lookups"] == 4
+    assert daemon.stats()["leases"] == 1                    # each new lookup let the last lease go
+    assert a("load", keys=keys, rid="w")["landed"]          # consumed: the next match asks kvd
+    assert a("lookup", keys=keys, rid="w") == [1, 2] and a("stats")["lookups"] == 5

@@ -33,8 +33,9 @@ def test_each_engine_is_held_to_the_first_and_the_report_keeps_them(tmp_path, ca
 
 def test_the_python_tree_engine_is_the_plain_engine_on_sglangs_python_radix_core(monkeypatch, tmp_path):
     """``none-pytree`` differs from ``none`` by the radix tree core alone, which ``linker`` runs too."""
-    args = Namespace(model="m", prefix=64, unique=64, max_tokens=4, decode_tokens=4, attention_backend="triton",
-                     cuda_graph=False, mem_fraction_static=0.8, runtime_dir=str(tmp_path / "run"), extra="{}")
+    args = Namespace(model="m", prefix=64, unique=64, max_tokens=4, decode_tokens=4,
+                     attention_backend="triton", cuda_graph=False, mem_fraction_static=0.8,
+                     runtime_dir=str(tmp_path / "run"), extra="{}")
     assert L.engine_args(args, "none-pytree") == L.engine_args(args, "none")
     monkeypatch.delenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", raising=False)
     L.prepare(args, "none")
