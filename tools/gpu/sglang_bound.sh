@@ -7,17 +7,18 @@
 #   bash tools/gpu/sglang_bound.sh ttft-base       # later runs, nothing carried: without SGLang
 #   bash tools/gpu/sglang_bound.sh load            #   importable the script goes through
 #   bash tools/gpu/sglang_bound.sh staging         #   sglang_call2.sh (SGSITE: /tmp/sg023site)
-#   bash tools/gpu/sglang_bound.sh load-tree
+#   bash tools/gpu/sglang_bound.sh load-tree       # (and gpu-test)
 #
 # ttft-kvd: a storing engine, then a fresh one with the linker: a kvd hit at each length, traced;
 # ttft-base: full prefill, suffix alone, the bound's floor and SGLang's own host-tier hit, merged
 # with ttft-kvd's report into one table; load: throughput without kvd and with the linker (no hit);
 # load-tree: the same with SGLang's Python radix tree core (which the linker needs) on both sides;
+# gpu-test: the linker's GPU test, layer-wise loads into SGLang's GPU pools byte for byte;
 # staging: the daemon's copy into SGLang's host pools against a memcpy on this machine's cores, the
 # daemon on 4 copy threads (its default) and on 16 (COPY_THREADS: the values).
 # Reports and logs go to $OUT (and /tmp/kvd-sglang-bound, where a later step finds the earlier).
 set -u
-step=${1:?"a step: ttft-kvd, ttft-base, load, load-tree or staging"}
+step=${1:?"a step: ttft-kvd, ttft-base, load, load-tree, gpu-test or staging"}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 keep=/tmp/kvd-sglang-bound OUT=${OUT:-$keep}
 mkdir -p "$keep" "$OUT"
@@ -50,6 +51,8 @@ case $step in
       echo "MACHINE LOST: $keep/ttft_kvd.json is gone; run ttft-kvd first"; exit 42; }
     run ttft 560 python3 examples/sglang_ttft.py "${common[@]}" --host-pools '' --host-hit \
       --merge "$keep/ttft_kvd.json" --out "$OUT/sglang_ttft.json" ;;
+  gpu-test)  # the linker's GPU test (tests/sglang/test_gpu_linker.py): byte-exact layer-wise loads
+    run gpu_test 300 python3 -m pytest -q -rs -m gpu tests/sglang/test_gpu_linker.py ;;
   load)
     run load 560 python3 examples/sglang_load.py --roles none,linker --out "$OUT/sglang_load.json" ;;
   load-tree)  # the linker beside the same engine on SGLang's Python radix tree core, without kvd
@@ -70,5 +73,5 @@ case $step in
       run "shared_t$threads" 140 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool shared
       kill $daemon; wait $daemon 2>/dev/null
     done ;;
-  *) echo "unknown step $step: ttft-kvd, ttft-base, load, load-tree or staging"; exit 2 ;;
+  *) echo "unknown step $step: ttft-kvd, ttft-base, load, load-tree, gpu-test or staging"; exit 2 ;;
 esac
