@@ -57,3 +57,11 @@ def test_the_load_table_is_against_the_first_engine_with_each_engines_spread():
            "roles": {"none": engine(1000.0), "linker": engine(970.0)}}
     cells = row(plot_sglang.render_sglang_load([doc]), "linker")
     assert cells[1:4] == ["970", "485–970", "0.97"]
+
+
+def test_the_readme_row_is_the_longest_prefix_against_full_prefill_and_sglangs_host_tier():
+    doc = report()
+    doc["runs"]["8192"] = {**doc["runs"]["2048"], "kvd/linker": [0.1], "full": [1.0], "host": [0.2]}
+    assert plot_sglang.sglang_summary_row(doc) == [
+        "time to first token, 8k-token prefix in kvd, SGLang 0.5.23 (linker)", "100.0 ms (10.0× sooner)",
+        "1000.0 ms full prefill; 200.0 ms SGLang's own host tier", "GPU X"]

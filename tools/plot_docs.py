@@ -40,14 +40,15 @@ sys.path.insert(0, str(ROOT / "tools"))
 from docs_tables import block, k, ms, ttft_medians  # noqa: E402
 from plot_fleet import cdf_images, render_fleet  # noqa: E402  (docs/fleet.md's blocks)
 from plot_sglang import (render_sglang_breakdown, render_sglang_linker, render_sglang_load,  # noqa: E402
-                         render_sglang_ttft)
+                         render_sglang_ttft, sglang_summary_row)
 
 # name -> the docs/data files it reads (glob patterns, relative to docs/data)
 SOURCES = {
     "vllm_ttft": ["vllm_ttft_h200.json"],
     "vllm_load": ["vllm_load_h200.json"],
     "gpu_copy": ["gpu_copy_*.json"],
-    "summary": ["vllm_ttft_h200.json", "vllm_load_h200.json", "gpu_copy_*.json"],
+    "summary": ["vllm_ttft_h200.json", "vllm_load_h200.json", "sglang_ttft_h100_linker.json",
+                "gpu_copy_*.json"],
     "sglang_ttft": ["sglang_ttft_h200.json"],
     "sglang_linker": ["sglang_ttft_h100_linker.json"],
     "sglang_breakdown": ["sglang_ttft_h100_linker.json"],
@@ -175,7 +176,7 @@ def render_gpu_copy(docs: list[dict]) -> str:
 
 
 def render_summary(docs: list[dict]) -> str:
-    ttft, load, copies = docs[0], docs[1], copy_rows(docs[2:])
+    ttft, load, sglang, copies = docs[0], docs[1], docs[2], copy_rows(docs[3:])
     med = ttft_medians(ttft)
     rows = []
     for n in (min(med), max(med)):
@@ -190,6 +191,7 @@ def render_summary(docs: list[dict]) -> str:
                  f"{roles['warm']['load']['tokens_per_s']:.0f} "
                  f"({roles['warm']['load']['tokens_per_s'] / roles['none']['load']['tokens_per_s']:.2f}×)",
                  f"{roles['none']['load']['tokens_per_s']:.0f} without kvd", load["gpu"]])
+    rows.append(sglang_summary_row(sglang))
     for r in copies:
         if (r["pool"], r["shape"], r["page"]) in SUMMARY_COPIES:
             rows.append([f"copy speed, {POOLS[r['pool']]} pool, {SHAPES[r['shape']]}, pages of {r['page']}: "
@@ -197,7 +199,8 @@ def render_summary(docs: list[dict]) -> str:
                          " / ".join(ratio(r[f"{p}_ratio"]) for p in ("store", "load", "both")),
                          "1.00 = pinned `cudaMemcpy`", r["doc"]["gpu"].replace(" 80GB HBM3", "")])
     return block(["what", "with kvd", "against", "GPU"], rows,
-                 "Commands, settings and the full tables: [docs/performance.md](docs/performance.md).")
+                 "Commands, settings and the full tables: [docs/performance.md](docs/performance.md), "
+                 "SGLang's in [docs/sglang.md](docs/sglang.md).")
 
 
 def host_medians(doc: dict) -> dict:

@@ -70,6 +70,17 @@ def render_sglang_linker(docs: list[dict]) -> str:
                  f"{setting(doc)}; {hits}. From `{doc['command']}`.")
 
 
+def sglang_summary_row(doc: dict) -> list[str]:
+    """The README's row: the longest prefix's kvd hit against full prefill and SGLang's host tier."""
+    pool = kvd_pools(doc)[0]
+    n, m = list(ttft_medians(doc).items())[-1]
+    hit = m[f"kvd/{pool}"]
+    return [f"time to first token, {k(n)}-token prefix in kvd, SGLang {doc['sglang']} ({pool})",
+            f"{ms(hit)} ({m['full'] / hit:.1f}× sooner)",
+            f"{ms(m['full'])} full prefill; {ms(m.get('host'))} SGLang's own host tier",
+            doc["gpu"].replace(" 80GB HBM3", "")]
+
+
 def render_sglang_breakdown(docs: list[dict]) -> str:
     doc = docs[0]
     pool, rows = kvd_pools(doc)[0], []
