@@ -1,17 +1,14 @@
 """KvdLinker: kvd as SGLang's external cache linker (``UnifiedCacheLinker``, SGLang >= 0.5.23).
 
-One per scheduler process; registers SGLang's GPU KV pool by CUDA IPC
-(kvd_client.sglang.device_pages), so a hit is one copy from kvd's host tier into SGLang's
-GPU pages, layer by layer. ``lookup`` pins hits under a lease until the load consumes them;
-SGLang matches a waiting request on every scheduler pass, so a request's answer (hit or miss)
-is reused for the same uncached pages while its lease has half its time (``kvd_timeout_s``)
-left: one kvd round trip per request and half-lease, not per pass;
+One per scheduler process; registers SGLang's GPU KV pool by CUDA IPC (device_pages), so a
+hit is one copy from kvd's host tier into SGLang's GPU pages, layer by layer. ``lookup``
+pins hits under a lease until the load consumes them; a waiting request's repeated matches
+(one per scheduler pass) reuse its answer while the lease has half its time left.
 ``load`` + ``start_layer_wise_loading`` submit layer-wise loads ordered after the kernels
-that last used the slots (``wait_until`` per layer: kvd_client.sglang.layer_wait);
-``finish_layer_wise_loading`` reports success; ``offload`` stores (MLA: TP rank 0 only).
-Keys and options are the HiCache backend's, so pages are shared both ways. Failures are
-misses or False, never exceptions into SGLang. Full KV only (SWA, Mamba: ``ValueError``).
-Launch flags: docs/sglang.md.
+that last used the slots (``wait_until`` per layer: layer_wait); ``finish_layer_wise_loading``
+reports success; ``offload`` stores (MLA: TP rank 0 only). Keys and options are the HiCache
+backend's, so pages are shared both ways. Failures are misses or False, never exceptions
+into SGLang. Full KV only (SWA, Mamba: ``ValueError``). Launch flags: docs/sglang.md.
 """
 
 from __future__ import annotations
