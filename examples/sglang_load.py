@@ -27,8 +27,9 @@ page 64, triton attention (``--attention-backend``), no CUDA graphs unless
   request, every finished request's pages stored.
 
 ``--roles`` picks them (default ``none,hicache,kvd``). Each role runs two
-workloads, ``--repeat`` times on new prompts each (the same prompts in every
-role):
+workloads, ``--warmup`` times untimed (Triton compiles its kernels for these
+shapes), then ``--repeat`` times on new prompts each (the same prompts in
+every role):
 
 - ``load``: ``--requests`` concurrent requests, each a shared prefix of
   ``--prefix`` tokens plus ``--unique`` tokens of its own, ``--max-tokens``
@@ -127,17 +128,26 @@ def role_main(args, role: str) -> dict:
     run = llm.loop.run_until_complete
     try:
         run(run_batch(llm, [tokens("warm-up", 128)], 4))
+        for w in range(args.warmup):  # Triton compiles its kernels for these shapes: not timed
+            load, short = workloads(args, f"warm-up/{w}")
+            run(run_batch(llm, short, args.decode_tokens))
+            run(run_batch(llm, load, args.max_tokens))
         runs = {"decode": [], "load": []}
         for r in range(args.repeat):  # new prompts each repeat: the same ones in every role
-            shared = tokens(f"shared/{r}", args.prefix)
-            load = [shared + tokens(f"unique/{r}/{i}", args.unique) for i in range(args.requests)]
-            short = [tokens(f"short/{r}/{i}", 16) for i in range(args.requests)]
+            load, short = workloads(args, str(r))
             runs["decode"].append(run(run_batch(llm, short, args.decode_tokens)))
             runs["load"].append(run(run_batch(llm, load, args.max_tokens)))
             print(f"[{role}] repeat {r}: {json.dumps({k: v[-1] for k, v in runs.items()})}", flush=True)
         return {**{k: medians(v) for k, v in runs.items()}, "runs": runs}
     finally:
         llm.shutdown()
+
+
+def workloads(args, seed: str) -> tuple[list, list]:
+    """The prompts of one run: ``--requests`` sharing a prefix, and as many short ones."""
+    shared = tokens(f"shared/{seed}", args.prefix)
+    load = [shared + tokens(f"unique/{seed}/{i}", args.unique) for i in range(args.requests)]
+    return load, [tokens(f"short/{seed}/{i}", 16) for i in range(args.requests)]
 
 
 def medians(runs: list[dict]) -> dict:
@@ -156,6 +166,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each workload per engine, new prompts each (medians reported)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs of each workload per engine first, on prompts of their own "
+                         "(Triton compiles its kernels for these shapes in the first)")
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--mem-fraction-static", type=float, default=0.8)
     ap.add_argument("--cuda-graph", action="store_true", help="SGLang's CUDA graphs for decode")
@@ -189,7 +202,8 @@ def report(args, rows: dict) -> None:
           f"{'decode tok/s':>14}{'vs first':>10}")
     for role, r in rows.items():
         load, dec = r["load"], r["decode"]
-        print(f"{role:>8}{load['tokens_per_s']:>12.0f}{load['tokens_per_s'] / base['load']['tokens_per_s']:>10.3f}"
+        load_ratio = load["tokens_per_s"] / base["load"]["tokens_per_s"]
+        print(f"{role:>8}{load['tokens_per_s']:>12.0f}{load_ratio:>10.3f}"
               f"{load['ttft_p50'] * 1e3:>8.1f}ms{load['ttft_p99'] * 1e3:>8.1f}ms"
               f"{dec['tokens_per_s']:>14.0f}{dec['tokens_per_s'] / base['decode']['tokens_per_s']:>10.3f}")
     save(args, rows)

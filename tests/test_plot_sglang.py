@@ -65,3 +65,9 @@ def test_the_readme_row_is_the_longest_prefix_against_full_prefill_and_sglangs_h
     assert plot_sglang.sglang_summary_row(doc) == [
         "time to first token, 8k-token prefix in kvd, SGLang 0.5.23 (linker)", "100.0 ms (10.0× sooner)",
         "1000.0 ms full prefill; 200.0 ms SGLang's own host tier", "GPU X"]
+
+
+def test_the_load_table_says_whether_its_first_run_was_timed():
+    assert plot_sglang.warmed({}) == " (the first run included)"
+    assert plot_sglang.warmed({"warmup": 1}) == ", after 1 untimed run"
+    assert plot_sglang.warmed({"warmup": 2}) == ", after 2 untimed runs"

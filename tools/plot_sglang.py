@@ -94,6 +94,12 @@ def render_sglang_breakdown(docs: list[dict]) -> str:
                  f"ms, medians of each part over the repeats; {setting(doc)}. From `{doc['command']}`.")
 
 
+def warmed(args: dict) -> str:
+    """How the runs began: untimed warm-up runs (``--warmup``), or none (the first run counted)."""
+    n = args.get("warmup", 0)
+    return f", after {n} untimed {'run' if n == 1 else 'runs'}" if n else " (the first run included)"
+
+
 def render_sglang_load(docs: list[dict]) -> str:
     doc = docs[0]
     roles = doc["roles"]
@@ -116,5 +122,5 @@ def render_sglang_load(docs: list[dict]) -> str:
                  f"at once, each a shared "
                  f"{a['prefix']}-token prefix, {a['unique']} tokens of its own and {a['max_tokens']} output "
                  f"tokens; then {a['requests']} short prompts decoding {a['decode_tokens']} tokens each; "
-                 f"medians of {a['repeat']} runs of each engine (the first run included). "
+                 f"medians of {a['repeat']} runs of each engine{warmed(a)}. "
                  f"From `{doc['command']}`.")

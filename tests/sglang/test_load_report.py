@@ -44,3 +44,14 @@ def test_the_python_tree_engine_is_the_plain_engine_on_sglangs_python_radix_core
         monkeypatch.delenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", raising=False)
         L.prepare(args, role)
         assert os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] == "python"
+
+
+def test_warm_up_and_timed_runs_take_prompts_of_their_own_the_same_in_every_engine():
+    args = Namespace(prefix=128, unique=64, requests=3)
+    load, short = L.workloads(args, "0")
+    assert len(load) == len(short) == 3
+    assert all(p[:128] == load[0][:128] and len(p) == 192 for p in load)   # one shared prefix
+    assert len({tuple(p[128:]) for p in load}) == 3                         # each its own tail
+    assert L.workloads(args, "0") == (load, short)                          # the same in every engine
+    warm, _ = L.workloads(args, "warm-up/0")
+    assert warm[0][:128] != load[0][:128]
