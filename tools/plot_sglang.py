@@ -17,11 +17,16 @@ from docs_tables import block, k, ms, ttft_medians
 BREAKDOWN = ("before", "exists", "between", "get", "daemon", "after", "total")
 
 
-def setting(doc: dict) -> str:
+def engine(doc: dict) -> str:
+    """The machine and the engine every figure of a report ran on."""
     a = doc["args"]
     return (f"{doc['gpu']}, SGLang {doc['sglang']}, {a['attention_backend']} attention, Llama-3-8B shape, "
-            f"{a['layers']} layers, load_format=dummy; a {a['suffix']}-token suffix after the prefix; "
-            f"medians of {a['repeat']} prompts")
+            f"{a['layers']} layers, load_format=dummy")
+
+
+def setting(doc: dict) -> str:
+    a = doc["args"]
+    return f"{engine(doc)}; a {a['suffix']}-token suffix after the prefix; medians of {a['repeat']} prompts"
 
 
 def kvd_pools(doc: dict) -> list[str]:
@@ -117,10 +122,7 @@ def render_sglang_load(docs: list[dict]) -> str:
     a = doc["args"]
     return block(["engine", "load: output tokens/s", "its runs", "vs first", "TTFT p50", "TTFT p99",
                   "decode: tokens/s", "vs first"], rows,
-                 f"{doc['gpu']}, SGLang {doc['sglang']}, {a['attention_backend']} attention, "
-                 f"Llama-3-8B shape, {a['layers']} layers, load_format=dummy; {a['requests']} requests "
-                 f"at once, each a shared "
-                 f"{a['prefix']}-token prefix, {a['unique']} tokens of its own and {a['max_tokens']} output "
-                 f"tokens; then {a['requests']} short prompts decoding {a['decode_tokens']} tokens each; "
-                 f"medians of {a['repeat']} runs of each engine{warmed(a)}. "
-                 f"From `{doc['command']}`.")
+                 f"{engine(doc)}; {a['requests']} requests at once, each a shared {a['prefix']}-token "
+                 f"prefix, {a['unique']} tokens of its own and {a['max_tokens']} output tokens; then "
+                 f"{a['requests']} short prompts decoding {a['decode_tokens']} tokens each; medians of "
+                 f"{a['repeat']} runs of each engine{warmed(a)}. From `{doc['command']}`.")

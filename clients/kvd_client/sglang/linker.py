@@ -42,8 +42,9 @@ MEMO = 4096  # requests whose last lookup answer is remembered
 class Answer:
     """A lookup's answer for one request, reused while SGLang asks the same again."""
     shape: tuple    # (pages asked, first and last page hash): the uncached pages it answered
-    pages: int      # hit pages (under the request's lease in ``leases``)
     at: float       # time.monotonic() of the lookup
+    pages: int = 0  # hit pages, pinned under ``lease`` until a load takes them or it is released
+    lease: int | None = None
 
 
 class KvdLinker(UnifiedCacheLinker):
@@ -67,7 +68,6 @@ class KvdLinker(UnifiedCacheLinker):
         self.timeline = Timeline.from_env("linker")
         self.layer_done_counter = KvdLayerCounter(self.client, self.kvcache.layer_num)
         self.pending_loads: dict[str, tuple] = {}  # rid -> (keys, kvd pages, tokens, lease)
-        self.leases: dict[str, int] = {}  # rid -> the lease its lookup took
         self.answers: OrderedDict[str, Answer] = OrderedDict()  # rid -> its last lookup's answer
         self.offloads: deque = deque()  # (transfer or None, tokens asked), in submission order
         self.counters = {"lookups": 0, "reused_answers": 0, "hit_pages": 0, "loaded_batches": 0,
@@ -113,24 +113,25 @@ class KvdLinker(UnifiedCacheLinker):
             self.counters["reused_answers"] += 1
             return list(range(1, known.pages + 1))
         self._release(rid)  # an earlier lookup's of the same request
+        answer = Answer(shape, t0)
         keyed = self.keyring.page_keys(kv.keys, reg.namespace, self.page_size)
-        pages = self._lookup(rid, keyed, reg) if keyed else 0
-        self._remember(rid, Answer(shape, pages, t0))
-        self.timeline.record("lookup", t0, pages=len(kv.keys), hit_pages=pages, rid=rid)
-        return list(range(1, pages + 1))
+        if keyed:
+            self._lookup(answer, keyed, reg)
+        self._remember(rid, answer)
+        self.timeline.record("lookup", t0, pages=len(kv.keys), hit_pages=answer.pages, rid=rid)
+        return list(range(1, answer.pages + 1))
 
-    def _lookup(self, rid: str, keyed: list, reg) -> int:
-        """Hit pages of ``keyed``, pinned under a lease kept for ``rid``."""
+    def _lookup(self, answer: Answer, keyed: list, reg) -> None:
+        """Fill in ``answer``: the hit pages of ``keyed`` and the lease that pins them."""
         self.counters["lookups"] += 1
         hits, lease = self.client.lookup_lease(ChunkKeys(k for page in keyed for k in page),
                                                int(self.options.timeout_s * 1000), reg=reg)
-        pages = hits // self.page_size
-        if lease is not None and pages:
-            self.leases[rid] = lease
+        answer.pages = hits // self.page_size
+        if lease is not None and answer.pages:
+            answer.lease = lease
         elif lease is not None:  # less than a page: nothing SGLang can load
             self.client.release(lease, wait=False)
-        self.counters["hit_pages"] += pages
-        return pages
+        self.counters["hit_pages"] += answer.pages
 
     def _remember(self, rid: str, answer: Answer) -> None:
         self.answers[rid] = answer
@@ -148,9 +149,9 @@ class KvdLinker(UnifiedCacheLinker):
             self.counters["refused_transfers"] += 1
             self._release(rid)
             return False
-        self.answers.pop(rid, None)  # consumed: a later match of this request asks kvd again
+        answer = self.answers.pop(rid, None)  # consumed: a later match of this request asks kvd again
         self.pending_loads[rid] = (keys, slots, len(kv.keys) * self.page_size,
-                                   self.leases.pop(rid, None))
+                                   answer.lease if answer else None)
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:
@@ -162,10 +163,9 @@ class KvdLinker(UnifiedCacheLinker):
 
     def _release(self, rid: str) -> None:
         """Forget ``rid``'s answer and let go of the lease its lookup took, if it holds one."""
-        self.answers.pop(rid, None)
-        lease = self.leases.pop(rid, None)
-        if lease is not None:
-            self.client.release(lease, wait=False)
+        answer = self.answers.pop(rid, None)
+        if answer is not None and answer.lease is not None:
+            self.client.release(answer.lease, wait=False)
 
     def start_layer_wise_loading(self) -> int:
         if not self.pending_loads:
@@ -235,7 +235,7 @@ class KvdLinker(UnifiedCacheLinker):
     def reset(self) -> None:
         for rid in list(self.pending_loads):
             self.cancel_queued_load(rid)
-        for rid in list(self.leases) + list(self.answers):
+        for rid in list(self.answers):
             self._release(rid)
         self.layer_done_counter.reset()
         for t, _ in self.offloads:
