@@ -71,7 +71,7 @@ bash $here/prune_sglang_site.sh $S/site
 
 # 4. archives that each unpack alone: A (all but sgl_kernel), B (sgl_kernel), with WITH_FA3=1
 #    C (FlashAttention 3, sgl_kernel/flash_ops.abi3.so) in pieces of at most BUDGET bytes
-find $S/parts -name 'part*' ! -name 'partJ*' -delete  # partJ: the JIT's modules a GPU run sent back
+find $S/parts -mindepth 1 -name 'part*' ! -name 'partJ*' -delete  # partJ: the JIT's modules a GPU run sent back
 names="partA partB"; [ "${WITH_FA3:-0}" = 1 ] && names="$names partC"
 mkdir -p $S/site/.sgparts && echo $names | tr ' ' '\n' > $S/site/.sgparts/expected && touch $S/site/.sgparts/part{A,B,C}
 pack() {  # name, then tar arguments

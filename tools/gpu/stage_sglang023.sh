@@ -128,7 +128,7 @@ unzip -q -o .v034stage/over/torch-2.14.1-*.whl 'torch/include/pybind11/*' -d $S/
 mv $S/site/.include/wheel/torch/include/pybind11 $S/site/.include/ && rm -rf $S/site/.include/wheel
 
 # 4. archives that each unpack alone: A (all but sgl_kernel), B (sgl_kernel); then the runs
-find $S/parts -name 'part*' ! -name 'partJ*' -delete  # partJ: the JIT's modules a GPU run sent back
+find $S/parts -mindepth 1 -name 'part*' ! -name 'partJ*' -delete  # partJ: the JIT's modules a GPU run sent back
 mkdir -p $S/site/.sgparts && printf 'partA\npartB\n' > $S/site/.sgparts/expected
 echo /tmp/v034site > $S/site/.sgparts/base && touch $S/site/.sgparts/part{A,B}
 pack() {  # name, then tar arguments
