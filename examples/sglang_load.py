@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -54,13 +55,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_breakdown  # noqa: E402
 from sglang_ttft import linker_args, offer_plugin, python_radix_core  # noqa: E402
 from vllm_ttft import (LLAMA3_8B, add_common_args, environment, private_daemon,  # noqa: E402
                        run_role, write_config)
 
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
 ROLES = ("none", "none-pytree", "hicache", "kvd", "linker", "radix")
-PYTHON_TREE_ROLES = ("none-pytree", "kvd", "linker")  # SGLang >= 0.5.23: its Python radix tree core
+PYTHON_TREE_ROLES = ("none-pytree", "kvd", "linker")
+KVD_ROLES = ("kvd", "linker", "radix")  # SGLang >= 0.5.23: its Python radix tree core
 
 
 def tokens(seed: str, n: int) -> list[int]:
@@ -104,12 +107,13 @@ async def run_batch(llm, prompts: list, max_tokens: int) -> dict:
             n = out["meta_info"].get("completion_tokens", n)
         return first - t0, n
 
-    t0 = time.perf_counter()
+    t0, mono = time.perf_counter(), time.monotonic()
     done = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t0
     ttft = sorted(d[0] for d in done)
     return {"tokens_per_s": sum(d[1] for d in done) / wall, "wall_s": wall,
-            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))]}
+            "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
+            "ttfts_ms": [round(t * 1e3, 1) for t in ttft], "window": [mono, time.monotonic()]}
 
 
 def prepare(args, role: str) -> None:
@@ -124,6 +128,9 @@ def role_main(args, role: str) -> dict:
     import sglang
 
     prepare(args, role)
+    trace = Path(args.runtime_dir).parent / f"trace-{role}.jsonl"
+    if args.trace and role in KVD_ROLES:  # the scheduler process inherits it
+        os.environ["KVD_SGLANG_TRACE"] = str(trace)
     llm = sglang.Engine(**engine_args(args, role))
     run = llm.loop.run_until_complete
     try:
@@ -138,7 +145,10 @@ def role_main(args, role: str) -> dict:
             runs["decode"].append(run(run_batch(llm, short, args.decode_tokens)))
             runs["load"].append(run(run_batch(llm, load, args.max_tokens)))
             print(f"[{role}] repeat {r}: {json.dumps({k: v[-1] for k, v in runs.items()})}", flush=True)
-        return {**{k: medians(v) for k, v in runs.items()}, "runs": runs}
+        out = {**{k: medians(v) for k, v in runs.items()}, "runs": runs}
+        if args.trace and role in KVD_ROLES:
+            out["trace"] = trace_in_runs(sglang_breakdown.read(trace), [r["window"] for r in runs["load"]])
+        return out
     finally:
         llm.shutdown()
 
@@ -151,7 +161,27 @@ def workloads(args, seed: str) -> tuple[list, list]:
 
 
 def medians(runs: list[dict]) -> dict:
-    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]
+            if isinstance(runs[0][key], (int, float))}
+
+
+def trace_in_runs(lines: list[dict], windows: list) -> dict:
+    """Per op of kvd's timeline, the calls that started inside the timed load runs: calls and
+    milliseconds per run (median over the runs), the longest call, and the thread it ran on."""
+    per_run = [{} for _ in windows]
+    longest: dict = {}  # op -> (ms, thread)
+    for x in lines:
+        ms = (x["t1"] - x["t0"]) * 1e3
+        for ops, (a, b) in zip(per_run, windows):
+            if a <= x["t0"] <= b:
+                calls, total = ops.get(x["op"], (0, 0.0))
+                ops[x["op"]] = (calls + 1, total + ms)
+                if ms >= longest.get(x["op"], (-1.0, ""))[0]:
+                    longest[x["op"]] = (ms, x.get("thread", ""))
+    return {op: {"calls": statistics.median(r.get(op, (0, 0.0))[0] for r in per_run),
+                 "ms": round(statistics.median(r.get(op, (0, 0.0))[1] for r in per_run), 2),
+                 "max_ms": round(longest[op][0], 2), "thread": longest[op][1]}
+            for op in sorted(longest)}
 
 
 def main() -> None:
@@ -173,6 +203,9 @@ def main() -> None:
     ap.add_argument("--mem-fraction-static", type=float, default=0.8)
     ap.add_argument("--cuda-graph", action="store_true", help="SGLang's CUDA graphs for decode")
     ap.add_argument("--extra", default="{}", help="more kvd_* options of the backend (JSON)")
+    ap.add_argument("--trace", action="store_true",
+                    help="kvd's timeline in the kvd engines (KVD_SGLANG_TRACE): per kvd call, "
+                         "its calls and milliseconds inside each timed load run")
     add_common_args(ap, gpu_share=False)
     ap.set_defaults(host_capacity="16GiB")
     args = ap.parse_args()
@@ -206,6 +239,10 @@ def report(args, rows: dict) -> None:
         print(f"{role:>8}{load['tokens_per_s']:>12.0f}{load_ratio:>10.3f}"
               f"{load['ttft_p50'] * 1e3:>8.1f}ms{load['ttft_p99'] * 1e3:>8.1f}ms"
               f"{dec['tokens_per_s']:>14.0f}{dec['tokens_per_s'] / base['decode']['tokens_per_s']:>10.3f}")
+    for role, r in rows.items():
+        for op, t in r.get("trace", {}).items():
+            print(f"[{role}] kvd {op}: {t['calls']:g} calls, {t['ms']:.1f} ms per load run "
+                  f"(longest {t['max_ms']:.1f} ms, thread {t['thread']})")
     save(args, rows)
 
 

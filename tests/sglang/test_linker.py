@@ -164,9 +164,27 @@ def test_the_timeline_records_each_call_with_monotonic_times(daemon, tmp_path):
     finally:
         w.close()
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
-    assert [x["op"] for x in lines] == ["lookup", "submit_loads", "finish_loads"]
+    ops = [x["op"] for x in lines]
+    polls = ops[1:ops.index("lookup")]  # SGLang's per-step question while the store ran
+    assert ops[0] == "offload" and lines[0]["pages"] == 2 and set(polls) == {"poll_offloads"}
+    assert ops[len(polls) + 1:] == ["lookup", "submit_loads", "finish_loads"]
     assert all(x["src"] == "linker" and x["t0"] <= x["t1"] for x in lines)
-    assert lines[0]["hit_pages"] == 2 and lines[2]["landed"] is True
+    by_op = {x["op"]: x for x in lines}
+    assert by_op["lookup"]["hit_pages"] == 2 and by_op["finish_loads"]["landed"] is True
+    assert by_op["poll_offloads"]["queued"] == 1
+
+
+def test_with_offload_off_it_stores_nothing_and_still_loads_what_others_stored(daemon, engines):
+    a = engines(daemon.runtime_dir, "a")
+    ro = engines(daemon.runtime_dir, "ro", extra={"kvd_offload": False})
+    toks = tokens(2 * 16)
+    keys = ro("hash", tokens=toks)
+    assert ro("offload", keys=keys, seed=8)["queued"] is False  # SGLang keeps it on the GPU
+    assert ro("lookup", keys=keys, rid="m") == []
+    assert a("offload", keys=a("hash", tokens=toks), seed=8)["ok"]
+    assert ro("lookup", keys=keys, rid="h") == [1, 2]
+    assert ro("load", keys=keys, rid="h")["landed"]
+    assert ro("stats")["stored_pages"] == 0
 
 
 def test_a_lookup_pins_its_hits_until_the_load_consumes_or_a_cancel_releases_them(daemon, engines):

@@ -55,3 +55,27 @@ def test_warm_up_and_timed_runs_take_prompts_of_their_own_the_same_in_every_engi
     assert L.workloads(args, "0") == (load, short)                          # the same in every engine
     warm, _ = L.workloads(args, "warm-up/0")
     assert warm[0][:128] != load[0][:128]
+
+
+def test_the_trace_counts_kvd_calls_inside_the_timed_load_runs_only(capsys, tmp_path):
+    """Per op: calls and milliseconds per timed run (median of the runs), the longest call and its
+    thread; calls outside every run (engine start, warm-up, decode runs) are not counted."""
+    def line(op, t0, ms, thread="scheduler"):
+        return {"op": op, "t0": t0, "t1": t0 + ms / 1e3, "thread": thread}
+    lines = [line("offload", 1.0, 50.0),                                   # before the runs
+             line("offload", 10.1, 2.0), line("offload", 10.2, 4.0), line("lookup", 10.3, 1.0),
+             line("offload", 20.1, 3.0), line("poll_offloads", 20.2, 0.5, "pump"),
+             line("offload", 30.1, 6.0), line("offload", 30.2, 1.0), line("offload", 30.3, 1.0)]
+    got = L.trace_in_runs(lines, [[10.0, 11.0], [20.0, 21.0], [30.0, 31.0]])
+    assert got["offload"] == {"calls": 2, "ms": 6.0, "max_ms": 6.0, "thread": "scheduler"}
+    assert got["lookup"] == {"calls": 0, "ms": 0.0, "max_ms": 1.0, "thread": "scheduler"}
+    assert got["poll_offloads"]["thread"] == "pump" and set(got) == {"offload", "lookup", "poll_offloads"}
+    rows = {"linker": {**role(3900.0, 2010.0), "trace": got}}
+    L.report(Namespace(out=str(tmp_path / "load.json")), rows)
+    assert "[linker] kvd offload: 2 calls, 6.0 ms per load run (longest 6.0 ms, thread scheduler)" \
+        in capsys.readouterr().out
+
+
+def test_a_runs_lists_and_window_stay_out_of_its_medians():
+    runs = [{"tokens_per_s": t, "ttfts_ms": [1.0, 2.0], "window": [0.0, 1.0]} for t in (1.0, 3.0, 2.0)]
+    assert L.medians(runs) == {"tokens_per_s": 2.0}

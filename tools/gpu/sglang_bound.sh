@@ -7,18 +7,19 @@
 #   bash tools/gpu/sglang_bound.sh ttft-base       # later runs, nothing carried: without SGLang
 #   bash tools/gpu/sglang_bound.sh load            #   importable the script goes through
 #   bash tools/gpu/sglang_bound.sh staging         #   sglang_call2.sh (SGSITE: /tmp/sg023site)
-#   bash tools/gpu/sglang_bound.sh load-tree       # (and gpu-test)
+#   bash tools/gpu/sglang_bound.sh load-tree       # (and gpu-test, load-why)
 #
 # ttft-kvd: a storing engine, then a fresh one with the linker: a kvd hit at each length, traced;
 # ttft-base: full prefill, suffix alone, the bound's floor and SGLang's own host-tier hit, merged
 # with ttft-kvd's report into one table; load: throughput without kvd and with the linker (no hit);
 # load-tree: the same with SGLang's Python radix tree core (which the linker needs) on both sides;
+# load-why: load-tree with kvd's calls traced, then the linker storing nothing, then on a short GIL switch;
 # gpu-test: the linker's GPU test, layer-wise loads into SGLang's GPU pools byte for byte;
 # staging: the daemon's copy into SGLang's host pools against a memcpy on this machine's cores, the
 # daemon on 4 copy threads (its default) and on 16 (COPY_THREADS: the values).
 # Reports and logs go to $OUT (and /tmp/kvd-sglang-bound, where a later step finds the earlier).
 set -u
-step=${1:?"a step: ttft-kvd, ttft-base, load, load-tree, gpu-test or staging"}
+step=${1:?"a step: ttft-kvd, ttft-base, load, load-tree, load-why, gpu-test or staging"}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 keep=/tmp/kvd-sglang-bound OUT=${OUT:-$keep}
 mkdir -p "$keep" "$OUT"
@@ -55,6 +56,14 @@ case $step in
     run gpu_test 300 python3 -m pytest -q -rs -m gpu tests/sglang/test_gpu_linker.py ;;
   load)
     run load 560 python3 examples/sglang_load.py --roles none,linker --out "$OUT/sglang_load.json" ;;
+  load-why)  # where the linker's time under load goes: its calls traced beside the Python-tree engine,
+    # then the linker storing nothing (kvd_offload false), then on a 0.2 ms GIL switch interval
+    run load_trace 260 python3 examples/sglang_load.py --roles none-pytree,linker --trace \
+      --out "$OUT/sglang_load_trace.json"
+    run load_ro 140 python3 examples/sglang_load.py --roles linker --trace --extra '{"kvd_offload": false}' \
+      --out "$OUT/sglang_load_ro.json"
+    run load_gil 140 python3 examples/sglang_load.py --roles linker --trace --extra '{"kvd_gil_switch_ms": 0.2}' \
+      --out "$OUT/sglang_load_gil.json" ;;
   load-tree)  # the linker beside the same engine on SGLang's Python radix tree core, without kvd
     run load_tree 560 python3 examples/sglang_load.py --roles none-pytree,linker \
       --out "$OUT/sglang_load_tree.json" ;;
@@ -73,5 +82,5 @@ case $step in
       run "shared_t$threads" 140 python3 tests/sglang/bench_staging.py --runtime-dir "$rd" --host-pool shared
       kill $daemon; wait $daemon 2>/dev/null
     done ;;
-  *) echo "unknown step $step: ttft-kvd, ttft-base, load, load-tree, gpu-test or staging"; exit 2 ;;
+  *) echo "unknown step $step: ttft-kvd, ttft-base, load, load-tree, load-why, gpu-test or staging"; exit 2 ;;
 esac

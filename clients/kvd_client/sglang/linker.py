@@ -6,7 +6,7 @@ pins hits under a lease until the load consumes them; a waiting request's repeat
 (one per scheduler pass) reuse its answer while the lease has half its time left.
 ``load`` + ``start_layer_wise_loading`` submit layer-wise loads ordered after the kernels
 that last used the slots (``wait_until`` per layer: layer_wait); ``finish_layer_wise_loading``
-reports success; ``offload`` stores (MLA: TP rank 0 only). Keys and options are the HiCache
+reports success; ``offload`` stores (MLA: rank 0 only; none with ``kvd_offload`` false). Keys are the HiCache
 backend's, so pages are shared both ways. Failures are misses or False, never exceptions
 into SGLang. Full KV only (SWA, Mamba: ``ValueError``). Launch flags: docs/sglang.md.
 """
@@ -196,12 +196,15 @@ class KvdLinker(UnifiedCacheLinker):
 
     def offload(self, transfers, session_id=None) -> bool:
         kv = _kv(transfers)
+        if not self.options.offload or kv is None or not kv.keys:
+            return False
         reg = self._session()
-        if reg is None or kv is None or not kv.keys:
+        if reg is None:
             return False
         if self.mla and self.tp_rank != 0:  # rank 0 stores the latent every rank holds
             self.offloads.append((None, 0))
             return True
+        t0 = time.monotonic()
         keys, slots = self._keyed(kv, reg), self._slots(kv, reg)
         if keys is None or slots is None:
             self.counters["refused_transfers"] += 1
@@ -210,15 +213,19 @@ class KvdLinker(UnifiedCacheLinker):
             t = self.client.submit_store(keys, slots, reg=reg,
                                          tenant=tenant_label(self.options.salt))
         self.offloads.append((t, len(kv.keys) * self.page_size))
+        self.timeline.record("offload", t0, pages=len(kv.keys))
         return True
 
     def num_completed_offloads(self) -> int:
+        t0 = time.monotonic()
         self.client.poll()
         done = 0
         for t, _ in self.offloads:
             if t is not None and not t.done:
                 break
             done += 1
+        if self.offloads:  # SGLang asks on every scheduler step: idle steps leave no line
+            self.timeline.record("poll_offloads", t0, queued=len(self.offloads), done=done)
         return done
 
     def pop_completed_offload(self) -> bool:

@@ -60,6 +60,9 @@ OPTIONS = {
                         ("shared", "staging")),
     "shm_dir": Option(str, "/dev/shm", "where the staging pool's (or the shared host pool's) "
                       "file goes (the daemon's shm_dir)"),
+    "offload": Option(bool, True, "the linker: False stores nothing from this engine (it loads "
+                      "what other engines stored, a read-only consumer); SGLang keeps such pages "
+                      "on the GPU only"),
     "gil_switch_ms": Option(float, 0.0, "sets Python's GIL switch interval of the SGLang "
                             "process (sys.setswitchinterval) to this many milliseconds: a thread "
                             "woken by a reply or a queue waits up to one interval for the GIL "
@@ -83,6 +86,7 @@ class Options:
     key_map_pages: int = 65536
     host_pool: str = "shared"
     shm_dir: str = "/dev/shm"
+    offload: bool = True
     gil_switch_ms: float = 0.0
 
     @classmethod
