@@ -75,7 +75,7 @@ def test_config_prints_the_defaults_and_resolved_prints_sources(tmp_path):
     assert lines["chunk_tokens"] == "chunk_tokens = 64  # file"
     assert lines["host_capacity"] == 'host_capacity = "3GiB"  # env KVD_HOST_CAPACITY'
     assert lines["max_clients"] == "max_clients = 9  # env KVD_MAX_CLIENTS"
-    assert lines["copy_threads"] == "copy_threads = 4  # default"
+    assert lines["copy_threads"] == "copy_threads = 0  # default"
     assert tomllib.loads(out)["chunk_tokens"] == 64
     bad = kvd("config", "--resolved", env={"KVD_CHUNK_TOKENS": "many"})
     assert bad.returncode == 2 and bad.stderr.startswith("kvd: config error: chunk_tokens:")

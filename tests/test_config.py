@@ -57,7 +57,7 @@ def test_precedence_default_toml_env_cli(tmp_path):
     assert cfg.chunk_tokens == 16  # CLI beats env beats TOML
     assert cfg.max_clients == 8  # env beats TOML; a None override is "not given"
     assert cfg.lease_max_ms == 5  # TOML beats default
-    assert cfg.copy_threads == 4  # default
+    assert cfg.copy_threads == 0  # default: one per CPU, at most 16
 
 
 def test_config_is_a_frozen_dataclass_of_the_knob_table(tmp_path):

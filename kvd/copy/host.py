@@ -11,6 +11,7 @@ cancel word per layer, and always writes the done word last.
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,12 @@ from .shm_file import map_shm_file
 
 
 SPLIT_MIN_BYTES = 8 << 20  # a part of a split copy moves at least this much
+AUTO_THREADS_MAX = 16  # past one thread per core of a 16-core host, more bought nothing measured
+
+
+def auto_threads() -> int:
+    """``copy_threads`` 0: one thread per CPU this process may run on, at most AUTO_THREADS_MAX."""
+    return max(1, min(AUTO_THREADS_MAX, len(os.sched_getaffinity(0))))
 
 
 @dataclass
@@ -38,13 +45,13 @@ class HostPool:
 class HostCopyEngine:
     name = "host"
 
-    def __init__(self, arena: np.ndarray, shm_dir: Path, threads: int = 2,
+    def __init__(self, arena: np.ndarray, shm_dir: Path, threads: int = 0,
                  arena_id: tuple[int, int] | None = None):
         self.arena = arena
         self.arena_id = arena_id  # (st_dev, st_ino) of the arena: never mapped as a pool
         self.shm_dir = Path(shm_dir).resolve()
-        self.threads = threads
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvd-copy")
+        self.threads = threads or auto_threads()
+        self.executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kvd-copy")
 
     def open_pool(self, buffers: list[dict], layout: LayoutDescriptor, flags: FlagPage | None = None,
                   owner_uid: int | None = None) -> HostPool:

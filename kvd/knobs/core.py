@@ -46,5 +46,7 @@ KNOBS = (
          "not raise throughput.", minimum=0),
     Knob("shutdown_grace_s", "float", 8.0, "On SIGTERM/SIGINT, how long requests in flight may take "
          "to finish (copies, disk writes) before the daemon exits anyway.", minimum=0.1),
-    Knob("copy_threads", "int", 4, "Host copy threads (a large copy is split across them).", minimum=1),
+    Knob("copy_threads", "int", 0, "Host copy threads (a large copy is split across them, at "
+         "least 8 MiB a thread). 0 (default): one per CPU the daemon may run on, at most 16.",
+         minimum=0),
 )

@@ -58,6 +58,7 @@ class DaemonStart:
         arena = self.host.arena
         arena_id = (arena.stat.st_dev, arena.stat.st_ino)
         engines = {"shm": HostCopyEngine(arena.view, shm_dir, self.cfg.copy_threads, arena_id)}
+        log.info("host copies on %d threads", engines["shm"].threads)
         cuda = startup.make_cuda_engine(self.cfg, arena.view)
         if cuda is not None:
             engines["cuda_ipc"] = cuda

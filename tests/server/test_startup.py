@@ -148,8 +148,11 @@ def test_the_config_is_logged_with_sources_before_the_allocation(start_daemon, t
     summary = f"config: 8 of {len(KNOBS)} knobs differ from their defaults"
     assert log.index(summary) < log.index("allocating the host tier: 64MiB")
     assert log.index("allocating the host tier") < log.index("host tier: 64MiB at ")
+    assert "host copies on 3 threads" in log
     debug = start_daemon(config=conf, log_level="debug").log()
     assert "config max_clients = 1024 (file)" in debug and "config log_format = " in debug
+    auto = min(16, len(os.sched_getaffinity(0)))  # copy_threads 0 (default): a thread per CPU, <= 16
+    assert f"host copies on {auto} threads" in debug
 
 
 def test_a_misspelt_kvd_variable_is_one_warning_at_start(start_daemon):

@@ -13,10 +13,11 @@
 # ttft-base: full prefill, suffix alone, the bound's floor and SGLang's own host-tier hit, merged
 # with ttft-kvd's report into one table; load: throughput without kvd and with the linker (no hit);
 # load-tree: the same with SGLang's Python radix tree core (which the linker needs) on both sides;
-# load-why: load-tree with kvd's calls traced, then the linker storing nothing, then on a short GIL switch;
+# load-why: load-tree with kvd's calls traced, then the linker storing nothing;
 # gpu-test: the linker's GPU test, layer-wise loads into SGLang's GPU pools byte for byte;
 # staging: the daemon's copy into SGLang's host pools against a memcpy on this machine's cores, the
-# daemon on 4 copy threads (its default) and on 16 (COPY_THREADS: the values).
+# daemon on 4 copy threads and on 16 (COPY_THREADS: the values; 0 is the daemon's default, a thread
+# per CPU up to 16).
 # Reports and logs go to $OUT (and /tmp/kvd-sglang-bound, where a later step finds the earlier).
 set -u
 step=${1:?"a step: ttft-kvd, ttft-base, load, load-tree, load-why, gpu-test or staging"}
@@ -57,18 +58,16 @@ case $step in
   load)
     run load 560 python3 examples/sglang_load.py --roles none,linker --out "$OUT/sglang_load.json" ;;
   load-why)  # where the linker's time under load goes: its calls traced beside the Python-tree engine,
-    # then the linker storing nothing (kvd_offload false), then on a 0.2 ms GIL switch interval
-    run load_trace 260 python3 examples/sglang_load.py --roles none-pytree,linker --trace \
-      --out "$OUT/sglang_load_trace.json"
-    run load_ro 140 python3 examples/sglang_load.py --roles linker --trace --extra '{"kvd_offload": false}' \
-      --out "$OUT/sglang_load_ro.json"
-    run load_gil 140 python3 examples/sglang_load.py --roles linker --trace --extra '{"kvd_gil_switch_ms": 0.2}' \
-      --out "$OUT/sglang_load_gil.json" ;;
+    # then the linker storing nothing (kvd_offload false); LOAD_REPEAT timed runs each (default 2)
+    run load_trace 220 python3 examples/sglang_load.py --roles none-pytree,linker --trace \
+      --repeat "${LOAD_REPEAT:-2}" --out "$OUT/sglang_load_trace.json"
+    run load_ro 120 python3 examples/sglang_load.py --roles linker --trace --extra '{"kvd_offload": false}' \
+      --repeat "${LOAD_REPEAT:-2}" --out "$OUT/sglang_load_ro.json" ;;
   load-tree)  # the linker beside the same engine on SGLang's Python radix tree core, without kvd
     run load_tree 560 python3 examples/sglang_load.py --roles none-pytree,linker \
       --out "$OUT/sglang_load_tree.json" ;;
   staging)  # per daemon copy_threads value a daemon of its own (its arena leaves /dev/shm with
-    # it), then both host-pool modes: the daemon's copy on 4 of the cores (its default) and on 16
+    # it), then both host-pool modes: the daemon's copy on 4 of the cores and on 16
     for threads in ${COPY_THREADS:-4 16}; do
       rd=$keep/staging-run-$threads
       python3 -m kvd serve --runtime-dir "$rd" --chunk-tokens 64 --host-capacity 4GiB --warm-restart false \
