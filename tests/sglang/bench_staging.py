@@ -11,7 +11,7 @@ For each host layout: ``batch_set_v1`` and ``batch_get_v1`` of one batch of
 pages through the real backend (fresh keys each round, so nothing is
 deduplicated), and, in the same run, the copies between the host pool and
 the staging pool alone (what registering SGLang's pool in place would save),
-a plain contiguous copy of the same bytes as the baseline for them, plus
+a plain contiguous copy of the same bytes in every round as their baseline, plus
 SGLang's generic interface (``batch_set``/``batch_get`` of flat pages,
 without ``interface_v1``). Medians of ``--rounds``; GB/s of KV moved. Each
 value of ``--load-pipeline-pages`` (the backend's ``kvd_load_pipeline_pages``)
@@ -68,12 +68,13 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def run_layout(args, layout, round_keys, pipeline: int):
+def run_layout(args, layout, round_keys, pipeline: int, memcpy):
     host, be = build(args, layout, pipeline)
     idx = host.alloc(args.pages * args.page_size)
     host.kv_buffer.view(torch.uint8).random_()
     slots = be.pages.page_slots(idx, args.pages)
-    out = {k: [] for k in ("copy_out", "store", "copy_in", "load", "generic_store", "generic_load")}
+    out = {k: [] for k in ("copy_out", "store", "copy_in", "load", "generic_store", "generic_load",
+                           "memcpy")}
     flat = [host.get_dummy_flat_data_page() for _ in range(args.pages)]
 
     def copy_out():
@@ -87,6 +88,7 @@ def run_layout(args, layout, round_keys, pipeline: int):
     in_place = be.shared is not None  # kvd_host_pool 'shared' took: no staging pool
     for r in range(args.rounds):
         keys = round_keys(layout, r)
+        out["memcpy"].append(timed(memcpy))  # each round: this machine's memory speed drifts
         out["copy_out"].append(math.nan if in_place else timed(copy_out))
         out["store"].append(timed(lambda: be.batch_set_v1(keys, idx)))
         out["copy_in"].append(math.nan if in_place else timed(copy_in))
@@ -134,23 +136,24 @@ def main():
     nonce = os.urandom(4).hex()
     src = torch.empty(total, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
-    memcpy = statistics.median(timed(lambda: dst.copy_(src)) for _ in range(args.rounds))
-    print(f"baseline: one contiguous copy of a batch (torch memcpy) {total / memcpy / 1e9:.2f} GB/s")
-    del src, dst
+    dst.copy_(src)  # its pages faulted in before any timing
 
     def round_keys(layout, r):
         return [f"{hash((nonce, layout, r, i)) & (2**256 - 1):064x}" for i in range(args.pages)]
 
     print(f"{'layout':18} {'copy out':>9} {'store':>9} {'copy in':>9} {'load':>9} "
-          f"{'gen store':>9} {'gen load':>9}   GB/s; copy share of store / load")
+          f"{'gen store':>9} {'gen load':>9} {'memcpy':>9}   GB/s; load / memcpy; copy share of "
+          "store / load")
     runs = [(layout, int(p)) for p in args.load_pipeline_pages.split(",")
             for layout in args.layouts.split(",")]
     for layout, pipeline in runs:
-        m = run_layout(args, layout, lambda lay, r: round_keys(f"{lay}/{pipeline}", r), pipeline)
+        m = run_layout(args, layout, lambda lay, r: round_keys(f"{lay}/{pipeline}", r), pipeline,
+                       lambda: dst.copy_(src))
         gbs = {k: total / v / 1e9 for k, v in m.items()}
         print(f"{layout + '/' + str(pipeline):18} " + " ".join(f"{gbs[k]:9.2f}" for k in
                                          ("copy_out", "store", "copy_in", "load", "generic_store",
-                                          "generic_load"))
+                                          "generic_load", "memcpy"))
+              + f"   {m['memcpy'] / m['load']:.2f}"
               + ("" if math.isnan(m["copy_out"]) else
                  f"   {m['copy_out'] / m['store']:.0%} / {m['copy_in'] / m['load']:.0%}"))
 
