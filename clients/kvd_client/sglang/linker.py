@@ -1,14 +1,14 @@
 """KvdLinker: kvd as SGLang's external cache linker (``UnifiedCacheLinker``, SGLang >= 0.5.23).
 
-One per scheduler process; registers SGLang's GPU KV pool by CUDA IPC (device_pages), so a
-hit is one copy from kvd's host tier into SGLang's GPU pages, layer by layer. ``lookup``
-pins hits under a lease until the load consumes them; a waiting request's repeated matches
-(one per scheduler pass) reuse its answer while the lease has half its time left.
-``load`` + ``start_layer_wise_loading`` submit layer-wise loads ordered after the kernels
-that last used the slots (``wait_until`` per layer: layer_wait); ``finish_layer_wise_loading``
-reports success; ``offload`` stores (MLA: rank 0 only; none with ``kvd_offload`` false). Keys are the HiCache
-backend's, so pages are shared both ways. Failures are misses or False, never exceptions
-into SGLang. Full KV only (SWA, Mamba: ``ValueError``). Launch flags: docs/sglang.md.
+One per scheduler process; registers SGLang's GPU KV pool by CUDA IPC (device_pages): a hit
+is one copy from kvd's host tier into SGLang's GPU pages, layer by layer. ``lookup`` pins
+hits under a lease until the load takes them; a waiting request's repeated matches reuse its
+answer while the lease has half its time left. ``load`` + ``start_layer_wise_loading`` submit
+layer-wise loads ordered after the kernels that last used the slots (layer_wait);
+``finish_layer_wise_loading`` reports success. ``offload`` queues a store (offloads: GPU slot
+ids read without a device sync; MLA: rank 0 only; none with ``kvd_offload`` false). Keys are
+the HiCache backend's, shared both ways. Failures are misses or False, never exceptions into
+SGLang. Full KV only (SWA, Mamba: ``ValueError``). Launch flags: docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,7 @@ from . import device_pages
 from .device_link import DeviceLink
 from .keyring import Keyring
 from .layer_wait import KvdLayerCounter
+from .offloads import Offloads
 from .options import Options
 from .timeline import Timeline
 
@@ -69,7 +70,7 @@ class KvdLinker(UnifiedCacheLinker):
         self.layer_done_counter = KvdLayerCounter(self.client, self.kvcache.layer_num)
         self.pending_loads: dict[str, tuple] = {}  # rid -> (keys, kvd pages, tokens, lease)
         self.answers: OrderedDict[str, Answer] = OrderedDict()  # rid -> its last lookup's answer
-        self.offloads: deque = deque()  # (transfer or None, tokens asked), in submission order
+        self.offloads = Offloads(self._submit_store, opts.timeout_s)  # in SGLang's order
         self.counters = {"lookups": 0, "reused_answers": 0, "hit_pages": 0, "loaded_batches": 0,
                          "failed_loads": 0, "stored_pages": 0, "failed_stores": 0, "refused_transfers": 0}
         self._session()
@@ -202,39 +203,41 @@ class KvdLinker(UnifiedCacheLinker):
         if reg is None:
             return False
         if self.mla and self.tp_rank != 0:  # rank 0 stores the latent every rank holds
-            self.offloads.append((None, 0))
+            self.offloads.add_noop()
             return True
         t0 = time.monotonic()
-        keys, slots = self._keyed(kv, reg), self._slots(kv, reg)
-        if keys is None or slots is None:
+        keys = self._keyed(kv, reg)
+        on_gpu = getattr(kv.device_indices, "is_cuda", False)  # checked once read (Offloads)
+        if keys is None or (not on_gpu and self._slots(kv, reg) is None):
             self.counters["refused_transfers"] += 1
             return False
-        with self._on_forward_stream():
-            t = self.client.submit_store(keys, slots, reg=reg,
-                                         tenant=tenant_label(self.options.salt))
-        self.offloads.append((t, len(kv.keys) * self.page_size))
+        self.offloads.add(keys, kv.device_indices, len(kv.keys), len(kv.keys) * self.page_size)
         self.timeline.record("offload", t0, pages=len(kv.keys))
         return True
+
+    def _submit_store(self, keys, slot_ids, pages: int):
+        """The store of one offload once its slot ids are in host memory (Offloads)."""
+        reg = self._session()
+        slots = None if reg is None else self.link.slots_to_pages(slot_ids, pages)
+        if slots is None:
+            self.counters["refused_transfers"] += 1
+            return None
+        with self._on_forward_stream():
+            return self.client.submit_store(keys, slots, reg=reg, tenant=tenant_label(self.options.salt))
 
     def num_completed_offloads(self) -> int:
         t0 = time.monotonic()
         self.client.poll()
-        done = 0
-        for t, _ in self.offloads:
-            if t is not None and not t.done:
-                break
-            done += 1
-        if self.offloads:  # SGLang asks on every scheduler step: idle steps leave no line
-            self.timeline.record("poll_offloads", t0, queued=len(self.offloads), done=done)
+        done = self.offloads.poll()
+        if self.offloads.queue:  # SGLang asks on every scheduler step: idle steps leave no line
+            self.timeline.record("poll_offloads", t0, queued=len(self.offloads.queue), done=done)
         return done
 
     def pop_completed_offload(self) -> bool:
-        t, asked = self.offloads.popleft()
-        if t is None:
-            return True
-        ok = t.ok and t.tokens >= asked
-        self.counters["stored_pages" if ok else "failed_stores"] += \
-            asked // self.page_size if ok else 1
+        entry = self.offloads.pop()
+        ok = entry.ok
+        if not entry.noop:
+            self.counters["stored_pages" if ok else "failed_stores"] += entry.pages if ok else 1
         return ok
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -245,10 +248,7 @@ class KvdLinker(UnifiedCacheLinker):
         for rid in list(self.answers):
             self._release(rid)
         self.layer_done_counter.reset()
-        for t, _ in self.offloads:
-            if t is not None:
-                t.wait()
-        self.offloads.clear()
+        self.offloads.wait_all()
         self.client.poll()
 
     def close(self) -> None:
