@@ -39,7 +39,9 @@ every role):
   tokens/s, what the backend costs by being there at all.
 
 Medians, and ratios against the first role (``--roles`` order), are printed;
-``--out`` keeps every run.
+``--out`` keeps every run (with each request's TTFT). ``--trace``: kvd's
+calls in the kvd engines (kvd_client.sglang.timeline), counted and timed
+inside each timed load run.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ from vllm_ttft import (LLAMA3_8B, add_common_args, environment, private_daemon, 
 
 PAGE = 64  # SGLang's page size here, and the daemon's chunk
 ROLES = ("none", "none-pytree", "hicache", "kvd", "linker", "radix")
-PYTHON_TREE_ROLES = ("none-pytree", "kvd", "linker")
-KVD_ROLES = ("kvd", "linker", "radix")  # SGLang >= 0.5.23: its Python radix tree core
+PYTHON_TREE_ROLES = ("none-pytree", "kvd", "linker")  # SGLang >= 0.5.23: its Python radix tree core
+KVD_ROLES = ("kvd", "linker", "radix")  # the engines with kvd in them: what --trace traces
 
 
 def tokens(seed: str, n: int) -> list[int]:

@@ -28,7 +28,7 @@ from .shm_file import map_shm_file
 
 
 SPLIT_MIN_BYTES = 8 << 20  # a part of a split copy moves at least this much
-AUTO_THREADS_MAX = 16  # past one thread per core of a 16-core host, more bought nothing measured
+AUTO_THREADS_MAX = 16  # the most measured (a 16-core host): a node's many GPUs' engines need cores too
 
 
 def auto_threads() -> int:
