@@ -167,11 +167,11 @@ def test_the_timeline_records_each_call_with_monotonic_times(daemon, tmp_path):
     ops = [x["op"] for x in lines]
     polls = ops[1:ops.index("lookup")]  # SGLang's per-step question while the store ran
     assert ops[0] == "offload" and lines[0]["pages"] == 2 and set(polls) == {"poll_offloads"}
-    assert ops[len(polls) + 1:] == ["lookup", "submit_loads", "finish_loads"]
+    assert ops[len(polls) + 1:] == ["lookup", "queue_load", "submit_loads", "finish_loads"]
     assert all(x["src"] == "linker" and x["t0"] <= x["t1"] for x in lines)
     by_op = {x["op"]: x for x in lines}
     assert by_op["lookup"]["hit_pages"] == 2 and by_op["finish_loads"]["landed"] is True
-    assert by_op["poll_offloads"]["queued"] == 1
+    assert by_op["poll_offloads"]["queued"] == 1 and by_op["queue_load"]["pages"] == 2
 
 
 def test_with_offload_off_it_stores_nothing_and_still_loads_what_others_stored(daemon, engines):

@@ -145,7 +145,8 @@ class KvdLinker(UnifiedCacheLinker):
         reg = self._session()
         if reg is None or kv is None or not kv.keys or rid in self.pending_loads:
             return False
-        keys, slots = self._keyed(kv, reg), self._slots(kv, reg)
+        t0 = time.monotonic()
+        keys, slots = self._keyed(kv, reg), self._slots(kv, reg)  # GPU slot ids: a device sync
         if keys is None or slots is None:
             self.counters["refused_transfers"] += 1
             self._release(rid)
@@ -153,6 +154,7 @@ class KvdLinker(UnifiedCacheLinker):
         answer = self.answers.pop(rid, None)  # consumed: a later match of this request asks kvd again
         self.pending_loads[rid] = (keys, slots, len(kv.keys) * self.page_size,
                                    answer.lease if answer else None)
+        self.timeline.record("queue_load", t0, pages=len(kv.keys), rid=rid)
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:
