@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -58,7 +57,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sglang_breakdown  # noqa: E402
-from sglang_ttft import linker_args, offer_plugin, python_radix_core  # noqa: E402
+from sglang_ttft import linker_args, offer_plugin, python_radix_core, trace_file  # noqa: E402
 from vllm_ttft import (LLAMA3_8B, add_common_args, environment, private_daemon,  # noqa: E402
                        run_role, write_config)
 
@@ -130,9 +129,7 @@ def role_main(args, role: str) -> dict:
     import sglang
 
     prepare(args, role)
-    trace = Path(args.runtime_dir).parent / f"trace-{role}.jsonl"
-    if args.trace and role in KVD_ROLES:  # the scheduler process inherits it
-        os.environ["KVD_SGLANG_TRACE"] = str(trace)
+    trace = trace_file(args.runtime_dir, role, args.trace and role in KVD_ROLES)
     llm = sglang.Engine(**engine_args(args, role))
     run = llm.loop.run_until_complete
     try:

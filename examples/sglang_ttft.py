@@ -130,13 +130,9 @@ def engine_args(args, role: str) -> dict:
 
 
 def engine(args, role: str) -> dict:
-    import os
-
     import sglang
 
-    trace = Path(args.runtime_dir).parent / f"trace-{role}.jsonl"
-    if args.trace and role.startswith("kvd-"):  # the scheduler process inherits it
-        os.environ["KVD_SGLANG_TRACE"] = str(trace)
+    trace = trace_file(args.runtime_dir, role, args.trace and role.startswith("kvd-"))
     if role == "store" or role.startswith("kvd-"):
         python_radix_core()
     if role.startswith("kvd-radix"):
@@ -205,6 +201,17 @@ def linker_args(extra: dict) -> dict:
             "unified_cache_external_linker_config": {
                 "linker": "KvdLinker", "linker_module_path": "kvd_client.sglang.linker",
                 "linker_extra_config": extra}}
+
+
+def trace_file(runtime_dir: str, role: str, traced: bool) -> Path:
+    """Where ``role``'s engine writes kvd's timeline; with ``traced``, put in this process's
+    environment (``KVD_SGLANG_TRACE``), which SGLang's scheduler process inherits."""
+    import os
+
+    trace = Path(runtime_dir).parent / f"trace-{role}.jsonl"
+    if traced:
+        os.environ["KVD_SGLANG_TRACE"] = str(trace)
+    return trace
 
 
 def python_radix_core() -> None:
