@@ -127,3 +127,32 @@ def _load_roles(name: str, roles: list[str]) -> list[dict]:
     doc = json.loads((Path(__file__).resolve().parent.parent / "docs/data" / name).read_text())
     assert list(doc["roles"]) == roles
     return [doc["roles"][r] for r in roles]
+
+
+def test_the_docs_claims_on_the_16_core_host_pool_hold_in_the_committed_run():
+    """docs/sglang.md, the third 16-core run: in-place loads at 0.80, 0.68, 0.80, 0.56 of the memcpy;
+    torch's copy into the same layouts at 0.78, 0.76, 0.80, 0.60 of it, the daemon's load at 1.02,
+    0.88, 1.17, 1.09 of that copy; the staged copies 25.6-41.5 GB/s, memcpys from 42.6."""
+    staged, shared = _staging_tables("sglang_staging_h100.txt")
+    layouts = ["layer_first", "page_first", "page_first_direct", "page_head"]
+    assert list(staged) == list(shared) == layouts
+    assert [round(shared[x]["load"] / shared[x]["memcpy"], 2) for x in layouts] == [0.80, 0.68, 0.80, 0.56]
+    assert [round(staged[x]["copy in"] / staged[x]["memcpy"], 2) for x in layouts] == [0.78, 0.76, 0.80, 0.60]
+    assert [round(shared[x]["load"] / staged[x]["copy in"], 2) for x in layouts] == [1.02, 0.88, 1.17, 1.09]
+    copies = [staged[x][c] for x in layouts for c in ("copy out", "copy in")]
+    assert round(min(copies), 1) == 25.6 and max(copies) < 41.5
+    assert round(min(staged[x]["memcpy"] for x in layouts), 1) == 42.6
+
+
+def _staging_tables(name: str) -> tuple[dict, dict]:
+    """The two tables bench_staging.py printed (--host-pool staging, then shared): layout -> column -> GB/s."""
+    columns = ["copy out", "store", "copy in", "load", "gen store", "gen load", "memcpy"]
+    tables: list[dict] = []
+    for line in (Path(__file__).resolve().parent.parent / "docs/data" / name).read_text().splitlines():
+        if line.startswith("# --host-pool"):
+            tables.append({})
+        elif tables and "/" in line.split(" ")[0]:
+            cells = line.split()
+            tables[-1][cells[0].split("/")[0]] = dict(zip(columns, map(float, cells[1:8])))
+    staged, shared = tables
+    return staged, shared
