@@ -129,7 +129,8 @@ def role_main(args, role: str) -> dict:
     import sglang
 
     prepare(args, role)
-    trace = trace_file(args.runtime_dir, role, args.trace and role in KVD_ROLES)
+    traced = args.trace and role in KVD_ROLES
+    trace = trace_file(args.runtime_dir, role, traced)
     llm = sglang.Engine(**engine_args(args, role))
     run = llm.loop.run_until_complete
     try:
@@ -145,7 +146,7 @@ def role_main(args, role: str) -> dict:
             runs["load"].append(run(run_batch(llm, load, args.max_tokens)))
             print(f"[{role}] repeat {r}: {json.dumps({k: v[-1] for k, v in runs.items()})}", flush=True)
         out = {**{k: medians(v) for k, v in runs.items()}, "runs": runs}
-        if args.trace and role in KVD_ROLES:
+        if traced:
             out["trace"] = trace_in_runs(sglang_breakdown.read(trace), [r["window"] for r in runs["load"]])
         return out
     finally:

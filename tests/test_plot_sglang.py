@@ -12,6 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import plot_sglang  # noqa: E402
 from docs_tables import ttft_medians  # noqa: E402
 
+DATA = Path(__file__).resolve().parent.parent / "docs" / "data"  # the committed figures
+
 
 def report(kvd_hits=(2048, 2048, 2048)) -> dict:
     runs = {"kvd/linker": [0.050, 0.040, 0.030], "storage_hit_tokens/linker": list(kvd_hits),
@@ -79,8 +81,7 @@ def test_the_docs_claims_on_the_linker_hold_in_the_committed_figures():
     """README and docs/sglang.md: within 1.1× (1.09×) of the bound at every length from 2k tokens,
     faster than recomputing, 1.9× (2k) to 25× (32k) sooner; sooner than SGLang's host-tier hit at
     2k, 8k and 32k, 1.09× it at 16k. Replacing the data must revisit those sentences."""
-    doc = json.loads((Path(__file__).resolve().parent.parent / "docs/data/sglang_ttft_h100_linker.json")
-                     .read_text())
+    doc = json.loads((DATA / "sglang_ttft_h100_linker.json").read_text())
     med = ttft_medians(doc)
     assert min(med) == 2048
     for m in med.values():
@@ -124,7 +125,7 @@ def test_the_docs_claims_on_where_the_load_gap_goes_hold_in_the_traced_runs():
 
 
 def _load_roles(name: str, roles: list[str]) -> list[dict]:
-    doc = json.loads((Path(__file__).resolve().parent.parent / "docs/data" / name).read_text())
+    doc = json.loads((DATA / name).read_text())
     assert list(doc["roles"]) == roles
     return [doc["roles"][r] for r in roles]
 
@@ -148,7 +149,7 @@ def _staging_tables(name: str) -> tuple[dict, dict]:
     """The two tables bench_staging.py printed (--host-pool staging, then shared): layout -> column -> GB/s."""
     columns = ["copy out", "store", "copy in", "load", "gen store", "gen load", "memcpy"]
     tables: list[dict] = []
-    for line in (Path(__file__).resolve().parent.parent / "docs/data" / name).read_text().splitlines():
+    for line in (DATA / name).read_text().splitlines():
         if line.startswith("# --host-pool"):
             tables.append({})
         elif tables and "/" in line.split(" ")[0]:
